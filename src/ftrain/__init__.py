@@ -1,0 +1,56 @@
+"""ftrain: a functional training-step toolkit for PyTorch.
+
+Small pure functions over an immutable `TrainState`; you write the loop.
+"""
+
+from ftrain import losses as losses
+from ftrain import optim as optim
+from ftrain import schedules as schedules
+from ftrain import strategies as strategies
+from ftrain.data import make_batches as make_batches
+from ftrain.data import pad_collate as pad_collate
+from ftrain.eval import evaluate as evaluate
+from ftrain.grads import Stats as Stats
+from ftrain.grads import accumulate_grads as accumulate_grads
+from ftrain.predicates import should_eval as should_eval
+from ftrain.predicates import should_log as should_log
+from ftrain.predicates import should_save as should_save
+from ftrain.predicates import should_stop as should_stop
+from ftrain.predicates import track_best as track_best
+from ftrain.schedules import schedule_lr as schedule_lr
+from ftrain.state import ConsumedStateError as ConsumedStateError
+from ftrain.state import TrainState as TrainState
+from ftrain.state import next_epoch as next_epoch
+from ftrain.state import snapshot as snapshot
+from ftrain.step import StepInfo as StepInfo
+from ftrain.step import clip_and_step as clip_and_step
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # state
+    "TrainState",
+    "ConsumedStateError",
+    "snapshot",
+    "next_epoch",
+    # the step
+    "make_batches",
+    "pad_collate",
+    "accumulate_grads",
+    "Stats",
+    "clip_and_step",
+    "StepInfo",
+    "schedule_lr",
+    # cadence
+    "should_log",
+    "should_eval",
+    "should_save",
+    "should_stop",
+    "track_best",
+    "evaluate",
+    # namespaces
+    "losses",
+    "optim",
+    "schedules",
+    "strategies",
+]

@@ -1,0 +1,157 @@
+"""accumulate_grads: forward/backward over micro-batches, gradients of one big batch."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from ftrain.losses import LossFn, default_loss
+from ftrain.state import TrainState
+from ftrain.strategies._base import Strategy
+
+__all__ = ["Stats", "accumulate_grads", "dropout_seed"]
+
+_MASK64 = (1 << 64) - 1
+
+
+class Stats(NamedTuple):
+    """What `accumulate_grads` measured, global over ranks.
+
+    `loss` (mean per item), `num_items` (items the loss counts, e.g. label tokens),
+    `num_tokens` (non-padding input tokens) and `num_samples` are device tensors; reading them
+    is a host sync. `num_micro` is this step's micro-batch count, a host int.
+    """
+
+    loss: torch.Tensor
+    num_items: torch.Tensor
+    num_tokens: torch.Tensor
+    num_samples: torch.Tensor
+    num_micro: int
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def dropout_seed(seed: int, step: int, micro: int, rank: int) -> int:
+    """The RNG seed for one micro-batch's forward/backward: a pure function of its position.
+
+    Because dropout masks depend only on `(seed, step, micro, rank)`, a resumed run draws the
+    same masks as the uninterrupted one without saving any RNG state.
+    """
+    h = 0
+    for part in (seed, step, micro, rank):
+        h = _splitmix64(h ^ (part & _MASK64))
+    return h >> 1  # torch.manual_seed wants a non-negative int64
+
+
+@contextlib.contextmanager
+def _rng_scope(device: torch.device) -> Iterator[None]:
+    # fork_rng restores the global RNG afterwards, so the caller's random stream is untouched.
+    if device.type == "cuda":
+        with torch.random.fork_rng(devices=[device.index or 0]):
+            yield
+    else:
+        with torch.random.fork_rng(devices=[]):
+            yield
+
+
+def _count(batch: Any, device: torch.device) -> tuple[torch.Tensor, int]:
+    """(non-padding tokens as a device tensor, samples as a host int) of one micro-batch."""
+    if isinstance(batch, Mapping):
+        if "attention_mask" in batch:
+            mask = batch["attention_mask"]
+            return mask.sum(), mask.shape[0]
+        if "input_ids" in batch:
+            ids = batch["input_ids"]
+            return torch.full((), ids.numel(), device=device), ids.shape[0]
+        first = next(iter(batch.values()))
+    else:
+        first = batch[0] if isinstance(batch, (list, tuple)) else batch
+    n = first.shape[0] if isinstance(first, torch.Tensor) else len(first)
+    return torch.full((), n, device=device), n
+
+
+def accumulate_grads(
+    state: TrainState,
+    micro: Sequence[Any],
+    loss_fn: LossFn | None = None,
+    *,
+    strategy: Strategy | None = None,
+) -> tuple[dict[str, torch.Tensor], Stats]:
+    """Run forward/backward over `micro` and return the gradients of one batch holding them all.
+
+    Each `loss_fn` returns a *sum* and an item count; the gradient is divided by the item count
+    summed over every micro-batch and rank, so ragged padding and uneven ranks do not change
+    it. Non-final micro-batches skip the strategy's gradient sync. Dropout randomness is
+    `dropout_seed(state.seed, state.step, i, rank)` for micro-batch i. No host sync.
+
+    The returned gradients are the parameters' `.grad` tensors (not copies); the model is put
+    in training mode.
+
+    Args:
+        state: the current state (not consumed).
+        micro: the micro-batches of one optimizer step, as yielded by `make_batches`.
+        loss_fn: `(model, batch) -> (loss_sum, num_items)`; `ft.losses.default_loss` if None.
+        strategy: overrides `state.strategy`.
+
+    Returns:
+        `(grads, stats)`: name -> gradient for trainable parameters that received one, and
+        `Stats` with the global mean loss and counts.
+
+    Raises:
+        ValueError: if `micro` is empty.
+    """
+    if len(micro) == 0:
+        raise ValueError("micro is empty: pass the list of micro-batches yielded by make_batches")
+    strategy = state.strategy if strategy is None else strategy
+    loss_fn = default_loss if loss_fn is None else loss_fn
+    model, params, device = state.model, state.params, strategy.device
+    if not model.training:
+        model.train()
+    for p in params.values():
+        p.grad = None
+    losses, items, tokens, samples = [], [], [], 0
+    last = len(micro) - 1
+    with _rng_scope(device):
+        for i, batch in enumerate(micro):
+            batch = strategy.to_device(batch)
+            torch.manual_seed(dropout_seed(state.seed, state.step, i, strategy.rank))
+            with strategy.grad_sync(model, final=i == last):
+                with strategy.autocast():
+                    loss_sum, num_items = loss_fn(model, batch)
+                loss_sum.backward()
+            losses.append(loss_sum.detach())
+            items.append(torch.as_tensor(num_items, device=device))
+            n_tok, n_samples = _count(batch, device)
+            tokens.append(n_tok)
+            samples += n_samples
+    # One collective for all four totals; float64 keeps counts exact far beyond 2**24.
+    totals = strategy.all_reduce_sum(
+        torch.stack([
+            torch.stack(losses).double().sum(),
+            torch.stack(items).double().sum(),
+            torch.stack(tokens).double().sum(),
+            torch.full((), float(samples), dtype=torch.float64, device=device),
+        ])
+    )
+    loss_total, num_items_t, num_tokens_t, num_samples_t = totals.unbind()
+    denom = num_items_t.clamp(min=1.0)
+    grads = {n: p.grad for n, p in params.items() if p.grad is not None}
+    if grads:
+        # Backends that average over ranks (DDP) have multiplied by grad_reduce_factor; undo it.
+        torch._foreach_mul_(list(grads.values()), 1.0 / (denom * strategy.grad_reduce_factor))
+    stats = Stats(
+        loss=(loss_total / denom).float(),
+        num_items=num_items_t.long(),
+        num_tokens=num_tokens_t.long(),
+        num_samples=num_samples_t.long(),
+        num_micro=len(micro),
+    )
+    return grads, stats

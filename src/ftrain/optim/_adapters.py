@@ -1,0 +1,116 @@
+"""Adapters: any `torch.optim.Optimizer` class, or a torchopt transformation, as an ft Optimizer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ftrain.optim._base import Grads, Optimizer, Params
+
+__all__ = ["TorchOptimizerState", "from_torch", "from_torchopt"]
+
+
+class TorchOptimizerState:
+    """Holds a live `torch.optim.Optimizer`; `tensors()` gives its state keyed by parameter name."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> None:
+        self.optimizer = optimizer
+        self._names = names
+
+    def tensors(self) -> dict[str, dict[str, Any]]:
+        """Per-parameter state (e.g. `exp_avg`), keyed by parameter name."""
+        return {self._names[id(p)]: dict(s) for p, s in self.optimizer.state.items()}
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TorchOptimizerState:
+        raise TypeError(
+            "optimizers from ft.optim.from_torch hold a live torch optimizer bound to the "
+            "model's parameters and cannot be snapshotted; use ft.optim.adamw/adam/sgd, or "
+            "rebuild the state with TrainState.create on the copied model"
+        )
+
+
+def _skip_on_host(found_inf: torch.Tensor | None) -> bool:
+    # Generic optimizers cannot be told to skip on the device; this is the one host sync
+    # (as in torch.amp.GradScaler.step for non-fused optimizers).
+    return found_inf is not None and bool(found_inf.item())
+
+
+def from_torch(optimizer_cls: Callable[..., torch.optim.Optimizer], **kwargs: Any) -> Optimizer:
+    """Wrap a torch optimizer class (or any callable `params -> Optimizer`) as an ft Optimizer.
+
+    The learning rate given to each update is written into every param group. Skipping a
+    non-finite step costs one host sync here, unlike the fused `adamw`/`adam`/`sgd`.
+
+    Args:
+        optimizer_cls: e.g. `torch.optim.RMSprop` or `bitsandbytes.optim.PagedAdamW`.
+        **kwargs: its hyperparameters (`lr` is ignored: the schedule provides it).
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> opt = ft.optim.from_torch(torch.optim.RMSprop, alpha=0.9)
+        >>> p = {"w": torch.nn.Parameter(torch.ones(2))}
+        >>> p["w"].grad = torch.ones(2)
+        >>> s = opt.update({"w": p["w"].grad}, opt.init(p), p, lr=0.01, step=0)
+        >>> sorted(s.tensors()["w"])
+        ['square_avg', 'step']
+    """
+    if not callable(optimizer_cls):
+        raise TypeError(f"optimizer_cls must be a torch optimizer class, got {optimizer_cls!r}")
+    kwargs.pop("lr", None)
+
+    def init(params: Params) -> TorchOptimizerState:
+        names = {id(p): n for n, p in params.items()}
+        return TorchOptimizerState(optimizer_cls(list(params.values()), lr=0.0, **kwargs), names)
+
+    def update(
+        grads: Grads, state: TorchOptimizerState, params: Params, *, lr: float, step: int,
+        found_inf: torch.Tensor | None = None,
+    ) -> TorchOptimizerState:
+        if _skip_on_host(found_inf):
+            return state
+        for name, p in params.items():
+            g = grads.get(name)
+            if g is not None and p.grad is not g:
+                p.grad = g
+        for group in state.optimizer.param_groups:
+            group["lr"] = lr
+        state.optimizer.step()
+        return state
+
+    return Optimizer(init, update)
+
+
+def from_torchopt(tx: Any) -> Optimizer:
+    """Wrap a torchopt `GradientTransformation` built with `lr=1.0` (ftrain supplies the lr).
+
+    Updates are scaled by the step's lr and applied in place. Skipping a non-finite step costs
+    one host sync. Needs the `torchopt` extra.
+
+    Raises:
+        ImportError: when torchopt is not installed.
+    """
+    try:
+        import torchopt
+    except ImportError as e:  # pragma: no cover - exercised only without the extra
+        raise ImportError("from_torchopt needs torchopt: pip install 'ftrain[torchopt]'") from e
+    if not hasattr(tx, "init") or not hasattr(tx, "update"):
+        raise TypeError(f"tx must be a torchopt GradientTransformation, got {tx!r}")
+
+    def init(params: Params) -> Any:
+        return tx.init(tuple(params.values()))
+
+    def update(
+        grads: Grads, state: Any, params: Params, *, lr: float, step: int,
+        found_inf: torch.Tensor | None = None,
+    ) -> Any:
+        if _skip_on_host(found_inf):
+            return state
+        ps = tuple(params.values())
+        gs = tuple(grads[n] for n in params)
+        updates, state = tx.update(gs, state, params=ps, inplace=True)
+        torch._foreach_add_(list(ps), list(updates), alpha=lr)
+        return state
+
+    return Optimizer(init, update)

@@ -1,0 +1,313 @@
+"""Optimizers as optax-shaped `(init, update)` pairs that run PyTorch's fused kernels in place.
+
+`update` mutates the parameters it is given (they are donated by `clip_and_step`) and returns the
+new optimizer state. The learning rate is an argument of every update, so schedules carry no
+state, and `found_inf` lets a step skip itself on the device without a host sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+__all__ = [
+    "AdamState",
+    "ChainState",
+    "Optimizer",
+    "SGDState",
+    "Transform",
+    "adam",
+    "adamw",
+    "chain",
+    "sgd",
+]
+
+Params = Mapping[str, torch.Tensor]
+Grads = Mapping[str, torch.Tensor]
+Mask = Collection[str] | Callable[[str], bool] | None
+
+
+class UpdateFn(Protocol):
+    def __call__(
+        self,
+        grads: Grads,
+        state: Any,
+        params: Params,
+        *,
+        lr: float,
+        step: int,
+        found_inf: torch.Tensor | None = None,
+    ) -> Any: ...
+
+
+class Optimizer(NamedTuple):
+    """A pair of functions: `init(params) -> state` and `update(grads, state, params, *, lr,
+    step, found_inf=None) -> state`.
+
+    `update` applies the step to `params` in place (skipping it where `found_inf` is nonzero,
+    without a host sync) and returns the new state. `step` is the number of updates done.
+    """
+
+    init: Callable[[Params], Any]
+    update: UpdateFn
+
+
+class Transform(NamedTuple):
+    """A gradient transformation: `init(params) -> state`, `update(grads, state, params) ->
+    (grads, state)`. Combine transforms with an optimizer through `chain`."""
+
+    init: Callable[[Params], Any]
+    update: Callable[[Grads, Any, Params], tuple[Grads, Any]]
+
+
+class AdamState(NamedTuple):
+    """State of `adam`/`adamw`: the update count and the two moments, keyed by parameter name."""
+
+    count: torch.Tensor
+    mu: dict[str, torch.Tensor]
+    nu: dict[str, torch.Tensor]
+
+
+class SGDState(NamedTuple):
+    """State of `sgd`: momentum buffers keyed by parameter name (empty without momentum)."""
+
+    momentum: dict[str, torch.Tensor]
+
+
+class ChainState(NamedTuple):
+    """State of `chain`: the transforms' states, then the optimizer's."""
+
+    transforms: tuple[Any, ...]
+    inner: Any
+
+
+def _check(name: str, value: float, ok: bool, want: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {want}, got {value!r}")
+
+
+def _masker(mask: Mask) -> Callable[[str], bool]:
+    if mask is None:
+        return lambda name: True
+    if callable(mask):
+        return mask
+    names = frozenset(mask)
+    return names.__contains__
+
+
+class _Groups:
+    """Split (present) parameter names by device, dtype and decay; cached per set of names.
+
+    The fused kernels take lists of same-device, same-dtype tensors; computing the split once
+    keeps the per-step Python work to a dict lookup.
+    """
+
+    def __init__(self, decays: Callable[[str], bool]) -> None:
+        self._decays = decays
+        self._cache: dict[tuple[str, ...], list[tuple[bool, list[str]]]] = {}
+
+    def __call__(self, grads: Grads, params: Params) -> list[tuple[bool, list[str]]]:
+        key = tuple(grads)
+        groups = self._cache.get(key)
+        if groups is None:
+            split: dict[tuple[torch.device, torch.dtype, bool], list[str]] = {}
+            for name in key:
+                p = params[name]
+                split.setdefault((p.device, p.dtype, self._decays(name)), []).append(name)
+            groups = [(decay, names) for (_, _, decay), names in split.items()]
+            self._cache[key] = groups
+        return groups
+
+
+def _adam(
+    *, decoupled: bool, b1: float, b2: float, eps: float, weight_decay: float,
+    mask: Mask, maximize: bool,
+) -> Optimizer:
+    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    groups = _Groups(_masker(mask))
+
+    def init(params: Params) -> AdamState:
+        first = next(iter(params.values()))
+        return AdamState(
+            count=torch.zeros((), dtype=torch.float32, device=first.device),
+            mu={n: torch.zeros_like(p, memory_format=torch.preserve_format) for n, p in params.items()},
+            nu={n: torch.zeros_like(p, memory_format=torch.preserve_format) for n, p in params.items()},
+        )
+
+    def update(
+        grads: Grads, state: AdamState, params: Params, *, lr: float, step: int,
+        found_inf: torch.Tensor | None = None,
+    ) -> AdamState:
+        count = state.count.add_(1)  # the kernel reads the post-increment count, as torch.optim does
+        for decay, names in groups(grads, params):
+            kernel(
+                [params[n] for n in names], [grads[n] for n in names],
+                [state.mu[n] for n in names], [state.nu[n] for n in names], [],
+                [count] * len(names),
+                lr=lr, beta1=b1, beta2=b2, weight_decay=weight_decay if decay else 0.0,
+                eps=eps, amsgrad=False, maximize=maximize, grad_scale=None, found_inf=found_inf,
+            )
+        if found_inf is not None:
+            count.sub_(found_inf)
+        return state
+
+    return Optimizer(init, update)
+
+
+def _validate_adam(betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    if not (isinstance(betas, tuple) and len(betas) == 2):
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    for i, b in enumerate(betas):
+        _check(f"betas[{i}]", b, 0.0 <= b < 1.0, "in [0, 1)")
+    _check("eps", eps, eps >= 0.0, ">= 0")
+    _check("weight_decay", weight_decay, weight_decay >= 0.0, ">= 0")
+
+
+def adamw(
+    *,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+    mask: Mask = None,
+    maximize: bool = False,
+) -> Optimizer:
+    """AdamW (decoupled weight decay) on PyTorch's fused kernel; equals `torch.optim.AdamW`.
+
+    Args:
+        betas: moment decay rates.
+        eps: added to the denominator.
+        weight_decay: decoupled decay, multiplied by the step's lr.
+        mask: parameter names (or a predicate on names) that get weight decay; all when None.
+            `ft.optim.decay_mask(model)` gives HF's rule.
+        maximize: ascend instead of descend.
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> opt = ft.optim.adamw(weight_decay=0.1)
+        >>> p = {"w": torch.ones(2)}
+        >>> s = opt.update({"w": torch.ones(2)}, opt.init(p), p, lr=0.1, step=0)
+        >>> [round(x, 4) for x in p["w"].tolist()]
+        [0.89, 0.89]
+    """
+    _validate_adam(betas, eps, weight_decay)
+    return _adam(
+        decoupled=True, b1=betas[0], b2=betas[1], eps=eps,
+        weight_decay=weight_decay, mask=mask, maximize=maximize,
+    )
+
+
+def adam(
+    *,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    mask: Mask = None,
+    maximize: bool = False,
+) -> Optimizer:
+    """Adam (L2 weight decay added to the gradient) on the fused kernel; equals `torch.optim.Adam`.
+
+    Args:
+        betas: moment decay rates.
+        eps: added to the denominator.
+        weight_decay: L2 coefficient added to the gradient.
+        mask: names (or a predicate) that get weight decay; all when None.
+        maximize: ascend instead of descend.
+    """
+    _validate_adam(betas, eps, weight_decay)
+    return _adam(
+        decoupled=False, b1=betas[0], b2=betas[1], eps=eps,
+        weight_decay=weight_decay, mask=mask, maximize=maximize,
+    )
+
+
+def sgd(
+    *,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    mask: Mask = None,
+    maximize: bool = False,
+) -> Optimizer:
+    """SGD with optional (Nesterov) momentum on the fused kernel; equals `torch.optim.SGD`.
+
+    As in torch, the first update sets the momentum buffer to the gradient itself; if that very
+    first update is skipped as non-finite, the buffer starts from zero instead.
+
+    Args:
+        momentum: momentum factor.
+        dampening: dampening of the momentum.
+        nesterov: use Nesterov momentum (needs `momentum > 0` and `dampening == 0`).
+        weight_decay: L2 coefficient added to the gradient.
+        mask: names (or a predicate) that get weight decay; all when None.
+        maximize: ascend instead of descend.
+    """
+    _check("momentum", momentum, momentum >= 0.0, ">= 0")
+    _check("dampening", dampening, dampening >= 0.0, ">= 0")
+    _check("weight_decay", weight_decay, weight_decay >= 0.0, ">= 0")
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError(
+            f"nesterov=True needs momentum > 0 and dampening == 0, got momentum={momentum}, "
+            f"dampening={dampening}"
+        )
+    groups = _Groups(_masker(mask))
+
+    def init(params: Params) -> SGDState:
+        if momentum == 0:
+            return SGDState(momentum={})
+        return SGDState(momentum={n: torch.zeros_like(p) for n, p in params.items()})
+
+    def update(
+        grads: Grads, state: SGDState, params: Params, *, lr: float, step: int,
+        found_inf: torch.Tensor | None = None,
+    ) -> SGDState:
+        for decay, names in groups(grads, params):
+            torch._fused_sgd_(
+                [params[n] for n in names], [grads[n] for n in names],
+                [state.momentum[n] for n in names] if momentum else [],
+                weight_decay=weight_decay if decay else 0.0, momentum=momentum, lr=lr,
+                dampening=dampening, nesterov=nesterov, maximize=maximize,
+                is_first_step=step == 0, grad_scale=None, found_inf=found_inf,
+            )
+        return state
+
+    return Optimizer(init, update)
+
+
+def chain(*parts: Transform | Optimizer) -> Optimizer:
+    """Run gradient `Transform`s in order, then the final `Optimizer`.
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> opt = ft.optim.chain(ft.optim.clip(0.5), ft.optim.sgd())
+        >>> p = {"w": torch.zeros(2)}
+        >>> _ = opt.update({"w": torch.tensor([3.0, -0.1])}, opt.init(p), p, lr=1.0, step=0)
+        >>> p["w"].tolist()
+        [-0.5, 0.10000000149011612]
+    """
+    if not parts or not isinstance(parts[-1], Optimizer):
+        raise TypeError("chain(...) must end with an ft.optim.Optimizer such as adamw() or sgd()")
+    *transforms, inner = parts
+    for i, t in enumerate(transforms):
+        if not isinstance(t, Transform):
+            raise TypeError(
+                f"chain argument {i} must be an ft.optim.Transform, got {type(t).__name__}"
+            )
+
+    def init(params: Params) -> ChainState:
+        return ChainState(tuple(t.init(params) for t in transforms), inner.init(params))
+
+    def update(
+        grads: Grads, state: ChainState, params: Params, *, lr: float, step: int,
+        found_inf: torch.Tensor | None = None,
+    ) -> ChainState:
+        states = []
+        for t, s in zip(transforms, state.transforms, strict=True):
+            grads, s = t.update(grads, s, params)
+            states.append(s)
+        new_inner = inner.update(grads, state.inner, params, lr=lr, step=step, found_inf=found_inf)
+        return ChainState(tuple(states), new_inner)
+
+    return Optimizer(init, update)

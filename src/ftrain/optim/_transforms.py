@@ -1,0 +1,103 @@
+"""Small optax-style gradient transformations and HF's weight-decay rule."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from ftrain.optim._base import Grads, Params, Transform
+from ftrain.strategies._base import local_grad_norm
+
+__all__ = ["add_decayed_weights", "clip", "clip_by_global_norm", "decay_mask", "scale"]
+
+
+def _stateless(fn):  # type: ignore[no-untyped-def]
+    return Transform(lambda params: (), lambda grads, state, params: (fn(grads, params), state))
+
+
+def scale(factor: float) -> Transform:
+    """Multiply every gradient by `factor`."""
+    if not isinstance(factor, (int, float)):
+        raise TypeError(f"factor must be a number, got {factor!r}")
+
+    def apply(grads: Grads, params: Params) -> Grads:
+        torch._foreach_mul_(list(grads.values()), float(factor))
+        return grads
+
+    return _stateless(apply)
+
+
+def clip(max_abs: float) -> Transform:
+    """Clamp every gradient element to `[-max_abs, max_abs]`."""
+    if not max_abs > 0:
+        raise ValueError(f"max_abs must be > 0, got {max_abs!r}")
+
+    def apply(grads: Grads, params: Params) -> Grads:
+        for g in grads.values():
+            g.clamp_(-max_abs, max_abs)
+        return grads
+
+    return _stateless(apply)
+
+
+def clip_by_global_norm(max_norm: float) -> Transform:
+    """Scale gradients so that their global L2 norm is at most `max_norm` (single process).
+
+    `clip_and_step(max_norm=...)` does the same across shards and ranks and reports the norm;
+    this transform is for optimizer recipes that clip inside a chain.
+    """
+    if not max_norm > 0:
+        raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
+
+    def apply(grads: Grads, params: Params) -> Grads:
+        gs = list(grads.values())
+        coef = torch.clamp(max_norm / (local_grad_norm(gs) + 1e-6), max=1.0)
+        torch._foreach_mul_(gs, coef)
+        return grads
+
+    return _stateless(apply)
+
+
+def add_decayed_weights(weight_decay: float, *, mask: frozenset[str] | None = None) -> Transform:
+    """Add `weight_decay * param` to each gradient (L2 regularisation), for names in `mask`."""
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+
+    def apply(grads: Grads, params: Params) -> Grads:
+        names = [n for n in grads if mask is None or n in mask]
+        torch._foreach_add_(
+            [grads[n] for n in names], [params[n] for n in names], alpha=weight_decay
+        )
+        return grads
+
+    return _stateless(apply)
+
+
+# HF Trainer's rule (Trainer.get_decay_parameter_names): no decay inside LayerNorm modules, nor
+# for names that look like biases or norm weights.
+_NO_DECAY = [re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")]
+
+
+def decay_mask(model: nn.Module) -> frozenset[str]:
+    """Names of the parameters that get weight decay under HF Trainer's rule.
+
+    Biases, parameters of `nn.LayerNorm` modules and parameters whose name contains a norm
+    pattern (`layernorm`, `rmsnorm`, `.norm.`, `_norm`) are excluded.
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
+        >>> sorted(ft.optim.decay_mask(m))
+        ['0.weight']
+    """
+    names = set()
+    for mod_name, module in model.named_modules():
+        if isinstance(module, nn.LayerNorm):
+            continue
+        for p_name, _ in module.named_parameters(recurse=False):
+            full = f"{mod_name}.{p_name}" if mod_name else p_name
+            if not any(p.search(full.lower()) for p in _NO_DECAY):
+                names.add(full)
+    return frozenset(names)

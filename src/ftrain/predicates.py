@@ -1,0 +1,115 @@
+"""Cadence predicates (log/eval/save) and early stopping, as pure functions of the state."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from ftrain.state import TrainState
+
+__all__ = ["should_eval", "should_log", "should_save", "should_stop", "track_best"]
+
+
+def _interval(every: int | float, total_steps: int | None) -> int:
+    if isinstance(every, bool) or not isinstance(every, (int, float)):
+        raise TypeError(f"every must be an int or a float in (0, 1), got {every!r}")
+    if isinstance(every, float) and not every.is_integer():
+        if not 0 < every < 1:
+            raise ValueError(f"a float every must be in (0, 1) (a fraction), got {every!r}")
+        if total_steps is None:
+            raise ValueError(f"every={every} is a fraction of total_steps; pass total_steps")
+        return math.ceil(total_steps * every)  # HF rounds a ratio up
+    if every < 1:
+        raise ValueError(f"every must be >= 1, got {every!r}")
+    return int(every)
+
+
+def should_log(
+    state: TrainState, *, every: int | float, total_steps: int | None = None, first: bool = False
+) -> bool:
+    """True when `state.step` is a positive multiple of `every` (or is 1 and `first`).
+
+    A float `0 < every < 1` is a fraction of `total_steps`, rounded up (HF's `logging_steps`).
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> s = ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd())
+        >>> [ft.should_log(s.replace(step=k), every=2) for k in range(5)]
+        [False, False, True, False, True]
+    """
+    n = _interval(every, total_steps)
+    return (state.step > 0 and state.step % n == 0) or (first and state.step == 1)
+
+
+def should_eval(
+    state: TrainState, *, every: int | float, total_steps: int | None = None, first: bool = False
+) -> bool:
+    """Like `should_log`, and also true at `total_steps` (so the final model is evaluated)."""
+    return should_log(state, every=every, total_steps=total_steps, first=first) or (
+        total_steps is not None and state.step == total_steps
+    )
+
+
+def should_save(
+    state: TrainState, *, every: int | float, total_steps: int | None = None, first: bool = False
+) -> bool:
+    """Like `should_log`, and also true at `total_steps` (so the final model is saved)."""
+    return should_eval(state, every=every, total_steps=total_steps, first=first)
+
+
+def track_best(
+    state: TrainState,
+    metrics: Mapping[str, float] | float,
+    *,
+    metric: str = "eval_loss",
+    mode: str = "min",
+    threshold: float = 0.0,
+) -> TrainState:
+    """Fold one evaluation into `best_metric`, `best_step` and `patience_counter`.
+
+    HF's rule (`EarlyStoppingCallback`): the counter resets when the value beats the best by
+    more than `threshold`, and grows by one otherwise; the best is kept as HF's Trainer keeps
+    it (any strict improvement).
+
+    Args:
+        state: the state after the step that was evaluated.
+        metrics: a dict holding `metric`, or the value itself.
+        metric: which entry of `metrics`.
+        mode: "min" or "max".
+        threshold: minimum absolute improvement that resets the patience counter.
+    """
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+    if isinstance(metrics, Mapping):
+        if metric not in metrics:
+            raise KeyError(f"metric {metric!r} not in metrics (have {sorted(metrics)})")
+        value = float(metrics[metric])
+    else:
+        value = float(metrics)
+    best = state.best_metric
+    better = best is None or (value < best if mode == "min" else value > best)
+    if better and (best is None or abs(value - best) > threshold):
+        counter = 0
+    else:
+        counter = state.patience_counter + 1
+    if better:
+        return state.replace(best_metric=value, best_step=state.step, patience_counter=counter)
+    return state.replace(patience_counter=counter)
+
+
+def should_stop(state: TrainState, *, patience: int) -> bool:
+    """True once `patience` evaluations in a row failed to improve (see `track_best`).
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> s = ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd())
+        >>> stops = []
+        >>> for loss in [1.0, 0.9, 0.95, 0.93]:
+        ...     s = ft.track_best(s, {"eval_loss": loss})
+        ...     stops.append(ft.should_stop(s, patience=2))
+        >>> stops
+        [False, False, False, True]
+    """
+    if not isinstance(patience, int) or patience < 1:
+        raise ValueError(f"patience must be an int >= 1, got {patience!r}")
+    return state.patience_counter >= patience

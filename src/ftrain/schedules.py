@@ -1,0 +1,441 @@
+"""Learning-rate schedules as pure `step -> lr` functions, equal to `transformers.get_scheduler`.
+
+`step` is the number of optimizer updates already done (`state.step`), so `lr(0)` is the rate of
+the first update, exactly as HF's `LambdaLR`-based schedulers give it. Every schedule returns
+`peak_lr * factor(step)` with HF's factor formula, hence the same floats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+__all__ = [
+    "Plateau",
+    "PlateauState",
+    "Schedule",
+    "constant",
+    "cosine_warmup_with_min_lr",
+    "cosine_with_min_lr",
+    "from_name",
+    "schedule_lr",
+    "warmup_constant",
+    "warmup_cosine",
+    "warmup_cosine_restarts",
+    "warmup_inverse_sqrt",
+    "warmup_linear",
+    "warmup_polynomial",
+    "warmup_stable_decay",
+]
+
+
+class Schedule(Protocol):
+    """`schedule(step) -> lr`, pure."""
+
+    def __call__(self, step: int) -> float: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sched:
+    name: str
+    peak_lr: float
+    factor: Callable[..., float]
+    kwargs: dict[str, Any]
+
+    def __call__(self, step: int) -> float:
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        return self.peak_lr * self.factor(step, **self.kwargs)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())
+        return f"{self.name}(peak_lr={self.peak_lr!r}, {args})"
+
+
+def _warm(step: int, warmup: int) -> float:
+    return float(step) / float(max(1, warmup))
+
+
+def _f_constant(step: int) -> float:
+    return 1.0
+
+
+def _f_warmup_constant(step: int, *, warmup_steps: int) -> float:
+    return step / float(max(1.0, warmup_steps)) if step < warmup_steps else 1.0
+
+
+def _f_linear(step: int, *, warmup_steps: int, total_steps: int) -> float:
+    if step < warmup_steps:
+        return _warm(step, warmup_steps)
+    return max(0.0, float(total_steps - step) / float(max(1, total_steps - warmup_steps)))
+
+
+def _progress(step: int, warmup_steps: int, total_steps: int) -> float:
+    return float(step - warmup_steps) / float(max(1, total_steps - warmup_steps))
+
+
+def _f_cosine(
+    step: int, *, warmup_steps: int, total_steps: int, num_cycles: float, min_lr_rate: float = 0.0
+) -> float:
+    if step < warmup_steps:
+        return _warm(step, warmup_steps)
+    progress = _progress(step, warmup_steps, total_steps)
+    factor = 0.5 * (1.0 + math.cos(math.pi * float(num_cycles) * 2.0 * progress))
+    if min_lr_rate:
+        return max(0, factor * (1 - min_lr_rate) + min_lr_rate)
+    return max(0.0, factor)
+
+
+def _f_restarts(step: int, *, warmup_steps: int, total_steps: int, num_cycles: int) -> float:
+    if step < warmup_steps:
+        return _warm(step, warmup_steps)
+    progress = _progress(step, warmup_steps, total_steps)
+    if progress >= 1.0:
+        return 0.0
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * ((float(num_cycles) * progress) % 1.0))))
+
+
+def _f_polynomial(
+    step: int, *, warmup_steps: int, total_steps: int, lr_end: float, power: float, lr_init: float
+) -> float:
+    if step < warmup_steps:
+        return _warm(step, warmup_steps)
+    if step > total_steps:
+        return lr_end / lr_init
+    remaining = 1 - (step - warmup_steps) / (total_steps - warmup_steps)
+    return ((lr_init - lr_end) * remaining**power + lr_end) / lr_init
+
+
+def _f_inverse_sqrt(step: int, *, warmup_steps: int, timescale: int) -> float:
+    if step < warmup_steps:
+        return _warm(step, warmup_steps)
+    return 1.0 / math.sqrt((step + timescale - warmup_steps) / timescale)
+
+
+def _f_cosine_rate(
+    step: int, *, warmup_steps: int, total_steps: int, num_cycles: float, min_lr_rate: float,
+    warmup_lr_rate: float | None,
+) -> float:
+    s, w, t = float(step), float(warmup_steps), float(total_steps)
+    if s < w:
+        if warmup_lr_rate is None:
+            return (s + 1.0) / max(1.0, w)
+        return warmup_lr_rate + (1.0 - warmup_lr_rate) * s / max(1, w - 1)
+    progress = (s - w + 1.0) / max(1.0, t - w)
+    factor = 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * progress))
+    return max(0, factor * (1 - min_lr_rate) + min_lr_rate)
+
+
+_SHAPES = {
+    "linear": lambda p: p,
+    "cosine": lambda p: 0.5 * (1.0 - math.cos(math.pi * p)),
+    "1-sqrt": lambda p: 1.0 - math.sqrt(1.0 - p),
+}
+_DECAYS = {
+    "linear": lambda p, c: 1.0 - p,
+    "cosine": lambda p, c: 0.5 * (1.0 + math.cos(math.pi * float(c) * 2.0 * p)),
+    "1-sqrt": lambda p, c: 1.0 - math.sqrt(p),
+}
+
+
+def _f_wsd(
+    step: int, *, warmup_steps: int, stable_steps: int, decay_steps: int, warmup_type: str,
+    decay_type: str, min_lr_ratio: float, num_cycles: float,
+) -> float:
+    if step < warmup_steps:
+        factor = _SHAPES[warmup_type](float(step) / float(max(1, warmup_steps)))
+        return max(0.0, factor * (1.0 - min_lr_ratio) + min_lr_ratio)
+    if step < warmup_steps + stable_steps:
+        return 1.0
+    if step < warmup_steps + stable_steps + decay_steps:
+        p = float(step - warmup_steps - stable_steps) / float(max(1, decay_steps))
+        factor = _DECAYS[decay_type](p, num_cycles)
+        return max(0.0, factor * (1.0 - min_lr_ratio) + min_lr_ratio)
+    return min_lr_ratio
+
+
+def _check_common(peak_lr: float, warmup_steps: int, total_steps: int | None) -> None:
+    if not (isinstance(peak_lr, (int, float)) and math.isfinite(peak_lr) and peak_lr >= 0):
+        raise ValueError(f"peak_lr must be a finite number >= 0, got {peak_lr!r}")
+    if not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+    if total_steps is not None and (not isinstance(total_steps, int) or total_steps < 1):
+        raise ValueError(f"total_steps must be an int >= 1, got {total_steps!r}")
+
+
+def constant(peak_lr: float) -> Schedule:
+    """`lr(step) = peak_lr` (HF "constant")."""
+    _check_common(peak_lr, 0, None)
+    return _Sched("constant", peak_lr, _f_constant, {})
+
+
+def warmup_constant(peak_lr: float, warmup_steps: int) -> Schedule:
+    """Linear warmup `peak_lr * step / warmup_steps` (0 at step 0), then constant
+    (HF "constant_with_warmup")."""
+    _check_common(peak_lr, warmup_steps, None)
+    return _Sched("warmup_constant", peak_lr, _f_warmup_constant, {"warmup_steps": warmup_steps})
+
+
+def warmup_linear(peak_lr: float, warmup_steps: int, total_steps: int) -> Schedule:
+    """Linear warmup from 0, then linear decay to 0 at `total_steps` and 0 after (HF "linear").
+
+    Example:
+        >>> import ftrain as ft
+        >>> lr = ft.schedules.warmup_linear(1.0, warmup_steps=2, total_steps=4)
+        >>> [lr(s) for s in range(6)]
+        [0.0, 0.5, 1.0, 0.5, 0.0, 0.0]
+    """
+    _check_common(peak_lr, warmup_steps, total_steps)
+    return _Sched(
+        "warmup_linear", peak_lr, _f_linear,
+        {"warmup_steps": warmup_steps, "total_steps": total_steps},
+    )
+
+
+def warmup_cosine(
+    peak_lr: float, warmup_steps: int, total_steps: int, *, num_cycles: float = 0.5
+) -> Schedule:
+    """Linear warmup from 0, then `0.5 * (1 + cos(pi * 2 * num_cycles * progress))` where
+    `progress = (step - warmup) / (total - warmup)`, floored at 0 (HF "cosine").
+
+    Example:
+        >>> import ftrain as ft
+        >>> lr = ft.schedules.warmup_cosine(1.0, warmup_steps=1, total_steps=3)
+        >>> [round(lr(s), 3) for s in range(4)]
+        [0.0, 1.0, 0.5, 0.0]
+    """
+    _check_common(peak_lr, warmup_steps, total_steps)
+    return _Sched(
+        "warmup_cosine", peak_lr, _f_cosine,
+        {"warmup_steps": warmup_steps, "total_steps": total_steps, "num_cycles": num_cycles},
+    )
+
+
+def warmup_cosine_restarts(
+    peak_lr: float, warmup_steps: int, total_steps: int, *, num_cycles: int = 1
+) -> Schedule:
+    """Warmup, then `num_cycles` hard-restarted cosine decays; 0 from `total_steps` on
+    (HF "cosine_with_restarts")."""
+    _check_common(peak_lr, warmup_steps, total_steps)
+    return _Sched(
+        "warmup_cosine_restarts", peak_lr, _f_restarts,
+        {"warmup_steps": warmup_steps, "total_steps": total_steps, "num_cycles": num_cycles},
+    )
+
+
+def warmup_polynomial(
+    peak_lr: float, warmup_steps: int, total_steps: int, *, lr_end: float = 1e-7,
+    power: float = 1.0,
+) -> Schedule:
+    """Warmup, then `(peak - lr_end) * (1 - progress) ** power + lr_end`, and `lr_end` after
+    `total_steps` (HF "polynomial").
+
+    Raises:
+        ValueError: unless `peak_lr > lr_end` (as HF).
+    """
+    _check_common(peak_lr, warmup_steps, total_steps)
+    if not peak_lr > lr_end:
+        raise ValueError(f"lr_end ({lr_end}) must be smaller than peak_lr ({peak_lr})")
+    return _Sched(
+        "warmup_polynomial", peak_lr, _f_polynomial,
+        {"warmup_steps": warmup_steps, "total_steps": total_steps, "lr_end": lr_end,
+         "power": power, "lr_init": peak_lr},
+    )
+
+
+def warmup_inverse_sqrt(
+    peak_lr: float, warmup_steps: int, *, timescale: int | None = None
+) -> Schedule:
+    """Warmup, then `1 / sqrt((step + timescale - warmup) / timescale)`; `timescale` defaults
+    to `warmup_steps or 10_000` (HF "inverse_sqrt")."""
+    _check_common(peak_lr, warmup_steps, None)
+    timescale = (warmup_steps or 10_000) if timescale is None else timescale
+    if timescale <= 0:
+        raise ValueError(f"timescale must be > 0, got {timescale!r}")
+    return _Sched(
+        "warmup_inverse_sqrt", peak_lr, _f_inverse_sqrt,
+        {"warmup_steps": warmup_steps, "timescale": timescale},
+    )
+
+
+def _min_rate(peak_lr: float, min_lr: float | None, min_lr_rate: float | None) -> float:
+    if (min_lr is None) == (min_lr_rate is None):
+        raise ValueError("give exactly one of min_lr or min_lr_rate")
+    return min_lr / peak_lr if min_lr is not None else float(min_lr_rate)  # type: ignore[arg-type]
+
+
+def cosine_with_min_lr(
+    peak_lr: float, warmup_steps: int, total_steps: int, *, num_cycles: float = 0.5,
+    min_lr: float | None = None, min_lr_rate: float | None = None,
+) -> Schedule:
+    """Like `warmup_cosine` but decaying to `min_lr` (or `min_lr_rate * peak_lr`)
+    (HF "cosine_with_min_lr")."""
+    _check_common(peak_lr, warmup_steps, total_steps)
+    rate = _min_rate(peak_lr, min_lr, min_lr_rate)
+    return _Sched(
+        "cosine_with_min_lr", peak_lr, _f_cosine,
+        {"warmup_steps": warmup_steps, "total_steps": total_steps, "num_cycles": num_cycles,
+         "min_lr_rate": rate},
+    )
+
+
+def cosine_warmup_with_min_lr(
+    peak_lr: float, warmup_steps: int, total_steps: int, *, num_cycles: float = 0.5,
+    min_lr: float | None = None, min_lr_rate: float | None = None,
+    warmup_lr_rate: float | None = None,
+) -> Schedule:
+    """HF "cosine_warmup_with_min_lr": warmup starts at `(step + 1) / warmup` (or at
+    `warmup_lr_rate`), and the cosine is one step ahead of `cosine_with_min_lr`."""
+    _check_common(peak_lr, warmup_steps, total_steps)
+    rate = _min_rate(peak_lr, min_lr, min_lr_rate)
+    return _Sched(
+        "cosine_warmup_with_min_lr", peak_lr, _f_cosine_rate,
+        {"warmup_steps": warmup_steps, "total_steps": total_steps, "num_cycles": num_cycles,
+         "min_lr_rate": rate, "warmup_lr_rate": warmup_lr_rate},
+    )
+
+
+def warmup_stable_decay(
+    peak_lr: float, warmup_steps: int, total_steps: int | None = None, *, num_decay_steps: int,
+    num_stable_steps: int | None = None, warmup_type: str = "linear", decay_type: str = "cosine",
+    min_lr_ratio: float = 0.0, num_cycles: float = 0.5,
+) -> Schedule:
+    """Warmup, a stable phase at `peak_lr`, then a decay to `min_lr_ratio * peak_lr`
+    (HF "warmup_stable_decay"); the stable phase lasts `num_stable_steps`, or what remains of
+    `total_steps`."""
+    _check_common(peak_lr, warmup_steps, total_steps)
+    if num_stable_steps is None:
+        if total_steps is None:
+            raise ValueError("warmup_stable_decay needs total_steps or num_stable_steps")
+        num_stable_steps = total_steps - warmup_steps - num_decay_steps
+    for name, kind in (("warmup_type", warmup_type), ("decay_type", decay_type)):
+        if kind not in _SHAPES:
+            raise ValueError(f"{name} must be one of {sorted(_SHAPES)}, got {kind!r}")
+    return _Sched(
+        "warmup_stable_decay", peak_lr, _f_wsd,
+        {"warmup_steps": warmup_steps, "stable_steps": num_stable_steps,
+         "decay_steps": num_decay_steps, "warmup_type": warmup_type, "decay_type": decay_type,
+         "min_lr_ratio": min_lr_ratio, "num_cycles": num_cycles},
+    )
+
+
+_BY_NAME: dict[str, Callable[..., Schedule]] = {
+    "constant": lambda peak_lr, warmup_steps, total_steps, **kw: constant(peak_lr, **kw),
+    "constant_with_warmup": lambda peak_lr, warmup_steps, total_steps, **kw: warmup_constant(
+        peak_lr, warmup_steps, **kw
+    ),
+    "linear": warmup_linear,
+    "cosine": warmup_cosine,
+    "cosine_with_restarts": warmup_cosine_restarts,
+    "polynomial": warmup_polynomial,
+    "inverse_sqrt": lambda peak_lr, warmup_steps, total_steps, **kw: warmup_inverse_sqrt(
+        peak_lr, warmup_steps, **kw
+    ),
+    "cosine_with_min_lr": cosine_with_min_lr,
+    "cosine_warmup_with_min_lr": cosine_warmup_with_min_lr,
+    "warmup_stable_decay": warmup_stable_decay,
+}
+
+
+def from_name(
+    name: str, *, peak_lr: float, warmup_steps: int = 0, total_steps: int | None = None,
+    **hf_kwargs: Any,
+) -> Schedule:
+    """Build a schedule from HF's `lr_scheduler_type` name and `lr_scheduler_kwargs`.
+
+    Raises:
+        ValueError: for an unknown name (the message lists the known ones).
+    """
+    if name not in _BY_NAME:
+        hint = " (use ft.schedules.Plateau)" if name == "reduce_lr_on_plateau" else ""
+        raise ValueError(f"unknown schedule {name!r}{hint}; known: {sorted(_BY_NAME)}")
+    return _BY_NAME[name](peak_lr, warmup_steps, total_steps, **hf_kwargs)
+
+
+def schedule_lr(
+    step: int, *, name: str, peak_lr: float, warmup_steps: int = 0,
+    total_steps: int | None = None, **hf_kwargs: Any,
+) -> float:
+    """The learning rate of update `step` under HF's schedule `name`.
+
+    Example:
+        >>> import ftrain as ft
+        >>> ft.schedule_lr(50, name="linear", peak_lr=1.0, warmup_steps=0, total_steps=100)
+        0.5
+    """
+    return from_name(
+        name, peak_lr=peak_lr, warmup_steps=warmup_steps, total_steps=total_steps, **hf_kwargs
+    )(step)
+
+
+class PlateauState(NamedTuple):
+    """State of the plateau rule: current `lr`, `best` metric, bad evaluations in a row, and the
+    remaining cooldown."""
+
+    lr: float
+    best: float
+    num_bad: int
+    cooldown_left: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Plateau:
+    """Reduce the lr when a metric stops improving, as a pure state transition.
+
+    Same rule as `torch.optim.lr_scheduler.ReduceLROnPlateau` (HF "reduce_lr_on_plateau").
+
+    Example:
+        >>> import ftrain as ft
+        >>> rule = ft.schedules.Plateau(patience=1, factor=0.5)
+        >>> s = rule.init(1.0)
+        >>> for loss in [1.0, 1.0, 1.0]:
+        ...     s = rule.update(s, loss)
+        >>> s.lr
+        0.5
+    """
+
+    mode: str = "min"
+    factor: float = 0.1
+    patience: int = 10
+    threshold: float = 1e-4
+    threshold_mode: str = "rel"
+    cooldown: int = 0
+    min_lr: float = 0.0
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', got {self.mode!r}")
+        if self.threshold_mode not in ("rel", "abs"):
+            raise ValueError(f"threshold_mode must be 'rel' or 'abs', got {self.threshold_mode!r}")
+        if not 0.0 < self.factor < 1.0:
+            raise ValueError(f"factor must be in (0, 1), got {self.factor!r}")
+
+    def init(self, lr: float) -> PlateauState:
+        """The state before any evaluation, at learning rate `lr`."""
+        return PlateauState(lr, math.inf if self.mode == "min" else -math.inf, 0, 0)
+
+    def _better(self, a: float, best: float) -> bool:
+        t = self.threshold
+        if self.mode == "min":
+            return a < (best * (1.0 - t) if self.threshold_mode == "rel" else best - t)
+        return a > (best * (t + 1.0) if self.threshold_mode == "rel" else best + t)
+
+    def update(self, state: PlateauState, metric: float) -> PlateauState:
+        """Fold one evaluation `metric` into `state`; the new lr is `result.lr`."""
+        lr, best, num_bad, cooldown_left = state
+        metric = float(metric)
+        if self._better(metric, best):
+            best, num_bad = metric, 0
+        else:
+            num_bad += 1
+        if cooldown_left > 0:
+            cooldown_left, num_bad = cooldown_left - 1, 0
+        if num_bad > self.patience:
+            new_lr = max(lr * self.factor, self.min_lr)
+            if lr - new_lr > self.eps:
+                lr = new_lr
+            cooldown_left, num_bad = self.cooldown, 0
+        return PlateauState(lr, best, num_bad, cooldown_left)

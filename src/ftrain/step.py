@@ -1,0 +1,93 @@
+"""clip_and_step: global-norm clipping, the optimizer update, and the step counters."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import torch
+
+from ftrain.grads import Stats
+from ftrain.state import TrainState, snapshot
+
+__all__ = ["StepInfo", "clip_and_step"]
+
+
+class StepInfo(NamedTuple):
+    """What one `clip_and_step` did: `grad_norm` (pre-clip, device tensor), `skipped` (device
+    bool: the update was skipped because the gradient was not finite) and the `lr` used."""
+
+    grad_norm: torch.Tensor
+    skipped: torch.Tensor
+    lr: float
+
+
+def _validate(lr: float, max_norm: float | None) -> None:
+    if isinstance(lr, torch.Tensor) or not isinstance(lr, (int, float)):
+        raise TypeError(f"lr must be a Python number (e.g. schedule(state.step)), got {lr!r}")
+    if not (math.isfinite(lr) and lr >= 0):
+        raise ValueError(f"lr must be finite and >= 0, got {lr!r}")
+    if max_norm is not None and not (isinstance(max_norm, (int, float)) and max_norm > 0):
+        raise ValueError(f"max_norm must be a number > 0 or None, got {max_norm!r}")
+
+
+def clip_and_step(
+    state: TrainState,
+    grads: Mapping[str, torch.Tensor],
+    *,
+    lr: float,
+    max_norm: float | None = None,
+    stats: Stats | None = None,
+    skip_nonfinite: bool = True,
+    donate: bool = True,
+) -> tuple[TrainState, StepInfo]:
+    """Clip `grads` to a global norm, apply the optimizer, and advance the counters.
+
+    Clipping equals `torch.nn.utils.clip_grad_norm_` (coefficient `max_norm / (norm + 1e-6)`,
+    at most 1) with the norm taken across shards and ranks by the strategy. A non-finite norm
+    skips the update on the device, without a host sync; `step` still advances (as in HF
+    Trainer) and `info.skipped` says so. `cursor`, `tokens_seen` and `samples_seen` advance by
+    `stats` when given.
+
+    Args:
+        state: consumed unless `donate=False`.
+        grads: from `accumulate_grads`; modified in place by clipping.
+        lr: learning rate of this update, e.g. `schedule(state.step)`.
+        max_norm: clip threshold; None measures the norm without clipping.
+        stats: the `Stats` of this step, to advance the data counters.
+        skip_nonfinite: skip the update when the gradient norm is inf or NaN.
+        donate: update in place and consume `state`; False snapshots it first so it stays valid.
+
+    Returns:
+        `(new_state, StepInfo)`.
+
+    Raises:
+        TypeError, ValueError: for a bad `lr` or `max_norm`.
+        ConsumedStateError: if `state` was already consumed.
+    """
+    _validate(lr, max_norm)
+    if not donate:
+        state = snapshot(state)
+    params, strategy = state.params, state.strategy
+    g = list(grads.values())
+    norm = strategy.grad_norm(g)
+    found_inf = (~torch.isfinite(norm)).float() if skip_nonfinite else None
+    if max_norm is not None and g:
+        torch._foreach_mul_(g, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    opt_state = state.optimizer.update(
+        grads, state.opt_state, params, lr=float(lr), step=state.step, found_inf=found_inf
+    )
+    new = state.consume("clip_and_step")
+    changes: dict[str, object] = {"opt_state": opt_state, "step": state.step + 1}
+    if stats is not None:
+        changes.update(
+            cursor=state.cursor + stats.num_micro,
+            tokens_seen=state.tokens_seen + stats.num_tokens,
+            samples_seen=state.samples_seen + stats.num_samples,
+        )
+    skipped = (
+        found_inf.bool() if found_inf is not None
+        else torch.zeros((), dtype=torch.bool, device=norm.device)
+    )
+    return new.replace(**changes), StepInfo(grad_norm=norm, skipped=skipped, lr=float(lr))

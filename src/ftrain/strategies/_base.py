@@ -1,0 +1,157 @@
+"""The `Strategy` seam: everything the core functions need to know about devices and ranks.
+
+Core functions call these methods and never ask which backend they run on. `SingleDevice` is the
+do-nothing default; DDP and FSDP implement the same protocol.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+__all__ = ["SingleDevice", "Strategy", "default_device"]
+
+
+@runtime_checkable
+class Strategy(Protocol):
+    """How a training step is placed on devices and ranks.
+
+    Attributes:
+        device: where batches and counters live.
+        rank: this process's data-parallel rank.
+        world_size: number of data-parallel ranks.
+        grad_reduce_factor: what the backend's gradient reduction multiplies the sum over ranks
+            by (DDP averages: `1 / world_size`); `accumulate_grads` undoes it so that gradients
+            are normalized by the global item count.
+    """
+
+    device: torch.device
+    rank: int
+    world_size: int
+    grad_reduce_factor: float
+
+    def setup(self, model: nn.Module) -> nn.Module:
+        """Move/wrap `model` for this strategy and return the module to train."""
+        ...
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """Return the user's module inside whatever `setup` wrapped it in."""
+        ...
+
+    def clone_model(self, model: nn.Module) -> nn.Module:
+        """Return an independent copy of a set-up model (for `snapshot`)."""
+        ...
+
+    def to_device(self, batch: Any) -> Any:
+        """Move a collated batch (tensors, dicts, lists of them) to `device`."""
+        ...
+
+    def grad_sync(self, model: nn.Module, *, final: bool) -> contextlib.AbstractContextManager[Any]:
+        """Context for one micro-batch's backward; gradient sync happens only when `final`."""
+        ...
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """Context for the forward pass (mixed precision, when configured)."""
+        ...
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum a device tensor over data-parallel ranks (no host sync)."""
+        ...
+
+    def grad_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Global L2 norm of `grads` across shards and ranks, as a device tensor."""
+        ...
+
+
+def default_device() -> torch.device:
+    """The first CUDA device when there is one, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else (
+        torch.device("cpu")
+    )
+
+
+class SingleDevice:
+    """One process, one device: the default strategy.
+
+    Args:
+        device: where to train; the first GPU if there is one, else the CPU.
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> s = ft.strategies.SingleDevice("cpu")
+        >>> s.to_device({"x": torch.ones(2)})["x"].device.type
+        'cpu'
+    """
+
+    rank = 0
+    world_size = 1
+    grad_reduce_factor = 1.0
+
+    def __init__(self, device: str | torch.device | None = None) -> None:
+        self.device = torch.device(device) if device is not None else default_device()
+
+    def __repr__(self) -> str:
+        return f"SingleDevice({str(self.device)!r})"
+
+    def setup(self, model: nn.Module) -> nn.Module:
+        return model.to(self.device)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def clone_model(self, model: nn.Module) -> nn.Module:
+        return copy.deepcopy(model)
+
+    def to_device(self, batch: Any) -> Any:
+        return move_to(batch, self.device)
+
+    def grad_sync(self, model: nn.Module, *, final: bool) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def grad_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        return local_grad_norm(grads)
+
+
+def move_to(batch: Any, device: torch.device) -> Any:
+    """Move every tensor in a nested dict/list/tuple to `device` (non-blocking)."""
+    if isinstance(batch, torch.Tensor):
+        return batch if batch.device == device else batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {k: move_to(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_to(v, device) for v in batch)
+    return batch
+
+
+def local_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """L2 norm over all `grads`, computed like `torch.nn.utils.clip_grad_norm_` (no host sync)."""
+    if not grads:
+        return torch.zeros(())
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    first = grads[0].device
+    norms = [n.to(first) for group in groups.values() for n in torch._foreach_norm(group, 2.0)]
+    return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+
+
+def _iter_tensors(tree: Any) -> Iterator[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, Mapping):
+        for v in tree.values():
+            yield from _iter_tensors(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _iter_tensors(v)

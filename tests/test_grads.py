@@ -1,0 +1,163 @@
+import pytest
+import torch
+
+import ftrain as ft
+from ftrain.data import pad_collate
+
+from conftest import ragged_rows, tiny_llama
+
+
+def _full_batch_grads(model, rows):
+    """Reference: one padded batch holding every row; mean next-token loss over labels != -100.
+
+    Written out here in the model's dtype (HF's own loss upcasts to float32, too coarse for a
+    float64 comparison).
+    """
+    model.zero_grad(set_to_none=True)
+    batch = pad_collate()(rows)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    labels = batch["labels"][:, 1:]
+    loss = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
+    )
+    loss.backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}, loss.detach()
+
+
+@pytest.mark.parametrize("accum,bs", [(1, 12), (3, 4), (4, 3), (12, 1)])
+def test_accumulation_equals_one_big_batch_float64(accum, bs):
+    """Ragged lengths and masked prompts: k micro-batches give the gradients of one batch."""
+    model = tiny_llama(torch.float64)
+    rows = ragged_rows(12, seed=1)
+    ref, ref_loss = _full_batch_grads(model, rows)
+    state = ft.TrainState.create(model, ft.optim.sgd())
+    (micro,) = list(ft.make_batches(rows, batch_size=bs, accum=accum, shuffle=False))
+    assert len(micro) == accum
+    grads, stats = ft.accumulate_grads(state, micro)
+    assert set(grads) == set(ref)
+    # Llama's RMSNorm computes in float32 even for a float64 model, so reorderings of the same
+    # sums differ by ~1e-8; the mean-of-means error guarded below is ~1e-3.
+    for n, g in grads.items():
+        torch.testing.assert_close(g, ref[n], rtol=1e-6, atol=5e-8, msg=n)
+    torch.testing.assert_close(stats.loss.double(), ref_loss, rtol=1e-6, atol=0)  # float32 stat
+    n_items = sum(sum(t != -100 for t in r["labels"][1:]) for r in rows)
+    assert int(stats.num_items) == n_items
+    assert int(stats.num_tokens) == sum(len(r["input_ids"]) for r in rows)
+    assert int(stats.num_samples) == 12 and stats.num_micro == accum
+
+
+def test_mean_of_means_would_differ():
+    """Guard the test above: averaging per-micro-batch means (the 2024 HF bug) is measurably off."""
+    model = tiny_llama(torch.float64)
+    rows = ragged_rows(12, seed=1)
+    ref, _ = _full_batch_grads(model, rows)
+    model.zero_grad(set_to_none=True)
+    for batch in next(iter(ft.make_batches(rows, batch_size=3, accum=4, shuffle=False))):
+        (model(**batch).loss / 4).backward()
+    err = max((p.grad - ref[n]).abs().max().item() for n, p in model.named_parameters())
+    assert err > 1e-4
+
+
+def test_stats_are_device_tensors_and_grads_are_the_param_grads(llama):
+    state = ft.TrainState.create(llama, ft.optim.sgd())
+    micro = next(iter(ft.make_batches(ragged_rows(8), batch_size=4, accum=2)))
+    grads, stats = ft.accumulate_grads(state, micro)
+    for field in ("loss", "num_items", "num_tokens", "num_samples"):
+        assert isinstance(getattr(stats, field), torch.Tensor), field
+    assert all(grads[n] is p.grad for n, p in state.params.items())
+
+
+def test_sequence_classification_default_loss():
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, num_labels=3, pad_token_id=0)
+    model = LlamaForSequenceClassification(cfg).double()
+    rows = [{"input_ids": r["input_ids"], "labels": i % 3} for i, r in enumerate(ragged_rows(9))]
+    batch = pad_collate()(rows)
+    model.zero_grad()
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    torch.nn.functional.cross_entropy(logits, batch["labels"]).backward()  # mean over samples
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    state = ft.TrainState.create(model, ft.optim.sgd())
+    micro = next(iter(ft.make_batches(rows, batch_size=4, accum=3, shuffle=False)))
+    grads, stats = ft.accumulate_grads(state, micro)
+    assert int(stats.num_items) == 9
+    for n, g in grads.items():  # float32 RMSNorm inside, as above
+        torch.testing.assert_close(g, ref[n], rtol=1e-6, atol=5e-8)
+
+
+def test_custom_loss_fn_counts_items():
+    model = torch.nn.Linear(3, 1).double()
+    x = torch.randn(10, 3, dtype=torch.float64)
+
+    def loss_fn(m, batch):
+        return (m(batch) ** 2).sum(), torch.tensor(batch.shape[0])
+
+    state = ft.TrainState.create(model, ft.optim.sgd())
+    grads, stats = ft.accumulate_grads(state, [x[:3], x[3:]], loss_fn)
+    model.zero_grad()
+    (model(x) ** 2).mean().backward()
+    torch.testing.assert_close(grads["weight"], model.weight.grad)
+    assert int(stats.num_items) == 10
+
+
+def test_label_smoothing_matches_hf_label_smoother():
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    model = tiny_llama(torch.float64)
+    batch = pad_collate()(ragged_rows(6, seed=2))
+    loss_sum, n = ft.losses.causal_lm_loss(label_smoothing=0.1)(model, batch)
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    ref = LabelSmoother(epsilon=0.1)(out, batch["labels"], shift_labels=True)
+    torch.testing.assert_close(loss_sum / n, ref.to(loss_sum.dtype), rtol=1e-6, atol=1e-7)
+    plain, _ = ft.losses.causal_lm_loss()(model, batch)
+    assert abs(float((plain - loss_sum).detach())) > 1e-3, "smoothing must change the loss"
+
+
+def test_dropout_is_pure_function_of_seed_step_micro():
+    model = tiny_llama(dropout=0.3)
+    rows = ragged_rows(8)
+    micro = next(iter(ft.make_batches(rows, batch_size=4, accum=2, shuffle=False)))
+
+    def grads_at(state):
+        g, _ = ft.accumulate_grads(state, micro)
+        return {k: v.clone() for k, v in g.items()}
+
+    s = ft.TrainState.create(model, ft.optim.sgd(), seed=7)
+    torch.manual_seed(123)
+    before = torch.rand(3)
+    a, b = grads_at(s), grads_at(s)
+    c = grads_at(s.replace(step=1))
+    d = grads_at(s.replace(seed=8))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a)
+    assert any(not torch.equal(a[k], d[k]) for k in a)
+    torch.manual_seed(123)
+    assert torch.equal(torch.rand(3), before), "caller's RNG stream must be untouched"
+
+
+def test_empty_micro_and_missing_labels_raise(llama):
+    state = ft.TrainState.create(llama, ft.optim.sgd())
+    with pytest.raises(ValueError, match="empty"):
+        ft.accumulate_grads(state, [])
+    with pytest.raises(KeyError, match="labels"):
+        ft.accumulate_grads(state, [{"input_ids": torch.ones(1, 3, dtype=torch.long)}])
+
+
+def test_accumulation_is_exact_to_float64_rounding_on_gpt2():
+    """GPT-2 computes in the model's dtype throughout, so float64 agreement is ~1e-15."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=61, n_positions=32, n_embd=16, n_layer=2, n_head=2,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(cfg).double()
+    rows = ragged_rows(12, seed=5)
+    ref, _ = _full_batch_grads(model, rows)
+    state = ft.TrainState.create(model, ft.optim.sgd())
+    (micro,) = list(ft.make_batches(rows, batch_size=3, accum=4, shuffle=False))
+    grads, _ = ft.accumulate_grads(state, micro)
+    for n, g in grads.items():
+        torch.testing.assert_close(g, ref[n], rtol=1e-12, atol=1e-14, msg=n)

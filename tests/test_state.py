@@ -1,0 +1,93 @@
+import dataclasses
+
+import pytest
+import torch
+
+import ftrain as ft
+
+
+def _state(**kw):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    return ft.TrainState.create(model, ft.optim.adamw(), **kw)
+
+
+def _step(state, donate=True):
+    x = torch.randn(5, 3)
+    loss_fn = lambda m, b: (m(b).pow(2).sum(), torch.tensor(b.shape[0]))  # noqa: E731
+    grads, stats = ft.accumulate_grads(state, [x], loss_fn)
+    return ft.clip_and_step(state, grads, lr=0.1, stats=stats, donate=donate)
+
+
+def test_frozen_and_replace():
+    s = _state(seed=3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.step = 5  # type: ignore[misc]
+    t = s.replace(step=5, epoch=2)
+    assert (t.step, t.epoch, t.seed, s.step) == (5, 2, 3, 0)
+    with pytest.raises(TypeError, match="no settable field"):
+        s.replace(stepz=1)
+
+
+def test_params_are_module_owned_and_exclude_frozen():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    model[0].weight.requires_grad_(False)
+    s = ft.TrainState.create(model, ft.optim.sgd())
+    assert sorted(s.params) == ["0.bias", "1.bias", "1.weight"]
+    assert s.params["1.weight"] is model[1].weight
+    with pytest.raises(TypeError):
+        s.params["x"] = torch.zeros(1)  # type: ignore[index]
+    before = model[0].weight.detach().clone()
+    s, _ = _step(s)
+    assert torch.equal(model[0].weight, before), "frozen parameter changed"
+
+
+def test_create_validates():
+    with pytest.raises(TypeError, match="nn.Module"):
+        ft.TrainState.create("model", ft.optim.sgd())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="from_torch"):
+        ft.TrainState.create(torch.nn.Linear(1, 1), torch.optim.SGD)  # type: ignore[arg-type]
+    frozen = torch.nn.Linear(1, 1).requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable"):
+        ft.TrainState.create(frozen, ft.optim.sgd())
+
+
+def test_donation_consumes_input_and_names_function_and_step():
+    s0 = _state()
+    alias = s0.replace(epoch=1)  # shares tensors with s0
+    s1, _ = _step(s0)
+    for stale in (s0, alias):
+        for attr in ("params", "model", "opt_state"):
+            with pytest.raises(ft.ConsumedStateError, match="consumed by clip_and_step at step 0"):
+                getattr(stale, attr)
+    assert s0.consumed and not s1.consumed
+    assert s0.step == 0 and s1.step == 1  # plain values stay readable
+    with pytest.raises(ft.ConsumedStateError):
+        _step(s0)
+
+
+def test_donate_false_leaves_old_state_valid_and_unchanged():
+    s0 = _state()
+    before = {k: v.detach().clone() for k, v in s0.params.items()}
+    s1, _ = _step(s0, donate=False)
+    assert not s0.consumed
+    for k, v in s0.params.items():
+        assert torch.equal(v, before[k])
+        assert not torch.equal(s1.params[k], before[k])
+
+
+def test_snapshot_is_independent():
+    s0 = _state()
+    copy = ft.snapshot(s0)
+    before = {k: v.detach().clone() for k, v in copy.params.items()}
+    _step(s0)
+    for k, v in copy.params.items():
+        assert torch.equal(v, before[k])
+        assert v.data_ptr() != s0.model_.state_dict()[k].data_ptr()
+    _step(copy)  # the copy trains on its own
+
+
+def test_next_epoch_resets_cursor():
+    s = _state().replace(cursor=7, epoch=1)
+    t = ft.next_epoch(s)
+    assert (t.epoch, t.cursor) == (2, 0)
