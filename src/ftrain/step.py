@@ -71,13 +71,14 @@ def clip_and_step(
         state = snapshot(state)
     params, strategy = state.params, state.strategy
     g = list(grads.values())
-    norm = strategy.grad_norm(g)
-    found_inf = (~torch.isfinite(norm)).float() if skip_nonfinite else None
-    if max_norm is not None and g:
-        torch._foreach_mul_(g, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-    opt_state = state.optimizer.update(
-        grads, state.opt_state, params, lr=float(lr), step=state.step, found_inf=found_inf
-    )
+    with torch.no_grad():
+        norm = strategy.grad_norm(g)
+        found_inf = (~torch.isfinite(norm)).float() if skip_nonfinite else None
+        if max_norm is not None and g:
+            torch._foreach_mul_(g, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        opt_state = state.optimizer.update(
+            grads, state.opt_state, params, lr=float(lr), step=state.step, found_inf=found_inf
+        )
     new = state.consume("clip_and_step")
     changes: dict[str, object] = {"opt_state": opt_state, "step": state.step + 1}
     if stats is not None:

@@ -109,8 +109,9 @@ def from_torchopt(tx: Any) -> Optimizer:
             return state
         ps = tuple(params.values())
         gs = tuple(grads[n] for n in params)
-        updates, state = tx.update(gs, state, params=ps, inplace=True)
-        torch._foreach_add_(list(ps), list(updates), alpha=lr)
+        with torch.no_grad():
+            updates, state = tx.update(gs, state, params=ps, inplace=True)
+            torch._foreach_add_(list(ps), list(updates), alpha=lr)
         return state
 
     return Optimizer(init, update)

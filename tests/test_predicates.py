@@ -1,0 +1,55 @@
+import pytest
+import torch
+
+import ftrain as ft
+
+
+@pytest.fixture
+def state():
+    return ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd())
+
+
+def _steps(state, pred, n=12, **kw):
+    return [k for k in range(n + 1) if pred(state.replace(step=k), **kw)]
+
+
+def test_integer_every(state):
+    assert _steps(state, ft.should_log, every=4) == [4, 8, 12]
+    assert _steps(state, ft.should_log, every=4, first=True) == [1, 4, 8, 12]
+    assert _steps(state, ft.should_eval, every=5, total_steps=12) == [5, 10, 12]
+    assert _steps(state, ft.should_save, every=5, total_steps=12) == [5, 10, 12]
+    assert _steps(state, ft.should_log, every=5, total_steps=12) == [5, 10]
+
+
+def test_fractional_every_rounds_up_like_hf(state):
+    assert _steps(state, ft.should_log, every=0.25, total_steps=10, n=10) == [3, 6, 9]
+    assert _steps(state, ft.should_eval, every=0.5, total_steps=11, n=11) == [6, 11]
+
+
+@pytest.mark.parametrize("kw,err", [({"every": 0}, ValueError), ({"every": 1.5}, ValueError),
+                                    ({"every": 0.1}, ValueError), ({"every": "10"}, TypeError)])
+def test_bad_every(state, kw, err):
+    with pytest.raises(err):
+        ft.should_log(state, **kw)
+
+
+def test_should_stop_hf_counting_rule(state):
+    stops = []
+    for loss in [1.0, 0.9, 0.95, 0.93]:
+        state = ft.track_best(state, {"eval_loss": loss})
+        stops.append(ft.should_stop(state, patience=2))
+    assert stops == [False, False, False, True]
+    assert (state.best_metric, state.patience_counter) == (0.9, 2)
+
+
+def test_track_best_threshold_and_max_mode(state):
+    s = ft.track_best(state.replace(step=3), 0.5, mode="max")
+    s = ft.track_best(s.replace(step=4), 0.51, mode="max", threshold=0.05)
+    # better but not by more than the threshold: best moves, patience grows (HF)
+    assert (s.best_metric, s.best_step, s.patience_counter) == (0.51, 4, 1)
+    s = ft.track_best(s.replace(step=5), 0.7, mode="max", threshold=0.05)
+    assert (s.best_metric, s.best_step, s.patience_counter) == (0.7, 5, 0)
+    with pytest.raises(KeyError, match="eval_acc"):
+        ft.track_best(s, {"eval_loss": 1.0}, metric="eval_acc")
+    with pytest.raises(ValueError, match="patience"):
+        ft.should_stop(s, patience=0)
