@@ -43,7 +43,9 @@ def next_char_loss(model: torch.nn.Module, batch: list[torch.Tensor]):
     """Sum of next-character cross-entropies and their count (targets are already shifted)."""
     x, y = batch
     logits = model(input_ids=x).logits
-    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum"), y.new_tensor(y.numel())
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum"), y.new_tensor(
+        y.numel()
+    )
 
 
 def load(path: Path, block: int) -> tuple[CharWindows, CharWindows, int]:
@@ -57,12 +59,16 @@ def load(path: Path, block: int) -> tuple[CharWindows, CharWindows, int]:
 
 
 def main(argv: list[str] | None = None) -> float:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--data", type=Path, default=DATA)
     p.add_argument("--max-iters", type=int, default=2000)
     p.add_argument("--eval-interval", type=int, default=250)
     p.add_argument("--eval-iters", type=int, default=20, help="batches per periodic evaluation")
-    p.add_argument("--final-eval-iters", type=int, default=200, help="batches for the final val_loss")
+    p.add_argument(
+        "--final-eval-iters", type=int, default=200, help="batches for the final val_loss"
+    )
     p.add_argument("--log-interval", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=12)
     p.add_argument("--block-size", type=int, default=64)
@@ -72,8 +78,14 @@ def main(argv: list[str] | None = None) -> float:
     train, val, vocab = load(args.data, args.block_size)
     torch.manual_seed(args.seed)
     config = GPT2Config(
-        vocab_size=vocab, n_positions=args.block_size, n_embd=128, n_layer=4, n_head=4,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        vocab_size=vocab,
+        n_positions=args.block_size,
+        n_embd=128,
+        n_layer=4,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
     model = GPT2LMHeadModel(config)
     optimizer = ft.optim.adamw(betas=(0.9, 0.99), weight_decay=0.1, mask=ft.optim.decay_mask(model))
@@ -87,17 +99,24 @@ def main(argv: list[str] | None = None) -> float:
 
     start = time.perf_counter()
     while state.step < args.max_iters:
-        for micro in ft.make_batches(train, batch_size=args.batch_size, seed=args.seed,
-                                     epoch=state.epoch, start=state.cursor):
+        for micro in ft.make_batches(
+            train, batch_size=args.batch_size, seed=args.seed, epoch=state.epoch, start=state.cursor
+        ):
             grads, stats = ft.accumulate_grads(state, micro, next_char_loss)
-            state, info = ft.clip_and_step(state, grads, stats=stats, lr=lr(state.step), max_norm=1.0)
+            state, info = ft.clip_and_step(
+                state, grads, stats=stats, lr=lr(state.step), max_norm=1.0
+            )
             if ft.should_log(state, every=args.log_interval, first=True):
                 # float() reads device tensors: the only host syncs of the loop, on log steps.
-                print(f"step {state.step:5d}  loss {float(stats.loss):.4f}  lr {info.lr:.2e}  "
-                      f"grad_norm {float(info.grad_norm):.3f}  {time.perf_counter() - start:6.1f}s",
-                      flush=True)
+                print(
+                    f"step {state.step:5d}  loss {float(stats.loss):.4f}  lr {info.lr:.2e}  "
+                    f"grad_norm {float(info.grad_norm):.3f}  {time.perf_counter() - start:6.1f}s",
+                    flush=True,
+                )
             if ft.should_eval(state, every=args.eval_interval, total_steps=args.max_iters):
-                print(f"step {state.step:5d}  eval_loss {val_loss(args.eval_iters):.4f}", flush=True)
+                print(
+                    f"step {state.step:5d}  eval_loss {val_loss(args.eval_iters):.4f}", flush=True
+                )
             if state.step >= args.max_iters:
                 break
         else:

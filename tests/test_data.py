@@ -6,8 +6,7 @@ from hypothesis import strategies as st
 
 import ftrain as ft
 from ftrain.data import epoch_order, length_grouped_order, pad_collate
-
-from conftest import FakeRank, ragged_rows
+from helpers import FakeRank, ragged_rows
 
 
 def _ids(groups):
@@ -66,14 +65,16 @@ def test_accepts_datasets_dataset_and_torch_tensor_dataset():
         ft.make_batches(rows, batch_size=3, seed=0)
     )
     tds = torch.utils.data.TensorDataset(torch.arange(10), torch.arange(10) * 2)
-    (x, y), = next(iter(ft.make_batches(tds, batch_size=4, shuffle=False)))
+    ((x, y),) = next(iter(ft.make_batches(tds, batch_size=4, shuffle=False)))
     assert x.tolist() == [0, 1, 2, 3] and y.tolist() == [0, 2, 4, 6]
 
 
 def test_default_collate_pads_and_masks():
     batch = pad_collate(pad_id=5)(
-        [{"input_ids": [1, 2, 3], "labels": [-100, 2, 3], "label": 1},
-         {"input_ids": [4], "labels": [4], "label": 0}]
+        [
+            {"input_ids": [1, 2, 3], "labels": [-100, 2, 3], "label": 1},
+            {"input_ids": [4], "labels": [4], "label": 0},
+        ]
     )
     assert batch["input_ids"].tolist() == [[1, 2, 3], [4, 5, 5]]
     assert batch["labels"].tolist() == [[-100, 2, 3], [4, -100, -100]]
@@ -95,7 +96,9 @@ def test_group_by_length_equals_hf_length_grouped_sampler():
     theirs = get_length_grouped_indices(lengths, 8, generator=_generator(4, 1))
     assert ours == theirs
     rows = [{"idx": i, "input_ids": [1] * n} for i, n in enumerate(lengths)]
-    groups = list(ft.make_batches(rows, batch_size=4, accum=2, seed=4, epoch=1, group_by_length=True))
+    groups = list(
+        ft.make_batches(rows, batch_size=4, accum=2, seed=4, epoch=1, group_by_length=True)
+    )
     assert _ids(groups) == theirs
     first = groups[0][0]
     assert first["input_ids"].shape[1] == max(lengths), "longest batch must come first"
@@ -118,7 +121,9 @@ def test_data_parallel_split_unions_to_single_process():
     assert per_rank[0][0][0]["idx"].shape[0] == 3
 
 
-@pytest.mark.parametrize("bad", [{"batch_size": 0}, {"batch_size": 2, "accum": 0}, {"batch_size": 2, "start": -1}])
+@pytest.mark.parametrize(
+    "bad", [{"batch_size": 0}, {"batch_size": 2, "accum": 0}, {"batch_size": 2, "start": -1}]
+)
 def test_bad_arguments_raise(bad):
     with pytest.raises(ValueError, match=next(iter(k for k in bad if bad[k] in (0, -1)))):
         list(ft.make_batches(_indexed(4), **bad))
@@ -130,22 +135,46 @@ def test_unindexable_data_raises_type_error():
 
 
 @settings(max_examples=40, deadline=None)
-@given(n=st.integers(1, 60), bs=st.integers(1, 7), accum=st.integers(1, 4), start=st.integers(0, 20),
-       world=st.integers(1, 3), drop_last=st.booleans())
+@given(
+    n=st.integers(1, 60),
+    bs=st.integers(1, 7),
+    accum=st.integers(1, 4),
+    start=st.integers(0, 20),
+    world=st.integers(1, 3),
+    drop_last=st.booleans(),
+)
 def test_property_epoch_partition_and_resume(n, bs, accum, start, world, drop_last):
     """Every row appears at most once per epoch (exactly once without drop_last), and resuming at
     `start` yields exactly the tail of the full epoch, for any rank count."""
     data = _indexed(n)
-    full = [_ids(ft.make_batches(data, batch_size=bs, accum=accum, seed=1, drop_last=drop_last,
-                                 strategy=FakeRank(r, world))) for r in range(world)]
+    full = [
+        _ids(
+            ft.make_batches(
+                data,
+                batch_size=bs,
+                accum=accum,
+                seed=1,
+                drop_last=drop_last,
+                strategy=FakeRank(r, world),
+            )
+        )
+        for r in range(world)
+    ]
     everything = sorted(i for f in full for i in f)
     assert len(everything) == len(set(everything))
     if not drop_last:
         assert everything == list(range(n))
-    tail = _ids(ft.make_batches(data, batch_size=bs * world, accum=accum, seed=1,
-                                drop_last=drop_last, start=start))
-    assert tail == _ids(ft.make_batches(data, batch_size=bs * world, accum=accum, seed=1,
-                                        drop_last=drop_last))[start * bs * world :]
+    tail = _ids(
+        ft.make_batches(
+            data, batch_size=bs * world, accum=accum, seed=1, drop_last=drop_last, start=start
+        )
+    )
+    assert (
+        tail
+        == _ids(
+            ft.make_batches(data, batch_size=bs * world, accum=accum, seed=1, drop_last=drop_last)
+        )[start * bs * world :]
+    )
 
 
 def test_epoch_order_is_read_only_and_cached():

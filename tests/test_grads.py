@@ -3,8 +3,7 @@ import torch
 
 import ftrain as ft
 from ftrain.data import pad_collate
-
-from conftest import ragged_rows, tiny_llama
+from helpers import ragged_rows, tiny_llama
 
 
 def _full_batch_grads(model, rows):
@@ -71,8 +70,16 @@ def test_sequence_classification_default_loss():
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, num_labels=3, pad_token_id=0)
+    cfg = LlamaConfig(
+        vocab_size=61,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_labels=3,
+        pad_token_id=0,
+    )
     model = LlamaForSequenceClassification(cfg).double()
     rows = [{"input_ids": r["input_ids"], "labels": i % 3} for i, r in enumerate(ragged_rows(9))]
     batch = pad_collate()(rows)
@@ -151,8 +158,16 @@ def test_accumulation_is_exact_to_float64_rounding_on_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=61, n_positions=32, n_embd=16, n_layer=2, n_head=2,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = GPT2Config(
+        vocab_size=61,
+        n_positions=32,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     model = GPT2LMHeadModel(cfg).double()
     rows = ragged_rows(12, seed=5)
     ref, _ = _full_batch_grads(model, rows)

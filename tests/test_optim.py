@@ -10,29 +10,53 @@ import ftrain as ft
 
 STEPS = 20
 CASES = [
-    ("adamw", lambda: ft.optim.adamw(weight_decay=0.1), lambda p: torch.optim.AdamW(p, lr=0, weight_decay=0.1)),
-    ("adamw_betas", lambda: ft.optim.adamw(betas=(0.8, 0.95), eps=1e-6, weight_decay=0.0),
-     lambda p: torch.optim.AdamW(p, lr=0, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.0)),
-    ("adam", lambda: ft.optim.adam(weight_decay=0.01), lambda p: torch.optim.Adam(p, lr=0, weight_decay=0.01)),
+    (
+        "adamw",
+        lambda: ft.optim.adamw(weight_decay=0.1),
+        lambda p: torch.optim.AdamW(p, lr=0, weight_decay=0.1),
+    ),
+    (
+        "adamw_betas",
+        lambda: ft.optim.adamw(betas=(0.8, 0.95), eps=1e-6, weight_decay=0.0),
+        lambda p: torch.optim.AdamW(p, lr=0, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.0),
+    ),
+    (
+        "adam",
+        lambda: ft.optim.adam(weight_decay=0.01),
+        lambda p: torch.optim.Adam(p, lr=0, weight_decay=0.01),
+    ),
     ("sgd", lambda: ft.optim.sgd(), lambda p: torch.optim.SGD(p, lr=0)),
-    ("sgd_momentum", lambda: ft.optim.sgd(momentum=0.9, dampening=0.1, weight_decay=1e-3),
-     lambda p: torch.optim.SGD(p, lr=0, momentum=0.9, dampening=0.1, weight_decay=1e-3)),
-    ("sgd_nesterov", lambda: ft.optim.sgd(momentum=0.9, nesterov=True),
-     lambda p: torch.optim.SGD(p, lr=0, momentum=0.9, nesterov=True)),
-    ("from_torch_rmsprop", lambda: ft.optim.from_torch(torch.optim.RMSprop, alpha=0.9),
-     lambda p: torch.optim.RMSprop(p, lr=0, alpha=0.9)),
+    (
+        "sgd_momentum",
+        lambda: ft.optim.sgd(momentum=0.9, dampening=0.1, weight_decay=1e-3),
+        lambda p: torch.optim.SGD(p, lr=0, momentum=0.9, dampening=0.1, weight_decay=1e-3),
+    ),
+    (
+        "sgd_nesterov",
+        lambda: ft.optim.sgd(momentum=0.9, nesterov=True),
+        lambda p: torch.optim.SGD(p, lr=0, momentum=0.9, nesterov=True),
+    ),
+    (
+        "from_torch_rmsprop",
+        lambda: ft.optim.from_torch(torch.optim.RMSprop, alpha=0.9),
+        lambda p: torch.optim.RMSprop(p, lr=0, alpha=0.9),
+    ),
 ]
 
 
 def _model(dtype):
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).to(dtype)
+    return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).to(
+        dtype
+    )
 
 
 def _data(dtype):
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(6, 5, generator=g, dtype=dtype), torch.randn(6, 3, generator=g, dtype=dtype))
-            for _ in range(STEPS)]
+    return [
+        (torch.randn(6, 5, generator=g, dtype=dtype), torch.randn(6, 3, generator=g, dtype=dtype))
+        for _ in range(STEPS)
+    ]
 
 
 def _loss(model, batch):
@@ -81,7 +105,7 @@ def test_matches_torch_optim(name, make_ft, make_torch, dtype, tol):
 def test_decay_mask_matches_hf_rule_and_param_groups():
     from transformers import Trainer
 
-    from conftest import tiny_llama
+    from helpers import tiny_llama
 
     model = tiny_llama()
     hf = set(Trainer.get_decay_parameter_names(None, model))
@@ -98,8 +122,16 @@ def test_decay_mask_matches_hf_rule_and_param_groups():
     data = _data(torch.float64)
     _run_ft(lambda: ft.optim.adamw(weight_decay=0.5, mask=mask), ours_m, data)
     groups = lambda ps: torch.optim.AdamW(  # noqa: E731
-        [{"params": [p for n, p in theirs_m.named_parameters() if n in mask], "weight_decay": 0.5},
-         {"params": [p for n, p in theirs_m.named_parameters() if n not in mask], "weight_decay": 0.0}],
+        [
+            {
+                "params": [p for n, p in theirs_m.named_parameters() if n in mask],
+                "weight_decay": 0.5,
+            },
+            {
+                "params": [p for n, p in theirs_m.named_parameters() if n not in mask],
+                "weight_decay": 0.0,
+            },
+        ],
         lr=0,
     )
     _run_torch(groups, theirs_m, data)
@@ -123,8 +155,12 @@ def test_from_torchopt_matches_torch_adamw():
 
 def test_chain_with_transforms():
     p = {"w": torch.tensor([1.0, 1.0])}
-    opt = ft.optim.chain(ft.optim.scale(2.0), ft.optim.clip_by_global_norm(1.0),
-                         ft.optim.add_decayed_weights(0.5), ft.optim.sgd())
+    opt = ft.optim.chain(
+        ft.optim.scale(2.0),
+        ft.optim.clip_by_global_norm(1.0),
+        ft.optim.add_decayed_weights(0.5),
+        ft.optim.sgd(),
+    )
     opt.update({"w": torch.tensor([3.0, 4.0])}, opt.init(p), p, lr=1.0, step=0)
     # scale -> [6, 8]; clip to norm 1 -> [0.6, 0.8]; + 0.5 * w -> [1.1, 1.3]; w - g
     torch.testing.assert_close(p["w"], torch.tensor([-0.1, -0.3]), rtol=1e-5, atol=1e-6)
@@ -134,9 +170,16 @@ def test_chain_with_transforms():
         ft.optim.chain(ft.optim.sgd(), ft.optim.sgd())
 
 
-@pytest.mark.parametrize("make", [lambda: ft.optim.adamw(), lambda: ft.optim.adam(), lambda: ft.optim.sgd(momentum=0.9),
-                                  lambda: ft.optim.from_torch(torch.optim.RMSprop)],
-                         ids=["adamw", "adam", "sgd", "from_torch"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ft.optim.adamw(),
+        lambda: ft.optim.adam(),
+        lambda: ft.optim.sgd(momentum=0.9),
+        lambda: ft.optim.from_torch(torch.optim.RMSprop),
+    ],
+    ids=["adamw", "adam", "sgd", "from_torch"],
+)
 def test_found_inf_skips_update_and_state(make):
     """Conformance: every optimizer leaves params and state untouched when found_inf is set."""
     opt = make()
@@ -148,18 +191,25 @@ def test_found_inf_skips_update_and_state(make):
     opt.update({"w": torch.full((3,), 2.0)}, s, p, lr=0.1, step=1, found_inf=torch.ones(()))
     assert torch.equal(p["w"], before_p)
     if before_s is not None:
-        for a, b in zip(torch.utils._pytree.tree_leaves(s), torch.utils._pytree.tree_leaves(before_s), strict=True):
+        for a, b in zip(
+            torch.utils._pytree.tree_leaves(s),
+            torch.utils._pytree.tree_leaves(before_s),
+            strict=True,
+        ):
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("bad,match", [
-    (lambda: ft.optim.adamw(betas=(0.9, 1.0)), "betas"),
-    (lambda: ft.optim.adamw(eps=-1.0), "eps"),
-    (lambda: ft.optim.adam(weight_decay=-0.1), "weight_decay"),
-    (lambda: ft.optim.sgd(momentum=-1.0), "momentum"),
-    (lambda: ft.optim.sgd(nesterov=True), "nesterov"),
-    (lambda: ft.optim.clip(0.0), "max_abs"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (lambda: ft.optim.adamw(betas=(0.9, 1.0)), "betas"),
+        (lambda: ft.optim.adamw(eps=-1.0), "eps"),
+        (lambda: ft.optim.adam(weight_decay=-0.1), "weight_decay"),
+        (lambda: ft.optim.sgd(momentum=-1.0), "momentum"),
+        (lambda: ft.optim.sgd(nesterov=True), "nesterov"),
+        (lambda: ft.optim.clip(0.0), "max_abs"),
+    ],
+)
 def test_factories_validate(bad, match):
     with pytest.raises(ValueError, match=match):
         bad()

@@ -26,8 +26,15 @@ def test_fractional_every_rounds_up_like_hf(state):
     assert _steps(state, ft.should_eval, every=0.5, total_steps=11, n=11) == [6, 11]
 
 
-@pytest.mark.parametrize("kw,err", [({"every": 0}, ValueError), ({"every": 1.5}, ValueError),
-                                    ({"every": 0.1}, ValueError), ({"every": "10"}, TypeError)])
+@pytest.mark.parametrize(
+    "kw,err",
+    [
+        ({"every": 0}, ValueError),
+        ({"every": 1.5}, ValueError),
+        ({"every": 0.1}, ValueError),
+        ({"every": "10"}, TypeError),
+    ],
+)
 def test_bad_every(state, kw, err):
     with pytest.raises(err):
         ft.should_log(state, **kw)

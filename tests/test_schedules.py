@@ -1,3 +1,4 @@
+import itertools
 import math
 import warnings
 
@@ -20,10 +21,21 @@ SPECIFIC = {
     "inverse_sqrt": [{}, {"timescale": 5}],
     "cosine_with_min_lr": [{"min_lr": 1e-4}, {"min_lr_rate": 0.1, "num_cycles": 0.25}],
     "cosine_warmup_with_min_lr": [{"min_lr_rate": 0.1}, {"min_lr": 1e-4, "warmup_lr_rate": 0.05}],
-    "warmup_stable_decay": [{"num_decay_steps": 3}, {"num_decay_steps": 4, "decay_type": "linear",
-                                                      "warmup_type": "cosine", "min_lr_ratio": 0.1},
-                            {"num_decay_steps": 2, "num_stable_steps": 1, "decay_type": "1-sqrt",
-                             "warmup_type": "1-sqrt"}],
+    "warmup_stable_decay": [
+        {"num_decay_steps": 3},
+        {
+            "num_decay_steps": 4,
+            "decay_type": "linear",
+            "warmup_type": "cosine",
+            "min_lr_ratio": 0.1,
+        },
+        {
+            "num_decay_steps": 2,
+            "num_stable_steps": 1,
+            "decay_type": "1-sqrt",
+            "warmup_type": "1-sqrt",
+        },
+    ],
 }
 
 
@@ -32,8 +44,13 @@ def _hf_lrs(name, warmup, total, kw, peak, n):
     with warnings.catch_warnings():
         # HF warns when WSD gets both num_training_steps and num_stable_steps (the latter wins).
         warnings.filterwarnings("ignore", "Both num_training_steps", UserWarning)
-        sched = get_scheduler(name, opt, num_warmup_steps=warmup, num_training_steps=total,
-                              scheduler_specific_kwargs=dict(kw))
+        sched = get_scheduler(
+            name,
+            opt,
+            num_warmup_steps=warmup,
+            num_training_steps=total,
+            scheduler_specific_kwargs=dict(kw),
+        )
     out = []
     for _ in range(n):
         out.append(sched.get_last_lr()[0])
@@ -50,12 +67,18 @@ def _defined(name, kw, warmup, total):
     return not (name == "polynomial" and warmup == total)
 
 
-CASES = [(n, k, w, t) for n, ks in SPECIFIC.items() for k in ks for w, t in SETTINGS
-         if _defined(n, k, w, t)]
+CASES = [
+    (n, k, w, t)
+    for n, ks in SPECIFIC.items()
+    for k in ks
+    for w, t in SETTINGS
+    if _defined(n, k, w, t)
+]
 
 
-@pytest.mark.parametrize("name,kw,warmup,total", CASES,
-                         ids=[f"{n}-{sorted(k)}-{w}-{t}" for n, k, w, t in CASES])
+@pytest.mark.parametrize(
+    "name,kw,warmup,total", CASES, ids=[f"{n}-{sorted(k)}-{w}-{t}" for n, k, w, t in CASES]
+)
 def test_equals_transformers_get_scheduler_at_every_step(name, kw, warmup, total):
     peak = 3e-3
     n = total + 15  # well past the end
@@ -63,8 +86,9 @@ def test_equals_transformers_get_scheduler_at_every_step(name, kw, warmup, total
     sched = ft.schedules.from_name(name, peak_lr=peak, warmup_steps=warmup, total_steps=total, **kw)
     ours = [sched(s) for s in range(n)]
     assert ours == pytest.approx(hf, rel=1e-12, abs=1e-18)
-    assert ft.schedule_lr(n - 1, name=name, peak_lr=peak, warmup_steps=warmup,
-                          total_steps=total, **kw) == pytest.approx(hf[-1], rel=1e-12, abs=1e-18)
+    assert ft.schedule_lr(
+        n - 1, name=name, peak_lr=peak, warmup_steps=warmup, total_steps=total, **kw
+    ) == pytest.approx(hf[-1], rel=1e-12, abs=1e-18)
 
 
 def test_named_factories_and_step_zero():
@@ -75,36 +99,65 @@ def test_named_factories_and_step_zero():
         lr(-1)
 
 
-@pytest.mark.parametrize("bad,match", [
-    (lambda: ft.schedules.warmup_linear(-1.0, 0, 10), "peak_lr"),
-    (lambda: ft.schedules.warmup_linear(1.0, -1, 10), "warmup_steps"),
-    (lambda: ft.schedules.warmup_linear(1.0, 0, 0), "total_steps"),
-    (lambda: ft.schedules.warmup_polynomial(1e-8, 0, 10), "lr_end"),
-    (lambda: ft.schedules.cosine_with_min_lr(1.0, 0, 10), "min_lr"),
-    (lambda: ft.schedules.from_name("reduce_lr_on_plateau", peak_lr=1.0), "Plateau"),
-    (lambda: ft.schedules.from_name("nope", peak_lr=1.0), "known"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (lambda: ft.schedules.warmup_linear(-1.0, 0, 10), "peak_lr"),
+        (lambda: ft.schedules.warmup_linear(1.0, -1, 10), "warmup_steps"),
+        (lambda: ft.schedules.warmup_linear(1.0, 0, 0), "total_steps"),
+        (lambda: ft.schedules.warmup_polynomial(1e-8, 0, 10), "lr_end"),
+        (lambda: ft.schedules.cosine_with_min_lr(1.0, 0, 10), "min_lr"),
+        (lambda: ft.schedules.from_name("reduce_lr_on_plateau", peak_lr=1.0), "Plateau"),
+        (lambda: ft.schedules.from_name("nope", peak_lr=1.0), "known"),
+    ],
+)
 def test_bad_arguments(bad, match):
     with pytest.raises(ValueError, match=match):
         bad()
 
 
-@given(warmup=st.integers(0, 50), extra=st.integers(1, 200), name=st.sampled_from(["linear", "cosine", "polynomial"]))
+@given(
+    warmup=st.integers(0, 50),
+    extra=st.integers(1, 200),
+    name=st.sampled_from(["linear", "cosine", "polynomial"]),
+)
 def test_property_warmup_rises_then_decay_falls(warmup, extra, name):
     total = warmup + extra
     lr = ft.schedules.from_name(name, peak_lr=1.0, warmup_steps=warmup, total_steps=total)
     values = [lr(s) for s in range(total + 1)]  # (HF cosine rises again past the end)
-    assert all(a <= b for a, b in zip(values[: warmup + 1], values[1 : warmup + 1]))
-    assert all(a >= b - 1e-15 for a, b in zip(values[warmup:], values[warmup + 1 :]))
+    assert all(a <= b for a, b in itertools.pairwise(values[: warmup + 1]))
+    assert all(a >= b - 1e-15 for a, b in itertools.pairwise(values[warmup:]))
     assert max(values) <= 1.0 and min(values) >= 0.0
 
 
-@pytest.mark.parametrize("kw", [
-    {}, {"mode": "max"}, {"patience": 1, "cooldown": 2, "factor": 0.5},
-    {"threshold_mode": "abs", "threshold": 0.05, "patience": 0, "min_lr": 0.02},
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"mode": "max"},
+        {"patience": 1, "cooldown": 2, "factor": 0.5},
+        {"threshold_mode": "abs", "threshold": 0.05, "patience": 0, "min_lr": 0.02},
+    ],
+)
 def test_plateau_equals_torch_reduce_lr_on_plateau(kw):
-    metrics = [1.0, 0.9, 0.95, 0.93, 0.92, 0.91, 0.95, 0.97, 0.99, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1]
+    metrics = [
+        1.0,
+        0.9,
+        0.95,
+        0.93,
+        0.92,
+        0.91,
+        0.95,
+        0.97,
+        0.99,
+        0.5,
+        0.6,
+        0.7,
+        0.8,
+        0.9,
+        1.0,
+        1.1,
+    ]
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     torch_rule = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, **kw)
     rule = ft.schedules.Plateau(**kw)

@@ -43,7 +43,7 @@ def test_params_are_module_owned_and_exclude_frozen():
 
 
 def test_create_validates():
-    with pytest.raises(TypeError, match="nn.Module"):
+    with pytest.raises(TypeError, match=r"nn\.Module"):
         ft.TrainState.create("model", ft.optim.sgd())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="from_torch"):
         ft.TrainState.create(torch.nn.Linear(1, 1), torch.optim.SGD)  # type: ignore[arg-type]

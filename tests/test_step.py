@@ -63,7 +63,11 @@ def test_nonfinite_gradient_skips_update(bad, make):
     assert state.step == 2, "a skipped update still counts as a step, as in HF Trainer"
     for k, v in state.params.items():
         assert torch.equal(v, params[k]), k
-    for a, b in zip(torch.utils._pytree.tree_leaves(state.opt_state), torch.utils._pytree.tree_leaves(opt), strict=True):
+    for a, b in zip(
+        torch.utils._pytree.tree_leaves(state.opt_state),
+        torch.utils._pytree.tree_leaves(opt),
+        strict=True,
+    ):
         assert torch.equal(a, b)
 
 
@@ -77,9 +81,15 @@ def test_skip_nonfinite_false_applies_the_update():
     assert torch.isnan(next(iter(state.params.values()))).any()
 
 
-@pytest.mark.parametrize("kw,err", [({"lr": -1.0}, ValueError), ({"lr": float("nan")}, ValueError),
-                                    ({"lr": torch.tensor(0.1)}, TypeError),
-                                    ({"lr": 0.1, "max_norm": 0.0}, ValueError)])
+@pytest.mark.parametrize(
+    "kw,err",
+    [
+        ({"lr": -1.0}, ValueError),
+        ({"lr": float("nan")}, ValueError),
+        ({"lr": torch.tensor(0.1)}, TypeError),
+        ({"lr": 0.1, "max_norm": 0.0}, ValueError),
+    ],
+)
 def test_bad_arguments(kw, err):
     model, x, loss_fn = _setup()
     state = ft.TrainState.create(model, ft.optim.sgd())

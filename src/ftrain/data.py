@@ -16,7 +16,13 @@ import torch
 
 from ftrain.strategies._base import Strategy
 
-__all__ = ["epoch_order", "length_grouped_order", "make_batches", "num_micro_batches", "pad_collate"]
+__all__ = [
+    "epoch_order",
+    "length_grouped_order",
+    "make_batches",
+    "num_micro_batches",
+    "pad_collate",
+]
 
 Batch = Any
 Collate = Callable[[list[Any]], Batch]
@@ -44,7 +50,11 @@ def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
 
 
 def length_grouped_order(
-    lengths: Sequence[int], batch_size: int, seed: int, epoch: int, mega_batch_mult: int | None = None
+    lengths: Sequence[int],
+    batch_size: int,
+    seed: int,
+    epoch: int,
+    mega_batch_mult: int | None = None,
 ) -> np.ndarray:
     """Order rows like HF's `LengthGroupedSampler`: shuffle, cut into mega-batches of
     `mega_batch_mult * batch_size`, sort each by length (longest first), and put the longest
@@ -57,14 +67,19 @@ def length_grouped_order(
         mega_batch_mult = max(min(n // (batch_size * 4), 50), 1)
     perm = torch.randperm(n, generator=_generator(seed, epoch)).tolist()
     size = mega_batch_mult * batch_size
-    megas = [sorted(perm[i : i + size], key=lambda j: lengths[j], reverse=True) for i in range(0, n, size)]
+    megas = [
+        sorted(perm[i : i + size], key=lambda j: lengths[j], reverse=True)
+        for i in range(0, n, size)
+    ]
     heads = [lengths[m[0]] for m in megas]
     top = int(np.argmax(heads))  # first maximum, as torch.argmax
     megas[0][0], megas[top][0] = megas[top][0], megas[0][0]
     return np.fromiter((i for m in megas for i in m), dtype=np.int64, count=n)
 
 
-def num_micro_batches(n: int, batch_size: int, *, world_size: int = 1, drop_last: bool = False) -> int:
+def num_micro_batches(
+    n: int, batch_size: int, *, world_size: int = 1, drop_last: bool = False
+) -> int:
     """Micro-batches in one epoch of `n` rows with `batch_size` rows per rank."""
     rows = batch_size * world_size
     return n // rows if drop_last else -(-n // rows)
@@ -147,7 +162,11 @@ def make_batches(
 
 
 def _validate(*, batch_size: int, accum: int, start: int, data: Any) -> None:
-    for name, value, low in (("batch_size", batch_size, 1), ("accum", accum, 1), ("start", start, 0)):
+    for name, value, low in (
+        ("batch_size", batch_size, 1),
+        ("accum", accum, 1),
+        ("start", start, 0),
+    ):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
@@ -187,7 +206,8 @@ def pad_collate(
 
     Example:
         >>> from ftrain.data import pad_collate
-        >>> b = pad_collate(pad_id=9)([{"input_ids": [1, 2], "labels": [1, 2]}, {"input_ids": [3], "labels": [3]}])
+        >>> rows = [{"input_ids": [1, 2], "labels": [1, 2]}, {"input_ids": [3], "labels": [3]}]
+        >>> b = pad_collate(pad_id=9)(rows)
         >>> b["input_ids"].tolist(), b["labels"].tolist(), b["attention_mask"].tolist()
         ([[1, 2], [3, 9]], [[1, 2], [3, -100]], [[1, 1], [1, 0]])
     """

@@ -67,8 +67,12 @@ def evaluate(
                 if metrics_fn is not None:
                     parts.update(metrics_fn(model, batch))
                 for name, (s, n) in parts.items():
-                    pair = torch.stack([torch.as_tensor(s, device=device).double(),
-                                        torch.as_tensor(n, device=device).double()])
+                    pair = torch.stack(
+                        [
+                            torch.as_tensor(s, device=device).double(),
+                            torch.as_tensor(n, device=device).double(),
+                        ]
+                    )
                     sums[name] = sums[name] + pair if name in sums else pair
     finally:
         model.train(was_training)
@@ -76,8 +80,8 @@ def evaluate(
         raise ValueError("evaluate got no batches")
     names = sorted(sums)
     totals = strategy.all_reduce_sum(torch.stack([sums[n] for n in names])).tolist()  # host sync
-    out = {f"eval_{n}": s / n_items if n_items else math.nan for n, (s, n_items) in zip(names, totals)}
-    loss_sum, n_items = totals[names.index("loss")]
+    out = {f"eval_{n}": s / c if c else math.nan for n, (s, c) in zip(names, totals, strict=True)}
+    n_items = totals[names.index("loss")][1]
     out["eval_ppl"] = math.exp(out["eval_loss"]) if out["eval_loss"] < 700 else math.inf
     out["eval_items"] = n_items
     return out

@@ -134,12 +134,14 @@ def accumulate_grads(
             samples += n_samples
     # One collective for all four totals; float64 keeps counts exact far beyond 2**24.
     totals = strategy.all_reduce_sum(
-        torch.stack([
-            torch.stack(losses).double().sum(),
-            torch.stack(items).double().sum(),
-            torch.stack(tokens).double().sum(),
-            torch.full((), float(samples), dtype=torch.float64, device=device),
-        ])
+        torch.stack(
+            [
+                torch.stack(losses).double().sum(),
+                torch.stack(items).double().sum(),
+                torch.stack(tokens).double().sum(),
+                torch.full((), float(samples), dtype=torch.float64, device=device),
+            ]
+        )
     )
     loss_total, num_items_t, num_tokens_t, num_samples_t = totals.unbind()
     denom = num_items_t.clamp(min=1.0)

@@ -55,10 +55,10 @@ def causal_lm_loss(*, label_smoothing: float = 0.0) -> LossFn:
         >>> import torch, ftrain as ft
         >>> class Uniform(torch.nn.Module):
         ...     def forward(self, input_ids, attention_mask=None):
-        ...         return torch.zeros(*input_ids.shape, 4, requires_grad=True)
+        ...         return torch.zeros(*input_ids.shape, 4)
         >>> batch = {"input_ids": torch.tensor([[0, 1, 2]]), "labels": torch.tensor([[0, 1, -100]])}
         >>> loss, n = ft.losses.causal_lm_loss()(Uniform(), batch)
-        >>> round(float(loss), 4), int(n)    # one counted token, log(4)
+        >>> round(loss.item(), 4), int(n)    # one counted token: log(4)
         (1.3863, 1)
     """
     if not 0.0 <= label_smoothing < 1.0:
@@ -97,7 +97,10 @@ def classification_loss(*, label_smoothing: float = 0.0) -> LossFn:
             loss = F.mse_loss(_upcast(logits.squeeze(-1)), labels.to(logits.dtype), reduction="sum")
             return loss, torch.tensor(labels.numel(), device=labels.device)
         loss = F.cross_entropy(
-            _upcast(logits), labels, ignore_index=IGNORE_INDEX, reduction="sum",
+            _upcast(logits),
+            labels,
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
             label_smoothing=label_smoothing,
         )
         return loss, (labels != IGNORE_INDEX).sum()

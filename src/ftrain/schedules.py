@@ -115,7 +115,12 @@ def _f_inverse_sqrt(step: int, *, warmup_steps: int, timescale: int) -> float:
 
 
 def _f_cosine_rate(
-    step: int, *, warmup_steps: int, total_steps: int, num_cycles: float, min_lr_rate: float,
+    step: int,
+    *,
+    warmup_steps: int,
+    total_steps: int,
+    num_cycles: float,
+    min_lr_rate: float,
     warmup_lr_rate: float | None,
 ) -> float:
     s, w, t = float(step), float(warmup_steps), float(total_steps)
@@ -141,8 +146,15 @@ _DECAYS = {
 
 
 def _f_wsd(
-    step: int, *, warmup_steps: int, stable_steps: int, decay_steps: int, warmup_type: str,
-    decay_type: str, min_lr_ratio: float, num_cycles: float,
+    step: int,
+    *,
+    warmup_steps: int,
+    stable_steps: int,
+    decay_steps: int,
+    warmup_type: str,
+    decay_type: str,
+    min_lr_ratio: float,
+    num_cycles: float,
 ) -> float:
     if step < warmup_steps:
         factor = _SHAPES[warmup_type](float(step) / float(max(1, warmup_steps)))
@@ -189,7 +201,9 @@ def warmup_linear(peak_lr: float, warmup_steps: int, total_steps: int) -> Schedu
     """
     _check_common(peak_lr, warmup_steps, total_steps)
     return _Sched(
-        "warmup_linear", peak_lr, _f_linear,
+        "warmup_linear",
+        peak_lr,
+        _f_linear,
         {"warmup_steps": warmup_steps, "total_steps": total_steps},
     )
 
@@ -208,7 +222,9 @@ def warmup_cosine(
     """
     _check_common(peak_lr, warmup_steps, total_steps)
     return _Sched(
-        "warmup_cosine", peak_lr, _f_cosine,
+        "warmup_cosine",
+        peak_lr,
+        _f_cosine,
         {"warmup_steps": warmup_steps, "total_steps": total_steps, "num_cycles": num_cycles},
     )
 
@@ -220,13 +236,19 @@ def warmup_cosine_restarts(
     (HF "cosine_with_restarts")."""
     _check_common(peak_lr, warmup_steps, total_steps)
     return _Sched(
-        "warmup_cosine_restarts", peak_lr, _f_restarts,
+        "warmup_cosine_restarts",
+        peak_lr,
+        _f_restarts,
         {"warmup_steps": warmup_steps, "total_steps": total_steps, "num_cycles": num_cycles},
     )
 
 
 def warmup_polynomial(
-    peak_lr: float, warmup_steps: int, total_steps: int, *, lr_end: float = 1e-7,
+    peak_lr: float,
+    warmup_steps: int,
+    total_steps: int,
+    *,
+    lr_end: float = 1e-7,
     power: float = 1.0,
 ) -> Schedule:
     """Warmup, then `(peak - lr_end) * (1 - progress) ** power + lr_end`, and `lr_end` after
@@ -239,9 +261,16 @@ def warmup_polynomial(
     if not peak_lr > lr_end:
         raise ValueError(f"lr_end ({lr_end}) must be smaller than peak_lr ({peak_lr})")
     return _Sched(
-        "warmup_polynomial", peak_lr, _f_polynomial,
-        {"warmup_steps": warmup_steps, "total_steps": total_steps, "lr_end": lr_end,
-         "power": power, "lr_init": peak_lr},
+        "warmup_polynomial",
+        peak_lr,
+        _f_polynomial,
+        {
+            "warmup_steps": warmup_steps,
+            "total_steps": total_steps,
+            "lr_end": lr_end,
+            "power": power,
+            "lr_init": peak_lr,
+        },
     )
 
 
@@ -255,7 +284,9 @@ def warmup_inverse_sqrt(
     if timescale <= 0:
         raise ValueError(f"timescale must be > 0, got {timescale!r}")
     return _Sched(
-        "warmup_inverse_sqrt", peak_lr, _f_inverse_sqrt,
+        "warmup_inverse_sqrt",
+        peak_lr,
+        _f_inverse_sqrt,
         {"warmup_steps": warmup_steps, "timescale": timescale},
     )
 
@@ -267,23 +298,39 @@ def _min_rate(peak_lr: float, min_lr: float | None, min_lr_rate: float | None) -
 
 
 def cosine_with_min_lr(
-    peak_lr: float, warmup_steps: int, total_steps: int, *, num_cycles: float = 0.5,
-    min_lr: float | None = None, min_lr_rate: float | None = None,
+    peak_lr: float,
+    warmup_steps: int,
+    total_steps: int,
+    *,
+    num_cycles: float = 0.5,
+    min_lr: float | None = None,
+    min_lr_rate: float | None = None,
 ) -> Schedule:
     """Like `warmup_cosine` but decaying to `min_lr` (or `min_lr_rate * peak_lr`)
     (HF "cosine_with_min_lr")."""
     _check_common(peak_lr, warmup_steps, total_steps)
     rate = _min_rate(peak_lr, min_lr, min_lr_rate)
     return _Sched(
-        "cosine_with_min_lr", peak_lr, _f_cosine,
-        {"warmup_steps": warmup_steps, "total_steps": total_steps, "num_cycles": num_cycles,
-         "min_lr_rate": rate},
+        "cosine_with_min_lr",
+        peak_lr,
+        _f_cosine,
+        {
+            "warmup_steps": warmup_steps,
+            "total_steps": total_steps,
+            "num_cycles": num_cycles,
+            "min_lr_rate": rate,
+        },
     )
 
 
 def cosine_warmup_with_min_lr(
-    peak_lr: float, warmup_steps: int, total_steps: int, *, num_cycles: float = 0.5,
-    min_lr: float | None = None, min_lr_rate: float | None = None,
+    peak_lr: float,
+    warmup_steps: int,
+    total_steps: int,
+    *,
+    num_cycles: float = 0.5,
+    min_lr: float | None = None,
+    min_lr_rate: float | None = None,
     warmup_lr_rate: float | None = None,
 ) -> Schedule:
     """HF "cosine_warmup_with_min_lr": warmup starts at `(step + 1) / warmup` (or at
@@ -291,16 +338,30 @@ def cosine_warmup_with_min_lr(
     _check_common(peak_lr, warmup_steps, total_steps)
     rate = _min_rate(peak_lr, min_lr, min_lr_rate)
     return _Sched(
-        "cosine_warmup_with_min_lr", peak_lr, _f_cosine_rate,
-        {"warmup_steps": warmup_steps, "total_steps": total_steps, "num_cycles": num_cycles,
-         "min_lr_rate": rate, "warmup_lr_rate": warmup_lr_rate},
+        "cosine_warmup_with_min_lr",
+        peak_lr,
+        _f_cosine_rate,
+        {
+            "warmup_steps": warmup_steps,
+            "total_steps": total_steps,
+            "num_cycles": num_cycles,
+            "min_lr_rate": rate,
+            "warmup_lr_rate": warmup_lr_rate,
+        },
     )
 
 
 def warmup_stable_decay(
-    peak_lr: float, warmup_steps: int, total_steps: int | None = None, *, num_decay_steps: int,
-    num_stable_steps: int | None = None, warmup_type: str = "linear", decay_type: str = "cosine",
-    min_lr_ratio: float = 0.0, num_cycles: float = 0.5,
+    peak_lr: float,
+    warmup_steps: int,
+    total_steps: int | None = None,
+    *,
+    num_decay_steps: int,
+    num_stable_steps: int | None = None,
+    warmup_type: str = "linear",
+    decay_type: str = "cosine",
+    min_lr_ratio: float = 0.0,
+    num_cycles: float = 0.5,
 ) -> Schedule:
     """Warmup, a stable phase at `peak_lr`, then a decay to `min_lr_ratio * peak_lr`
     (HF "warmup_stable_decay"); the stable phase lasts `num_stable_steps`, or what remains of
@@ -314,10 +375,18 @@ def warmup_stable_decay(
         if kind not in _SHAPES:
             raise ValueError(f"{name} must be one of {sorted(_SHAPES)}, got {kind!r}")
     return _Sched(
-        "warmup_stable_decay", peak_lr, _f_wsd,
-        {"warmup_steps": warmup_steps, "stable_steps": num_stable_steps,
-         "decay_steps": num_decay_steps, "warmup_type": warmup_type, "decay_type": decay_type,
-         "min_lr_ratio": min_lr_ratio, "num_cycles": num_cycles},
+        "warmup_stable_decay",
+        peak_lr,
+        _f_wsd,
+        {
+            "warmup_steps": warmup_steps,
+            "stable_steps": num_stable_steps,
+            "decay_steps": num_decay_steps,
+            "warmup_type": warmup_type,
+            "decay_type": decay_type,
+            "min_lr_ratio": min_lr_ratio,
+            "num_cycles": num_cycles,
+        },
     )
 
 
@@ -340,7 +409,11 @@ _BY_NAME: dict[str, Callable[..., Schedule]] = {
 
 
 def from_name(
-    name: str, *, peak_lr: float, warmup_steps: int = 0, total_steps: int | None = None,
+    name: str,
+    *,
+    peak_lr: float,
+    warmup_steps: int = 0,
+    total_steps: int | None = None,
     **hf_kwargs: Any,
 ) -> Schedule:
     """Build a schedule from HF's `lr_scheduler_type` name and `lr_scheduler_kwargs`.
@@ -355,8 +428,13 @@ def from_name(
 
 
 def schedule_lr(
-    step: int, *, name: str, peak_lr: float, warmup_steps: int = 0,
-    total_steps: int | None = None, **hf_kwargs: Any,
+    step: int,
+    *,
+    name: str,
+    peak_lr: float,
+    warmup_steps: int = 0,
+    total_steps: int | None = None,
+    **hf_kwargs: Any,
 ) -> float:
     """The learning rate of update `step` under HF's schedule `name`.
 

@@ -78,8 +78,12 @@ class TrainState:
     step: int = 0
     epoch: int = 0
     cursor: int = 0
-    tokens_seen: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
-    samples_seen: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
+    tokens_seen: torch.Tensor = dataclasses.field(
+        default_factory=lambda: torch.zeros((), dtype=torch.int64)
+    )
+    samples_seen: torch.Tensor = dataclasses.field(
+        default_factory=lambda: torch.zeros((), dtype=torch.int64)
+    )
     seed: int = 0
     best_metric: float | None = None
     best_step: int | None = None

@@ -88,7 +88,8 @@ def clip_and_step(
             samples_seen=state.samples_seen + stats.num_samples,
         )
     skipped = (
-        found_inf.bool() if found_inf is not None
+        found_inf.bool()
+        if found_inf is not None
         else torch.zeros((), dtype=torch.bool, device=norm.device)
     )
     return new.replace(**changes), StepInfo(grad_norm=norm, skipped=skipped, lr=float(lr))

@@ -65,7 +65,12 @@ def from_torch(optimizer_cls: Callable[..., torch.optim.Optimizer], **kwargs: An
         return TorchOptimizerState(optimizer_cls(list(params.values()), lr=0.0, **kwargs), names)
 
     def update(
-        grads: Grads, state: TorchOptimizerState, params: Params, *, lr: float, step: int,
+        grads: Grads,
+        state: TorchOptimizerState,
+        params: Params,
+        *,
+        lr: float,
+        step: int,
         found_inf: torch.Tensor | None = None,
     ) -> TorchOptimizerState:
         if _skip_on_host(found_inf):
@@ -92,7 +97,7 @@ def from_torchopt(tx: Any) -> Optimizer:
         ImportError: when torchopt is not installed.
     """
     try:
-        import torchopt
+        import torchopt  # noqa: F401  (only checks that the extra is installed)
     except ImportError as e:  # pragma: no cover - exercised only without the extra
         raise ImportError("from_torchopt needs torchopt: pip install 'ftrain[torchopt]'") from e
     if not hasattr(tx, "init") or not hasattr(tx, "update"):
@@ -102,7 +107,12 @@ def from_torchopt(tx: Any) -> Optimizer:
         return tx.init(tuple(params.values()))
 
     def update(
-        grads: Grads, state: Any, params: Params, *, lr: float, step: int,
+        grads: Grads,
+        state: Any,
+        params: Params,
+        *,
+        lr: float,
+        step: int,
         found_inf: torch.Tensor | None = None,
     ) -> Any:
         if _skip_on_host(found_inf):

@@ -63,9 +63,9 @@ class Transform(NamedTuple):
 
 
 class AdamState(NamedTuple):
-    """State of `adam`/`adamw`: the update count and the two moments, keyed by parameter name."""
+    """State of `adam`/`adamw`: updates applied (`steps`) and the two moments keyed by name."""
 
-    count: torch.Tensor
+    steps: torch.Tensor
     mu: dict[str, torch.Tensor]
     nu: dict[str, torch.Tensor]
 
@@ -122,8 +122,14 @@ class _Groups:
 
 
 def _adam(
-    *, decoupled: bool, b1: float, b2: float, eps: float, weight_decay: float,
-    mask: Mask, maximize: bool,
+    *,
+    decoupled: bool,
+    b1: float,
+    b2: float,
+    eps: float,
+    weight_decay: float,
+    mask: Mask,
+    maximize: bool,
 ) -> Optimizer:
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
     groups = _Groups(_masker(mask))
@@ -131,23 +137,45 @@ def _adam(
     def init(params: Params) -> AdamState:
         first = next(iter(params.values()))
         return AdamState(
-            count=torch.zeros((), dtype=torch.float32, device=first.device),
-            mu={n: torch.zeros_like(p, memory_format=torch.preserve_format) for n, p in params.items()},
-            nu={n: torch.zeros_like(p, memory_format=torch.preserve_format) for n, p in params.items()},
+            steps=torch.zeros((), dtype=torch.float32, device=first.device),
+            mu={
+                n: torch.zeros_like(p, memory_format=torch.preserve_format)
+                for n, p in params.items()
+            },
+            nu={
+                n: torch.zeros_like(p, memory_format=torch.preserve_format)
+                for n, p in params.items()
+            },
         )
 
     def update(
-        grads: Grads, state: AdamState, params: Params, *, lr: float, step: int,
+        grads: Grads,
+        state: AdamState,
+        params: Params,
+        *,
+        lr: float,
+        step: int,
         found_inf: torch.Tensor | None = None,
     ) -> AdamState:
-        count = state.count.add_(1)  # the kernel reads the post-increment count, as torch.optim does
+        # The kernel reads the post-increment count, as torch.optim's Adam does.
+        count = state.steps.add_(1)
         for decay, names in groups(grads, params):
             kernel(
-                [params[n] for n in names], [grads[n] for n in names],
-                [state.mu[n] for n in names], [state.nu[n] for n in names], [],
+                [params[n] for n in names],
+                [grads[n] for n in names],
+                [state.mu[n] for n in names],
+                [state.nu[n] for n in names],
+                [],
                 [count] * len(names),
-                lr=lr, beta1=b1, beta2=b2, weight_decay=weight_decay if decay else 0.0,
-                eps=eps, amsgrad=False, maximize=maximize, grad_scale=None, found_inf=found_inf,
+                lr=lr,
+                beta1=b1,
+                beta2=b2,
+                weight_decay=weight_decay if decay else 0.0,
+                eps=eps,
+                amsgrad=False,
+                maximize=maximize,
+                grad_scale=None,
+                found_inf=found_inf,
             )
         if found_inf is not None:
             count.sub_(found_inf)
@@ -193,8 +221,13 @@ def adamw(
     """
     _validate_adam(betas, eps, weight_decay)
     return _adam(
-        decoupled=True, b1=betas[0], b2=betas[1], eps=eps,
-        weight_decay=weight_decay, mask=mask, maximize=maximize,
+        decoupled=True,
+        b1=betas[0],
+        b2=betas[1],
+        eps=eps,
+        weight_decay=weight_decay,
+        mask=mask,
+        maximize=maximize,
     )
 
 
@@ -217,8 +250,13 @@ def adam(
     """
     _validate_adam(betas, eps, weight_decay)
     return _adam(
-        decoupled=False, b1=betas[0], b2=betas[1], eps=eps,
-        weight_decay=weight_decay, mask=mask, maximize=maximize,
+        decoupled=False,
+        b1=betas[0],
+        b2=betas[1],
+        eps=eps,
+        weight_decay=weight_decay,
+        mask=mask,
+        maximize=maximize,
     )
 
 
@@ -260,16 +298,28 @@ def sgd(
         return SGDState(momentum={n: torch.zeros_like(p) for n, p in params.items()})
 
     def update(
-        grads: Grads, state: SGDState, params: Params, *, lr: float, step: int,
+        grads: Grads,
+        state: SGDState,
+        params: Params,
+        *,
+        lr: float,
+        step: int,
         found_inf: torch.Tensor | None = None,
     ) -> SGDState:
         for decay, names in groups(grads, params):
             torch._fused_sgd_(
-                [params[n] for n in names], [grads[n] for n in names],
+                [params[n] for n in names],
+                [grads[n] for n in names],
                 [state.momentum[n] for n in names] if momentum else [],
-                weight_decay=weight_decay if decay else 0.0, momentum=momentum, lr=lr,
-                dampening=dampening, nesterov=nesterov, maximize=maximize,
-                is_first_step=step == 0, grad_scale=None, found_inf=found_inf,
+                weight_decay=weight_decay if decay else 0.0,
+                momentum=momentum,
+                lr=lr,
+                dampening=dampening,
+                nesterov=nesterov,
+                maximize=maximize,
+                is_first_step=step == 0,
+                grad_scale=None,
+                found_inf=found_inf,
             )
         return state
 
@@ -289,18 +339,25 @@ def chain(*parts: Transform | Optimizer) -> Optimizer:
     """
     if not parts or not isinstance(parts[-1], Optimizer):
         raise TypeError("chain(...) must end with an ft.optim.Optimizer such as adamw() or sgd()")
-    *transforms, inner = parts
-    for i, t in enumerate(transforms):
+    inner = parts[-1]
+    transforms: list[Transform] = []
+    for i, t in enumerate(parts[:-1]):
         if not isinstance(t, Transform):
             raise TypeError(
                 f"chain argument {i} must be an ft.optim.Transform, got {type(t).__name__}"
             )
+        transforms.append(t)
 
     def init(params: Params) -> ChainState:
         return ChainState(tuple(t.init(params) for t in transforms), inner.init(params))
 
     def update(
-        grads: Grads, state: ChainState, params: Params, *, lr: float, step: int,
+        grads: Grads,
+        state: ChainState,
+        params: Params,
+        *,
+        lr: float,
+        step: int,
         found_inf: torch.Tensor | None = None,
     ) -> ChainState:
         states = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -13,7 +14,7 @@ from ftrain.strategies._base import local_grad_norm
 __all__ = ["add_decayed_weights", "clip", "clip_by_global_norm", "decay_mask", "scale"]
 
 
-def _stateless(fn):  # type: ignore[no-untyped-def]
+def _stateless(fn: Callable[[Grads, Params], Grads]) -> Transform:
     return Transform(lambda params: (), lambda grads, state, params: (fn(grads, params), state))
 
 
@@ -77,7 +78,10 @@ def add_decayed_weights(weight_decay: float, *, mask: frozenset[str] | None = No
 
 # HF Trainer's rule (Trainer.get_decay_parameter_names): no decay inside LayerNorm modules, nor
 # for names that look like biases or norm weights.
-_NO_DECAY = [re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")]
+_NO_DECAY = [
+    re.compile(p)
+    for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
+]
 
 
 def decay_mask(model: nn.Module) -> frozenset[str]:

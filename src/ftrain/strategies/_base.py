@@ -70,8 +70,10 @@ class Strategy(Protocol):
 
 def default_device() -> torch.device:
     """The first CUDA device when there is one, else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else (
-        torch.device("cpu")
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else (torch.device("cpu"))
     )
 
 

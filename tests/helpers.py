@@ -1,0 +1,46 @@
+"""Shared builders: tiny HF models from configs, ragged token data, a fake data-parallel rank."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+import ftrain as ft
+
+
+def tiny_llama(dtype: torch.dtype = torch.float32, seed: int = 0, dropout: float = 0.0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=61,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attention_dropout=dropout,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(cfg).to(dtype)
+
+
+def ragged_rows(n: int, seed: int = 0, *, mask_prompt: bool = True, lo: int = 3, hi: int = 14):
+    """Rows of random length; the first tokens are a prompt whose labels are -100."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        ids = [rng.randrange(1, 61) for _ in range(rng.randrange(lo, hi))]
+        prompt = rng.randrange(0, len(ids) - 1) if mask_prompt else 0
+        rows.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
+    return rows
+
+
+class FakeRank(ft.strategies.SingleDevice):
+    """SingleDevice that claims to be rank `rank` of `world_size` (for data-split tests)."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        super().__init__("cpu")
+        self.rank, self.world_size = rank, world_size
