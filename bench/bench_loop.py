@@ -35,19 +35,49 @@ def build(regime: str) -> tuple[torch.nn.Module, list[list[dict[str, torch.Tenso
 
     torch.manual_seed(0)
     if regime == "tiny":  # per-step overhead dominates
-        model: torch.nn.Module = GPT2LMHeadModel(GPT2Config(
-            vocab_size=128, n_positions=32, n_embd=32, n_layer=1, n_head=2,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+        model: torch.nn.Module = GPT2LMHeadModel(
+            GPT2Config(
+                vocab_size=128,
+                n_positions=32,
+                n_embd=32,
+                n_layer=1,
+                n_head=2,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
+        )
         bs, seq, vocab, steps = 4, 16, 128, 100
     elif regime == "embedding":  # ~30M parameters, mostly embeddings: the optimizer dominates
-        model = GPT2LMHeadModel(GPT2Config(
-            vocab_size=50_000, n_positions=32, n_embd=576, n_layer=1, n_head=4,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+        model = GPT2LMHeadModel(
+            GPT2Config(
+                vocab_size=50_000,
+                n_positions=32,
+                n_embd=576,
+                n_layer=1,
+                n_head=4,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
+        )
         bs, seq, vocab, steps = 2, 16, 50_000, 8
     elif regime == "llama":  # compute dominates
-        model = LlamaForCausalLM(LlamaConfig(
-            vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256))
+        model = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=1024,
+                hidden_size=256,
+                intermediate_size=688,
+                num_hidden_layers=4,
+                num_attention_heads=8,
+                num_key_value_heads=4,
+                max_position_embeddings=256,
+            )
+        )
         bs, seq, vocab, steps = 8, 128, 1024, 4
     else:
         raise ValueError(f"unknown regime {regime!r}")
@@ -119,9 +149,11 @@ def time_regime(regime: str, rounds: int) -> dict[str, float]:
     model, data, steps = build(regime)
     model, data = _to_device(model, data)
     total = steps * (rounds + 1)
-    loops = {"raw": raw_loop(copy.deepcopy(model), total),
-             "ftrain": ftrain_loop(copy.deepcopy(model), total)}
-    for name, step in loops.items():  # warm-up block (allocator, first-step state init)
+    loops = {
+        "raw": raw_loop(copy.deepcopy(model), total),
+        "ftrain": ftrain_loop(copy.deepcopy(model), total),
+    }
+    for step in loops.values():  # warm-up block (allocator, first-step state init)
         _block(step, data, 0)
     per_step: dict[str, list[float]] = {name: [] for name in loops}
     for r in range(rounds):
@@ -130,8 +162,12 @@ def time_regime(regime: str, rounds: int) -> dict[str, float]:
             per_step[name] += _block(loops[name], data, steps * (r + 1))
     med = {name: statistics.median(ts) for name, ts in per_step.items()}
     n_params = sum(p.numel() for p in model.parameters())
-    return {"params_m": n_params / 1e6, "raw_ms": med["raw"] * 1e3,
-            "ftrain_ms": med["ftrain"] * 1e3, "time_ratio": med["ftrain"] / med["raw"]}
+    return {
+        "params_m": n_params / 1e6,
+        "raw_ms": med["raw"] * 1e3,
+        "ftrain_ms": med["ftrain"] * 1e3,
+        "time_ratio": med["ftrain"] / med["raw"],
+    }
 
 
 def _rss_bytes() -> int:
@@ -149,18 +185,23 @@ def memory_child(regime: str, loop: str) -> None:
     base = torch.cuda.memory_allocated() if cuda else _rss_bytes()
     _block(step, data, 0)
     _block(step, data, steps)
-    peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(
-        resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = (
+        torch.cuda.max_memory_allocated()
+        if cuda
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
     print(json.dumps({"peak_growth_mb": (peak - base) / 2**20}))
 
 
 def memory_regime(regime: str, rounds: int) -> dict[str, float]:
     growth: dict[str, list[float]] = {"raw": [], "ftrain": []}
     for r in range(rounds):
-        for loop in (["raw", "ftrain"] if r % 2 == 0 else ["ftrain", "raw"]):
+        for loop in ["raw", "ftrain"] if r % 2 == 0 else ["ftrain", "raw"]:
             out = subprocess.run(
                 [sys.executable, __file__, "--memory-child", regime, loop],
-                check=True, capture_output=True, text=True,
+                check=True,
+                capture_output=True,
+                text=True,
             ).stdout
             growth[loop].append(json.loads(out.strip().splitlines()[-1])["peak_growth_mb"])
     raw, ours = statistics.median(growth["raw"]), statistics.median(growth["ftrain"])
@@ -168,7 +209,9 @@ def memory_regime(regime: str, rounds: int) -> dict[str, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--regime", choices=["tiny", "embedding", "llama", "all"], default="all")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--memory-rounds", type=int, default=2)
@@ -178,17 +221,24 @@ def main() -> None:
         memory_child(*args.memory_child)
         return
     regimes = ["tiny", "embedding", "llama"] if args.regime == "all" else [args.regime]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{'cuda' if torch.cuda.is_available() else 'cpu'}")
-    print("| regime | params (M) | raw ms/step | ftrain ms/step | time ratio | raw peak MB | "
-          "ftrain peak MB | memory ratio |")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{'cuda' if torch.cuda.is_available() else 'cpu'}"
+    )
+    print(
+        "| regime | params (M) | raw ms/step | ftrain ms/step | time ratio | raw peak MB | "
+        "ftrain peak MB | memory ratio |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for regime in regimes:
         t = time_regime(regime, args.rounds)
         m = memory_regime(regime, args.memory_rounds)
-        print(f"| {regime} | {t['params_m']:.2f} | {t['raw_ms']:.2f} | {t['ftrain_ms']:.2f} | "
-              f"{t['time_ratio']:.3f} | {m['raw_peak_mb']:.1f} | {m['ftrain_peak_mb']:.1f} | "
-              f"{m['mem_ratio']:.3f} |", flush=True)
+        print(
+            f"| {regime} | {t['params_m']:.2f} | {t['raw_ms']:.2f} | {t['ftrain_ms']:.2f} | "
+            f"{t['time_ratio']:.3f} | {m['raw_peak_mb']:.1f} | {m['ftrain_peak_mb']:.1f} | "
+            f"{m['mem_ratio']:.3f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> float:
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     model = GPT2LMHeadModel(config)
     optimizer = ft.optim.adamw(betas=(0.9, 0.99), weight_decay=0.1, mask=ft.optim.decay_mask(model))
