@@ -122,15 +122,15 @@ class _Groups:
 
 
 def _adam(
-    *,
     decoupled: bool,
-    b1: float,
-    b2: float,
+    betas: tuple[float, float],
     eps: float,
     weight_decay: float,
     mask: Mask,
     maximize: bool,
 ) -> Optimizer:
+    _validate_adam(betas, eps, weight_decay)
+    b1, b2 = betas
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
     groups = _Groups(_masker(mask))
 
@@ -219,16 +219,7 @@ def adamw(
         >>> [round(x, 4) for x in p["w"].tolist()]
         [0.89, 0.89]
     """
-    _validate_adam(betas, eps, weight_decay)
-    return _adam(
-        decoupled=True,
-        b1=betas[0],
-        b2=betas[1],
-        eps=eps,
-        weight_decay=weight_decay,
-        mask=mask,
-        maximize=maximize,
-    )
+    return _adam(True, betas, eps, weight_decay, mask, maximize)
 
 
 def adam(
@@ -248,16 +239,7 @@ def adam(
         mask: names (or a predicate) that get weight decay; all when None.
         maximize: ascend instead of descend.
     """
-    _validate_adam(betas, eps, weight_decay)
-    return _adam(
-        decoupled=False,
-        b1=betas[0],
-        b2=betas[1],
-        eps=eps,
-        weight_decay=weight_decay,
-        mask=mask,
-        maximize=maximize,
-    )
+    return _adam(False, betas, eps, weight_decay, mask, maximize)
 
 
 def sgd(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -146,14 +146,3 @@ def local_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     first = grads[0].device
     norms = [n.to(first) for group in groups.values() for n in torch._foreach_norm(group, 2.0)]
     return torch.linalg.vector_norm(torch.stack(norms), 2.0)
-
-
-def _iter_tensors(tree: Any) -> Iterator[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, Mapping):
-        for v in tree.values():
-            yield from _iter_tensors(v)
-    elif isinstance(tree, (list, tuple)):
-        for v in tree:
-            yield from _iter_tensors(v)
