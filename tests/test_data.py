@@ -81,7 +81,6 @@ def test_default_collate_pads_and_masks():
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert batch["label"].tolist() == [1, 0]
     left = pad_collate(padding_side="left", pad_to_multiple_of=4)([{"input_ids": [1, 2, 3]}])
-    assert left["input_ids"].tolist() == [[0, 1, 2, 3]][0:1] or left["input_ids"].shape[1] == 4
     assert left["input_ids"].tolist() == [[0, 1, 2, 3]]
     assert left["attention_mask"].tolist() == [[0, 1, 1, 1]]
 

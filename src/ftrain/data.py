@@ -223,24 +223,21 @@ def pad_collate(
         if not isinstance(rows[0], Mapping):
             return torch.utils.data.default_collate(rows)
         out: dict[str, Any] = {}
-        seq_len = None
         for key in rows[0]:
             values = [torch.as_tensor(r[key]) for r in rows]
             if values[0].dim() == 0:
                 out[key] = torch.stack(values)
                 continue
-            out[key], seq_len = _pad(values, pads.get(key, 0), padding_side, pad_to_multiple_of)
-        if "input_ids" in out and "attention_mask" not in out and seq_len is not None:
+            out[key] = _pad(values, pads.get(key, 0), padding_side, pad_to_multiple_of)
+        if "input_ids" in out and "attention_mask" not in out:
             masks = [torch.ones(len(r["input_ids"]), dtype=torch.long) for r in rows]
-            out["attention_mask"], _ = _pad(masks, 0, padding_side, pad_to_multiple_of)
+            out["attention_mask"] = _pad(masks, 0, padding_side, pad_to_multiple_of)
         return out
 
     return collate
 
 
-def _pad(
-    values: list[torch.Tensor], pad: int, side: str, multiple: int | None
-) -> tuple[torch.Tensor, int]:
+def _pad(values: list[torch.Tensor], pad: int, side: str, multiple: int | None) -> torch.Tensor:
     length = max(v.shape[0] for v in values)
     if multiple:
         length = -(-length // multiple) * multiple
@@ -250,4 +247,4 @@ def _pad(
             out[i, : v.shape[0]] = v
         else:
             out[i, length - v.shape[0] :] = v
-    return out, length
+    return out

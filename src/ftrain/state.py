@@ -173,6 +173,9 @@ class TrainState:
         Raises:
             TypeError: for a name that is not a field.
         """
+        return dataclasses.replace(self, **self._fields(changes))
+
+    def _fields(self, changes: dict[str, Any]) -> dict[str, Any]:
         renamed = {_PUBLIC_TO_FIELD.get(k, k): v for k, v in changes.items()}
         unknown = set(renamed) - _FIELDS
         if unknown:
@@ -180,16 +183,18 @@ class TrainState:
         if "model_" in renamed:
             module = self.strategy.unwrap(renamed["model_"])
             renamed["params_"] = MappingProxyType(_trainable(module))
-        return dataclasses.replace(self, **renamed)
+        return renamed
 
-    def consume(self, by: str) -> TrainState:
-        """Mark this state consumed by `by` and return a fresh handle on the same tensors.
+    def consume(self, by: str, **changes: Any) -> TrainState:
+        """Mark this state consumed by `by`; return a fresh handle on the same tensors, with
+        `changes` applied.
 
         Step functions call this after updating tensors in place; users rarely need it.
         """
         self.lease_.check()
+        fields = self._fields(changes)
         self.lease_.consumed_by = (by, self.step)
-        return dataclasses.replace(self, lease_=_Lease())
+        return dataclasses.replace(self, lease_=_Lease(), **fields)
 
 
 _PUBLIC_TO_FIELD = {"model": "model_", "opt_state": "opt_state_"}

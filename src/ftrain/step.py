@@ -79,7 +79,6 @@ def clip_and_step(
         opt_state = state.optimizer.update(
             grads, state.opt_state, params, lr=float(lr), step=state.step, found_inf=found_inf
         )
-    new = state.consume("clip_and_step")
     changes: dict[str, object] = {"opt_state": opt_state, "step": state.step + 1}
     if stats is not None:
         changes.update(
@@ -92,4 +91,6 @@ def clip_and_step(
         if found_inf is not None
         else torch.zeros((), dtype=torch.bool, device=norm.device)
     )
-    return new.replace(**changes), StepInfo(grad_norm=norm, skipped=skipped, lr=float(lr))
+    return state.consume("clip_and_step", **changes), StepInfo(
+        grad_norm=norm, skipped=skipped, lr=float(lr)
+    )
