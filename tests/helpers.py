@@ -44,3 +44,28 @@ class FakeRank(ft.strategies.SingleDevice):
     def __init__(self, rank: int, world_size: int) -> None:
         super().__init__("cpu")
         self.rank, self.world_size = rank, world_size
+
+
+def tiny_gpt2(seed: int = 0, dropout: float = 0.1):
+    """A 2-layer GPT-2 with dropout in embeddings, attention and residuals."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(
+        vocab_size=61,
+        n_positions=32,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+def opt_state_tensors(opt_state) -> dict:
+    """Every tensor in an optimizer state, by checkpoint path (for bitwise comparisons)."""
+    from ftrain.checkpoint._tree import flatten
+
+    return {p: v for p, v in flatten(opt_state).items() if isinstance(v, torch.Tensor)}

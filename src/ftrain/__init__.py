@@ -3,10 +3,17 @@
 Small pure functions over an immutable `TrainState`; you write the loop.
 """
 
+from ftrain import checkpoint as checkpoint
 from ftrain import losses as losses
 from ftrain import optim as optim
 from ftrain import schedules as schedules
 from ftrain import strategies as strategies
+from ftrain.checkpoint import CheckpointError as CheckpointError
+from ftrain.checkpoint import export_pretrained as export_pretrained
+from ftrain.checkpoint import latest_checkpoint as latest_checkpoint
+from ftrain.checkpoint import load_checkpoint as load_checkpoint
+from ftrain.checkpoint import save_checkpoint as save_checkpoint
+from ftrain.checkpoint import wait_for_checkpoint as wait_for_checkpoint
 from ftrain.data import make_batches as make_batches
 from ftrain.data import pad_collate as pad_collate
 from ftrain.eval import evaluate as evaluate
@@ -48,7 +55,15 @@ __all__ = [
     "should_stop",
     "track_best",
     "evaluate",
+    # checkpoints
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "wait_for_checkpoint",
+    "export_pretrained",
+    "CheckpointError",
     # namespaces
+    "checkpoint",
     "losses",
     "optim",
     "schedules",

@@ -177,9 +177,9 @@ class TrainState:
 
     def _fields(self, changes: dict[str, Any]) -> dict[str, Any]:
         renamed = {_PUBLIC_TO_FIELD.get(k, k): v for k, v in changes.items()}
-        unknown = set(renamed) - _FIELDS
+        unknown = set(renamed) - _settable(type(self))
         if unknown:
-            raise TypeError(f"TrainState has no settable field(s) {sorted(unknown)}")
+            raise TypeError(f"{type(self).__name__} has no settable field(s) {sorted(unknown)}")
         if "model_" in renamed:
             module = self.strategy.unwrap(renamed["model_"])
             renamed["params_"] = MappingProxyType(_trainable(module))
@@ -198,8 +198,19 @@ class TrainState:
 
 
 _PUBLIC_TO_FIELD = {"model": "model_", "opt_state": "opt_state_"}
-# params_ follows model_ and lease_ follows the tensors: neither is set by hand.
-_FIELDS = {f.name for f in dataclasses.fields(TrainState)} - {"lease_", "params_"}
+
+
+_SETTABLE: dict[type, frozenset[str]] = {}
+
+
+def _settable(cls: type) -> frozenset[str]:
+    """Field names `replace` accepts, for TrainState and its subclasses (cached per class)."""
+    names = _SETTABLE.get(cls)
+    if names is None:
+        # params_ follows model_ and lease_ follows the tensors: neither is set by hand.
+        fields = dataclasses.fields(cls)
+        names = _SETTABLE[cls] = frozenset(f.name for f in fields) - {"lease_", "params_"}
+    return names
 
 
 def _trainable(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from ftrain.checkpoint._save import raise_pending_save_error
 from ftrain.grads import Stats
 from ftrain.state import TrainState, snapshot
 
@@ -65,8 +66,10 @@ def clip_and_step(
     Raises:
         TypeError, ValueError: for a bad `lr` or `max_norm`.
         ConsumedStateError: if `state` was already consumed.
+        CheckpointError: if a background (`blocking=False`) save has failed since the last call.
     """
     _validate(lr, max_norm)
+    raise_pending_save_error()  # a failed background save surfaces here, one step later
     if not donate:
         state = snapshot(state)
     params, strategy = state.params, state.strategy

@@ -23,12 +23,24 @@ class TorchOptimizerState:
         """Per-parameter state (e.g. `exp_avg`), keyed by parameter name."""
         return {self._names[id(p)]: dict(s) for p, s in self.optimizer.state.items()}
 
+    def load_tensors(self, state: dict[str, dict[str, Any]]) -> None:
+        """Replace the per-parameter state with `state` (as returned by `tensors()`)."""
+        by_name = {self._names[id(p)]: i for i, p in enumerate(_all_params(self.optimizer))}
+        sd = self.optimizer.state_dict()
+        sd["state"] = {by_name[n]: dict(s) for n, s in state.items()}
+        self.optimizer.load_state_dict(sd)
+
     def __deepcopy__(self, memo: dict[int, Any]) -> TorchOptimizerState:
         raise TypeError(
             "optimizers from ft.optim.from_torch hold a live torch optimizer bound to the "
             "model's parameters and cannot be snapshotted; use ft.optim.adamw/adam/sgd, or "
             "rebuild the state with TrainState.create on the copied model"
         )
+
+
+def _all_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    # The order torch.optim's state_dict numbers parameters in.
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def _skip_on_host(found_inf: torch.Tensor | None) -> bool:

@@ -1,0 +1,153 @@
+"""export_pretrained: a directory `from_pretrained` loads, written atomically.
+
+HF models and PEFT models export through their own `save_pretrained` (safetensors); a PEFT model
+writes only its adapter, which `PeftModel.from_pretrained` loads on top of the base model.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ftrain.checkpoint import _layout as L
+from ftrain.checkpoint._io import CheckpointError, fsync_dir, read_safetensors
+from ftrain.checkpoint._load import read_meta
+from ftrain.state import TrainState
+
+__all__ = ["export_checkpoint", "export_pretrained"]
+
+
+def export_pretrained(
+    state: TrainState,
+    directory: str | os.PathLike[str],
+    *,
+    tokenizer: Any = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write the state's model so that `from_pretrained(directory)` loads it.
+
+    A `transformers.PreTrainedModel` is saved with its config; a PEFT model saves its adapter
+    (load it with `PeftModel.from_pretrained(base, directory)`); any other module is saved as
+    `model.safetensors` (load it with `safetensors.torch.load_model`). The directory appears
+    complete or not at all.
+
+    Args:
+        state: the state to export (not consumed).
+        directory: where to write; must not exist unless `overwrite`.
+        tokenizer: also saved into `directory` when given.
+        overwrite: replace an existing `directory`.
+
+    Returns:
+        `directory` as a Path.
+
+    Raises:
+        FileExistsError: if `directory` exists and `overwrite` is False.
+    """
+    module = state.strategy.unwrap(state.model)
+    return _atomic_dir(Path(directory), overwrite, lambda tmp: _save_module(module, tmp, tokenizer))
+
+
+def _save_module(module: nn.Module, tmp: Path, tokenizer: Any) -> None:
+    save = getattr(module, "save_pretrained", None)
+    if callable(save):
+        save(tmp)
+    else:
+        from safetensors.torch import save_model
+
+        save_model(module, str(tmp / "model.safetensors"))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+
+
+def _atomic_dir(directory: Path, overwrite: bool, write: Any) -> Path:
+    if directory.exists() and not overwrite:
+        raise FileExistsError(f"{directory} exists; pass overwrite=True to replace it")
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        write(tmp)
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        if directory.exists():
+            old = directory.parent / f".{directory.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(directory, old)
+            os.rename(tmp, directory)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, directory)
+        fsync_dir(directory.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return directory
+
+
+def export_checkpoint(
+    path: str | os.PathLike[str],
+    directory: str | os.PathLike[str],
+    *,
+    config: str | os.PathLike[str] | None = None,
+    base: str | os.PathLike[str] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Export a checkpoint of a full HF model without the training script (the CLI's `export`).
+
+    Builds the model from `config` (a directory or `config.json`; by default the one saved in
+    the checkpoint), or loads it from `base` when some parameters were frozen and therefore not
+    saved, copies in the checkpoint's tensors and saves it with `save_pretrained`.
+
+    Raises:
+        CheckpointError: if the checkpoint is invalid or lacks parameters the model needs.
+    """
+    path = Path(path)
+    meta = read_meta(path)
+    model = _build(path, config, base)
+    saved = read_safetensors(path / L.MODEL_FILE, sha256=meta["files"][L.MODEL_FILE].get("sha256"))
+    params = dict(model.named_parameters())
+    missing = sorted(n for n in params if n not in saved) if base is None else []
+    if missing:
+        raise CheckpointError(
+            f"{path} lacks {len(missing)} parameter(s) (frozen during training), e.g. "
+            f"{missing[:3]}; pass base=<pretrained dir> (--base) to take them from there"
+        )
+    live = {**dict(model.named_buffers()), **params}
+    unknown = sorted(n for n in saved if n not in live)
+    if unknown:
+        raise CheckpointError(f"{path} holds tensors the model does not have: {unknown[:5]}")
+    with torch.no_grad():
+        for n, t in saved.items():
+            if live[n].shape != t.shape:
+                raise CheckpointError(
+                    f"{n}: checkpoint {list(t.shape)}, model {list(live[n].shape)}"
+                )
+            live[n].copy_(t)
+    return _atomic_dir(Path(directory), overwrite, lambda tmp: model.save_pretrained(tmp))
+
+
+def _build(path: Path, config: str | os.PathLike[str] | None, base: Any) -> Any:
+    import transformers
+
+    if base is not None:
+        return transformers.AutoModelForCausalLM.from_pretrained(base)
+    source = Path(config) if config is not None else path
+    if source.is_file():
+        source = source.parent
+    if not (source / "config.json").is_file():
+        raise CheckpointError(
+            f"no config.json in {source}: pass config=<dir or config.json> (--config) for the "
+            "model's architecture"
+        )
+    cfg = transformers.AutoConfig.from_pretrained(source)
+    arch = (getattr(cfg, "architectures", None) or [None])[0]
+    cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        cls = transformers.AutoModelForCausalLM
+    return cls.from_config(cfg) if cls is transformers.AutoModelForCausalLM else cls(cfg)

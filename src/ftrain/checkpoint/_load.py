@@ -1,0 +1,266 @@
+"""load_checkpoint: verify everything, compare with the live state, then copy in place.
+
+Nothing is written into the state until every file has been read, verified and matched, so a
+failed load leaves the state as it was.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ftrain.checkpoint import _layout as L
+from ftrain.checkpoint._io import CheckpointError, read_json, read_safetensors
+from ftrain.checkpoint._save import raise_pending_save_error
+from ftrain.checkpoint._tree import _Node, describe, flatten, unflatten
+from ftrain.state import TrainState
+
+__all__ = ["CheckpointMismatchError", "CheckpointMismatchWarning", "load_checkpoint", "read_meta"]
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint does not fit the state; `differences` lists every mismatch."""
+
+    def __init__(self, path: Path, differences: list[str]) -> None:
+        self.differences = differences
+        lines = "\n  ".join(differences)
+        super().__init__(
+            f"checkpoint {path} does not match the state ({len(differences)} "
+            f"difference(s)):\n  {lines}\npass strict=False to load what matches"
+        )
+
+
+class CheckpointMismatchWarning(UserWarning):
+    """Issued by `load_checkpoint(..., strict=False)` for what it did not load."""
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    state: TrainState,
+    *,
+    strict: bool = True,
+    verify: bool = True,
+) -> TrainState:
+    """Load a checkpoint into `state`'s tensors (in place) and return the resumed state.
+
+    `state` is the template: build it exactly as for a fresh run (same model, optimizer and
+    strategy). Parameters, buffers and optimizer state are copied into its tensors and the
+    counters are replaced; frozen parameters keep their values. `state` is consumed.
+
+    Args:
+        path: a `root/step-<N>` directory, e.g. from `latest_checkpoint`.
+        state: the freshly created state to load into.
+        strict: raise on any mismatch; False loads what matches and warns about the rest.
+        verify: check every file against the SHA-256 recorded at save. Turning it off skips
+            reading whole files into memory (for very large checkpoints) but lets silent
+            corruption of tensor data through.
+
+    Returns:
+        The state at the checkpoint's step, epoch and cursor.
+
+    Raises:
+        CheckpointMismatchError: (strict) listing every missing, unexpected or reshaped
+            parameter, optimizer-state difference and data-parallel size change.
+        CheckpointError: when the checkpoint is incomplete, corrupted or not a checkpoint.
+    """
+    raise_pending_save_error()
+    path = Path(path)
+    meta = read_meta(path)
+    files = meta["files"]
+    tensors = {
+        name: read_safetensors(path / name, sha256=files[name].get("sha256") if verify else None)
+        for name in (L.MODEL_FILE, L.OPTIM_FILE)
+    }
+    module = state.strategy.unwrap(state.model)
+    live = L.model_tensors(module, dict(state.params))
+    opt_flat = flatten(state.opt_state)
+    diffs, model_pairs = _match_model(meta, tensors[L.MODEL_FILE], live, module)
+    opt_diffs, opt_values = _match_optimizer(meta, tensors[L.OPTIM_FILE], opt_flat, live)
+    diffs += opt_diffs
+    if meta["world_size"] != state.strategy.world_size:
+        diffs.append(
+            f"data-parallel size: saved with {meta['world_size']} rank(s), loading with "
+            f"{state.strategy.world_size}; the cursor counts global micro-batches"
+        )
+    if diffs and strict:
+        raise CheckpointMismatchError(path, diffs)
+    if diffs:
+        warnings.warn(
+            f"load_checkpoint({path}) skipped {len(diffs)} item(s): " + "; ".join(diffs),
+            CheckpointMismatchWarning,
+            stacklevel=2,
+        )
+    with torch.no_grad():
+        for dst, src in model_pairs:
+            dst.copy_(src)
+        opt_state = unflatten(state.opt_state, opt_values) if opt_values else state.opt_state
+    return state.consume("load_checkpoint", opt_state=opt_state, **_fields(meta, state))
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """Read and validate a committed checkpoint's `state.json` (checked against the marker)."""
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a checkpoint directory")
+    if not (path / L.COMMIT_FILE).is_file():
+        raise CheckpointError(f"{path} is incomplete: no {L.COMMIT_FILE} marker (save cut short)")
+    marker = read_json(path / L.COMMIT_FILE)
+    digest = marker.get("state.json") if isinstance(marker, dict) else None
+    if not isinstance(digest, str):
+        raise CheckpointError(f"{path / L.COMMIT_FILE} is malformed")
+    meta = read_json(path / L.STATE_FILE, sha256=digest)
+    _validate(meta, path)
+    return meta
+
+
+def _validate(meta: Any, path: Path) -> None:
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise CheckpointError(f"{path / L.STATE_FILE}: {what}")
+
+    need(isinstance(meta, dict), "not a JSON object")
+    need(
+        meta.get("format") == L.FORMAT, f"not an ftrain checkpoint (format {meta.get('format')!r})"
+    )
+    version = meta.get("format_version")
+    need(
+        version == L.FORMAT_VERSION,
+        f"format version {version!r}; this ftrain reads {L.FORMAT_VERSION}",
+    )
+    for key, kind in [
+        ("fields", dict),
+        ("metrics", dict),
+        ("params", list),
+        ("optimizer", dict),
+        ("files", dict),
+    ]:
+        need(isinstance(meta.get(key), kind), f"{key!r} missing or not a {kind.__name__}")
+    need(type(meta.get("world_size")) is int, "'world_size' missing or not an int")
+    need(
+        all(
+            isinstance(r, list) and len(r) == 4 and isinstance(r[0], str) and isinstance(r[2], list)
+            for r in meta["params"]
+        ),
+        "malformed 'params' table",
+    )
+    for name in (L.MODEL_FILE, L.OPTIM_FILE):
+        entry = meta["files"].get(name)
+        need(isinstance(entry, dict), f"no record of {name}")
+        sha = entry.get("sha256")
+        need(sha is None or isinstance(sha, str), f"malformed checksum for {name}")
+    for p, d in meta["optimizer"].items():
+        need(isinstance(d, dict) and len(d) in (1, 2), f"malformed optimizer entry {p!r}")
+
+
+def _match_model(
+    meta: dict[str, Any],
+    saved: dict[str, torch.Tensor],
+    live: dict[str, torch.Tensor],
+    module: torch.nn.Module,
+) -> tuple[list[str], list[tuple[torch.Tensor, torch.Tensor]]]:
+    diffs, pairs = [], []
+    for name in sorted(live.keys() - saved.keys()):
+        diffs.append(f"missing from checkpoint: {name} {describe(live[name])}")
+    for name in sorted(saved.keys() - live.keys()):
+        diffs.append(f"unexpected in checkpoint: {name} {describe(saved[name])}")
+    for name in sorted(live.keys() & saved.keys()):
+        dst, src = live[name], saved[name]
+        if dst.shape != src.shape or dst.dtype != src.dtype:
+            diffs.append(f"{name}: checkpoint has {describe(src)}, model has {describe(dst)}")
+        else:
+            pairs.append((dst, src))
+    frozen_saved = {r[0]: r for r in meta["params"] if r[3] is False}
+    for name, p in module.named_parameters():
+        row = frozen_saved.get(name)
+        if not p.requires_grad and row is not None and list(p.shape) != row[2]:
+            diffs.append(f"frozen {name}: checkpoint has shape {row[2]}, model has {list(p.shape)}")
+    return diffs, pairs
+
+
+def _match_optimizer(
+    meta: dict[str, Any],
+    saved: dict[str, torch.Tensor],
+    template: dict[str, Any],
+    live: dict[str, torch.Tensor],
+) -> tuple[list[str], dict[str, Any]]:
+    entries: dict[str, Any] = meta["optimizer"]
+    diffs: list[tuple[str, str]] = []  # (path, message)
+    values: dict[str, Any] = {}
+    for p, want in template.items():
+        got = entries.get(p)
+        if got is None:
+            diffs.append((p, f"optimizer state missing from checkpoint: {p or '<root>'}"))
+        elif describe(want) != _describe_saved(got, saved.get(p)):
+            has = _describe_saved(got, saved.get(p))
+            diffs.append(
+                (
+                    p,
+                    f"optimizer state {p or '<root>'}: checkpoint has {has}, state has "
+                    f"{describe(want)}",
+                )
+            )
+        elif not isinstance(want, _Node):
+            values[p] = saved[p] if "tensor" in got else got["value"]
+    torch_roots = [
+        p for p, v in template.items() if isinstance(v, _Node) and v.startswith("torch:")
+    ]
+    for p in sorted(entries.keys() - template.keys()):
+        root = next((r for r in torch_roots if _under(p, r)), None)
+        if root is None:
+            diffs.append((p, f"optimizer state unexpected in checkpoint: {p}"))
+            continue
+        # A torch optimizer creates its state lazily, so the template has none to compare.
+        name, got = p[len(root) + 1 :].split("/")[0] if root else p.split("/")[0], entries[p]
+        if name not in live:
+            diffs.append((p, f"optimizer state for unknown parameter: {p}"))
+        elif got == {"node": "dict"}:
+            continue
+        elif "tensor" in got and p in saved:
+            values[p] = saved[p]
+        elif "value" in got and isinstance(got["value"], (bool, int, float, str, type(None))):
+            values[p] = got["value"]
+        else:
+            diffs.append((p, f"optimizer state {p}: malformed entry {got!r}"))
+    for p in sorted(saved.keys() - entries.keys()):
+        diffs.append((p, f"optimizer tensor {p} is in {L.OPTIM_FILE} but not in {L.STATE_FILE}"))
+    # Report a container of another type once, not again for everything below it.
+    heads = [p for p, _ in diffs if isinstance(template.get(p), _Node)]
+    report = [m for p, m in diffs if not any(_under(p, h) and p != h for h in heads)]
+    # A partial optimizer state is worse than a fresh one: load none of it on a mismatch.
+    return report, ({} if report else values)
+
+
+def _under(path: str, root: str) -> bool:
+    return root == "" or path == root or path.startswith(root + "/")
+
+
+def _describe_saved(entry: dict[str, Any], tensor: torch.Tensor | None) -> str:
+    if "node" in entry:
+        return str(entry["node"])
+    if "tensor" in entry:
+        return describe(tensor) if tensor is not None else "a tensor missing from the file"
+    return type(entry.get("value")).__name__
+
+
+def _fields(meta: dict[str, Any], state: TrainState) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    saved = meta["fields"]
+    for name, value in saved.items():
+        if not hasattr(state, name) or name.endswith("_"):
+            continue
+        current = getattr(state, name)
+        if isinstance(current, torch.Tensor):
+            if not (isinstance(value, dict) and isinstance(value.get("value"), (int, float))):
+                raise CheckpointError(f"state field {name!r} is malformed: {value!r}")
+            out[name] = torch.tensor(value["value"], dtype=current.dtype, device=current.device)
+        else:
+            if value is not None and not isinstance(value, (bool, int, float, str)):
+                raise CheckpointError(f"state field {name!r} is malformed: {value!r}")
+            out[name] = value
+    for name in ("step", "epoch", "cursor", "seed"):
+        if type(out.get(name)) is not int or out[name] < 0:
+            raise CheckpointError(f"state field {name!r} is missing or not an int >= 0")
+    return out
