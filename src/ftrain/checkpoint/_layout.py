@@ -51,7 +51,7 @@ STEP_DIR = re.compile(r"step-(\d+)")
 TMP_PREFIX = ".tmp-"
 
 # TrainState fields that are not plain values: handled as tensors/objects, or not saved at all.
-_NOT_PLAIN = {"model_", "optimizer", "opt_state_", "strategy", "params_", "lease_"}
+NOT_PLAIN = {"model_", "optimizer", "opt_state_", "strategy", "params_", "lease_"}
 
 
 def model_tensors(module: nn.Module, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -84,7 +84,7 @@ def plain_fields(state: Any) -> dict[str, Any]:
     """
     out: dict[str, Any] = {}
     for f in dataclasses.fields(state):
-        if f.name in _NOT_PLAIN:
+        if f.name in NOT_PLAIN:
             continue
         v = getattr(state, f.name)
         if isinstance(v, torch.Tensor) and v.dim() == 0:

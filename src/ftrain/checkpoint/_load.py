@@ -6,6 +6,7 @@ failed load leaves the state as it was.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from pathlib import Path
@@ -246,21 +247,61 @@ def _describe_saved(entry: dict[str, Any], tensor: torch.Tensor | None) -> str:
 
 
 def _fields(meta: dict[str, Any], state: TrainState) -> dict[str, Any]:
+    """The saved counters, checked against the types the state's fields declare."""
     out: dict[str, Any] = {}
     saved = meta["fields"]
-    for name, value in saved.items():
-        if not hasattr(state, name) or name.endswith("_"):
+    hints = _hints(type(state))
+    for f in dataclasses.fields(state):
+        if f.name in L.NOT_PLAIN or f.name not in saved:
             continue
-        current = getattr(state, name)
+        value, current = saved[f.name], getattr(state, f.name)
         if isinstance(current, torch.Tensor):
-            if not (isinstance(value, dict) and isinstance(value.get("value"), (int, float))):
-                raise CheckpointError(f"state field {name!r} is malformed: {value!r}")
-            out[name] = torch.tensor(value["value"], dtype=current.dtype, device=current.device)
+            number = value.get("value") if isinstance(value, dict) else None
+            try:
+                if type(number) not in (int, float):
+                    raise TypeError
+                out[f.name] = torch.tensor(number, dtype=current.dtype, device=current.device)
+            except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+                raise CheckpointError(f"state field {f.name!r} is malformed: {value!r}") from e
+        elif _fits(value, hints.get(f.name)):
+            out[f.name] = value
         else:
-            if value is not None and not isinstance(value, (bool, int, float, str)):
-                raise CheckpointError(f"state field {name!r} is malformed: {value!r}")
-            out[name] = value
+            raise CheckpointError(f"state field {f.name!r} is malformed: {value!r}")
     for name in ("step", "epoch", "cursor", "seed"):
         if type(out.get(name)) is not int or out[name] < 0:
             raise CheckpointError(f"state field {name!r} is missing or not an int >= 0")
     return out
+
+
+_PLAIN_TYPES: dict[str, type] = {
+    "int": int,
+    "float": float,
+    "str": str,
+    "bool": bool,
+    "None": type(None),
+}
+
+
+def _hints(cls: type) -> dict[str, set[type] | None]:
+    """Allowed JSON types per plain field, from annotations like `float | None`.
+
+    Annotations are strings here (`from __future__ import annotations`); they are parsed, not
+    evaluated. A field annotated with anything else is only checked for being a plain value.
+    """
+    out: dict[str, set[type] | None] = {}
+    for f in dataclasses.fields(cls):
+        text = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+        names = [t.strip() for t in text.split("|")]
+        out[f.name] = (
+            {_PLAIN_TYPES[n] for n in names} if all(n in _PLAIN_TYPES for n in names) else None
+        )
+    return out
+
+
+def _fits(value: Any, allowed: set[type] | None) -> bool:
+    if type(value) not in (bool, int, float, str, type(None)):
+        return False
+    if allowed is None:
+        return True
+    # A float field may hold an int a user stored; bool is never an int here.
+    return type(value) in allowed or (type(value) is int and float in allowed)
