@@ -350,3 +350,70 @@ def test_subclass_fields_are_checkpointed(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ft.latest_checkpoint(tmp_path)
+
+
+# --- background saves ---------------------------------------------------------------------------
+
+
+def test_async_save_writes_the_state_as_it_was_when_called(tmp_path):
+    state, _ = train(fresh(), total=3)
+    expected = ft.snapshot(state)
+    path = ft.save_checkpoint(state, tmp_path, blocking=False)
+    state, _ = train(state, total=6)  # donated steps mutate the tensors while the save runs
+    assert ft.wait_for_checkpoint() == path
+    assert_same_state(ft.load_checkpoint(path, fresh()), expected)
+    assert ft.wait_for_checkpoint() is None  # nothing in flight any more
+
+
+def test_at_most_one_save_in_flight(tmp_path, monkeypatch):
+    import threading
+
+    from ftrain.checkpoint import _save
+
+    release, events = threading.Event(), []
+    real = _save._commit
+
+    def slow_commit(staged, root, **kw):
+        events.append(("start", staged.step))
+        release.wait(10)
+        out = real(staged, root, **kw)
+        events.append(("end", staged.step))
+        return out
+
+    monkeypatch.setattr(_save, "_commit", slow_commit)
+    state = ft.TrainState.create(_mlp(), ft.optim.adamw())
+    ft.save_checkpoint(state.replace(step=1), tmp_path, blocking=False)
+    second = threading.Thread(
+        target=ft.save_checkpoint,
+        args=(state.replace(step=2), tmp_path),
+        kwargs={"blocking": False},
+    )
+    second.start()
+    second.join(0.3)
+    assert second.is_alive() and events == [("start", 1)]  # the second save waits
+    release.set()
+    second.join(10)
+    ft.wait_for_checkpoint()
+    assert events == [("start", 1), ("end", 1), ("start", 2), ("end", 2)]
+
+
+def test_async_save_error_is_raised_by_the_next_call(tmp_path, monkeypatch):
+    from ftrain.checkpoint import _save
+
+    def broken(tensors, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_save, "write_safetensors", broken)
+    state, _ = train(fresh(), total=1)
+    ft.save_checkpoint(state, tmp_path, blocking=False)
+    import time
+
+    while _save._inflight is not None and _save._inflight.is_alive():
+        time.sleep(0.01)
+    micro = next(iter(ft.make_batches(ROWS, batch_size=4, accum=2, seed=state.seed)))
+    grads, _ = ft.accumulate_grads(state, micro)
+    with pytest.raises(ft.CheckpointError, match="background save of step 1 failed") as info:
+        ft.clip_and_step(state, grads, lr=0.1)
+    assert isinstance(info.value.__cause__, OSError)
+    ft.clip_and_step(state, grads, lr=0.1)  # reported once; training goes on
+    assert ft.latest_checkpoint(tmp_path) is None
