@@ -72,7 +72,7 @@ def test_peft_adapter_checkpoint_resumes_exactly_and_exports(tmp_path):
     from safetensors import safe_open
 
     with safe_open(path / "model.safetensors", "pt") as f:
-        assert all("lora_" in k for k in f.keys())  # only the adapter is saved
+        assert all("lora_" in k for k in f.keys())  # noqa: SIM118 (safe_open is not iterable)
     resumed = ft.load_checkpoint(path, ft.TrainState.create(_lora(), ft.optim.adamw()))
     state = resumed
     for micro in list(ft.make_batches(ROWS, batch_size=4, accum=2, seed=0, start=resumed.cursor)):
