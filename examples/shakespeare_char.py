@@ -7,6 +7,11 @@ The text ships in the repo (examples/data/tinyshakespeare.txt); nothing is downl
 
     python examples/shakespeare_char.py                 # full run, prints val_loss=... at the end
     python examples/shakespeare_char.py --max-iters 50  # a quick look
+
+Checkpoints go to `--out` (default runs/shakespeare_char) at every evaluation, written in the
+background; the newest and the best by eval_loss are kept. Run the command again after an
+interruption and it resumes exactly where the last checkpoint left off. The final model is
+exported to `<out>/final`, loadable with `GPT2LMHeadModel.from_pretrained`.
 """
 
 from __future__ import annotations
@@ -73,6 +78,8 @@ def main(argv: list[str] | None = None) -> float:
     p.add_argument("--batch-size", type=int, default=12)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--out", default="runs/shakespeare_char", help="checkpoints; '' for none")
+    p.add_argument("--keep-last", type=int, default=1, help="newest checkpoints kept (+ the best)")
     args = p.parse_args(argv)
 
     train, val, vocab = load(args.data, args.block_size)
@@ -93,6 +100,9 @@ def main(argv: list[str] | None = None) -> float:
     optimizer = ft.optim.adamw(betas=(0.9, 0.99), weight_decay=0.1, mask=ft.optim.decay_mask(model))
     state = ft.TrainState.create(model, optimizer, seed=args.seed)
     lr = ft.schedules.cosine_with_min_lr(1e-3, 100, args.max_iters, min_lr=1e-4)
+    if args.out and (ckpt := ft.latest_checkpoint(args.out)) is not None:
+        state = ft.load_checkpoint(ckpt, state)
+        print(f"resumed from {ckpt} (step {state.step})", flush=True)
 
     def val_loss(iters: int) -> float:
         batches = ft.make_batches(val, batch_size=args.batch_size, seed=0)  # a fixed random subset
@@ -116,14 +126,21 @@ def main(argv: list[str] | None = None) -> float:
                     flush=True,
                 )
             if ft.should_eval(state, every=args.eval_interval, total_steps=args.max_iters):
-                print(
-                    f"step {state.step:5d}  eval_loss {val_loss(args.eval_iters):.4f}", flush=True
-                )
+                metrics = {"eval_loss": val_loss(args.eval_iters)}
+                print(f"step {state.step:5d}  eval_loss {metrics['eval_loss']:.4f}", flush=True)
+                if args.out:  # in the background, except the last save of the run
+                    last = state.step >= args.max_iters
+                    ft.save_checkpoint(
+                        state, args.out, metrics=metrics, keep_last=args.keep_last,
+                        best_metric="eval_loss", blocking=last,
+                    )  # fmt: skip
             if state.step >= args.max_iters:
                 break
         else:
             state = ft.next_epoch(state)
     final = val_loss(args.final_eval_iters)
+    if args.out:
+        ft.export_pretrained(state, Path(args.out) / "final", overwrite=True)
     print(f"train_time={time.perf_counter() - start:.1f}s")
     print(f"val_loss={final:.4f}")
     return final if math.isfinite(final) else float("nan")

@@ -3,10 +3,13 @@
 import importlib.util
 import math
 import re
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
+
+import ftrain as ft
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
@@ -35,22 +38,25 @@ def test_minimal_loop_is_at_most_30_lines_of_loop():
     assert 10 < len(lines) <= 30
 
 
-def test_shakespeare_char_short_run(capsys):
-    final = _load("shakespeare_char").main(
-        [
-            "--max-iters",
-            "40",
-            "--eval-interval",
-            "20",
-            "--eval-iters",
-            "2",
-            "--final-eval-iters",
-            "4",
-            "--log-interval",
-            "10",
-        ]
-    )
+SHORT = "--max-iters 40 --eval-interval 20 --eval-iters 2 --final-eval-iters 4 --log-interval 10"
+SHORT = SHORT.split()
+
+
+def test_shakespeare_char_short_run(capsys, tmp_path):
+    out_dir = tmp_path / "run"
+    final = _load("shakespeare_char").main(["--out", str(out_dir), "--keep-last", "2", *SHORT])
     out = capsys.readouterr().out
     assert re.search(r"^val_loss=\d+\.\d+$", out, re.M)
     assert "eval_loss" in out and "step    40" in out
     assert final < math.log(65) - 0.5, "40 steps must learn something beyond uniform"
+    # Checkpoints at each evaluation (the last one blocking), and the exported final model.
+    assert ft.latest_checkpoint(out_dir).name == "step-40"
+    assert (out_dir / "final" / "model.safetensors").is_file()
+
+    # Resuming the example from its step-20 checkpoint ends exactly where the full run did.
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    shutil.copytree(out_dir / "step-20", resumed_dir / "step-20")
+    again = _load("shakespeare_char").main(["--out", str(resumed_dir), *SHORT])
+    assert "resumed from" in capsys.readouterr().out
+    assert again == final

@@ -17,6 +17,7 @@ import sys
 import threading
 import uuid
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -214,8 +215,12 @@ def _commit(staged: _Staged, root: Path, *, checksum: bool) -> Path:
         names.append(L.CONFIG_FILE)
     files: dict[str, dict[str, Any]] = {n: {"bytes": (tmp / n).stat().st_size} for n in names}
     if checksum:
-        for n in names:
-            files[n]["sha256"] = sha256_file(tmp / n)
+        # hashlib releases the GIL, so the files hash in parallel.
+        with ThreadPoolExecutor(len(names)) as pool:
+            for n, digest in zip(
+                names, pool.map(sha256_file, [tmp / n for n in names]), strict=True
+            ):
+                files[n]["sha256"] = digest
     write_json({**staged.meta, "files": files}, tmp / L.STATE_FILE)
     write_json({"state.json": sha256_file(tmp / L.STATE_FILE)}, tmp / L.COMMIT_FILE)
     fsync_dir(tmp)
