@@ -14,7 +14,7 @@ from pathlib import Path
 import ftrain as ft
 
 OUT = Path(__file__).with_name("api.md")
-NAMESPACES = ["optim", "schedules", "strategies", "losses"]
+NAMESPACES = ["optim", "schedules", "strategies", "losses", "checkpoint"]
 
 
 def _entry(qualname: str, obj: object) -> str:
@@ -54,7 +54,11 @@ def render() -> str:
         module = getattr(ft, ns)
         parts.append(f"## `ftrain.{ns}`\n\n{inspect.getdoc(module) or ''}\n")
         for name in getattr(module, "__all__", []):
-            parts.append(_entry(f"ft.{ns}.{name}", getattr(module, name)))
+            obj = getattr(module, name)
+            if getattr(ft, name, None) is obj:  # documented above under its short name
+                parts.append(f"- `ft.{ns}.{name}`: same as `ft.{name}`\n")
+            else:
+                parts.append(_entry(f"ft.{ns}.{name}", obj))
     return "\n".join(parts)
 
 

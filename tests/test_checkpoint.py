@@ -417,3 +417,19 @@ def test_async_save_error_is_raised_by_the_next_call(tmp_path, monkeypatch):
     assert isinstance(info.value.__cause__, OSError)
     ft.clip_and_step(state, grads, lr=0.1)  # reported once; training goes on
     assert ft.latest_checkpoint(tmp_path) is None
+
+
+def test_tensors_sharing_memory_are_saved_and_restored(tmp_path):
+    class Views(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.base = torch.nn.Parameter(torch.arange(6.0))
+            self.register_buffer("head", self.base.data[:3])  # a buffer viewing a parameter
+
+    path = ft.save_checkpoint(ft.TrainState.create(Views(), ft.optim.sgd()), tmp_path)
+    target = Views()
+    with torch.no_grad():
+        target.base.zero_()
+    out = ft.load_checkpoint(path, ft.TrainState.create(target, ft.optim.sgd()))
+    assert out.model.base.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert out.model.head.tolist() == [0.0, 1.0, 2.0]

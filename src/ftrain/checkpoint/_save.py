@@ -135,10 +135,18 @@ def _stage(state: TrainState, metrics: Mapping[str, Any] | None, *, copy: bool) 
     opt_flat = flatten(state.opt_state)
     table = L.param_table(module)
 
+    seen: set[int] = set()
+
     def host(t: torch.Tensor) -> torch.Tensor:
-        # A copy decouples an async write from the next (donated, in-place) step.
+        # A copy decouples an async write from the next (donated, in-place) step. safetensors
+        # refuses tensors that share memory (views of one buffer), so those are copied too.
         t = t.detach()
-        return t.to("cpu", copy=True).contiguous() if copy else t.cpu().contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        shared = ptr in seen and t.numel() > 0
+        seen.add(ptr)
+        if copy or shared:
+            return t.to("cpu", copy=True).contiguous()
+        return t.cpu().contiguous()
 
     with torch.no_grad():
         model = {n: host(t) for n, t in L.model_tensors(module, dict(state.params)).items()}
