@@ -329,3 +329,17 @@ def test_fuzzed_metadata_fails_cleanly(good, tmp_path_factory, section, key_inde
         return
     assert isinstance(state.step, int) and state.step >= 0
     assert_equal_state(state.replace(step=good[1].step), good[1])
+
+
+def test_a_rejected_file_leaves_the_state_untouched(good, tmp_path):
+    path = _copy(good, tmp_path)
+    meta = json.loads((path / "state.json").read_text())
+    meta["fields"]["cursor"] = "seven"  # found only after the tensors have been read and matched
+    (path / "state.json").write_text(json.dumps(meta))
+    reseal(path)
+    template = _template()
+    before = {n: p.clone() for n, p in template.params.items()}
+    with pytest.raises(ft.CheckpointError, match="cursor"):
+        ft.load_checkpoint(path, template)
+    assert all(torch.equal(before[n], p) for n, p in template.params.items())
+    assert not template.consumed

@@ -33,7 +33,9 @@ def inspect(path: Path, *, verify: bool = True) -> int:
     rows = meta["params"]
     trainable = sum(math.prod(r[2]) for r in rows if r[3] is True)
     total = sum(math.prod(r[2]) for r in rows)
-    print(f"complete    yes{' (checksums verified)' if verify else ''}")
+    summed = all(meta["files"][n].get("sha256") for n in (L.MODEL_FILE, L.OPTIM_FILE))
+    note = " (checksums verified)" if verify and summed else " (no checksums checked)"
+    print(f"complete    yes{note}")
     print(f"step        {value('step')}")
     print(f"epoch       {value('epoch')}  (cursor {value('cursor')} micro-batches)")
     print(f"seen        {value('tokens_seen')} tokens, {value('samples_seen')} samples")

@@ -89,6 +89,7 @@ def load_checkpoint(
         )
     if diffs and strict:
         raise CheckpointMismatchError(path, diffs)
+    fields = _fields(meta, state)  # may still reject the file: before anything is written
     if diffs:
         warnings.warn(
             f"load_checkpoint({path}) skipped {len(diffs)} item(s): " + "; ".join(diffs),
@@ -99,7 +100,7 @@ def load_checkpoint(
         for dst, src in model_pairs:
             dst.copy_(src)
         opt_state = unflatten(state.opt_state, opt_values) if opt_values else state.opt_state
-    return state.consume("load_checkpoint", opt_state=opt_state, **_fields(meta, state))
+    return state.consume("load_checkpoint", opt_state=opt_state, **fields)
 
 
 def read_meta(path: Path) -> dict[str, Any]:
