@@ -433,3 +433,38 @@ def test_tensors_sharing_memory_are_saved_and_restored(tmp_path):
     out = ft.load_checkpoint(path, ft.TrainState.create(target, ft.optim.sgd()))
     assert out.model.base.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
     assert out.model.head.tolist() == [0.0, 1.0, 2.0]
+
+
+def test_interpreter_exit_waits_for_the_background_save(tmp_path):
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, ftrain as ft\n"
+        "state = ft.TrainState.create(torch.nn.Linear(512, 512), ft.optim.adamw())\n"
+        f"ft.save_checkpoint(state.replace(step=7), {str(tmp_path)!r}, blocking=False)\n"
+    )  # the script ends while the save is (very likely) still being written
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    ft.load_checkpoint(
+        ft.latest_checkpoint(tmp_path),
+        ft.TrainState.create(torch.nn.Linear(512, 512), ft.optim.adamw()),
+    )
+
+
+def test_a_crash_mid_rotation_leaves_no_half_checkpoint(tmp_path, monkeypatch):
+    from ftrain.checkpoint import _save
+
+    state = ft.TrainState.create(_mlp(), ft.optim.adamw())
+    ft.save_checkpoint(state.replace(step=1), tmp_path)
+    real = _save.shutil.rmtree
+    monkeypatch.setattr(_save.shutil, "rmtree", lambda *a, **k: None)  # "crash" mid-delete
+    ft.save_checkpoint(state.replace(step=2), tmp_path, keep_last=1)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names[0].startswith(".tmp-deleting-step-1") and names[1:] == ["step-2"]
+    monkeypatch.setattr(_save.shutil, "rmtree", real)
+    assert ft.latest_checkpoint(tmp_path).name == "step-2"
+    ft.save_checkpoint(state.replace(step=3), tmp_path, keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3"]

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ftrain.checkpoint import _layout as L
-from ftrain.checkpoint._io import CheckpointError, fsync_dir, read_safetensors
+from ftrain.checkpoint._io import CheckpointError, fsync_tree, publish_dir, read_safetensors
 from ftrain.checkpoint._load import read_meta
 from ftrain.state import TrainState
 
@@ -73,18 +73,8 @@ def _atomic_dir(directory: Path, overwrite: bool, write: Any) -> Path:
     tmp.mkdir()
     try:
         write(tmp)
-        for f in tmp.rglob("*"):
-            if f.is_file():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-        if directory.exists():
-            old = directory.parent / f".{directory.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(directory, old)
-            os.rename(tmp, directory)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, directory)
-        fsync_dir(directory.parent)
+        fsync_tree(tmp)
+        publish_dir(tmp, directory, directory.parent / f".{directory.name}.old-{tmp.name[-8:]}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return directory

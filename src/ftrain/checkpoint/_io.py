@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import struct
 from pathlib import Path
 from typing import Any
@@ -22,11 +23,14 @@ from safetensors.torch import save_file as _st_save_file
 __all__ = [
     "CheckpointError",
     "fsync_dir",
+    "fsync_tree",
+    "publish_dir",
     "read_json",
     "read_safetensors",
     "sha256_file",
     "write_json",
     "write_safetensors",
+    "write_text",
 ]
 
 # Bigger headers than this are not produced by any real checkpoint; refusing them early keeps a
@@ -86,6 +90,37 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     _fsync_file(path)
 
 
+def write_text(text: str, path: Path) -> None:
+    """Write `text` to `path` and fsync it."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync every file under `path` (for files written by code that does not, e.g. HF's)."""
+    for f in path.rglob("*"):
+        if f.is_file():
+            _fsync_file(f)
+
+
+def publish_dir(tmp: Path, final: Path, aside: Path) -> None:
+    """Rename the finished directory `tmp` to `final` durably.
+
+    An existing `final` is renamed to `aside` first (a directory cannot be renamed over a
+    non-empty one) and removed afterwards.
+    """
+    fsync_dir(tmp)
+    if final.exists():
+        os.rename(final, aside)
+        os.rename(tmp, final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    fsync_dir(final.parent)
+
+
 def write_json(obj: Any, path: Path) -> None:
     """Write `obj` as JSON to `path` and fsync it."""
     if isinstance(obj, dict):
@@ -94,10 +129,7 @@ def write_json(obj: Any, path: Path) -> None:
         text = "{\n " + ",\n ".join(rows) + "\n}\n"
     else:
         text = json.dumps(obj)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    write_text(text, path)
 
 
 def _read_bytes(path: Path, limit: int | None = None) -> bytes:

@@ -17,7 +17,6 @@ import sys
 import threading
 import uuid
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -27,10 +26,11 @@ import torch
 from ftrain.checkpoint import _layout as L
 from ftrain.checkpoint._io import (
     CheckpointError,
-    fsync_dir,
+    publish_dir,
     sha256_file,
     write_json,
     write_safetensors,
+    write_text,
 )
 from ftrain.checkpoint._tree import _Node, flatten
 from ftrain.state import TrainState
@@ -219,31 +219,38 @@ def _commit(staged: _Staged, root: Path, *, checksum: bool) -> Path:
     write_safetensors(staged.optim, tmp / L.OPTIM_FILE)
     names = [L.MODEL_FILE, L.OPTIM_FILE]
     if staged.config is not None:
-        (tmp / L.CONFIG_FILE).write_text(staged.config, encoding="utf-8")
+        write_text(staged.config, tmp / L.CONFIG_FILE)
         names.append(L.CONFIG_FILE)
     files: dict[str, dict[str, Any]] = {n: {"bytes": (tmp / n).stat().st_size} for n in names}
     if checksum:
-        # hashlib releases the GIL, so the files hash in parallel.
-        with ThreadPoolExecutor(len(names)) as pool:
-            for n, digest in zip(
-                names, pool.map(sha256_file, [tmp / n for n in names]), strict=True
-            ):
-                files[n]["sha256"] = digest
+        for n, digest in zip(names, _sha256_parallel([tmp / n for n in names]), strict=True):
+            files[n]["sha256"] = digest
     write_json({**staged.meta, "files": files}, tmp / L.STATE_FILE)
     write_json({"state.json": sha256_file(tmp / L.STATE_FILE)}, tmp / L.COMMIT_FILE)
-    fsync_dir(tmp)
     final = L.step_dir(root, staged.step)
-    if final.exists():
-        # Re-saving a step (e.g. after resuming from it): move the old copy aside first, as a
-        # directory cannot be renamed over a non-empty one.
-        old = root / f"{L.TMP_PREFIX}replaced-{final.name}-{uuid.uuid4().hex[:8]}"
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
-    fsync_dir(root)
+    # Re-saving a step moves the old copy aside into a temporary name first.
+    publish_dir(tmp, final, root / f"{L.TMP_PREFIX}replaced-{final.name}-{uuid.uuid4().hex[:8]}")
     return final
+
+
+def _sha256_parallel(paths: list[Path]) -> list[str]:
+    # hashlib releases the GIL, so files hash in parallel. Plain threads, not an executor:
+    # concurrent.futures refuses new work once the interpreter starts shutting down, which is
+    # when a background save still in flight gets finished.
+    out = [""] * len(paths)
+
+    def work(i: int) -> None:
+        out[i] = sha256_file(paths[i])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(1, len(paths))]
+    for t in threads:
+        t.start()
+    work(0)
+    for t in threads:
+        t.join()
+    if not all(out):
+        raise CheckpointError(f"hashing {paths} failed")
+    return out
 
 
 def clean_tmp(root: Path) -> None:
@@ -315,10 +322,11 @@ def _rotate(
     )
     for s, p in found:
         if s not in keep:
-            # Un-commit first: a crash mid-delete leaves an ignored directory, never a half
-            # checkpoint that latest_checkpoint would return.
-            (p / L.COMMIT_FILE).unlink(missing_ok=True)
-            shutil.rmtree(p, ignore_errors=True)
+            # Rename to a temporary name first: a crash mid-delete leaves a directory that
+            # latest_checkpoint ignores and the next save removes, never a half checkpoint.
+            doomed = root / f"{L.TMP_PREFIX}deleting-{p.name}-{uuid.uuid4().hex[:8]}"
+            os.rename(p, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _saved_metrics(path: Path) -> Mapping[str, Any]:
