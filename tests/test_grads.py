@@ -3,7 +3,7 @@ import torch
 
 import ftrain as ft
 from ftrain.data import pad_collate
-from helpers import ragged_rows, tiny_llama
+from helpers import ragged_rows, tiny_gpt2, tiny_llama
 
 
 def _full_batch_grads(model, rows):
@@ -155,20 +155,7 @@ def test_empty_micro_and_missing_labels_raise(llama):
 
 def test_accumulation_is_exact_to_float64_rounding_on_gpt2():
     """GPT-2 computes in the model's dtype throughout, so float64 agreement is ~1e-15."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(
-        vocab_size=61,
-        n_positions=32,
-        n_embd=16,
-        n_layer=2,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    model = GPT2LMHeadModel(cfg).double()
+    model = tiny_gpt2(seed=0, dropout=0.0).double()
     rows = ragged_rows(12, seed=5)
     ref, _ = _full_batch_grads(model, rows)
     state = ft.TrainState.create(model, ft.optim.sgd())
