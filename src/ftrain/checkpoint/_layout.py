@@ -35,9 +35,11 @@ __all__ = [
     "STEP_DIR",
     "TMP_PREFIX",
     "fingerprint",
+    "is_committed",
     "model_tensors",
     "param_table",
     "plain_fields",
+    "step_dir",
 ]
 
 FORMAT = "ftrain.checkpoint"

@@ -17,7 +17,7 @@ import torch
 from ftrain.checkpoint import _layout as L
 from ftrain.checkpoint._io import CheckpointError, read_json, read_safetensors
 from ftrain.checkpoint._save import raise_pending_save_error
-from ftrain.checkpoint._tree import _Node, describe, flatten, unflatten
+from ftrain.checkpoint._tree import Node, describe, flatten, unflatten
 from ftrain.state import TrainState
 
 __all__ = ["CheckpointMismatchError", "CheckpointMismatchWarning", "load_checkpoint", "read_meta"]
@@ -204,11 +204,9 @@ def _match_optimizer(
                     f"{describe(want)}",
                 )
             )
-        elif not isinstance(want, _Node):
+        elif not isinstance(want, Node):
             values[p] = saved[p] if "tensor" in got else got["value"]
-    torch_roots = [
-        p for p, v in template.items() if isinstance(v, _Node) and v.startswith("torch:")
-    ]
+    torch_roots = [p for p, v in template.items() if isinstance(v, Node) and v.startswith("torch:")]
     for p in sorted(entries.keys() - template.keys()):
         root = next((r for r in torch_roots if _under(p, r)), None)
         if root is None:
@@ -229,7 +227,7 @@ def _match_optimizer(
     for p in sorted(saved.keys() - entries.keys()):
         diffs.append((p, f"optimizer tensor {p} is in {L.OPTIM_FILE} but not in {L.STATE_FILE}"))
     # Report a container of another type once, not again for everything below it.
-    heads = [p for p, _ in diffs if isinstance(template.get(p), _Node)]
+    heads = [p for p, _ in diffs if isinstance(template.get(p), Node)]
     report = [m for p, m in diffs if not any(_under(p, h) and p != h for h in heads)]
     # A partial optimizer state is worse than a fresh one: load none of it on a mismatch.
     return report, ({} if report else values)

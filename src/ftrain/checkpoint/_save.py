@@ -32,7 +32,7 @@ from ftrain.checkpoint._io import (
     write_safetensors,
     write_text,
 )
-from ftrain.checkpoint._tree import _Node, flatten
+from ftrain.checkpoint._tree import Node, flatten
 from ftrain.state import TrainState
 
 __all__ = ["latest_checkpoint", "save_checkpoint", "wait_for_checkpoint"]
@@ -78,8 +78,8 @@ def save_checkpoint(
         mode: "min" if lower `best_metric` is better, "max" otherwise.
         checksum: record each file's SHA-256 so `load_checkpoint` can detect corruption.
         blocking: False copies the tensors and returns while a background thread writes them;
-            at most one save is in flight, and its error is raised by the next ftrain call.
-            Make the final save of a run blocking.
+            at most one save is in flight, and its error is raised by the next
+            `clip_and_step` or checkpoint call. Make the final save of a run blocking.
 
     Returns:
         The checkpoint directory `root/step-<N>`.
@@ -169,7 +169,7 @@ def _stage(state: TrainState, metrics: Mapping[str, Any] | None, *, copy: bool) 
 
 
 def _describe(leaf: Any) -> dict[str, Any]:
-    if isinstance(leaf, _Node):
+    if isinstance(leaf, Node):
         return {"node": str(leaf)}
     if isinstance(leaf, torch.Tensor):
         return {"tensor": str(leaf.dtype).removeprefix("torch."), "shape": list(leaf.shape)}

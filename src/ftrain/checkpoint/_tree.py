@@ -16,7 +16,7 @@ import torch
 from ftrain.checkpoint._io import CheckpointError
 from ftrain.optim._adapters import TorchOptimizerState
 
-__all__ = ["describe", "flatten", "unflatten"]
+__all__ = ["Node", "describe", "flatten", "unflatten"]
 
 Scalar = bool | int | float | str | None
 _SCALARS = (bool, int, float, str, type(None))
@@ -52,19 +52,19 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     """Map every path in `tree` to its leaf (tensor or plain scalar) or container type name."""
     if isinstance(tree, (torch.Tensor, *_SCALARS)):
         return {prefix: tree}
-    out: dict[str, Any] = {prefix: _Node(_node(tree))}
+    out: dict[str, Any] = {prefix: Node(_node(tree))}
     for key, child in _children(tree):
         out.update(flatten(child, f"{prefix}/{key}" if prefix else key))
     return out
 
 
-class _Node(str):
+class Node(str):
     """A container's type name inside a flattened tree (distinct from a string leaf)."""
 
 
 def describe(leaf: Any) -> str:
     """Human-readable type of one flattened entry, as used in mismatch reports."""
-    if isinstance(leaf, _Node):
+    if isinstance(leaf, Node):
         return str(leaf)
     if isinstance(leaf, torch.Tensor):
         return f"{str(leaf.dtype).removeprefix('torch.')}{list(leaf.shape)}"
@@ -100,7 +100,7 @@ def _subtree(values: Mapping[str, Any], prefix: str) -> dict[str, dict[str, Any]
     out: dict[str, dict[str, Any]] = {}
     head = prefix + "/" if prefix else ""
     for path, v in values.items():
-        if path.startswith(head) and not isinstance(v, _Node):
+        if path.startswith(head) and not isinstance(v, Node):
             rest = path[len(head) :]
             if rest.count("/") == 1:
                 name, key = rest.split("/")
