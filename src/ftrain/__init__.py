@@ -4,6 +4,7 @@ Small pure functions over an immutable `TrainState`; you write the loop.
 """
 
 from ftrain import checkpoint as checkpoint
+from ftrain import logging as logging
 from ftrain import losses as losses
 from ftrain import optim as optim
 from ftrain import schedules as schedules
@@ -16,7 +17,9 @@ from ftrain.checkpoint import save_checkpoint as save_checkpoint
 from ftrain.checkpoint import wait_for_checkpoint as wait_for_checkpoint
 from ftrain.data import make_batches as make_batches
 from ftrain.data import pad_collate as pad_collate
+from ftrain.eval import classification_metrics as classification_metrics
 from ftrain.eval import evaluate as evaluate
+from ftrain.eval import predict as predict
 from ftrain.grads import Stats as Stats
 from ftrain.grads import accumulate_grads as accumulate_grads
 from ftrain.predicates import should_eval as should_eval
@@ -55,6 +58,8 @@ __all__ = [
     "should_stop",
     "track_best",
     "evaluate",
+    "predict",
+    "classification_metrics",
     # checkpoints
     "save_checkpoint",
     "load_checkpoint",
@@ -64,6 +69,7 @@ __all__ = [
     "CheckpointError",
     # namespaces
     "checkpoint",
+    "logging",
     "losses",
     "optim",
     "schedules",

@@ -1,4 +1,4 @@
-"""Command line: `python -m ftrain inspect <checkpoint>` and `python -m ftrain export ...`."""
+"""Command line: `python -m ftrain inspect|export|plot ...` (see `python -m ftrain -h`)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--config", type=Path, help="config.json (or its directory); default: saved")
     p.add_argument("--base", type=Path, help="pretrained model for parameters frozen in training")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --to directory")
+    p = sub.add_parser("plot", help="draw loss, lr and grad norm from a metrics.jsonl")
+    p.add_argument("metrics", type=Path)
+    p.add_argument("-o", "--out", type=Path, default=Path("curves.png"), help="PNG to write")
     args = parser.parse_args(argv)
+    if args.command == "plot":
+        from ftrain.logging import plot_metrics
+
+        try:
+            print(f"wrote {plot_metrics(args.metrics, args.out)}")
+        except (OSError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        return 0
     if args.command == "inspect":
         return inspect(args.checkpoint, verify=not args.no_verify)
     try:

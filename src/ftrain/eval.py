@@ -1,21 +1,24 @@
-"""evaluate: the global item-weighted loss over a dataset, plus user metrics."""
+"""evaluate and predict: global item-weighted loss and metrics, per-sample outputs as numpy."""
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
-from ftrain.losses import LossFn, default_loss
+from ftrain.losses import IGNORE_INDEX, LossFn, _logits, _upcast, default_loss
 from ftrain.state import TrainState
 from ftrain.strategies._base import Strategy
 
-__all__ = ["MetricsFn", "evaluate"]
+__all__ = ["MetricsFn", "OutputFn", "classification_metrics", "evaluate", "predict"]
 
 MetricsFn = Callable[[nn.Module, Any], Mapping[str, tuple[torch.Tensor, torch.Tensor]]]
+OutputFn = Callable[[nn.Module, Any], Mapping[str, torch.Tensor]]
 
 
 def _flatten(batches: Iterable[Any]) -> Iterable[Any]:
@@ -46,7 +49,9 @@ def evaluate(
         batches: e.g. `make_batches(val, batch_size=16, shuffle=False)`.
         loss_fn: `(model, batch) -> (loss_sum, num_items)`; `default_loss` if None.
         metrics_fn: `(model, batch) -> {name: (sum, count)}`; each metric is reported as its
-            global sum / count (accuracy: `(correct, n)`), in bounded memory.
+            global sum / count (accuracy: `(correct, n)`), in bounded memory. When it returns
+            `"loss"` too (from the same forward pass, e.g. `classification_metrics`), `loss_fn`
+            is not called, so each batch runs through the model once.
         strategy: overrides `state.strategy`.
 
     Returns:
@@ -55,27 +60,21 @@ def evaluate(
     strategy = state.strategy if strategy is None else strategy
     loss_fn = default_loss if loss_fn is None else loss_fn
     model, device = state.model, strategy.device
-    was_training = model.training
-    model.eval()
     sums: dict[str, torch.Tensor] = {}
-    try:
-        with torch.no_grad(), strategy.autocast():
-            for batch in _flatten(batches):
-                batch = strategy.to_device(batch)
-                loss, items = loss_fn(model, batch)
-                parts = {"loss": (loss, items)}
-                if metrics_fn is not None:
-                    parts.update(metrics_fn(model, batch))
-                for name, (s, n) in parts.items():
-                    pair = torch.stack(
-                        [
-                            torch.as_tensor(s, device=device).double(),
-                            torch.as_tensor(n, device=device).double(),
-                        ]
-                    )
-                    sums[name] = sums[name] + pair if name in sums else pair
-    finally:
-        model.train(was_training)
+    with _inference(model), strategy.autocast():
+        for batch in _flatten(batches):
+            batch = strategy.to_device(batch)
+            parts = dict(metrics_fn(model, batch)) if metrics_fn is not None else {}
+            if "loss" not in parts:
+                parts["loss"] = loss_fn(model, batch)
+            for name, (s, n) in parts.items():
+                pair = torch.stack(
+                    [
+                        torch.as_tensor(s, device=device).double(),
+                        torch.as_tensor(n, device=device).double(),
+                    ]
+                )
+                sums[name] = sums[name] + pair if name in sums else pair
     if not sums:
         raise ValueError("evaluate got no batches")
     names = sorted(sums)
@@ -85,3 +84,90 @@ def evaluate(
     out["eval_ppl"] = math.exp(out["eval_loss"]) if out["eval_loss"] < 700 else math.inf
     out["eval_items"] = n_items
     return out
+
+
+@contextlib.contextmanager
+def _inference(model: nn.Module) -> Iterator[None]:
+    """Eval mode without gradients; the previous mode comes back afterwards, even on error."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def classification_metrics(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
+    """A `metrics_fn` for classifiers: summed cross-entropy and accuracy from one forward pass.
+
+    Labels of -100 are ignored. `evaluate(state, batches, metrics_fn=ft.classification_metrics)`
+    reports `eval_loss` and `eval_accuracy`.
+    """
+    logits, labels = _upcast(_logits(model, batch)), batch["labels"]
+    keep = labels != IGNORE_INDEX
+    loss = torch.nn.functional.cross_entropy(
+        logits, labels, ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    correct = ((logits.argmax(-1) == labels) & keep).sum()
+    n = keep.sum()
+    return {"loss": (loss, n), "accuracy": (correct, n)}
+
+
+def _default_outputs(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+    if not isinstance(batch, Mapping):
+        raise TypeError("predict needs output_fn for batches that are not dicts")
+    out = {"logits": _logits(model, batch)}
+    if "labels" in batch:
+        out["labels"] = batch["labels"]
+    return out
+
+
+def predict(
+    state: TrainState,
+    batches: Iterable[Any],
+    output_fn: OutputFn | None = None,
+    *,
+    strategy: Strategy | None = None,
+) -> Iterator[dict[str, np.ndarray]]:
+    """Stream per-sample outputs as numpy arrays, one dict per batch, in batch order.
+
+    Nothing accumulates: consume the iterator batch by batch (e.g. update a running
+    accuracy) and memory stays bounded however large the dataset. Each yielded array has the
+    batch's samples as its first axis, so counts are exact (no padding samples). With several
+    data-parallel ranks each rank yields its own share; `make_batches` gives every sample to
+    exactly one rank. The model is in eval mode without gradients while the iterator runs, and
+    in its previous mode once it is exhausted or closed.
+
+    Args:
+        state: the state to predict with (not consumed).
+        batches: e.g. `make_batches(test, batch_size=64, shuffle=False)`.
+        output_fn: `(model, batch) -> {name: tensor}`; by default the model's logits plus the
+            batch's labels when it has them. Return only what you need (`argmax` rather than
+            logits) to move less to the host.
+        strategy: overrides `state.strategy`.
+
+    Yields:
+        `{name: np.ndarray}` per batch (a host sync per batch, by nature).
+
+    Raises:
+        ValueError: if the outputs of one batch disagree on the number of samples.
+    """
+    strategy = state.strategy if strategy is None else strategy
+    output_fn = _default_outputs if output_fn is None else output_fn
+    model = state.model
+    with _inference(model), strategy.autocast():
+        for batch in _flatten(batches):
+            outputs = output_fn(model, strategy.to_device(batch))
+            arrays = {k: _to_numpy(v) for k, v in outputs.items()}
+            sizes = {k: a.shape[0] if a.ndim else 1 for k, a in arrays.items()}
+            if len(set(sizes.values())) > 1:
+                raise ValueError(f"outputs disagree on the number of samples: {sizes}")
+            yield arrays
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach()
+    if t.dtype in (torch.bfloat16, torch.float16):
+        t = t.float()  # numpy has no bfloat16
+    return t.cpu().numpy()

@@ -1,0 +1,33 @@
+"""Logging (`ft.logging`): log windows with HF's definitions, sinks, throughput, plots."""
+
+from ftrain.logging._perf import flops_per_token as flops_per_token
+from ftrain.logging._perf import peak_memory_mb as peak_memory_mb
+from ftrain.logging._plot import plot_metrics as plot_metrics
+from ftrain.logging._plot import read_jsonl as read_jsonl
+from ftrain.logging._sinks import JSONLSink as JSONLSink
+from ftrain.logging._sinks import NullSink as NullSink
+from ftrain.logging._sinks import ProgressBar as ProgressBar
+from ftrain.logging._sinks import Sink as Sink
+from ftrain.logging._sinks import Sinks as Sinks
+from ftrain.logging._sinks import TensorBoardSink as TensorBoardSink
+from ftrain.logging._window import LogWindow as LogWindow
+from ftrain.logging._window import emit as emit
+from ftrain.logging._window import update as update
+from ftrain.logging._window import window as window
+
+__all__ = [
+    "JSONLSink",
+    "LogWindow",
+    "NullSink",
+    "ProgressBar",
+    "Sink",
+    "Sinks",
+    "TensorBoardSink",
+    "emit",
+    "flops_per_token",
+    "peak_memory_mb",
+    "plot_metrics",
+    "read_jsonl",
+    "update",
+    "window",
+]

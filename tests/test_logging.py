@@ -1,0 +1,210 @@
+"""Log windows (HF's definitions, no host sync until emit), sinks, plots, throughput figures."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ftrain as ft
+from helpers import ragged_rows, tiny_llama
+
+
+def _stats(loss, tokens=10, samples=2, micro=1):
+    t = torch.tensor
+    return ft.Stats(t(float(loss)), t(tokens), t(tokens), t(samples), micro)
+
+
+def _info(norm=1.0, skipped=False, lr=0.1):
+    return ft.StepInfo(torch.tensor(norm), torch.tensor(skipped), lr)
+
+
+def _advance(state, stats):
+    return state.replace(
+        step=state.step + 1,
+        cursor=state.cursor + stats.num_micro,
+        tokens_seen=state.tokens_seen + stats.num_tokens,
+        samples_seen=state.samples_seen + stats.num_samples,
+    )
+
+
+def test_record_follows_hf_definitions():
+    state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+    w = ft.logging.window(state)
+    for i, loss in enumerate([1.0, 2.0, 3.0]):
+        stats = _stats(loss)
+        w = ft.logging.update(w, stats, _info(norm=10.0 + i, skipped=i == 1, lr=0.01 * (i + 1)))
+        state = _advance(state, stats)
+    state = state.replace(epoch=1)
+    rec, w2 = ft.logging.emit(w, state, epoch_size=12, flops_per_token=100.0, peak_flops=1e6)
+    assert rec["loss"] == pytest.approx(2.0)  # mean of the step losses since the last log
+    assert rec["learning_rate"] == 0.03 and rec["grad_norm"] == 12.0  # of the last step
+    assert rec["step"] == 3 and rec["epoch"] == pytest.approx(1 + 3 / 12)
+    assert rec["tokens_seen"] == 30 and rec["samples_seen"] == 6 and rec["skipped_steps"] == 1
+    assert rec["tokens_per_second"] > 0 and rec["samples_per_second"] > 0
+    assert rec["flops_per_second"] == pytest.approx(100.0 * rec["tokens_per_second"])
+    assert rec["mfu"] == pytest.approx(rec["flops_per_second"] / 1e6)
+    assert rec["peak_memory_mb"] > 0
+    assert w2.steps == 0 and w2.start_tokens is state.tokens_seen
+    with pytest.raises(ValueError, match="at least one"):
+        ft.logging.emit(w2, state)
+
+
+def test_nan_inf_filter_is_hfs_rule():
+    # HF (logging_nan_inf_filter): a non-finite step loss adds tr_loss / (steps so far + 1).
+    state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+    w = ft.logging.window(state)
+    for loss in [1.0, 2.0, math.nan, math.inf, 4.0]:
+        w = ft.logging.update(w, _stats(loss), _info())
+    # sums: 1, 3, 3 + 3/3 = 4, 4 + 4/4 = 5, 9  ->  mean over 5 steps
+    rec, _ = ft.logging.emit(w, state)
+    assert rec["loss"] == pytest.approx(9 / 5)
+
+
+def test_update_never_reads_the_device_and_emit_reads_once(monkeypatch):
+    state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+    w = ft.logging.window(state)
+    reads = []
+
+    def read(name):
+        real = getattr(torch.Tensor, name)
+
+        def spy(self, *a, **k):
+            reads.append(name)
+            return real(self, *a, **k)
+
+        return spy
+
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, read(name))
+    stats, info = _stats(1.5), _info()
+    reads.clear()
+    for _ in range(4):
+        w = ft.logging.update(w, stats, info)
+    assert reads == []
+    ft.logging.emit(w, state)
+    assert reads == ["tolist"]
+
+
+def test_window_in_a_real_loop_reports_the_mean_step_loss():
+    state = ft.TrainState.create(tiny_llama(), ft.optim.adamw())
+    rows = ragged_rows(24, seed=2)
+    w, losses = ft.logging.window(state), []
+    for micro in ft.make_batches(rows, batch_size=4, accum=2, seed=0):
+        grads, stats = ft.accumulate_grads(state, micro)
+        state, info = ft.clip_and_step(state, grads, stats=stats, lr=1e-3, max_norm=1.0)
+        w = ft.logging.update(w, stats, info)
+        losses.append(float(stats.loss))
+    rec, _ = ft.logging.emit(w, state, epoch_size=ft.data.num_micro_batches(24, 4))
+    assert rec["loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-12)
+    assert rec["epoch"] == 1.0 and rec["step"] == 3
+    assert rec["grad_norm"] == pytest.approx(float(info.grad_norm))
+    assert rec["tokens_seen"] == sum(len(r["input_ids"]) for r in rows)
+
+
+# --- sinks ---------------------------------------------------------------------------------------
+
+
+def test_jsonl_sink_writes_strict_json_and_appends(tmp_path):
+    path = tmp_path / "logs" / "metrics.jsonl"
+    sink = ft.logging.JSONLSink(path)
+    sink.log({"step": 1, "loss": 2.5, "grad_norm": math.nan})
+    sink.log({"step": 2, "eval_loss": 2.0})
+    sink.close()
+    again = ft.logging.JSONLSink(path)  # a resumed run appends
+    again.log({"step": 2, "eval_loss": 1.9})
+    again.close()
+    lines = path.read_text().splitlines()
+    assert [json.loads(x) for x in lines] == [
+        {"step": 1, "loss": 2.5, "grad_norm": None},
+        {"step": 2, "eval_loss": 2.0},
+        {"step": 2, "eval_loss": 1.9},
+    ]
+    assert "NaN" not in path.read_text()
+    recs = ft.logging.read_jsonl(path)  # the last record per step and kind wins
+    assert recs == [{"step": 1, "loss": 2.5, "grad_norm": None}, {"step": 2, "eval_loss": 1.9}]
+
+
+def test_tensorboard_sink_writes_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sink = ft.logging.TensorBoardSink(tmp_path)
+    for step in (1, 2):
+        sink.log({"step": step, "loss": 3.0 - step, "learning_rate": 0.1, "note": "x"})
+    sink.log({"step": 2, "eval_loss": 1.5})
+    sink.close()
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    assert {"train/loss", "train/learning_rate", "eval/loss"} <= set(acc.Tags()["scalars"])
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 2.0), (2, 1.0)]
+
+
+def test_progress_bar_is_off_without_a_terminal_and_on_other_ranks(capsys):
+    state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+    assert not ft.logging.ProgressBar(10).enabled  # pytest's stderr is not a TTY
+    assert not ft.logging.ProgressBar(10, rank=1).enabled
+    bar = ft.logging.ProgressBar(10, enabled=True)
+    bar.step(state.replace(step=4))
+    bar.log({"step": 4, "loss": 1.23456, "learning_rate": 3e-4})
+    bar.step(state.replace(step=10))
+    bar.close()
+    err = capsys.readouterr().err
+    assert "10/10" in err and "loss=1.235" in err and "learning_rate=0.0003" in err
+
+
+def test_sinks_compose_and_reject_non_sinks(tmp_path):
+    a, b = ft.logging.JSONLSink(tmp_path / "a.jsonl"), ft.logging.JSONLSink(tmp_path / "b.jsonl")
+    with ft.logging.Sinks(a, b, ft.logging.NullSink()) as sink:
+        sink.log({"step": 1, "loss": 1.0})
+    assert (tmp_path / "a.jsonl").read_text() == (tmp_path / "b.jsonl").read_text() != ""
+    with pytest.raises(TypeError, match="not a Sink"):
+        ft.logging.Sinks(print)
+
+
+def test_plot_cli_writes_a_png(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    sink = ft.logging.JSONLSink(path)
+    for step in range(1, 21):
+        sink.log({"step": step, "loss": 3 / step, "learning_rate": 1e-3, "grad_norm": 1.0})
+        if step % 5 == 0:
+            sink.log({"step": step, "eval_loss": 3.5 / step})
+    sink.close()
+    out = tmp_path / "curves.png"
+    run = subprocess.run(
+        [sys.executable, "-m", "ftrain", "plot", str(path), "-o", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    data = out.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("not json\n")
+    run = subprocess.run(
+        [sys.executable, "-m", "ftrain", "plot", str(empty), "-o", str(tmp_path / "x.png")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 1 and "no log record" in run.stderr
+
+
+# --- throughput ----------------------------------------------------------------------------------
+
+
+def test_flops_per_token_is_hfs_estimate():
+    model = tiny_llama()
+    assert ft.logging.flops_per_token(model) == 6 * model.num_parameters(exclude_embeddings=True)
+    plain = torch.nn.Sequential(torch.nn.Embedding(100, 8), torch.nn.Linear(8, 3))
+    assert ft.logging.flops_per_token(plain) == 6 * (8 * 3 + 3)
+
+
+def test_checkpoint_retention_keeps_the_best_that_track_best_tracks(tmp_path):
+    state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+    for step, loss in [(1, 0.9), (2, 0.4), (3, 0.6), (4, 0.7)]:
+        metrics = {"eval_loss": loss}
+        state = ft.track_best(state.replace(step=step), metrics)
+        ft.save_checkpoint(state, tmp_path, metrics=metrics, keep_last=1, best_metric="eval_loss")
+    assert state.best_step == 2 and state.patience_counter == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"step-{state.best_step}", "step-4"]
