@@ -11,7 +11,9 @@ The text ships in the repo (examples/data/tinyshakespeare.txt); nothing is downl
 Checkpoints go to `--out` (default runs/shakespeare_char) at every evaluation, written in the
 background; the newest and the best by eval_loss are kept. Run the command again after an
 interruption and it resumes exactly where the last checkpoint left off. The final model is
-exported to `<out>/final`, loadable with `GPT2LMHeadModel.from_pretrained`.
+exported to `<out>/final`, loadable with `GPT2LMHeadModel.from_pretrained`. Logs go to a progress
+bar in a terminal (printed lines otherwise) and to `<out>/metrics.jsonl`; draw them with
+`python -m ftrain plot runs/shakespeare_char/metrics.jsonl -o curves.png`.
 """
 
 from __future__ import annotations
@@ -109,7 +111,11 @@ def main(argv: list[str] | None = None) -> float:
         subset = (b for _, b in zip(range(iters), batches, strict=False))
         return ft.evaluate(state, subset, next_char_loss)["eval_loss"]
 
-    start = time.perf_counter()
+    bar = ft.logging.ProgressBar(args.max_iters)  # on in a terminal; else lines are printed
+    jsonl = [ft.logging.JSONLSink(Path(args.out) / "metrics.jsonl")] if args.out else []
+    sink = ft.logging.Sinks(bar, *jsonl)
+    epoch_size = ft.data.num_micro_batches(len(train), args.batch_size)
+    start, window = time.perf_counter(), ft.logging.window(state)
     while state.step < args.max_iters:
         for micro in ft.make_batches(
             train, batch_size=args.batch_size, seed=args.seed, epoch=state.epoch, start=state.cursor
@@ -118,16 +124,24 @@ def main(argv: list[str] | None = None) -> float:
             state, info = ft.clip_and_step(
                 state, grads, stats=stats, lr=lr(state.step), max_norm=1.0
             )
+            window = ft.logging.update(window, stats, info)  # device arithmetic, no sync
+            sink.step(state)
             if ft.should_log(state, every=args.log_interval, first=True):
-                # float() reads device tensors: the only host syncs of the loop, on log steps.
-                print(
-                    f"step {state.step:5d}  loss {float(stats.loss):.4f}  lr {info.lr:.2e}  "
-                    f"grad_norm {float(info.grad_norm):.3f}  {time.perf_counter() - start:6.1f}s",
-                    flush=True,
-                )
+                # emit reads the window back: the only host sync of the loop, on log steps.
+                record, window = ft.logging.emit(window, state, epoch_size=epoch_size)
+                sink.log(record)
+                if not bar.enabled:
+                    print(
+                        f"step {state.step:5d}  loss {record['loss']:.4f}  "
+                        f"lr {record['learning_rate']:.2e}  grad_norm {record['grad_norm']:.3f}  "
+                        f"{time.perf_counter() - start:6.1f}s",
+                        flush=True,
+                    )
             if ft.should_eval(state, every=args.eval_interval, total_steps=args.max_iters):
                 metrics = {"eval_loss": val_loss(args.eval_iters)}
-                print(f"step {state.step:5d}  eval_loss {metrics['eval_loss']:.4f}", flush=True)
+                sink.log({"step": state.step, **metrics})
+                if not bar.enabled:
+                    print(f"step {state.step:5d}  eval_loss {metrics['eval_loss']:.4f}", flush=True)
                 if args.out:  # in the background, except the last save of the run
                     last = state.step >= args.max_iters
                     ft.save_checkpoint(
@@ -138,6 +152,7 @@ def main(argv: list[str] | None = None) -> float:
                 break
         else:
             state = ft.next_epoch(state)
+    sink.close()
     final = val_loss(args.final_eval_iters)
     if args.out:
         ft.export_pretrained(state, Path(args.out) / "final", overwrite=True)

@@ -52,6 +52,9 @@ def test_shakespeare_char_short_run(capsys, tmp_path):
     # Checkpoints at each evaluation (the last one blocking), and the exported final model.
     assert ft.latest_checkpoint(out_dir).name == "step-40"
     assert (out_dir / "final" / "model.safetensors").is_file()
+    records = ft.logging.read_jsonl(out_dir / "metrics.jsonl")
+    assert [r["step"] for r in records if "loss" in r] == [1, 10, 20, 30, 40]
+    assert [r["step"] for r in records if "eval_loss" in r] == [20, 40]
 
     # Resuming the example from its step-20 checkpoint ends exactly where the full run did.
     resumed_dir = tmp_path / "resumed"
@@ -60,3 +63,22 @@ def test_shakespeare_char_short_run(capsys, tmp_path):
     again = _load("shakespeare_char").main(["--out", str(resumed_dir), *SHORT])
     assert "resumed from" in capsys.readouterr().out
     assert again == final
+
+
+def test_finetune_classifier_short_run(tmp_path, capsys):
+    """A few steps of the real example: pretrained MiniLM, BBC News, held-out accuracy."""
+    out_dir = tmp_path / "clf"
+    args = ["--epochs", "1", "--max-train", "64", "--max-test", "40", "--max-length", "32"]
+    final = _load("finetune_classifier").main([*args, "--out", str(out_dir)])
+    out = capsys.readouterr().out
+    assert final["eval_items"] == 40 and 0.0 <= final["eval_accuracy"] <= 1.0
+    assert re.search(r"^test_accuracy=\d\.\d{4} on 40 articles$", out, re.M)
+    assert "epoch 1: test accuracy" in out
+    records = ft.logging.read_jsonl(out_dir / "metrics.jsonl")
+    assert [r["step"] for r in records if "loss" in r] == [4]  # 64 / 16 steps; logged at the end
+    assert [r["step"] for r in records if "eval_accuracy" in r] == [4]
+    assert ft.latest_checkpoint(out_dir).name == "step-4"
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    AutoTokenizer.from_pretrained(out_dir / "final")
+    assert AutoModelForSequenceClassification.from_pretrained(out_dir / "final").num_labels == 5
