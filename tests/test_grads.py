@@ -108,6 +108,20 @@ def test_custom_loss_fn_counts_items():
     (model(x) ** 2).mean().backward()
     torch.testing.assert_close(grads["weight"], model.weight.grad)
     assert int(stats.num_items) == 10
+    assert int(stats.num_tokens) == 10  # float features: one token per sample
+
+
+def test_token_count_of_id_pairs_is_every_token():
+    emb = torch.nn.Embedding(10, 4)
+
+    def loss_fn(m, batch):
+        x, y = batch
+        return m(x).sum(), torch.tensor(y.numel())
+
+    state = ft.TrainState.create(emb, ft.optim.sgd())
+    x = torch.randint(0, 10, (3, 5))
+    _, stats = ft.accumulate_grads(state, [(x, x), (x[:2], x[:2])], loss_fn)
+    assert int(stats.num_tokens) == 25 and int(stats.num_samples) == 5
 
 
 def test_label_smoothing_matches_hf_label_smoother():

@@ -85,7 +85,14 @@ def _count(batch: Any, device: torch.device) -> tuple[torch.Tensor, int]:
     else:
         first = batch[0] if isinstance(batch, (list, tuple)) else batch
     n = first.shape[0] if isinstance(first, torch.Tensor) else len(first)
-    return torch.full((), n, device=device), n
+    # An integer tensor of rank >= 2 first in the batch is token ids (e.g. an (x, y) pair of
+    # windows); anything else counts one token per sample.
+    tokens = first.numel() if isinstance(first, torch.Tensor) and _is_ids(first) else n
+    return torch.full((), tokens, device=device), n
+
+
+def _is_ids(t: torch.Tensor) -> bool:
+    return t.dim() >= 2 and not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
 
 
 def accumulate_grads(

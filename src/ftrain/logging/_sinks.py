@@ -119,8 +119,10 @@ class ProgressBar:
         self.enabled = enabled
         self._bar: Any = None
         if enabled:
-            from tqdm.auto import tqdm
-
+            try:
+                from tqdm.auto import tqdm
+            except ImportError as e:  # pragma: no cover - exercised only without the extra
+                raise ImportError("ProgressBar needs tqdm: pip install 'ftrain[progress]'") from e
             self._bar = tqdm(total=total, unit="step", dynamic_ncols=True)
 
     def step(self, state: TrainState) -> None:
