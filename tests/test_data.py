@@ -10,7 +10,14 @@ from helpers import FakeRank, ragged_rows
 
 
 def _ids(groups):
-    return [i for g in groups for b in g for i in b["idx"].tolist()]
+    """Row ids in yield order; ZeroWeight stand-ins hold no row of their own."""
+    return [
+        i
+        for g in groups
+        for b in g
+        if not isinstance(b, ft.data.ZeroWeight)
+        for i in b["idx"].tolist()
+    ]
 
 
 def _indexed(n):
@@ -110,11 +117,15 @@ def test_data_parallel_split_unions_to_single_process():
         list(ft.make_batches(data, batch_size=3, accum=2, seed=9, strategy=FakeRank(r, 2)))
         for r in range(2)
     ]
-    # 37 rows, 6 per global micro-batch: the 7th holds one row, which goes to rank 0 alone.
+    # 37 rows, 6 per global micro-batch: the 7th holds one row, which goes to rank 0; rank 1
+    # gets a ZeroWeight stand-in, so both run the same number of micro-batches.
     assert [len(g) for g in per_rank[0]] == [2, 2, 2, 1]
-    assert [len(g) for g in per_rank[1]] == [2, 2, 2]
+    assert [len(g) for g in per_rank[1]] == [2, 2, 2, 1]
+    stand_in = per_rank[1][-1][0]
+    assert isinstance(stand_in, ft.data.ZeroWeight)
+    assert stand_in.batch["idx"].tolist() == per_rank[0][-1][0]["idx"].tolist()
     r0 = [b["idx"].tolist() for g in per_rank[0] for b in g]
-    r1 = [b["idx"].tolist() for g in per_rank[1] for b in g] + [[]]
+    r1 = [b["idx"].tolist() for g in per_rank[1] for b in g if not isinstance(b, tuple)] + [[]]
     merged = [i for b0, b1 in zip(r0, r1, strict=True) for i in b0 + b1]
     assert merged == one
     assert per_rank[0][0][0]["idx"].shape[0] == 3
@@ -161,6 +172,15 @@ def test_property_epoch_partition_and_resume(n, bs, accum, start, world, drop_la
     ]
     everything = sorted(i for f in full for i in f)
     assert len(everything) == len(set(everything))
+    # Every rank runs the same number of steps and micro-batches (DDP would hang otherwise).
+    shapes = {
+        tuple(len(g) for g in ft.make_batches(
+            data, batch_size=bs, accum=accum, seed=1, drop_last=drop_last,
+            strategy=FakeRank(r, world),
+        ))
+        for r in range(world)
+    }  # fmt: skip
+    assert len(shapes) == 1
     if not drop_last:
         assert everything == list(range(n))
     tail = _ids(

@@ -177,3 +177,26 @@ def test_accumulation_is_exact_to_float64_rounding_on_gpt2():
     grads, _ = ft.accumulate_grads(state, micro)
     for n, g in grads.items():
         torch.testing.assert_close(g, ref[n], rtol=1e-12, atol=1e-14, msg=n)
+
+
+def test_zero_weight_stand_in_runs_but_counts_nothing(llama):
+    rows = ragged_rows(6, seed=8)
+    (micro,) = list(ft.make_batches(rows[:4], batch_size=4, shuffle=False))
+    (other,) = list(ft.make_batches(rows[4:], batch_size=2, shuffle=False))
+    calls = []
+    state = ft.TrainState.create(llama, ft.optim.sgd())
+
+    def loss_fn(model, batch):
+        calls.append(batch["input_ids"].shape[0])
+        return ft.losses.default_loss(model, batch)
+
+    ref, ref_stats = ft.accumulate_grads(state, micro, loss_fn)
+    ref = {n: g.clone() for n, g in ref.items()}
+    grads, stats = ft.accumulate_grads(state, [*micro, ft.data.ZeroWeight(other[0])], loss_fn)
+    assert calls == [4, 4, 2]  # the stand-in ran its forward and backward
+    for n, g in grads.items():
+        torch.testing.assert_close(g, ref[n], rtol=0, atol=0)
+    for f in ("loss", "num_items", "num_tokens", "num_samples"):
+        assert torch.equal(getattr(stats, f), getattr(ref_stats, f)), f
+    out = ft.evaluate(state, [[*micro, ft.data.ZeroWeight(other[0])]])
+    assert out == ft.evaluate(state, [micro])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -17,6 +17,7 @@ import torch
 from ftrain.strategies._base import Strategy
 
 __all__ = [
+    "ZeroWeight",
     "epoch_order",
     "length_grouped_order",
     "make_batches",
@@ -85,6 +86,18 @@ def num_micro_batches(
     return n // rows if drop_last else -(-n // rows)
 
 
+class ZeroWeight(NamedTuple):
+    """A micro-batch that counts for nothing: a rank's stand-in when the final, short global
+    micro-batch has no rows for it.
+
+    It holds a real row (the global micro-batch's first), so the forward and backward run and
+    the rank joins the same collectives as the others, but `accumulate_grads` and `evaluate`
+    give it weight zero and count none of its items, tokens or samples.
+    """
+
+    batch: Batch
+
+
 def make_batches(
     data: Any,
     *,
@@ -105,8 +118,8 @@ def make_batches(
     With W data-parallel ranks, global micro-batch b is rows `[b*bs*W, (b+1)*bs*W)` of the
     epoch order, split into W contiguous parts (`numpy.array_split`); this rank collates its
     part. The union over ranks equals what one process yields with `batch_size=bs*W`. When the
-    final global micro-batch has fewer than W rows, ranks left without rows get no micro-batch
-    for it.
+    final global micro-batch has fewer than W rows, ranks left without rows get a `ZeroWeight`
+    stand-in, so that every rank runs the same number of micro-batches.
 
     Args:
         data: a `datasets.Dataset`, a map-style torch dataset or a sequence of rows.
@@ -152,8 +165,10 @@ def make_batches(
     group: list[Batch] = []
     for b in range(start, total):
         chunk = np.array_split(order[b * rows : (b + 1) * rows], world)[rank]
-        if len(chunk):  # only the final, short global micro-batch can leave a rank without rows
+        if len(chunk):
             group.append(collate(_fetch(data, chunk)))
+        else:  # only the final, short global micro-batch can leave a rank without rows
+            group.append(ZeroWeight(collate(_fetch(data, order[b * rows : b * rows + 1]))))
         if len(group) == accum:
             yield group
             group = []

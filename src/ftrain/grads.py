@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ftrain.data import ZeroWeight
 from ftrain.losses import LossFn, default_loss
 from ftrain.state import TrainState
 from ftrain.strategies._base import Strategy
@@ -139,19 +140,22 @@ def accumulate_grads(
     gens = _generators(device)
     with _rng_scope(gens):
         for i, batch in enumerate(micro):
-            batch = strategy.to_device(batch)
+            # A ZeroWeight stand-in runs so that this rank joins the collectives, and counts 0.
+            weight = 0.0 if isinstance(batch, ZeroWeight) else 1.0
+            batch = strategy.to_device(batch.batch if weight == 0.0 else batch)
             seed = dropout_seed(state.seed, state.step, i, strategy.rank)
             for g in gens:
                 g.manual_seed(seed)
             with strategy.grad_sync(model, final=i == last):
                 with strategy.autocast():
                     loss_sum, num_items = loss_fn(model, batch)
+                    loss_sum = loss_sum * weight
                 loss_sum.backward()
             losses.append(loss_sum.detach())
-            items.append(torch.as_tensor(num_items, device=device))
+            items.append(torch.as_tensor(num_items, device=device) * weight)
             n_tok, n_samples = _count(batch, device)
-            tokens.append(n_tok)
-            samples += n_samples
+            tokens.append(n_tok * weight)
+            samples += n_samples if weight else 0
     # One collective for all four totals; float64 keeps counts exact far beyond 2**24.
     totals = strategy.all_reduce_sum(
         torch.stack(

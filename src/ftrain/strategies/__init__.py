@@ -3,5 +3,7 @@
 from ftrain.strategies._base import SingleDevice as SingleDevice
 from ftrain.strategies._base import Strategy as Strategy
 from ftrain.strategies._base import default_device as default_device
+from ftrain.strategies._ddp import DDP as DDP
+from ftrain.strategies._ddp import from_env as from_env
 
-__all__ = ["SingleDevice", "Strategy", "default_device"]
+__all__ = ["DDP", "SingleDevice", "Strategy", "default_device", "from_env"]

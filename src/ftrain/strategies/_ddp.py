@@ -1,0 +1,136 @@
+"""DDP: torch DistributedDataParallel behind the Strategy protocol, and `from_env`.
+
+Processes come from `torchrun` or `accelerate launch` (they set RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR and MASTER_PORT); `from_env()` joins the process group they describe. On CPU the
+gloo backend runs everything, so 2-process tests run anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ftrain.strategies._base import SingleDevice, local_grad_norm, move_to
+
+__all__ = ["DDP", "from_env"]
+
+
+def _local_device() -> torch.device:
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+class DDP:
+    """Data parallelism with torch DDP: every rank holds the whole model.
+
+    Gradients are all-reduced once per optimizer step, in the backward of the final
+    micro-batch (`no_sync` around the others); `sync_every_micro=True` reduces after every
+    micro-batch instead, trading traffic for not having to keep unsynchronised gradients.
+
+    Args:
+        device: this rank's device; `cuda:LOCAL_RANK` when CUDA is available, else the CPU.
+        process_group: the group to reduce over; the default group when None.
+        sync_every_micro: all-reduce in every micro-batch's backward.
+        **ddp_kwargs: passed to `DistributedDataParallel` (e.g. `bucket_cap_mb`).
+
+    Raises:
+        RuntimeError: if no process group is initialised (use `ft.strategies.from_env()`).
+    """
+
+    def __init__(
+        self,
+        *,
+        device: str | torch.device | None = None,
+        process_group: Any = None,
+        sync_every_micro: bool = False,
+        **ddp_kwargs: Any,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "DDP needs an initialised process group: launch with torchrun (or accelerate "
+                "launch) and build the strategy with ft.strategies.from_env()"
+            )
+        self.group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self.grad_reduce_factor = 1.0 / self.world_size  # DDP averages over ranks
+        self.device = torch.device(device) if device is not None else _local_device()
+        self.sync_every_micro = sync_every_micro
+        self._kwargs = ddp_kwargs
+
+    def __repr__(self) -> str:
+        return f"DDP(rank={self.rank}, world_size={self.world_size}, device='{self.device}')"
+
+    def setup(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.device)
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(
+            model, device_ids=ids, process_group=self.group, **self._kwargs
+        )
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, DistributedDataParallel) else model
+
+    def clone_model(self, model: nn.Module) -> nn.Module:
+        # Collective (DDP broadcasts parameters when it wraps): every rank must snapshot together.
+        return self.setup(copy.deepcopy(self.unwrap(model)))
+
+    def to_device(self, batch: Any) -> Any:
+        return move_to(batch, self.device)
+
+    def grad_sync(self, model: nn.Module, *, final: bool) -> contextlib.AbstractContextManager[Any]:
+        if final or self.sync_every_micro or not isinstance(model, DistributedDataParallel):
+            return contextlib.nullcontext()
+        return model.no_sync()
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+        return out
+
+    def grad_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        # After the final backward every rank holds the same (reduced) gradients.
+        return local_grad_norm(grads)
+
+
+def from_env(
+    kind: str = "ddp", *, timeout: timedelta | None = None, **kwargs: Any
+) -> SingleDevice | DDP:
+    """The strategy that the launcher's environment describes.
+
+    Under `torchrun --nproc_per_node N` or `accelerate launch` (WORLD_SIZE > 1) this joins the
+    process group (NCCL with CUDA, gloo on CPU) unless it is already initialised, and returns a
+    `DDP`; in a plain `python` run it returns `SingleDevice()`.
+
+    Args:
+        kind: "ddp".
+        timeout: how long a collective may wait before the process fails (default 10 minutes),
+            so that one rank's crash ends the others instead of hanging them.
+        **kwargs: passed to the strategy.
+
+    Raises:
+        ValueError: for an unknown `kind`.
+    """
+    if kind != "ddp":
+        raise ValueError(f"kind must be 'ddp', got {kind!r}")
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not dist.is_initialized():
+        return SingleDevice()
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=timeout or timedelta(minutes=10))
+    return DDP(**kwargs)
