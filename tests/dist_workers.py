@@ -1,0 +1,82 @@
+"""Worker functions for the 2-process tests (spawned; they must live in an importable module)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+import ftrain as ft
+from helpers import ragged_rows, tiny_llama
+
+# Ragged (token counts differ between ranks); 29 rows in global micro-batches of 4 leave one row
+# for the last, so rank 1 runs a ZeroWeight stand-in there.
+ROWS = ragged_rows(29, seed=11, lo=3, hi=20)
+
+
+def train(state, *, steps, batch_size, accum=2, hook=None):
+    """The README loop for `steps` steps; returns the state and the logged losses."""
+    losses = []
+    lr = ft.schedules.warmup_cosine(peak_lr=1e-2, warmup_steps=2, total_steps=steps)
+    while state.step < steps:
+        for micro in ft.make_batches(
+            ROWS, batch_size=batch_size, accum=accum, seed=state.seed, epoch=state.epoch,
+            start=state.cursor, strategy=state.strategy,
+        ):  # fmt: skip
+            grads, stats = ft.accumulate_grads(state, micro)
+            state, _ = ft.clip_and_step(state, grads, stats=stats, lr=lr(state.step), max_norm=0.5)
+            losses.append(float(stats.loss))
+            if state.step >= steps:
+                break
+        else:
+            state = ft.next_epoch(state)
+    return state, losses
+
+
+def _env(rank: int, world: int, port: int) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+    )  # fmt: skip
+    torch.set_num_threads(1)
+
+
+def ddp_equivalence(rank: int, world: int, port: int, out: str, steps: int, accum: int) -> None:
+    """Train with DDP (batch 2 per rank); rank 0 writes params, losses and counters."""
+    _env(rank, world, port)
+    strategy = ft.strategies.from_env()
+    state = ft.TrainState.create(
+        tiny_llama(dropout=0.0), ft.optim.adamw(), seed=3, strategy=strategy
+    )
+    state, losses = train(state, steps=steps, batch_size=2, accum=accum)
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        params = {n: p.detach().contiguous() for n, p in state.params.items()}
+        save_file(params, str(Path(out) / "params.safetensors"))
+        meta = {"losses": losses, "tokens": int(state.tokens_seen), "epoch": state.epoch,
+                "cursor": state.cursor}  # fmt: skip
+        (Path(out) / "result.json").write_text(json.dumps(meta))
+    torch.distributed.destroy_process_group()
+
+
+def ddp_traffic(rank: int, world: int, port: int, out: str, sync_every_micro: bool) -> None:
+    """Count DDP's gradient all-reduces (one per bucket) over 2 steps of 4 micro-batches."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    _env(rank, world, port)
+    strategy = ft.strategies.from_env(sync_every_micro=sync_every_micro)
+    state = ft.TrainState.create(tiny_llama(), ft.optim.sgd(), seed=3, strategy=strategy)
+    calls = []
+
+    def counting(group, bucket):
+        calls.append(1)
+        return allreduce_hook(group, bucket)
+
+    state.model.register_comm_hook(None, counting)
+    state, _ = train(state, steps=2, batch_size=1, accum=4)
+    if rank == 0:
+        (Path(out) / f"calls-{sync_every_micro}.json").write_text(json.dumps(len(calls)))
+    torch.distributed.destroy_process_group()

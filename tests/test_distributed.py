@@ -1,0 +1,50 @@
+"""Two processes on CPU with gloo: DDP equals one process with the same global batch."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import dist_workers as W
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+import ftrain as ft
+from helpers import tiny_llama
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(fn, *args, world=2):
+    mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, start_method="spawn")
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_ddp_equals_one_process_with_the_same_global_batch(tmp_path, accum):
+    steps = 9  # 29 rows, 4 per global micro-batch: crosses an epoch end and a 1-row last batch
+    spawn(W.ddp_equivalence, str(tmp_path), steps, accum)
+    single = ft.TrainState.create(tiny_llama(dropout=0.0), ft.optim.adamw(), seed=3)
+    single, losses = W.train(single, steps=steps, batch_size=4, accum=accum)
+    got = json.loads((tmp_path / "result.json").read_text())
+    assert got["losses"] == pytest.approx(losses, rel=1e-5, abs=1e-6)
+    assert (got["tokens"], got["epoch"], got["cursor"]) == (
+        int(single.tokens_seen), single.epoch, single.cursor,
+    )  # fmt: skip
+    params = load_file(str(tmp_path / "params.safetensors"))
+    for n, p in single.params.items():
+        torch.testing.assert_close(params[n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_non_final_micro_batches_do_not_all_reduce(tmp_path):
+    spawn(W.ddp_traffic, str(tmp_path), False)
+    spawn(W.ddp_traffic, str(tmp_path), True)
+    per_step = json.loads((tmp_path / "calls-False.json").read_text())
+    every = json.loads((tmp_path / "calls-True.json").read_text())
+    assert per_step >= 2 and per_step % 2 == 0  # 2 steps, the same buckets each step
+    assert every == 4 * per_step  # syncing every micro-batch: 4 times the traffic
