@@ -80,3 +80,24 @@ def ddp_traffic(rank: int, world: int, port: int, out: str, sync_every_micro: bo
     if rank == 0:
         (Path(out) / f"calls-{sync_every_micro}.json").write_text(json.dumps(len(calls)))
     torch.distributed.destroy_process_group()
+
+
+def ddp_resume(rank: int, world: int, port: int, root: str, save_at: int, steps: int) -> None:
+    """With DDP: resume from `root` if it holds a checkpoint, else train and save at `save_at`;
+    then continue to `steps`. Rank 0 writes the final params."""
+    _env(rank, world, port)
+    state = ft.TrainState.create(
+        tiny_llama(dropout=0.0), ft.optim.adamw(), seed=3, strategy=ft.strategies.from_env()
+    )
+    if (ckpt := ft.latest_checkpoint(root)) is not None:
+        state = ft.load_checkpoint(ckpt, state)
+    else:
+        state, _ = train(state, steps=save_at, batch_size=2)
+        ft.save_checkpoint(state, root)
+    state, _ = train(state, steps=steps, batch_size=2)
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        params = {n: p.detach().contiguous() for n, p in state.params.items()}
+        save_file(params, str(Path(root) / f"final-{world}.safetensors"))
+    torch.distributed.destroy_process_group()

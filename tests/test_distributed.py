@@ -48,3 +48,32 @@ def test_non_final_micro_batches_do_not_all_reduce(tmp_path):
     every = json.loads((tmp_path / "calls-True.json").read_text())
     assert per_step >= 2 and per_step % 2 == 0  # 2 steps, the same buckets each step
     assert every == 4 * per_step  # syncing every micro-batch: 4 times the traffic
+
+
+def test_checkpoints_move_between_two_ranks_and_one(tmp_path):
+    """Saved by 2 DDP ranks, resumed by 1 process, and the reverse: both continue exactly like
+    one uninterrupted process (same global batch of 4; dropout is off so the ranks' dropout
+    streams do not matter)."""
+    steps, save_at = 7, 3
+
+    def single(root=None):
+        state = ft.TrainState.create(tiny_llama(dropout=0.0), ft.optim.adamw(), seed=3)
+        if root is not None and (ckpt := ft.latest_checkpoint(root)) is not None:
+            state = ft.load_checkpoint(ckpt, state)
+        elif root is not None:
+            state, _ = W.train(state, steps=save_at, batch_size=4)
+            ft.save_checkpoint(state, root)
+        return W.train(state, steps=steps, batch_size=4)[0]
+
+    reference = single()
+    two_then_one = tmp_path / "a"
+    spawn(W.ddp_resume, str(two_then_one), save_at, steps)  # trains, saves at 3 with 2 ranks
+    assert ft.checkpoint.read_meta(two_then_one / "step-3")["world_size"] == 2
+    resumed = single(two_then_one)  # one process resumes it
+    one_then_two = tmp_path / "b"
+    single(one_then_two)  # one process saves at 3
+    spawn(W.ddp_resume, str(one_then_two), save_at, steps)  # two ranks resume it
+    from_two = load_file(str(one_then_two / "final-2.safetensors"))
+    for n, p in reference.params.items():
+        torch.testing.assert_close(resumed.params[n], p, rtol=1e-5, atol=1e-6, msg=n)
+        torch.testing.assert_close(from_two[n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)

@@ -65,7 +65,11 @@ def load_checkpoint(
 
     Raises:
         CheckpointMismatchError: (strict) listing every missing, unexpected or reshaped
-            parameter, optimizer-state difference and data-parallel size change.
+            parameter and optimizer-state difference.
+
+    A checkpoint written with one number of data-parallel ranks loads with another: the
+    tensors are whole. `cursor` counts global micro-batches, so keep `batch_size * ranks` the
+    same across the change for the data order to continue exactly.
         CheckpointError: when the checkpoint is incomplete, corrupted or not a checkpoint.
     """
     raise_pending_save_error()
@@ -82,11 +86,6 @@ def load_checkpoint(
     diffs, model_pairs = _match_model(meta, tensors[L.MODEL_FILE], live, module)
     opt_diffs, opt_values = _match_optimizer(meta, tensors[L.OPTIM_FILE], opt_flat, live)
     diffs += opt_diffs
-    if meta["world_size"] != state.strategy.world_size:
-        diffs.append(
-            f"data-parallel size: saved with {meta['world_size']} rank(s), loading with "
-            f"{state.strategy.world_size}; the cursor counts global micro-batches"
-        )
     if diffs and strict:
         raise CheckpointMismatchError(path, diffs)
     fields = _fields(meta, state)  # may still reject the file: before anything is written

@@ -81,6 +81,9 @@ def save_checkpoint(
             at most one save is in flight, and its error is raised by the next
             `clip_and_step` or checkpoint call. Make the final save of a run blocking.
 
+    With several data-parallel ranks (DDP), call it on every rank: rank 0 writes, and a
+    blocking save returns on every rank once the checkpoint is committed.
+
     Returns:
         The checkpoint directory `root/step-<N>`.
 
@@ -101,18 +104,23 @@ def save_checkpoint(
     if best_metric is not None and keep_best is None:
         keep_best = 1
     wait_for_checkpoint()
-    if state.strategy.world_size != 1:
-        raise NotImplementedError(
-            "saving from more than one data-parallel rank needs a distributed strategy's "
-            "save (ftrain issue 4); save from a single process for now"
-        )
-    root = Path(root)
+    root, strategy = Path(root), state.strategy
+    path = L.step_dir(root, state.step)
+    if strategy.rank != 0:
+        # Replicated data parallelism: rank 0 holds everything and writes it; the others wait
+        # (when blocking) so that no rank runs ahead of the commit.
+        if blocking:
+            strategy.barrier()
+        return path
     staged = _stage(state, metrics, copy=not blocking)
     job = _Job(staged, root, keep_last, keep_best, best_metric, mode, checksum)
-    if blocking:
+    if not blocking:
+        _start(job)
+        return path
+    try:
         return job.run()
-    _start(job)
-    return L.step_dir(root, staged.step)
+    finally:
+        strategy.barrier()
 
 
 def _check_retention(

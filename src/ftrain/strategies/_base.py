@@ -63,6 +63,10 @@ class Strategy(Protocol):
         """Sum a device tensor over data-parallel ranks (no host sync)."""
         ...
 
+    def barrier(self) -> None:
+        """Wait until every rank gets here (e.g. until rank 0 has committed a checkpoint)."""
+        ...
+
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """Global L2 norm of `grads` across shards and ranks, as a device tensor."""
         ...
@@ -120,6 +124,9 @@ class SingleDevice:
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
+
+    def barrier(self) -> None:
+        pass
 
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         return local_grad_norm(grads)

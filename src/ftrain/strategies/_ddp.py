@@ -103,6 +103,9 @@ class DDP:
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
         return out
 
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         # After the final backward every rank holds the same (reduced) gradients.
         return local_grad_norm(grads)
