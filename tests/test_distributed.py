@@ -77,3 +77,38 @@ def test_checkpoints_move_between_two_ranks_and_one(tmp_path):
     for n, p in reference.params.items():
         torch.testing.assert_close(resumed.params[n], p, rtol=1e-5, atol=1e-6, msg=n)
         torch.testing.assert_close(from_two[n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("mode", ["crash", "hang"])
+def test_a_failing_rank_ends_the_other_with_a_clear_error(mode):
+    """Rank 1 raises after one step. If its process exits, rank 0's next collective fails at
+    once ("Connection closed by peer ... remote worker crashing"); if it stays alive, rank 0
+    fails when the collective times out (`from_env(timeout=5 s)`) instead of hanging."""
+    import os
+    import re
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    script = Path(__file__).with_name("dist_fail.py")
+    port, procs = free_port(), []
+    start = time.monotonic()
+    for rank in (0, 1):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   WORLD_SIZE="2", LOCAL_RANK=str(rank), PYTHONPATH=str(script.parent))  # fmt: skip
+        procs.append(subprocess.Popen(
+            [sys.executable, str(script), mode], env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True,
+        ))  # fmt: skip
+    out0, _ = procs[0].communicate(timeout=120)
+    elapsed = time.monotonic() - start
+    procs[1].kill()
+    procs[1].communicate()
+    assert procs[0].returncode != 0, out0
+    stopped = float(re.search(r"rank 0 stopped after ([\d.]+)s", out0).group(1))
+    if mode == "crash":
+        assert "Connection closed by peer" in out0 and stopped < 10
+    else:
+        assert re.search(r"[Tt]imed? ?out", out0) and 4 < stopped < 30, out0[-2000:]
+    assert elapsed < 90
