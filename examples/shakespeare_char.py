@@ -7,6 +7,7 @@ The text ships in the repo (examples/data/tinyshakespeare.txt); nothing is downl
 
     python examples/shakespeare_char.py                 # full run, prints val_loss=... at the end
     python examples/shakespeare_char.py --max-iters 50  # a quick look
+    torchrun --nproc_per_node 2 examples/shakespeare_char.py --strategy ddp   # 2 processes
 
 Checkpoints go to `--out` (default runs/shakespeare_char) at every evaluation, written in the
 background; the newest and the best by eval_loss are kept. Run the command again after an
@@ -77,7 +78,13 @@ def main(argv: list[str] | None = None) -> float:
         "--final-eval-iters", type=int, default=200, help="batches for the final val_loss"
     )
     p.add_argument("--log-interval", type=int, default=100)
-    p.add_argument("--batch-size", type=int, default=12)
+    p.add_argument("--batch-size", type=int, default=12, help="global: split over the ranks")
+    p.add_argument(
+        "--strategy",
+        choices=["single", "ddp"],
+        default="single",
+        help="ddp: data parallel across the processes torchrun starts",
+    )
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--out", default="runs/shakespeare_char", help="checkpoints; '' for none")
@@ -100,25 +107,41 @@ def main(argv: list[str] | None = None) -> float:
     )
     model = GPT2LMHeadModel(config)
     optimizer = ft.optim.adamw(betas=(0.9, 0.99), weight_decay=0.1, mask=ft.optim.decay_mask(model))
-    state = ft.TrainState.create(model, optimizer, seed=args.seed)
+    strategy = ft.strategies.from_env() if args.strategy == "ddp" else None
+    state = ft.TrainState.create(model, optimizer, seed=args.seed, strategy=strategy)
+    main_rank, world = state.strategy.rank == 0, state.strategy.world_size
+    if args.batch_size % world:
+        raise ValueError(f"--batch-size {args.batch_size} is not divisible by {world} ranks")
+    batch_size = args.batch_size // world  # per rank: the global batch stays the same
     lr = ft.schedules.cosine_with_min_lr(1e-3, 100, args.max_iters, min_lr=1e-4)
     if args.out and (ckpt := ft.latest_checkpoint(args.out)) is not None:
         state = ft.load_checkpoint(ckpt, state)
-        print(f"resumed from {ckpt} (step {state.step})", flush=True)
+        if main_rank:
+            print(f"resumed from {ckpt} (step {state.step})", flush=True)
 
     def val_loss(iters: int) -> float:
-        batches = ft.make_batches(val, batch_size=args.batch_size, seed=0)  # a fixed random subset
+        batches = ft.make_batches(  # a fixed random subset, split over the ranks
+            val, batch_size=batch_size, seed=0, strategy=state.strategy
+        )
         subset = (b for _, b in zip(range(iters), batches, strict=False))
         return ft.evaluate(state, subset, next_char_loss)["eval_loss"]
 
-    bar = ft.logging.ProgressBar(args.max_iters)  # on in a terminal; else lines are printed
-    jsonl = [ft.logging.JSONLSink(Path(args.out) / "metrics.jsonl")] if args.out else []
+    # A progress bar in a terminal, printed lines otherwise; both on rank 0 only.
+    bar = ft.logging.ProgressBar(args.max_iters, rank=state.strategy.rank)
+    jsonl = (
+        [ft.logging.JSONLSink(Path(args.out) / "metrics.jsonl")] if args.out and main_rank else []
+    )
     sink = ft.logging.Sinks(bar, *jsonl)
-    epoch_size = ft.data.num_micro_batches(len(train), args.batch_size)
+    epoch_size = ft.data.num_micro_batches(len(train), batch_size, world_size=world)
     start, window = time.perf_counter(), ft.logging.window(state)
     while state.step < args.max_iters:
         for micro in ft.make_batches(
-            train, batch_size=args.batch_size, seed=args.seed, epoch=state.epoch, start=state.cursor
+            train,
+            batch_size=batch_size,
+            seed=args.seed,
+            epoch=state.epoch,
+            start=state.cursor,
+            strategy=state.strategy,
         ):
             grads, stats = ft.accumulate_grads(state, micro, next_char_loss)
             state, info = ft.clip_and_step(
@@ -130,7 +153,7 @@ def main(argv: list[str] | None = None) -> float:
                 # emit reads the window back: the only host sync of the loop, on log steps.
                 record, window = ft.logging.emit(window, state, epoch_size=epoch_size)
                 sink.log(record)
-                if not bar.enabled:
+                if main_rank and not bar.enabled:
                     print(
                         f"step {state.step:5d}  loss {record['loss']:.4f}  "
                         f"lr {record['learning_rate']:.2e}  grad_norm {record['grad_norm']:.3f}  "
@@ -140,7 +163,7 @@ def main(argv: list[str] | None = None) -> float:
             if ft.should_eval(state, every=args.eval_interval, total_steps=args.max_iters):
                 metrics = {"eval_loss": val_loss(args.eval_iters)}
                 sink.log({"step": state.step, **metrics})
-                if not bar.enabled:
+                if main_rank and not bar.enabled:
                     print(f"step {state.step:5d}  eval_loss {metrics['eval_loss']:.4f}", flush=True)
                 if args.out:  # in the background, except the last save of the run
                     last = state.step >= args.max_iters
@@ -154,10 +177,14 @@ def main(argv: list[str] | None = None) -> float:
             state = ft.next_epoch(state)
     sink.close()
     final = val_loss(args.final_eval_iters)
-    if args.out:
+    if args.out and main_rank:
         ft.export_pretrained(state, Path(args.out) / "final", overwrite=True)
-    print(f"train_time={time.perf_counter() - start:.1f}s")
-    print(f"val_loss={final:.4f}")
+    if main_rank:
+        print(f"train_time={time.perf_counter() - start:.1f}s")
+        print(f"val_loss={final:.4f}")
+    if torch.distributed.is_initialized():  # leave the process group together (torchrun)
+        state.strategy.barrier()
+        torch.distributed.destroy_process_group()
     return final if math.isfinite(final) else float("nan")
 
 

@@ -2,6 +2,7 @@
 
 import importlib.util
 import math
+import os
 import re
 import shutil
 import sys
@@ -82,3 +83,24 @@ def test_finetune_classifier_short_run(tmp_path, capsys):
 
     AutoTokenizer.from_pretrained(out_dir / "final")
     assert AutoModelForSequenceClassification.from_pretrained(out_dir / "final").num_labels == 5
+
+
+def test_shakespeare_char_under_torchrun_ddp(tmp_path, capsys):
+    """The same example, 2 processes with DDP (global batch unchanged): same result."""
+    import subprocess
+
+    args = ["--max-iters", "20", "--eval-interval", "10", "--eval-iters", "2",
+            "--final-eval-iters", "4", "--log-interval", "10"]  # fmt: skip
+    single = _load("shakespeare_char").main([*args, "--out", str(tmp_path / "one")])
+    capsys.readouterr()
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--standalone", str(EXAMPLES / "shakespeare_char.py"), "--strategy", "ddp",
+         *args, "--out", str(tmp_path / "two")],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    (val,) = re.findall(r"^val_loss=(\d+\.\d+)$", run.stdout, re.M)  # printed by rank 0 only
+    assert float(val) == pytest.approx(single, abs=2e-4)
+    assert ft.latest_checkpoint(tmp_path / "two").name == "step-20"
+    assert ft.checkpoint.read_meta(tmp_path / "two" / "step-20")["world_size"] == 2
