@@ -200,3 +200,26 @@ def test_zero_weight_stand_in_runs_but_counts_nothing(llama):
         assert torch.equal(getattr(stats, f), getattr(ref_stats, f)), f
     out = ft.evaluate(state, [[*micro, ft.data.ZeroWeight(other[0])]])
     assert out == ft.evaluate(state, [micro])
+
+
+def test_hf_gradient_checkpointing_gives_the_same_training():
+    """Recomputing activations in the backward (HF's gradient_checkpointing_enable) changes
+    nothing: with dropout active, 3 steps of accumulation give the same parameters."""
+    rows = ragged_rows(16, seed=6)
+
+    def run(checkpointing: bool):
+        model = tiny_llama(dropout=0.1)
+        if checkpointing:  # renamed activation_checkpointing_enable in transformers 5
+            enable = getattr(model, "activation_checkpointing_enable", None)
+            (enable or model.gradient_checkpointing_enable)()
+        state = ft.TrainState.create(model, ft.optim.adamw(), seed=2)
+        for micro in ft.make_batches(rows, batch_size=4, accum=2, seed=0):
+            grads, stats = ft.accumulate_grads(state, micro)
+            state, _ = ft.clip_and_step(state, grads, stats=stats, lr=1e-2, max_norm=1.0)
+        return state
+
+    plain, recomputed = run(False), run(True)
+    assert getattr(recomputed.model, "is_activation_checkpointing", True)
+    assert not getattr(plain.model, "is_activation_checkpointing", False)
+    for n, p in plain.params.items():
+        torch.testing.assert_close(recomputed.params[n], p, rtol=1e-6, atol=1e-7, msg=n)
