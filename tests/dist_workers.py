@@ -101,3 +101,46 @@ def ddp_resume(rank: int, world: int, port: int, root: str, save_at: int, steps:
         params = {n: p.detach().contiguous() for n, p in state.params.items()}
         save_file(params, str(Path(root) / f"final-{world}.safetensors"))
     torch.distributed.destroy_process_group()
+
+
+def fsdp_equivalence(rank: int, world: int, port: int, out: str, steps: int, accum: int) -> None:
+    """Like ddp_equivalence with FSDP2; rank 0 writes the gathered parameters."""
+    _env(rank, world, port)
+    strategy = ft.strategies.from_env("fsdp")
+    state = ft.TrainState.create(
+        tiny_llama(dropout=0.0), ft.optim.adamw(), seed=3, strategy=strategy
+    )
+    state, losses = train(state, steps=steps, batch_size=2, accum=accum)
+    full = {n: p.full_tensor().detach().contiguous() for n, p in state.params.items()}
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        save_file(full, str(Path(out) / "params.safetensors"))
+        meta = {"losses": losses, "tokens": int(state.tokens_seen), "epoch": state.epoch,
+                "cursor": state.cursor}  # fmt: skip
+        (Path(out) / "result.json").write_text(json.dumps(meta))
+    torch.distributed.destroy_process_group()
+
+
+def fsdp_traffic(rank: int, world: int, port: int, out: str, sync_every_micro: bool) -> None:
+    """Count FSDP2's gradient reduce-scatters over 2 steps of 4 micro-batches."""
+    _env(rank, world, port)
+    calls = []
+
+    def counting(real):
+        def wrapper(*args, **kwargs):
+            calls.append(1)
+            return real(*args, **kwargs)
+
+        return wrapper
+
+    # FSDP2 calls reduce_scatter_single in torch 2.13 (reduce_scatter_tensor in older ones).
+    for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
+        if hasattr(torch.distributed, name):
+            setattr(torch.distributed, name, counting(getattr(torch.distributed, name)))
+    strategy = ft.strategies.from_env("fsdp", sync_every_micro=sync_every_micro)
+    state = ft.TrainState.create(tiny_llama(), ft.optim.sgd(), seed=3, strategy=strategy)
+    state, _ = train(state, steps=2, batch_size=1, accum=4)
+    if rank == 0:
+        (Path(out) / f"fsdp-calls-{sync_every_micro}.json").write_text(json.dumps(len(calls)))
+    torch.distributed.destroy_process_group()

@@ -41,12 +41,17 @@ def test_ddp_equals_one_process_with_the_same_global_batch(tmp_path, accum):
         torch.testing.assert_close(params[n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
 
 
-def test_non_final_micro_batches_do_not_all_reduce(tmp_path):
-    spawn(W.ddp_traffic, str(tmp_path), False)
-    spawn(W.ddp_traffic, str(tmp_path), True)
-    per_step = json.loads((tmp_path / "calls-False.json").read_text())
-    every = json.loads((tmp_path / "calls-True.json").read_text())
-    assert per_step >= 2 and per_step % 2 == 0  # 2 steps, the same buckets each step
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_non_final_micro_batches_do_not_reduce_gradients(tmp_path, kind):
+    """DDP all-reduces (counted by a comm hook, one per bucket) and FSDP reduce-scatters
+    (counted at torch.distributed.reduce_scatter_single, one per sharded module) run in the
+    final micro-batch only."""
+    worker, name = (W.ddp_traffic, "calls") if kind == "ddp" else (W.fsdp_traffic, "fsdp-calls")
+    spawn(worker, str(tmp_path), False)
+    spawn(worker, str(tmp_path), True)
+    per_step = json.loads((tmp_path / f"{name}-False.json").read_text())
+    every = json.loads((tmp_path / f"{name}-True.json").read_text())
+    assert per_step >= 2 and per_step % 2 == 0  # 2 steps, the same collectives each step
     assert every == 4 * per_step  # syncing every micro-batch: 4 times the traffic
 
 
@@ -112,3 +117,19 @@ def test_a_failing_rank_ends_the_other_with_a_clear_error(mode):
     else:
         assert re.search(r"[Tt]imed? ?out", out0) and 4 < stopped < 30, out0[-2000:]
     assert elapsed < 90
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_fsdp_equals_one_process_with_the_same_global_batch(tmp_path, accum):
+    """FSDP2 shards parameters, gradients and AdamW state; clipping uses the global norm
+    (max_norm=0.5 is active here), so the run matches one process."""
+    steps = 9
+    spawn(W.fsdp_equivalence, str(tmp_path), steps, accum)
+    single = ft.TrainState.create(tiny_llama(dropout=0.0), ft.optim.adamw(), seed=3)
+    single, losses = W.train(single, steps=steps, batch_size=4, accum=accum)
+    got = json.loads((tmp_path / "result.json").read_text())
+    assert got["losses"] == pytest.approx(losses, rel=1e-5, abs=1e-6)
+    assert got["tokens"] == int(single.tokens_seen)
+    params = load_file(str(tmp_path / "params.safetensors"))
+    for n, p in single.params.items():
+        torch.testing.assert_close(params[n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)

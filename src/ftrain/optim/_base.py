@@ -83,6 +83,15 @@ class ChainState(NamedTuple):
     inner: Any
 
 
+def _local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The local shards of DTensors (FSDP2), the tensors themselves otherwise.
+
+    The fused kernels update them in place, which updates the sharded parameters; not every
+    fused kernel has a DTensor rule, and plain tensors skip DTensor dispatch anyway.
+    """
+    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+
+
 def _check(name: str, value: float, ok: bool, want: str) -> None:
     if not ok:
         raise ValueError(f"{name} must be {want}, got {value!r}")
@@ -161,10 +170,10 @@ def _adam(
         count = state.steps.add_(1)
         for decay, names in groups(grads, params):
             kernel(
-                [params[n] for n in names],
-                [grads[n] for n in names],
-                [state.mu[n] for n in names],
-                [state.nu[n] for n in names],
+                _local([params[n] for n in names]),
+                _local([grads[n] for n in names]),
+                _local([state.mu[n] for n in names]),
+                _local([state.nu[n] for n in names]),
                 [],
                 [count] * len(names),
                 lr=lr,
@@ -290,9 +299,9 @@ def sgd(
     ) -> SGDState:
         for decay, names in groups(grads, params):
             torch._fused_sgd_(
-                [params[n] for n in names],
-                [grads[n] for n in names],
-                [state.momentum[n] for n in names] if momentum else [],
+                _local([params[n] for n in names]),
+                _local([grads[n] for n in names]),
+                _local([state.momentum[n] for n in names]) if momentum else [],
                 weight_decay=weight_decay if decay else 0.0,
                 momentum=momentum,
                 lr=lr,

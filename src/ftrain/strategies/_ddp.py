@@ -111,17 +111,15 @@ class DDP:
         return local_grad_norm(grads)
 
 
-def from_env(
-    kind: str = "ddp", *, timeout: timedelta | None = None, **kwargs: Any
-) -> SingleDevice | DDP:
+def from_env(kind: str = "ddp", *, timeout: timedelta | None = None, **kwargs: Any) -> Any:
     """The strategy that the launcher's environment describes.
 
     Under `torchrun --nproc_per_node N` or `accelerate launch` (WORLD_SIZE > 1) this joins the
     process group (NCCL with CUDA, gloo on CPU) unless it is already initialised, and returns a
-    `DDP`; in a plain `python` run it returns `SingleDevice()`.
+    `DDP` (or `FSDP` for kind="fsdp"); in a plain `python` run it returns `SingleDevice()`.
 
     Args:
-        kind: "ddp".
+        kind: "ddp" or "fsdp".
         timeout: how long a collective may wait before the process fails (default 10 minutes),
             so that one rank's crash ends the others instead of hanging them.
         **kwargs: passed to the strategy.
@@ -129,11 +127,15 @@ def from_env(
     Raises:
         ValueError: for an unknown `kind`.
     """
-    if kind != "ddp":
-        raise ValueError(f"kind must be 'ddp', got {kind!r}")
+    if kind not in ("ddp", "fsdp"):
+        raise ValueError(f"kind must be 'ddp' or 'fsdp', got {kind!r}")
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not dist.is_initialized():
         return SingleDevice()
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, timeout=timeout or timedelta(minutes=10))
+    if kind == "fsdp":
+        from ftrain.strategies._fsdp import FSDP
+
+        return FSDP(**kwargs)
     return DDP(**kwargs)

@@ -1,0 +1,130 @@
+"""FSDP: PyTorch's FSDP2 (`fully_shard`) behind the Strategy protocol.
+
+Every parameter becomes a DTensor sharded over the ranks along dim 0; the optimizer state made
+from them is sharded the same way, and PyTorch's fused kernels run on the local shards. Blocks
+(by default the classes an HF model lists in `_no_split_modules`, e.g. `LlamaDecoderLayer`) are
+sharded one by one so that only one block is gathered at a time, then the root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ftrain.strategies._base import move_to
+from ftrain.strategies._ddp import _local_device
+
+__all__ = ["FSDP"]
+
+
+def _hf_blocks(model: nn.Module) -> Callable[[nn.Module], bool]:
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    return lambda m: type(m).__name__ in names
+
+
+class FSDP:
+    """Fully sharded data parallelism (FSDP2): parameters, gradients and optimizer state are
+    split across the ranks.
+
+    Gradients are reduce-scattered in the final micro-batch's backward only
+    (`set_requires_gradient_sync(False)` for the others); `sync_every_micro=True` reduces after
+    every micro-batch, keeping only the local gradient shard in between. The gradient norm for
+    clipping is global: squared norms of the local shards are summed across ranks.
+
+    Args:
+        device: this rank's device; `cuda:LOCAL_RANK` when CUDA is available, else the CPU.
+        shard: which submodules to shard separately; HF's `_no_split_modules` by default.
+        sync_every_micro: reduce-scatter in every micro-batch's backward.
+        **fsdp_kwargs: passed to `fully_shard` (e.g. `reshard_after_forward`, `mesh`).
+
+    Raises:
+        RuntimeError: if no process group is initialised (use `ft.strategies.from_env("fsdp")`).
+    """
+
+    def __init__(
+        self,
+        *,
+        device: str | torch.device | None = None,
+        shard: Callable[[nn.Module], bool] | None = None,
+        sync_every_micro: bool = False,
+        **fsdp_kwargs: Any,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "FSDP needs an initialised process group: launch with torchrun and build the "
+                "strategy with ft.strategies.from_env('fsdp')"
+            )
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.grad_reduce_factor = 1.0 / self.world_size  # the reduce-scatter averages
+        self.device = torch.device(device) if device is not None else _local_device()
+        self.sync_every_micro = sync_every_micro
+        self._shard = shard
+        self._kwargs = fsdp_kwargs
+
+    def __repr__(self) -> str:
+        return f"FSDP(rank={self.rank}, world_size={self.world_size}, device='{self.device}')"
+
+    def setup(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        model = model.to(self.device)
+        is_block = self._shard or _hf_blocks(model)
+        for module in list(model.modules())[1:]:
+            if is_block(module):
+                fully_shard(module, **self._kwargs)
+        fully_shard(model, **self._kwargs)
+        return model
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model  # fully_shard changes the module in place; names stay the same
+
+    def clone_model(self, model: nn.Module) -> nn.Module:
+        raise TypeError(
+            "FSDP states cannot be snapshotted (ft.snapshot, donate=False): the parameters are "
+            "sharded across processes; save a checkpoint instead"
+        )
+
+    def to_device(self, batch: Any) -> Any:
+        return move_to(batch, self.device)
+
+    def grad_sync(self, model: nn.Module, *, final: bool) -> contextlib.AbstractContextManager[Any]:
+        return self._sync(model, final or self.sync_every_micro)
+
+    @contextlib.contextmanager
+    def _sync(self, model: nn.Module, sync: bool) -> Iterator[None]:
+        model.set_requires_gradient_sync(sync)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def grad_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        # Sum of squares of the local shards, summed over ranks: the norm of the whole gradient.
+        local = [_local(g) for g in grads]
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        if local:
+            norms = torch._foreach_norm(local, 2.0)
+            sq = torch.stack([n.float() for n in norms]).square().sum()
+        return self.all_reduce_sum(sq).sqrt()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
