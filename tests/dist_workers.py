@@ -43,6 +43,13 @@ def _env(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
 
 
+def _finish() -> None:
+    # Leave together: a rank that destroys its group while a peer still uses it makes gloo
+    # abort the peer at exit.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
 def ddp_equivalence(rank: int, world: int, port: int, out: str, steps: int, accum: int) -> None:
     """Train with DDP (batch 2 per rank); rank 0 writes params, losses and counters."""
     _env(rank, world, port)
@@ -59,7 +66,7 @@ def ddp_equivalence(rank: int, world: int, port: int, out: str, steps: int, accu
         meta = {"losses": losses, "tokens": int(state.tokens_seen), "epoch": state.epoch,
                 "cursor": state.cursor}  # fmt: skip
         (Path(out) / "result.json").write_text(json.dumps(meta))
-    torch.distributed.destroy_process_group()
+    _finish()
 
 
 def ddp_traffic(rank: int, world: int, port: int, out: str, sync_every_micro: bool) -> None:
@@ -79,7 +86,7 @@ def ddp_traffic(rank: int, world: int, port: int, out: str, sync_every_micro: bo
     state, _ = train(state, steps=2, batch_size=1, accum=4)
     if rank == 0:
         (Path(out) / f"calls-{sync_every_micro}.json").write_text(json.dumps(len(calls)))
-    torch.distributed.destroy_process_group()
+    _finish()
 
 
 def ddp_resume(rank: int, world: int, port: int, root: str, save_at: int, steps: int) -> None:
@@ -100,7 +107,7 @@ def ddp_resume(rank: int, world: int, port: int, root: str, save_at: int, steps:
 
         params = {n: p.detach().contiguous() for n, p in state.params.items()}
         save_file(params, str(Path(root) / f"final-{world}.safetensors"))
-    torch.distributed.destroy_process_group()
+    _finish()
 
 
 def fsdp_equivalence(rank: int, world: int, port: int, out: str, steps: int, accum: int) -> None:
@@ -119,7 +126,7 @@ def fsdp_equivalence(rank: int, world: int, port: int, out: str, steps: int, acc
         meta = {"losses": losses, "tokens": int(state.tokens_seen), "epoch": state.epoch,
                 "cursor": state.cursor}  # fmt: skip
         (Path(out) / "result.json").write_text(json.dumps(meta))
-    torch.distributed.destroy_process_group()
+    _finish()
 
 
 def fsdp_traffic(rank: int, world: int, port: int, out: str, sync_every_micro: bool) -> None:
@@ -143,4 +150,4 @@ def fsdp_traffic(rank: int, world: int, port: int, out: str, sync_every_micro: b
     state, _ = train(state, steps=2, batch_size=1, accum=4)
     if rank == 0:
         (Path(out) / f"fsdp-calls-{sync_every_micro}.json").write_text(json.dumps(len(calls)))
-    torch.distributed.destroy_process_group()
+    _finish()
