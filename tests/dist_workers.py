@@ -151,3 +151,19 @@ def fsdp_traffic(rank: int, world: int, port: int, out: str, sync_every_micro: b
     if rank == 0:
         (Path(out) / f"fsdp-calls-{sync_every_micro}.json").write_text(json.dumps(len(calls)))
     _finish()
+
+
+def fsdp_checkpoint_refused(rank: int, world: int, port: int, out: str) -> None:
+    """Every rank gets the same clear error (no rank is left waiting for the other)."""
+    _env(rank, world, port)
+    state = ft.TrainState.create(
+        tiny_llama(), ft.optim.sgd(), strategy=ft.strategies.from_env("fsdp")
+    )
+    for call in (lambda: ft.save_checkpoint(state, out), lambda: ft.load_checkpoint(out, state)):
+        try:
+            call()
+        except NotImplementedError as e:
+            assert "sharded" in str(e)
+        else:
+            raise AssertionError("expected NotImplementedError")
+    _finish()

@@ -133,3 +133,8 @@ def test_fsdp_equals_one_process_with_the_same_global_batch(tmp_path, accum):
     params = load_file(str(tmp_path / "params.safetensors"))
     for n, p in single.params.items():
         torch.testing.assert_close(params[n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_fsdp_checkpoints_are_refused_clearly_on_every_rank(tmp_path):
+    spawn(W.fsdp_checkpoint_refused, str(tmp_path))
+    assert not list(tmp_path.iterdir())

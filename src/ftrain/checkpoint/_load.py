@@ -16,7 +16,7 @@ import torch
 
 from ftrain.checkpoint import _layout as L
 from ftrain.checkpoint._io import CheckpointError, read_json, read_safetensors
-from ftrain.checkpoint._save import raise_pending_save_error
+from ftrain.checkpoint._save import _refuse_sharded, raise_pending_save_error
 from ftrain.checkpoint._tree import Node, describe, flatten, unflatten
 from ftrain.state import TrainState
 
@@ -73,6 +73,7 @@ def load_checkpoint(
         CheckpointError: when the checkpoint is incomplete, corrupted or not a checkpoint.
     """
     raise_pending_save_error()
+    _refuse_sharded(state)
     path = Path(path)
     meta = read_meta(path)
     files = meta["files"]

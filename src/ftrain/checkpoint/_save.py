@@ -104,6 +104,7 @@ def save_checkpoint(
     if best_metric is not None and keep_best is None:
         keep_best = 1
     wait_for_checkpoint()
+    _refuse_sharded(state)
     root, strategy = Path(root), state.strategy
     path = L.step_dir(root, state.step)
     if strategy.rank != 0:
@@ -121,6 +122,15 @@ def save_checkpoint(
         return job.run()
     finally:
         strategy.barrier()
+
+
+def _refuse_sharded(state: TrainState) -> None:
+    """Raise on every rank (before any rank waits for another) for sharded parameters."""
+    if any(hasattr(p, "to_local") for p in state.params.values()):
+        raise NotImplementedError(
+            "the parameters are sharded (FSDP): sharded checkpoints through "
+            "torch.distributed.checkpoint are not implemented yet; use DDP to checkpoint"
+        )
 
 
 def _check_retention(
