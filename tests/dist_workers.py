@@ -50,23 +50,31 @@ def _finish() -> None:
     torch.distributed.destroy_process_group()
 
 
-def ddp_equivalence(rank: int, world: int, port: int, out: str, steps: int, accum: int) -> None:
-    """Train with DDP (batch 2 per rank); rank 0 writes params, losses and counters."""
+def equivalence(
+    rank: int, world: int, port: int, out: str, kind: str, steps: int, accum: int
+) -> None:
+    """Train with `kind` ("ddp"/"fsdp") at batch 2 per rank; rank 0 writes the (gathered)
+    parameters, the logged losses and the counters."""
     _env(rank, world, port)
-    strategy = ft.strategies.from_env()
+    strategy = ft.strategies.from_env(kind)
     state = ft.TrainState.create(
         tiny_llama(dropout=0.0), ft.optim.adamw(), seed=3, strategy=strategy
     )
     state, losses = train(state, steps=steps, batch_size=2, accum=accum)
+    # FSDP parameters are sharded DTensors: gather them (a collective, so on every rank).
+    full = {n: getattr(p, "full_tensor", p.detach)().detach() for n, p in state.params.items()}
     if rank == 0:
-        from safetensors.torch import save_file
-
-        params = {n: p.detach().contiguous() for n, p in state.params.items()}
-        save_file(params, str(Path(out) / "params.safetensors"))
+        _save_params(full, Path(out) / "params.safetensors")
         meta = {"losses": losses, "tokens": int(state.tokens_seen), "epoch": state.epoch,
                 "cursor": state.cursor}  # fmt: skip
         (Path(out) / "result.json").write_text(json.dumps(meta))
     _finish()
+
+
+def _save_params(params: dict, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({n: p.detach().contiguous() for n, p in params.items()}, str(path))
 
 
 def ddp_traffic(rank: int, world: int, port: int, out: str, sync_every_micro: bool) -> None:
@@ -103,29 +111,7 @@ def ddp_resume(rank: int, world: int, port: int, root: str, save_at: int, steps:
         ft.save_checkpoint(state, root)
     state, _ = train(state, steps=steps, batch_size=2)
     if rank == 0:
-        from safetensors.torch import save_file
-
-        params = {n: p.detach().contiguous() for n, p in state.params.items()}
-        save_file(params, str(Path(root) / f"final-{world}.safetensors"))
-    _finish()
-
-
-def fsdp_equivalence(rank: int, world: int, port: int, out: str, steps: int, accum: int) -> None:
-    """Like ddp_equivalence with FSDP2; rank 0 writes the gathered parameters."""
-    _env(rank, world, port)
-    strategy = ft.strategies.from_env("fsdp")
-    state = ft.TrainState.create(
-        tiny_llama(dropout=0.0), ft.optim.adamw(), seed=3, strategy=strategy
-    )
-    state, losses = train(state, steps=steps, batch_size=2, accum=accum)
-    full = {n: p.full_tensor().detach().contiguous() for n, p in state.params.items()}
-    if rank == 0:
-        from safetensors.torch import save_file
-
-        save_file(full, str(Path(out) / "params.safetensors"))
-        meta = {"losses": losses, "tokens": int(state.tokens_seen), "epoch": state.epoch,
-                "cursor": state.cursor}  # fmt: skip
-        (Path(out) / "result.json").write_text(json.dumps(meta))
+        _save_params(dict(state.params), Path(root) / f"final-{world}.safetensors")
     _finish()
 
 

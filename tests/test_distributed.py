@@ -28,7 +28,7 @@ def spawn(fn, *args, world=2):
 @pytest.mark.parametrize("accum", [1, 2])
 def test_ddp_equals_one_process_with_the_same_global_batch(tmp_path, accum):
     steps = 9  # 29 rows, 4 per global micro-batch: crosses an epoch end and a 1-row last batch
-    spawn(W.ddp_equivalence, str(tmp_path), steps, accum)
+    spawn(W.equivalence, str(tmp_path), "ddp", steps, accum)
     single = ft.TrainState.create(tiny_llama(dropout=0.0), ft.optim.adamw(), seed=3)
     single, losses = W.train(single, steps=steps, batch_size=4, accum=accum)
     got = json.loads((tmp_path / "result.json").read_text())
@@ -124,7 +124,7 @@ def test_fsdp_equals_one_process_with_the_same_global_batch(tmp_path, accum):
     """FSDP2 shards parameters, gradients and AdamW state; clipping uses the global norm
     (max_norm=0.5 is active here), so the run matches one process."""
     steps = 9
-    spawn(W.fsdp_equivalence, str(tmp_path), steps, accum)
+    spawn(W.equivalence, str(tmp_path), "fsdp", steps, accum)
     single = ft.TrainState.create(tiny_llama(dropout=0.0), ft.optim.adamw(), seed=3)
     single, losses = W.train(single, steps=steps, batch_size=4, accum=accum)
     got = json.loads((tmp_path / "result.json").read_text())

@@ -12,7 +12,7 @@ import copy
 import os
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ftrain.strategies._base import SingleDevice, local_grad_norm, move_to
+
+if TYPE_CHECKING:
+    from ftrain.strategies._fsdp import FSDP
 
 __all__ = ["DDP", "from_env"]
 
@@ -32,7 +35,41 @@ def _local_device() -> torch.device:
     return torch.device("cpu")
 
 
-class DDP:
+class _ProcessGroupStrategy:
+    """What DDP and FSDP share: a process group, this rank's device, collectives on tensors."""
+
+    def __init__(self, name: str, device: str | torch.device | None, group: Any) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                f"{name} needs an initialised process group: launch with torchrun (or "
+                f"accelerate launch) and build the strategy with ft.strategies.from_env()"
+            )
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.grad_reduce_factor = 1.0 / self.world_size  # both average over ranks
+        self.device = torch.device(device) if device is not None else _local_device()
+
+    def __repr__(self) -> str:
+        name = type(self).__name__
+        return f"{name}(rank={self.rank}, world_size={self.world_size}, device='{self.device}')"
+
+    def to_device(self, batch: Any) -> Any:
+        return move_to(batch, self.device)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+
+class DDP(_ProcessGroupStrategy):
     """Data parallelism with torch DDP: every rank holds the whole model.
 
     Gradients are all-reduced once per optimizer step, in the backward of the final
@@ -57,21 +94,9 @@ class DDP:
         sync_every_micro: bool = False,
         **ddp_kwargs: Any,
     ) -> None:
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "DDP needs an initialised process group: launch with torchrun (or accelerate "
-                "launch) and build the strategy with ft.strategies.from_env()"
-            )
-        self.group = process_group
-        self.rank = dist.get_rank(process_group)
-        self.world_size = dist.get_world_size(process_group)
-        self.grad_reduce_factor = 1.0 / self.world_size  # DDP averages over ranks
-        self.device = torch.device(device) if device is not None else _local_device()
+        super().__init__("DDP", device, process_group)
         self.sync_every_micro = sync_every_micro
         self._kwargs = ddp_kwargs
-
-    def __repr__(self) -> str:
-        return f"DDP(rank={self.rank}, world_size={self.world_size}, device='{self.device}')"
 
     def setup(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
@@ -87,31 +112,19 @@ class DDP:
         # Collective (DDP broadcasts parameters when it wraps): every rank must snapshot together.
         return self.setup(copy.deepcopy(self.unwrap(model)))
 
-    def to_device(self, batch: Any) -> Any:
-        return move_to(batch, self.device)
-
     def grad_sync(self, model: nn.Module, *, final: bool) -> contextlib.AbstractContextManager[Any]:
         if final or self.sync_every_micro or not isinstance(model, DistributedDataParallel):
             return contextlib.nullcontext()
         return model.no_sync()
-
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext()
-
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        out = tensor.clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
-        return out
-
-    def barrier(self) -> None:
-        dist.barrier(group=self.group)
 
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         # After the final backward every rank holds the same (reduced) gradients.
         return local_grad_norm(grads)
 
 
-def from_env(kind: str = "ddp", *, timeout: timedelta | None = None, **kwargs: Any) -> Any:
+def from_env(
+    kind: str = "ddp", *, timeout: timedelta | None = None, **kwargs: Any
+) -> SingleDevice | DDP | FSDP:
     """The strategy that the launcher's environment describes.
 
     Under `torchrun --nproc_per_node N` or `accelerate launch` (WORLD_SIZE > 1) this joins the

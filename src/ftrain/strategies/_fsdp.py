@@ -13,11 +13,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from ftrain.strategies._base import move_to
-from ftrain.strategies._ddp import _local_device
+from ftrain.strategies._ddp import _ProcessGroupStrategy
 
 __all__ = ["FSDP"]
 
@@ -27,7 +25,7 @@ def _hf_blocks(model: nn.Module) -> Callable[[nn.Module], bool]:
     return lambda m: type(m).__name__ in names
 
 
-class FSDP:
+class FSDP(_ProcessGroupStrategy):
     """Fully sharded data parallelism (FSDP2): parameters, gradients and optimizer state are
     split across the ranks.
 
@@ -54,21 +52,10 @@ class FSDP:
         sync_every_micro: bool = False,
         **fsdp_kwargs: Any,
     ) -> None:
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "FSDP needs an initialised process group: launch with torchrun and build the "
-                "strategy with ft.strategies.from_env('fsdp')"
-            )
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
-        self.grad_reduce_factor = 1.0 / self.world_size  # the reduce-scatter averages
-        self.device = torch.device(device) if device is not None else _local_device()
+        super().__init__("FSDP", device, None)
         self.sync_every_micro = sync_every_micro
         self._shard = shard
         self._kwargs = fsdp_kwargs
-
-    def __repr__(self) -> str:
-        return f"FSDP(rank={self.rank}, world_size={self.world_size}, device='{self.device}')"
 
     def setup(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
@@ -90,9 +77,6 @@ class FSDP:
             "sharded across processes; save a checkpoint instead"
         )
 
-    def to_device(self, batch: Any) -> Any:
-        return move_to(batch, self.device)
-
     def grad_sync(self, model: nn.Module, *, final: bool) -> contextlib.AbstractContextManager[Any]:
         return self._sync(model, final or self.sync_every_micro)
 
@@ -103,17 +87,6 @@ class FSDP:
             yield
         finally:
             model.set_requires_gradient_sync(True)  # type: ignore[operator]
-
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext()
-
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        out = tensor.clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
-        return out
-
-    def barrier(self) -> None:
-        dist.barrier()
 
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         # Sum of squares of the local shards, summed over ranks: the norm of the whole gradient.
