@@ -20,6 +20,7 @@ bar in a terminal (printed lines otherwise) and to `<out>/metrics.jsonl`; draw t
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import time
 from pathlib import Path
@@ -183,7 +184,10 @@ def main(argv: list[str] | None = None) -> float:
         print(f"train_time={time.perf_counter() - start:.1f}s")
         print(f"val_loss={final:.4f}")
     if torch.distributed.is_initialized():  # leave the process group together (torchrun)
-        state.strategy.barrier()
+        strategy = state.strategy
+        del state  # free the DDP model before its process group (docs/strategies.md)
+        gc.collect()
+        strategy.barrier()
         torch.distributed.destroy_process_group()
     return final if math.isfinite(final) else float("nan")
 

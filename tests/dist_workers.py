@@ -44,8 +44,16 @@ def _env(rank: int, world: int, port: int) -> None:
 
 
 def _finish() -> None:
-    # Leave together: a rank that destroys its group while a peer still uses it makes gloo
-    # abort the peer at exit.
+    """Leave the process group together, after the caller dropped its DDP/FSDP model.
+
+    A rank that destroys its group while a peer still uses it makes gloo abort the peer at
+    exit. And a DDP model freed *after* destroy_process_group holds the last reference to the
+    gloo group, whose destructor then joins gloo's worker thread while holding the GIL that
+    thread needs (a deadlock seen in torch 2.13): free the model first.
+    """
+    import gc
+
+    gc.collect()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
@@ -68,6 +76,7 @@ def equivalence(
         meta = {"losses": losses, "tokens": int(state.tokens_seen), "epoch": state.epoch,
                 "cursor": state.cursor}  # fmt: skip
         (Path(out) / "result.json").write_text(json.dumps(meta))
+    del state
     _finish()
 
 
@@ -94,6 +103,7 @@ def ddp_traffic(rank: int, world: int, port: int, out: str, sync_every_micro: bo
     state, _ = train(state, steps=2, batch_size=1, accum=4)
     if rank == 0:
         (Path(out) / f"calls-{sync_every_micro}.json").write_text(json.dumps(len(calls)))
+    del state
     _finish()
 
 
@@ -112,6 +122,7 @@ def ddp_resume(rank: int, world: int, port: int, root: str, save_at: int, steps:
     state, _ = train(state, steps=steps, batch_size=2)
     if rank == 0:
         _save_params(dict(state.params), Path(root) / f"final-{world}.safetensors")
+    del state
     _finish()
 
 
@@ -136,6 +147,7 @@ def fsdp_traffic(rank: int, world: int, port: int, out: str, sync_every_micro: b
     state, _ = train(state, steps=2, batch_size=1, accum=4)
     if rank == 0:
         (Path(out) / f"fsdp-calls-{sync_every_micro}.json").write_text(json.dumps(len(calls)))
+    del state
     _finish()
 
 
@@ -145,11 +157,15 @@ def fsdp_checkpoint_refused(rank: int, world: int, port: int, out: str) -> None:
     state = ft.TrainState.create(
         tiny_llama(), ft.optim.sgd(), strategy=ft.strategies.from_env("fsdp")
     )
-    for call in (lambda: ft.save_checkpoint(state, out), lambda: ft.load_checkpoint(out, state)):
+    for name in ("save", "load"):
         try:
-            call()
+            if name == "save":
+                ft.save_checkpoint(state, out)
+            else:
+                ft.load_checkpoint(out, state)
         except NotImplementedError as e:
             assert "sharded" in str(e)
         else:
-            raise AssertionError("expected NotImplementedError")
+            raise AssertionError(f"{name}: expected NotImplementedError")
+    del state
     _finish()
