@@ -23,6 +23,7 @@ __all__ = [
     "make_batches",
     "num_micro_batches",
     "pad_collate",
+    "weighted",
 ]
 
 Batch = Any
@@ -96,6 +97,11 @@ class ZeroWeight(NamedTuple):
     """
 
     batch: Batch
+
+
+def weighted(batch: Any) -> tuple[Batch, float]:
+    """`(batch, 1.0)`, or `(stand-in row, 0.0)` for a `ZeroWeight`: run it, count nothing."""
+    return (batch.batch, 0.0) if isinstance(batch, ZeroWeight) else (batch, 1.0)
 
 
 def make_batches(

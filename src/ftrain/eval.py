@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ftrain.data import ZeroWeight
+from ftrain.data import weighted
 from ftrain.losses import IGNORE_INDEX, LossFn, _logits, _upcast, default_loss
 from ftrain.state import TrainState
 from ftrain.strategies._base import Strategy
@@ -64,8 +64,8 @@ def evaluate(
     sums: dict[str, torch.Tensor] = {}
     with _inference(model), strategy.autocast():
         for batch in _flatten(batches):
-            weight = 0.0 if isinstance(batch, ZeroWeight) else 1.0  # runs, counts nothing
-            batch = strategy.to_device(batch.batch if weight == 0.0 else batch)
+            batch, weight = weighted(batch)  # a ZeroWeight stand-in runs and counts nothing
+            batch = strategy.to_device(batch)
             parts = dict(metrics_fn(model, batch)) if metrics_fn is not None else {}
             if "loss" not in parts:
                 parts["loss"] = loss_fn(model, batch)
@@ -160,10 +160,10 @@ def predict(
     model = state.model
     with _inference(model), strategy.autocast():
         for batch in _flatten(batches):
-            if isinstance(batch, ZeroWeight):  # run it (collectives), yield nothing
-                output_fn(model, strategy.to_device(batch.batch))
-                continue
+            batch, weight = weighted(batch)
             outputs = output_fn(model, strategy.to_device(batch))
+            if not weight:  # a ZeroWeight stand-in ran for the collectives; it yields nothing
+                continue
             arrays = {k: _to_numpy(v) for k, v in outputs.items()}
             sizes = {k: a.shape[0] if a.ndim else 1 for k, a in arrays.items()}
             if len(set(sizes.values())) > 1:

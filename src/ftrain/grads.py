@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ftrain.data import ZeroWeight
+from ftrain.data import weighted
 from ftrain.losses import LossFn, default_loss
 from ftrain.state import TrainState
 from ftrain.strategies._base import Strategy
@@ -141,8 +141,8 @@ def accumulate_grads(
     with _rng_scope(gens):
         for i, batch in enumerate(micro):
             # A ZeroWeight stand-in runs so that this rank joins the collectives, and counts 0.
-            weight = 0.0 if isinstance(batch, ZeroWeight) else 1.0
-            batch = strategy.to_device(batch.batch if weight == 0.0 else batch)
+            batch, weight = weighted(batch)
+            batch = strategy.to_device(batch)
             seed = dropout_seed(state.seed, state.step, i, strategy.rank)
             for g in gens:
                 g.manual_seed(seed)
