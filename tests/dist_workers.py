@@ -107,12 +107,14 @@ def ddp_traffic(rank: int, world: int, port: int, out: str, sync_every_micro: bo
     _finish()
 
 
-def ddp_resume(rank: int, world: int, port: int, root: str, save_at: int, steps: int) -> None:
-    """With DDP: resume from `root` if it holds a checkpoint, else train and save at `save_at`;
-    then continue to `steps`. Rank 0 writes the final params."""
+def resume(
+    rank: int, world: int, port: int, root: str, save_at: int, steps: int, kind: str
+) -> None:
+    """With `kind` (DDP or FSDP): resume from `root` if it holds a checkpoint, else train and
+    save at `save_at`; then continue to `steps`. Rank 0 writes the final (gathered) params."""
     _env(rank, world, port)
     state = ft.TrainState.create(
-        tiny_llama(dropout=0.0), ft.optim.adamw(), seed=3, strategy=ft.strategies.from_env()
+        tiny_llama(dropout=0.0), ft.optim.adamw(), seed=3, strategy=ft.strategies.from_env(kind)
     )
     if (ckpt := ft.latest_checkpoint(root)) is not None:
         state = ft.load_checkpoint(ckpt, state)
@@ -120,8 +122,9 @@ def ddp_resume(rank: int, world: int, port: int, root: str, save_at: int, steps:
         state, _ = train(state, steps=save_at, batch_size=2)
         ft.save_checkpoint(state, root)
     state, _ = train(state, steps=steps, batch_size=2)
+    full = {n: getattr(p, "full_tensor", p.detach)().detach() for n, p in state.params.items()}
     if rank == 0:
-        _save_params(dict(state.params), Path(root) / f"final-{world}.safetensors")
+        _save_params(full, Path(root) / f"final-{world}.safetensors")
     del state
     _finish()
 
@@ -151,21 +154,39 @@ def fsdp_traffic(rank: int, world: int, port: int, out: str, sync_every_micro: b
     _finish()
 
 
-def fsdp_checkpoint_refused(rank: int, world: int, port: int, out: str) -> None:
-    """Every rank gets the same clear error (no rank is left waiting for the other)."""
+def fsdp_save_failures(rank: int, world: int, port: int, out: str) -> None:
+    """A sharded save that fails on one rank fails on every rank and commits nothing: first
+    rank 1 cannot write its shard, then rank 0 cannot seal the directory. A later save works
+    and leaves no temporary directory behind."""
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    from ftrain.checkpoint import _save
+
     _env(rank, world, port)
     state = ft.TrainState.create(
-        tiny_llama(), ft.optim.sgd(), strategy=ft.strategies.from_env("fsdp")
+        tiny_llama(), ft.optim.adamw(), strategy=ft.strategies.from_env("fsdp")
     )
-    for name in ("save", "load"):
+    real_write, real_json = HuggingFaceStorageWriter.write_data, _save.write_json
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full (simulated)")
+
+    outcomes = []
+    for who, target in ((1, "write_data"), (0, "write_json")):
+        if rank == who and target == "write_data":
+            HuggingFaceStorageWriter.write_data = broken
+        if rank == who and target == "write_json":
+            _save.write_json = broken
         try:
-            if name == "save":
-                ft.save_checkpoint(state, out)
-            else:
-                ft.load_checkpoint(out, state)
-        except NotImplementedError as e:
-            assert "sharded" in str(e)
-        else:
-            raise AssertionError(f"{name}: expected NotImplementedError")
+            ft.save_checkpoint(state, out)
+            outcomes.append("saved")
+        except ft.CheckpointError as e:
+            outcomes.append(type(e).__name__)
+        HuggingFaceStorageWriter.write_data, _save.write_json = real_write, real_json
+        torch.distributed.barrier()
+        outcomes.append(ft.latest_checkpoint(out) is None)
+    state = state.replace(step=1)
+    outcomes.append(ft.save_checkpoint(state, out).name)
+    (Path(out) / f"outcome-{rank}.json").write_text(json.dumps(outcomes))
     del state
     _finish()

@@ -55,10 +55,12 @@ def test_non_final_micro_batches_do_not_reduce_gradients(tmp_path, kind):
     assert every == 4 * per_step  # syncing every micro-batch: 4 times the traffic
 
 
-def test_checkpoints_move_between_two_ranks_and_one(tmp_path):
-    """Saved by 2 DDP ranks, resumed by 1 process, and the reverse: both continue exactly like
-    one uninterrupted process (same global batch of 4; dropout is off so the ranks' dropout
-    streams do not matter)."""
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_checkpoints_move_between_two_ranks_and_one(tmp_path, kind):
+    """Saved by 2 DDP or FSDP ranks, resumed by 1 process, and the reverse: both continue
+    exactly like one uninterrupted process (same global batch of 4; dropout is off so the
+    ranks' dropout streams do not matter). FSDP saves one shard file per rank through
+    torch.distributed.checkpoint, and nothing pickled."""
     steps, save_at = 7, 3
 
     def single(root=None):
@@ -72,12 +74,25 @@ def test_checkpoints_move_between_two_ranks_and_one(tmp_path):
 
     reference = single()
     two_then_one = tmp_path / "a"
-    spawn(W.ddp_resume, str(two_then_one), save_at, steps)  # trains, saves at 3 with 2 ranks
-    assert ft.checkpoint.read_meta(two_then_one / "step-3")["world_size"] == 2
+    spawn(W.resume, str(two_then_one), save_at, steps, kind)  # trains, saves at 3 with 2 ranks
+    ckpt = two_then_one / "step-3"
+    assert ft.checkpoint.read_meta(ckpt)["world_size"] == 2
+    files = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file())
+    if kind == "fsdp":
+        shards = [
+            f"{d}/shard-0000{r}-model-00001-of-00001.safetensors"
+            for d in ("model", "optimizer")
+            for r in (1, 2)
+        ]
+    else:
+        shards = ["model.safetensors", "optimizer.safetensors"]
+    assert files == sorted(["COMMITTED", "config.json", "state.json", *shards])
     resumed = single(two_then_one)  # one process resumes it
     one_then_two = tmp_path / "b"
     single(one_then_two)  # one process saves at 3
-    spawn(W.ddp_resume, str(one_then_two), save_at, steps)  # two ranks resume it
+    spawn(W.resume, str(one_then_two), save_at, steps, kind)  # two ranks resume it
+    if kind == "fsdp":
+        _hostile_shards(ckpt, tmp_path / "hostile")
     from_two = load_file(str(one_then_two / "final-2.safetensors"))
     for n, p in reference.params.items():
         torch.testing.assert_close(resumed.params[n], p, rtol=1e-5, atol=1e-6, msg=n)
@@ -135,6 +150,63 @@ def test_fsdp_equals_one_process_with_the_same_global_batch(tmp_path, accum):
         torch.testing.assert_close(params[n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
 
 
-def test_fsdp_checkpoints_are_refused_clearly_on_every_rank(tmp_path):
-    spawn(W.fsdp_checkpoint_refused, str(tmp_path))
-    assert not list(tmp_path.iterdir())
+def test_a_sharded_save_commits_on_all_ranks_or_none(tmp_path):
+    spawn(W.fsdp_save_failures, str(tmp_path))
+    for rank in (0, 1):
+        outcome = json.loads((tmp_path / f"outcome-{rank}.json").read_text())
+        # rank 1's shard write fails, then rank 0's commit: both ranks raise, nothing is
+        # committed; then a save succeeds.
+        assert outcome == ["CheckpointError", True, "CheckpointError", True, "step-1"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["step-1"]
+
+
+def _sha256(path):
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _hostile_shards(ckpt, work):
+    """A damaged sharded checkpoint fails cleanly, before DCP reads anything."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    def fresh():
+        return ft.TrainState.create(tiny_llama(dropout=0.0), ft.optim.adamw(), seed=3)
+
+    shard = "model/shard-00002-model-00001-of-00001.safetensors"
+
+    def flip(d):
+        data = bytearray((d / shard).read_bytes())
+        data[-5] ^= 0xFF
+        (d / shard).write_bytes(bytes(data))
+
+    def drop(d):
+        (d / shard).unlink()
+
+    def pickle_metadata(d):  # DCP's default format: a pickled .metadata next to the shards
+        (d / "model" / ".metadata").write_bytes(b"\x80\x04K\x01.")
+
+    def forged_offsets(d):  # rank 2's chunks moved onto rank 1's: a gap and an overlap
+        f = d / shard
+        tensors = load_file(str(f))
+        info = {k: {"saved_offsets": [0] * t.dim()} for k, t in tensors.items()}
+        save_file(tensors, str(f), metadata={"DCP_SHARDING_INFO": json.dumps(info)})
+        # Reseal: record the new size and digest, and the new state.json's digest.
+        meta = json.loads((d / "state.json").read_text())
+        meta["files"][shard] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+        (d / "state.json").write_text(json.dumps(meta))
+        (d / "COMMITTED").write_text(json.dumps({"state.json": _sha256(d / "state.json")}))
+
+    for damage, verify, message in [
+        (flip, True, "checksum"),
+        (drop, True, "missing or not recorded"),
+        (pickle_metadata, True, "missing or not recorded"),
+        (forged_offsets, True, "do not cover it once"),
+    ]:
+        d = work / damage.__name__
+        shutil.copytree(ckpt, d)
+        damage(d)
+        with pytest.raises(ft.CheckpointError, match=message):
+            ft.load_checkpoint(d, fresh(), verify=verify)

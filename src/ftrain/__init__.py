@@ -7,6 +7,7 @@ from ftrain import checkpoint as checkpoint
 from ftrain import logging as logging
 from ftrain import losses as losses
 from ftrain import optim as optim
+from ftrain import precision as precision
 from ftrain import schedules as schedules
 from ftrain import strategies as strategies
 from ftrain.checkpoint import CheckpointError as CheckpointError
@@ -72,6 +73,7 @@ __all__ = [
     "logging",
     "losses",
     "optim",
+    "precision",
     "schedules",
     "strategies",
 ]

@@ -107,7 +107,9 @@ def accumulate_grads(
 
     Each `loss_fn` returns a *sum* and an item count; the gradient is divided by the item count
     summed over every micro-batch and rank, so ragged padding and uneven ranks do not change
-    it. Non-final micro-batches skip the strategy's gradient sync. Dropout randomness is
+    it. With float16 loss scaling the loss is multiplied by `state.loss_scale` before backward
+    and the gradients are divided by it. Non-final micro-batches skip the strategy's gradient
+    sync. Dropout randomness is
     `dropout_seed(state.seed, state.step, i, rank)` for micro-batch i. No host sync.
 
     The returned gradients are the parameters' `.grad` tensors (not copies); the model is put
@@ -135,6 +137,8 @@ def accumulate_grads(
         model.train()
     for p in params.values():
         p.grad = None
+    # float16 training scales the loss up so small gradients survive backward (ft.precision).
+    scale = state.loss_scale
     losses, items, tokens, samples = [], [], [], 0
     last = len(micro) - 1
     gens = _generators(device)
@@ -150,7 +154,7 @@ def accumulate_grads(
                 with strategy.autocast():
                     loss_sum, num_items = loss_fn(model, batch)
                     loss_sum = loss_sum * weight
-                loss_sum.backward()
+                (loss_sum if scale is None else loss_sum * scale).backward()
             losses.append(loss_sum.detach())
             items.append(torch.as_tensor(num_items, device=device) * weight)
             n_tok, n_samples = _count(batch, device)
@@ -171,8 +175,10 @@ def accumulate_grads(
     denom = num_items_t.clamp(min=1.0)
     grads = {n: p.grad for n, p in params.items() if p.grad is not None}
     if grads:
-        # Backends that average over ranks (DDP) have multiplied by grad_reduce_factor; undo it.
-        torch._foreach_mul_(list(grads.values()), 1.0 / (denom * strategy.grad_reduce_factor))
+        # Backends that average over ranks (DDP) have multiplied by grad_reduce_factor; undo it,
+        # and the loss scale.
+        norm = denom * strategy.grad_reduce_factor
+        torch._foreach_mul_(list(grads.values()), 1.0 / (norm if scale is None else norm * scale))
     stats = Stats(
         loss=(loss_total / denom).float(),
         num_items=num_items_t.long(),

@@ -61,7 +61,9 @@ class TrainState:
     this epoch), `seed`, and the early-stopping fields `best_metric`, `best_step`,
     `patience_counter`. `tokens_seen` and `samples_seen` are 0-dim int64 tensors on the
     training device, so advancing them never waits for the device; `int(state.tokens_seen)`
-    reads one (a host sync).
+    reads one (a host sync). With float16 loss scaling (a strategy with `precision="fp16"`),
+    `loss_scale` (float32) and `growth_tracker` (int32) are 0-dim device tensors too; they are
+    None otherwise.
 
     Example:
         >>> import torch, ftrain as ft
@@ -88,6 +90,8 @@ class TrainState:
     best_metric: float | None = None
     best_step: int | None = None
     patience_counter: int = 0
+    loss_scale: torch.Tensor | None = None
+    growth_tracker: torch.Tensor | None = None
     lease_: _Lease = dataclasses.field(default_factory=_Lease, repr=False)
 
     @classmethod
@@ -129,6 +133,14 @@ class TrainState:
         if not params:
             raise ValueError("model has no trainable parameter (all have requires_grad=False)")
         device = strategy.device
+        scaling = strategy.precision.loss_scaling
+        if scaling is not None:
+            loss_scale: dict[str, Any] = {
+                "loss_scale": torch.tensor(scaling.init_scale, dtype=torch.float32, device=device),
+                "growth_tracker": torch.zeros((), dtype=torch.int32, device=device),
+            }
+        else:
+            loss_scale = {}
         return cls(
             model_=model,
             optimizer=optimizer,
@@ -138,6 +150,7 @@ class TrainState:
             seed=seed,
             tokens_seen=torch.zeros((), dtype=torch.int64, device=device),
             samples_seen=torch.zeros((), dtype=torch.int64, device=device),
+            **loss_scale,
         )
 
     # Tensor-holding fields are reached through properties so that a consumed state fails.
@@ -236,15 +249,22 @@ def snapshot(state: TrainState) -> TrainState:
     # Optimizer state may alias parameters (rare); map them onto the copy, clone the rest.
     memo = {id(old[n]): new[n] for n in old}
     opt_state = copy.deepcopy(state.opt_state_, memo)
+    counters: dict[str, Any] = {  # tokens_seen, samples_seen, loss scale, a subclass's tensors
+        f.name: v.clone()
+        for f in dataclasses.fields(state)
+        if f.name not in _TENSOR_HOLDERS and isinstance(v := getattr(state, f.name), torch.Tensor)
+    }
     return dataclasses.replace(
         state,
         model_=model,
         params_=MappingProxyType(_trainable(state.strategy.unwrap(model))),
         opt_state_=opt_state,
-        tokens_seen=state.tokens_seen.clone(),
-        samples_seen=state.samples_seen.clone(),
         lease_=_Lease(),
+        **counters,
     )
+
+
+_TENSOR_HOLDERS = {"model_", "opt_state_", "params_"}
 
 
 def next_epoch(state: TrainState) -> TrainState:

@@ -10,6 +10,7 @@ import torch
 
 from ftrain.checkpoint._save import raise_pending_save_error
 from ftrain.grads import Stats
+from ftrain.precision import update_loss_scale
 from ftrain.state import TrainState, snapshot
 
 __all__ = ["StepInfo", "clip_and_step"]
@@ -49,7 +50,8 @@ def clip_and_step(
     at most 1) with the norm taken across shards and ranks by the strategy. A non-finite norm
     skips the update on the device, without a host sync; `step` still advances (as in HF
     Trainer) and `info.skipped` says so. `cursor`, `tokens_seen` and `samples_seen` advance by
-    `stats` when given.
+    `stats` when given. With float16 loss scaling, an overflow always skips the update and
+    `loss_scale`/`growth_tracker` advance by `torch.amp.GradScaler`'s rule (`ft.precision`).
 
     Args:
         state: consumed unless `donate=False`.
@@ -57,14 +59,16 @@ def clip_and_step(
         lr: learning rate of this update, e.g. `schedule(state.step)`.
         max_norm: clip threshold; None measures the norm without clipping.
         stats: the `Stats` of this step, to advance the data counters.
-        skip_nonfinite: skip the update when the gradient norm is inf or NaN.
+        skip_nonfinite: skip the update when the gradient norm is inf or NaN (always on with
+            loss scaling).
         donate: update in place and consume `state`; False snapshots it first so it stays valid.
 
     Returns:
         `(new_state, StepInfo)`.
 
     Raises:
-        TypeError, ValueError: for a bad `lr` or `max_norm`.
+        TypeError, ValueError: for a bad `lr` or `max_norm`, or a state whose loss scale does
+            not match its strategy's precision.
         ConsumedStateError: if `state` was already consumed.
         CheckpointError: if a background (`blocking=False`) save has failed since the last call.
     """
@@ -73,16 +77,30 @@ def clip_and_step(
     if not donate:
         state = snapshot(state)
     params, strategy = state.params, state.strategy
+    scaling = strategy.precision.loss_scaling
+    if (scaling is None) != (state.loss_scale is None):
+        raise ValueError(
+            "the strategy's loss scaling and state.loss_scale disagree: create the state with "
+            "the strategy that trains it (TrainState.create(..., strategy=...))"
+        )
     g = list(grads.values())
     with torch.no_grad():
         norm = strategy.grad_norm(g)
-        found_inf = (~torch.isfinite(norm)).float() if skip_nonfinite else None
+        # With loss scaling an overflow is expected now and then: always skip it.
+        check = skip_nonfinite or scaling is not None
+        found_inf = (~torch.isfinite(norm)).float() if check else None
         if max_norm is not None and g:
             torch._foreach_mul_(g, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
         opt_state = state.optimizer.update(
             grads, state.opt_state, params, lr=float(lr), step=state.step, found_inf=found_inf
         )
     changes: dict[str, object] = {"opt_state": opt_state, "step": state.step + 1}
+    if scaling is not None:
+        assert state.loss_scale is not None and state.growth_tracker is not None
+        assert found_inf is not None
+        changes["loss_scale"], changes["growth_tracker"] = update_loss_scale(
+            state.loss_scale, state.growth_tracker, found_inf, scaling
+        )
     if stats is not None:
         changes.update(
             cursor=state.cursor + stats.num_micro,

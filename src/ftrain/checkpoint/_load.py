@@ -15,9 +15,10 @@ from typing import Any
 import torch
 
 from ftrain.checkpoint import _layout as L
+from ftrain.checkpoint import _sharded
 from ftrain.checkpoint._io import CheckpointError, read_json, read_safetensors
-from ftrain.checkpoint._save import _refuse_sharded, raise_pending_save_error
-from ftrain.checkpoint._tree import Node, describe, flatten, unflatten
+from ftrain.checkpoint._save import raise_pending_save_error
+from ftrain.checkpoint._tree import Node, copy_into, describe, flatten, unflatten
 from ftrain.state import TrainState
 
 __all__ = ["CheckpointMismatchError", "CheckpointMismatchWarning", "load_checkpoint", "read_meta"]
@@ -67,20 +68,32 @@ def load_checkpoint(
         CheckpointMismatchError: (strict) listing every missing, unexpected or reshaped
             parameter and optimizer-state difference.
 
-    A checkpoint written with one number of data-parallel ranks loads with another: the
-    tensors are whole. `cursor` counts global micro-batches, so keep `batch_size * ranks` the
-    same across the change for the data order to continue exactly.
         CheckpointError: when the checkpoint is incomplete, corrupted or not a checkpoint.
+
+    A checkpoint written with one number of data-parallel ranks loads with another, whole
+    (DDP, one process) or sharded (FSDP) either way: torch.distributed.checkpoint reshards.
+    With a process group up, call it on every rank. `cursor` counts global micro-batches, so
+    keep `batch_size * ranks` the same across the change for the data order to continue
+    exactly.
     """
     raise_pending_save_error()
-    _refuse_sharded(state)
     path = Path(path)
     meta = read_meta(path)
     files = meta["files"]
-    tensors = {
-        name: read_safetensors(path / name, sha256=files[name].get("sha256") if verify else None)
-        for name in (L.MODEL_FILE, L.OPTIM_FILE)
-    }
+    sharded = meta.get("sharded") is True
+    if sharded:
+        _sharded.verify(path, meta, checksum=verify)  # every file, before DCP opens any
+        tensors = {
+            L.MODEL_FILE: _sharded.placeholders(meta["tensors"]),
+            L.OPTIM_FILE: _sharded.placeholders(
+                {p: d for p, d in meta["optimizer"].items() if "tensor" in d}
+            ),
+        }
+    else:
+        tensors = {
+            n: read_safetensors(path / n, sha256=files[n].get("sha256") if verify else None)
+            for n in (L.MODEL_FILE, L.OPTIM_FILE)
+        }
     module = state.strategy.unwrap(state.model)
     live = L.model_tensors(module, dict(state.params))
     opt_flat = flatten(state.opt_state)
@@ -90,6 +103,12 @@ def load_checkpoint(
     if diffs and strict:
         raise CheckpointMismatchError(path, diffs)
     fields = _fields(meta, state)  # may still reject the file: before anything is written
+    lazy = sorted(p for p in opt_values if p not in opt_flat)  # a torch optimizer's own state
+    if lazy and _sharded.is_sharded(state.params.values()):
+        raise CheckpointError(
+            f"{path}: the state of a from_torch optimizer ({lazy[0]}, ...) cannot be loaded "
+            "into sharded (FSDP) parameters; use an ft.optim optimizer with FSDP"
+        )
     if diffs:
         warnings.warn(
             f"load_checkpoint({path}) skipped {len(diffs)} item(s): " + "; ".join(diffs),
@@ -97,8 +116,19 @@ def load_checkpoint(
             stacklevel=2,
         )
     with torch.no_grad():
-        for dst, src in model_pairs:
-            dst.copy_(src)
+        if sharded:
+            _sharded.read_into(path / _sharded.MODEL_DIR, {n: dst for n, dst, _ in model_pairs})
+            device = state.strategy.device
+            targets = {
+                p: opt_flat[p] if p in opt_flat else torch.empty_like(v, device=device)
+                for p, v in opt_values.items()
+                if isinstance(v, torch.Tensor)
+            }
+            _sharded.read_into(path / _sharded.OPTIM_DIR, targets)
+            opt_values.update(targets)
+        else:
+            for _, dst, src in model_pairs:
+                copy_into(dst, src)
         opt_state = unflatten(state.opt_state, opt_values) if opt_values else state.opt_state
     return state.consume("load_checkpoint", opt_state=opt_state, **fields)
 
@@ -148,11 +178,17 @@ def _validate(meta: Any, path: Path) -> None:
         ),
         "malformed 'params' table",
     )
-    for name in (L.MODEL_FILE, L.OPTIM_FILE):
+    sharded = meta.get("sharded") is True
+    names = [n for n in meta["files"]] if sharded else [L.MODEL_FILE, L.OPTIM_FILE]
+    for name in names:
         entry = meta["files"].get(name)
         need(isinstance(entry, dict), f"no record of {name}")
         sha = entry.get("sha256")
         need(sha is None or isinstance(sha, str), f"malformed checksum for {name}")
+    if sharded:
+        need(isinstance(meta.get("tensors"), dict), "'tensors' missing or not a dict")
+        for n, d in meta["tensors"].items():
+            need(isinstance(d, dict) and "tensor" in d, f"malformed tensor record {n!r}")
     for p, d in meta["optimizer"].items():
         need(isinstance(d, dict) and len(d) in (1, 2), f"malformed optimizer entry {p!r}")
 
@@ -162,7 +198,7 @@ def _match_model(
     saved: dict[str, torch.Tensor],
     live: dict[str, torch.Tensor],
     module: torch.nn.Module,
-) -> tuple[list[str], list[tuple[torch.Tensor, torch.Tensor]]]:
+) -> tuple[list[str], list[tuple[str, torch.Tensor, torch.Tensor]]]:
     diffs, pairs = [], []
     for name in sorted(live.keys() - saved.keys()):
         diffs.append(f"missing from checkpoint: {name} {describe(live[name])}")
@@ -173,7 +209,7 @@ def _match_model(
         if dst.shape != src.shape or dst.dtype != src.dtype:
             diffs.append(f"{name}: checkpoint has {describe(src)}, model has {describe(dst)}")
         else:
-            pairs.append((dst, src))
+            pairs.append((name, dst, src))
     frozen_saved = {r[0]: r for r in meta["params"] if r[3] is False}
     for name, p in module.named_parameters():
         row = frozen_saved.get(name)
@@ -254,6 +290,12 @@ def _fields(meta: dict[str, Any], state: TrainState) -> dict[str, Any]:
         if f.name in L.NOT_PLAIN or f.name not in saved:
             continue
         value, current = saved[f.name], getattr(state, f.name)
+        if _optional_tensor(f) and (value is None or current is None):
+            # e.g. the float16 loss scale, saved by an fp16 run and resumed in bf16 or the
+            # other way round: the new run keeps its own (fresh) value.
+            if value is not None and not _is_saved_tensor(value):
+                raise CheckpointError(f"state field {f.name!r} is malformed: {value!r}")
+            continue
         if isinstance(current, torch.Tensor):
             number = value.get("value") if isinstance(value, dict) else None
             try:
@@ -270,6 +312,19 @@ def _fields(meta: dict[str, Any], state: TrainState) -> dict[str, Any]:
         if type(out.get(name)) is not int or out[name] < 0:
             raise CheckpointError(f"state field {name!r} is missing or not an int >= 0")
     return out
+
+
+def _optional_tensor(f: dataclasses.Field[Any]) -> bool:
+    text = f.type if isinstance(f.type, str) else ""
+    return {t.strip() for t in text.split("|")} == {"torch.Tensor", "None"}
+
+
+def _is_saved_tensor(value: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and set(value) == {"dtype", "value"}
+        and type(value["value"]) in (int, float)
+    )
 
 
 _PLAIN_TYPES: dict[str, type] = {

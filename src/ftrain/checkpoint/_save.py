@@ -24,8 +24,10 @@ from typing import Any, Literal
 import torch
 
 from ftrain.checkpoint import _layout as L
+from ftrain.checkpoint import _sharded
 from ftrain.checkpoint._io import (
     CheckpointError,
+    fsync_tree,
     publish_dir,
     sha256_file,
     write_json,
@@ -81,8 +83,11 @@ def save_checkpoint(
             at most one save is in flight, and its error is raised by the next
             `clip_and_step` or checkpoint call. Make the final save of a run blocking.
 
-    With several data-parallel ranks (DDP), call it on every rank: rank 0 writes, and a
-    blocking save returns on every rank once the checkpoint is committed.
+    With several data-parallel ranks, call it on every rank. With DDP rank 0 writes, and a
+    blocking save returns on every rank once the checkpoint is committed. With FSDP every rank
+    writes its own shards (torch.distributed.checkpoint), rank 0 commits them all at once, and
+    the save is always blocking: it returns on every rank after the commit, or raises on every
+    rank. Either kind loads with any number of ranks.
 
     Returns:
         The checkpoint directory `root/step-<N>`.
@@ -104,8 +109,10 @@ def save_checkpoint(
     if best_metric is not None and keep_best is None:
         keep_best = 1
     wait_for_checkpoint()
-    _refuse_sharded(state)
     root, strategy = Path(root), state.strategy
+    if _sharded.is_sharded(state.params.values()):
+        rotation = (keep_last, keep_best, best_metric, mode)
+        return _save_sharded(state, root, metrics, rotation, checksum=checksum)
     path = L.step_dir(root, state.step)
     if strategy.rank != 0:
         # Replicated data parallelism: rank 0 holds everything and writes it; the others wait
@@ -124,13 +131,53 @@ def save_checkpoint(
         strategy.barrier()
 
 
-def _refuse_sharded(state: TrainState) -> None:
-    """Raise on every rank (before any rank waits for another) for sharded parameters."""
-    if any(hasattr(p, "to_local") for p in state.params.values()):
-        raise NotImplementedError(
-            "the parameters are sharded (FSDP): sharded checkpoints through "
-            "torch.distributed.checkpoint are not implemented yet; use DDP to checkpoint"
-        )
+def _save_sharded(
+    state: TrainState,
+    root: Path,
+    metrics: Mapping[str, Any] | None,
+    rotation: tuple[int | None, int | None, str | None, str],
+    *,
+    checksum: bool,
+) -> Path:
+    """Every rank writes its shards; rank 0 seals and renames the directory; all agree."""
+    strategy = state.strategy
+    keep_last, keep_best, best_metric, mode = rotation
+    tmp = _sharded.tmp_dir(root, state.step)
+    if strategy.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        clean_tmp(root)
+        tmp.mkdir()
+    strategy.barrier()  # the directory exists before anyone writes into it
+    module = strategy.unwrap(state.model)
+    opt_flat = flatten(state.opt_state)
+    model = L.model_tensors(module, dict(state.params))
+    group = getattr(strategy, "group", None)
+    _sharded.write({n: t.detach() for n, t in model.items()}, tmp / _sharded.MODEL_DIR, group)
+    optim = {p: v.detach() for p, v in opt_flat.items() if isinstance(v, torch.Tensor)}
+    _sharded.write(optim, tmp / _sharded.OPTIM_DIR, group)
+    meta = _meta(state, metrics, module, opt_flat)  # collective-free, but a host sync
+    meta["sharded"] = True
+    meta["tensors"] = {n: _describe(t) for n, t in model.items()}
+    final, error = L.step_dir(root, state.step), None
+    if strategy.rank == 0:
+        try:
+            files = _sharded.record_files(tmp, checksum=checksum)
+            fsync_tree(tmp)
+            config = getattr(module, "config", None)
+            to_json = getattr(config, "to_json_string", None)
+            if callable(to_json):
+                write_text(to_json(), tmp / L.CONFIG_FILE)
+            write_json({**meta, "files": files}, tmp / L.STATE_FILE)
+            write_json({"state.json": sha256_file(tmp / L.STATE_FILE)}, tmp / L.COMMIT_FILE)
+            aside = root / f"{L.TMP_PREFIX}replaced-{final.name}-{uuid.uuid4().hex[:8]}"
+            publish_dir(tmp, final, aside)
+            if keep_last is not None:
+                _rotate(root, keep_last, keep_best, best_metric, mode)
+        except BaseException as e:  # every rank must hear about it, then it is raised here
+            error = e
+    if not _sharded.commit_ok(error is None, strategy):
+        raise CheckpointError(f"rank 0 could not commit the sharded checkpoint {final}") from error
+    return final
 
 
 def _check_retention(
@@ -151,7 +198,6 @@ def _stage(state: TrainState, metrics: Mapping[str, Any] | None, *, copy: bool) 
         raise CheckpointError("checkpoints are written on little-endian machines only")
     module = state.strategy.unwrap(state.model)
     opt_flat = flatten(state.opt_state)
-    table = L.param_table(module)
 
     seen: set[int] = set()
 
@@ -170,7 +216,16 @@ def _stage(state: TrainState, metrics: Mapping[str, Any] | None, *, copy: bool) 
         model = {n: host(t) for n, t in L.model_tensors(module, dict(state.params)).items()}
         optim = {p: host(v) for p, v in opt_flat.items() if isinstance(v, torch.Tensor)}
     config = getattr(module, "config", None)
-    meta = {
+    meta = _meta(state, metrics, module, opt_flat)
+    to_json = getattr(config, "to_json_string", None)
+    return _Staged(state.step, model, optim, meta, to_json() if callable(to_json) else None)
+
+
+def _meta(
+    state: TrainState, metrics: Mapping[str, Any] | None, module: Any, opt_flat: dict[str, Any]
+) -> dict[str, Any]:
+    table = L.param_table(module)
+    return {
         "format": L.FORMAT,
         "format_version": L.FORMAT_VERSION,
         "ftrain_version": _version(),
@@ -182,8 +237,6 @@ def _stage(state: TrainState, metrics: Mapping[str, Any] | None, *, copy: bool) 
         "fingerprint": L.fingerprint(table),
         "optimizer": {p: _describe(v) for p, v in opt_flat.items()},
     }
-    to_json = getattr(config, "to_json_string", None)
-    return _Staged(state.step, model, optim, meta, to_json() if callable(to_json) else None)
 
 
 def _describe(leaf: Any) -> dict[str, Any]:

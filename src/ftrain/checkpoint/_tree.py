@@ -71,6 +71,21 @@ def describe(leaf: Any) -> str:
     return type(leaf).__name__
 
 
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst.copy_(src)`, where `dst` may be a shard (DTensor) of the whole tensor `src`."""
+    if src is dst:
+        return
+    if hasattr(dst, "device_mesh") and not hasattr(src, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        # Every rank holds the whole `src`: each takes its own shard, no communication.
+        shard: Any = dst
+        src = distribute_tensor(
+            src.to(dst.device), shard.device_mesh, shard.placements, src_data_rank=None
+        )
+    dst.copy_(src)
+
+
 def unflatten(template: Any, values: Mapping[str, Any], prefix: str = "") -> Any:
     """Rebuild `template` with leaves from `values`; tensors are copied into the template's.
 
@@ -78,7 +93,7 @@ def unflatten(template: Any, values: Mapping[str, Any], prefix: str = "") -> Any
     has its state loaded through `load_state_dict`.
     """
     if isinstance(template, torch.Tensor):
-        template.copy_(values[prefix])
+        copy_into(template, values[prefix])
         return template
     if isinstance(template, _SCALARS):
         return values[prefix]

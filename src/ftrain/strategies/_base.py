@@ -14,6 +14,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from ftrain.precision import Precision
+
 __all__ = ["SingleDevice", "Strategy", "default_device"]
 
 
@@ -28,12 +30,14 @@ class Strategy(Protocol):
         grad_reduce_factor: what the backend's gradient reduction multiplies the sum over ranks
             by (DDP averages: `1 / world_size`); `accumulate_grads` undoes it so that gradients
             are normalized by the global item count.
+        precision: the mixed-precision policy: `autocast` dtype and loss scaling.
     """
 
     device: torch.device
     rank: int
     world_size: int
     grad_reduce_factor: float
+    precision: Precision
 
     def setup(self, model: nn.Module) -> nn.Module:
         """Move/wrap `model` for this strategy and return the module to train."""
@@ -86,6 +90,8 @@ class SingleDevice:
 
     Args:
         device: where to train; the first GPU if there is one, else the CPU.
+        precision: "fp32" (default), "bf16" or "fp16" (with dynamic loss scaling), or an
+            `ft.precision.Precision`.
 
     Example:
         >>> import torch, ftrain as ft
@@ -98,11 +104,14 @@ class SingleDevice:
     world_size = 1
     grad_reduce_factor = 1.0
 
-    def __init__(self, device: str | torch.device | None = None) -> None:
+    def __init__(
+        self, device: str | torch.device | None = None, *, precision: str | Precision | None = None
+    ) -> None:
         self.device = torch.device(device) if device is not None else default_device()
+        self.precision = Precision.of(precision)
 
     def __repr__(self) -> str:
-        return f"SingleDevice({str(self.device)!r})"
+        return f"SingleDevice({str(self.device)!r}{_precision_repr(self.precision)})"
 
     def setup(self, model: nn.Module) -> nn.Module:
         return model.to(self.device)
@@ -120,7 +129,7 @@ class SingleDevice:
         return contextlib.nullcontext()
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext()
+        return self.precision.autocast(self.device)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
@@ -153,3 +162,7 @@ def local_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     first = grads[0].device
     norms = [n.to(first) for group in groups.values() for n in torch._foreach_norm(group, 2.0)]
     return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+
+
+def _precision_repr(precision: Precision) -> str:
+    return "" if precision == Precision() else f", precision={precision!r}"

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ftrain.strategies._base import SingleDevice, local_grad_norm, move_to
+from ftrain.precision import Precision
+from ftrain.strategies._base import SingleDevice, _precision_repr, local_grad_norm, move_to
 
 if TYPE_CHECKING:
     from ftrain.strategies._fsdp import FSDP
@@ -38,7 +39,13 @@ def _local_device() -> torch.device:
 class _ProcessGroupStrategy:
     """What DDP and FSDP share: a process group, this rank's device, collectives on tensors."""
 
-    def __init__(self, name: str, device: str | torch.device | None, group: Any) -> None:
+    def __init__(
+        self,
+        name: str,
+        device: str | torch.device | None,
+        group: Any,
+        precision: str | Precision | None,
+    ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
                 f"{name} needs an initialised process group: launch with torchrun (or "
@@ -49,16 +56,20 @@ class _ProcessGroupStrategy:
         self.world_size = dist.get_world_size(group)
         self.grad_reduce_factor = 1.0 / self.world_size  # both average over ranks
         self.device = torch.device(device) if device is not None else _local_device()
+        self.precision = Precision.of(precision)
 
     def __repr__(self) -> str:
         name = type(self).__name__
-        return f"{name}(rank={self.rank}, world_size={self.world_size}, device='{self.device}')"
+        return (
+            f"{name}(rank={self.rank}, world_size={self.world_size}, device='{self.device}'"
+            f"{_precision_repr(self.precision)})"
+        )
 
     def to_device(self, batch: Any) -> Any:
         return move_to(batch, self.device)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext()
+        return self.precision.autocast(self.device)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.clone()
@@ -80,6 +91,8 @@ class DDP(_ProcessGroupStrategy):
         device: this rank's device; `cuda:LOCAL_RANK` when CUDA is available, else the CPU.
         process_group: the group to reduce over; the default group when None.
         sync_every_micro: all-reduce in every micro-batch's backward.
+        precision: "fp32" (default), "bf16" or "fp16" (with dynamic loss scaling), or an
+            `ft.precision.Precision`; parameters and gradients stay float32.
         **ddp_kwargs: passed to `DistributedDataParallel` (e.g. `bucket_cap_mb`).
 
     Raises:
@@ -92,9 +105,10 @@ class DDP(_ProcessGroupStrategy):
         device: str | torch.device | None = None,
         process_group: Any = None,
         sync_every_micro: bool = False,
+        precision: str | Precision | None = None,
         **ddp_kwargs: Any,
     ) -> None:
-        super().__init__("DDP", device, process_group)
+        super().__init__("DDP", device, process_group, precision)
         self.sync_every_micro = sync_every_micro
         self._kwargs = ddp_kwargs
 

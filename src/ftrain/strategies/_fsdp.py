@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ftrain.precision import Precision
 from ftrain.strategies._ddp import _ProcessGroupStrategy
 
 __all__ = ["FSDP"]
@@ -38,6 +39,9 @@ class FSDP(_ProcessGroupStrategy):
         device: this rank's device; `cuda:LOCAL_RANK` when CUDA is available, else the CPU.
         shard: which submodules to shard separately; HF's `_no_split_modules` by default.
         sync_every_micro: reduce-scatter in every micro-batch's backward.
+        precision: "fp32" (default), "bf16" or "fp16" (with dynamic loss scaling), or an
+            `ft.precision.Precision`: the forward pass runs under autocast and the sharded
+            parameters stay float32.
         **fsdp_kwargs: passed to `fully_shard` (e.g. `reshard_after_forward`, `mesh`).
 
     Raises:
@@ -50,9 +54,10 @@ class FSDP(_ProcessGroupStrategy):
         device: str | torch.device | None = None,
         shard: Callable[[nn.Module], bool] | None = None,
         sync_every_micro: bool = False,
+        precision: str | Precision | None = None,
         **fsdp_kwargs: Any,
     ) -> None:
-        super().__init__("FSDP", device, None)
+        super().__init__("FSDP", device, None, precision)
         self.sync_every_micro = sync_every_micro
         self._shard = shard
         self._kwargs = fsdp_kwargs

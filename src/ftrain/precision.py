@@ -1,0 +1,120 @@
+"""Mixed precision: an autocast dtype, and dynamic loss scaling for float16.
+
+Parameters, gradients and optimizer state stay float32 (the "master weights"); only the
+forward pass runs in the lower precision, under `torch.autocast`. For float16, whose range is
+small, the loss is multiplied by a scale before backward so that small gradients do not flush
+to zero; the gradients are divided by it again in `accumulate_grads`, and a non-finite gradient
+skips the update and halves the scale. The scale and its growth counter are 0-dim tensors in
+`TrainState` (`loss_scale`, `growth_tracker`), so they are checkpointed with the counters and
+updated on the device without a host sync, the way `torch.amp.GradScaler` does it.
+
+A strategy carries the policy: `SingleDevice(precision="bf16")`, `DDP(precision="fp16")`, ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+import torch
+
+__all__ = ["LossScaling", "Precision", "update_loss_scale"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaling:
+    """Dynamic loss scaling with `torch.amp.GradScaler`'s rule and defaults.
+
+    The scale starts at `init_scale`; a step whose gradient is not finite is skipped and
+    multiplies the scale by `backoff_factor`; after `growth_interval` finite steps in a row the
+    scale is multiplied by `growth_factor`.
+    """
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    def __post_init__(self) -> None:
+        if not self.init_scale > 0:
+            raise ValueError(f"init_scale must be > 0, got {self.init_scale!r}")
+        if not self.growth_factor > 1:
+            raise ValueError(f"growth_factor must be > 1, got {self.growth_factor!r}")
+        if not 0 < self.backoff_factor < 1:
+            raise ValueError(f"backoff_factor must be in (0, 1), got {self.backoff_factor!r}")
+        if not (isinstance(self.growth_interval, int) and self.growth_interval >= 1):
+            raise ValueError(f"growth_interval must be an int >= 1, got {self.growth_interval!r}")
+
+
+_NAMES: dict[str, torch.dtype | None] = {
+    "fp32": None,
+    "no": None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """What a strategy's forward pass computes in, and whether the loss is scaled.
+
+    Build it from a name with `Precision.of`: "fp32" (or "no", or None) is full precision,
+    "bf16" autocasts to bfloat16, "fp16" autocasts to float16 with `LossScaling()`.
+
+    Example:
+        >>> import ftrain as ft
+        >>> ft.precision.Precision.of("bf16")
+        Precision(dtype=torch.bfloat16, loss_scaling=None)
+    """
+
+    dtype: torch.dtype | None = None
+    loss_scaling: LossScaling | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype must be None, bfloat16 or float16, got {self.dtype}")
+
+    @classmethod
+    def of(cls, value: str | Precision | None) -> Precision:
+        """The policy named by `value` ("fp32", "bf16", "fp16"; a `Precision` is returned as is).
+
+        Raises:
+            ValueError: for an unknown name.
+        """
+        if isinstance(value, Precision):
+            return value
+        if value is None:
+            return cls()
+        if value not in _NAMES:
+            raise ValueError(
+                f"precision must be one of {sorted(_NAMES)} or a Precision, got {value!r}"
+            )
+        dtype = _NAMES[value]
+        return cls(dtype, LossScaling() if dtype == torch.float16 else None)
+
+    def autocast(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+        """`torch.autocast` to `dtype` on `device`'s type, or a no-op at full precision."""
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.dtype)
+
+
+def update_loss_scale(
+    scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor, rule: LossScaling
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next `(scale, growth_tracker)` after a step; `found_inf` is 1.0 when it overflowed.
+
+    Pure (the inputs are not modified) and on the device: no host sync. Same rule as
+    `torch.amp.GradScaler.update`.
+    """
+    scale, growth_tracker = scale.clone(), growth_tracker.clone()
+    torch._amp_update_scale_(
+        scale,
+        growth_tracker,
+        found_inf.to(scale.dtype),
+        rule.growth_factor,
+        rule.backoff_factor,
+        rule.growth_interval,
+    )
+    return scale, growth_tracker
