@@ -8,6 +8,11 @@ The text ships in the repo (examples/data/tinyshakespeare.txt); nothing is downl
     python examples/shakespeare_char.py                 # full run, prints val_loss=... at the end
     python examples/shakespeare_char.py --max-iters 50  # a quick look
     torchrun --nproc_per_node 2 examples/shakespeare_char.py --strategy ddp   # 2 processes
+    torchrun --nproc_per_node 2 examples/shakespeare_char.py --strategy fsdp  # sharded
+    python examples/shakespeare_char.py --precision bf16 --compile            # faster kernels
+
+The loop is the same for every strategy, precision and compilation: only the objects handed to
+`TrainState.create` change.
 
 Checkpoints go to `--out` (default runs/shakespeare_char) at every evaluation, written in the
 background; the newest and the best by eval_loss are kept. Run the command again after an
@@ -82,10 +87,14 @@ def main(argv: list[str] | None = None) -> float:
     p.add_argument("--batch-size", type=int, default=12, help="global: split over the ranks")
     p.add_argument(
         "--strategy",
-        choices=["single", "ddp"],
+        choices=["single", "ddp", "fsdp"],
         default="single",
-        help="ddp: data parallel across the processes torchrun starts",
+        help="ddp/fsdp: data parallel (fsdp: sharded) across the processes torchrun starts",
     )
+    p.add_argument(
+        "--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="autocast dtype"
+    )
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--out", default="runs/shakespeare_char", help="checkpoints; '' for none")
@@ -108,7 +117,12 @@ def main(argv: list[str] | None = None) -> float:
     )
     model = GPT2LMHeadModel(config)
     optimizer = ft.optim.adamw(betas=(0.9, 0.99), weight_decay=0.1, mask=ft.optim.decay_mask(model))
-    strategy = ft.strategies.from_env() if args.strategy == "ddp" else None
+    if args.strategy == "single":
+        strategy = ft.strategies.SingleDevice(precision=args.precision)
+    else:
+        strategy = ft.strategies.from_env(args.strategy, precision=args.precision)
+    if args.compile:
+        model = torch.compile(model)  # parameter names stay the model's own
     state = ft.TrainState.create(model, optimizer, seed=args.seed, strategy=strategy)
     main_rank, world = state.strategy.rank == 0, state.strategy.world_size
     if args.batch_size % world:
@@ -178,7 +192,7 @@ def main(argv: list[str] | None = None) -> float:
             state = ft.next_epoch(state)
     sink.close()
     final = val_loss(args.final_eval_iters)
-    if args.out and main_rank:
+    if args.out:  # on every rank: FSDP gathers the shards, rank 0 writes
         ft.export_pretrained(state, Path(args.out) / "final", overwrite=True)
     if main_rank:
         print(f"train_time={time.perf_counter() - start:.1f}s")

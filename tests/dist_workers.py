@@ -190,3 +190,35 @@ def fsdp_save_failures(rank: int, world: int, port: int, out: str) -> None:
     (Path(out) / f"outcome-{rank}.json").write_text(json.dumps(outcomes))
     del state
     _finish()
+
+
+def _outputs(model, batch):
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return {
+        "labels": batch["labels"],
+        "pred": logits.argmax(-1),
+        "n": batch["attention_mask"].sum(-1),
+    }
+
+
+def predict_gather(rank: int, world: int, port: int, out: str) -> None:
+    """ft.predict over 29 rows at 2 per rank: every rank writes what it saw, gathered and not."""
+    import numpy as np
+
+    _env(rank, world, port)
+    state = ft.TrainState.create(tiny_llama(), ft.optim.sgd(), strategy=ft.strategies.from_env())
+
+    strategy = state.strategy
+
+    def batches():
+        return ft.make_batches(ROWS, batch_size=2, shuffle=False, strategy=strategy)
+
+    gathered = list(ft.predict(state, batches(), _outputs))
+    local = list(ft.predict(state, batches(), _outputs, gather=False))
+    np.savez(
+        Path(out) / f"predict-{rank}.npz",
+        **{f"g{i}_{k}": v for i, b in enumerate(gathered) for k, v in b.items()},
+        local_rows=np.array(sum(len(b["n"]) for b in local)),
+    )
+    del state
+    _finish()

@@ -210,3 +210,27 @@ def _hostile_shards(ckpt, work):
         damage(d)
         with pytest.raises(ft.CheckpointError, match=message):
             ft.load_checkpoint(d, fresh(), verify=verify)
+
+
+def test_predict_gathers_exact_per_sample_outputs_across_ranks(tmp_path):
+    """29 rows over 2 ranks at 2 rows each: every rank sees the same 29 rows, in the order one
+    process yields them with batch 4 (no padding sample repeated); each rank's own share is
+    disjoint (15 + 14). Sequences padded differently on each rank are padded with -100."""
+    import numpy as np
+
+    spawn(W.predict_gather, str(tmp_path))
+    state = ft.TrainState.create(tiny_llama(), ft.optim.sgd())
+    single = list(ft.predict(state, ft.make_batches(W.ROWS, batch_size=4, shuffle=False),
+                             W._outputs))  # fmt: skip
+    got = [np.load(tmp_path / f"predict-{r}.npz") for r in (0, 1)]
+    assert int(got[0]["local_rows"]) + int(got[1]["local_rows"]) == len(W.ROWS) == 29
+    assert int(got[0]["local_rows"]) == 15
+    for rank in (0, 1):
+        assert sum(len(got[rank][f"g{i}_n"]) for i in range(len(single))) == 29
+        for i, want in enumerate(single):
+            labels, n = got[rank][f"g{i}_labels"], got[rank][f"g{i}_n"]
+            np.testing.assert_array_equal(labels, want["labels"])  # -100 padding included
+            np.testing.assert_array_equal(n, want["n"])
+            pred = got[rank][f"g{i}_pred"]
+            for row, length in enumerate(n):
+                np.testing.assert_array_equal(pred[row, :length], want["pred"][row, :length])

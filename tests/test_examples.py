@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import ftrain as ft
 
@@ -85,8 +86,10 @@ def test_finetune_classifier_short_run(tmp_path, capsys):
     assert AutoModelForSequenceClassification.from_pretrained(out_dir / "final").num_labels == 5
 
 
-def test_shakespeare_char_under_torchrun_ddp(tmp_path, capsys):
-    """The same example, 2 processes with DDP (global batch unchanged): same result."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_shakespeare_char_under_torchrun(tmp_path, capsys, strategy):
+    """The same example, 2 processes with DDP or FSDP (global batch unchanged): same result;
+    FSDP checkpoints are sharded, and the exported model is whole."""
     import subprocess
 
     args = ["--max-iters", "20", "--eval-interval", "10", "--eval-iters", "2",
@@ -95,7 +98,7 @@ def test_shakespeare_char_under_torchrun_ddp(tmp_path, capsys):
     capsys.readouterr()
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--standalone", str(EXAMPLES / "shakespeare_char.py"), "--strategy", "ddp",
+         "--standalone", str(EXAMPLES / "shakespeare_char.py"), "--strategy", strategy,
          *args, "--out", str(tmp_path / "two")],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
@@ -103,4 +106,14 @@ def test_shakespeare_char_under_torchrun_ddp(tmp_path, capsys):
     (val,) = re.findall(r"^val_loss=(\d+\.\d+)$", run.stdout, re.M)  # printed by rank 0 only
     assert float(val) == pytest.approx(single, abs=2e-4)
     assert ft.latest_checkpoint(tmp_path / "two").name == "step-20"
-    assert ft.checkpoint.read_meta(tmp_path / "two" / "step-20")["world_size"] == 2
+    meta = ft.checkpoint.read_meta(tmp_path / "two" / "step-20")
+    assert meta["world_size"] == 2
+    assert meta.get("sharded", False) == (strategy == "fsdp")
+    from transformers import GPT2LMHeadModel
+
+    exported = GPT2LMHeadModel.from_pretrained(tmp_path / "two" / "final")
+    reference = GPT2LMHeadModel.from_pretrained(tmp_path / "one" / "final")
+    for (n, a), (_, b) in zip(
+        exported.state_dict().items(), reference.state_dict().items(), strict=True
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=n)

@@ -130,6 +130,7 @@ def predict(
     batches: Iterable[Any],
     output_fn: OutputFn | None = None,
     *,
+    gather: bool = True,
     strategy: Strategy | None = None,
 ) -> Iterator[dict[str, np.ndarray]]:
     """Stream per-sample outputs as numpy arrays, one dict per batch, in batch order.
@@ -137,9 +138,13 @@ def predict(
     Nothing accumulates: consume the iterator batch by batch (e.g. update a running
     accuracy) and memory stays bounded however large the dataset. Each yielded array has the
     batch's samples as its first axis, so counts are exact (no padding samples). With several
-    data-parallel ranks each rank yields its own share; `make_batches` gives every sample to
-    exactly one rank. The model is in eval mode without gradients while the iterator runs, and
-    in its previous mode once it is exhausted or closed.
+    data-parallel ranks, every rank yields the whole global batch: the ranks' rows in rank
+    order, which is the order one process yields with the global batch size (`make_batches`
+    gives every sample to exactly one rank, and a rank without rows adds none). Axes beyond the
+    first that differ between ranks (each rank pads its own sequences) are padded with -100,
+    as HF's Trainer does. `gather=False` yields only this rank's rows instead. The model is in
+    eval mode without gradients while the iterator runs, and in its previous mode once it is
+    exhausted or closed.
 
     Args:
         state: the state to predict with (not consumed).
@@ -147,6 +152,7 @@ def predict(
         output_fn: `(model, batch) -> {name: tensor}`; by default the model's logits plus the
             batch's labels when it has them. Return only what you need (`argmax` rather than
             logits) to move less to the host.
+        gather: gather every rank's rows (a collective: all ranks must iterate together).
         strategy: overrides `state.strategy`.
 
     Yields:
@@ -161,14 +167,24 @@ def predict(
     with _inference(model), strategy.autocast():
         for batch in _flatten(batches):
             batch, weight = weighted(batch)
-            outputs = output_fn(model, strategy.to_device(batch))
-            if not weight:  # a ZeroWeight stand-in ran for the collectives; it yields nothing
+            outputs = dict(output_fn(model, strategy.to_device(batch)))
+            if gather and strategy.world_size > 1:
+                # A ZeroWeight stand-in joins the gathers with no rows.
+                outputs = {
+                    k: strategy.gather_rows(_rows(v)[: None if weight else 0])
+                    for k, v in sorted(outputs.items())
+                }
+            elif not weight:  # a stand-in ran for the collectives; it yields nothing
                 continue
             arrays = {k: _to_numpy(v) for k, v in outputs.items()}
             sizes = {k: a.shape[0] if a.ndim else 1 for k, a in arrays.items()}
             if len(set(sizes.values())) > 1:
                 raise ValueError(f"outputs disagree on the number of samples: {sizes}")
             yield arrays
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(1) if t.dim() == 0 else t.detach()
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:

@@ -18,6 +18,7 @@ from torch import nn
 from ftrain.checkpoint import _layout as L
 from ftrain.checkpoint._io import CheckpointError, fsync_tree, publish_dir, read_safetensors
 from ftrain.checkpoint._load import read_meta
+from ftrain.checkpoint._sharded import is_sharded
 from ftrain.state import TrainState
 
 __all__ = ["export_checkpoint", "export_pretrained"]
@@ -48,19 +49,46 @@ def export_pretrained(
 
     Raises:
         FileExistsError: if `directory` exists and `overwrite` is False.
+
+    With several ranks, rank 0 writes and the others return at once. With FSDP call it on every
+    rank: the sharded parameters are gathered first (a collective), and every rank returns once
+    rank 0 has written the directory.
     """
-    module = state.strategy.unwrap(state.model)
-    return _atomic_dir(Path(directory), overwrite, lambda tmp: _save_module(module, tmp, tokenizer))
+    module, strategy = state.strategy.unwrap(state.model), state.strategy
+    directory = Path(directory)
+    full = None
+    if is_sharded(state.params.values()):
+        with torch.no_grad():  # every rank takes part in gathering the whole tensors
+            full = {
+                n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
+                for n, t in module.state_dict().items()
+            }
+    if strategy.rank != 0:
+        if full is not None:
+            strategy.barrier()
+        return directory
+    try:
+        write = lambda tmp: _save_module(module, tmp, tokenizer, full)  # noqa: E731
+        return _atomic_dir(directory, overwrite, write)
+    finally:
+        if full is not None:
+            strategy.barrier()
 
 
-def _save_module(module: nn.Module, tmp: Path, tokenizer: Any) -> None:
+def _save_module(
+    module: nn.Module, tmp: Path, tokenizer: Any, full: dict[str, torch.Tensor] | None
+) -> None:
     save = getattr(module, "save_pretrained", None)
     if callable(save):
-        save(tmp)
-    else:
+        save(tmp) if full is None else save(tmp, state_dict=full)
+    elif full is None:
         from safetensors.torch import save_model
 
         save_model(module, str(tmp / "model.safetensors"))
+    else:
+        from safetensors.torch import save_file
+
+        save_file({n: t.clone().contiguous() for n, t in full.items()}, tmp / "model.safetensors")
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
 

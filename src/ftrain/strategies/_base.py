@@ -75,6 +75,11 @@ class Strategy(Protocol):
         """Global L2 norm of `grads` across shards and ranks, as a device tensor."""
         ...
 
+    def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows of `tensor` (first axis; counts may differ), concatenated in rank
+        order, on every rank. Other axes that differ between ranks are padded with -100."""
+        ...
+
 
 def default_device() -> torch.device:
     """The first CUDA device when there is one, else the CPU."""
@@ -117,7 +122,7 @@ class SingleDevice:
         return model.to(self.device)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        return model
+        return uncompiled(model)
 
     def clone_model(self, model: nn.Module) -> nn.Module:
         return copy.deepcopy(model)
@@ -139,6 +144,16 @@ class SingleDevice:
 
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         return local_grad_norm(grads)
+
+    def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The module inside a `torch.compile(model)` wrapper, whose parameter names would
+    otherwise gain an `_orig_mod.` prefix (in the state, checkpoints and exports)."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else model
 
 
 def move_to(batch: Any, device: torch.device) -> Any:

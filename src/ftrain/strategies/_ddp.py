@@ -20,7 +20,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ftrain.precision import Precision
-from ftrain.strategies._base import SingleDevice, _precision_repr, local_grad_norm, move_to
+from ftrain.strategies._base import (
+    SingleDevice,
+    _precision_repr,
+    local_grad_norm,
+    move_to,
+    uncompiled,
+)
 
 if TYPE_CHECKING:
     from ftrain.strategies._fsdp import FSDP
@@ -79,6 +85,22 @@ class _ProcessGroupStrategy:
     def barrier(self) -> None:
         dist.barrier(group=self.group)
 
+    def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        # Shapes first (one small all-gather and a host sync), then rows padded to the largest.
+        # A rank without rows does not widen the other axes.
+        dims = list(tensor.shape) if tensor.shape[0] else [0] * tensor.dim()
+        shape = torch.tensor(dims, dtype=torch.int64, device=tensor.device)
+        shapes = [torch.empty_like(shape) for _ in range(self.world_size)]
+        dist.all_gather(shapes, shape, group=self.group)
+        sizes = [s.tolist() for s in shapes]
+        largest = [max(d) for d in zip(*sizes, strict=True)]
+        padded = tensor.new_full(largest, 0 if tensor.dtype in (torch.bool, torch.uint8) else -100)
+        padded[tuple(slice(0, d) for d in tensor.shape)] = tensor
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(parts, padded.contiguous(), group=self.group)
+        rest = tuple(slice(0, d) for d in largest[1:])
+        return torch.cat([p[(slice(0, s[0]), *rest)] for p, s in zip(parts, sizes, strict=True)])
+
 
 class DDP(_ProcessGroupStrategy):
     """Data parallelism with torch DDP: every rank holds the whole model.
@@ -120,7 +142,7 @@ class DDP(_ProcessGroupStrategy):
         )
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        return model.module if isinstance(model, DistributedDataParallel) else model
+        return uncompiled(model.module if isinstance(model, DistributedDataParallel) else model)
 
     def clone_model(self, model: nn.Module) -> nn.Module:
         # Collective (DDP broadcasts parameters when it wraps): every rank must snapshot together.

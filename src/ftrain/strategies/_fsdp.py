@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ftrain.precision import Precision
+from ftrain.strategies._base import uncompiled
 from ftrain.strategies._ddp import _ProcessGroupStrategy
 
 __all__ = ["FSDP"]
@@ -74,7 +75,7 @@ class FSDP(_ProcessGroupStrategy):
         return model
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        return model  # fully_shard changes the module in place; names stay the same
+        return uncompiled(model)  # fully_shard changes the module in place; names stay
 
     def clone_model(self, model: nn.Module) -> nn.Module:
         raise TypeError(
