@@ -61,10 +61,14 @@ def _finish() -> None:
 def equivalence(
     rank: int, world: int, port: int, out: str, kind: str, steps: int, accum: int
 ) -> None:
-    """Train with `kind` ("ddp"/"fsdp") at batch 2 per rank; rank 0 writes the (gathered)
-    parameters, the logged losses and the counters."""
+    """Train with `kind` ("ddp"/"fsdp"/"hsdp") at batch 2 per rank; rank 0 writes the
+    (gathered) parameters, the logged losses and the counters."""
     _env(rank, world, port)
-    strategy = ft.strategies.from_env(kind)
+    if kind == "hsdp":  # 2 replicas of a 1-rank shard group: a 2-D mesh
+        strategy = ft.strategies.from_env("fsdp", replicate=2)
+        assert strategy._kwargs["mesh"].mesh_dim_names == ("replicate", "shard")
+    else:
+        strategy = ft.strategies.from_env(kind)
     state = ft.TrainState.create(
         tiny_llama(dropout=0.0), ft.optim.adamw(), seed=3, strategy=strategy
     )

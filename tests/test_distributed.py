@@ -134,12 +134,13 @@ def test_a_failing_rank_ends_the_other_with_a_clear_error(mode):
     assert elapsed < 90
 
 
-@pytest.mark.parametrize("accum", [1, 2])
-def test_fsdp_equals_one_process_with_the_same_global_batch(tmp_path, accum):
+@pytest.mark.parametrize(("kind", "accum"), [("fsdp", 1), ("fsdp", 2), ("hsdp", 2)])
+def test_fsdp_equals_one_process_with_the_same_global_batch(tmp_path, kind, accum):
     """FSDP2 shards parameters, gradients and AdamW state; clipping uses the global norm
-    (max_norm=0.5 is active here), so the run matches one process."""
+    (max_norm=0.5 is active here), so the run matches one process. HSDP (a replicate x shard
+    mesh) too: its norm counts each shard once, not once per replica."""
     steps = 9
-    spawn(W.equivalence, str(tmp_path), "fsdp", steps, accum)
+    spawn(W.equivalence, str(tmp_path), kind, steps, accum)
     single = ft.TrainState.create(tiny_llama(dropout=0.0), ft.optim.adamw(), seed=3)
     single, losses = W.train(single, steps=steps, batch_size=4, accum=accum)
     got = json.loads((tmp_path / "result.json").read_text())

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ftrain.precision import Precision
@@ -43,6 +44,10 @@ class FSDP(_ProcessGroupStrategy):
         precision: "fp32" (default), "bf16" or "fp16" (with dynamic loss scaling), or an
             `ft.precision.Precision`: the forward pass runs under autocast and the sharded
             parameters stay float32.
+        replicate: HSDP: shard within groups of `world_size // replicate` ranks and replicate
+            across `replicate` such groups (a 2-D device mesh), so that all-gathers stay
+            inside a group (a node) and only gradients cross groups. 1 (default) shards across
+            every rank.
         **fsdp_kwargs: passed to `fully_shard` (e.g. `reshard_after_forward`, `mesh`).
 
     Raises:
@@ -56,12 +61,34 @@ class FSDP(_ProcessGroupStrategy):
         shard: Callable[[nn.Module], bool] | None = None,
         sync_every_micro: bool = False,
         precision: str | Precision | None = None,
+        replicate: int = 1,
         **fsdp_kwargs: Any,
     ) -> None:
         super().__init__("FSDP", device, None, precision)
         self.sync_every_micro = sync_every_micro
         self._shard = shard
         self._kwargs = fsdp_kwargs
+        self.replicate = replicate
+        self._norm_group = None  # every rank holds a distinct shard
+        if replicate != 1:
+            if not (
+                isinstance(replicate, int) and replicate > 1 and self.world_size % replicate == 0
+            ):
+                raise ValueError(
+                    f"replicate must divide the world size {self.world_size}, got {replicate!r}"
+                )
+            if "mesh" in fsdp_kwargs:
+                raise ValueError("pass either replicate or mesh, not both")
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(
+                self.device.type,
+                (replicate, self.world_size // replicate),
+                mesh_dim_names=("replicate", "shard"),
+            )
+            self._kwargs["mesh"] = mesh
+            # Shards repeat across the replicate groups: sum squared norms within one group.
+            self._norm_group = mesh.get_group("shard")
 
     def setup(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
@@ -101,7 +128,10 @@ class FSDP(_ProcessGroupStrategy):
         if local:
             norms = torch._foreach_norm(local, 2.0)
             sq = torch.stack([n.float() for n in norms]).square().sum()
-        return self.all_reduce_sum(sq).sqrt()
+        if self._norm_group is None:
+            return self.all_reduce_sum(sq).sqrt()
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self._norm_group)
+        return sq.sqrt()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
