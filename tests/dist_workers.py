@@ -226,3 +226,23 @@ def predict_gather(rank: int, world: int, port: int, out: str) -> None:
     )
     del state
     _finish()
+
+
+def fsdp_fp16(rank: int, world: int, port: int, out: str) -> None:
+    """FSDP with float16 autocast and loss scaling: train, save a sharded checkpoint (with the
+    scale), and write what one process must find when it loads it."""
+    _env(rank, world, port)
+    strategy = ft.strategies.from_env("fsdp", precision="fp16")
+    state = ft.TrainState.create(tiny_llama(), ft.optim.adamw(), seed=3, strategy=strategy)
+    state = state.replace(loss_scale=torch.tensor(2.0**30))  # overflows at first: backs off
+    state, losses = train(state, steps=5, batch_size=2)
+    path = ft.save_checkpoint(state, Path(out) / "ckpt")
+    full = {n: p.full_tensor().detach() for n, p in state.params.items()}
+    dtypes = sorted({str(p.dtype) for p in state.params.values()})
+    meta = {"scale": float(state.loss_scale), "tracker": int(state.growth_tracker),
+            "losses": losses, "dtypes": dtypes}  # fmt: skip
+    if rank == 0:
+        _save_params(full, Path(out) / "params.safetensors")
+        (Path(out) / "result.json").write_text(json.dumps({**meta, "path": str(path)}))
+    del state
+    _finish()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import socket
 
 import dist_workers as W
@@ -93,6 +94,7 @@ def test_checkpoints_move_between_two_ranks_and_one(tmp_path, kind):
     spawn(W.resume, str(one_then_two), save_at, steps, kind)  # two ranks resume it
     if kind == "fsdp":
         _hostile_shards(ckpt, tmp_path / "hostile")
+        _cli_on_shards(ckpt, tmp_path / "exported")
     from_two = load_file(str(one_then_two / "final-2.safetensors"))
     for n, p in reference.params.items():
         torch.testing.assert_close(resumed.params[n], p, rtol=1e-5, atol=1e-6, msg=n)
@@ -235,3 +237,41 @@ def test_predict_gathers_exact_per_sample_outputs_across_ranks(tmp_path):
             pred = got[rank][f"g{i}_pred"]
             for row, length in enumerate(n):
                 np.testing.assert_array_equal(pred[row, :length], want["pred"][row, :length])
+
+
+def test_fsdp_fp16_loss_scaling_is_sharded_and_checkpointed(tmp_path):
+    """Under FSDP the loss scale backs off from an overflowing 2**30 on every rank alike,
+    master weights stay float32, and one process resumes the sharded checkpoint with the
+    scale and the weights."""
+    spawn(W.fsdp_fp16, str(tmp_path))
+    got = json.loads((tmp_path / "result.json").read_text())
+    assert got["dtypes"] == ["torch.float32"]
+    assert got["scale"] < 2.0**30 and all(math.isfinite(x) for x in got["losses"])
+    strategy = ft.strategies.SingleDevice("cpu", precision="fp16")
+    fresh = ft.TrainState.create(tiny_llama(), ft.optim.adamw(), seed=3, strategy=strategy)
+    state = ft.load_checkpoint(got["path"], fresh)
+    assert (float(state.loss_scale), int(state.growth_tracker)) == (got["scale"], got["tracker"])
+    params = load_file(str(tmp_path / "params.safetensors"))
+    for n, p in state.params.items():
+        assert torch.equal(params[n], p.detach()), n
+
+
+def _cli_on_shards(ckpt, out):
+    """`python -m ftrain inspect/export` read sharded checkpoints too (whole tensors out)."""
+    import contextlib
+    import io
+
+    from transformers import AutoModelForCausalLM
+
+    from ftrain.__main__ import main
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        assert main(["inspect", str(ckpt)]) == 0
+        assert main(["export", str(ckpt), "--to", str(out)]) == 0
+    assert "sharded into 4 files" in text.getvalue()
+    fresh = ft.TrainState.create(tiny_llama(dropout=0.0), ft.optim.adamw(), seed=3)
+    loaded = ft.load_checkpoint(ckpt, fresh)
+    exported = dict(AutoModelForCausalLM.from_pretrained(out).named_parameters())
+    for n, p in loaded.params.items():
+        assert torch.equal(exported[n], p), n

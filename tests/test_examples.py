@@ -67,6 +67,16 @@ def test_shakespeare_char_short_run(capsys, tmp_path):
     assert again == final
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_shakespeare_char_mixed_precision(capsys, precision):
+    """The example's --precision flag: the same loop learns under autocast (and loss scaling)."""
+    args = ["--max-iters", "30", "--eval-interval", "30", "--eval-iters", "1",
+            "--final-eval-iters", "4", "--log-interval", "10", "--out", ""]  # fmt: skip
+    final = _load("shakespeare_char").main([*args, "--precision", precision])
+    assert "val_loss=" in capsys.readouterr().out
+    assert final < math.log(65) - 0.5
+
+
 def test_finetune_classifier_short_run(tmp_path, capsys):
     """A few steps of the real example: pretrained MiniLM, BBC News, held-out accuracy."""
     out_dir = tmp_path / "clf"

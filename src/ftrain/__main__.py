@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ftrain.checkpoint import CheckpointError, export_checkpoint, read_meta
+from ftrain.checkpoint import CheckpointError, _sharded, export_checkpoint, read_meta
 from ftrain.checkpoint import _layout as L
 from ftrain.checkpoint._io import read_safetensors
 
@@ -18,7 +18,10 @@ def inspect(path: Path, *, verify: bool = True) -> int:
     print(f"checkpoint  {path}")
     try:
         meta = read_meta(path)
-        if verify:
+        sharded = meta.get("sharded") is True
+        if sharded:
+            _sharded.verify(path, meta, checksum=verify)
+        elif verify:
             for name in (L.MODEL_FILE, L.OPTIM_FILE):
                 read_safetensors(path / name, sha256=meta["files"][name].get("sha256"))
     except CheckpointError as e:
@@ -33,7 +36,7 @@ def inspect(path: Path, *, verify: bool = True) -> int:
     rows = meta["params"]
     trainable = sum(math.prod(r[2]) for r in rows if r[3] is True)
     total = sum(math.prod(r[2]) for r in rows)
-    summed = all(meta["files"][n].get("sha256") for n in (L.MODEL_FILE, L.OPTIM_FILE))
+    summed = all(entry.get("sha256") for entry in meta["files"].values())
     note = " (checksums verified)" if verify and summed else " (no checksums checked)"
     print(f"complete    yes{note}")
     print(f"step        {value('step')}")
@@ -44,7 +47,8 @@ def inspect(path: Path, *, verify: bool = True) -> int:
         print(f"metric      {k} = {v}")
     if fields.get("best_metric") is not None:
         print(f"best        {fields['best_metric']} at step {fields.get('best_step')}")
-    print(f"ranks       {meta['world_size']}")
+    layout = f", sharded into {len(meta['files'])} files" if sharded else ""
+    print(f"ranks       {meta['world_size']}{layout}")
     print(f"written by  ftrain {meta.get('ftrain_version')}, torch {meta.get('torch_version')}")
     return 0
 

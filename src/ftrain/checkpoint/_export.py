@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ftrain.checkpoint import _layout as L
+from ftrain.checkpoint import _sharded
 from ftrain.checkpoint._io import CheckpointError, fsync_tree, publish_dir, read_safetensors
 from ftrain.checkpoint._load import read_meta
 from ftrain.checkpoint._sharded import is_sharded
@@ -128,7 +129,14 @@ def export_checkpoint(
     path = Path(path)
     meta = read_meta(path)
     model = _build(path, config, base)
-    saved = read_safetensors(path / L.MODEL_FILE, sha256=meta["files"][L.MODEL_FILE].get("sha256"))
+    if meta.get("sharded") is True:  # assemble whole tensors from the ranks' shards
+        _sharded.verify(path, meta, checksum=True)
+        shapes = _sharded.placeholders(meta["tensors"])
+        saved = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in shapes.items()}
+        _sharded.read_into(path / _sharded.MODEL_DIR, saved)
+    else:
+        sha = meta["files"][L.MODEL_FILE].get("sha256")
+        saved = read_safetensors(path / L.MODEL_FILE, sha256=sha)
     params = dict(model.named_parameters())
     missing = sorted(n for n in params if n not in saved) if base is None else []
     if missing:
