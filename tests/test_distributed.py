@@ -275,3 +275,23 @@ def _cli_on_shards(ckpt, out):
     exported = dict(AutoModelForCausalLM.from_pretrained(out).named_parameters())
     for n, p in loaded.params.items():
         assert torch.equal(exported[n], p), n
+
+
+def test_from_env_under_accelerate_launch():
+    """`accelerate launch` sets the same environment as torchrun; from_env joins it. (On a
+    machine without GPUs accelerate's multi-process launcher is `--multi_gpu`; its `--cpu`
+    multi-process mode needs MPI.)"""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    probe = Path(__file__).parent / "accelerate_probe.py"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
+           "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(free_port()), str(probe)]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = sorted(ln for ln in run.stdout.splitlines() if ln.startswith("probe"))
+    assert lines == ["probe DDP 0/2 3.0", "probe DDP 1/2 3.0"]
