@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import socket
 
 import dist_workers as W
@@ -293,5 +294,5 @@ def test_from_env_under_accelerate_launch():
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    lines = sorted(ln for ln in run.stdout.splitlines() if ln.startswith("probe"))
+    lines = sorted(re.findall(r"probe \w+ \d/\d [\d.]+", run.stdout))
     assert lines == ["probe DDP 0/2 3.0", "probe DDP 1/2 3.0"]

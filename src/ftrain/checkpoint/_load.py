@@ -311,6 +311,9 @@ def _fields(meta: dict[str, Any], state: TrainState) -> dict[str, Any]:
     for name in ("step", "epoch", "cursor", "seed"):
         if type(out.get(name)) is not int or out[name] < 0:
             raise CheckpointError(f"state field {name!r} is missing or not an int >= 0")
+    scale = out.get("loss_scale")
+    if scale is not None and not (bool(torch.isfinite(scale)) and float(scale) > 0):
+        raise CheckpointError(f"state field 'loss_scale' must be finite and > 0, got {scale}")
     return out
 
 
