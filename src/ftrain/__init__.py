@@ -9,6 +9,7 @@ from ftrain import losses as losses
 from ftrain import optim as optim
 from ftrain import precision as precision
 from ftrain import schedules as schedules
+from ftrain import sft as sft
 from ftrain import strategies as strategies
 from ftrain.checkpoint import CheckpointError as CheckpointError
 from ftrain.checkpoint import export_pretrained as export_pretrained
@@ -75,5 +76,6 @@ __all__ = [
     "optim",
     "precision",
     "schedules",
+    "sft",
     "strategies",
 ]

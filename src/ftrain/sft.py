@@ -1,0 +1,274 @@
+"""Supervised fine-tuning data: prompt/response formatting, qlora.py's collator, and packing.
+
+A row is `{"input": prompt text, "output": response text}` (qlora.py's layout); formatters turn
+the usual dataset layouts into it. `SFTCollator` tokenizes and pads a batch of such rows the way
+qlora.py's `DataCollatorForCausalLM` does: BOS + prompt truncated to `source_max_len`, response +
+EOS truncated to `target_max_len`, prompt tokens labelled -100 unless `train_on_source`.
+`pack` concatenates tokenized rows into rows of at most `max_length` tokens whose
+`position_ids` restart at every example; HF models then attend within each example only
+(with `model.config.use_cache = False`; see `packed_collate`).
+
+    >>> import ftrain as ft
+    >>> ft.sft.alpaca({"instruction": "Add 2 and 3.", "output": "5"})["output"]
+    '5'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ftrain.losses import IGNORE_INDEX
+
+__all__ = [
+    "ALPACA_PROMPT_DICT",
+    "SFTCollator",
+    "alpaca",
+    "chat",
+    "input_output",
+    "pack",
+    "packed_collate",
+    "train_tokenizer",
+]
+
+Row = dict[str, str]
+
+# qlora.py's alpaca prompts, word for word.
+ALPACA_PROMPT_DICT = {
+    "prompt_input": (
+        "Below is an instruction that describes a task, paired with an input that provides "
+        "further context. Write a response that appropriately completes the request.\n\n"
+        "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response: "
+    ),
+    "prompt_no_input": (
+        "Below is an instruction that describes a task. "
+        "Write a response that appropriately completes the request.\n\n"
+        "### Instruction:\n{instruction}\n\n### Response: "
+    ),
+}
+
+
+def alpaca(example: Mapping[str, Any]) -> Row:
+    """An alpaca-style `{instruction, input?, output}` example as `{input, output}`.
+
+    The prompt is qlora.py's: with the "input" variant when `example["input"]` is non-empty.
+
+    Raises:
+        KeyError: without `instruction` or `output`.
+    """
+    has_input = bool(example.get("input", ""))
+    template = ALPACA_PROMPT_DICT["prompt_input" if has_input else "prompt_no_input"]
+    prompt = template.format(instruction=example["instruction"], input=example.get("input", ""))
+    return {"input": prompt, "output": str(example["output"])}
+
+
+def input_output(example: Mapping[str, Any]) -> Row:
+    """An `{input, output}` example as is (checked): the layout qlora.py's collator reads."""
+    if not isinstance(example.get("input"), str) or not isinstance(example.get("output"), str):
+        raise KeyError(f"expected string 'input' and 'output', got keys {sorted(example)}")
+    return {"input": example["input"], "output": example["output"]}
+
+
+def chat(tokenizer: Any) -> Callable[[Mapping[str, Any]], Row]:
+    """A formatter for `{"messages": [{"role", "content"}, ...]}` chat examples.
+
+    The prompt is every message before the last, rendered by the tokenizer's chat template with
+    the generation prompt; the response is the last message, which must be the assistant's.
+    Use `SFTCollator(add_bos=False)` when the template writes BOS itself.
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("the tokenizer has no chat_template")
+
+    def format_chat(example: Mapping[str, Any]) -> Row:
+        messages = list(example["messages"])
+        if not messages or messages[-1].get("role") != "assistant":
+            raise ValueError("the last message of a chat example must be the assistant's")
+        prompt = tokenizer.apply_chat_template(
+            messages[:-1], tokenize=False, add_generation_prompt=True
+        )
+        return {"input": prompt, "output": messages[-1]["content"]}
+
+    return format_chat
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTCollator:
+    """Tokenize and pad `{input, output}` rows for causal-LM fine-tuning (qlora.py's collator).
+
+    `encode` makes one row: `[BOS] + prompt` truncated to `source_max_len` tokens, then
+    `response + [EOS]` truncated to `target_max_len` (a truncated response loses its EOS, as in
+    qlora.py); labels are the response tokens, with -100 over the prompt unless
+    `train_on_source`. Calling the collator on a list of rows (raw, or already encoded) pads
+    them: `input_ids` with the tokenizer's pad token, `labels` with -100, and an
+    `attention_mask` from the real lengths (qlora.py compares ids with the pad id, which is
+    wrong when pad and EOS share an id).
+
+    Args:
+        tokenizer: an HF tokenizer with a pad token.
+        source_max_len: most prompt tokens kept (BOS included).
+        target_max_len: most response tokens kept (EOS included).
+        train_on_source: also train on the prompt tokens.
+        add_bos: start with the tokenizer's BOS (when it has one).
+        add_eos: end the response with EOS.
+        pad_to_multiple_of: round padded lengths up to a multiple of this.
+    """
+
+    tokenizer: Any
+    source_max_len: int = 1024
+    target_max_len: int = 256
+    train_on_source: bool = False
+    add_bos: bool = True
+    add_eos: bool = True
+    pad_to_multiple_of: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.source_max_len < 1 or self.target_max_len < 1:
+            raise ValueError("source_max_len and target_max_len must be >= 1")
+        if self.tokenizer.pad_token_id is None:
+            raise ValueError("the tokenizer needs a pad token (e.g. tokenizer.pad_token = ...)")
+
+    def encode(self, row: Mapping[str, str]) -> dict[str, list[int]]:
+        """One `{input, output}` row as unpadded `{input_ids, labels}`."""
+        return self.encode_batch([row])[0]
+
+    def encode_batch(self, rows: Sequence[Mapping[str, str]]) -> list[dict[str, list[int]]]:
+        """`encode` for many rows, tokenizing them in one call each for prompts and responses."""
+        tok = self.tokenizer
+        for r in rows:
+            if not isinstance(r.get("input"), str) or not isinstance(r.get("output"), str):
+                raise KeyError(f"rows need string 'input' and 'output', got keys {sorted(r)}")
+        prompts = tok([r["input"] for r in rows], add_special_tokens=False)["input_ids"]
+        answers = tok([r["output"] for r in rows], add_special_tokens=False)["input_ids"]
+        bos = [tok.bos_token_id] if self.add_bos and tok.bos_token_id is not None else []
+        eos = [tok.eos_token_id] if self.add_eos and tok.eos_token_id is not None else []
+        out = []
+        for p, a in zip(prompts, answers, strict=True):
+            source = (bos + list(p))[: self.source_max_len]
+            target = (list(a) + eos)[: self.target_max_len]
+            labels = source if self.train_on_source else [IGNORE_INDEX] * len(source)
+            out.append({"input_ids": source + target, "labels": labels + target})
+        return out
+
+    def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        if not rows:
+            raise ValueError("cannot collate an empty list of rows")
+        raw = [r for r in rows if "input_ids" not in r]
+        encoded = iter(self.encode_batch(raw)) if raw else iter(())
+        rows = [r if "input_ids" in r else next(encoded) for r in rows]
+        return _pad(rows, self.tokenizer.pad_token_id, self.pad_to_multiple_of, mask=True)
+
+
+def _pad(
+    rows: Sequence[Mapping[str, Any]], pad_id: int, multiple: int | None, *, mask: bool
+) -> dict[str, torch.Tensor]:
+    longest = max(len(r["input_ids"]) for r in rows)
+    if multiple:
+        longest = -(-longest // multiple) * multiple
+    fill = {"input_ids": pad_id, "labels": IGNORE_INDEX, "position_ids": 0}
+    out = {}
+    for key, value in fill.items():
+        if key in rows[0]:
+            out[key] = torch.tensor(
+                [list(r[key]) + [value] * (longest - len(r[key])) for r in rows], dtype=torch.long
+            )
+    if mask:
+        lengths = torch.tensor([len(r["input_ids"]) for r in rows])
+        out["attention_mask"] = (torch.arange(longest) < lengths[:, None]).long()
+    return out
+
+
+def pack(
+    rows: Iterable[Mapping[str, Sequence[int]]], max_length: int
+) -> list[dict[str, list[int]]]:
+    """Concatenate encoded rows, in order, into rows of at most `max_length` tokens.
+
+    An example is never split across packed rows: one that does not fit in the current row
+    starts the next; one longer than `max_length` is cut to `max_length` (the end is lost).
+    `position_ids` restart at 0 for every example, which HF models read as packed sequences
+    (attention stays within each example when no `attention_mask` is passed; see
+    `packed_collate`), and the first label of every example is -100, so no token is predicted
+    from the previous example.
+
+    Example:
+        >>> rows = [{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}, {"input_ids": [4, 5],
+        ...          "labels": [4, 5]}, {"input_ids": [6, 7, 8], "labels": [6, 7, 8]}]
+        >>> [r["position_ids"] for r in pack(rows, max_length=5)]
+        [[0, 1, 2, 0, 1], [0, 1, 2]]
+        >>> pack(rows, max_length=5)[0]["labels"]
+        [-100, 2, 3, -100, 5]
+    """
+    if max_length < 1:
+        raise ValueError(f"max_length must be >= 1, got {max_length!r}")
+    packed: list[dict[str, list[int]]] = []
+    current: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
+    for row in rows:
+        ids, labels = list(row["input_ids"])[:max_length], list(row["labels"])[:max_length]
+        if len(ids) != len(labels):
+            raise ValueError("a row's input_ids and labels differ in length")
+        if not ids:
+            continue
+        if len(current["input_ids"]) + len(ids) > max_length:
+            packed.append(current)
+            current = {"input_ids": [], "labels": [], "position_ids": []}
+        current["input_ids"] += ids
+        current["labels"] += [IGNORE_INDEX, *labels[1:]]
+        current["position_ids"] += list(range(len(ids)))
+    if current["input_ids"]:
+        packed.append(current)
+    return packed
+
+
+def packed_collate(pad_id: int, pad_to_multiple_of: int | None = None) -> Callable[..., Any]:
+    """Collate packed rows: pad `input_ids` with `pad_id`, `labels` with -100 and `position_ids`
+    with 0, and pass no `attention_mask`, so that HF models find the example boundaries in
+    `position_ids` and attend within each example only (padding tokens attend to themselves).
+
+    HF looks for packed sequences only when no KV cache is in use: set
+    `model.config.use_cache = False` for training (qlora.py does too). With the cache on, the
+    examples of a packed row attend to each other.
+    """
+
+    def collate(rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        if not rows:
+            raise ValueError("cannot collate an empty list of rows")
+        return _pad(rows, pad_id, pad_to_multiple_of, mask=False)
+
+    return collate
+
+
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> Any:
+    """A small byte-level BPE tokenizer trained on `texts`, offline, in a second or two.
+
+    For tests and examples that need a real tokenizer without downloading one: `<pad>`, `<s>`
+    (BOS) and `</s>` (EOS) are special tokens, and a minimal chat template renders
+    `<|role|>content` lines. Returns a `transformers.PreTrainedTokenizerFast`.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        chat_template=_CHAT_TEMPLATE,
+    )

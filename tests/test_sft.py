@@ -1,0 +1,161 @@
+"""SFT data: qlora.py's collator semantics, formatters, packing boundaries, on an offline BPE."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+import ftrain as ft
+from ftrain.sft import SFTCollator, pack, packed_collate
+
+TEXT = Path(__file__).parent.parent / "examples" / "data" / "tinyshakespeare.txt"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    text = TEXT.read_text(encoding="utf-8")[:200_000]
+    return ft.sft.train_tokenizer(text.split("\n\n"), vocab_size=400)
+
+
+ROWS = [
+    {"input": "First Citizen:\nBefore we proceed", "output": " any further, hear me speak."},
+    {"input": "All:", "output": " Speak, speak."},
+    {"input": "You are all resolved rather to die than to famish? " * 3, "output": " Resolved."},
+    {"input": "Citizen:", "output": " We know't, we know't. " * 6},
+]
+
+
+def qlora_collate(tokenizer, rows, source_max_len, target_max_len, train_on_source):
+    """qlora.py's DataCollatorForCausalLM.__call__ (training branch), transcribed."""
+    sources = [f"{tokenizer.bos_token}{r['input']}" for r in rows]
+    targets = [f"{r['output']}{tokenizer.eos_token}" for r in rows]
+    src = tokenizer(sources, max_length=source_max_len, truncation=True, add_special_tokens=False)
+    tgt = tokenizer(targets, max_length=target_max_len, truncation=True, add_special_tokens=False)
+    input_ids, labels = [], []
+    for s, t in zip(src["input_ids"], tgt["input_ids"], strict=True):
+        input_ids.append(torch.tensor(s + t))
+        if not train_on_source:
+            labels.append(torch.tensor([-100 for _ in range(len(s))] + copy.deepcopy(t)))
+        else:
+            labels.append(torch.tensor(copy.deepcopy(s + t)))
+    input_ids = pad_sequence(input_ids, batch_first=True, padding_value=tokenizer.pad_token_id)
+    labels = pad_sequence(labels, batch_first=True, padding_value=-100)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": input_ids.ne(tokenizer.pad_token_id),
+        "labels": labels,
+    }
+
+
+@pytest.mark.parametrize("train_on_source", [False, True])
+@pytest.mark.parametrize(("source_max_len", "target_max_len"), [(1024, 256), (12, 6), (3, 2)])
+def test_collator_equals_qlora(tok, train_on_source, source_max_len, target_max_len):
+    ours = SFTCollator(tok, source_max_len, target_max_len, train_on_source=train_on_source)(ROWS)
+    ref = qlora_collate(tok, ROWS, source_max_len, target_max_len, train_on_source)
+    assert torch.equal(ours["input_ids"], ref["input_ids"])
+    assert torch.equal(ours["labels"], ref["labels"])
+    assert torch.equal(ours["attention_mask"].bool(), ref["attention_mask"])
+
+
+def test_masking_and_truncation_boundaries(tok):
+    c = SFTCollator(tok, source_max_len=5, target_max_len=4)
+    row = c.encode({"input": "First Citizen: Before we proceed", "output": " Speak, speak. " * 4})
+    ids, labels = row["input_ids"], row["labels"]
+    assert ids[0] == tok.bos_token_id and len(ids) == 5 + 4
+    assert labels[:5] == [-100] * 5 and labels[5:] == ids[5:]
+    assert tok.eos_token_id not in ids  # the response was cut: its EOS went with it (qlora.py)
+    short = c.encode({"input": "All:", "output": " Yes"})
+    assert short["input_ids"][-1] == tok.eos_token_id and short["labels"][-1] == tok.eos_token_id
+    assert len([x for x in short["labels"] if x != -100]) == len(tok(" Yes")["input_ids"]) + 1
+    # Pre-encoded rows pass through the collator unchanged; the mask follows the real lengths
+    # even when the pad token is also EOS.
+    batch = c([row, short])
+    assert batch["attention_mask"].sum(1).tolist() == [len(ids), len(short["input_ids"])]
+    tok_pad_is_eos = copy.deepcopy(tok)
+    tok_pad_is_eos.pad_token = tok.eos_token
+    b = SFTCollator(tok_pad_is_eos, 5, 4)([{"input": "All:", "output": " Yes"}, ROWS[0]])
+    assert int(b["attention_mask"][0].sum()) == len(short["input_ids"])  # EOS is not padding
+
+
+def test_collator_errors(tok):
+    with pytest.raises(ValueError, match="source_max_len"):
+        SFTCollator(tok, source_max_len=0)
+    no_pad = copy.deepcopy(tok)
+    no_pad.pad_token = None
+    with pytest.raises(ValueError, match="pad token"):
+        SFTCollator(no_pad)
+    with pytest.raises(KeyError, match="input"):
+        SFTCollator(tok)([{"prompt": "x", "output": "y"}])
+
+
+def test_formatters(tok):
+    row = ft.sft.alpaca({"instruction": "Name a play.", "input": "", "output": "Hamlet"})
+    assert row["input"].endswith("### Instruction:\nName a play.\n\n### Response: ")
+    assert "### Input" not in row["input"] and row["output"] == "Hamlet"
+    row = ft.sft.alpaca({"instruction": "Translate.", "input": "Bonjour", "output": "Hello"})
+    assert "### Input:\nBonjour\n\n### Response: " in row["input"]
+    assert row["input"].startswith("Below is an instruction that describes a task, paired with")
+    assert ft.sft.input_output({"input": "a", "output": "b", "extra": 1}) == {
+        "input": "a",
+        "output": "b",
+    }
+    fmt = ft.sft.chat(tok)
+    messages = [
+        {"role": "user", "content": "Who speaks first?"},
+        {"role": "assistant", "content": "A citizen."},
+    ]
+    row = fmt({"messages": messages})
+    assert row == {"input": "<|user|>Who speaks first?\n<|assistant|>", "output": "A citizen."}
+    with pytest.raises(ValueError, match="assistant"):
+        fmt({"messages": messages[:1]})
+
+
+def test_pack_boundaries(tok):
+    c = SFTCollator(tok, source_max_len=64, target_max_len=64)
+    rows = c.encode_batch(ROWS * 3)
+    packed = pack(rows, max_length=56)
+    # Every token kept, in order, no example split across packed rows, none over max_length.
+    assert [t for p in packed for t in p["input_ids"]] == [
+        t for r in rows for t in r["input_ids"][:56]
+    ]
+    i = 0
+    for p in packed:
+        assert len(p["input_ids"]) <= 56
+        starts = [k for k, pos in enumerate(p["position_ids"]) if pos == 0]
+        for a, b in zip(starts, [*starts[1:], len(p["input_ids"])], strict=True):
+            r = rows[i]
+            n = min(len(r["input_ids"]), 56)
+            assert p["input_ids"][a:b] == r["input_ids"][:n]
+            assert p["labels"][a:b] == [-100, *r["labels"][1:n]]  # no cross-example target
+            assert p["position_ids"][a:b] == list(range(n))
+            i += 1
+    assert i == len(rows)
+    assert len(packed) < len(rows)
+
+
+def test_packed_rows_train_like_separate_examples(tok):
+    """Packed without an attention_mask, an HF Llama attends within each example only: the
+    summed loss of a packed batch equals the sum over the examples run one by one."""
+    from helpers import tiny_llama
+
+    model = tiny_llama()
+    model.resize_token_embeddings(len(tok), mean_resizing=False)
+    model.config.use_cache = False  # HF detects packed rows only without a KV cache
+    model.eval()
+    rows = SFTCollator(tok, 64, 64).encode_batch(ROWS)
+    batch = packed_collate(tok.pad_token_id)(pack(rows, max_length=80))
+    assert "attention_mask" not in batch and batch["input_ids"].shape[0] >= 2
+    loss_fn = ft.losses.causal_lm_loss()
+    with torch.no_grad():
+        packed_sum, packed_n = loss_fn(model, batch)
+        alone = [loss_fn(model, SFTCollator(tok, 64, 64)([r])) for r in rows]
+    assert int(packed_n) == sum(int(n) for _, n in alone)
+    torch.testing.assert_close(packed_sum, sum(s for s, _ in alone), rtol=1e-5, atol=1e-5)
+    # Without position_ids the examples would see each other, and the loss would differ.
+    with torch.no_grad():
+        leaky, _ = loss_fn(model, {k: v for k, v in batch.items() if k != "position_ids"})
+    assert abs(float(leaky - packed_sum)) > 1e-2
