@@ -31,6 +31,7 @@ def export_pretrained(
     *,
     tokenizer: Any = None,
     overwrite: bool = False,
+    merge: bool = False,
 ) -> Path:
     """Write the state's model so that `from_pretrained(directory)` loads it.
 
@@ -44,12 +45,17 @@ def export_pretrained(
         directory: where to write; must not exist unless `overwrite`.
         tokenizer: also saved into `directory` when given.
         overwrite: replace an existing `directory`.
+        merge: for a PEFT (LoRA) model, write a full model with the adapters merged into a
+            copy of the base weights (`merge_and_unload`), which `from_pretrained` loads
+            without peft. The copy costs the model's memory once more while it is written.
 
     Returns:
         `directory` as a Path.
 
     Raises:
         FileExistsError: if `directory` exists and `overwrite` is False.
+        ValueError: `merge=True` on a model without adapters, a 4-/8-bit quantized base
+            (merge into a full-precision base instead), or sharded (FSDP) parameters.
 
     With several ranks, rank 0 writes and the others return at once. With FSDP call it on every
     rank: the sharded parameters are gathered first (a collective), and every rank returns once
@@ -57,6 +63,8 @@ def export_pretrained(
     """
     module, strategy = state.strategy.unwrap(state.model), state.strategy
     directory = Path(directory)
+    if merge:
+        module = _merged(module, sharded=is_sharded(state.params.values()))
     full = None
     if is_sharded(state.params.values()):
         with torch.no_grad():  # every rank takes part in gathering the whole tensors
@@ -74,6 +82,25 @@ def export_pretrained(
     finally:
         if full is not None:
             strategy.barrier()
+
+
+def _merged(module: nn.Module, *, sharded: bool) -> nn.Module:
+    from ftrain.lora import is_quantized
+
+    if not callable(getattr(module, "merge_and_unload", None)):
+        raise ValueError("merge=True needs a PEFT model (adapters to merge)")
+    if is_quantized(module):
+        raise ValueError(
+            "merge=True on a 4-/8-bit base would round the merged weights to the base's "
+            "quantization: export the adapter, then merge it into a full-precision base with "
+            "PeftModel.from_pretrained(base, adapter).merge_and_unload()"
+        )
+    if sharded:
+        raise ValueError("merge=True is not supported for sharded (FSDP) states")
+    import copy
+
+    with torch.no_grad():
+        return copy.deepcopy(module).merge_and_unload()  # type: ignore[operator]
 
 
 def _save_module(

@@ -1,0 +1,178 @@
+"""LoRA and QLoRA through PEFT, set up the way qlora.py does it.
+
+    model = ft.lora.load_4bit("path/to/base")           # QLoRA: NF4 base weights (bitsandbytes)
+    model = ft.lora.apply(model, r=64, alpha=16)        # adapters on every linear but the head
+    state = ft.TrainState.create(model, ft.optim.from_torch(bnb.optim.PagedAdamW32bit), ...)
+
+Only the adapters require gradients, so only they are in `state.params`, in the optimizer state
+and in checkpoints; `export_pretrained(state, dir)` writes the adapter that
+`PeftModel.from_pretrained` loads, and `merge=True` writes a full model instead.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+__all__ = ["apply", "enable_checkpointing", "find_all_linear_names", "is_quantized", "load_4bit"]
+
+
+def find_all_linear_names(model: nn.Module) -> list[str]:
+    """The names (last component) of every linear layer but the LM head: LoRA's targets.
+
+    qlora.py's `find_all_linear_names`: `torch.nn.Linear` and its bitsandbytes 4-/8-bit
+    subclasses, by the last part of their module name (`q_proj`, `up_proj`, ...), leaving out
+    the output embedding (`lm_head`).
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...                   num_hidden_layers=1, num_attention_heads=2)
+        >>> find_all_linear_names(LlamaForCausalLM(cfg))
+        ['down_proj', 'gate_proj', 'k_proj', 'o_proj', 'q_proj', 'up_proj', 'v_proj']
+    """
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    names = set()
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and module is not head:
+            names.add(name.split(".")[-1])
+    names.discard("lm_head")
+    return sorted(names)
+
+
+def apply(
+    model: nn.Module,
+    *,
+    r: int = 64,
+    alpha: int = 16,
+    dropout: float = 0.0,
+    targets: list[str] | str | None = None,
+    bias: Literal["none", "all", "lora_only"] = "none",
+    task_type: str = "CAUSAL_LM",
+    **lora_kwargs: Any,
+) -> nn.Module:
+    """Wrap `model` with LoRA adapters (`peft.get_peft_model`); only the adapters train.
+
+    Defaults are qlora.py's (`lora_r=64`, `lora_alpha=16`, `lora_dropout=0.0`, every linear
+    layer but the head).
+
+    Args:
+        model: an HF model (full precision, or from `load_4bit`).
+        r, alpha, dropout: LoRA rank, scaling numerator and dropout.
+        targets: module names to adapt; `find_all_linear_names(model)` by default.
+        bias, task_type, **lora_kwargs: passed to `peft.LoraConfig`.
+
+    Raises:
+        ImportError: without peft (`pip install 'ftrain[hf]'`).
+    """
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as e:  # pragma: no cover - peft is part of the hf extra
+        raise ImportError("LoRA needs peft: pip install 'ftrain[hf]'") from e
+    config = LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=find_all_linear_names(model) if targets is None else targets,
+        bias=bias,
+        task_type=task_type,
+        **lora_kwargs,
+    )
+    return get_peft_model(model, config)
+
+
+def is_quantized(model: nn.Module) -> bool:
+    """Whether any parameter of `model` is a bitsandbytes quantized tensor."""
+    return any(type(p).__name__ in ("Params4bit", "Int8Params") for p in model.parameters())
+
+
+def load_4bit(
+    path: str | os.PathLike[str],
+    *,
+    compute_dtype: torch.dtype = torch.bfloat16,
+    quant_type: str = "nf4",
+    double_quant: bool = True,
+    gradient_checkpointing: bool = True,
+    device: str | torch.device | None = None,
+    **from_pretrained_kwargs: Any,
+) -> nn.Module:
+    """Load a causal LM with 4-bit base weights and prepare it for training adapters (QLoRA).
+
+    qlora.py's setup: `BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+    bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=...)`, then
+    `peft.prepare_model_for_kbit_training` (frozen base, norms in float32, gradient
+    checkpointing) and `use_cache=False`.
+
+    Args:
+        path: a directory (or hub id, when online) that `from_pretrained` reads.
+        compute_dtype: dtype of the dequantized matmuls (qlora.py: bf16, or fp16 with --fp16).
+        quant_type: "nf4" or "fp4".
+        double_quant: quantize the quantization constants too.
+        gradient_checkpointing: recompute activations in backward (qlora.py's default).
+        device: where to load; `cuda:LOCAL_RANK` when CUDA is available, else the CPU.
+        **from_pretrained_kwargs: passed to `AutoModelForCausalLM.from_pretrained`.
+
+    Raises:
+        ImportError: without bitsandbytes (`pip install 'ftrain[qlora]'`).
+        RuntimeError: when bitsandbytes cannot quantize on this machine.
+    """
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            "QLoRA's 4-bit base weights need bitsandbytes: pip install 'ftrain[qlora]' "
+            "(CPU support needs bitsandbytes >= 0.49)"
+        ) from e
+    from peft import prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    if device is None:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_compute_dtype=compute_dtype,
+        bnb_4bit_use_double_quant=double_quant,
+        bnb_4bit_quant_type=quant_type,
+    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            quantization_config=quantization,
+            device_map={"": str(device)},
+            dtype=compute_dtype,
+            **from_pretrained_kwargs,
+        )
+    except (RuntimeError, ValueError, NotImplementedError) as e:
+        raise RuntimeError(
+            f"bitsandbytes could not load {path} in 4 bits on {device}: {e}. 4-bit weights need "
+            "a CUDA GPU, or bitsandbytes >= 0.49 on CPU"
+        ) from e
+    model.config.use_cache = False
+    for module in model.modules():
+        # On CPUs with AVX512-BF16, bitsandbytes repacks a 4-bit weight for inference the first
+        # time its layer runs in eval mode, and the repacked matmul has no backward: training
+        # after an evaluation would silently lose the gradient through the base weights
+        # (bitsandbytes 0.50). Keep the trainable layout.
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if gradient_checkpointing:
+        enable_checkpointing(model)
+    return model
+
+
+def enable_checkpointing(model: nn.Module) -> None:
+    """Turn on HF activation (gradient) checkpointing, non-reentrant, under either name
+    (`activation_checkpointing_enable` in transformers 5, `gradient_checkpointing_enable`
+    before). Non-reentrant checkpointing needs no `enable_input_require_grads` for a frozen
+    embedding."""
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if callable(enable):
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]

@@ -1,0 +1,155 @@
+"""LoRA through PEFT and QLoRA through bitsandbytes, set up like qlora.py; merged export."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+
+import ftrain as ft
+from helpers import ragged_rows, tiny_llama
+
+HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
+LINEAR = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+ROWS = ragged_rows(24, seed=5)
+
+
+def _train(state, steps, loss_fn=None):
+    while state.step < steps:
+        for micro in ft.make_batches(
+            ROWS, batch_size=4, accum=2, seed=0, epoch=state.epoch, start=state.cursor
+        ):
+            grads, stats = ft.accumulate_grads(state, micro, loss_fn)
+            state, _ = ft.clip_and_step(state, grads, lr=1e-2, max_norm=0.3, stats=stats)
+            if state.step >= steps:
+                break
+        else:
+            state = ft.next_epoch(state)
+    return state
+
+
+def _eval_loss(state):
+    return ft.evaluate(state, ft.make_batches(ROWS, batch_size=8, shuffle=False))["eval_loss"]
+
+
+def test_targets_are_every_linear_layer_but_the_head():
+    model = tiny_llama()
+    assert ft.lora.find_all_linear_names(model) == LINEAR
+    peft_model = ft.lora.apply(model, r=4, alpha=8)
+    state = ft.TrainState.create(peft_model, ft.optim.adamw(), seed=0)
+    # Only adapters train: A and B of every targeted layer in both blocks.
+    assert all("lora_" in n for n in state.params)
+    assert len(state.params) == 2 * len(LINEAR) * 2
+    adapted = {n.split(".lora_")[0].split(".")[-1] for n in state.params}
+    assert adapted == set(LINEAR)
+    assert not any("lm_head" in n or "embed" in n for n in state.params)
+
+
+def test_lora_trains_and_exports_adapter_and_merged_model(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base_dir = tmp_path / "base"
+    tiny_llama().save_pretrained(base_dir)
+    model = ft.lora.apply(AutoModelForCausalLM.from_pretrained(base_dir), r=4, alpha=8)
+    state = ft.TrainState.create(model, ft.optim.adamw(weight_decay=0.0), seed=0)
+    before = _eval_loss(state)
+    state = _train(state, 8)
+    assert _eval_loss(state) < before - 0.05
+    ids = torch.tensor([[3, 17, 42, 9, 11]])
+    state.model.eval()
+    with torch.no_grad():
+        want = state.model(input_ids=ids).logits
+    # The adapter alone, loaded on the base with peft ...
+    ft.export_pretrained(state, tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    base = AutoModelForCausalLM.from_pretrained(base_dir)
+    with torch.no_grad():
+        got = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # ... and merged: a plain model that transformers loads without peft.
+    ft.export_pretrained(state, tmp_path / "merged", merge=True)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-4, atol=1e-5)
+    assert any("lora" in n for n, _ in state.model.named_parameters())  # live model untouched
+    with pytest.raises(ValueError, match="PEFT model"):
+        ft.export_pretrained(ft.TrainState.create(tiny_llama(), ft.optim.sgd()), tmp_path / "x",
+                             merge=True)  # fmt: skip
+
+
+def test_qlora_needs_bitsandbytes_and_says_so(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'ftrain\[qlora\]'"):
+        ft.lora.load_4bit(tmp_path)
+
+
+@pytest.mark.skipif(
+    not HAS_BNB, reason="bitsandbytes is not installed (pip install 'ftrain[qlora]')"
+)
+def test_qlora_4bit_base_trains_adapters_and_resumes_exactly(tmp_path):
+    """qlora.py on CPU: NF4 base weights (bitsandbytes >= 0.49 quantizes on CPU), adapters on
+    every linear layer, gradient checkpointing, 8-bit AdamW through ft.optim.from_torch, clip
+    0.3. The checkpoint holds the adapters and the 8-bit optimizer state only, and resuming
+    from it reproduces the uninterrupted run."""
+    import bitsandbytes as bnb
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    # bitsandbytes' CPU 4-bit kernels want output sizes in multiples of 32.
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=61, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    base_dir = tmp_path / "base"
+    LlamaForCausalLM(config).save_pretrained(base_dir)
+
+    def fresh():
+        model = ft.lora.load_4bit(base_dir, compute_dtype=torch.float32)
+        assert ft.lora.is_quantized(model)
+        assert type(model.model.layers[0].mlp.up_proj).__name__ == "Linear4bit"
+        assert (
+            getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
+        )
+        assert ft.lora.find_all_linear_names(model) == LINEAR
+        torch.manual_seed(1)  # LoRA's A matrices start random
+        model = ft.lora.apply(model, r=8, alpha=16)
+        opt = ft.optim.from_torch(bnb.optim.AdamW8bit, weight_decay=0.0)
+        return ft.TrainState.create(model, opt, seed=0)
+
+    state = fresh()
+    before = _eval_loss(state)
+    full = _train(state, 6)
+    assert _eval_loss(full) < before - 0.02
+    half = _train(fresh(), 3)
+    path = ft.save_checkpoint(half, tmp_path / "ckpt")
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        assert all("lora_" in k for k in f.keys())  # noqa: SIM118 (safe_open is not a dict)
+    with safe_open(str(path / "optimizer.safetensors"), "pt") as f:
+        assert any(k.endswith("state1") for k in f.keys())  # noqa: SIM118 (8-bit moments)
+    resumed = _train(ft.load_checkpoint(path, fresh()), 6)
+    for n, p in full.params.items():
+        assert torch.equal(resumed.params[n], p), n
+    with pytest.raises(ValueError, match="quantization"):
+        ft.export_pretrained(full, tmp_path / "merged", merge=True)
+
+
+@pytest.mark.skipif(
+    not HAS_BNB, reason="bitsandbytes is not installed (pip install 'ftrain[qlora]')"
+)
+def test_paged_optimizers_fall_back_on_cpu_and_say_so():
+    """Paged optimizers page their state to host memory through CUDA unified memory: on a CPU
+    there is nothing to page, and bitsandbytes says it runs them unpaged."""
+    import bitsandbytes as bnb
+
+    state = ft.TrainState.create(
+        ft.lora.apply(tiny_llama(), r=4), ft.optim.from_torch(bnb.optim.PagedAdamW32bit)
+    )
+    micro = next(iter(ft.make_batches(ROWS, batch_size=4)))
+    grads, stats = ft.accumulate_grads(state, micro)
+    with pytest.warns(UserWarning, match="Paged optimizers are not supported on CPU"):
+        ft.clip_and_step(state, grads, lr=1e-3, stats=stats)
