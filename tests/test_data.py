@@ -202,3 +202,45 @@ def test_epoch_order_is_read_only_and_cached():
     with pytest.raises(ValueError):
         o[0] = 3
     assert isinstance(o, np.ndarray)
+
+
+def test_find_batch_size_backs_off_like_hf_and_is_kept_on_resume(tmp_path):
+    tried = []
+
+    def probe(state, size):
+        tried.append(size)
+        if size > 20:
+            raise torch.OutOfMemoryError("CUDA out of memory. (simulated)")
+
+    state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+    found = ft.data.find_batch_size(state, probe, start=64)  # HF/accelerate: x0.9 per failure
+    assert tried == [64, 57, 51, 45, 40, 36, 32, 28, 25, 22, 19]
+    assert found.batch_size == 19 and state.batch_size is None
+    tried.clear()
+    assert ft.data.find_batch_size(state, probe, start=64, factor=0.5).batch_size == 16
+    assert tried == [64, 32, 16]
+    # Saved with the state; a resumed run keeps it and does not probe again.
+    path = ft.save_checkpoint(found, tmp_path)
+    resumed = ft.load_checkpoint(path, ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd()))
+    tried.clear()
+    assert ft.data.find_batch_size(resumed, probe, start=64).batch_size == 19 and tried == []
+
+
+def test_find_batch_size_recognises_a_real_allocation_failure_and_passes_other_errors():
+    state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+
+    def probe(state, size):  # above 3 the host allocator really refuses (exabytes)
+        torch.empty(max(size - 3, 0) * 2**60 + size, dtype=torch.uint8)
+
+    assert ft.data.find_batch_size(state, probe, start=8, factor=0.5).batch_size == 2
+    with pytest.raises(RuntimeError, match="no batch size"):
+        ft.data.find_batch_size(state, lambda s, n: torch.empty(2**60, dtype=torch.uint8), start=4)
+
+    def broken(state, size):
+        raise ValueError("a bug, not memory")
+
+    with pytest.raises(ValueError, match="a bug"):
+        ft.data.find_batch_size(state, broken, start=4)
+    for bad in ({"start": 0}, {"start": 4, "factor": 1.0}):
+        with pytest.raises(ValueError):
+            ft.data.find_batch_size(state, broken, **bad)

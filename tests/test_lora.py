@@ -96,13 +96,14 @@ def test_qlora_4bit_base_trains_adapters_and_resumes_exactly(tmp_path):
     0.3. The checkpoint holds the adapters and the 8-bit optimizer state only, and resuming
     from it reproduces the uninterrupted run."""
     import bitsandbytes as bnb
-
     from transformers import LlamaConfig, LlamaForCausalLM
 
     # bitsandbytes' CPU 4-bit kernels want output sizes in multiples of 32.
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=61, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=61, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
     base_dir = tmp_path / "base"
     LlamaForCausalLM(config).save_pretrained(base_dir)
 

@@ -159,3 +159,47 @@ def test_packed_rows_train_like_separate_examples(tok):
     with torch.no_grad():
         leaky, _ = loss_fn(model, {k: v for k, v in batch.items() if k != "position_ids"})
     assert abs(float(leaky - packed_sum)) > 1e-2
+
+
+def test_neftune_equals_hf_hook_and_only_in_training():
+    from transformers.integrations.neftune import neftune_post_forward_hook
+
+    emb = torch.nn.Embedding(50, 8)
+    ids = torch.randint(0, 50, (3, 7))
+    out = emb(ids)
+    torch.manual_seed(4)
+    ours = ft.sft.neftune_noise(out, 5.0)
+    emb.neftune_noise_alpha = 5.0
+    torch.manual_seed(4)
+    theirs = neftune_post_forward_hook(emb, (ids,), out)
+    assert torch.equal(ours, theirs)
+    bound = 5.0 / (7 * 8) ** 0.5
+    assert 0 < float((ours - out).abs().max().detach()) <= bound
+    with pytest.raises(ValueError):
+        ft.sft.neftune_noise(out, -1.0)
+
+
+def test_neftune_hook_in_the_loop_is_seeded_and_removable():
+    from helpers import ragged_rows, tiny_llama
+
+    rows = ragged_rows(8, seed=2)
+    micro = next(iter(ft.make_batches(rows, batch_size=4, accum=2, shuffle=False)))
+
+    def grads_of(alpha):
+        state = ft.TrainState.create(tiny_llama(), ft.optim.sgd(), seed=7)
+        handle = ft.sft.neftune(state.model, alpha) if alpha else None
+        grads, _ = ft.accumulate_grads(state, micro)
+        out = {n: g.clone() for n, g in grads.items()}
+        if handle is not None:  # eval mode: no noise, whatever the hook
+            state.model.eval()
+            with torch.no_grad():
+                ids = micro[0]["input_ids"]
+                noisy = state.model.get_input_embeddings()(ids)
+            handle.remove()
+            assert torch.equal(noisy, state.model.get_input_embeddings()(ids))
+        return out
+
+    plain, a, b = grads_of(0.0), grads_of(5.0), grads_of(5.0)
+    for n in plain:
+        assert torch.equal(a[n], b[n])  # the noise follows the per-micro-batch seed
+    assert any(not torch.equal(a[n], plain[n]) for n in plain)

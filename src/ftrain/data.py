@@ -9,16 +9,21 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
 
 from ftrain.strategies._base import Strategy
 
+if TYPE_CHECKING:
+    from ftrain.state import TrainState
+
 __all__ = [
     "ZeroWeight",
     "epoch_order",
+    "find_batch_size",
+    "is_out_of_memory",
     "length_grouped_order",
     "make_batches",
     "num_micro_batches",
@@ -269,3 +274,80 @@ def _pad(values: list[torch.Tensor], pad: int, side: str, multiple: int | None) 
         else:
             out[i, length - v.shape[0] :] = v
     return out
+
+
+# Messages of out-of-memory errors raised as plain RuntimeErrors (accelerate's list).
+_OOM_MESSAGES = (
+    " out of memory.",  # CUDA, HIP, XPU
+    "MPS backend out of memory",
+    "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED.",
+    "DefaultCPUAllocator: can't allocate memory",
+)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` says a device (or the host) ran out of memory."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return (
+        isinstance(error, RuntimeError)
+        and len(error.args) == 1
+        and isinstance(error.args[0], str)
+        and any(m in error.args[0] for m in _OOM_MESSAGES)
+    )
+
+
+def find_batch_size(
+    state: TrainState,
+    probe: Callable[[TrainState, int], Any],
+    *,
+    start: int,
+    factor: float = 0.9,
+) -> TrainState:
+    """Return `state` with `batch_size` set to the largest size that `probe` runs without
+    running out of memory (HF's `auto_find_batch_size`).
+
+    Tries `start`, then `int(size * factor)` after each out-of-memory error (0.9 as HF and
+    accelerate do; 0.5 halves), down to 1. `probe(state, size)` should run the most expensive
+    step at that size, e.g. `accumulate_grads` on a batch of `size` longest rows; it must not
+    consume `state`. A state whose `batch_size` is already set (say, resumed from a checkpoint)
+    is returned as it is, without probing: the resumed run keeps the size it started with.
+
+    Raises:
+        ValueError: for `start < 1` or `factor` outside (0, 1).
+        RuntimeError: when not even a batch of 1 fits.
+        Exception: any error of `probe` that is not an out-of-memory error.
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+        >>> def probe(state, size):
+        ...     if size > 20:
+        ...         raise torch.OutOfMemoryError("out of memory (simulated)")
+        >>> ft.data.find_batch_size(state, probe, start=64, factor=0.5).batch_size
+        16
+    """
+    if state.batch_size is not None:
+        return state
+    if not (isinstance(start, int) and start >= 1):
+        raise ValueError(f"start must be an int >= 1, got {start!r}")
+    if not 0 < factor < 1:
+        raise ValueError(f"factor must be in (0, 1), got {factor!r}")
+    import gc
+
+    size = start
+    while size >= 1:
+        try:
+            probe(state, size)
+            return state.replace(batch_size=size)
+        except Exception as e:
+            if not is_out_of_memory(e):
+                raise
+        finally:
+            for p in state.params.values():
+                p.grad = None  # what the probe's backward left behind
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        size = int(size * factor)
+    raise RuntimeError(f"no batch size from {start} down to 1 fits in memory")

@@ -158,7 +158,7 @@ def load_4bit(
         # after an evaluation would silently lose the gradient through the base weights
         # (bitsandbytes 0.50). Keep the trainable layout.
         if hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
+            setattr(module, "support_avx512bf16_for_cpu", False)  # noqa: B010
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     if gradient_checkpointing:
         enable_checkpointing(model)

@@ -29,6 +29,8 @@ __all__ = [
     "alpaca",
     "chat",
     "input_output",
+    "neftune",
+    "neftune_noise",
     "pack",
     "packed_collate",
     "train_tokenizer",
@@ -237,6 +239,37 @@ def packed_collate(pad_id: int, pad_to_multiple_of: int | None = None) -> Callab
         return _pad(rows, pad_id, pad_to_multiple_of, mask=False)
 
     return collate
+
+
+def neftune_noise(embeddings: torch.Tensor, alpha: float) -> torch.Tensor:
+    """NEFTune: `embeddings` plus uniform noise of magnitude `alpha / sqrt(L * d)`.
+
+    `L` is the (padded) sequence length and `d` the embedding size, as in HF's
+    `neftune_post_forward_hook`; the noise is drawn from the default generator, which
+    `accumulate_grads` seeds per micro-batch, so a resumed run draws the same noise.
+    """
+    if alpha < 0:
+        raise ValueError(f"alpha must be >= 0, got {alpha!r}")
+    # HF's arithmetic (float32 on the host: shapes are host ints, so no device sync).
+    magnitude = float(alpha / torch.sqrt(torch.tensor(embeddings.size(1) * embeddings.size(2))))
+    return embeddings + torch.zeros_like(embeddings).uniform_(-magnitude, magnitude)
+
+
+def neftune(model: Any, alpha: float = 5.0) -> Any:
+    """Add NEFTune noise to `model`'s input embeddings while it is in training mode.
+
+    `TrainingArguments(neftune_noise_alpha=alpha)`. Registers a forward hook on
+    `model.get_input_embeddings()` (no noise in eval mode, so evaluation and generation are
+    unaffected) and returns its handle: `handle.remove()` turns NEFTune off.
+    """
+    if alpha < 0:
+        raise ValueError(f"alpha must be >= 0, got {alpha!r}")
+    embeddings = model.get_input_embeddings()
+
+    def hook(module: torch.nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        return neftune_noise(output, alpha) if module.training else output
+
+    return embeddings.register_forward_hook(hook)
 
 
 _CHAT_TEMPLATE = (

@@ -63,7 +63,8 @@ class TrainState:
     training device, so advancing them never waits for the device; `int(state.tokens_seen)`
     reads one (a host sync). With float16 loss scaling (a strategy with `precision="fp16"`),
     `loss_scale` (float32) and `growth_tracker` (int32) are 0-dim device tensors too; they are
-    None otherwise.
+    None otherwise. `batch_size` is the per-rank batch size `ft.data.find_batch_size` settled
+    on (None until then), kept by checkpoints so that a resumed run uses it again.
 
     Example:
         >>> import torch, ftrain as ft
@@ -92,6 +93,7 @@ class TrainState:
     patience_counter: int = 0
     loss_scale: torch.Tensor | None = None
     growth_tracker: torch.Tensor | None = None
+    batch_size: int | None = None
     lease_: _Lease = dataclasses.field(default_factory=_Lease, repr=False)
 
     @classmethod
