@@ -5,6 +5,7 @@ Small pure functions over an immutable `TrainState`; you write the loop.
 
 from ftrain import checkpoint as checkpoint
 from ftrain import logging as logging
+from ftrain import lora as lora
 from ftrain import losses as losses
 from ftrain import optim as optim
 from ftrain import precision as precision
@@ -72,6 +73,7 @@ __all__ = [
     # namespaces
     "checkpoint",
     "logging",
+    "lora",
     "losses",
     "optim",
     "precision",
