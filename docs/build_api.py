@@ -14,7 +14,7 @@ from pathlib import Path
 import ftrain as ft
 
 OUT = Path(__file__).with_name("api.md")
-NAMESPACES = ["optim", "schedules", "strategies", "precision", "losses", "checkpoint"]
+NAMESPACES = ["optim", "schedules", "strategies", "precision", "losses", "checkpoint", "sft", "lora", "data"]
 
 
 def _entry(qualname: str, obj: object) -> str:
