@@ -14,7 +14,9 @@ from pathlib import Path
 import ftrain as ft
 
 OUT = Path(__file__).with_name("api.md")
-NAMESPACES = ["optim", "schedules", "strategies", "precision", "losses", "checkpoint", "sft", "lora", "data"]
+NAMESPACES = [
+    "optim", "schedules", "strategies", "precision", "losses", "checkpoint", "sft", "lora", "data",
+]  # fmt: skip
 
 
 def _entry(qualname: str, obj: object) -> str:
