@@ -67,7 +67,7 @@ def test_shakespeare_char_short_run(capsys, tmp_path):
     assert again == final
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["bf16"])  # fp16 autocast is slow on CPU (22 s)
 def test_shakespeare_char_mixed_precision(capsys, precision):
     """The example's --precision flag: the same loop learns under autocast (and loss scaling)."""
     args = ["--max-iters", "30", "--eval-interval", "30", "--eval-iters", "1",
