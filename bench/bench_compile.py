@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import bench_loop
 import torch
 from bench_loop import ACCUM, CLIP, WD, _block, _to_device, build
 
@@ -56,15 +57,7 @@ def ftrain_loop(model: torch.nn.Module, total: int, mode: str) -> Callable[[list
     if mode == "compile":
         model = torch.compile(model)
     strategy = ft.strategies.SingleDevice(precision="bf16" if mode == "bf16" else None)
-    box = [ft.TrainState.create(model, ft.optim.adamw(weight_decay=WD), strategy=strategy)]
-    lr = ft.schedules.warmup_cosine(1e-3, 10, total)
-
-    def step(micro: list[Any], k: int) -> None:
-        state = box[0]
-        grads, stats = ft.accumulate_grads(state, micro)
-        box[0], _ = ft.clip_and_step(state, grads, lr=lr(state.step), max_norm=CLIP, stats=stats)
-
-    return step
+    return bench_loop.ftrain_loop(model, total, strategy)
 
 
 def main() -> None:

@@ -108,8 +108,10 @@ def raw_loop(model: torch.nn.Module, total: int) -> Callable[[list[Any], int], N
     return step
 
 
-def ftrain_loop(model: torch.nn.Module, total: int) -> Callable[[list[Any], int], None]:
-    box = [ft.TrainState.create(model, ft.optim.adamw(weight_decay=WD))]
+def ftrain_loop(
+    model: torch.nn.Module, total: int, strategy: Any = None
+) -> Callable[[list[Any], int], None]:
+    box = [ft.TrainState.create(model, ft.optim.adamw(weight_decay=WD), strategy=strategy)]
     lr = ft.schedules.warmup_cosine(1e-3, 10, total)
 
     def step(micro: list[Any], k: int) -> None:

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import ftrain as ft
+from helpers import train_steps
 
 pytestmark = pytest.mark.slow  # inductor compiles C++ on first use: ~30 s on 2 cores
 
@@ -45,18 +46,7 @@ def _state(*, compiled: bool, dropout: float = 0.0):
 
 
 def _train(state, steps):
-    data = _data()
-    while state.step < steps:
-        for micro in ft.make_batches(
-            data, batch_size=4, accum=2, seed=1, epoch=state.epoch, start=state.cursor
-        ):
-            grads, stats = ft.accumulate_grads(state, micro, _loss)
-            state, _ = ft.clip_and_step(state, grads, lr=3e-3, max_norm=1.0, stats=stats)
-            if state.step >= steps:
-                break
-        else:
-            state = ft.next_epoch(state)
-    return state
+    return train_steps(state, _data(), steps, loss_fn=_loss, seed=1, lr=3e-3, max_norm=1.0)
 
 
 def test_compiled_model_trains_like_eager_with_plain_names(tmp_path):

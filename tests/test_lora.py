@@ -9,25 +9,15 @@ import pytest
 import torch
 
 import ftrain as ft
-from helpers import ragged_rows, tiny_llama
+from helpers import ragged_rows, tiny_llama, train_steps
 
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 LINEAR = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
 ROWS = ragged_rows(24, seed=5)
 
 
-def _train(state, steps, loss_fn=None):
-    while state.step < steps:
-        for micro in ft.make_batches(
-            ROWS, batch_size=4, accum=2, seed=0, epoch=state.epoch, start=state.cursor
-        ):
-            grads, stats = ft.accumulate_grads(state, micro, loss_fn)
-            state, _ = ft.clip_and_step(state, grads, lr=1e-2, max_norm=0.3, stats=stats)
-            if state.step >= steps:
-                break
-        else:
-            state = ft.next_epoch(state)
-    return state
+def _train(state, steps):
+    return train_steps(state, ROWS, steps)
 
 
 def _eval_loss(state):
