@@ -12,7 +12,7 @@ runs). Such a tiny, briefly trained base has a small logit range: with its head 
 stalls at an eval loss near 3.5 on these two-token answers, so the head is trained too
 (`modules_to_save=["lm_head"]`, saved with the adapter); real LLMs do not need that.
 
-    python examples/sft_lora.py                     # about a minute on 2 CPU cores
+    python examples/sft_lora.py                     # about 35 s on 2 CPU cores
     python examples/sft_lora.py --qlora             # 4-bit NF4 base (pip install 'ftrain[qlora]')
 
 Run it again and it resumes from its last checkpoint. docs/migrating_from_trainer.md puts this
