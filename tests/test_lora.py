@@ -66,6 +66,19 @@ def test_lora_trains_and_exports_adapter_and_merged_model(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-4, atol=1e-5)
     assert any("lora" in n for n, _ in state.model.named_parameters())  # live model untouched
+    # The CLI exports the adapter from a checkpoint alone (the adapter config is in state.json).
+    import contextlib
+    import io
+
+    from ftrain.__main__ import main
+
+    ckpt = ft.save_checkpoint(state, tmp_path / "ckpt")
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["export", str(ckpt), "--to", str(tmp_path / "cli")]) == 0
+    base = AutoModelForCausalLM.from_pretrained(base_dir)
+    with torch.no_grad():
+        got = PeftModel.from_pretrained(base, tmp_path / "cli").eval()(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="PEFT model"):
         ft.export_pretrained(ft.TrainState.create(tiny_llama(), ft.optim.sgd()), tmp_path / "x",
                              merge=True)  # fmt: skip

@@ -144,11 +144,13 @@ def export_checkpoint(
     base: str | os.PathLike[str] | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Export a checkpoint of a full HF model without the training script (the CLI's `export`).
+    """Export a checkpoint of an HF model without the training script (the CLI's `export`).
 
     Builds the model from `config` (a directory or `config.json`; by default the one saved in
     the checkpoint), or loads it from `base` when some parameters were frozen and therefore not
-    saved, copies in the checkpoint's tensors and saves it with `save_pretrained`.
+    saved, copies in the checkpoint's tensors and saves it with `save_pretrained`. A LoRA
+    (PEFT) checkpoint exports its adapter, which `PeftModel.from_pretrained(base, directory)`
+    loads; it needs neither `base` nor the base's weights.
 
     Raises:
         CheckpointError: if the checkpoint is invalid or lacks parameters the model needs.
@@ -156,6 +158,9 @@ def export_checkpoint(
     path = Path(path)
     meta = read_meta(path)
     model = _build(path, config, base)
+    adapter = meta.get("peft")
+    if adapter is not None:
+        model = _with_adapter(model, adapter, path)
     if meta.get("sharded") is True:  # assemble whole tensors from the ranks' shards
         _sharded.verify(path, meta, checksum=True)
         shapes = _sharded.placeholders(meta["tensors"])
@@ -165,7 +170,9 @@ def export_checkpoint(
         sha = meta["files"][L.MODEL_FILE].get("sha256")
         saved = read_safetensors(path / L.MODEL_FILE, sha256=sha)
     params = dict(model.named_parameters())
-    missing = sorted(n for n in params if n not in saved) if base is None else []
+    # An adapter export needs the adapter's tensors only; a full model needs every parameter.
+    needed = [n for n, p in params.items() if p.requires_grad or adapter is None]
+    missing = sorted(n for n in needed if n not in saved) if base is None else []
     if missing:
         raise CheckpointError(
             f"{path} lacks {len(missing)} parameter(s) (frozen during training), e.g. "
@@ -183,6 +190,20 @@ def export_checkpoint(
                 )
             live[n].copy_(t)
     return _atomic_dir(Path(directory), overwrite, lambda tmp: model.save_pretrained(tmp))
+
+
+def _with_adapter(model: Any, adapter: Any, path: Path) -> Any:
+    from peft import PeftConfig, get_peft_model
+
+    try:
+        if not isinstance(adapter, dict):
+            raise TypeError(f"not a dict: {type(adapter).__name__}")
+        base_name = adapter.get("base_model_name_or_path")
+        if isinstance(base_name, str):  # keep the adapter pointing at its real base
+            model.name_or_path = model.config._name_or_path = base_name
+        return get_peft_model(model, PeftConfig.from_peft_type(**adapter))
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise CheckpointError(f"{path}: the saved adapter config is malformed: {e}") from e
 
 
 def _build(path: Path, config: str | os.PathLike[str] | None, base: Any) -> Any:

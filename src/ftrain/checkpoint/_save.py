@@ -225,7 +225,7 @@ def _meta(
     state: TrainState, metrics: Mapping[str, Any] | None, module: Any, opt_flat: dict[str, Any]
 ) -> dict[str, Any]:
     table = L.param_table(module)
-    return {
+    meta = {
         "format": L.FORMAT,
         "format_version": L.FORMAT_VERSION,
         "ftrain_version": _version(),
@@ -237,6 +237,21 @@ def _meta(
         "fingerprint": L.fingerprint(table),
         "optimizer": {p: _describe(v) for p, v in opt_flat.items()},
     }
+    adapter = _peft_config(module)
+    if adapter is not None:
+        meta["peft"] = adapter
+    return meta
+
+
+def _peft_config(module: Any) -> dict[str, Any] | None:
+    """A PEFT model's adapter config as JSON (for the CLI's export), or None."""
+    configs = getattr(module, "peft_config", None)
+    if not isinstance(configs, dict) or list(configs) != ["default"]:
+        return None
+    as_json = json.dumps(
+        configs["default"].to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)
+    )
+    return dict(json.loads(as_json))
 
 
 def _describe(leaf: Any) -> dict[str, Any]:
