@@ -63,10 +63,11 @@ def export_pretrained(
     """
     module, strategy = state.strategy.unwrap(state.model), state.strategy
     directory = Path(directory)
+    sharded = is_sharded(state.params.values())
     if merge:
-        module = _merged(module, sharded=is_sharded(state.params.values()))
+        module = _merged(module, sharded=sharded)
     full = None
-    if is_sharded(state.params.values()):
+    if sharded:
         with torch.no_grad():  # every rank takes part in gathering the whole tensors
             full = {
                 n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()

@@ -155,22 +155,19 @@ def _save_sharded(
     _sharded.write({n: t.detach() for n, t in model.items()}, tmp / _sharded.MODEL_DIR, group)
     optim = {p: v.detach() for p, v in opt_flat.items() if isinstance(v, torch.Tensor)}
     _sharded.write(optim, tmp / _sharded.OPTIM_DIR, group)
-    meta = _meta(state, metrics, module, opt_flat)  # collective-free, but a host sync
-    meta["sharded"] = True
-    meta["tensors"] = {n: _describe(t) for n, t in model.items()}
     final, error = L.step_dir(root, state.step), None
     if strategy.rank == 0:
         try:
-            files = _sharded.record_files(tmp, checksum=checksum)
-            fsync_tree(tmp)
+            meta = _meta(state, metrics, module, opt_flat)  # reads the counters: a host sync
+            meta["sharded"] = True
+            meta["tensors"] = {n: _describe(t) for n, t in model.items()}
+            meta["files"] = _sharded.record_files(tmp, checksum=checksum)
             config = getattr(module, "config", None)
             to_json = getattr(config, "to_json_string", None)
             if callable(to_json):
                 write_text(to_json(), tmp / L.CONFIG_FILE)
-            write_json({**meta, "files": files}, tmp / L.STATE_FILE)
-            write_json({"state.json": sha256_file(tmp / L.STATE_FILE)}, tmp / L.COMMIT_FILE)
-            aside = root / f"{L.TMP_PREFIX}replaced-{final.name}-{uuid.uuid4().hex[:8]}"
-            publish_dir(tmp, final, aside)
+            fsync_tree(tmp)
+            _seal(tmp, root, state.step, meta)
             if keep_last is not None:
                 _rotate(root, keep_last, keep_best, best_metric, mode)
         except BaseException as e:  # every rank must hear about it, then it is raised here
@@ -311,9 +308,14 @@ def _commit(staged: _Staged, root: Path, *, checksum: bool) -> Path:
     if checksum:
         for n, digest in zip(names, _sha256_parallel([tmp / n for n in names]), strict=True):
             files[n]["sha256"] = digest
-    write_json({**staged.meta, "files": files}, tmp / L.STATE_FILE)
+    return _seal(tmp, root, staged.step, {**staged.meta, "files": files})
+
+
+def _seal(tmp: Path, root: Path, step: int, meta: dict[str, Any]) -> Path:
+    """Write state.json and the commit marker into the finished `tmp`, then publish it."""
+    write_json(meta, tmp / L.STATE_FILE)
     write_json({"state.json": sha256_file(tmp / L.STATE_FILE)}, tmp / L.COMMIT_FILE)
-    final = L.step_dir(root, staged.step)
+    final = L.step_dir(root, step)
     # Re-saving a step moves the old copy aside into a temporary name first.
     publish_dir(tmp, final, root / f"{L.TMP_PREFIX}replaced-{final.name}-{uuid.uuid4().hex[:8]}")
     return final
