@@ -216,12 +216,14 @@ def pad_collate(
     label_pad_id: int = -100,
     padding_side: str = "right",
     pad_to_multiple_of: int | None = None,
+    attention_mask: bool = True,
 ) -> Collate:
     """Return a collate function for rows that are dicts of token lists/tensors or scalars.
 
     Sequence fields are padded to the longest row: `input_ids` with `pad_id`, `labels` with
-    `label_pad_id`, `attention_mask` (created when missing) with 0, and any other sequence with
-    0. Scalars (e.g. a class `label`) are stacked. Rows that are not dicts use torch's default
+    `label_pad_id`, `attention_mask` (created from the row lengths when missing, unless
+    `attention_mask=False`) with 0, and any other sequence (e.g. `position_ids`) with 0.
+    Scalars (e.g. a class `label`) are stacked. Rows that are not dicts use torch's default
     collate.
 
     Args:
@@ -229,6 +231,8 @@ def pad_collate(
         label_pad_id: padding for `labels`; -100 is ignored by the losses.
         padding_side: "right" or "left".
         pad_to_multiple_of: round the padded length up to a multiple of this.
+        attention_mask: create a mask for rows without one (off for packed rows, whose
+            example boundaries HF models read from `position_ids`).
 
     Example:
         >>> from ftrain.data import pad_collate
@@ -255,7 +259,7 @@ def pad_collate(
                 out[key] = torch.stack(values)
                 continue
             out[key] = _pad(values, pads.get(key, 0), padding_side, pad_to_multiple_of)
-        if "input_ids" in out and "attention_mask" not in out:
+        if attention_mask and "input_ids" in out and "attention_mask" not in out:
             masks = [torch.ones(len(r["input_ids"]), dtype=torch.long) for r in rows]
             out["attention_mask"] = _pad(masks, 0, padding_side, pad_to_multiple_of)
         return out

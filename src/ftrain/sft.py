@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ftrain.data import pad_collate
 from ftrain.losses import IGNORE_INDEX
 
 __all__ = [
@@ -160,26 +161,9 @@ class SFTCollator:
         raw = [r for r in rows if "input_ids" not in r]
         encoded = iter(self.encode_batch(raw)) if raw else iter(())
         rows = [r if "input_ids" in r else next(encoded) for r in rows]
-        return _pad(rows, self.tokenizer.pad_token_id, self.pad_to_multiple_of, mask=True)
-
-
-def _pad(
-    rows: Sequence[Mapping[str, Any]], pad_id: int, multiple: int | None, *, mask: bool
-) -> dict[str, torch.Tensor]:
-    longest = max(len(r["input_ids"]) for r in rows)
-    if multiple:
-        longest = -(-longest // multiple) * multiple
-    fill = {"input_ids": pad_id, "labels": IGNORE_INDEX, "position_ids": 0}
-    out = {}
-    for key, value in fill.items():
-        if key in rows[0]:
-            out[key] = torch.tensor(
-                [list(r[key]) + [value] * (longest - len(r[key])) for r in rows], dtype=torch.long
-            )
-    if mask:
-        lengths = torch.tensor([len(r["input_ids"]) for r in rows])
-        out["attention_mask"] = (torch.arange(longest) < lengths[:, None]).long()
-    return out
+        return pad_collate(
+            pad_id=self.tokenizer.pad_token_id, pad_to_multiple_of=self.pad_to_multiple_of
+        )(rows)
 
 
 def pack(
@@ -233,12 +217,7 @@ def packed_collate(pad_id: int, pad_to_multiple_of: int | None = None) -> Callab
     examples of a packed row attend to each other.
     """
 
-    def collate(rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-        if not rows:
-            raise ValueError("cannot collate an empty list of rows")
-        return _pad(rows, pad_id, pad_to_multiple_of, mask=False)
-
-    return collate
+    return pad_collate(pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of, attention_mask=False)
 
 
 def neftune_noise(embeddings: torch.Tensor, alpha: float) -> torch.Tensor:
