@@ -4,7 +4,7 @@ from ftrain.strategies._base import SingleDevice as SingleDevice
 from ftrain.strategies._base import Strategy as Strategy
 from ftrain.strategies._base import default_device as default_device
 from ftrain.strategies._ddp import DDP as DDP
-from ftrain.strategies._ddp import from_env as from_env
+from ftrain.strategies._env import from_env as from_env
 from ftrain.strategies._fsdp import FSDP as FSDP
 
 __all__ = ["DDP", "FSDP", "SingleDevice", "Strategy", "default_device", "from_env"]

@@ -18,7 +18,7 @@ from torch import nn
 
 from ftrain.precision import Precision
 from ftrain.strategies._base import uncompiled
-from ftrain.strategies._ddp import _ProcessGroupStrategy
+from ftrain.strategies._group import ProcessGroupStrategy
 
 __all__ = ["FSDP"]
 
@@ -28,7 +28,7 @@ def _hf_blocks(model: nn.Module) -> Callable[[nn.Module], bool]:
     return lambda m: type(m).__name__ in names
 
 
-class FSDP(_ProcessGroupStrategy):
+class FSDP(ProcessGroupStrategy):
     """Fully sharded data parallelism (FSDP2): parameters, gradients and optimizer state are
     split across the ranks.
 

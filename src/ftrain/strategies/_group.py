@@ -1,0 +1,86 @@
+"""What the process-group strategies (DDP, FSDP) share: joining the group, this rank's device,
+collectives on device tensors. One place, imported by each strategy module; they never import
+each other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ftrain.precision import Precision
+from ftrain.strategies._base import _precision_repr, move_to
+
+__all__ = ["ProcessGroupStrategy", "local_device"]
+
+
+def local_device() -> torch.device:
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+class ProcessGroupStrategy:
+    """What DDP and FSDP share: a process group, this rank's device, collectives on tensors."""
+
+    def __init__(
+        self,
+        name: str,
+        device: str | torch.device | None,
+        group: Any,
+        precision: str | Precision | None,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                f"{name} needs an initialised process group: launch with torchrun (or "
+                f"accelerate launch) and build the strategy with ft.strategies.from_env()"
+            )
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.grad_reduce_factor = 1.0 / self.world_size  # both average over ranks
+        self.device = torch.device(device) if device is not None else local_device()
+        self.precision = Precision.of(precision)
+
+    def __repr__(self) -> str:
+        name = type(self).__name__
+        return (
+            f"{name}(rank={self.rank}, world_size={self.world_size}, device='{self.device}'"
+            f"{_precision_repr(self.precision)})"
+        )
+
+    def to_device(self, batch: Any) -> Any:
+        return move_to(batch, self.device)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        return self.precision.autocast(self.device)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        # Shapes first (one small all-gather and a host sync), then rows padded to the largest.
+        # A rank without rows does not widen the other axes.
+        dims = list(tensor.shape) if tensor.shape[0] else [0] * tensor.dim()
+        shape = torch.tensor(dims, dtype=torch.int64, device=tensor.device)
+        shapes = [torch.empty_like(shape) for _ in range(self.world_size)]
+        dist.all_gather(shapes, shape, group=self.group)
+        sizes = [s.tolist() for s in shapes]
+        largest = [max(d) for d in zip(*sizes, strict=True)]
+        padded = tensor.new_full(largest, 0 if tensor.dtype in (torch.bool, torch.uint8) else -100)
+        padded[tuple(slice(0, d) for d in tensor.shape)] = tensor
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(parts, padded.contiguous(), group=self.group)
+        rest = tuple(slice(0, d) for d in largest[1:])
+        return torch.cat([p[(slice(0, s[0]), *rest)] for p, s in zip(parts, sizes, strict=True)])
