@@ -116,19 +116,27 @@ def test_named_factories_and_step_zero():
         (lambda: ft.schedules.warmup_polynomial(1.0, 10, 10), "total_steps"),
         (lambda: ft.schedules.warmup_polynomial(1.0, 0, 10, power=-1.0), "power"),
         (lambda: ft.schedules.warmup_polynomial(1.0, 0, 10, lr_end=-0.1), "lr_end"),
-        (lambda: ft.schedules.warmup_stable_decay(1.0, 0, 10, num_decay_steps=2,
-                                                  min_lr_ratio=-1), "min_lr_ratio"),  # fmt: skip
+        (
+            lambda: ft.schedules.warmup_stable_decay(
+                1.0, 0, 10, num_decay_steps=2, min_lr_ratio=-1
+            ),
+            "min_lr_ratio",
+        ),
         (lambda: ft.schedules.warmup_stable_decay(1.0, 5, 10, num_decay_steps=6), "room"),
-        (lambda: ft.schedules.warmup_stable_decay(1.0, 0, 10, num_decay_steps=-1),
-         "num_decay_steps"),  # fmt: skip
+        (
+            lambda: ft.schedules.warmup_stable_decay(1.0, 0, 10, num_decay_steps=-1),
+            "num_decay_steps",
+        ),
         (lambda: ft.schedules.cosine_with_min_lr(0.0, 0, 10, min_lr=0.1), "min_lr"),
         (lambda: ft.schedules.cosine_with_min_lr(1.0, 0, 10, min_lr_rate=-0.5), "min_lr_rate"),
         (lambda: ft.schedules.from_name("linear", peak_lr=1), r"from_name\('linear'\).*total"),
         (lambda: ft.schedules.warmup_cosine(1.0, 0, None), "total_steps"),
         (lambda: ft.schedules.from_name("constant", peak_lr=1.0, warmup_steps=5), "warmup"),
         (lambda: ft.schedules.from_name("linear", peak_lr=1.0, warmup_steps=0.1), "total_steps"),
-        (lambda: ft.schedules.from_name("linear", peak_lr=1.0, warmup_steps=1.5,
-                                        total_steps=9), "warmup_steps"),  # fmt: skip
+        (
+            lambda: ft.schedules.from_name("linear", peak_lr=1.0, warmup_steps=1.5, total_steps=9),
+            "warmup_steps",
+        ),
     ],
 )
 def test_bad_arguments(bad, match):

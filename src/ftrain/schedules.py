@@ -327,7 +327,7 @@ def _min_rate(peak_lr: float, min_lr: float | None, min_lr_rate: float | None) -
         return float(min_lr_rate)
     _check_nonnegative(min_lr=min_lr)  # type: ignore[arg-type]
     if peak_lr == 0 and min_lr:
-        raise ValueError(f"min_lr={min_lr!r} is a fraction of peak_lr, which is 0: pass min_lr_rate")
+        raise ValueError(f"min_lr={min_lr!r} needs peak_lr > 0 (got 0): pass min_lr_rate")
     return min_lr / peak_lr if peak_lr else 0.0  # type: ignore[operator]
 
 
