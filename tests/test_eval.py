@@ -132,7 +132,7 @@ def test_loss_fn_beside_a_metrics_loss_raises_naming_both():
     def my_loss(model, batch):
         return torch.tensor(0.0), torch.tensor(1)
 
-    with pytest.raises(ValueError, match="loss_fn.*metrics_fn"):
+    with pytest.raises(ValueError, match=r"loss_fn.*metrics_fn"):
         ft.evaluate(
             state, ft.make_batches(rows, batch_size=4, shuffle=False), my_loss,
             metrics_fn=ft.classification_metrics,
