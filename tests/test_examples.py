@@ -40,6 +40,15 @@ def test_minimal_loop_is_at_most_30_lines_of_loop():
     assert 10 < len(lines) <= 30
 
 
+def test_shakespeare_char_loop_fits_on_one_screen():
+    """From `while` to the end of the loop (issue 11: the log step is one call)."""
+    src = (EXAMPLES / "shakespeare_char.py").read_text().splitlines()
+    first = next(i for i, ln in enumerate(src) if ln.strip().startswith("while state.step"))
+    last = next(i for i in range(first, len(src)) if "ft.next_epoch(state)" in src[i])
+    assert len([ln for ln in src[first : last + 1] if ln.strip()]) <= 30
+    assert "destroy_process_group" not in "\n".join(src)  # the strategy owns its lifetime
+
+
 SHORT = "--max-iters 40 --eval-interval 20 --eval-iters 2 --final-eval-iters 4 --log-interval 10"
 SHORT = SHORT.split()
 
@@ -49,7 +58,8 @@ def test_shakespeare_char_short_run(capsys, tmp_path):
     final = _load("shakespeare_char").main(["--out", str(out_dir), "--keep-last", "2", *SHORT])
     out = capsys.readouterr().out
     assert re.search(r"^val_loss=\d+\.\d+$", out, re.M)
-    assert "eval_loss" in out and "step    40" in out
+    # No terminal here: the progress bar prints one line per record (train and eval).
+    assert re.search(r"^step 40/40  loss \d", out, re.M) and "step 40/40  eval_loss" in out
     assert final < math.log(65) - 0.5, "40 steps must learn something beyond uniform"
     # Checkpoints at each evaluation (the last one blocking), and the exported final model.
     assert ft.latest_checkpoint(out_dir).name == "step-40"
