@@ -95,6 +95,10 @@ def test_update_never_reads_the_device_and_emit_reads_once(monkeypatch):
         record = logger.step(state.replace(step=step), stats, info)
         assert reads == (["tolist"] if step % 4 == 0 else []), step
         assert (record is not None) == (step % 4 == 0)
+    assert logger.flush(state.replace(step=8)) is None  # nothing since the last record
+    logger.step(state.replace(step=9), stats, info)
+    reads.clear()
+    assert logger.flush(state.replace(step=9))["step"] == 9 and reads == ["tolist"]
 
 
 def test_window_in_a_real_loop_reports_the_mean_step_loss():

@@ -95,7 +95,12 @@ class Logger:
         self.sink.step(state)
         if not should_log(state, every=self.every, total_steps=self.total_steps, first=self.first):
             return None
-        # The one host sync of a log step: the window's tensors are read back together.
+        return self.flush(state)  # the one host sync of a log step
+
+    def flush(self, state: TrainState) -> dict[str, Any] | None:
+        """Emit the steps since the last record now (e.g. at an epoch's end), if there are any."""
+        if self.window.steps == 0:
+            return None
         record, self.window = emit(self.window, state, epoch_size=self.epoch_size, **self._emit_kw)
         self.sink.log(record)
         return record
