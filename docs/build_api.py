@@ -16,7 +16,14 @@ import ftrain as ft
 OUT = Path(__file__).with_name("api.md")
 NAMESPACES = [
     "optim", "schedules", "strategies", "precision", "losses", "checkpoint", "sft", "lora", "data",
+    "logging",
 ]  # fmt: skip
+# Plain values have no docstring of their own (inspect would show `int`'s): say what they mean.
+VALUE_DOCS = {
+    "IGNORE_INDEX": "-100: the label value that losses, metrics and accuracy ignore (torch's "
+    "and HF's `ignore_index`).\n`pad_collate` pads `labels` with it, and the SFT collators mask "
+    "prompt tokens with it, so\nonly the remaining labels count as items.",
+}
 
 
 def _entry(qualname: str, obj: object) -> str:
@@ -26,6 +33,8 @@ def _entry(qualname: str, obj: object) -> str:
         sig = ""
     kind = "class" if inspect.isclass(obj) else "function" if callable(obj) else "value"
     doc = inspect.getdoc(obj) or "(no docstring)"
+    if kind == "value":
+        doc = VALUE_DOCS.get(qualname.rsplit(".", 1)[-1], f"{obj!r}")
     text = f"### `{qualname}{sig if kind != 'value' else ''}`\n\n*{kind}*\n\n```text\n{doc}\n```\n"
     if inspect.isclass(obj):
         for name, member in vars(obj).items():

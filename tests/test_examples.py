@@ -167,3 +167,20 @@ def test_sft_lora_short_run_saves_adapters_and_resumes_exactly(tmp_path, capsys)
     again = _load("sft_lora").main([*args, "--out", str(tmp_path / "b")])
     assert "resumed from" in capsys.readouterr().out
     assert again["final"] == straight["final"]
+
+
+def test_migration_guide_load_best_model_at_end_recipe_runs_as_written(tmp_path):
+    """The guide's complete recipe, executed verbatim: the state ends at the best step."""
+    from helpers import ragged_rows, tiny_llama
+
+    guide = (EXAMPLES.parent / "docs" / "migrating_from_trainer.md").read_text()
+    block = guide.split("<!-- recipe: load_best_model_at_end -->")[1].split("<!-- end recipe")[0]
+    code = block.split("```python\n")[1].split("```")[0]
+    torch.manual_seed(0)
+    scope = {"model": tiny_llama(), "train": ragged_rows(8, seed=1), "total_steps": 4,
+             "val": ragged_rows(4, seed=2), "root": str(tmp_path), "eval_steps": 1}  # fmt: skip
+    exec(compile(code, "migrating_from_trainer.md", "exec"), scope)
+    state = scope["state"]
+    assert state.best_step in (1, 2, 3, 4) and state.step == state.best_step
+    kept = {p.name for p in tmp_path.iterdir() if p.name.startswith("step-")}
+    assert kept == {f"step-{state.best_step}", "step-4"}  # keep_last=1 plus the best

@@ -2,13 +2,14 @@
 
 `window(state)` opens one, `update(window, stats, info)` folds a step in (device arithmetic only,
 no host sync), `emit(window, state)` reads everything back in one sync and returns the record
-and a fresh window. Definitions follow HF's Trainer so that curves compare:
+and a fresh window (`ft.logging.Logger` does all three, and the sinks, in one call per step).
+Definitions follow HF's Trainer so that curves compare:
 
 - `loss`: mean of the per-step losses since the last log (each step's loss is the global
   per-item mean of that step). A non-finite step loss is replaced, as HF's
   `logging_nan_inf_filter` does, by the window's sum so far divided by the steps so far + 1.
-- `learning_rate`: the lr the last step used (HF logs the scheduler's lr *after* its step,
-  i.e. the next step's).
+- `learning_rate`: the lr the last step used (as transformers 5's Trainer logs it: it reads the
+  scheduler's lr before stepping the scheduler).
 - `grad_norm`: the last step's pre-clip global norm.
 - `epoch`: fractional, `epoch + cursor / epoch_size` when `epoch_size` (micro-batches per epoch,
   `ft.data.num_micro_batches`) is given.
