@@ -102,8 +102,11 @@ def clip_and_step(
             state.loss_scale, state.growth_tracker, found_inf, scaling
         )
     if stats is not None:
+        cursor = state.cursor + stats.num_micro
+        if stats.position is not None:  # a stream: the position rides on the cursor
+            changes["data_position"] = stats.position
         changes.update(
-            cursor=state.cursor + stats.num_micro,
+            cursor=cursor,
             tokens_seen=state.tokens_seen + stats.num_tokens,
             samples_seen=state.samples_seen + stats.num_samples,
         )
