@@ -39,6 +39,7 @@ Pos = Any  # a JSON value
 Items = Iterator[tuple[Any, Pos]]
 _VERSION = 1
 _WINDOW_TAG = 0x5EED_B0F
+_ROW_TAG = 0x0520_0E
 
 
 class Source:
@@ -98,7 +99,7 @@ class _Shards(Source):
             yield prev, {"shard": n, "row": 0}
 
     def _rows(self, shard: int, skip: int, seed: int, epoch: int, shuffle: bool) -> Iterator[Any]:
-        it = iter(self._open(shard))
+        it = _seeded_reads(iter(self._open(shard)), seed, epoch, shard)
         if not shuffle:
             return islice(it, skip, None)
         return self._windows(it, shard, skip, seed, epoch)
@@ -120,6 +121,20 @@ class _Shards(Source):
             lo = skip - w * k if w == first else 0
             for t in perm[lo:]:
                 yield window[t]
+
+
+def _seeded_reads(it: Iterator[Any], seed: int, epoch: int, shard: int) -> Iterator[Any]:
+    """Read each row with the generators seeded from `(seed, epoch, shard, row)`: randomness
+    drawn while a source produces a row is the same for any worker count, rank or resume."""
+    for i in range(2**62):
+        with seeded(seed ^ _ROW_TAG, epoch, shard, i):
+            row = next(it, _END)
+        if row is _END:
+            return
+        yield row
+
+
+_END = object()
 
 
 def _shard_pos(pos: Pos, n: int) -> tuple[int, int]:
