@@ -251,3 +251,25 @@ def test_readme_loop_on_a_stream_resumes_from_a_checkpoint(hf_stream, tmp_path):
     resumed = run(loaded, 10)
     assert (resumed.epoch, resumed.cursor) == (straight.epoch, straight.cursor)
     torch.testing.assert_close(resumed.params["weight"], straight.params["weight"])
+
+
+@pytest.mark.slow
+def test_pretrain_stream_example_stopped_and_resumed_equals_the_straight_run(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "examples" / "pretrain_stream.py"
+    spec = importlib.util.spec_from_file_location("pretrain_stream", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    args = ["--steps", "4", "--save-every", "2", "--log-every", "1", "--max-chars", "20000",
+            "--block-size", "32", "--batch-size", "4", "--workers", "1"]  # fmt: skip
+    straight = example.main([*args, "--out", str(tmp_path / "a")])
+    assert example.main([*args, "--out", str(tmp_path / "b"), "--stop-at", "3"]) == {"stopped": 3}
+    resumed = example.main([*args, "--out", str(tmp_path / "b")])
+    assert "resumed from" in capsys.readouterr().out  # from step-2: steps 3 and 4 run again
+    assert len(resumed["losses"]) == 2
+    assert resumed["losses"] == straight["losses"][-len(resumed["losses"]) :]
+    assert (resumed["epoch"], resumed["cursor"]) == (straight["epoch"], straight["cursor"])
+    for name, p in straight["params"].items():
+        assert torch.equal(resumed["params"][name], p), name
