@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             state, info = ft.clip_and_step(state, grads, stats=stats, lr=lr(state.step), max_norm=1)
             if ft.should_log(state, every=args.log_every):
                 losses.append(float(stats.loss))  # host sync, on log steps only
-                print(f"step {state.step:4d}  loss {losses[-1]:.4f}  norm {float(info.grad_norm):.3f}")
+                print(f"step {state.step}  loss {losses[-1]:.4f}  norm {float(info.grad_norm):.3f}")
             if ft.should_save(state, every=args.save_every, total_steps=steps):
                 ft.save_checkpoint(state, out, keep_last=2)
             if state.step in (steps, args.stop_at):
