@@ -106,6 +106,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--read-ms", type=float, default=3.0)
     args = p.parse_args(argv)
+    # One compute thread in every loop: on a small shared machine, intra-op threads would
+    # fight the loader processes and the noise would swamp the comparison.
+    torch.set_num_threads(1)
     ds = SlowRows(BATCH * (args.steps + 5), args.read_ms / 1000)
     loops: dict[str, Callable[[], float]] = {
         "raw DataLoader(num_workers=2)": lambda: run_raw(ds, args.steps),
