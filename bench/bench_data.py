@@ -1,7 +1,7 @@
 """Background loading: ftrain with workers vs a raw DataLoader loop vs ftrain synchronous.
 
     python bench/bench_data.py                # 5 interleaved rounds, prints a table
-    python bench/bench_data.py --rounds 3 --steps 20 --read-ms 3
+    python bench/bench_data.py --rounds 3 --steps 20 --read-ms 4
 
 The dataset is IO-bound: each row takes `--read-ms` to read (a sleep, like a disk or network
 read that leaves the CPU free). The step is compute-bound: a small MLP language model. Three
@@ -103,8 +103,8 @@ def run_ftrain(ds: SlowRows, steps: int, workers: int) -> float:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--read-ms", type=float, default=3.0)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--read-ms", type=float, default=8.0)
     args = p.parse_args(argv)
     # One compute thread in every loop: on a small shared machine, intra-op threads would
     # fight the loader processes and the noise would swamp the comparison.

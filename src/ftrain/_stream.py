@@ -399,6 +399,8 @@ def _resume(start: int, spec: _Spec) -> Pos:
             "trained (or loaded from a checkpoint saved) on this stream"
         )
     pos = json.loads(raw)
+    if not isinstance(pos, dict) or pos.get("version") != _VERSION or "src" not in pos:
+        raise ValueError(f"start carries a malformed stream position: {raw[:200]!r}")
     want = {"epoch": spec.epoch, "cursor": int(start), "seed": spec.seed}
     got = {k: pos.get(k) for k in want}
     if got != want:
