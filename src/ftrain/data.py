@@ -7,7 +7,9 @@ rows are never read.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -20,14 +22,24 @@ if TYPE_CHECKING:
     from ftrain.state import TrainState
 
 __all__ = [
+    "Cursor",
+    "Group",
+    "IterableRows",
+    "Source",
     "ZeroWeight",
     "epoch_order",
     "find_batch_size",
     "is_out_of_memory",
+    "is_stream",
     "length_grouped_order",
     "make_batches",
+    "mix",
     "num_micro_batches",
+    "pack",
     "pad_collate",
+    "run_loader",
+    "seeded",
+    "stream",
     "weighted",
 ]
 
@@ -123,6 +135,9 @@ def make_batches(
     group_by_length: bool = False,
     lengths: Sequence[int] | None = None,
     strategy: Strategy | None = None,
+    num_workers: int = 0,
+    prefetch_factor: int | None = None,
+    pin_memory: bool = False,
 ) -> Iterator[list[Batch]]:
     """Yield one epoch as lists of `accum` collated micro-batches (the last list may be shorter).
 
@@ -132,8 +147,18 @@ def make_batches(
     final global micro-batch has fewer than W rows, ranks left without rows get a `ZeroWeight`
     stand-in, so that every rank runs the same number of micro-batches.
 
+    Fetching and collating micro-batch b runs with torch's default generator, Python's `random`
+    and numpy's global generator seeded from `(seed, epoch, b, rank)`, in worker processes and
+    in-process alike: random augmentations are the same for any `num_workers` and on resume.
+
+    Iterable sources (`datasets.IterableDataset`, torch `IterableDataset`, `ft.data.pack`,
+    `ft.data.mix`) are streamed; each yielded group then carries its stream position, which
+    `accumulate_grads` and `clip_and_step` put into `state.cursor`, so `start=state.cursor`
+    resumes the stream exactly (docs/data.md).
+
     Args:
-        data: a `datasets.Dataset`, a map-style torch dataset or a sequence of rows.
+        data: a `datasets.Dataset`, a map-style torch dataset, a sequence of rows, or an
+            iterable source (see above).
         batch_size: rows per micro-batch on this rank.
         accum: micro-batches per optimizer step.
         seed: with `epoch`, fixes the order.
@@ -146,11 +171,23 @@ def make_batches(
         group_by_length: order like HF's `LengthGroupedSampler` (mega-batches of rows of similar
             length); lengths come from `lengths` or each row's `input_ids`.
         lengths: row lengths for `group_by_length`, to avoid reading every row.
-        strategy: supplies the data-parallel `rank` and `world_size` (1 process by default).
+        strategy: supplies the data-parallel `rank` and `world_size`. Required under an
+            initialised process group of several ranks (see Raises).
+        num_workers: background processes that fetch and collate micro-batches (torch
+            `DataLoader`'s meaning); 0 loads in the loop's process. The output is the same.
+        prefetch_factor: micro-batches loaded in advance by each worker (torch's meaning: 2
+            when None); only with `num_workers > 0`.
+        pin_memory: collate into page-locked memory, so the strategy's non-blocking copy to
+            the GPU overlaps compute; needs CUDA.
 
     Raises:
-        ValueError: for a non-positive `batch_size`/`accum`, or a negative `start`.
-        TypeError: for data that has no `len` and `__getitem__`.
+        ValueError: for a non-positive `batch_size`/`accum`, a negative `start` or one beyond
+            the epoch, an empty `data`, `drop_last` leaving no micro-batch, a negative
+            `num_workers`, `prefetch_factor` without workers, `pin_memory` without CUDA, and
+            a missing `strategy` under an initialised multi-rank process group (a default group
+            may hold tensor-parallel ranks that must read the same rows, so it is not guessed).
+        TypeError: for data that is neither indexable nor iterable, or a non-integer
+            `seed`/`epoch`.
 
     Example:
         >>> import ftrain as ft
@@ -159,27 +196,234 @@ def make_batches(
         >>> [[b["input_ids"].shape[0] for b in g] for g in groups]
         [[2, 2], [1]]
     """
+    seed, epoch = _integer("seed", seed), _integer("epoch", epoch)
     _validate(batch_size=batch_size, accum=accum, start=start, data=data)
-    rank, world = (0, 1) if strategy is None else (strategy.rank, strategy.world_size)
+    rank, world = _ranks(strategy)
+    loading = _Loading.check(num_workers, prefetch_factor, pin_memory)
     collate = pad_collate() if collate_fn is None else collate_fn
+    spec = _Spec(batch_size, accum, seed, epoch, shuffle, drop_last, collate, rank, world)
+    if is_stream(data):
+        from ftrain._stream import stream_groups
+
+        return stream_groups(data, spec, start=start, loading=loading)
+    micro = _MicroBatches(
+        data, _order(data, spec, group_by_length, lengths), spec, total=_total(data, spec, start)
+    )
+    return _groups(_load(micro, range(start, len(micro)), loading), accum)
+
+
+class _Spec(NamedTuple):
+    """What make_batches was asked for, as passed to the loaders."""
+
+    batch_size: int
+    accum: int
+    seed: int
+    epoch: int
+    shuffle: bool
+    drop_last: bool
+    collate: Collate
+    rank: int
+    world: int
+
+
+def _integer(name: str, value: Any) -> int:
+    # bool is an int to Python but never a seed or an epoch; numpy integers are fine.
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    out = int(value.__index__())
+    if name == "epoch" and out < 0:
+        raise ValueError(f"epoch must be >= 0, got {out}")
+    return out
+
+
+def _ranks(strategy: Strategy | None) -> tuple[int, int]:
+    if strategy is not None:
+        return strategy.rank, strategy.world_size
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            f"strategy is None under an initialised process group of {dist.get_world_size()} "
+            "ranks: every rank would read the same rows. Pass strategy=state.strategy (each "
+            "rank reads its share), or strategy=ft.strategies.SingleDevice() to give every rank "
+            "all rows on purpose"
+        )
+    return 0, 1
+
+
+def _order(data: Any, spec: _Spec, group_by_length: bool, lengths: Any) -> np.ndarray:
     n = len(data)
-    rows = batch_size * world
     if group_by_length:
         lens = lengths if lengths is not None else [len(data[i]["input_ids"]) for i in range(n)]
         # HF groups by the per-step batch (train_batch_size * accumulation), over all ranks.
-        order = length_grouped_order(lens, rows * accum, seed, epoch)
-    elif shuffle:
-        order = epoch_order(n, seed, epoch)
-    else:
-        order = np.arange(n)
-    total = num_micro_batches(n, batch_size, world_size=world, drop_last=drop_last)
+        rows = spec.batch_size * spec.world * spec.accum
+        return length_grouped_order(lens, rows, spec.seed, spec.epoch)
+    return epoch_order(n, spec.seed, spec.epoch) if spec.shuffle else np.arange(n)
+
+
+def _total(data: Any, spec: _Spec, start: int) -> int:
+    """Micro-batches in the epoch, refusing an epoch that would make the README loop spin."""
+    n = len(data)
+    if n == 0:
+        raise ValueError("data is empty: an epoch would yield nothing and the loop would never end")
+    total = num_micro_batches(n, spec.batch_size, world_size=spec.world, drop_last=spec.drop_last)
+    if total == 0:
+        raise ValueError(
+            f"drop_last=True leaves no micro-batch: {n} rows < batch_size={spec.batch_size} x "
+            f"{spec.world} rank(s); pass drop_last=False or a smaller batch_size"
+        )
+    if start > total:
+        raise ValueError(
+            f"start={start} is beyond the epoch's {total} micro-batches (a cursor from another "
+            "batch size, rank count or dataset?)"
+        )
+    return total
+
+
+class _MicroBatches(torch.utils.data.Dataset[Batch]):
+    """Index b -> this rank's collated micro-batch b of the epoch: what workers run."""
+
+    def __init__(self, data: Any, order: np.ndarray, spec: _Spec, *, total: int) -> None:
+        self.data, self.order, self.spec, self.total = data, order, spec, total
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __getitem__(self, b: int) -> Batch:
+        s = self.spec
+        rows = s.batch_size * s.world
+        part = self.order[b * rows : (b + 1) * rows]
+        chunk = np.array_split(part, s.world)[s.rank]
+        with seeded(s.seed, s.epoch, b, s.rank):
+            if len(chunk):
+                return s.collate(_fetch(self.data, chunk))
+            # only the final, short global micro-batch can leave a rank without rows
+            return ZeroWeight(s.collate(_fetch(self.data, part[:1])))
+
+
+# Keeps data-path seeds apart from the dropout seeds of the same numbers (grads.dropout_seed).
+_DATA_STREAM = 0xDA7A
+
+
+@contextlib.contextmanager
+def seeded(seed: int, epoch: int, micro: int, rank: int) -> Iterator[None]:
+    """Seed torch's default generator, `random` and numpy's global generator from the
+    micro-batch's position for the block, and restore them afterwards.
+
+    Example:
+        >>> import torch
+        >>> from ftrain.data import seeded
+        >>> with seeded(0, 1, 2, 0):
+        ...     a = torch.rand(2)
+        >>> with seeded(0, 1, 2, 0):
+        ...     b = torch.rand(2)
+        >>> bool((a == b).all())
+        True
+    """
+    from ftrain.grads import dropout_seed
+
+    s = dropout_seed(seed ^ _DATA_STREAM, epoch, micro, rank)
+    saved = torch.default_generator.get_state(), random.getstate(), np.random.get_state()
+    torch.default_generator.manual_seed(s)
+    random.seed(s)
+    np.random.seed(s % 2**32)
+    try:
+        yield
+    finally:
+        torch.default_generator.set_state(saved[0])
+        random.setstate(saved[1])
+        np.random.set_state(saved[2])
+
+
+class _Loading(NamedTuple):
+    """How micro-batches are loaded: in-process, or by DataLoader workers."""
+
+    num_workers: int
+    prefetch_factor: int | None
+    pin_memory: bool
+
+    @classmethod
+    def check(cls, num_workers: int, prefetch_factor: int | None, pin_memory: bool) -> _Loading:
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
+        if prefetch_factor is not None:
+            if num_workers == 0:
+                raise ValueError(
+                    f"prefetch_factor={prefetch_factor!r} needs num_workers > 0 (the loop's "
+                    "own process loads one micro-batch at a time); drop it or add workers"
+                )
+            if not isinstance(prefetch_factor, int) or prefetch_factor < 1:
+                raise ValueError(f"prefetch_factor must be an int >= 1, got {prefetch_factor!r}")
+        if pin_memory and not torch.cuda.is_available():
+            raise ValueError("pin_memory=True needs a CUDA device; pass pin_memory=False on CPU")
+        return cls(num_workers, prefetch_factor, bool(pin_memory))
+
+    def loader(self, dataset: Any, **kw: Any) -> torch.utils.data.DataLoader[Batch]:
+        return torch.utils.data.DataLoader(
+            dataset,
+            batch_size=None,
+            collate_fn=_identity,
+            num_workers=self.num_workers,
+            prefetch_factor=self.prefetch_factor,
+            pin_memory=self.pin_memory,
+            **kw,
+        )
+
+
+def _identity(batch: Batch) -> Batch:
+    return batch
+
+
+def _load(micro: _MicroBatches, indices: range, loading: _Loading) -> Iterator[Batch]:
+    """Micro-batches `indices` in order: in-process, or from DataLoader workers, whose
+    in-order delivery makes the output independent of which worker finishes first."""
+    if loading.num_workers == 0 and not loading.pin_memory:
+        return (micro[b] for b in indices)
+    return run_loader(loading.loader(micro, sampler=indices))
+
+
+def run_loader(loader: torch.utils.data.DataLoader[Batch]) -> Iterator[Batch]:
+    """Iterate `loader`, ending its workers when the generator is exhausted, closed (a loop
+    that `break`s drops it) or garbage-collected."""
+    it = iter(loader)
+    try:
+        yield from it
+    finally:
+        # torch's own __del__ path; called here so that no reference cycle delays it.
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
+
+class Cursor(int):
+    """`state.cursor` after a step on a stream: the micro-batch count, carrying the stream
+    `position` (JSON) that `make_batches(start=state.cursor)` resumes from.
+
+    Example:
+        >>> from ftrain.data import Cursor
+        >>> c = Cursor(3, '{"cursor": 3}')
+        >>> c + 1, c.position
+        (4, '{"cursor": 3}')
+    """
+
+    position: str | None
+
+    def __new__(cls, value: int, position: str | None = None) -> Cursor:
+        out = super().__new__(cls, value)
+        out.position = position
+        return out
+
+
+class Group(list):
+    """A list of micro-batches for one optimizer step; `position` is the stream position
+    after it (JSON, None for map-style data), which `clip_and_step` stores in the state."""
+
+    position: str | None = None
+
+
+def _groups(batches: Iterator[Batch], accum: int) -> Iterator[list[Batch]]:
     group: list[Batch] = []
-    for b in range(start, total):
-        chunk = np.array_split(order[b * rows : (b + 1) * rows], world)[rank]
-        if len(chunk):
-            group.append(collate(_fetch(data, chunk)))
-        else:  # only the final, short global micro-batch can leave a rank without rows
-            group.append(ZeroWeight(collate(_fetch(data, order[b * rows : b * rows + 1]))))
+    for batch in batches:
+        group.append(batch)
         if len(group) == accum:
             yield group
             group = []
@@ -195,11 +439,19 @@ def _validate(*, batch_size: int, accum: int, start: int, data: Any) -> None:
     ):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+    if not is_stream(data) and not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
         raise TypeError(
             f"data must support len() and indexing (a datasets.Dataset, a map-style torch "
-            f"Dataset or a sequence), got {type(data).__name__}"
+            f"Dataset or a sequence) or be an iterable source (datasets.IterableDataset, torch "
+            f"IterableDataset, ft.data.pack/mix), got {type(data).__name__}"
         )
+
+
+def is_stream(data: Any) -> bool:
+    """Whether `make_batches` streams `data` (an iterable source) rather than indexing it."""
+    if isinstance(data, (torch.utils.data.IterableDataset, Source)):
+        return True
+    return type(data).__name__ == "IterableDataset" and hasattr(data, "num_shards")
 
 
 def _fetch(data: Any, idx: np.ndarray) -> list[Any]:
@@ -355,3 +607,7 @@ def find_batch_size(
             torch.cuda.empty_cache()
         size = int(size * factor)
     raise RuntimeError(f"no batch size from {start} down to 1 fits in memory")
+
+
+# The stream stages build on the names above; imported last so that _stream can import them.
+from ftrain._stream import IterableRows, Source, mix, pack, stream  # noqa: E402

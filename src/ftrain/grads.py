@@ -23,7 +23,9 @@ class Stats(NamedTuple):
 
     `loss` (mean per item), `num_items` (items the loss counts, e.g. label tokens),
     `num_tokens` (non-padding input tokens) and `num_samples` are device tensors; reading them
-    is a host sync. `num_micro` is this step's micro-batch count, a host int.
+    is a host sync. `num_micro` is this step's micro-batch count, a host int. `position` is
+    the stream position after these micro-batches (JSON; None for map-style data), which
+    `clip_and_step` keeps in the state.
     """
 
     loss: torch.Tensor
@@ -31,6 +33,7 @@ class Stats(NamedTuple):
     num_tokens: torch.Tensor
     num_samples: torch.Tensor
     num_micro: int
+    position: str | None = None
 
 
 def _splitmix64(x: int) -> int:
@@ -185,5 +188,6 @@ def accumulate_grads(
         num_tokens=num_tokens_t.long(),
         num_samples=num_samples_t.long(),
         num_micro=len(micro),
+        position=getattr(micro, "position", None),  # a stream group's (ft.data.Group)
     )
     return grads, stats

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ftrain.data import Cursor
 from ftrain.strategies._base import SingleDevice, Strategy
 
 if TYPE_CHECKING:
@@ -58,7 +59,8 @@ class TrainState:
     input state: reading a consumed state's tensors raises `ConsumedStateError`.
 
     Plain values: `step` (optimizer updates done), `epoch`, `cursor` (micro-batches consumed in
-    this epoch), `seed`, and the early-stopping fields `best_metric`, `best_step`,
+    this epoch; on a stream it carries `data_position`, the stream position as JSON), `seed`,
+    and the early-stopping fields `best_metric`, `best_step`,
     `patience_counter`. `tokens_seen` and `samples_seen` are 0-dim int64 tensors on the
     training device, so advancing them never waits for the device; `int(state.tokens_seen)`
     reads one (a host sync). With float16 loss scaling (a strategy with `precision="fp16"`),
@@ -94,7 +96,16 @@ class TrainState:
     loss_scale: torch.Tensor | None = None
     growth_tracker: torch.Tensor | None = None
     batch_size: int | None = None
+    data_position: str | None = None
     lease_: _Lease = dataclasses.field(default_factory=_Lease, repr=False)
+
+    def __post_init__(self) -> None:
+        # A stream's position (JSON, saved in state.json like any plain field) rides on the
+        # cursor, so the README loop's make_batches(start=state.cursor) resumes the stream.
+        if self.data_position is not None and (
+            getattr(self.cursor, "position", None) != self.data_position
+        ):
+            object.__setattr__(self, "cursor", Cursor(self.cursor, self.data_position))
 
     @classmethod
     def create(
@@ -271,4 +282,4 @@ _TENSOR_HOLDERS = {"model_", "opt_state_", "params_"}
 
 def next_epoch(state: TrainState) -> TrainState:
     """Return `state` at the start of the next epoch (`epoch + 1`, `cursor = 0`)."""
-    return state.replace(epoch=state.epoch + 1, cursor=0)
+    return state.replace(epoch=state.epoch + 1, cursor=0, data_position=None)

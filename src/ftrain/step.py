@@ -50,8 +50,10 @@ def clip_and_step(
     at most 1) with the norm taken across shards and ranks by the strategy. A non-finite norm
     skips the update on the device, without a host sync; `step` still advances (as in HF
     Trainer) and `info.skipped` says so. `cursor`, `tokens_seen` and `samples_seen` advance by
-    `stats` when given. With float16 loss scaling, an overflow always skips the update and
-    `loss_scale`/`growth_tracker` advance by `torch.amp.GradScaler`'s rule (`ft.precision`).
+    `stats` when given (a stream's `stats.position` goes to `state.data_position`, which rides
+    on `state.cursor`: docs/data.md). With float16 loss scaling, an overflow always skips the
+    update and `loss_scale`/`growth_tracker` advance by `torch.amp.GradScaler`'s rule
+    (`ft.precision`).
 
     Args:
         state: consumed unless `donate=False`.
@@ -102,8 +104,11 @@ def clip_and_step(
             state.loss_scale, state.growth_tracker, found_inf, scaling
         )
     if stats is not None:
+        cursor = state.cursor + stats.num_micro
+        if stats.position is not None:  # a stream: the position rides on the cursor
+            changes["data_position"] = stats.position
         changes.update(
-            cursor=state.cursor + stats.num_micro,
+            cursor=cursor,
             tokens_seen=state.tokens_seen + stats.num_tokens,
             samples_seen=state.samples_seen + stats.num_samples,
         )

@@ -1,0 +1,435 @@
+"""Streams: iterable sources read shard by shard, each item paired with the position after it.
+
+A position is plain JSON, so it travels in `state.json`. Every stage (shards, packing, mixing)
+maps `(epoch, position)` to the items that follow, so resuming needs no saved buffer: the
+shuffle window, the packing carry and the mixing counts are all re-derived from the position,
+re-reading at most the consumed part of one shard.
+
+Every rank and every worker reads the same global stream and keeps its own micro-batches; that
+is what makes every row appear once per epoch, gives all ranks the same micro-batch count, and
+lets a checkpoint resume on another rank count with the same global batch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import islice
+from typing import Any
+
+import numpy as np
+import torch
+
+from ftrain.data import (
+    Batch,
+    Group,
+    ZeroWeight,
+    _Loading,
+    _Spec,
+    epoch_order,
+    is_stream,
+    run_loader,
+    seeded,
+)
+
+__all__ = ["IterableRows", "Source", "mix", "pack", "stream", "stream_groups"]
+
+Pos = Any  # a JSON value
+Items = Iterator[tuple[Any, Pos]]
+_VERSION = 1
+_WINDOW_TAG = 0x5EED_B0F
+_ROW_TAG = 0x0520_0E
+
+
+class Source:
+    """An iterable source `make_batches` streams: `items(epoch, pos, seed, shuffle)` yields
+    `(row, position after it)` from position `pos` (None: the epoch's start)."""
+
+    def items(self, epoch: int, pos: Pos, seed: int, shuffle: bool) -> Items:
+        raise NotImplementedError
+
+
+class _Shards(Source):
+    """A `datasets.IterableDataset` or torch `IterableDataset`, read shard by shard.
+
+    With `shuffle`, the shard order is `epoch_order(num_shards, seed, epoch)` and rows are
+    shuffled within consecutive windows of `buffer` rows of a shard (the shuffle buffer), each
+    window by its own `(seed, epoch, shard, window)` permutation: reproducible on resume.
+    """
+
+    def __init__(self, data: Any, *, buffer: int) -> None:
+        if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 1:
+            raise ValueError(f"shuffle_buffer must be an int >= 1, got {buffer!r}")
+        if getattr(data, "_distributed", None) is not None:
+            raise ValueError(
+                "data was split by split_dataset_by_node, so its ranks' streams could end at "
+                "different steps (a hang); pass the whole stream and strategy=state.strategy: "
+                "make_batches gives each rank its share"
+            )
+        self.data, self.buffer = data, buffer
+        sharded = hasattr(data, "num_shards") and hasattr(data, "shard")
+        self.num_shards = int(data.num_shards) if sharded else 1
+
+    def _open(self, shard: int) -> Iterable[Any]:
+        if self.num_shards == 1:
+            return self.data
+        return self.data.shard(num_shards=self.num_shards, index=shard, contiguous=True)
+
+    def items(self, epoch: int, pos: Pos, seed: int, shuffle: bool) -> Items:
+        n = self.num_shards
+        order = epoch_order(n, seed, epoch).tolist() if shuffle else list(range(n))
+        j0, i0 = (0, 0) if pos is None else _shard_pos(pos, n)
+
+        def before() -> Iterator[tuple[Any, Pos]]:  # each row with the position *before* it
+            for j in range(j0, n):
+                skip = i0 if j == j0 else 0
+                rows = self._rows(order[j], skip, seed, epoch, shuffle)
+                for i, row in enumerate(rows, skip):
+                    yield row, {"shard": j, "row": i}
+
+        # The position after a row is the one before the next: a shard's last row then points
+        # at the next shard, so resuming there re-reads nothing.
+        prev = None
+        for row, p in before():
+            if prev is not None:
+                yield prev, p
+            prev = row
+        if prev is not None:
+            yield prev, {"shard": n, "row": 0}
+
+    def _rows(self, shard: int, skip: int, seed: int, epoch: int, shuffle: bool) -> Iterator[Any]:
+        it = _seeded_reads(iter(self._open(shard)), seed, epoch, shard)
+        if not shuffle:
+            return islice(it, skip, None)
+        return self._windows(it, shard, skip, seed, epoch)
+
+    def _windows(
+        self, it: Iterator[Any], shard: int, skip: int, seed: int, epoch: int
+    ) -> Iterator[Any]:
+        from ftrain.grads import dropout_seed
+
+        k = self.buffer
+        first = skip // k
+        it = islice(it, first * k, None)  # whole consumed windows: read, not kept
+        for w in range(first, 2**62):
+            window = list(islice(it, k))
+            if not window:
+                return
+            g = torch.Generator().manual_seed(dropout_seed(seed ^ _WINDOW_TAG, epoch, shard, w))
+            perm = torch.randperm(len(window), generator=g).tolist()
+            lo = skip - w * k if w == first else 0
+            for t in perm[lo:]:
+                yield window[t]
+
+
+def _seeded_reads(it: Iterator[Any], seed: int, epoch: int, shard: int) -> Iterator[Any]:
+    """Read each row with the generators seeded from `(seed, epoch, shard, row)`: randomness
+    drawn while a source produces a row is the same for any worker count, rank or resume."""
+    for i in range(2**62):
+        with seeded(seed ^ _ROW_TAG, epoch, shard, i):
+            row = next(it, _END)
+        if row is _END:
+            return
+        yield row
+
+
+_END = object()
+
+
+def _shard_pos(pos: Pos, n: int) -> tuple[int, int]:
+    if not (isinstance(pos, dict) and set(pos) == {"shard", "row"}):
+        raise ValueError(f"malformed stream position {pos!r}")
+    j, i = pos["shard"], pos["row"]
+    if not (type(j) is int and type(i) is int and 0 <= j <= n and i >= 0):
+        raise ValueError(f"stream position {pos!r} does not fit a source of {n} shard(s)")
+    return j, i
+
+
+def stream(data: Any, *, shuffle_buffer: int = 1000) -> Source:
+    """Wrap an iterable dataset for `make_batches`, choosing the shuffle buffer size.
+
+    Shards are `data.num_shards` / `data.shard(num_shards, index)` (a `datasets`
+    `IterableDataset`: one per file; `.reshard()` gives one per parquet row group); a torch
+    `IterableDataset` without them is one shard. Resuming re-reads the consumed part of the
+    current shard only. A raw iterable dataset passed to `make_batches` gets
+    `shuffle_buffer=1000`.
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> class Numbers(torch.utils.data.IterableDataset):
+        ...     def __iter__(self):
+        ...         return iter([{"x": i} for i in range(6)])
+        >>> src = ft.data.stream(Numbers(), shuffle_buffer=3)
+        >>> g = ft.make_batches(src, batch_size=3, shuffle=False)
+        >>> [b["x"].tolist() for group in g for b in group]
+        [[0, 1, 2], [3, 4, 5]]
+    """
+    if isinstance(data, Source):
+        return data
+    if not is_stream(data):
+        raise TypeError(
+            f"data must be a datasets.IterableDataset or a torch IterableDataset, got "
+            f"{type(data).__name__}"
+        )
+    return _Shards(data, buffer=shuffle_buffer)
+
+
+class _Pack(Source):
+    def __init__(self, source: Source, block_size: int, mode: str, key: str) -> None:
+        self.source, self.block_size, self.mode, self.key = source, block_size, mode, key
+
+    def items(self, epoch: int, pos: Pos, seed: int, shuffle: bool) -> Items:
+        inner, skip = (None, 0) if pos is None else (pos["src"], pos["tok"])
+        rows = self.source.items(epoch, inner, seed, shuffle)
+        if self.mode == "concat":
+            return self._concat(rows, inner, skip)
+        return self._examples(rows, inner)
+
+    def _concat(self, rows: Items, before: Pos, skip: int) -> Items:
+        size = self.block_size
+        segs: deque[list[Any]] = deque()  # [position before the row, first unused token, tokens]
+        have = 0
+        for row, after in rows:
+            tokens = list(row[self.key])
+            if skip < len(tokens):
+                segs.append([before, skip, tokens[skip:]])
+                have += len(tokens) - skip
+            before, skip = after, 0
+            while have >= size:
+                have -= size
+                block = _take(segs, size)
+                nxt = {"src": segs[0][0], "tok": segs[0][1]} if segs else {"src": before, "tok": 0}
+                yield {"input_ids": block, "labels": list(block)}, nxt
+        if have:  # the stream's last, short block: every token is used once
+            block = _take(segs, have)
+            yield {"input_ids": block, "labels": list(block)}, {"src": before, "tok": 0}
+
+    def _examples(self, rows: Items, before: Pos) -> Items:
+        from ftrain.sft import pack as pack_rows
+
+        kept: list[dict[str, Any]] = []
+        length = 0
+        for row, after in rows:
+            ids = list(row[self.key])
+            n = min(len(ids), self.block_size)
+            if kept and length + n > self.block_size:
+                yield pack_rows(kept, self.block_size)[0], {"src": before, "tok": 0}
+                kept, length = [], 0
+            kept.append({"input_ids": ids, "labels": list(row.get("labels", ids))})
+            length += n
+            before = after
+        if kept:
+            yield pack_rows(kept, self.block_size)[0], {"src": before, "tok": 0}
+
+
+def _take(segs: deque[list[Any]], n: int) -> list[int]:
+    out: list[int] = []
+    while len(out) < n:
+        seg = segs[0]
+        need = n - len(out)
+        out += seg[2][:need]
+        if need >= len(seg[2]):
+            segs.popleft()
+        else:
+            seg[1], seg[2] = seg[1] + need, seg[2][need:]
+    return out
+
+
+def pack(data: Any, *, block_size: int, mode: str = "concat", key: str = "input_ids") -> Source:
+    """Pack a stream of token rows into blocks of `block_size` tokens, resumable mid-block.
+
+    `mode="concat"` concatenates the rows' `key` tokens and cuts them into blocks of exactly
+    `block_size` (the stream's last block may be shorter); every token is used once, and a
+    row may span two blocks. `mode="examples"` keeps examples whole, as `ft.sft.pack` does:
+    rows are added to a block until the next does not fit (`position_ids` restart per example,
+    a row longer than `block_size` is cut). Blocks are rows `{"input_ids", "labels", ...}`.
+
+    Example:
+        >>> import ftrain as ft
+        >>> rows = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}, {"input_ids": [6, 7, 8]}]
+        >>> ds = ft.data.stream(ft.data.IterableRows(rows))
+        >>> blocks = ft.make_batches(ft.data.pack(ds, block_size=3), batch_size=1, shuffle=False)
+        >>> [b["input_ids"].tolist() for g in blocks for b in g]
+        [[[1, 2, 3]], [[4, 5, 6]], [[7, 8]]]
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    if mode not in ("concat", "examples"):
+        raise ValueError(f"mode must be 'concat' or 'examples', got {mode!r}")
+    return _Pack(stream(data), block_size, mode, key)
+
+
+class _Mix(Source):
+    def __init__(self, sources: list[Source], weights: list[float]) -> None:
+        self.sources, self.weights = sources, weights
+
+    def items(self, epoch: int, pos: Pos, seed: int, shuffle: bool) -> Items:
+        k = len(self.sources)
+        counts, inner = ([0] * k, [None] * k) if pos is None else _mix_pos(pos, k)
+        its = [
+            s.items(epoch, p, seed + i, shuffle)
+            for i, (s, p) in enumerate(zip(self.sources, inner, strict=True))
+        ]
+        while True:
+            # Smooth weighted round-robin: take from the source furthest behind its share, so
+            # the realised proportions stay within one row of the weights at every point.
+            total = sum(counts) + 1
+            i = int(np.argmax([w * total - c for w, c in zip(self.weights, counts, strict=True)]))
+            nxt = next(its[i], None)
+            if nxt is None:  # the first source to run out ends the epoch
+                return
+            counts[i] += 1
+            inner[i] = nxt[1]
+            yield nxt[0], {"counts": list(counts), "src": list(inner)}
+
+
+def _mix_pos(pos: Pos, k: int) -> tuple[list[int], list[Pos]]:
+    if not (isinstance(pos, dict) and len(pos.get("counts", ())) == k == len(pos.get("src", ()))):
+        raise ValueError(f"stream position {pos!r} does not fit a mix of {k} sources")
+    return list(pos["counts"]), list(pos["src"])
+
+
+def mix(sources: Sequence[Any], *, weights: Sequence[float]) -> Source:
+    """Interleave streams so that their shares of the rows follow `weights` (e.g. 0.7/0.3).
+
+    The order is deterministic (source i is taken whenever it is furthest behind its share),
+    so it is reproducible and resumable; the epoch ends when the first source runs out.
+
+    Example:
+        >>> import ftrain as ft
+        >>> a = ft.data.IterableRows([{"x": 0}] * 7)
+        >>> b = ft.data.IterableRows([{"x": 1}] * 3)
+        >>> g = ft.make_batches(ft.data.mix([a, b], weights=[0.7, 0.3]), batch_size=10)
+        >>> [b["x"].tolist() for group in g for b in group]
+        [[0, 1, 0, 0, 0, 1, 0, 0, 1, 0]]
+    """
+    if len(sources) != len(weights) or not sources:
+        raise ValueError(
+            f"weights must give one weight per source: {len(sources)} sources, "
+            f"{len(weights)} weights"
+        )
+    if any(not (isinstance(w, (int, float)) and w > 0) for w in weights):
+        raise ValueError(f"weights must be numbers > 0, got {list(weights)!r}")
+    total = float(sum(weights))
+    return _Mix([stream(s) for s in sources], [w / total for w in weights])
+
+
+class IterableRows(torch.utils.data.IterableDataset[Any]):
+    """A torch `IterableDataset` over a list of rows (tests and examples): one shard."""
+
+    def __init__(self, rows: Sequence[Any]) -> None:
+        self.rows = rows
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.rows)
+
+
+class _MicroStream(torch.utils.data.IterableDataset[tuple[Batch, str]]):
+    """This rank's micro-batches of the global stream with their positions; a worker of W
+    keeps micro-batches b = worker (mod W), which DataLoader delivers round-robin, in order."""
+
+    def __init__(self, source: Source, spec: _Spec, pos: Pos, start: int) -> None:
+        self.source, self.spec, self.pos, self.start = source, spec, pos, start
+
+    def __iter__(self) -> Iterator[tuple[Batch, str]]:
+        s = self.spec
+        worker, workers = _claim_worker()
+        rows = s.batch_size * s.world
+        items = self.source.items(s.epoch, self.pos, s.seed, s.shuffle)
+        b = self.start
+        while chunk := list(islice(items, rows)):
+            if s.drop_last and len(chunk) < rows:
+                break
+            if (b - self.start) % workers == worker:
+                yield self._collate(chunk, b), self._position(b + 1, chunk[-1][1])
+            b += 1
+        if b == 0:  # the README loop would call next_epoch forever
+            raise ValueError(
+                "data is empty"
+                + (f", or drop_last=True with fewer than {rows} rows" if s.drop_last else "")
+                + ": the stream yields no micro-batch in an epoch"
+            )
+
+    def _collate(self, chunk: list[tuple[Any, Pos]], b: int) -> Batch:
+        s = self.spec
+        mine = np.array_split(np.arange(len(chunk)), s.world)[s.rank].tolist()
+        with seeded(s.seed, s.epoch, b, s.rank):
+            if mine:
+                return s.collate([chunk[i][0] for i in mine])
+            return ZeroWeight(s.collate([chunk[0][0]]))
+
+    def _position(self, cursor: int, pos: Pos) -> str:
+        s = self.spec
+        return json.dumps(
+            {
+                "version": _VERSION,
+                "epoch": s.epoch,
+                "cursor": cursor,
+                "seed": s.seed,
+                "rows": s.batch_size * s.world,
+                "src": pos,
+            },
+            separators=(",", ":"),
+        )
+
+
+def _claim_worker() -> tuple[int, int]:
+    """(worker id, workers) inside a DataLoader worker, else (0, 1).
+
+    Each worker reads the whole stream itself, so the worker info is hidden from the sources:
+    `datasets` would otherwise give each worker a disjoint subset of the shards.
+    """
+    info = torch.utils.data.get_worker_info()
+    if info is None:
+        return 0, 1
+    torch.utils.data._utils.worker._worker_info = None
+    return info.id, info.num_workers
+
+
+def _resume(start: int, spec: _Spec) -> Pos:
+    """The source position to resume at micro-batch `start`, from the cursor's position."""
+    if start == 0:
+        return None
+    raw = getattr(start, "position", None)
+    if raw is None:
+        raise ValueError(
+            f"start={start} on a stream needs the stream position, which rides on "
+            "state.cursor after clip_and_step(stats=...): pass start=state.cursor from a state "
+            "trained (or loaded from a checkpoint saved) on this stream"
+        )
+    pos = json.loads(raw)
+    if not isinstance(pos, dict) or pos.get("version") != _VERSION or "src" not in pos:
+        raise ValueError(f"start carries a malformed stream position: {raw[:200]!r}")
+    want = {"epoch": spec.epoch, "cursor": int(start), "seed": spec.seed}
+    got = {k: pos.get(k) for k in want}
+    if got != want:
+        raise ValueError(f"start's stream position is for {got}, not {want}: pass state.cursor")
+    rows = spec.batch_size * spec.world
+    if pos.get("rows") != rows:
+        raise ValueError(
+            f"batch_size={spec.batch_size} x {spec.world} rank(s) = {rows} rows per global "
+            f"micro-batch, but the stream position was saved with {pos.get('rows')}: keep the "
+            "global batch when resuming"
+        )
+    return pos["src"]
+
+
+def stream_groups(data: Any, spec: _Spec, *, start: int, loading: _Loading) -> Iterator[Group]:
+    """make_batches for an iterable source: groups of `accum` micro-batches with positions."""
+    micro = _MicroStream(stream(data), spec, _resume(start, spec), int(start))
+    if loading.num_workers == 0 and not loading.pin_memory:
+        return _grouped(iter(micro), spec.accum)
+    return _grouped(run_loader(loading.loader(micro)), spec.accum)
+
+
+def _grouped(batches: Iterator[tuple[Batch, str]], accum: int) -> Iterator[Group]:
+    group = Group()
+    for batch, position in batches:
+        group.append(batch)
+        group.position = position
+        if len(group) == accum:
+            yield group
+            group = Group()
+    if group:
+        yield group

@@ -1,0 +1,275 @@
+"""make_batches over streams: datasets streaming and torch IterableDatasets, exact resume from
+the JSON position that rides on state.cursor, epochs, shuffle buffer, ranks, packing, mixing."""
+
+import json
+
+import pytest
+import torch
+
+import ftrain as ft
+from ftrain.data import Cursor
+from helpers import FakeRank
+
+SHARDS, PER_SHARD = 4, 7  # 28 rows
+READS: list[int] = []
+
+
+def _count_read(row):
+    READS.append(row["idx"])
+    return row
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shards")
+    paths = []
+    for k in range(SHARDS):
+        path = root / f"part-{k}.jsonl"
+        rows = [{"idx": k * PER_SHARD + i, "input_ids": [k + 1] * (i % 4 + 1)} for i in range(7)]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        paths.append(str(path))
+    return paths
+
+
+@pytest.fixture(scope="module")
+def hf_stream(files):
+    import datasets
+
+    ds = datasets.load_dataset("json", data_files=files, streaming=True, split="train")
+    return ds.map(_count_read)
+
+
+def _flat(groups):
+    return [i for g in _ids(groups) for i in g]
+
+
+def _ids(groups):
+    return [
+        [i for b in g if not isinstance(b, ft.data.ZeroWeight) for i in b["idx"].tolist()]
+        for g in groups
+    ]
+
+
+def _micro(groups):
+    return [
+        [] if isinstance(b, ft.data.ZeroWeight) else b["idx"].tolist() for g in groups for b in g
+    ]
+
+
+def _at(group, cursor):
+    """state.cursor after clip_and_step on `group`: what the README loop passes as start."""
+    state_like = Cursor(cursor, group.position)
+    return state_like
+
+
+def _resume_all(data, **kw):
+    """The uninterrupted epoch, and for each stop point k the epoch resumed after k groups."""
+    full = list(ft.make_batches(data, **kw))
+    cursor = 0
+    for k, group in enumerate(full[:-1]):
+        cursor += len(group)
+        READS.clear()
+        resumed = list(ft.make_batches(data, start=_at(group, cursor), **kw))
+        yield k, full, resumed
+
+
+def test_hf_json_stream_covers_every_row_once_and_reshuffles_shards_per_epoch(hf_stream):
+    kw = {"batch_size": 3, "accum": 2, "seed": 1}
+    e0 = _flat(ft.make_batches(hf_stream, epoch=0, **kw))
+    e1 = _flat(ft.make_batches(hf_stream, epoch=1, **kw))
+    assert sorted(e0) == sorted(e1) == list(range(SHARDS * PER_SHARD))
+    assert [i // PER_SHARD for i in e0[::PER_SHARD]] != [i // PER_SHARD for i in e1[::PER_SHARD]]
+    plain = _flat(ft.make_batches(hf_stream, shuffle=False, **kw))
+    assert plain == list(range(SHARDS * PER_SHARD))
+
+
+def test_exact_resume_at_every_step_rereads_at_most_one_shard(hf_stream):
+    src = ft.data.stream(hf_stream, shuffle_buffer=3)  # windows of 3 rows, shuffled
+    for k, full, resumed in _resume_all(src, batch_size=2, accum=2, seed=5, epoch=2):
+        assert _ids(resumed) == _ids(full[k + 1 :]), k
+        consumed = {i for g in _ids(full[: k + 1]) for i in g}
+        assert len(set(READS) & consumed) < PER_SHARD, k  # never the consumed prefix
+
+
+def test_resuming_twice_equals_resuming_once(hf_stream):
+    kw = {"batch_size": 2, "accum": 1, "seed": 3}
+    full = list(ft.make_batches(hf_stream, **kw))
+    once = list(ft.make_batches(hf_stream, start=_at(full[3], 4), **kw))
+    twice = list(ft.make_batches(hf_stream, start=_at(once[4], 9), **kw))
+    assert _ids(twice) == _ids(full[9:])
+    assert [g.position for g in twice] == [g.position for g in full[9:]]
+
+
+def test_ranks_split_each_global_micro_batch_and_resume_on_another_rank_count(hf_stream):
+    kw = {"accum": 2, "seed": 7}
+    one = list(ft.make_batches(hf_stream, batch_size=6, **kw))
+    two = [
+        list(ft.make_batches(hf_stream, batch_size=3, strategy=FakeRank(r, 2), **kw))
+        for r in (0, 1)
+    ]
+    assert [len(g) for g in two[0]] == [len(g) for g in two[1]] == [len(g) for g in one]
+    assert sorted(_flat(two[0]) + _flat(two[1])) == list(range(28))
+    # Global micro-batch b: rank 0 takes its first half, rank 1 the second.
+    halves = [b0 + b1 for b0, b1 in zip(_micro(two[0]), _micro(two[1]), strict=True)]
+    assert halves == _micro(one)
+    assert [g.position for g in two[0]] == [g.position for g in two[1]] == [g.position for g in one]
+    # 28 rows, 6 per global micro-batch: the last holds 4, ranks take 2 each; resume the 2-rank
+    # run's checkpoint in one process with the same global batch.
+    resumed = list(ft.make_batches(hf_stream, batch_size=6, start=_at(two[1][0], 2), **kw))
+    assert _ids(resumed) == _ids(one[1:])
+    with pytest.raises(ValueError, match="batch_size=4 x 1 rank"):
+        ft.make_batches(hf_stream, batch_size=4, start=_at(two[1][0], 2), **kw)
+
+
+def test_stream_errors_name_the_argument(hf_stream):
+    with pytest.raises(ValueError, match="start=2 on a stream needs the stream position"):
+        ft.make_batches(hf_stream, batch_size=2, start=2)
+    group = next(iter(ft.make_batches(hf_stream, batch_size=2, epoch=0)))
+    with pytest.raises(ValueError, match=r"not \{'epoch': 1"):
+        ft.make_batches(hf_stream, batch_size=2, epoch=1, start=_at(group, 1))
+    import datasets.distributed
+
+    split = datasets.distributed.split_dataset_by_node(hf_stream, rank=0, world_size=2)
+    with pytest.raises(ValueError, match="split_dataset_by_node"):
+        ft.make_batches(split, batch_size=2)
+    with pytest.raises(ValueError, match="data is empty"):
+        list(ft.make_batches(ft.data.IterableRows([]), batch_size=2))
+    with pytest.raises(ValueError, match="shuffle_buffer"):
+        ft.data.stream(hf_stream, shuffle_buffer=0)
+
+
+class Tokens(torch.utils.data.IterableDataset):
+    """A torch IterableDataset with datasets' shard protocol and a random augmentation."""
+
+    num_shards = 3
+
+    def __init__(self, index=None):
+        self.index = index
+
+    def shard(self, num_shards, index, contiguous=True):
+        return Tokens(index)
+
+    def __iter__(self):
+        for k in range(3) if self.index is None else [self.index]:
+            for i in range(10):
+                yield {"idx": 10 * k + i, "input_ids": [k] * (1 + i % 3), "noise": torch.rand(())}
+
+
+def test_torch_iterable_with_workers_equals_in_process_and_resumes():
+    kw = {"batch_size": 2, "accum": 2, "seed": 2}
+    base = list(ft.make_batches(Tokens(), **kw))
+    workers = list(ft.make_batches(Tokens(), num_workers=2, **kw))
+    assert _ids(base) == _ids(workers)
+    noise = [b["noise"].tolist() for g in base for b in g]
+    assert noise == [b["noise"].tolist() for g in workers for b in g]
+    resumed = list(ft.make_batches(Tokens(), start=_at(base[2], 6), num_workers=2, **kw))
+    assert _ids(resumed) == _ids(base[3:])
+    assert [b["noise"].tolist() for g in resumed for b in g] == noise[6:]
+
+
+def _tokens(groups):
+    return [t for g in groups for b in g for row in b["input_ids"].tolist() for t in row if t]
+
+
+def test_concat_packing_uses_every_token_once_and_resumes_mid_block():
+    rows = [{"idx": i, "input_ids": [i + 1] * (i % 5 + 1)} for i in range(40)]
+    src = ft.data.pack(ft.data.IterableRows(rows), block_size=4)
+    kw = {"batch_size": 2, "accum": 1, "shuffle": False}
+    blocks = list(ft.make_batches(src, **kw))
+    assert _tokens(blocks) == [t for r in rows for t in r["input_ids"]]
+    assert all(b["input_ids"].shape[1] == 4 for g in blocks[:-1] for b in g)
+    for k, full, resumed in _resume_all(src, **kw):
+        assert _tokens(resumed) == _tokens(full[k + 1 :]), k
+
+
+def test_example_packing_keeps_examples_whole_and_resumes():
+    rows = [{"input_ids": [i + 1] * (i % 4 + 1)} for i in range(30)]
+    src = ft.data.pack(ft.data.IterableRows(rows), block_size=6, mode="examples")
+    kw = {"batch_size": 1, "accum": 2, "shuffle": False}
+    blocks = list(ft.make_batches(src, collate_fn=ft.sft.packed_collate(0), **kw))
+    assert _tokens(blocks) == [t for r in rows for t in r["input_ids"]]
+    for g in blocks:
+        for b in g:
+            ids, pos = b["input_ids"][0].tolist(), b["position_ids"][0].tolist()
+            starts = [i for i, p in enumerate(pos) if p == 0 and ids[i]]
+            ends = [*starts[1:], len(ids)]
+            assert all(len(set(ids[a:z])) == 1 for a, z in zip(starts, ends, strict=True))
+    for k, full, resumed in _resume_all(src, collate_fn=ft.sft.packed_collate(0), **kw):
+        assert _tokens(resumed) == _tokens(full[k + 1 :]), k
+
+
+def test_mixing_follows_the_weights_and_resumes():
+    a = ft.data.IterableRows([{"src": 0, "i": i} for i in range(300)])
+    b = ft.data.IterableRows([{"src": 1, "i": i} for i in range(100)])
+    src = ft.data.mix([a, b], weights=[0.7, 0.3])
+    kw = {"batch_size": 10, "accum": 3, "seed": 0, "shuffle": False}
+    groups = list(ft.make_batches(src, **kw))
+    sources = [s for g in groups for x in g for s in x["src"].tolist()]
+    assert sources.count(1) == 100 and abs(len(sources) - 100 / 0.3) < 3  # b ran out first
+    # Every prefix holds the weights' shares to within one row.
+    assert all(abs(sum(sources[:n]) - 0.3 * n) <= 1 for n in range(1, len(sources)))
+    for k, full, resumed in _resume_all(src, **kw):
+        assert [x["i"].tolist() for g in resumed for x in g] == [
+            x["i"].tolist() for g in full[k + 1 :] for x in g
+        ]
+    with pytest.raises(ValueError, match="weights"):
+        ft.data.mix([a, b], weights=[1.0])
+
+
+def test_readme_loop_on_a_stream_resumes_from_a_checkpoint(hf_stream, tmp_path):
+    """The README loop with only the dataset line changed: stop, load, go on = uninterrupted."""
+
+    def run(state, steps, stop=None):
+        while state.step < steps:
+            for micro in ft.make_batches(
+                hf_stream, batch_size=2, accum=2, seed=0, epoch=state.epoch, start=state.cursor
+            ):
+                grads, stats = ft.accumulate_grads(state, micro, loss)
+                state, _ = ft.clip_and_step(state, grads, stats=stats, lr=0.1)
+                if state.step == stop:
+                    ft.save_checkpoint(state, tmp_path)
+                    return state
+                if state.step >= steps:
+                    break
+            else:
+                state = ft.next_epoch(state)
+        return state
+
+    def loss(model, batch):
+        return model(batch["idx"].float()[:, None]).sum(), batch["idx"].shape[0]
+
+    def fresh():
+        torch.manual_seed(0)
+        return ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd(), seed=0)
+
+    straight = run(fresh(), 10)  # 28 rows, 4 per step: 7 steps an epoch
+    run(fresh(), 10, stop=5)
+    saved = json.loads((tmp_path / "step-5" / "state.json").read_text())["fields"]
+    assert json.loads(saved["data_position"])["cursor"] == 10
+    loaded = ft.load_checkpoint(ft.latest_checkpoint(tmp_path), fresh())
+    assert loaded.cursor == 10 and loaded.cursor.position == saved["data_position"]
+    resumed = run(loaded, 10)
+    assert (resumed.epoch, resumed.cursor) == (straight.epoch, straight.cursor)
+    torch.testing.assert_close(resumed.params["weight"], straight.params["weight"])
+
+
+@pytest.mark.slow
+def test_pretrain_stream_example_stopped_and_resumed_equals_the_straight_run(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "examples" / "pretrain_stream.py"
+    spec = importlib.util.spec_from_file_location("pretrain_stream", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    args = ["--steps", "4", "--save-every", "2", "--log-every", "1", "--max-chars", "20000",
+            "--block-size", "32", "--batch-size", "4", "--workers", "1"]  # fmt: skip
+    straight = example.main([*args, "--out", str(tmp_path / "a")])
+    assert example.main([*args, "--out", str(tmp_path / "b"), "--stop-at", "3"]) == {"stopped": 3}
+    resumed = example.main([*args, "--out", str(tmp_path / "b")])
+    assert "resumed from" in capsys.readouterr().out  # from step-2: steps 3 and 4 run again
+    assert len(resumed["losses"]) == 2
+    assert resumed["losses"] == straight["losses"][-len(resumed["losses"]) :]
+    assert (resumed["epoch"], resumed["cursor"]) == (straight["epoch"], straight["cursor"])
+    for name, p in straight["params"].items():
+        assert torch.equal(resumed["params"][name], p), name

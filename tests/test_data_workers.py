@@ -1,0 +1,170 @@
+"""make_batches with DataLoader workers: same groups for any worker count, seeded randomness,
+O(1) start, no leaked process, worker errors with their traceback, and argument errors."""
+
+import gc
+import multiprocessing
+import random
+import socket
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+import ftrain as ft
+from helpers import FakeRank
+
+
+class Augmented(torch.utils.data.Dataset):
+    """Rows drawn with torch, `random` and numpy's global generator (a random augmentation);
+    reading a row listed in `forbidden` fails, in a worker or not."""
+
+    def __init__(self, n, forbidden=()):
+        self.n, self.forbidden = n, set(forbidden)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i in self.forbidden:
+            raise ValueError(f"row {i} must not be read")
+        noise = [*torch.rand(2).tolist(), random.random(), float(np.random.rand())]
+        return {"idx": i, "noise": noise}
+
+
+def _flat(groups):
+    return [(b["idx"].tolist(), b["noise"].tolist()) for g in groups for b in g]
+
+
+def _batches(data, **kw):
+    kw = {"batch_size": 3, "accum": 2, "seed": 4, **kw}
+    return list(ft.make_batches(data, **kw))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _flat(_batches(Augmented(20), epoch=1))
+
+
+# torch warns when there are more workers than cores (8 on a 2-core CI machine): on purpose here.
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+@pytest.mark.parametrize("workers", [1, 2, 8])
+def test_any_worker_count_yields_the_in_process_groups(reference, workers):
+    got = _batches(Augmented(20), epoch=1, num_workers=workers, prefetch_factor=1)
+    assert [len(g) for g in got] == [2, 2, 2, 1]
+    assert _flat(got) == reference
+
+
+def test_augmentation_randomness_depends_on_epoch_and_rank_not_on_the_caller(reference):
+    torch.manual_seed(123)
+    random.seed(5)
+    before = torch.rand(1), random.random()
+    again = _flat(_batches(Augmented(20), epoch=1))
+    assert again == reference
+    other = _flat(_batches(Augmented(20), epoch=2))
+    assert [n for _, n in other] != [n for _, n in reference]
+    # The caller's generators are left where they were.
+    torch.manual_seed(123)
+    random.seed(5)
+    assert (torch.rand(1), random.random()) == before
+    ranks = [_flat(_batches(Augmented(20), batch_size=2, strategy=FakeRank(r, 2))) for r in (0, 1)]
+    assert ranks[0][0][1] != ranks[1][0][1]
+
+
+def test_resume_with_workers_equals_the_uninterrupted_run_and_never_reads_skipped_rows(reference):
+    order = [i for ids, _ in reference for i in ids]
+    skipped = order[: 3 * 3]  # start=3 micro-batches of 3 rows
+    resumed = _batches(Augmented(20, forbidden=skipped), epoch=1, start=3, num_workers=2)
+    assert _flat(resumed) == reference[3:]
+
+
+def _children():
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def test_workers_end_when_the_loop_breaks_or_the_iterator_is_dropped():
+    before = _children()
+    for i, _ in enumerate(ft.make_batches(Augmented(40), batch_size=2, num_workers=2)):
+        assert len(_children() - before) == 2
+        if i == 1:
+            break  # max_steps reached mid-epoch
+    assert _children() == before
+    it = ft.make_batches(Augmented(40), batch_size=2, num_workers=2)
+    next(it)
+    del it
+    gc.collect()
+    assert _children() == before
+
+
+def test_a_worker_exception_surfaces_with_the_worker_traceback():
+    with pytest.raises(ValueError, match="row 7 must not be read") as e:
+        _batches(Augmented(20, forbidden=[7]), shuffle=False, num_workers=2)
+    assert "in DataLoader worker process" in str(e.value)
+    assert "__getitem__" in str(e.value)  # the worker's own traceback
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "match"),
+    [
+        ({"num_workers": -1}, ValueError, "num_workers"),
+        ({"prefetch_factor": 2}, ValueError, "prefetch_factor"),
+        ({"num_workers": 1, "prefetch_factor": 0}, ValueError, "prefetch_factor"),
+        ({"seed": "1"}, TypeError, "seed"),
+        ({"seed": 1.5}, TypeError, "seed"),
+        ({"epoch": 2.0}, TypeError, "epoch"),
+        ({"epoch": -1}, ValueError, "epoch"),
+        ({"start": 8}, ValueError, "start=8 is beyond the epoch's 7 micro-batches"),
+    ],
+)
+def test_bad_arguments_name_themselves(kw, error, match):
+    with pytest.raises(error, match=match):
+        ft.make_batches(Augmented(20), batch_size=3, **kw)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="pinning works with CUDA")
+def test_pin_memory_without_cuda_raises():
+    with pytest.raises(ValueError, match="pin_memory"):
+        ft.make_batches(Augmented(4), batch_size=2, pin_memory=True)
+
+
+def test_empty_epoch_raises_instead_of_spinning_the_loop():
+    with pytest.raises(ValueError, match="data is empty"):
+        ft.make_batches([], batch_size=2)
+    with pytest.raises(ValueError, match="drop_last=True leaves no micro-batch: 3 rows"):
+        ft.make_batches(Augmented(3), batch_size=2, drop_last=True, strategy=FakeRank(0, 2))
+    # start == the epoch's length is a resume at the epoch's end: nothing left, no error.
+    assert list(ft.make_batches(Augmented(4), batch_size=2, start=2)) == []
+    assert list(ft.make_batches(np.arange(4), batch_size=2, seed=np.int64(3)))
+
+
+def _rank_main(rank, port, queue):
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+    )
+    try:
+        ft.make_batches(list(range(8)), batch_size=2)
+        queue.put((rank, "no error"))
+    except ValueError as e:
+        queue.put((rank, str(e)))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_no_strategy_under_a_process_group_raises_naming_strategy():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(queue.get(timeout=60) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    for rank in (0, 1):
+        assert "strategy is None under an initialised process group of 2" in results[rank]
