@@ -1,0 +1,1 @@
+"""`ft.testing`: assertions for unit-testing your own training steps."""
