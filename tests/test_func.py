@@ -50,7 +50,8 @@ def bert_batch(n=5, seed=0):
     ids = torch.randint(1, 50, (n, 7), generator=g)
     mask = torch.ones_like(ids)
     mask[::2, 5:] = 0  # ragged rows
-    return {"input_ids": ids, "attention_mask": mask, "labels": torch.randint(0, 3, (n,), generator=g)}
+    labels = torch.randint(0, 3, (n,), generator=g)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 def opacus_grad_sample(model, batch, loss_fn):
@@ -67,9 +68,7 @@ def data(n=7, seed=0, shape=(6,)):
     return {"x": torch.randn(n, *shape, generator=g), "y": torch.randint(0, 3, (n,), generator=g)}
 
 
-@pytest.mark.parametrize(
-    ("build", "shape"), [(mlp, (6,)), (conv, (2, 6, 6))], ids=["mlp", "conv"]
-)
+@pytest.mark.parametrize(("build", "shape"), [(mlp, (6,)), (conv, (2, 6, 6))], ids=["mlp", "conv"])
 def test_per_sample_grads_equal_opacus(build, shape):
     model, batch = build(), data(shape=shape)
     state = ft.TrainState.create(model, ft.optim.sgd())
@@ -164,7 +163,7 @@ def test_clear_errors_for_what_torch_func_cannot_handle():
     bn.eval()  # running statistics: per-example gradients are defined
     assert ft.func.per_sample_grads(state, batch, ce_loss)["0.weight"].shape == (4, 6, 6)
     state = ft.TrainState.create(Running(), ft.optim.sgd())
-    with pytest.raises(ft.func.FuncError, match="could not vectorize.*in-place"):
+    with pytest.raises(ft.func.FuncError, match=r"could not vectorize.*in-place"):
         ft.func.per_sample_grads(state, batch, ce_loss)
 
     def inplace_input(model, b):

@@ -106,7 +106,7 @@ def _chunks(batch: Any, chunk_size: int | None) -> Iterator[Any]:
     n = _num_examples(batch)
     step = n if chunk_size is None else chunk_size
     for start in range(0, n, step):
-        yield tree_map(lambda t: t[start : start + step], batch)
+        yield tree_map(lambda t, s=start: t[s : s + step], batch)
 
 
 def _validate_chunk(chunk_size: int | None) -> None:

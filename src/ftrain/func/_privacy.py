@@ -14,7 +14,7 @@ from collections.abc import Sequence
 __all__ = ["DEFAULT_ORDERS", "epsilon", "rdp"]
 
 # Opacus' default orders: fine steps below 11, integers up to 63.
-DEFAULT_ORDERS: tuple[float, ...] = tuple([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)))
+DEFAULT_ORDERS: tuple[float, ...] = (*[1 + x / 10.0 for x in range(1, 100)], *range(12, 64))
 
 
 def _log_add(a: float, b: float) -> float:
