@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import warnings
 
 import pytest
@@ -293,3 +294,101 @@ def test_epsilon_validates_and_grows_with_steps():
         ft.func.epsilon(steps=10, sample_rate=0.1, noise_multiplier=1, delta=0)
     with pytest.raises(ValueError, match="orders"):
         ft.func.epsilon(steps=10, orders=[1.0], **kw)
+
+
+# --- ensembles and sweeps ------------------------------------------------------------------
+
+
+def reg_rows(n=24):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 6, generator=g)
+    return [{"x": x[i], "y": torch.tensor(i % 3)} for i in range(n)]
+
+
+def run_loop(state, loss, until, *, clip=None, lr=1e-2):
+    """The README loop to step `until`; `clip` clips each member (ensembles) or the model."""
+    while state.step < until:
+        for micro in ft.make_batches(
+            reg_rows(), batch_size=4, accum=2, epoch=state.epoch, start=state.cursor
+        ):
+            grads, stats = ft.accumulate_grads(state, micro, loss)
+            if clip is not None and isinstance(state.model, ft.func.Ensemble):
+                ft.func.clip_members(grads, clip)
+                clip_here = None
+            else:
+                clip_here = clip
+            state, _ = ft.clip_and_step(state, grads, lr=lr, max_norm=clip_here, stats=stats)
+            if state.step >= until:
+                break
+        else:
+            state = ft.next_epoch(state)
+    return state
+
+
+def test_ensemble_with_one_optimizer_equals_separate_runs_with_per_member_clipping():
+    separate = [
+        run_loop(ft.TrainState.create(mlp(i), ft.optim.adamw()), ce_loss, 7, clip=0.05)
+        for i in range(3)
+    ]
+    ens = ft.TrainState.create(ft.func.Ensemble([mlp(i) for i in range(3)]), ft.optim.adamw())
+    ens = run_loop(ens, ft.func.ensemble_loss(ce_loss), 7, clip=0.05)
+    for i, s in enumerate(separate):
+        member = ens.model.member(i)
+        for n, p in member.named_parameters():
+            torch.testing.assert_close(p, s.params[n], rtol=0, atol=1e-6)
+    assert not torch.equal(ens.model.member(0)[0].weight, mlp(0)[0].weight)  # it trained
+
+
+def sweep_state():
+    wds, lrs = [0.0, 0.1, 0.3], [1.0, 0.5, 2.0]
+    opt = ft.func.sweep([ft.optim.adamw(weight_decay=w) for w in wds], lr_factors=lrs)
+    return ft.TrainState.create(ft.func.Ensemble([mlp(i) for i in range(3)]), opt, seed=0)
+
+
+def test_sweep_gives_each_member_its_own_lr_and_weight_decay():
+    ens = run_loop(sweep_state(), ft.func.ensemble_loss(ce_loss), 5)
+    for i, (wd, lr) in enumerate([(0.0, 1e-2), (0.1, 5e-3), (0.3, 2e-2)]):
+        alone = ft.TrainState.create(mlp(i), ft.optim.adamw(weight_decay=wd))
+        alone = run_loop(alone, ce_loss, 5, lr=lr)
+        for n, p in ens.model.member(i).named_parameters():
+            torch.testing.assert_close(p, alone.params[n], rtol=0, atol=1e-6)
+
+
+def test_ensemble_state_checkpoints_and_resumes_exactly(tmp_path):
+    loss = ft.func.ensemble_loss(ce_loss)
+    ft.testing.assert_resume_exact(
+        sweep_state, lambda s, until: run_loop(s, loss, until), steps=6, stop_at=4,
+        directory=tmp_path,
+    )  # fmt: skip
+    saved = ft.load_checkpoint(ft.latest_checkpoint(tmp_path), sweep_state())
+    assert saved.step == 4 and saved.params["stacked.0.weight"].shape == (3, 8, 6)
+
+
+def test_ensemble_errors_name_the_problem():
+    with pytest.raises(ValueError, match="non-empty"):
+        ft.func.Ensemble([])
+    with pytest.raises(ValueError, match="differ in parameter names or shapes"):
+        ft.func.Ensemble([nn.Linear(2, 1), nn.Linear(3, 1)])
+    with pytest.raises(ft.func.FuncError, match="BatchNorm1d in training mode"):
+        ft.func.Ensemble([nn.BatchNorm1d(3) for _ in range(2)])
+    with pytest.raises(ValueError, match=r"sweep of 2 optimizers.*Ensemble of 2"):
+        ft.TrainState.create(mlp(), ft.func.sweep([ft.optim.sgd(), ft.optim.sgd()]))
+    with pytest.raises(ValueError, match="lr_factors must be 2"):
+        ft.func.sweep([ft.optim.sgd(), ft.optim.sgd()], lr_factors=[1.0])
+    with pytest.raises(TypeError, match=r"needs an ft\.func\.Ensemble"):
+        ft.func.ensemble_loss(ce_loss)(mlp(), data(2))
+
+
+@pytest.mark.slow
+def test_ensemble_example_prints_one_line(capsys):
+    from test_examples import _load
+
+    threads = torch.get_num_threads()
+    try:
+        diff, _ = _load("ensemble").main(["--members", "3", "--epochs", "1", "--repeats", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1
+    assert re.fullmatch(r"max_diff_vs_separate=\S+ speedup=\d+\.\d\d", lines[0])
+    assert diff <= 1e-5

@@ -5,6 +5,10 @@ differentiable optimizer steps. The core (`accumulate_grads`, `clip_and_step`) k
 module-owned parameters and plain autograd; nothing here changes it. See docs/research.md.
 """
 
+from ftrain.func._ensemble import Ensemble as Ensemble
+from ftrain.func._ensemble import clip_members as clip_members
+from ftrain.func._ensemble import ensemble_loss as ensemble_loss
+from ftrain.func._ensemble import sweep as sweep
 from ftrain.func._grads import FuncError as FuncError
 from ftrain.func._grads import per_sample_grads as per_sample_grads
 from ftrain.func._grads import private_grads as private_grads
@@ -17,4 +21,9 @@ __all__ = [
     "private_grads",
     "epsilon",
     "rdp",
+    # ensembles and sweeps
+    "Ensemble",
+    "ensemble_loss",
+    "clip_members",
+    "sweep",
 ]
