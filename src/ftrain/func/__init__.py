@@ -12,6 +12,12 @@ from ftrain.func._ensemble import sweep as sweep
 from ftrain.func._grads import FuncError as FuncError
 from ftrain.func._grads import per_sample_grads as per_sample_grads
 from ftrain.func._grads import private_grads as private_grads
+from ftrain.func._meta import InnerOptimizer as InnerOptimizer
+from ftrain.func._meta import functional_loss as functional_loss
+from ftrain.func._meta import inner_adam as inner_adam
+from ftrain.func._meta import inner_loop as inner_loop
+from ftrain.func._meta import inner_sgd as inner_sgd
+from ftrain.func._meta import maml_loss as maml_loss
 from ftrain.func._privacy import epsilon as epsilon
 from ftrain.func._privacy import rdp as rdp
 
@@ -26,4 +32,11 @@ __all__ = [
     "ensemble_loss",
     "clip_members",
     "sweep",
+    # differentiable optimization
+    "InnerOptimizer",
+    "inner_sgd",
+    "inner_adam",
+    "inner_loop",
+    "functional_loss",
+    "maml_loss",
 ]
