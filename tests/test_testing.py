@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -160,3 +162,12 @@ def test_pure_flags_a_loss_that_edits_the_batch():
     with pytest.raises(AssertionError, match=r"argument 1/0: max abs difference"):
         ft.testing.assert_pure(scaling_loss, state.model, batch)
     ft.testing.assert_pure(reg_loss, state.model, batch)
+
+
+def test_the_docs_example_runs():
+    """docs/testing.md's test file runs as written (its last lines call every test)."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "docs" / "testing.md").read_text()
+    (code,) = re.findall(r"```python\n(.*?)```", text, re.S)
+    exec(compile(code, "docs/testing.md", "exec"), {})
