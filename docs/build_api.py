@@ -16,7 +16,7 @@ import ftrain as ft
 OUT = Path(__file__).with_name("api.md")
 NAMESPACES = [
     "optim", "schedules", "strategies", "precision", "losses", "checkpoint", "sft", "lora", "data",
-    "logging",
+    "logging", "func", "testing",
 ]  # fmt: skip
 # Plain values have no docstring of their own (inspect would show `int`'s): say what they mean.
 VALUE_DOCS = {

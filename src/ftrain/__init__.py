@@ -4,6 +4,7 @@ Small pure functions over an immutable `TrainState`; you write the loop.
 """
 
 from ftrain import checkpoint as checkpoint
+from ftrain import func as func
 from ftrain import logging as logging
 from ftrain import lora as lora
 from ftrain import losses as losses
@@ -12,6 +13,7 @@ from ftrain import precision as precision
 from ftrain import schedules as schedules
 from ftrain import sft as sft
 from ftrain import strategies as strategies
+from ftrain import testing as testing
 from ftrain.checkpoint import CheckpointError as CheckpointError
 from ftrain.checkpoint import export_pretrained as export_pretrained
 from ftrain.checkpoint import latest_checkpoint as latest_checkpoint
@@ -72,6 +74,7 @@ __all__ = [
     "CheckpointError",
     # namespaces
     "checkpoint",
+    "func",
     "logging",
     "lora",
     "losses",
@@ -80,4 +83,5 @@ __all__ = [
     "schedules",
     "sft",
     "strategies",
+    "testing",
 ]

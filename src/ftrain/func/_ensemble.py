@@ -1,0 +1,212 @@
+"""Vectorized ensembles and sweeps: K copies of one model trained in one pass over the batches."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call, stack_module_state, vmap
+
+from ftrain.func._grads import check_model
+from ftrain.losses import LossFn
+from ftrain.optim._base import Optimizer
+
+__all__ = ["Ensemble", "clip_members", "ensemble_loss", "sweep"]
+
+
+class Ensemble(nn.Module):
+    """K copies of one architecture as one module, parameters stacked on a leading member dim.
+
+    Every parameter and buffer of the members becomes one tensor of shape `(K, *shape)`, owned
+    by this module (so `TrainState`, `accumulate_grads`, `clip_and_step` and checkpoints treat
+    the ensemble like any model). `forward` runs every member on the same inputs with `vmap`
+    and stacks the outputs; `ensemble_loss` wraps a per-member loss. Since the members share no
+    parameter, the gradient of the summed loss is each member's own gradient, and an
+    elementwise optimizer (`ft.optim.adamw`, `sgd`) updates each member exactly as K separate
+    runs would. Members with requires_grad=False parameters keep them frozen.
+
+    Args:
+        members: K >= 1 modules of identical structure (e.g. built with different seeds).
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> members = [torch.nn.Linear(3, 2) for _ in range(4)]
+        >>> ens = ft.func.Ensemble(members)
+        >>> tuple(ens(torch.randn(5, 3)).shape), ens.num_members
+        ((4, 5, 2), 4)
+    """
+
+    def __init__(self, members: Sequence[nn.Module]) -> None:
+        super().__init__()
+        if len(members) == 0 or not all(isinstance(m, nn.Module) for m in members):
+            raise ValueError("members must be a non-empty sequence of nn.Module of one structure")
+        shapes = {tuple((n, p.shape) for n, p in m.named_parameters()) for m in members}
+        if len(shapes) != 1:
+            raise ValueError("members differ in parameter names or shapes: build them alike")
+        check_model(members[0])
+        params, buffers = stack_module_state(list(members))
+        # The skeleton holds the stacked tensors under the members' own names; the base, on the
+        # meta device (no memory), is the function `functional_call` runs per member.
+        self.stacked = copy.deepcopy(members[0])
+        for name, p in self.stacked.named_parameters():
+            _set(self.stacked, name, nn.Parameter(params[name].detach(), p.requires_grad))
+        for name in buffers:
+            _set(self.stacked, name, buffers[name], buffer=True)
+        self.num_members = len(members)
+        self.__dict__["base"] = copy.deepcopy(members[0]).to("meta")
+
+    def _weights(self) -> dict[str, torch.Tensor]:
+        named: dict[str, torch.Tensor] = dict(self.stacked.named_parameters())
+        named.update(dict(self.stacked.named_buffers()))
+        return named
+
+    def map(self, fn: Callable[[nn.Module], Any]) -> Any:
+        """Run `fn(member)` for every member with `vmap`; results stacked on dim 0."""
+        lm = _Apply(self.__dict__["base"], fn)
+        weights = {f"model.{n}": t for n, t in self._weights().items()}
+        return vmap(lambda w: functional_call(lm, w, ()), randomness="different")(weights)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Every member's output on the same inputs, stacked: shape `(K, *output.shape)`."""
+        return self.map(lambda member: member(*args, **kwargs))
+
+    def member(self, k: int) -> nn.Module:
+        """An independent copy of member `k` as a plain module."""
+        module = copy.deepcopy(self.stacked)
+        for name, t in self._weights().items():
+            value = nn.Parameter(t[k].detach().clone(), t.requires_grad) if isinstance(
+                t, nn.Parameter
+            ) else t[k].clone()  # fmt: skip
+            _set(module, name, value, buffer=not isinstance(t, nn.Parameter))
+        return module
+
+
+class _Apply(nn.Module):
+    def __init__(self, model: nn.Module, fn: Callable[[nn.Module], Any]) -> None:
+        super().__init__()
+        self.model, self.fn = model, fn
+
+    def forward(self) -> Any:
+        return self.fn(self.model)
+
+
+def _set(root: nn.Module, name: str, value: torch.Tensor, *, buffer: bool = False) -> None:
+    owner, _, leaf = name.rpartition(".")
+    module = root.get_submodule(owner)
+    if buffer:
+        module.register_buffer(leaf, value)
+    else:
+        setattr(module, leaf, value)
+
+
+def ensemble_loss(loss_fn: LossFn) -> LossFn:
+    """Turn a per-member `loss_fn(model, batch)` into the loss of an `Ensemble`.
+
+    Returns the members' loss sums added up, and one member's item count (the batch is
+    shared): `accumulate_grads` then gives each member the gradient it would get alone.
+    `stats.loss` is the sum of the members' mean losses.
+    """
+
+    def fn(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(model, Ensemble):
+            raise TypeError(f"ensemble_loss needs an ft.func.Ensemble, got {type(model).__name__}")
+        losses, items = model.map(lambda member: _pair(loss_fn(member, batch)))
+        return losses.sum(), items[0]
+
+    return fn
+
+
+def _pair(out: tuple[Any, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    loss, n = out
+    return loss, torch.as_tensor(n, device=loss.device)
+
+
+def clip_members(grads: Mapping[str, torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip each member's gradient to its own global norm `max_norm`, in place.
+
+    `clip_and_step(max_norm=...)` would clip the whole ensemble by one norm; call this instead
+    (and no `max_norm` there). Same coefficient as `torch.nn.utils.clip_grad_norm_`.
+
+    Returns:
+        The members' pre-clip norms, shape `(K,)` (a device tensor).
+    """
+    if not (isinstance(max_norm, (int, float)) and max_norm > 0):
+        raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}")
+    g = list(grads.values())
+    norms = torch.stack([t.flatten(1).norm(dim=1) for t in g], dim=1).norm(dim=1)
+    factor = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    for t in g:
+        t.mul_(factor.view(-1, *([1] * (t.dim() - 1))))
+    return norms
+
+
+def sweep(
+    optimizers: Sequence[Optimizer], *, lr_factors: Sequence[float] | None = None
+) -> Optimizer:
+    """An optimizer for an `Ensemble` whose members have their own hyperparameters.
+
+    Member k is updated by `optimizers[k]` (e.g. `adamw(weight_decay=wd[k])`) at learning rate
+    `lr * lr_factors[k]`, in place on its slice of every stacked parameter, with that
+    optimizer's own kernel: the result equals K separate runs. (Members that share one
+    optimizer and lr need no sweep: `ft.optim.adamw()` updates the stacked tensors in one call.)
+
+    Args:
+        optimizers: one `ft.optim.Optimizer` per member.
+        lr_factors: per-member multipliers of the step's `lr`; all 1 if None.
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> ens = ft.func.Ensemble([torch.nn.Linear(2, 1) for _ in range(3)])
+        >>> opt = ft.func.sweep([ft.optim.adamw(weight_decay=wd) for wd in (0.0, 0.1, 0.2)],
+        ...                     lr_factors=[1e-3, 3e-3, 1e-2])
+        >>> state = ft.TrainState.create(ens, opt)
+        >>> len(state.opt_state)
+        3
+    """
+    k = len(optimizers)
+    if k == 0 or not all(isinstance(o, Optimizer) for o in optimizers):
+        raise TypeError("optimizers must be a non-empty sequence of ft.optim.Optimizer")
+    factors = [1.0] * k if lr_factors is None else [float(f) for f in lr_factors]
+    if len(factors) != k or any(not f >= 0 for f in factors):
+        raise ValueError(f"lr_factors must be {k} numbers >= 0, got {lr_factors!r}")
+
+    def init(params: Mapping[str, torch.Tensor]) -> tuple[Any, ...]:
+        _check_members(params, k)
+        return tuple(
+            opt.init({n: p[i] for n, p in params.items()}) for i, opt in enumerate(optimizers)
+        )
+
+    def update(
+        grads: Mapping[str, torch.Tensor],
+        state: tuple[Any, ...],
+        params: Mapping[str, torch.Tensor],
+        *,
+        lr: float,
+        step: int,
+        found_inf: torch.Tensor | None = None,
+    ) -> tuple[Any, ...]:
+        return tuple(
+            opt.update(
+                {n: g[i] for n, g in grads.items()},
+                state[i],
+                {n: params[n][i] for n in grads},
+                lr=lr * factors[i],
+                step=step,
+                found_inf=found_inf,
+            )
+            for i, opt in enumerate(optimizers)
+        )
+
+    return Optimizer(init, update)
+
+
+def _check_members(params: Mapping[str, torch.Tensor], k: int) -> None:
+    for n, p in params.items():
+        if p.dim() == 0 or p.shape[0] != k:
+            raise ValueError(
+                f"sweep of {k} optimizers got parameter {n!r} of shape {list(p.shape)}: train "
+                f"an ft.func.Ensemble of {k} members"
+            )

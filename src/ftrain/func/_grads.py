@@ -1,0 +1,332 @@
+"""Per-example gradients and DP-SGD gradients through `torch.func` (grad + vmap)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ftrain.grads import Stats, _count, _generators, _rng_scope, dropout_seed
+from ftrain.losses import LossFn, default_loss
+from ftrain.state import TrainState
+
+__all__ = ["FuncError", "per_sample_grads", "private_grads"]
+
+# The noise of DP-SGD draws from its own stream, apart from every micro-batch's dropout seed.
+_NOISE_STREAM = -1
+
+
+class FuncError(RuntimeError):
+    """A model or loss that `torch.func` cannot transform over examples (see docs/research.md)."""
+
+
+class _LossModule(nn.Module):
+    """`loss_fn(model, batch)` as a module, so `functional_call` swaps the model's parameters for
+    the whole loss, whatever submodules or attributes the loss reaches."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.loss_fn(self.model, batch)
+
+
+def check_model(model: nn.Module) -> None:
+    """Raise `FuncError` for modules whose per-example gradients are not defined.
+
+    Batch norm in training mode normalises with the statistics of the whole batch (so one
+    example's loss depends on the others) and writes running statistics in place.
+    """
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training:
+            raise FuncError(
+                f"{name or 'the model'} is {type(m).__name__} in training mode: it mixes the "
+                "examples of a batch, so per-example gradients are not defined. Put it in eval "
+                "mode (model.eval()) or replace it by GroupNorm/LayerNorm "
+                "(opacus.validators.ModuleValidator.fix does that)"
+            )
+
+
+def _example_fn(state: TrainState, loss_fn: LossFn | None, *, vectorize: bool) -> Any:
+    """`f(params, examples) -> (grads, (loss_sums, num_items))`, each with a leading example dim.
+
+    Vectorized: `vmap` over the examples. Otherwise `examples` holds one example, run as it is,
+    so that data-dependent Python control flow in the model works.
+    """
+    model = state.strategy.unwrap(state.model)
+    check_model(model)
+    lm = _LossModule(model, default_loss if loss_fn is None else loss_fn)
+
+    def loss(params: dict[str, torch.Tensor], batch: Any) -> Any:
+        loss_sum, n = functional_call(lm, params, (batch,))
+        return loss_sum, (loss_sum.detach(), torch.as_tensor(n))
+
+    if not vectorize:
+        one = grad(loss, has_aux=True)
+        return lambda params, batch: tree_map(lambda t: t.unsqueeze(0), one(params, batch))
+
+    def loss_of_example(params: dict[str, torch.Tensor], example: Any) -> Any:
+        return loss(params, tree_map(lambda t: t.unsqueeze(0), example))  # a batch of one
+
+    return vmap(grad(loss_of_example, has_aux=True), in_dims=(None, 0), randomness="different")
+
+
+def _params(state: TrainState) -> dict[str, torch.Tensor]:
+    for n, p in state.params.items():
+        if hasattr(p, "device_mesh"):
+            raise FuncError(
+                f"parameter {n!r} is sharded (DTensor): ft.func needs whole parameters; "
+                "use SingleDevice or DDP"
+            )
+    return {f"model.{n}": p.detach() for n, p in state.params.items()}
+
+
+def _num_examples(batch: Any) -> int:
+    leaves, _ = tree_flatten(batch)
+    bad = [type(x).__name__ for x in leaves if not isinstance(x, torch.Tensor)]
+    if bad or not leaves:
+        raise TypeError(
+            f"ft.func needs a batch whose leaves are all tensors with a leading example "
+            f"dimension, got leaves of type {bad or 'none'}; convert them in the collate_fn"
+        )
+    sizes = {x.shape[0] if x.dim() else None for x in leaves}
+    if len(sizes) != 1 or None in sizes:
+        raise ValueError(f"batch tensors disagree on the example dimension: sizes {sizes}")
+    return int(next(iter(sizes)))  # type: ignore[arg-type]
+
+
+def _chunks(batch: Any, chunk_size: int | None) -> Iterator[Any]:
+    n = _num_examples(batch)
+    step = n if chunk_size is None else chunk_size
+    for start in range(0, n, step):
+        yield tree_map(lambda t, s=start: t[s : s + step], batch)
+
+
+def _validate_chunk(chunk_size: int | None) -> None:
+    if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+
+
+def _run(fn: Any, params: dict[str, torch.Tensor], chunk: Any) -> Any:
+    leaves, _ = tree_flatten(chunk)
+    versions = [t._version for t in leaves]
+    try:
+        out = fn(params, chunk)
+    except RuntimeError as e:
+        if any(k in str(e) for k in ("vmap", "transform", "functorch", "Batched")):
+            raise FuncError(
+                f"torch.func could not vectorize the loss over examples: {e}. Common causes: "
+                "in-place writes of an example's value into a shared tensor (a buffer updated "
+                "in forward), .item() or data-dependent Python control flow, batch-coupled "
+                "layers. chunk_size=1 runs one example at a time without vmap, which allows "
+                "data-dependent control flow (e.g. HF models with an attention_mask); see "
+                "docs/research.md"
+            ) from e
+        raise
+    # vmap lets an in-place op on an input through, and it would change the caller's batch.
+    if [t._version for t in leaves] != versions:
+        raise FuncError(
+            "the loss modified the batch in place (e.g. x.mul_(...) on an input): the caller's "
+            "batch would change; use out-of-place ops on inputs"
+        )
+    return out
+
+
+def per_sample_grads(
+    state: TrainState,
+    batch: Any,
+    loss_fn: LossFn | None = None,
+    *,
+    chunk_size: int | None = None,
+    micro_index: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Return each example's gradient: name -> tensor of shape `(num_examples, *param.shape)`.
+
+    Row i is the gradient of `loss_fn(model, example_i)[0]`, the *summed* loss of a batch
+    holding example i alone (not divided by its item count), over the trainable parameters
+    (`state.params`, frozen ones excluded). It is computed with `torch.func` (`grad` of
+    `functional_call`, `vmap` over examples); `.grad` is not touched. The model runs in its
+    current mode (`accumulate_grads` sets train mode; this does not). Dropout draws are a pure
+    function of `(state.seed, state.step, micro_index)` and differ between examples.
+
+    Args:
+        state: the current state (not consumed).
+        batch: one micro-batch; every leaf a tensor with a leading example dimension.
+        loss_fn: `(model, batch) -> (loss_sum, num_items)`; `ft.losses.default_loss` if None.
+        chunk_size: vectorize over at most this many examples at once (bounds the memory of
+            the intermediate activations and gradients); all at once if None. 1 runs one
+            example at a time without `vmap`: slower, but data-dependent control flow works
+            (HF models given an `attention_mask` need it).
+        micro_index: the micro-batch's index in the step, for the dropout seed.
+
+    Returns:
+        name -> per-example gradients, for every trainable parameter.
+
+    Raises:
+        FuncError: for modules torch.func cannot handle (batch norm in training mode, in-place
+            writes of example values into shared tensors, sharded parameters).
+        TypeError, ValueError: for a batch that is not tensors with one example dimension, or
+            a bad `chunk_size`.
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> state = ft.TrainState.create(torch.nn.Linear(3, 1), ft.optim.sgd())
+        >>> def loss_fn(model, batch):
+        ...     return ((model(batch["x"]) - batch["y"]) ** 2).sum(), batch["y"].numel()
+        >>> batch = {"x": torch.randn(5, 3), "y": torch.randn(5, 1)}
+        >>> g = ft.func.per_sample_grads(state, batch, loss_fn)
+        >>> tuple(g["weight"].shape)
+        (5, 1, 3)
+    """
+    _validate_chunk(chunk_size)
+    fn = _example_fn(state, loss_fn, vectorize=chunk_size != 1)
+    params, parts = _params(state), []
+    with _seeded(state, micro_index):
+        for chunk in _chunks(state.strategy.to_device(batch), chunk_size):
+            parts.append(_run(fn, params, chunk)[0])
+    return {n: torch.cat([p[f"model.{n}"] for p in parts]) for n in state.params}
+
+
+class _seeded:
+    """Seed the default generators for one micro-batch, restoring them afterwards."""
+
+    def __init__(self, state: TrainState, micro_index: int) -> None:
+        self._gens = _generators(state.strategy.device)
+        self._seed = dropout_seed(state.seed, state.step, micro_index, state.strategy.rank)
+        self._scope = _rng_scope(self._gens)
+
+    def __enter__(self) -> None:
+        self._scope.__enter__()
+        for g in self._gens:
+            g.manual_seed(self._seed)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._scope.__exit__(*exc)
+
+
+def _validate_private(
+    max_norm: float, noise_multiplier: float, expected_batch_size: int | None
+) -> None:
+    if not (isinstance(max_norm, (int, float)) and math.isfinite(max_norm) and max_norm > 0):
+        raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
+    if not (
+        isinstance(noise_multiplier, (int, float))
+        and math.isfinite(noise_multiplier)
+        and noise_multiplier >= 0
+    ):
+        raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}")
+    if expected_batch_size is not None and not (
+        isinstance(expected_batch_size, int) and expected_batch_size > 0
+    ):
+        raise ValueError(
+            f"expected_batch_size must be a positive int or None, got {expected_batch_size!r}"
+        )
+
+
+def clip_examples(
+    per_example: Mapping[str, torch.Tensor], max_norm: float
+) -> dict[str, torch.Tensor]:
+    """Sum of the per-example gradients, each scaled to global norm at most `max_norm`.
+
+    The factor is `min(1, max_norm / (norm_i + 1e-6))`, as in Opacus' `DPOptimizer`.
+    """
+    grads = list(per_example.values())
+    norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads], dim=1).norm(dim=1)
+    factor = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    return {n: torch.einsum("i,i...->...", factor, g) for n, g in per_example.items()}
+
+
+def noise_like(
+    params: Mapping[str, torch.Tensor], *, std: float, seed: int, step: int
+) -> dict[str, torch.Tensor]:
+    """Gaussian noise N(0, std^2) per coordinate, a pure function of `(seed, step)`.
+
+    One generator, seeded from `(seed, step)`, draws the parameters in order; so a resumed run
+    adds the same noise as the uninterrupted one.
+    """
+    first = next(iter(params.values()))
+    gen = torch.Generator(device=first.device)
+    gen.manual_seed(dropout_seed(seed, step, _NOISE_STREAM, 0))
+    return {
+        n: torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype) * std
+        for n, p in params.items()
+    }
+
+
+def private_grads(
+    state: TrainState,
+    micro: Sequence[Any],
+    loss_fn: LossFn | None = None,
+    *,
+    max_norm: float,
+    noise_multiplier: float,
+    expected_batch_size: int | None = None,
+    chunk_size: int | None = None,
+) -> tuple[dict[str, torch.Tensor], Stats]:
+    """Return DP-SGD gradients (Abadi et al. 2016) for `clip_and_step` to apply.
+
+    `g = (sum_i clip(g_i) + N(0, (noise_multiplier * max_norm)^2 I)) / B`, where `g_i` is
+    example i's gradient (`per_sample_grads`), `clip` scales it to global norm at most
+    `max_norm`, the sum runs over every example of every micro-batch, and B is the number of
+    examples (or `expected_batch_size`, the fixed denominator Poisson sampling needs). The
+    noise is a pure function of `(state.seed, state.step)`, so resume is exact. Apply it with
+    `clip_and_step(state, grads, lr=..., stats=stats)` and no `max_norm` there (clipping is
+    done per example here). Memory: per-example gradients of `chunk_size` examples at a time.
+
+    Args:
+        state: the current state (not consumed).
+        micro: the micro-batches of one optimizer step.
+        loss_fn: `(model, batch) -> (loss_sum, num_items)`; `ft.losses.default_loss` if None.
+        max_norm: per-example clipping threshold C.
+        noise_multiplier: sigma; the noise std is `sigma * C`. 0 gives clipped gradients only.
+        expected_batch_size: the denominator B; the number of examples if None.
+        chunk_size: examples per vectorized pass; the whole micro-batch if None.
+
+    Returns:
+        `(grads, stats)` like `accumulate_grads` (`stats.loss` is the mean unclipped loss).
+
+    Raises:
+        ValueError: for a bad hyperparameter or an empty `micro`.
+        FuncError: as `per_sample_grads`.
+    """
+    _validate_private(max_norm, noise_multiplier, expected_batch_size)
+    _validate_chunk(chunk_size)
+    if len(micro) == 0:
+        raise ValueError("micro is empty: pass the list of micro-batches yielded by make_batches")
+    fn = _example_fn(state, loss_fn, vectorize=chunk_size != 1)
+    params, device = _params(state), state.strategy.device
+    total = {n: torch.zeros_like(p) for n, p in state.params.items()}
+    losses, items, tokens, examples = [], [], [], 0
+    for i, batch in enumerate(micro):
+        batch = state.strategy.to_device(batch)
+        with _seeded(state, i):
+            for chunk in _chunks(batch, chunk_size):
+                g, (loss, n) = _run(fn, params, chunk)
+                clipped = clip_examples({k: g[f"model.{k}"] for k in total}, max_norm)
+                torch._foreach_add_(list(total.values()), list(clipped.values()))
+                losses.append(loss.sum())
+                items.append(n.sum())
+        n_tok, n_ex = _count(batch, device)
+        tokens.append(n_tok)
+        examples += n_ex
+    if noise_multiplier > 0:
+        noise = noise_like(total, std=noise_multiplier * max_norm, seed=state.seed, step=state.step)
+        torch._foreach_add_(list(total.values()), list(noise.values()))
+    denom = examples if expected_batch_size is None else expected_batch_size
+    grads = {n: t / denom for n, t in total.items()}
+    num_items = torch.stack(items).sum()
+    stats = Stats(
+        loss=(torch.stack(losses).sum() / num_items.clamp(min=1)).float(),
+        num_items=num_items.long(),
+        num_tokens=torch.stack(tokens).sum().long(),
+        num_samples=torch.tensor(examples, device=device),
+        num_micro=len(micro),
+    )
+    return grads, stats
