@@ -52,6 +52,14 @@ def test_record_follows_hf_definitions():
     assert w2.steps == 0 and w2.start_tokens is state.tokens_seen
     with pytest.raises(ValueError, match="at least one"):
         ft.logging.emit(w2, state)
+    w2 = ft.logging.update(w2, _stats(1.0), _info())
+    # Accepted and ignored before: epoch_size=0 (no fractional epoch), peak_flops alone (no mfu).
+    with pytest.raises(ValueError, match="epoch_size"):
+        ft.logging.emit(w2, state, epoch_size=0)
+    with pytest.raises(ValueError, match=r"peak_flops.*flops_per_token"):
+        ft.logging.emit(w2, state, peak_flops=1e12)
+    with pytest.raises(ValueError, match="peak_flops"):
+        ft.logging.Logger(state, every=1, progress=False, flops_per_token=1.0, peak_flops=0)
 
 
 def test_nan_inf_filter_is_hfs_rule():

@@ -149,6 +149,8 @@ def test_unknown_keywords_name_from_name_and_what_it_takes():
         ft.schedules.from_name("cosine", peak_lr=1.0, total_steps=10, warmup_ratio=0.1)
     with pytest.raises(TypeError, match=r"'power'.*\['num_cycles'\]"):
         ft.schedules.from_name("cosine", peak_lr=1.0, total_steps=10, power=2.0)
+    with pytest.raises(TypeError, match=r"^schedule_lr\(name='linear'\).*warmup_ratio"):
+        ft.schedule_lr(3, name="linear", peak_lr=1.0, total_steps=10, warmup_ratio=0.1)
 
 
 @pytest.mark.parametrize("name,ratio,total", [("linear", 0.1, 95), ("cosine", 0.03, 1000)])

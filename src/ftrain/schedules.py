@@ -473,9 +473,8 @@ _BY_NAME: dict[str, tuple[Callable[..., Schedule], bool, tuple[str, ...]]] = {
 }
 
 
-def _warmup_from_ratio(name: str, warmup_steps: float, total_steps: int | None) -> int:
+def _warmup_from_ratio(where: str, warmup_steps: float, total_steps: int | None) -> int:
     # transformers 5 (TrainingArguments.get_warmup_steps): a float < 1 is a ratio, rounded up.
-    where = f"from_name({name!r})"
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, float)):
         raise ValueError(f"{where}: warmup_steps must be an int >= 0 or a float ratio in [0, 1)")
     if isinstance(warmup_steps, int) or warmup_steps >= 1:
@@ -519,6 +518,18 @@ def from_name(
             HF ignores it; use "constant_with_warmup"), or a bad value.
         TypeError: for a keyword that schedule does not take (the message lists those it does).
     """
+    return _by_name(f"from_name({name!r})", name, peak_lr, warmup_steps, total_steps, hf_kwargs)
+
+
+def _by_name(
+    where: str,
+    name: str,
+    peak_lr: float,
+    warmup_steps: int | float,
+    total_steps: int | None,
+    hf_kwargs: dict[str, Any],
+) -> Schedule:
+    # `where` is the call the user wrote (from_name or schedule_lr), for the error messages.
     if name not in _BY_NAME:
         hint = " (use ft.schedules.Plateau)" if name == "reduce_lr_on_plateau" else ""
         raise ValueError(f"unknown schedule {name!r}{hint}; known: {sorted(_BY_NAME)}")
@@ -527,15 +538,15 @@ def from_name(
         if key not in known:
             hint = "; warmup_steps=0.1 is a ratio of total_steps" if key == "warmup_ratio" else ""
             raise TypeError(
-                f"from_name({name!r}) got an unexpected keyword {key!r}; {name!r} takes "
+                f"{where} got an unexpected keyword {key!r}; {name!r} takes "
                 f"{list(known) or 'none'} besides peak_lr, warmup_steps, total_steps{hint}"
             )
     if needs_total and total_steps is None:
-        raise ValueError(f"from_name({name!r}) needs total_steps (an int >= 1), got None")
-    warmup = _warmup_from_ratio(name, warmup_steps, total_steps)
+        raise ValueError(f"{where} needs total_steps (an int >= 1), got None")
+    warmup = _warmup_from_ratio(where, warmup_steps, total_steps)
     if name == "constant" and warmup:
         raise ValueError(
-            f"from_name('constant') has no warmup, got warmup_steps={warmup_steps!r}: use "
+            f"{where}: 'constant' has no warmup, got warmup_steps={warmup_steps!r}: use "
             "'constant_with_warmup', or warmup_steps=0 (HF's 'constant' ignores it)"
         )
     return build(peak_lr, warmup, total_steps, **hf_kwargs)
@@ -557,9 +568,8 @@ def schedule_lr(
         >>> ft.schedule_lr(50, name="linear", peak_lr=1.0, warmup_steps=0, total_steps=100)
         0.5
     """
-    return from_name(
-        name, peak_lr=peak_lr, warmup_steps=warmup_steps, total_steps=total_steps, **hf_kwargs
-    )(step)
+    where = f"schedule_lr(name={name!r})"
+    return _by_name(where, name, peak_lr, warmup_steps, total_steps, hf_kwargs)(step)
 
 
 class PlateauState(NamedTuple):

@@ -7,7 +7,7 @@ from typing import Any
 
 from ftrain.grads import Stats
 from ftrain.logging._sinks import NullSink, ProgressBar, Sink, Sinks
-from ftrain.logging._window import emit, update, window
+from ftrain.logging._window import _check_emit_args, emit, update, window
 from ftrain.predicates import should_log
 from ftrain.state import TrainState
 from ftrain.step import StepInfo
@@ -76,8 +76,7 @@ class Logger:
         should_log(state, every=every, total_steps=total_steps)  # validates both, now
         if progress and total_steps is None:
             raise ValueError("progress=True needs total_steps (for the ETA); or progress=False")
-        if epoch_size is not None and (not isinstance(epoch_size, int) or epoch_size < 1):
-            raise ValueError(f"epoch_size must be an int >= 1 or None, got {epoch_size!r}")
+        _check_emit_args(epoch_size, flops_per_token, peak_flops)
         self.every, self.total_steps, self.first = every, total_steps, first
         self.epoch_size = epoch_size
         self._emit_kw = {"flops_per_token": flops_per_token, "peak_flops": peak_flops}

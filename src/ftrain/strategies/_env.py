@@ -36,7 +36,8 @@ def from_env(
     Args:
         kind: "ddp" or "fsdp".
         timeout: how long a collective may wait before the process fails (default 10 minutes),
-            so that one rank's crash ends the others instead of hanging them.
+            so that one rank's crash ends the others instead of hanging them (one process has
+            no collectives to time out).
         **kwargs: passed to the strategy. In one process `device` and `precision` go to
             `SingleDevice`; `sync_every_micro` and `replicate=1` mean nothing there and are
             accepted; any other keyword raises rather than being dropped.
