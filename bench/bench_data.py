@@ -92,7 +92,7 @@ def run_ftrain(ds: SlowRows, steps: int, workers: int) -> float:
             num_workers=workers,
         ):  # fmt: skip
             grads, stats = ft.accumulate_grads(state, micro, loss_fn)
-            state, info = ft.clip_and_step(state, grads, stats=stats, lr=1e-3, max_norm=1.0)
+            state, _ = ft.clip_and_step(state, grads, stats=stats, lr=1e-3, max_norm=1.0)
             if state.step >= steps:
                 break
         else:

@@ -115,6 +115,15 @@ def test_ranks_split_each_global_micro_batch_and_resume_on_another_rank_count(hf
     assert [g.position for g in two[0]] == [g.position for g in two[1]] == [g.position for g in one]
     # 28 rows, 6 per global micro-batch: the last holds 4, ranks take 2 each; resume the 2-rank
     # run's checkpoint in one process with the same global batch.
+    # 3 ranks x 3 rows: the last global micro-batch holds 1 row; ranks 1 and 2 get stand-ins
+    # and still run as many micro-batches as rank 0 (no hang at the end of the stream).
+    three = [
+        list(ft.make_batches(hf_stream, batch_size=3, strategy=FakeRank(r, 3), **kw))
+        for r in range(3)
+    ]
+    assert len({tuple(len(g) for g in groups) for groups in three}) == 1
+    assert [isinstance(groups[-1][-1], ft.data.ZeroWeight) for groups in three] == [0, 1, 1]
+    assert sorted(_flat(three[0]) + _flat(three[1]) + _flat(three[2])) == list(range(28))
     resumed = list(ft.make_batches(hf_stream, batch_size=6, start=_at(two[1][0], 2), **kw))
     assert _ids(resumed) == _ids(one[1:])
     with pytest.raises(ValueError, match="batch_size=4 x 1 rank"):
