@@ -327,11 +327,11 @@ def run_loop(state, loss, until, *, clip=None, lr=1e-2):
 
 def test_ensemble_with_one_optimizer_equals_separate_runs_with_per_member_clipping():
     separate = [
-        run_loop(ft.TrainState.create(mlp(i), ft.optim.adamw()), ce_loss, 7, clip=0.05)
+        run_loop(ft.TrainState.create(mlp(i), ft.optim.adamw()), ce_loss, 4, clip=0.05)
         for i in range(3)
     ]
     ens = ft.TrainState.create(ft.func.Ensemble([mlp(i) for i in range(3)]), ft.optim.adamw())
-    ens = run_loop(ens, ft.func.ensemble_loss(ce_loss), 7, clip=0.05)
+    ens = run_loop(ens, ft.func.ensemble_loss(ce_loss), 4, clip=0.05)
     for i, s in enumerate(separate):
         member = ens.model.member(i)
         for n, p in member.named_parameters():
@@ -509,3 +509,27 @@ def test_maml_example_learns_a_better_initialization_than_random(capsys):
     )
     assert re.fullmatch(r"maml_init_loss=\S+ random_init_loss=\S+\n", capsys.readouterr().out)
     assert learned < 0.9 * scratch  # measured: 2.59 vs 3.31
+
+
+def test_dp_sgd_loop_resumes_exactly(tmp_path):
+    rows = reg_rows(16)
+
+    def make_state():
+        return ft.TrainState.create(mlp(), ft.optim.sgd(momentum=0.9), seed=7)
+
+    def train(state, until):
+        while state.step < until:
+            for micro in ft.make_batches(
+                rows, batch_size=4, accum=2, epoch=state.epoch, start=state.cursor
+            ):
+                grads, stats = ft.func.private_grads(
+                    state, micro, ce_loss, max_norm=0.5, noise_multiplier=1.0
+                )
+                state, _ = ft.clip_and_step(state, grads, lr=0.1, stats=stats)
+                if state.step >= until:
+                    break
+            else:
+                state = ft.next_epoch(state)
+        return state
+
+    ft.testing.assert_resume_exact(make_state, train, steps=5, stop_at=3, directory=tmp_path)
