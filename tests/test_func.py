@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ftrain as ft
+from helpers import train_steps
 
 opacus = pytest.importorskip("opacus")
 
@@ -306,23 +307,18 @@ def reg_rows(n=24):
 
 
 def run_loop(state, loss, until, *, clip=None, lr=1e-2):
-    """The README loop to step `until`; `clip` clips each member (ensembles) or the model."""
-    while state.step < until:
-        for micro in ft.make_batches(
-            reg_rows(), batch_size=4, accum=2, epoch=state.epoch, start=state.cursor
-        ):
-            grads, stats = ft.accumulate_grads(state, micro, loss)
-            if clip is not None and isinstance(state.model, ft.func.Ensemble):
-                ft.func.clip_members(grads, clip)
-                clip_here = None
-            else:
-                clip_here = clip
-            state, _ = ft.clip_and_step(state, grads, lr=lr, max_norm=clip_here, stats=stats)
-            if state.step >= until:
-                break
-        else:
-            state = ft.next_epoch(state)
-    return state
+    """The README loop (tests/helpers.py) to step `until` on `reg_rows()`."""
+    return train_steps(state, reg_rows(), until, loss_fn=loss, lr=lr, max_norm=clip)
+
+
+def clip_each_member(max_norm):
+    """`clip_members` as an optimizer transform: chain it before the ensemble's optimizer."""
+
+    def update(grads, state, params):
+        ft.func.clip_members(grads, max_norm)
+        return grads, state
+
+    return ft.optim.Transform(lambda params: (), update)
 
 
 def test_ensemble_with_one_optimizer_equals_separate_runs_with_per_member_clipping():
@@ -330,8 +326,9 @@ def test_ensemble_with_one_optimizer_equals_separate_runs_with_per_member_clippi
         run_loop(ft.TrainState.create(mlp(i), ft.optim.adamw()), ce_loss, 4, clip=0.05)
         for i in range(3)
     ]
-    ens = ft.TrainState.create(ft.func.Ensemble([mlp(i) for i in range(3)]), ft.optim.adamw())
-    ens = run_loop(ens, ft.func.ensemble_loss(ce_loss), 4, clip=0.05)
+    opt = ft.optim.chain(clip_each_member(0.05), ft.optim.adamw())  # one fused call for all
+    ens = ft.TrainState.create(ft.func.Ensemble([mlp(i) for i in range(3)]), opt)
+    ens = run_loop(ens, ft.func.ensemble_loss(ce_loss), 4)
     for i, s in enumerate(separate):
         member = ens.model.member(i)
         for n, p in member.named_parameters():
