@@ -530,3 +530,23 @@ def test_dp_sgd_loop_resumes_exactly(tmp_path):
         return state
 
     ft.testing.assert_resume_exact(make_state, train, steps=5, stop_at=3, directory=tmp_path)
+
+
+def test_private_grads_refuse_what_they_do_not_support_and_autocast_applies():
+    from helpers import FakeRank
+
+    micro, kw = [data(4)], {"max_norm": 1.0, "noise_multiplier": 1.0}
+    state = ft.TrainState.create(mlp(), ft.optim.sgd(), strategy=FakeRank(0, 2))
+    with pytest.raises(ft.func.FuncError, match="world_size=2"):
+        ft.func.private_grads(state, micro, ce_loss, **kw)
+    fp16 = ft.strategies.SingleDevice("cpu", precision="fp16")
+    state = ft.TrainState.create(mlp(), ft.optim.sgd(), strategy=fp16)
+    with pytest.raises(ft.func.FuncError, match="float16"):
+        ft.func.private_grads(state, micro, ce_loss, **kw)
+    bf16 = ft.strategies.SingleDevice("cpu", precision="bf16")
+    low = ft.func.per_sample_grads(ft.TrainState.create(mlp(), ft.optim.sgd(), strategy=bf16),
+                                   micro[0], ce_loss)  # fmt: skip
+    full = ft.func.per_sample_grads(ft.TrainState.create(mlp(), ft.optim.sgd()), micro[0], ce_loss)
+    for n in full:  # bf16 matmuls: close, not equal
+        torch.testing.assert_close(low[n], full[n], rtol=0.1, atol=0.02)
+    assert not all(torch.equal(low[n], full[n]) for n in full)
