@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ftrain as ft
+from helpers import train_steps
 
 opacus = pytest.importorskip("opacus")
 
@@ -306,32 +307,28 @@ def reg_rows(n=24):
 
 
 def run_loop(state, loss, until, *, clip=None, lr=1e-2):
-    """The README loop to step `until`; `clip` clips each member (ensembles) or the model."""
-    while state.step < until:
-        for micro in ft.make_batches(
-            reg_rows(), batch_size=4, accum=2, epoch=state.epoch, start=state.cursor
-        ):
-            grads, stats = ft.accumulate_grads(state, micro, loss)
-            if clip is not None and isinstance(state.model, ft.func.Ensemble):
-                ft.func.clip_members(grads, clip)
-                clip_here = None
-            else:
-                clip_here = clip
-            state, _ = ft.clip_and_step(state, grads, lr=lr, max_norm=clip_here, stats=stats)
-            if state.step >= until:
-                break
-        else:
-            state = ft.next_epoch(state)
-    return state
+    """The README loop (tests/helpers.py) to step `until` on `reg_rows()`."""
+    return train_steps(state, reg_rows(), until, loss_fn=loss, lr=lr, max_norm=clip)
+
+
+def clip_each_member(max_norm):
+    """`clip_members` as an optimizer transform: chain it before the ensemble's optimizer."""
+
+    def update(grads, state, params):
+        ft.func.clip_members(grads, max_norm)
+        return grads, state
+
+    return ft.optim.Transform(lambda params: (), update)
 
 
 def test_ensemble_with_one_optimizer_equals_separate_runs_with_per_member_clipping():
     separate = [
-        run_loop(ft.TrainState.create(mlp(i), ft.optim.adamw()), ce_loss, 7, clip=0.05)
+        run_loop(ft.TrainState.create(mlp(i), ft.optim.adamw()), ce_loss, 4, clip=0.05)
         for i in range(3)
     ]
-    ens = ft.TrainState.create(ft.func.Ensemble([mlp(i) for i in range(3)]), ft.optim.adamw())
-    ens = run_loop(ens, ft.func.ensemble_loss(ce_loss), 7, clip=0.05)
+    opt = ft.optim.chain(clip_each_member(0.05), ft.optim.adamw())  # one fused call for all
+    ens = ft.TrainState.create(ft.func.Ensemble([mlp(i) for i in range(3)]), opt)
+    ens = run_loop(ens, ft.func.ensemble_loss(ce_loss), 4)
     for i, s in enumerate(separate):
         member = ens.model.member(i)
         for n, p in member.named_parameters():
@@ -509,3 +506,47 @@ def test_maml_example_learns_a_better_initialization_than_random(capsys):
     )
     assert re.fullmatch(r"maml_init_loss=\S+ random_init_loss=\S+\n", capsys.readouterr().out)
     assert learned < 0.9 * scratch  # measured: 2.59 vs 3.31
+
+
+def test_dp_sgd_loop_resumes_exactly(tmp_path):
+    rows = reg_rows(16)
+
+    def make_state():
+        return ft.TrainState.create(mlp(), ft.optim.sgd(momentum=0.9), seed=7)
+
+    def train(state, until):
+        while state.step < until:
+            for micro in ft.make_batches(
+                rows, batch_size=4, accum=2, epoch=state.epoch, start=state.cursor
+            ):
+                grads, stats = ft.func.private_grads(
+                    state, micro, ce_loss, max_norm=0.5, noise_multiplier=1.0
+                )
+                state, _ = ft.clip_and_step(state, grads, lr=0.1, stats=stats)
+                if state.step >= until:
+                    break
+            else:
+                state = ft.next_epoch(state)
+        return state
+
+    ft.testing.assert_resume_exact(make_state, train, steps=5, stop_at=3, directory=tmp_path)
+
+
+def test_private_grads_refuse_what_they_do_not_support_and_autocast_applies():
+    from helpers import FakeRank
+
+    micro, kw = [data(4)], {"max_norm": 1.0, "noise_multiplier": 1.0}
+    state = ft.TrainState.create(mlp(), ft.optim.sgd(), strategy=FakeRank(0, 2))
+    with pytest.raises(ft.func.FuncError, match="world_size=2"):
+        ft.func.private_grads(state, micro, ce_loss, **kw)
+    fp16 = ft.strategies.SingleDevice("cpu", precision="fp16")
+    state = ft.TrainState.create(mlp(), ft.optim.sgd(), strategy=fp16)
+    with pytest.raises(ft.func.FuncError, match="float16"):
+        ft.func.private_grads(state, micro, ce_loss, **kw)
+    bf16 = ft.strategies.SingleDevice("cpu", precision="bf16")
+    low = ft.func.per_sample_grads(ft.TrainState.create(mlp(), ft.optim.sgd(), strategy=bf16),
+                                   micro[0], ce_loss)  # fmt: skip
+    full = ft.func.per_sample_grads(ft.TrainState.create(mlp(), ft.optim.sgd()), micro[0], ce_loss)
+    for n in full:  # bf16 matmuls: close, not equal
+        torch.testing.assert_close(low[n], full[n], rtol=0.1, atol=0.02)
+    assert not all(torch.equal(low[n], full[n]) for n in full)

@@ -211,7 +211,7 @@ def assert_no_host_sync(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> An
 
     Flags, wherever they happen (your loss, your loop, ftrain): reading a tensor's value on
     the host (`.item()`, `float(t)`, `int(t)`, `bool(t)`, `if t:`) and copies from a device to
-    the host (`.cpu()`, `.to("cpu")`, `.tolist()`, `.numpy()` of a device tensor). Reading a
+    the host (`.cpu()`, `.to("cpu")`, `.tolist()` of a device tensor). Reading a
     CPU tensor's value is flagged too, so a CPU test catches what would stall a GPU. On CUDA,
     `torch.cuda.set_sync_debug_mode("error")` also catches syncs inside kernels' launchers.
 

@@ -114,11 +114,12 @@ def _validate_chunk(chunk_size: int | None) -> None:
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
 
 
-def _run(fn: Any, params: dict[str, torch.Tensor], chunk: Any) -> Any:
+def _run(state: TrainState, fn: Any, params: dict[str, torch.Tensor], chunk: Any) -> Any:
     leaves, _ = tree_flatten(chunk)
     versions = [t._version for t in leaves]
     try:
-        out = fn(params, chunk)
+        with state.strategy.autocast():
+            out = fn(params, chunk)
     except RuntimeError as e:
         if any(k in str(e) for k in ("vmap", "transform", "functorch", "Batched")):
             raise FuncError(
@@ -153,7 +154,8 @@ def per_sample_grads(
     holding example i alone (not divided by its item count), over the trainable parameters
     (`state.params`, frozen ones excluded). It is computed with `torch.func` (`grad` of
     `functional_call`, `vmap` over examples); `.grad` is not touched. The model runs in its
-    current mode (`accumulate_grads` sets train mode; this does not). Dropout draws are a pure
+    current mode (`accumulate_grads` sets train mode; this does not), under the strategy's
+    autocast; on a data-parallel rank it covers that rank's examples. Dropout draws are a pure
     function of `(state.seed, state.step, micro_index)` and differ between examples.
 
     Args:
@@ -188,13 +190,13 @@ def per_sample_grads(
     _validate_chunk(chunk_size)
     fn = _example_fn(state, loss_fn, vectorize=chunk_size != 1)
     params, parts = _params(state), []
-    with _seeded(state, micro_index):
+    with _Seeded(state, micro_index):
         for chunk in _chunks(state.strategy.to_device(batch), chunk_size):
-            parts.append(_run(fn, params, chunk)[0])
+            parts.append(_run(state, fn, params, chunk)[0])
     return {n: torch.cat([p[f"model.{n}"] for p in parts]) for n in state.params}
 
 
-class _seeded:
+class _Seeded:
     """Seed the default generators for one micro-batch, restoring them afterwards."""
 
     def __init__(self, state: TrainState, micro_index: int) -> None:
@@ -209,6 +211,19 @@ class _seeded:
 
     def __exit__(self, *exc: Any) -> None:
         self._scope.__exit__(*exc)
+
+
+def _check_single_process(state: TrainState) -> None:
+    if state.strategy.world_size > 1:
+        raise FuncError(
+            f"private_grads runs in one process; this strategy has world_size="
+            f"{state.strategy.world_size}. Noise and clipping across ranks are not implemented"
+        )
+    if state.loss_scale is not None:
+        raise FuncError(
+            "private_grads does not scale the loss: float16 per-example gradients would "
+            "underflow. Use precision='bf16' or 'fp32'"
+        )
 
 
 def _validate_private(
@@ -294,10 +309,12 @@ def private_grads(
 
     Raises:
         ValueError: for a bad hyperparameter or an empty `micro`.
-        FuncError: as `per_sample_grads`.
+        FuncError: as `per_sample_grads`; for several ranks or float16 loss scaling (not
+            supported).
     """
     _validate_private(max_norm, noise_multiplier, expected_batch_size)
     _validate_chunk(chunk_size)
+    _check_single_process(state)
     if len(micro) == 0:
         raise ValueError("micro is empty: pass the list of micro-batches yielded by make_batches")
     fn = _example_fn(state, loss_fn, vectorize=chunk_size != 1)
@@ -306,9 +323,9 @@ def private_grads(
     losses, items, tokens, examples = [], [], [], 0
     for i, batch in enumerate(micro):
         batch = state.strategy.to_device(batch)
-        with _seeded(state, i):
+        with _Seeded(state, i):
             for chunk in _chunks(batch, chunk_size):
-                g, (loss, n) = _run(fn, params, chunk)
+                g, (loss, n) = _run(state, fn, params, chunk)
                 clipped = clip_examples({k: g[f"model.{k}"] for k in total}, max_norm)
                 torch._foreach_add_(list(total.values()), list(clipped.values()))
                 losses.append(loss.sum())
