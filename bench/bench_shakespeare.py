@@ -1,4 +1,4 @@
-"""The main job against nanoGPT: examples/shakespeare_char.py vs nanoGPT's own CPU run, back to back.
+"""The main job against nanoGPT: examples/shakespeare_char.py, then nanoGPT's own CPU run.
 
     python bench/bench_shakespeare.py --nanogpt /tmp/nanogpt [--rounds 2] [-- extra example args]
 

@@ -275,7 +275,8 @@ def _forward_backward(
             if not weight:
                 continue
             losses.append(loss_sum.detach())
-            if isinstance(num_items, torch.Tensor) and num_items.device == device:
+            # (Compare device types: "cuda" and "cuda:0" name one device here.)
+            if isinstance(num_items, torch.Tensor) and num_items.device.type == device.type:
                 items.append(num_items)
             else:  # a Python number, or a CPU tensor (reading it is no device sync)
                 host_items += int(num_items)
