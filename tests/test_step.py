@@ -152,7 +152,7 @@ def test_donate_false_keeps_the_gradients():
 
 
 def test_plain_mapping_is_applied_and_the_param_grads_released():
-    model, x, loss_fn = _setup()
+    model, _, _ = _setup()
     state = ft.TrainState.create(model, ft.optim.sgd())
     before = {n: p.detach().clone() for n, p in state.params.items()}
     mine = {n: torch.ones_like(p) for n, p in state.params.items()}

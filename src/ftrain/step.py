@@ -91,7 +91,8 @@ def clip_and_step(
     Trainer) and `info.skipped` says so. `cursor`, `tokens_seen` and `samples_seen` advance by
     `stats` when given; a step whose `stats` counted no item is skipped like a non-finite one
     (nothing was learned: no weight decay either). With float16 loss scaling, an overflow
-    always skips the update and `loss_scale`/`growth_tracker` advance by `torch.amp.GradScaler`'s rule (`ft.precision`).
+    always skips the update and `loss_scale`/`growth_tracker` advance by
+    `torch.amp.GradScaler`'s rule (`ft.precision`).
 
     Args:
         state: consumed unless `donate=False`.
