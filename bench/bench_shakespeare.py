@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -33,43 +34,65 @@ NANOGPT_ARGS = [
 ]  # fmt: skip
 
 
-def run_nanogpt(checkout: Path, out: Path) -> tuple[float, float]:
-    """(seconds, final val loss) of nanoGPT's CPU shakespeare_char run."""
-    t0 = time.perf_counter()
-    log = subprocess.run(
-        [sys.executable, "train.py", *NANOGPT_ARGS, f"--out_dir={out}"],
-        cwd=checkout, check=True, capture_output=True, text=True, timeout=1800,
-    ).stdout  # fmt: skip
-    seconds = time.perf_counter() - t0
-    return seconds, float(re.findall(r"val loss ([0-9.]+)", log)[-1])
+def nanogpt_cmd(checkout: Path, out: Path) -> tuple[list[str], Path, str]:
+    """nanoGPT's CPU shakespeare_char command, its folder, and how its final val loss prints."""
+    return [sys.executable, "train.py", *NANOGPT_ARGS, f"--out_dir={out}"], checkout, "val loss "
 
 
-def run_ftrain(out: Path, extra: list[str]) -> tuple[float, float]:
-    """(seconds, final val_loss) of `python examples/shakespeare_char.py`."""
+def ftrain_cmd(out: Path, extra: list[str]) -> tuple[list[str], Path, str]:
+    """`python examples/shakespeare_char.py` with a fresh checkpoint folder."""
+    script = str(ROOT / "examples" / "shakespeare_char.py")
+    return [sys.executable, script, "--out", str(out), *extra], ROOT, "val_loss="
+
+
+def run(cmds: list[tuple[list[str], Path, str]]) -> list[tuple[float, float]]:
+    """Start `cmds` together; (seconds, final validation loss) of each, when all are done."""
     t0 = time.perf_counter()
-    log = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "shakespeare_char.py"), "--out", str(out), *extra],
-        check=True, capture_output=True, text=True, timeout=1800,
-    ).stdout  # fmt: skip
-    seconds = time.perf_counter() - t0
-    return seconds, float(re.findall(r"val_loss=([0-9.]+)", log)[-1])
+    procs = [subprocess.Popen(c, cwd=d, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              text=True) for c, d, _ in cmds]  # fmt: skip
+    logs: list[str] = [""] * len(procs)
+    ends: list[float] = [0.0] * len(procs)
+
+    def wait(i: int) -> None:  # each process's own end time, whichever finishes first
+        logs[i] = procs[i].communicate(timeout=7200)[0]
+        ends[i] = time.perf_counter() - t0
+
+    threads = [threading.Thread(target=wait, args=(i,)) for i in range(len(procs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out = []
+    for p, log, end, (_, _, tag) in zip(procs, logs, ends, cmds, strict=True):
+        if p.returncode:
+            raise RuntimeError(f"{p.args} failed with status {p.returncode}")
+        out.append((end, float(re.findall(re.escape(tag) + r"([0-9.]+)", log)[-1])))
+    return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nanogpt", type=Path, required=True, help="a nanoGPT checkout, data prepared")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument(
+        "--together", action="store_true",
+        help="start both at once (a busy machine: both then see the same load) instead of "
+        "one right after the other",
+    )  # fmt: skip
     p.add_argument("extra", nargs="*", help="extra arguments for the example (after --)")
     args = p.parse_args()
     times: dict[str, list[float]] = {"ftrain": [], "nanogpt": []}
     for r in range(args.rounds):
         order = ["ftrain", "nanogpt"] if r % 2 == 0 else ["nanogpt", "ftrain"]
+        with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+            cmds = {"ftrain": ftrain_cmd(Path(a), args.extra),
+                    "nanogpt": nanogpt_cmd(args.nanogpt, Path(b))}  # fmt: skip
+            if args.together:
+                results = dict(zip(order, run([cmds[n] for n in order]), strict=True))
+            else:
+                results = {n: run([cmds[n]])[0] for n in order}
         for name in order:
-            with tempfile.TemporaryDirectory() as tmp:
-                if name == "ftrain":
-                    sec, loss = run_ftrain(Path(tmp), args.extra)
-                else:
-                    sec, loss = run_nanogpt(args.nanogpt, Path(tmp))
+            sec, loss = results[name]
             times[name].append(sec)
             print(f"round {r} {name:8s} {sec:7.1f} s  val_loss {loss:.4f}", flush=True)
     ft_s, ng_s = statistics.median(times["ftrain"]), statistics.median(times["nanogpt"])
