@@ -3,6 +3,8 @@
     python bench/bench_loop.py                 # all regimes, writes nothing, prints a table
     python bench/bench_loop.py --regime tiny --rounds 3
 
+The ftrain loop is the README loop (`grads` stays bound across iterations, every 10th step logs
+`float(stats.loss)` and `float(info.grad_norm)`); the raw loop logs the same two numbers.
 Step time: both loops train their own copy of the same model on the same pre-collated data with
 the same hyper-parameters (accumulation 2, clip 1.0, warmup-cosine lr, AdamW wd 0.1). Rounds
 alternate raw/ftrain blocks so that machine noise hits both; the ratio is of per-step medians.
@@ -26,7 +28,8 @@ import torch
 
 import ftrain as ft
 
-ACCUM, CLIP, WD = 2, 1.0, 0.1
+ACCUM, CLIP, WD, LOG_EVERY = 2, 1.0, 0.1, 10
+LOGGED: list[tuple[float, float]] = []  # what the loops log, so that the reads happen
 
 
 def build(regime: str) -> tuple[torch.nn.Module, list[list[dict[str, torch.Tensor]]], int]:
@@ -93,17 +96,23 @@ def build(regime: str) -> tuple[torch.nn.Module, list[list[dict[str, torch.Tenso
 
 
 def raw_loop(model: torch.nn.Module, total: int) -> Callable[[list[Any], int], None]:
+    """The loop people write by hand, logging every LOG_EVERY steps like the README loop."""
     opt = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=WD, fused=True)
     lr = ft.schedules.warmup_cosine(1e-3, 10, total)
 
     def step(micro: list[Any], k: int) -> None:
         opt.zero_grad(set_to_none=True)
+        loss_sum = 0.0
         for batch in micro:
-            (model(**batch).loss / len(micro)).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            loss = model(**batch).loss / len(micro)
+            loss.backward()
+            loss_sum += loss.detach()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         for group in opt.param_groups:
             group["lr"] = lr(k)
         opt.step()
+        if (k + 1) % LOG_EVERY == 0:
+            LOGGED.append((float(loss_sum), float(norm)))
 
     return step
 
@@ -111,13 +120,21 @@ def raw_loop(model: torch.nn.Module, total: int) -> Callable[[list[Any], int], N
 def ftrain_loop(
     model: torch.nn.Module, total: int, strategy: Any = None
 ) -> Callable[[list[Any], int], None]:
-    box = [ft.TrainState.create(model, ft.optim.adamw(weight_decay=WD), strategy=strategy)]
+    """The README loop's body. `grads` lives across iterations as in the README, where it stays
+    bound until the next `accumulate_grads` returns: held in `loop`, not scoped to one call."""
+    state = ft.TrainState.create(model, ft.optim.adamw(weight_decay=WD), strategy=strategy)
     lr = ft.schedules.warmup_cosine(1e-3, 10, total)
+    loop: dict[str, Any] = {"state": state, "grads": None}
 
     def step(micro: list[Any], k: int) -> None:
-        state = box[0]
-        grads, stats = ft.accumulate_grads(state, micro)
-        box[0], _ = ft.clip_and_step(state, grads, lr=lr(state.step), max_norm=CLIP, stats=stats)
+        state = loop["state"]
+        loop["grads"], stats = ft.accumulate_grads(state, micro)
+        state, info = ft.clip_and_step(
+            state, loop["grads"], stats=stats, lr=lr(state.step), max_norm=CLIP
+        )
+        loop["state"] = state
+        if ft.should_log(state, every=LOG_EVERY):
+            LOGGED.append((float(stats.loss), float(info.grad_norm)))
 
     return step
 

@@ -25,6 +25,7 @@ from ftrain.data import pad_collate as pad_collate
 from ftrain.eval import classification_metrics as classification_metrics
 from ftrain.eval import evaluate as evaluate
 from ftrain.eval import predict as predict
+from ftrain.grads import Grads as Grads
 from ftrain.grads import Stats as Stats
 from ftrain.grads import accumulate_grads as accumulate_grads
 from ftrain.predicates import should_eval as should_eval
@@ -52,6 +53,7 @@ __all__ = [
     "make_batches",
     "pad_collate",
     "accumulate_grads",
+    "Grads",
     "Stats",
     "clip_and_step",
     "StepInfo",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from _collections_abc import dict_items, dict_keys, dict_values
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -10,10 +11,10 @@ import torch
 
 from ftrain.data import weighted
 from ftrain.losses import LossFn, default_loss
-from ftrain.state import TrainState
+from ftrain.state import ConsumedStateError, TrainState
 from ftrain.strategies._base import Strategy
 
-__all__ = ["Stats", "accumulate_grads", "dropout_seed"]
+__all__ = ["Grads", "Stats", "accumulate_grads", "dropout_seed"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -34,6 +35,91 @@ class Stats(NamedTuple):
     num_samples: torch.Tensor
     num_micro: int
     position: str | None = None
+
+
+class Grads(dict[str, torch.Tensor]):
+    """The gradients `accumulate_grads` returns: a dict name -> tensor that can be donated.
+
+    `clip_and_step` consumes it (unless `donate=False`): it empties the dict and releases the
+    parameters' `.grad`, so a `grads` variable that outlives the step holds no gradient memory,
+    like a raw loop with `zero_grad(set_to_none=True)`. Reading a consumed `Grads` raises
+    `ConsumedStateError` naming the function and step.
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+        >>> loss_fn = lambda m, x: (m(x).sum(), torch.tensor(x.shape[0]))
+        >>> grads, stats = ft.accumulate_grads(state, [torch.ones(3, 2)], loss_fn)
+        >>> sorted(grads)
+        ['bias', 'weight']
+        >>> state, info = ft.clip_and_step(state, grads, lr=0.1, stats=stats)
+        >>> grads.consumed, state.params["weight"].grad is None
+        (True, True)
+    """
+
+    __slots__ = ("consumed_by",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.consumed_by: tuple[str, int] | None = None
+
+    @property
+    def consumed(self) -> bool:
+        """Whether a step function has consumed (and released) these gradients."""
+        return self.consumed_by is not None
+
+    def consume(self, by: str, step: int) -> None:
+        """Release the tensors and mark the mapping consumed by `by` at `step`."""
+        self.clear()
+        self.consumed_by = (by, step)
+
+    def check(self) -> None:
+        """Raise `ConsumedStateError` if the gradients were consumed."""
+        if self.consumed_by is not None:
+            fn, step = self.consumed_by
+            raise ConsumedStateError(
+                f"these gradients were consumed by {fn} at step {step} (released to free their "
+                "memory); read them before the step, or pass donate=False to keep them"
+            )
+
+    # Reading goes through dict's C fast path while live; a consumed (emptied) mapping lands in
+    # __missing__ or in these checks, so every read of it raises instead of looking empty.
+    def __missing__(self, key: str) -> torch.Tensor:
+        self.check()
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        self.check()
+        return super().__iter__()
+
+    def __len__(self) -> int:
+        self.check()
+        return super().__len__()
+
+    def __contains__(self, key: object) -> bool:
+        self.check()
+        return super().__contains__(key)
+
+    def keys(self) -> dict_keys[str, torch.Tensor]:
+        self.check()
+        return super().keys()
+
+    def values(self) -> dict_values[str, torch.Tensor]:
+        self.check()
+        return super().values()
+
+    def items(self) -> dict_items[str, torch.Tensor]:
+        self.check()
+        return super().items()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.check()
+        return super().get(key, default)
+
+    def __repr__(self) -> str:
+        if self.consumed_by is not None:
+            return f"Grads(<consumed by {self.consumed_by[0]} at step {self.consumed_by[1]}>)"
+        return f"Grads({super().__repr__()})"
 
 
 def _splitmix64(x: int) -> int:
@@ -76,23 +162,23 @@ def _rng_scope(gens: list[torch.Generator]) -> Iterator[None]:
             g.set_state(s)
 
 
-def _count(batch: Any, device: torch.device) -> tuple[torch.Tensor, int]:
-    """(non-padding tokens as a device tensor, samples as a host int) of one micro-batch."""
+def _count(batch: Any) -> tuple[torch.Tensor | int, int]:
+    """(non-padding tokens, samples) of one micro-batch; tokens is a device tensor only when an
+    attention mask must be summed (a host int costs no device op)."""
     if isinstance(batch, Mapping):
         if "attention_mask" in batch:
             mask = batch["attention_mask"]
             return mask.sum(), mask.shape[0]
         if "input_ids" in batch:
             ids = batch["input_ids"]
-            return torch.full((), ids.numel(), device=device), ids.shape[0]
+            return ids.numel(), ids.shape[0]
         first = next(iter(batch.values()))
     else:
         first = batch[0] if isinstance(batch, (list, tuple)) else batch
     n = first.shape[0] if isinstance(first, torch.Tensor) else len(first)
     # An integer tensor of rank >= 2 first in the batch is token ids (e.g. an (x, y) pair of
     # windows); anything else counts one token per sample.
-    tokens = first.numel() if isinstance(first, torch.Tensor) and _is_ids(first) else n
-    return torch.full((), tokens, device=device), n
+    return (first.numel() if isinstance(first, torch.Tensor) and _is_ids(first) else n), n
 
 
 def _is_ids(t: torch.Tensor) -> bool:
@@ -115,8 +201,9 @@ def accumulate_grads(
     sync. Dropout randomness is
     `dropout_seed(state.seed, state.step, i, rank)` for micro-batch i. No host sync.
 
-    The returned gradients are the parameters' `.grad` tensors (not copies); the model is put
-    in training mode.
+    The returned gradients are the parameters' `.grad` tensors (not copies), in a `Grads`
+    mapping that `clip_and_step` consumes; the model is put in training mode. A step that
+    counts no item reports a NaN loss (a mean over nothing).
 
     Args:
         state: the current state (not consumed).
@@ -134,15 +221,45 @@ def accumulate_grads(
     if len(micro) == 0:
         raise ValueError("micro is empty: pass the list of micro-batches yielded by make_batches")
     strategy = state.strategy if strategy is None else strategy
-    loss_fn = default_loss if loss_fn is None else loss_fn
-    model, params, device = state.model, state.params, strategy.device
+    model, params = state.model, state.params
     if not model.training:
         model.train()
     for p in params.values():
         p.grad = None
     # float16 training scales the loss up so small gradients survive backward (ft.precision).
-    scale = state.loss_scale
-    losses, items, tokens, samples = [], [], [], 0
+    counts = _forward_backward(state, micro, default_loss if loss_fn is None else loss_fn, strategy)
+    loss_total, num_items_t, num_tokens_t, num_samples_t = counts.unbind()
+    grads = Grads((n, p.grad) for n, p in params.items() if p.grad is not None)
+    if grads:
+        # Backends that average over ranks (DDP) have multiplied by grad_reduce_factor; undo it,
+        # and the loss scale. A step without items keeps its (zero) gradient as it is.
+        norm = num_items_t.clamp(min=1.0) * strategy.grad_reduce_factor
+        scale = state.loss_scale
+        torch._foreach_div_(list(grads.values()), norm if scale is None else norm * scale)
+    # The mean over zero items is undefined: NaN, and clip_and_step skips such a step.
+    stats = Stats(
+        loss=(loss_total / num_items_t).float(),
+        num_items=num_items_t.long(),
+        num_tokens=num_tokens_t.long(),
+        num_samples=num_samples_t.long(),
+        num_micro=len(micro),
+        position=getattr(micro, "position", None),  # a stream group's (ft.data.Group)
+    )
+    return grads, stats
+
+
+def _forward_backward(
+    state: TrainState, micro: Sequence[Any], loss_fn: LossFn, strategy: Strategy
+) -> torch.Tensor:
+    """Backward over every micro-batch; returns the global float64 (loss, items, tokens,
+    samples) sums. Per micro-batch only the loss itself runs on the device: counts known on the
+    host stay host ints, and the device ones are summed once at the end (issue 12: per-step
+    small-tensor work was a tenth of a small model's step)."""
+    model, device, scale = state.model_, strategy.device, state.loss_scale
+    losses: list[torch.Tensor] = []
+    items: list[torch.Tensor] = []
+    masked: list[torch.Tensor] = []  # attention-mask token counts (device)
+    host_items = host_tokens = samples = 0
     last = len(micro) - 1
     gens = _generators(device)
     with _rng_scope(gens):
@@ -156,38 +273,47 @@ def accumulate_grads(
             with strategy.grad_sync(model, final=i == last):
                 with strategy.autocast():
                     loss_sum, num_items = loss_fn(model, batch)
-                    loss_sum = loss_sum * weight
+                if not weight:
+                    loss_sum = loss_sum * 0.0
                 (loss_sum if scale is None else loss_sum * scale).backward()
+            if not weight:
+                continue
             losses.append(loss_sum.detach())
-            items.append(torch.as_tensor(num_items, device=device) * weight)
-            n_tok, n_samples = _count(batch, device)
-            tokens.append(n_tok * weight)
-            samples += n_samples if weight else 0
-    # One collective for all four totals; float64 keeps counts exact far beyond 2**24.
-    totals = strategy.all_reduce_sum(
-        torch.stack(
-            [
-                torch.stack(losses).double().sum(),
-                torch.stack(items).double().sum(),
-                torch.stack(tokens).double().sum(),
-                torch.full((), float(samples), dtype=torch.float64, device=device),
-            ]
-        )
+            # (Compare device types: "cuda" and "cuda:0" name one device here.)
+            if isinstance(num_items, torch.Tensor) and num_items.device.type == device.type:
+                items.append(num_items)
+            else:  # a Python number, or a CPU tensor (reading it is no device sync)
+                host_items += int(num_items)
+            n_tok, n_samples = _count(batch)
+            if isinstance(n_tok, torch.Tensor):
+                masked.append(n_tok)
+            else:
+                host_tokens += n_tok
+            samples += n_samples
+    return strategy.all_reduce_sum(
+        _totals(losses, items, masked, (host_items, host_tokens, samples), device)
     )
-    loss_total, num_items_t, num_tokens_t, num_samples_t = totals.unbind()
-    denom = num_items_t.clamp(min=1.0)
-    grads = {n: p.grad for n, p in params.items() if p.grad is not None}
-    if grads:
-        # Backends that average over ranks (DDP) have multiplied by grad_reduce_factor; undo it,
-        # and the loss scale.
-        norm = denom * strategy.grad_reduce_factor
-        torch._foreach_mul_(list(grads.values()), 1.0 / (norm if scale is None else norm * scale))
-    stats = Stats(
-        loss=(loss_total / denom).float(),
-        num_items=num_items_t.long(),
-        num_tokens=num_tokens_t.long(),
-        num_samples=num_samples_t.long(),
-        num_micro=len(micro),
-        position=getattr(micro, "position", None),  # a stream group's (ft.data.Group)
-    )
-    return grads, stats
+
+
+def _totals(
+    losses: list[torch.Tensor],
+    items: list[torch.Tensor],
+    masked: list[torch.Tensor],
+    host: tuple[int, int, int],
+    device: torch.device,
+) -> torch.Tensor:
+    """[loss, items, tokens, samples] as one float64 device vector (exact far beyond 2**24),
+    in a handful of ops whatever the number of micro-batches: one stack of a (4, k) table
+    padded with zeros, one row sum, plus the host counts."""
+    k = max(len(losses), 1)  # each counted micro-batch adds at most one entry per row
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    flat = [
+        t if t.ndim == 0 else t.reshape(())
+        for row in (losses, items, masked)
+        for t in (*row, *[zero] * (k - len(row)))
+    ]
+    flat += [zero] * k  # the samples row: host counts only
+    table = torch.stack(flat, out=torch.empty(4 * k, dtype=torch.float64, device=device))
+    # A non-blocking host-to-device copy is no sync (a no-op on the CPU).
+    extra = torch.tensor([0.0, *host], dtype=torch.float64).to(device, non_blocking=True)
+    return table.view(4, k).sum(1) + extra

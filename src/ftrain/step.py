@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 
 from ftrain.checkpoint._save import raise_pending_save_error
-from ftrain.grads import Stats
+from ftrain.grads import Grads, Stats
 from ftrain.precision import update_loss_scale
 from ftrain.state import TrainState, snapshot
 
@@ -34,6 +34,45 @@ def _validate(lr: float, max_norm: float | None) -> None:
         raise ValueError(f"max_norm must be a number > 0 or None, got {max_norm!r}")
 
 
+def _check_grads(grads: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> None:
+    """Names, shapes, dtypes and devices of `grads` against the parameters: metadata only.
+
+    The fused kernels trust their inputs; a gradient of another shape gave NaNs or a segfault
+    (issue 20). A `.grad` tensor itself already matches (autograd enforces it on assignment).
+    """
+    for name, g in grads.items():
+        p = params.get(name)
+        if p is None:
+            raise ValueError(
+                f"grads has {name!r}, which is not a trainable parameter of the state "
+                f"(trainable: {_preview(params)}); pass the mapping accumulate_grads returned"
+            )
+        if g is p.grad:
+            continue
+        if not isinstance(g, torch.Tensor):
+            raise TypeError(f"grads[{name!r}] must be a tensor, got {type(g).__name__}")
+        if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
+            raise ValueError(
+                f"grads[{name!r}] does not match its parameter: gradient {tuple(g.shape)} "
+                f"{g.dtype} on {g.device}, parameter {tuple(p.shape)} {p.dtype} on {p.device}"
+            )
+
+
+def _preview(names: Mapping[str, object]) -> str:
+    shown = list(names)[:5]
+    return ", ".join(shown) + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
+
+
+def _release(
+    grads: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor], step: int
+) -> None:
+    """Free the consumed gradients: the parameters' `.grad` and a `Grads` mapping's tensors."""
+    for p in params.values():
+        p.grad = None
+    if isinstance(grads, Grads):
+        grads.consume("clip_and_step", step)
+
+
 def clip_and_step(
     state: TrainState,
     grads: Mapping[str, torch.Tensor],
@@ -51,31 +90,39 @@ def clip_and_step(
     skips the update on the device, without a host sync; `step` still advances (as in HF
     Trainer) and `info.skipped` says so. `cursor`, `tokens_seen` and `samples_seen` advance by
     `stats` when given (a stream's `stats.position` goes to `state.data_position`, which rides
-    on `state.cursor`: docs/data.md). With float16 loss scaling, an overflow always skips the
-    update and `loss_scale`/`growth_tracker` advance by `torch.amp.GradScaler`'s rule
-    (`ft.precision`).
+    on `state.cursor`: docs/data.md); a step whose `stats` counted no item is skipped like a
+    non-finite one (nothing was learned: no weight decay either). With float16 loss scaling,
+    an overflow always skips the update and `loss_scale`/`growth_tracker` advance by
+    `torch.amp.GradScaler`'s rule (`ft.precision`).
 
     Args:
         state: consumed unless `donate=False`.
-        grads: from `accumulate_grads`; modified in place by clipping.
+        grads: from `accumulate_grads` (any mapping name -> tensor works); modified in place
+            by clipping. Donated with the state: the parameters' `.grad` are released and a
+            `Grads` mapping is emptied (reading it raises `ConsumedStateError`); a plain dict
+            of yours is left as it is.
         lr: learning rate of this update, e.g. `schedule(state.step)`.
         max_norm: clip threshold; None measures the norm without clipping.
         stats: the `Stats` of this step, to advance the data counters.
         skip_nonfinite: skip the update when the gradient norm is inf or NaN (always on with
             loss scaling).
-        donate: update in place and consume `state`; False snapshots it first so it stays valid.
+        donate: update in place and consume `state` and `grads`; False snapshots the state
+            first so it stays valid, and keeps the gradients.
 
     Returns:
         `(new_state, StepInfo)`.
 
     Raises:
-        TypeError, ValueError: for a bad `lr` or `max_norm`, or a state whose loss scale does
-            not match its strategy's precision.
-        ConsumedStateError: if `state` was already consumed.
+        TypeError, ValueError: for a bad `lr` or `max_norm`, a state whose loss scale does
+            not match its strategy's precision, or a gradient whose name, shape, dtype or
+            device does not match its parameter (checked on the host, no sync).
+        ConsumedStateError: if `state` or `grads` was already consumed.
         CheckpointError: if a background (`blocking=False`) save has failed since the last call.
     """
     _validate(lr, max_norm)
     raise_pending_save_error()  # a failed background save surfaces here, one step later
+    if isinstance(grads, Grads):
+        grads.check()
     if not donate:
         state = snapshot(state)
     params, strategy = state.params, state.strategy
@@ -85,23 +132,26 @@ def clip_and_step(
             "the strategy's loss scaling and state.loss_scale disagree: create the state with "
             "the strategy that trains it (TrainState.create(..., strategy=...))"
         )
+    _check_grads(grads, params)
     g = list(grads.values())
     with torch.no_grad():
         norm = strategy.grad_norm(g)
         # With loss scaling an overflow is expected now and then: always skip it.
-        check = skip_nonfinite or scaling is not None
-        found_inf = (~torch.isfinite(norm)).float() if check else None
+        overflow = (~torch.isfinite(norm)) if skip_nonfinite or scaling is not None else None
+        skip = _skip(overflow, stats)
         if max_norm is not None and g:
             torch._foreach_mul_(g, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
         opt_state = state.optimizer.update(
-            grads, state.opt_state, params, lr=float(lr), step=state.step, found_inf=found_inf
+            grads, state.opt_state, params, lr=float(lr), step=state.step, found_inf=skip
         )
+    if donate:
+        _release(grads, params, state.step)
     changes: dict[str, object] = {"opt_state": opt_state, "step": state.step + 1}
     if scaling is not None:
         assert state.loss_scale is not None and state.growth_tracker is not None
-        assert found_inf is not None
+        assert overflow is not None
         changes["loss_scale"], changes["growth_tracker"] = update_loss_scale(
-            state.loss_scale, state.growth_tracker, found_inf, scaling
+            state.loss_scale, state.growth_tracker, overflow, scaling
         )
     if stats is not None:
         cursor = state.cursor + stats.num_micro
@@ -113,10 +163,18 @@ def clip_and_step(
             samples_seen=state.samples_seen + stats.num_samples,
         )
     skipped = (
-        found_inf.bool()
-        if found_inf is not None
-        else torch.zeros((), dtype=torch.bool, device=norm.device)
+        skip.bool() if skip is not None else torch.zeros((), dtype=torch.bool, device=norm.device)
     )
     return state.consume("clip_and_step", **changes), StepInfo(
         grad_norm=norm, skipped=skipped, lr=float(lr)
     )
+
+
+def _skip(overflow: torch.Tensor | None, stats: Stats | None) -> torch.Tensor | None:
+    """1.0 where the update must be skipped on the device: a non-finite norm (when checked) or
+    a step that counted no item (nothing was learned, so no weight decay nor moment decay
+    either); None when nothing is checked."""
+    empty = None if stats is None else stats.num_items == 0
+    if overflow is None:
+        return None if empty is None else empty.float()
+    return (overflow if empty is None else overflow | empty).float()
