@@ -330,8 +330,8 @@ def private_grads(
                 torch._foreach_add_(list(total.values()), list(clipped.values()))
                 losses.append(loss.sum())
                 items.append(n.sum())
-        n_tok, n_ex = _count(batch, device)
-        tokens.append(n_tok)
+        n_tok, n_ex = _count(batch)
+        tokens.append(torch.as_tensor(n_tok, device=device))
         examples += n_ex
     if noise_multiplier > 0:
         noise = noise_like(total, std=noise_multiplier * max_norm, seed=state.seed, step=state.step)
