@@ -1,4 +1,4 @@
-"""Logging (`ft.logging`): log windows with HF's definitions, sinks, throughput, plots."""
+"""Logging (`ft.logging`): log windows with HF's definitions, sinks, trackers, throughput, plots."""
 
 from ftrain.logging._perf import flops_per_token as flops_per_token
 from ftrain.logging._perf import peak_memory_mb as peak_memory_mb
@@ -10,6 +10,8 @@ from ftrain.logging._sinks import ProgressBar as ProgressBar
 from ftrain.logging._sinks import Sink as Sink
 from ftrain.logging._sinks import Sinks as Sinks
 from ftrain.logging._sinks import TensorBoardSink as TensorBoardSink
+from ftrain.logging._trackers import MLflowSink as MLflowSink
+from ftrain.logging._trackers import WandbSink as WandbSink
 from ftrain.logging._window import LogWindow as LogWindow
 from ftrain.logging._window import emit as emit
 from ftrain.logging._window import update as update
@@ -18,11 +20,13 @@ from ftrain.logging._window import window as window
 __all__ = [
     "JSONLSink",
     "LogWindow",
+    "MLflowSink",
     "NullSink",
     "ProgressBar",
     "Sink",
     "Sinks",
     "TensorBoardSink",
+    "WandbSink",
     "emit",
     "flops_per_token",
     "peak_memory_mb",
