@@ -176,3 +176,48 @@ def test_wandb_sink_does_nothing_off_rank_0_and_rejects_its_own_arguments(tmp_pa
     assert quiet.run_id is None and not (tmp_path / "r").exists()
     with pytest.raises(TypeError, match=r"\['id'\]"):
         ft.logging.WandbSink(tmp_path / "r", id="x")
+
+
+def _linear_loop(sink, steps):
+    torch.manual_seed(0)
+    state = ft.TrainState.create(torch.nn.Linear(3, 1), ft.optim.adamw(), seed=0)
+    data = _data()
+    while state.step < steps:
+        for micro in ft.make_batches(data, batch_size=4, epoch=state.epoch, start=state.cursor):
+            grads, stats = ft.accumulate_grads(state, micro, _loss)
+            state, _ = ft.clip_and_step(state, grads, stats=stats, lr=0.05, max_norm=1.0)
+            sink.step(state)
+            if state.step >= steps:
+                break
+        else:
+            state = ft.next_epoch(state)
+    sink.close()
+
+
+def test_profiler_traces_the_chosen_steps_with_their_ops(tmp_path):
+    prof = ft.logging.Profiler(tmp_path / "prof", steps=(3, 4), warmup=1)
+    _linear_loop(prof, steps=7)
+    (trace,) = prof.traces()
+    assert trace.parent == tmp_path / "prof" and trace.name.endswith(".pt.trace.json")
+    events = json.loads(trace.read_text())["traceEvents"]  # Chrome trace format
+    names = {e.get("name") for e in events}
+    assert "aten::addmm" in names  # the Linear forward
+    assert "aten::mse_loss" not in names and "aten::pow" in names  # our loss: (d ** 2).sum()
+    assert "aten::_fused_adamw_" in names  # the optimizer step
+    steps = sorted(n for n in names if (n or "").startswith("ProfilerStep#"))
+    assert steps == ["ProfilerStep#1", "ProfilerStep#2"]  # 3 and 4; not the warmup step (#0)
+
+
+def test_profiler_refuses_impossible_windows_and_resumes_mid_window(tmp_path):
+    with pytest.raises(ValueError, match="warmup \\+ 2 <= first"):
+        ft.logging.Profiler(tmp_path, steps=(2, 3), warmup=1)
+    with pytest.raises(ValueError, match="first <= last"):
+        ft.logging.Profiler(tmp_path, steps=(5, 4))
+    prof = ft.logging.Profiler(tmp_path, steps=(5, 6))
+    state = ft.TrainState.create(torch.nn.Linear(3, 1), ft.optim.sgd()).replace(step=4)
+    with pytest.raises(ValueError, match="past step 4"):
+        prof.step(state)
+    late = ft.logging.Profiler(tmp_path / "late", steps=(5, 6))
+    late.step(state.replace(step=9))  # resumed after the window: nothing to do
+    late.close()
+    assert late.traces() == []

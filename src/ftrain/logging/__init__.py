@@ -4,6 +4,7 @@ from ftrain.logging._perf import flops_per_token as flops_per_token
 from ftrain.logging._perf import peak_memory_mb as peak_memory_mb
 from ftrain.logging._plot import plot_metrics as plot_metrics
 from ftrain.logging._plot import read_jsonl as read_jsonl
+from ftrain.logging._profile import Profiler as Profiler
 from ftrain.logging._sinks import JSONLSink as JSONLSink
 from ftrain.logging._sinks import NullSink as NullSink
 from ftrain.logging._sinks import ProgressBar as ProgressBar
@@ -22,6 +23,7 @@ __all__ = [
     "LogWindow",
     "MLflowSink",
     "NullSink",
+    "Profiler",
     "ProgressBar",
     "Sink",
     "Sinks",
