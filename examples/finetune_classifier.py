@@ -87,9 +87,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     epoch_size = ft.data.num_micro_batches(len(train), args.batch_size)
     total = epoch_size * args.epochs
     lr = ft.schedules.warmup_linear(peak_lr=args.lr, warmup_steps=total // 10, total_steps=total)
-    sink = ft.logging.Sinks(
-        ft.logging.ProgressBar(total), ft.logging.JSONLSink(Path(args.out) / "metrics.jsonl")
-    )
     if (ckpt := ft.latest_checkpoint(args.out)) is not None:
         state = ft.load_checkpoint(ckpt, state)
         print(f"resumed from {ckpt} (step {state.step})")
@@ -98,7 +95,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         batches = ft.make_batches(test, batch_size=64, shuffle=False, collate_fn=collate)
         return ft.evaluate(state, batches, metrics_fn=ft.classification_metrics)
 
-    start, window = time.perf_counter(), ft.logging.window(state)
+    logger = ft.logging.Logger(
+        state, every=20, total_steps=total, first=False, epoch_size=epoch_size,
+        sinks=[ft.logging.JSONLSink(Path(args.out) / "metrics.jsonl")],
+    )  # fmt: skip
+    start = time.perf_counter()
     while state.step < total:
         for micro in ft.make_batches(
             train, batch_size=args.batch_size, seed=args.seed, epoch=state.epoch,
@@ -108,24 +109,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             state, info = ft.clip_and_step(
                 state, grads, stats=stats, lr=lr(state.step), max_norm=1.0
             )
-            window = ft.logging.update(window, stats, info)
-            sink.step(state)
-            if ft.should_log(state, every=20):
-                record, window = ft.logging.emit(window, state, epoch_size=epoch_size)
-                sink.log(record)
-        if window.steps:  # the rest of the epoch's log window
-            record, window = ft.logging.emit(window, state, epoch_size=epoch_size)
-            sink.log(record)
+            logger.step(state, stats, info)
+        logger.flush(state)  # the rest of the epoch's log window
         state = ft.next_epoch(state)
         metrics = {"step": state.step, **test_metrics()}
-        sink.log(metrics)
+        logger.log(metrics)
         print(f"epoch {state.epoch}: test accuracy {metrics['eval_accuracy']:.4f}, "
               f"loss {metrics['eval_loss']:.4f}  ({time.perf_counter() - start:.0f}s)")  # fmt: skip
         state = ft.track_best(state, metrics, metric="eval_accuracy", mode="max")
         ft.save_checkpoint(
             state, args.out, metrics=metrics, keep_last=1, best_metric="eval_accuracy", mode="max"
         )
-    sink.close()
+    logger.close()
     final = test_metrics()
     ft.export_pretrained(state, Path(args.out) / "final", tokenizer=tokenizer, overwrite=True)
     print(f"train_time={time.perf_counter() - start:.1f}s")

@@ -25,7 +25,6 @@ bar in a terminal (printed lines otherwise) and to `<out>/metrics.jsonl`; draw t
 from __future__ import annotations
 
 import argparse
-import gc
 import math
 import time
 from pathlib import Path
@@ -70,6 +69,71 @@ def load(path: Path, block: int) -> tuple[CharWindows, CharWindows, int]:
     ids = lookup[np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)]
     split = int(0.9 * len(ids))  # nanoGPT's 90/10 split
     return CharWindows(ids[:split], block), CharWindows(ids[split:], block), len(chars)
+
+
+def train_and_export(args, model, optimizer, strategy, train, val) -> float:
+    """Train (resuming from the newest checkpoint), evaluate, export; return the val loss."""
+    state = ft.TrainState.create(model, optimizer, seed=args.seed, strategy=strategy)
+    main_rank, world = state.strategy.rank == 0, state.strategy.world_size
+    if args.batch_size % world:
+        raise ValueError(f"--batch-size {args.batch_size} is not divisible by {world} ranks")
+    batch_size = args.batch_size // world  # per rank: the global batch stays the same
+    lr = ft.schedules.cosine_with_min_lr(1e-3, 100, args.max_iters, min_lr=1e-4)
+    if args.out and (ckpt := ft.latest_checkpoint(args.out)) is not None:
+        state = ft.load_checkpoint(ckpt, state)
+        if main_rank:
+            print(f"resumed from {ckpt} (step {state.step})", flush=True)
+
+    def val_loss(iters: int) -> float:
+        batches = ft.make_batches(  # a fixed random subset, split over the ranks
+            val, batch_size=batch_size, seed=0, strategy=state.strategy
+        )
+        subset = (b for _, b in zip(range(iters), batches, strict=False))
+        return ft.evaluate(state, subset, next_char_loss)["eval_loss"]
+
+    # A progress bar in a terminal, printed lines otherwise (rank 0 only); JSONL on rank 0.
+    jsonl = (
+        ft.logging.JSONLSink(Path(args.out) / "metrics.jsonl") if args.out and main_rank else None
+    )
+    logger = ft.logging.Logger(
+        state, every=args.log_interval, total_steps=args.max_iters, sinks=[jsonl] if jsonl else [],
+        epoch_size=ft.data.num_micro_batches(len(train), batch_size, world_size=world),
+    )  # fmt: skip
+    start = time.perf_counter()
+    while state.step < args.max_iters:
+        for micro in ft.make_batches(
+            train,
+            batch_size=batch_size,
+            seed=args.seed,
+            epoch=state.epoch,
+            start=state.cursor,
+            strategy=state.strategy,
+        ):
+            grads, stats = ft.accumulate_grads(state, micro, next_char_loss)
+            state, info = ft.clip_and_step(
+                state, grads, stats=stats, lr=lr(state.step), max_norm=1.0
+            )
+            logger.step(state, stats, info)  # reads the device back on log steps only
+            if ft.should_eval(state, every=args.eval_interval, total_steps=args.max_iters):
+                metrics = {"eval_loss": val_loss(args.eval_iters)}
+                logger.log({"step": state.step, **metrics})
+                if args.out:  # in the background, except the last save of the run
+                    ft.save_checkpoint(
+                        state, args.out, metrics=metrics, keep_last=args.keep_last,
+                        best_metric="eval_loss", blocking=state.step >= args.max_iters,
+                    )  # fmt: skip
+            if state.step >= args.max_iters:
+                break
+        else:
+            state = ft.next_epoch(state)
+    logger.close()
+    final = val_loss(args.final_eval_iters)
+    if args.out:  # on every rank: FSDP gathers the shards, rank 0 writes
+        ft.export_pretrained(state, Path(args.out) / "final", overwrite=True)
+    if main_rank:
+        print(f"train_time={time.perf_counter() - start:.1f}s")
+        print(f"val_loss={final:.4f}")
+    return final
 
 
 def main(argv: list[str] | None = None) -> float:
@@ -123,86 +187,8 @@ def main(argv: list[str] | None = None) -> float:
         strategy = ft.strategies.from_env(args.strategy, precision=args.precision)
     if args.compile:
         model = torch.compile(model)  # parameter names stay the model's own
-    state = ft.TrainState.create(model, optimizer, seed=args.seed, strategy=strategy)
-    main_rank, world = state.strategy.rank == 0, state.strategy.world_size
-    if args.batch_size % world:
-        raise ValueError(f"--batch-size {args.batch_size} is not divisible by {world} ranks")
-    batch_size = args.batch_size // world  # per rank: the global batch stays the same
-    lr = ft.schedules.cosine_with_min_lr(1e-3, 100, args.max_iters, min_lr=1e-4)
-    if args.out and (ckpt := ft.latest_checkpoint(args.out)) is not None:
-        state = ft.load_checkpoint(ckpt, state)
-        if main_rank:
-            print(f"resumed from {ckpt} (step {state.step})", flush=True)
-
-    def val_loss(iters: int) -> float:
-        batches = ft.make_batches(  # a fixed random subset, split over the ranks
-            val, batch_size=batch_size, seed=0, strategy=state.strategy
-        )
-        subset = (b for _, b in zip(range(iters), batches, strict=False))
-        return ft.evaluate(state, subset, next_char_loss)["eval_loss"]
-
-    # A progress bar in a terminal, printed lines otherwise; both on rank 0 only.
-    bar = ft.logging.ProgressBar(args.max_iters, rank=state.strategy.rank)
-    jsonl = (
-        [ft.logging.JSONLSink(Path(args.out) / "metrics.jsonl")] if args.out and main_rank else []
-    )
-    sink = ft.logging.Sinks(bar, *jsonl)
-    epoch_size = ft.data.num_micro_batches(len(train), batch_size, world_size=world)
-    start, window = time.perf_counter(), ft.logging.window(state)
-    while state.step < args.max_iters:
-        for micro in ft.make_batches(
-            train,
-            batch_size=batch_size,
-            seed=args.seed,
-            epoch=state.epoch,
-            start=state.cursor,
-            strategy=state.strategy,
-        ):
-            grads, stats = ft.accumulate_grads(state, micro, next_char_loss)
-            state, info = ft.clip_and_step(
-                state, grads, stats=stats, lr=lr(state.step), max_norm=1.0
-            )
-            window = ft.logging.update(window, stats, info)  # device arithmetic, no sync
-            sink.step(state)
-            if ft.should_log(state, every=args.log_interval, first=True):
-                # emit reads the window back: the only host sync of the loop, on log steps.
-                record, window = ft.logging.emit(window, state, epoch_size=epoch_size)
-                sink.log(record)
-                if main_rank and not bar.enabled:
-                    print(
-                        f"step {state.step:5d}  loss {record['loss']:.4f}  "
-                        f"lr {record['learning_rate']:.2e}  grad_norm {record['grad_norm']:.3f}  "
-                        f"{time.perf_counter() - start:6.1f}s",
-                        flush=True,
-                    )
-            if ft.should_eval(state, every=args.eval_interval, total_steps=args.max_iters):
-                metrics = {"eval_loss": val_loss(args.eval_iters)}
-                sink.log({"step": state.step, **metrics})
-                if main_rank and not bar.enabled:
-                    print(f"step {state.step:5d}  eval_loss {metrics['eval_loss']:.4f}", flush=True)
-                if args.out:  # in the background, except the last save of the run
-                    last = state.step >= args.max_iters
-                    ft.save_checkpoint(
-                        state, args.out, metrics=metrics, keep_last=args.keep_last,
-                        best_metric="eval_loss", blocking=last,
-                    )  # fmt: skip
-            if state.step >= args.max_iters:
-                break
-        else:
-            state = ft.next_epoch(state)
-    sink.close()
-    final = val_loss(args.final_eval_iters)
-    if args.out:  # on every rank: FSDP gathers the shards, rank 0 writes
-        ft.export_pretrained(state, Path(args.out) / "final", overwrite=True)
-    if main_rank:
-        print(f"train_time={time.perf_counter() - start:.1f}s")
-        print(f"val_loss={final:.4f}")
-    if torch.distributed.is_initialized():  # leave the process group together (torchrun)
-        strategy = state.strategy
-        del state  # free the DDP model before its process group (docs/strategies.md)
-        gc.collect()
-        strategy.barrier()
-        torch.distributed.destroy_process_group()
+    with strategy:  # leaves the process group in order on every rank, also after an error
+        final = train_and_export(args, model, optimizer, strategy, train, val)
     return final if math.isfinite(final) else float("nan")
 
 

@@ -43,21 +43,6 @@ def _env(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
 
 
-def _finish() -> None:
-    """Leave the process group together, after the caller dropped its DDP/FSDP model.
-
-    A rank that destroys its group while a peer still uses it makes gloo abort the peer at
-    exit. And a DDP model freed *after* destroy_process_group holds the last reference to the
-    gloo group, whose destructor then joins gloo's worker thread while holding the GIL that
-    thread needs (a deadlock seen in torch 2.13): free the model first.
-    """
-    import gc
-
-    gc.collect()
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-
-
 def equivalence(
     rank: int, world: int, port: int, out: str, kind: str, steps: int, accum: int
 ) -> None:
@@ -80,8 +65,7 @@ def equivalence(
         meta = {"losses": losses, "tokens": int(state.tokens_seen), "epoch": state.epoch,
                 "cursor": state.cursor}  # fmt: skip
         (Path(out) / "result.json").write_text(json.dumps(meta))
-    del state
-    _finish()
+    state.strategy.close()  # leaves the group together, the model released first
 
 
 def _save_params(params: dict, path: Path) -> None:
@@ -107,8 +91,7 @@ def ddp_traffic(rank: int, world: int, port: int, out: str, sync_every_micro: bo
     state, _ = train(state, steps=2, batch_size=1, accum=4)
     if rank == 0:
         (Path(out) / f"calls-{sync_every_micro}.json").write_text(json.dumps(len(calls)))
-    del state
-    _finish()
+    state.strategy.close()  # leaves the group together, the model released first
 
 
 def resume(
@@ -129,8 +112,7 @@ def resume(
     full = {n: getattr(p, "full_tensor", p.detach)().detach() for n, p in state.params.items()}
     if rank == 0:
         _save_params(full, Path(root) / f"final-{world}.safetensors")
-    del state
-    _finish()
+    state.strategy.close()  # leaves the group together, the model released first
 
 
 def fsdp_traffic(rank: int, world: int, port: int, out: str, sync_every_micro: bool) -> None:
@@ -154,8 +136,7 @@ def fsdp_traffic(rank: int, world: int, port: int, out: str, sync_every_micro: b
     state, _ = train(state, steps=2, batch_size=1, accum=4)
     if rank == 0:
         (Path(out) / f"fsdp-calls-{sync_every_micro}.json").write_text(json.dumps(len(calls)))
-    del state
-    _finish()
+    state.strategy.close()  # leaves the group together, the model released first
 
 
 def fsdp_save_failures(rank: int, world: int, port: int, out: str) -> None:
@@ -192,8 +173,7 @@ def fsdp_save_failures(rank: int, world: int, port: int, out: str) -> None:
     state = state.replace(step=1)
     outcomes.append(ft.save_checkpoint(state, out).name)
     (Path(out) / f"outcome-{rank}.json").write_text(json.dumps(outcomes))
-    del state
-    _finish()
+    state.strategy.close()  # leaves the group together, the model released first
 
 
 def _outputs(model, batch):
@@ -224,8 +204,7 @@ def predict_gather(rank: int, world: int, port: int, out: str) -> None:
         **{f"g{i}_{k}": v for i, b in enumerate(gathered) for k, v in b.items()},
         local_rows=np.array(sum(len(b["n"]) for b in local)),
     )
-    del state
-    _finish()
+    state.strategy.close()  # leaves the group together, the model released first
 
 
 def fsdp_fp16(rank: int, world: int, port: int, out: str) -> None:
@@ -244,5 +223,4 @@ def fsdp_fp16(rank: int, world: int, port: int, out: str) -> None:
     if rank == 0:
         _save_params(full, Path(out) / "params.safetensors")
         (Path(out) / "result.json").write_text(json.dumps({**meta, "path": str(path)}))
-    del state
-    _finish()
+    state.strategy.close()  # leaves the group together, the model released first

@@ -124,6 +124,46 @@ def test_classification_metrics_run_one_forward_per_batch():
     assert out["eval_accuracy"] == pytest.approx(acc, abs=1e-12)
 
 
+def test_loss_fn_beside_a_metrics_loss_raises_naming_both():
+    # Issue 19: the metrics' cross-entropy silently replaced the user's loss as eval_loss.
+    state = ft.TrainState.create(_classifier(), ft.optim.sgd())
+    rows, _, _ = _cls_rows(8)
+
+    def my_loss(model, batch):
+        return torch.tensor(0.0), torch.tensor(1)
+
+    with pytest.raises(ValueError, match=r"loss_fn.*metrics_fn"):
+        ft.evaluate(
+            state, ft.make_batches(rows, batch_size=4, shuffle=False), my_loss,
+            metrics_fn=ft.classification_metrics,
+        )  # fmt: skip
+
+    def accuracy_only(model, batch):
+        m = ft.classification_metrics(model, batch)
+        return {"accuracy": m["accuracy"]}
+
+    out = ft.evaluate(
+        state, ft.make_batches(rows, batch_size=4, shuffle=False), my_loss,
+        metrics_fn=accuracy_only,
+    )  # fmt: skip
+    assert out["eval_loss"] == 0.0 and "eval_accuracy" in out  # the given loss_fn is used
+
+
+def test_perplexity_only_where_it_is_one():
+    cls = ft.TrainState.create(_classifier(), ft.optim.sgd())
+    rows, _, _ = _cls_rows(8)
+    batches = lambda: ft.make_batches(rows, batch_size=4, shuffle=False)  # noqa: E731
+    assert "eval_ppl" not in ft.evaluate(cls, batches(), metrics_fn=ft.classification_metrics)
+    assert "eval_ppl" not in ft.evaluate(cls, batches())  # default loss, sequence classification
+    lm = ft.TrainState.create(tiny_gpt2(), ft.optim.sgd())
+    out = ft.evaluate(lm, ft.make_batches(ragged_rows(6, seed=1), batch_size=3, shuffle=False))
+    assert out["eval_ppl"] == pytest.approx(np.exp(out["eval_loss"]))  # causal-LM token loss
+    custom = ft.evaluate(cls, batches(), lambda m, b: (torch.tensor(2.0), 1), perplexity=True)
+    assert custom["eval_ppl"] == pytest.approx(np.exp(2.0))
+    lm_batches = ft.make_batches(ragged_rows(6, seed=1), batch_size=3, shuffle=False)
+    assert "eval_ppl" not in ft.evaluate(lm, lm_batches, perplexity=False)
+
+
 def test_predict_streams_exact_per_sample_outputs():
     model = _classifier()
     rows, x, y = _cls_rows(103)

@@ -40,6 +40,15 @@ def test_minimal_loop_is_at_most_30_lines_of_loop():
     assert 10 < len(lines) <= 30
 
 
+def test_shakespeare_char_loop_fits_on_one_screen():
+    """From `while` to the end of the loop (issue 11: the log step is one call)."""
+    src = (EXAMPLES / "shakespeare_char.py").read_text().splitlines()
+    first = next(i for i, ln in enumerate(src) if ln.strip().startswith("while state.step"))
+    last = next(i for i in range(first, len(src)) if "ft.next_epoch(state)" in src[i])
+    assert len([ln for ln in src[first : last + 1] if ln.strip()]) <= 30
+    assert "destroy_process_group" not in "\n".join(src)  # the strategy owns its lifetime
+
+
 SHORT = "--max-iters 40 --eval-interval 20 --eval-iters 2 --final-eval-iters 4 --log-interval 10"
 SHORT = SHORT.split()
 
@@ -49,7 +58,8 @@ def test_shakespeare_char_short_run(capsys, tmp_path):
     final = _load("shakespeare_char").main(["--out", str(out_dir), "--keep-last", "2", *SHORT])
     out = capsys.readouterr().out
     assert re.search(r"^val_loss=\d+\.\d+$", out, re.M)
-    assert "eval_loss" in out and "step    40" in out
+    # No terminal here: the progress bar prints one line per record (train and eval).
+    assert re.search(r"^step 40/40  loss \d", out, re.M) and "step 40/40  eval_loss" in out
     assert final < math.log(65) - 0.5, "40 steps must learn something beyond uniform"
     # Checkpoints at each evaluation (the last one blocking), and the exported final model.
     assert ft.latest_checkpoint(out_dir).name == "step-40"
@@ -157,3 +167,20 @@ def test_sft_lora_short_run_saves_adapters_and_resumes_exactly(tmp_path, capsys)
     again = _load("sft_lora").main([*args, "--out", str(tmp_path / "b")])
     assert "resumed from" in capsys.readouterr().out
     assert again["final"] == straight["final"]
+
+
+def test_migration_guide_load_best_model_at_end_recipe_runs_as_written(tmp_path):
+    """The guide's complete recipe, executed verbatim: the state ends at the best step."""
+    from helpers import ragged_rows, tiny_llama
+
+    guide = (EXAMPLES.parent / "docs" / "migrating_from_trainer.md").read_text()
+    block = guide.split("<!-- recipe: load_best_model_at_end -->")[1].split("<!-- end recipe")[0]
+    code = block.split("```python\n")[1].split("```")[0]
+    torch.manual_seed(0)
+    scope = {"model": tiny_llama(), "train": ragged_rows(8, seed=1), "total_steps": 4,
+             "val": ragged_rows(4, seed=2), "root": str(tmp_path), "eval_steps": 1}  # fmt: skip
+    exec(compile(code, "migrating_from_trainer.md", "exec"), scope)
+    state = scope["state"]
+    assert state.best_step in (1, 2, 3, 4) and state.step == state.best_step
+    kept = {p.name for p in tmp_path.iterdir() if p.name.startswith("step-")}
+    assert kept == {f"step-{state.best_step}", "step-4"}  # keep_last=1 plus the best

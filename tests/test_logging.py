@@ -52,6 +52,14 @@ def test_record_follows_hf_definitions():
     assert w2.steps == 0 and w2.start_tokens is state.tokens_seen
     with pytest.raises(ValueError, match="at least one"):
         ft.logging.emit(w2, state)
+    w2 = ft.logging.update(w2, _stats(1.0), _info())
+    # Accepted and ignored before: epoch_size=0 (no fractional epoch), peak_flops alone (no mfu).
+    with pytest.raises(ValueError, match="epoch_size"):
+        ft.logging.emit(w2, state, epoch_size=0)
+    with pytest.raises(ValueError, match=r"peak_flops.*flops_per_token"):
+        ft.logging.emit(w2, state, peak_flops=1e12)
+    with pytest.raises(ValueError, match="peak_flops"):
+        ft.logging.Logger(state, every=1, progress=False, flops_per_token=1.0, peak_flops=0)
 
 
 def test_nan_inf_filter_is_hfs_rule():
@@ -88,6 +96,17 @@ def test_update_never_reads_the_device_and_emit_reads_once(monkeypatch):
     assert reads == []
     ft.logging.emit(w, state)
     assert reads == ["tolist"]
+    # The one-call Logger: no read between log steps, one read on a log step.
+    logger = ft.logging.Logger(state, every=4, first=False, progress=False)
+    for step in range(1, 9):
+        reads.clear()
+        record = logger.step(state.replace(step=step), stats, info)
+        assert reads == (["tolist"] if step % 4 == 0 else []), step
+        assert (record is not None) == (step % 4 == 0)
+    assert logger.flush(state.replace(step=8)) is None  # nothing since the last record
+    logger.step(state.replace(step=9), stats, info)
+    reads.clear()
+    assert logger.flush(state.replace(step=9))["step"] == 9 and reads == ["tolist"]
 
 
 def test_window_in_a_real_loop_reports_the_mean_step_loss():
@@ -104,6 +123,77 @@ def test_window_in_a_real_loop_reports_the_mean_step_loss():
     assert rec["epoch"] == 1.0 and rec["step"] == 3
     assert rec["grad_norm"] == pytest.approx(float(info.grad_norm))
     assert rec["tokens_seen"] == sum(len(r["input_ids"]) for r in rows)
+
+
+def test_logger_is_the_log_step_in_one_call(tmp_path):
+    state = ft.TrainState.create(tiny_llama(), ft.optim.adamw())
+    rows = ragged_rows(24, seed=2)
+    sink = ft.logging.JSONLSink(tmp_path / "m.jsonl")
+    logger = ft.logging.Logger(state, every=2, total_steps=6, sinks=[sink], progress=False)
+    manual, returned, losses = ft.logging.window(state), [], []
+    while state.step < 6:
+        for micro in ft.make_batches(rows, batch_size=4, accum=2, seed=0, epoch=state.epoch,
+                                     start=state.cursor):  # fmt: skip
+            grads, stats = ft.accumulate_grads(state, micro)
+            state, info = ft.clip_and_step(state, grads, stats=stats, lr=1e-3)
+            returned.append(logger.step(state, stats, info))
+            manual = ft.logging.update(manual, stats, info)
+            losses.append(float(stats.loss))
+            if ft.should_log(state, every=2, first=True):
+                expected, manual = ft.logging.emit(manual, state, epoch_size=6)
+                if state.step > 3:  # the epoch size is learned when the first epoch ends
+                    assert returned[-1]["epoch"] == expected["epoch"]
+                assert returned[-1]["loss"] == pytest.approx(expected["loss"], rel=1e-12)
+        else:
+            state = ft.next_epoch(state)
+    logger.log({"step": 6, "eval_loss": 1.0})
+    logger.close()
+    assert [r is not None for r in returned] == [True, True, False, True, False, True]
+    assert logger.epoch_size == 6  # micro-batches: 24 rows / 4 per micro-batch
+    recs = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 4, 6, 6] and recs[-1] == {
+        "step": 6,
+        "eval_loss": 1.0,
+    }
+    assert recs[2]["loss"] == pytest.approx((losses[2] + losses[3]) / 2, rel=1e-12)
+    assert recs[2]["epoch"] == round(1 + 2 / 6, 4)
+    with pytest.raises(ValueError, match="total_steps"):
+        ft.logging.Logger(state, every=10)  # a progress bar needs the run's length
+    with pytest.raises(ValueError, match="every"):
+        ft.logging.Logger(state, every=0, total_steps=10)
+    with pytest.raises(ValueError, match="step"):
+        logger.log({"eval_loss": 1.0})
+
+
+def test_progress_prints_lines_without_a_terminal(capsys):
+    # Issue 19: nothing at all was printed under nohup/CI/SLURM.
+    state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+    logger = ft.logging.Logger(state, every=1, total_steps=3)  # pytest's stderr is no terminal
+    logger.step(state.replace(step=1), _stats(2.5), _info(norm=0.5, lr=1e-3))
+    logger.log({"step": 1, "eval_loss": 2.25, "eval_items": 10})
+    logger.close()
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("step 1/3  loss 2.5  learning_rate 0.001  grad_norm 0.5  ")
+    assert out[1].startswith("step 1/3  eval_loss 2.25  ") and "eval_items" not in out[1]
+    assert len(out) == 2
+    quiet = ft.logging.ProgressBar(3, rank=1)  # other ranks print nothing
+    quiet.log({"step": 1, "loss": 1.0})
+    assert not quiet.enabled and capsys.readouterr().out == ""
+
+
+def test_bar_keeps_the_train_loss_beside_eval_and_starts_at_the_resumed_step(capsys):
+    state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd()).replace(step=50)
+    logger = ft.logging.Logger(state, every=1, total_steps=100, progress=False)
+    bar = ft.logging.ProgressBar(100, initial=state.step, lines=False)
+    logger.sink = ft.logging.Sinks(bar)
+    assert "50/100" in capsys.readouterr().err  # not 0/100: rate and ETA count from 50
+    logger.step(state.replace(step=51), _stats(1.5), _info(lr=3e-4))
+    logger.log({"step": 51, "eval_loss": 1.25})
+    bar._bar.refresh()
+    err = capsys.readouterr().err
+    assert "51/100" in err and "loss=1.5" in err and "eval_loss=1.25" in err
+    assert "learning_rate=0.0003" in err
+    logger.close()
 
 
 # --- sinks ---------------------------------------------------------------------------------------
@@ -143,11 +233,11 @@ def test_tensorboard_sink_writes_scalars(tmp_path):
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 2.0), (2, 1.0)]
 
 
-def test_progress_bar_is_off_without_a_terminal_and_on_other_ranks(capsys):
+def test_progress_bar_prints_lines_without_a_terminal_and_is_off_on_other_ranks(capsys):
     state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
-    assert not ft.logging.ProgressBar(10).enabled  # pytest's stderr is not a TTY
+    assert ft.logging.ProgressBar(10).lines  # pytest's stderr is not a TTY
     assert not ft.logging.ProgressBar(10, rank=1).enabled
-    bar = ft.logging.ProgressBar(10, enabled=True)
+    bar = ft.logging.ProgressBar(10, enabled=True, lines=False)
     bar.step(state.replace(step=4))
     bar.log({"step": 4, "loss": 1.23456, "learning_rate": 3e-4})
     bar.step(state.replace(step=10))

@@ -60,3 +60,27 @@ def test_track_best_threshold_and_max_mode(state):
         ft.track_best(s, {"eval_loss": 1.0}, metric="eval_acc")
     with pytest.raises(ValueError, match="patience"):
         ft.should_stop(s, patience=0)
+
+
+@pytest.mark.parametrize("total", [0, -5, 2.5, True])
+def test_bad_total_steps_raises_naming_it(state, total):
+    # Issue 20 item 20: total_steps=0 divided by zero for a fractional every; negatives passed.
+    for pred in (ft.should_log, ft.should_eval, ft.should_save):
+        with pytest.raises(ValueError, match="total_steps"):
+            pred(state.replace(step=5), every=0.1, total_steps=total)
+        with pytest.raises(ValueError, match="total_steps"):
+            pred(state.replace(step=5), every=10, total_steps=total)
+
+
+@pytest.mark.parametrize("mode,later", [("min", [2.0, 1.5]), ("max", [0.5, 0.7])])
+def test_track_best_never_keeps_nan_as_the_best(state, mode, later):
+    # Issue 20 item 21: a first NaN evaluation stayed the best forever and stopped the run.
+    s = ft.track_best(state.replace(step=1), float("nan"), mode=mode)
+    assert s.best_metric is None and s.patience_counter == 1
+    s = ft.track_best(s.replace(step=2), later[0], mode=mode)
+    assert (s.best_metric, s.best_step, s.patience_counter) == (later[0], 2, 0)
+    s = ft.track_best(s.replace(step=3), float("nan"), mode=mode)
+    assert (s.best_metric, s.best_step, s.patience_counter) == (later[0], 2, 1)
+    s = ft.track_best(s.replace(step=4), later[1], mode=mode)
+    assert (s.best_metric, s.best_step, s.patience_counter) == (later[1], 4, 0)
+    assert not ft.should_stop(s, patience=1)

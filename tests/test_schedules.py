@@ -64,6 +64,8 @@ def _defined(name, kw, warmup, total):
     total - warmup."""
     if name == "warmup_stable_decay" and "num_stable_steps" not in kw:
         return warmup + kw["num_decay_steps"] <= total
+    if name == "constant" and warmup:  # HF ignores the warmup; ftrain raises (below)
+        return False
     return not (name == "polynomial" and warmup == total)
 
 
@@ -109,11 +111,60 @@ def test_named_factories_and_step_zero():
         (lambda: ft.schedules.cosine_with_min_lr(1.0, 0, 10), "min_lr"),
         (lambda: ft.schedules.from_name("reduce_lr_on_plateau", peak_lr=1.0), "Plateau"),
         (lambda: ft.schedules.from_name("nope", peak_lr=1.0), "known"),
+        # Issue 20 item 19: each of these failed later (ZeroDivisionError, negative lr,
+        # TypeError mid-run) instead of at construction.
+        (lambda: ft.schedules.warmup_polynomial(1.0, 10, 10), "total_steps"),
+        (lambda: ft.schedules.warmup_polynomial(1.0, 0, 10, power=-1.0), "power"),
+        (lambda: ft.schedules.warmup_polynomial(1.0, 0, 10, lr_end=-0.1), "lr_end"),
+        (
+            lambda: ft.schedules.warmup_stable_decay(
+                1.0, 0, 10, num_decay_steps=2, min_lr_ratio=-1
+            ),
+            "min_lr_ratio",
+        ),
+        (lambda: ft.schedules.warmup_stable_decay(1.0, 5, 10, num_decay_steps=6), "room"),
+        (
+            lambda: ft.schedules.warmup_stable_decay(1.0, 0, 10, num_decay_steps=-1),
+            "num_decay_steps",
+        ),
+        (lambda: ft.schedules.cosine_with_min_lr(0.0, 0, 10, min_lr=0.1), "min_lr"),
+        (lambda: ft.schedules.cosine_with_min_lr(1.0, 0, 10, min_lr_rate=-0.5), "min_lr_rate"),
+        (lambda: ft.schedules.from_name("linear", peak_lr=1), r"from_name\('linear'\).*total"),
+        (lambda: ft.schedules.warmup_cosine(1.0, 0, None), "total_steps"),
+        (lambda: ft.schedules.from_name("constant", peak_lr=1.0, warmup_steps=5), "warmup"),
+        (lambda: ft.schedules.from_name("linear", peak_lr=1.0, warmup_steps=0.1), "total_steps"),
+        (
+            lambda: ft.schedules.from_name("linear", peak_lr=1.0, warmup_steps=1.5, total_steps=9),
+            "warmup_steps",
+        ),
     ],
 )
 def test_bad_arguments(bad, match):
     with pytest.raises(ValueError, match=match):
         bad()
+
+
+def test_unknown_keywords_name_from_name_and_what_it_takes():
+    with pytest.raises(TypeError, match=r"from_name\('cosine'\).*'warmup_ratio'.*ratio"):
+        ft.schedules.from_name("cosine", peak_lr=1.0, total_steps=10, warmup_ratio=0.1)
+    with pytest.raises(TypeError, match=r"'power'.*\['num_cycles'\]"):
+        ft.schedules.from_name("cosine", peak_lr=1.0, total_steps=10, power=2.0)
+    with pytest.raises(TypeError, match=r"^schedule_lr\(name='linear'\).*warmup_ratio"):
+        ft.schedule_lr(3, name="linear", peak_lr=1.0, total_steps=10, warmup_ratio=0.1)
+
+
+@pytest.mark.parametrize("name,ratio,total", [("linear", 0.1, 95), ("cosine", 0.03, 1000)])
+def test_warmup_ratio_equals_transformers_5(name, ratio, total):
+    from transformers import TrainingArguments
+
+    # transformers 5 reads warmup_steps < 1 as a ratio of the training steps, rounded up.
+    warmup = TrainingArguments("unused", warmup_steps=ratio).get_warmup_steps(total)
+    hf = _hf_lrs(name, warmup, total, {}, 1e-3, total + 2)
+    lr = ft.schedules.from_name(name, peak_lr=1e-3, warmup_steps=ratio, total_steps=total)
+    assert [lr(s) for s in range(total + 2)] == pytest.approx(hf, rel=1e-12, abs=1e-18)
+    assert ft.schedule_lr(3, name=name, peak_lr=1e-3, warmup_steps=ratio, total_steps=total) == (
+        pytest.approx(hf[3], rel=1e-12)
+    )
 
 
 @given(

@@ -1,5 +1,6 @@
 import contextlib
 
+import pytest
 import torch
 
 import ftrain as ft
@@ -69,3 +70,81 @@ def test_local_grad_norm_equals_torch_over_mixed_dtypes():
     gs = [torch.randn(5), torch.randn(3, dtype=torch.float64), torch.randn(4)]
     ref = torch.linalg.vector_norm(torch.cat([g.double().flatten() for g in gs]))
     torch.testing.assert_close(local_grad_norm(gs).double(), ref, rtol=1e-6, atol=0)
+
+
+# --- from_env in one process, and the strategy's lifetime ---------------------------------------
+
+
+def test_from_env_in_one_process_passes_device_and_precision(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    s = ft.strategies.from_env("ddp", precision="bf16", device="cpu")
+    assert isinstance(s, ft.strategies.SingleDevice)  # issue 19: bf16 was dropped silently
+    assert s.precision == ft.precision.Precision.of("bf16") and s.device == torch.device("cpu")
+    # What one process satisfies as it is (nothing to sync) is accepted ...
+    assert ft.strategies.from_env("fsdp", sync_every_micro=True, replicate=1).precision == (
+        ft.precision.Precision()
+    )
+    # ... and what it cannot honour raises, naming it.
+    with pytest.raises(TypeError, match=r"from_env\('fsdp'\).*\['replicate', 'shard'\]"):
+        ft.strategies.from_env("fsdp", shard=lambda m: True, replicate=2)
+    with pytest.raises(TypeError, match="bucket_cap_mb"):
+        ft.strategies.from_env(bucket_cap_mb=10)
+
+
+def test_single_device_lifetime_is_a_no_op():
+    with ft.strategies.from_env() as s:
+        state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd(), strategy=s)
+    s.close()
+    s.abort()
+    assert state.model(torch.ones(1, 2)).shape == (1, 1)  # nothing was torn down
+    with pytest.raises(KeyError), ft.strategies.SingleDevice("cpu"):
+        raise KeyError("the loop's error passes through")
+
+
+def _launch(kind: str, mode: str, timeout: float = 150.0):
+    """Two ranks as torchrun starts them (environment variables), each tests/dist_lifetime.py."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    script = Path(__file__).with_name("dist_lifetime.py")
+    procs = []
+    for rank in (0, 1):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   WORLD_SIZE="2", LOCAL_RANK=str(rank))  # fmt: skip
+        procs.append(subprocess.Popen(
+            [sys.executable, str(script), kind, mode], env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True,
+        ))  # fmt: skip
+    outs = []
+    try:
+        for p in procs:  # a hang fails the test here instead of blocking CI
+            outs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            p.kill()
+    return [p.returncode for p in procs], outs
+
+
+@pytest.mark.slow
+def test_with_from_env_leaves_the_group_when_a_rank_raises_in_the_loop():
+    """Rank 1 raises inside `with from_env() as strategy:`; the collective timeout is the
+    default 10 minutes, so both exiting within the test's timeout shows that nothing waits for
+    it: rank 1 leaves without a barrier, and rank 0's next collective fails at once."""
+    codes, (out0, out1) = _launch("ddp", "raise")
+    assert codes[1] != 0 and "rank 1 fails on purpose" in out1, out1
+    assert "left:" not in out1
+    assert codes[0] != 0 and "left:" not in out0, out0  # rank 0's collective failed
+
+
+@pytest.mark.slow
+def test_with_from_env_closes_in_order_with_the_model_still_alive():
+    # (The 2-process tests in test_distributed.py end with close() too, DDP and FSDP.)
+    codes, outs = _launch("ddp", "clean")
+    assert codes == [0, 0], outs
+    assert all(f"rank {r} left: initialized=False" in o for r, o in enumerate(outs)), outs

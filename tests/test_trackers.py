@@ -24,24 +24,22 @@ def _loss(model, batch):
 
 
 def _train(root, sink_factory, *, until, total=6):
-    """The logging loop of docs/logging.md with a checkpoint every 3 steps, stopping at `until`
+    """The loop with a Logger (every step) and a checkpoint every 3 steps, stopping at `until`
     as a killed job would (no close); a second call resumes from the latest checkpoint."""
     torch.manual_seed(0)
     state = ft.TrainState.create(torch.nn.Linear(3, 1), ft.optim.sgd(), seed=0)
     if (ckpt := ft.latest_checkpoint(root)) is not None:
         state = ft.load_checkpoint(ckpt, state)
     sink = sink_factory()
-    window = ft.logging.window(state)
+    logger = ft.logging.Logger(state, every=1, sinks=[sink], progress=False)
     data = _data()
     while state.step < until:
         for micro in ft.make_batches(data, batch_size=4, epoch=state.epoch, start=state.cursor):
             grads, stats = ft.accumulate_grads(state, micro, _loss)
             state, info = ft.clip_and_step(state, grads, stats=stats, lr=0.05, max_norm=1.0)
-            window = ft.logging.update(window, stats, info)
-            record, window = ft.logging.emit(window, state)
-            sink.log(record)
+            logger.step(state, stats, info)
             if ft.should_eval(state, every=2, total_steps=total):
-                sink.log({"step": state.step, **ft.evaluate(state, [data[:8]], _loss)})
+                logger.log({"step": state.step, **ft.evaluate(state, [data[:8]], _loss)})
             if ft.should_save(state, every=3, total_steps=total):
                 ft.save_checkpoint(state, root)
             if state.step >= until:
@@ -181,17 +179,18 @@ def test_wandb_sink_does_nothing_off_rank_0_and_rejects_its_own_arguments(tmp_pa
 def _linear_loop(sink, steps):
     torch.manual_seed(0)
     state = ft.TrainState.create(torch.nn.Linear(3, 1), ft.optim.adamw(), seed=0)
+    logger = ft.logging.Logger(state, every=5, sinks=[sink], progress=False)
     data = _data()
     while state.step < steps:
         for micro in ft.make_batches(data, batch_size=4, epoch=state.epoch, start=state.cursor):
             grads, stats = ft.accumulate_grads(state, micro, _loss)
-            state, _ = ft.clip_and_step(state, grads, stats=stats, lr=0.05, max_norm=1.0)
-            sink.step(state)
+            state, info = ft.clip_and_step(state, grads, stats=stats, lr=0.05, max_norm=1.0)
+            logger.step(state, stats, info)  # calls sink.step(state) every step
             if state.step >= steps:
                 break
         else:
             state = ft.next_epoch(state)
-    sink.close()
+    logger.close()
 
 
 def test_profiler_traces_the_chosen_steps_with_their_ops(tmp_path):

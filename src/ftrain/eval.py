@@ -37,6 +37,7 @@ def evaluate(
     loss_fn: LossFn | None = None,
     *,
     metrics_fn: MetricsFn | None = None,
+    perplexity: bool | None = None,
     strategy: Strategy | None = None,
 ) -> dict[str, float]:
     """Return the loss over all `batches` as sum of item losses / number of items, over ranks.
@@ -51,30 +52,33 @@ def evaluate(
         loss_fn: `(model, batch) -> (loss_sum, num_items)`; `default_loss` if None.
         metrics_fn: `(model, batch) -> {name: (sum, count)}`; each metric is reported as its
             global sum / count (accuracy: `(correct, n)`), in bounded memory. When it returns
-            `"loss"` too (from the same forward pass, e.g. `classification_metrics`), `loss_fn`
-            is not called, so each batch runs through the model once.
+            `"loss"` too (from the same forward pass, e.g. `classification_metrics`), that is
+            `eval_loss` and each batch runs through the model once; giving `loss_fn` as well is
+            then an error (one of them would be ignored).
+        perplexity: report `eval_ppl = exp(eval_loss)`. None (default): only where it is a
+            perplexity, i.e. the default loss over token labels (a causal LM); pass True for
+            your own per-token loss.
         strategy: overrides `state.strategy`.
 
     Returns:
-        `{"eval_loss", "eval_ppl", "eval_items"}` plus `eval_<name>` per metric.
+        `{"eval_loss", "eval_items"}`, `eval_ppl` (see `perplexity`), and `eval_<name>` per
+        metric.
+
+    Raises:
+        ValueError: with no batches, or when both `loss_fn` and a `metrics_fn` returning
+            `"loss"` are given.
     """
     strategy = state.strategy if strategy is None else strategy
-    loss_fn = default_loss if loss_fn is None else loss_fn
-    model, device = state.model, strategy.device
     sums: dict[str, torch.Tensor] = {}
-    with _inference(model), strategy.autocast():
+    tokens = loss_fn is None and metrics_fn is None
+    with _inference(state.model), strategy.autocast():
         for batch in _flatten(batches):
             batch, weight = weighted(batch)  # a ZeroWeight stand-in runs and counts nothing
             batch = strategy.to_device(batch)
-            parts = dict(metrics_fn(model, batch)) if metrics_fn is not None else {}
-            if "loss" not in parts:
-                parts["loss"] = loss_fn(model, batch)
-            for name, (s, n) in parts.items():
+            tokens = tokens and _token_labels(batch)
+            for name, (s, n) in _batch_sums(state.model, batch, loss_fn, metrics_fn).items():
                 pair = weight * torch.stack(
-                    [
-                        torch.as_tensor(s, device=device).double(),
-                        torch.as_tensor(n, device=device).double(),
-                    ]
+                    [torch.as_tensor(x, device=strategy.device).double() for x in (s, n)]
                 )
                 sums[name] = sums[name] + pair if name in sums else pair
     if not sums:
@@ -82,10 +86,31 @@ def evaluate(
     names = sorted(sums)
     totals = strategy.all_reduce_sum(torch.stack([sums[n] for n in names])).tolist()  # host sync
     out = {f"eval_{n}": s / c if c else math.nan for n, (s, c) in zip(names, totals, strict=True)}
-    n_items = totals[names.index("loss")][1]
-    out["eval_ppl"] = math.exp(out["eval_loss"]) if out["eval_loss"] < 700 else math.inf
-    out["eval_items"] = n_items
+    if tokens if perplexity is None else perplexity:
+        out["eval_ppl"] = math.exp(out["eval_loss"]) if out["eval_loss"] < 700 else math.inf
+    out["eval_items"] = totals[names.index("loss")][1]
     return out
+
+
+def _batch_sums(
+    model: nn.Module, batch: Any, loss_fn: LossFn | None, metrics_fn: MetricsFn | None
+) -> dict[str, Any]:
+    parts = dict(metrics_fn(model, batch)) if metrics_fn is not None else {}
+    if "loss" not in parts:
+        parts["loss"] = (default_loss if loss_fn is None else loss_fn)(model, batch)
+    elif loss_fn is not None:
+        raise ValueError(
+            "evaluate got loss_fn and a metrics_fn that returns 'loss' too; one would be "
+            "ignored: drop loss_fn to report the metrics' loss, or return no 'loss' from "
+            "metrics_fn to report loss_fn's"
+        )
+    return parts
+
+
+def _token_labels(batch: Any) -> bool:
+    # default_loss is a causal-LM token loss (a perplexity) exactly when labels have a seq axis.
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    return isinstance(labels, torch.Tensor) and labels.dim() > 1
 
 
 @contextlib.contextmanager

@@ -10,7 +10,15 @@ from ftrain.state import TrainState
 __all__ = ["should_eval", "should_log", "should_save", "should_stop", "track_best"]
 
 
+def _check_total(total_steps: int | None) -> None:
+    if total_steps is not None and (
+        isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1
+    ):
+        raise ValueError(f"total_steps must be an int >= 1 or None, got {total_steps!r}")
+
+
 def _interval(every: int | float, total_steps: int | None) -> int:
+    _check_total(total_steps)
     if isinstance(every, bool) or not isinstance(every, (int, float)):
         raise TypeError(f"every must be an int or a float in (0, 1), got {every!r}")
     if isinstance(every, float) and not every.is_integer():
@@ -69,7 +77,8 @@ def track_best(
 
     HF's rule (`EarlyStoppingCallback`): the counter resets when the value beats the best by
     more than `threshold`, and grows by one otherwise; the best is kept as HF's Trainer keeps
-    it (any strict improvement).
+    it (any strict improvement). A NaN value is never the best and counts as no improvement
+    (HF starts from +-inf, and no comparison with NaN is true).
 
     Args:
         state: the state after the step that was evaluated.
@@ -86,7 +95,11 @@ def track_best(
         value = float(metrics[metric])
     else:
         value = float(metrics)
+    if math.isnan(value):  # HF never stores NaN as the best: it is no improvement
+        return state.replace(patience_counter=state.patience_counter + 1)
     best = state.best_metric
+    if best is not None and math.isnan(best):  # a NaN best from an older run counts as none
+        best = None
     better = best is None or (value < best if mode == "min" else value > best)
     if better and (best is None or abs(value - best) > threshold):
         counter = 0

@@ -168,13 +168,34 @@ def _f_wsd(
     return min_lr_ratio
 
 
-def _check_common(peak_lr: float, warmup_steps: int, total_steps: int | None) -> None:
+def _check_common(
+    peak_lr: float, warmup_steps: int, total_steps: int | None, *, needs_total: str = ""
+) -> None:
     if not (isinstance(peak_lr, (int, float)) and math.isfinite(peak_lr) and peak_lr >= 0):
         raise ValueError(f"peak_lr must be a finite number >= 0, got {peak_lr!r}")
-    if not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
-    if total_steps is not None and (not isinstance(total_steps, int) or total_steps < 1):
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        hint = " (a ratio of total_steps goes to ft.schedules.from_name)"
+        raise ValueError(
+            f"warmup_steps must be an int >= 0, got {warmup_steps!r}"
+            + (hint if isinstance(warmup_steps, float) else "")
+        )
+    if total_steps is None:
+        if needs_total:
+            raise ValueError(f"{needs_total} needs total_steps (an int >= 1), got None")
+    elif isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
         raise ValueError(f"total_steps must be an int >= 1, got {total_steps!r}")
+
+
+def _check_nonnegative(**values: float) -> None:
+    for name, value in values.items():
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+def _check_steps(**values: int) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
 
 
 def constant(peak_lr: float) -> Schedule:
@@ -199,7 +220,7 @@ def warmup_linear(peak_lr: float, warmup_steps: int, total_steps: int) -> Schedu
         >>> [lr(s) for s in range(6)]
         [0.0, 0.5, 1.0, 0.5, 0.0, 0.0]
     """
-    _check_common(peak_lr, warmup_steps, total_steps)
+    _check_common(peak_lr, warmup_steps, total_steps, needs_total="warmup_linear")
     return _Sched(
         "warmup_linear",
         peak_lr,
@@ -220,7 +241,7 @@ def warmup_cosine(
         >>> [round(lr(s), 3) for s in range(4)]
         [0.0, 1.0, 0.5, 0.0]
     """
-    _check_common(peak_lr, warmup_steps, total_steps)
+    _check_common(peak_lr, warmup_steps, total_steps, needs_total="warmup_cosine")
     return _Sched(
         "warmup_cosine",
         peak_lr,
@@ -234,7 +255,7 @@ def warmup_cosine_restarts(
 ) -> Schedule:
     """Warmup, then `num_cycles` hard-restarted cosine decays; 0 from `total_steps` on
     (HF "cosine_with_restarts")."""
-    _check_common(peak_lr, warmup_steps, total_steps)
+    _check_common(peak_lr, warmup_steps, total_steps, needs_total="warmup_cosine_restarts")
     return _Sched(
         "warmup_cosine_restarts",
         peak_lr,
@@ -255,11 +276,18 @@ def warmup_polynomial(
     `total_steps` (HF "polynomial").
 
     Raises:
-        ValueError: unless `peak_lr > lr_end` (as HF).
+        ValueError: unless `peak_lr > lr_end >= 0`, `power >= 0` and `total_steps >
+            warmup_steps`.
     """
-    _check_common(peak_lr, warmup_steps, total_steps)
+    _check_common(peak_lr, warmup_steps, total_steps, needs_total="warmup_polynomial")
+    _check_nonnegative(lr_end=lr_end, power=power)
     if not peak_lr > lr_end:
         raise ValueError(f"lr_end ({lr_end}) must be smaller than peak_lr ({peak_lr})")
+    if total_steps <= warmup_steps:  # the decay would divide by total - warmup = 0
+        raise ValueError(
+            f"total_steps ({total_steps}) must be > warmup_steps ({warmup_steps}) for a "
+            "polynomial decay"
+        )
     return _Sched(
         "warmup_polynomial",
         peak_lr,
@@ -294,7 +322,13 @@ def warmup_inverse_sqrt(
 def _min_rate(peak_lr: float, min_lr: float | None, min_lr_rate: float | None) -> float:
     if (min_lr is None) == (min_lr_rate is None):
         raise ValueError("give exactly one of min_lr or min_lr_rate")
-    return min_lr / peak_lr if min_lr is not None else float(min_lr_rate)  # type: ignore[arg-type]
+    if min_lr_rate is not None:
+        _check_nonnegative(min_lr_rate=min_lr_rate)
+        return float(min_lr_rate)
+    _check_nonnegative(min_lr=min_lr)  # type: ignore[arg-type]
+    if peak_lr == 0 and min_lr:
+        raise ValueError(f"min_lr={min_lr!r} needs peak_lr > 0 (got 0): pass min_lr_rate")
+    return min_lr / peak_lr if peak_lr else 0.0  # type: ignore[operator]
 
 
 def cosine_with_min_lr(
@@ -308,7 +342,7 @@ def cosine_with_min_lr(
 ) -> Schedule:
     """Like `warmup_cosine` but decaying to `min_lr` (or `min_lr_rate * peak_lr`)
     (HF "cosine_with_min_lr")."""
-    _check_common(peak_lr, warmup_steps, total_steps)
+    _check_common(peak_lr, warmup_steps, total_steps, needs_total="cosine_with_min_lr")
     rate = _min_rate(peak_lr, min_lr, min_lr_rate)
     return _Sched(
         "cosine_with_min_lr",
@@ -335,7 +369,7 @@ def cosine_warmup_with_min_lr(
 ) -> Schedule:
     """HF "cosine_warmup_with_min_lr": warmup starts at `(step + 1) / warmup` (or at
     `warmup_lr_rate`), and the cosine is one step ahead of `cosine_with_min_lr`."""
-    _check_common(peak_lr, warmup_steps, total_steps)
+    _check_common(peak_lr, warmup_steps, total_steps, needs_total="cosine_warmup_with_min_lr")
     rate = _min_rate(peak_lr, min_lr, min_lr_rate)
     return _Sched(
         "cosine_warmup_with_min_lr",
@@ -367,10 +401,19 @@ def warmup_stable_decay(
     (HF "warmup_stable_decay"); the stable phase lasts `num_stable_steps`, or what remains of
     `total_steps`."""
     _check_common(peak_lr, warmup_steps, total_steps)
+    _check_steps(num_decay_steps=num_decay_steps)
     if num_stable_steps is None:
         if total_steps is None:
             raise ValueError("warmup_stable_decay needs total_steps or num_stable_steps")
         num_stable_steps = total_steps - warmup_steps - num_decay_steps
+        if num_stable_steps < 0:
+            raise ValueError(
+                f"total_steps ({total_steps}) < warmup_steps ({warmup_steps}) + num_decay_steps "
+                f"({num_decay_steps}): no room for the phases"
+            )
+    _check_steps(num_stable_steps=num_stable_steps)
+    if not (isinstance(min_lr_ratio, (int, float)) and 0 <= min_lr_ratio <= 1):
+        raise ValueError(f"min_lr_ratio must be a number in [0, 1], got {min_lr_ratio!r}")
     for name, kind in (("warmup_type", warmup_type), ("decay_type", decay_type)):
         if kind not in _SHAPES:
             raise ValueError(f"{name} must be one of {sorted(_SHAPES)}, got {kind!r}")
@@ -390,41 +433,123 @@ def warmup_stable_decay(
     )
 
 
-_BY_NAME: dict[str, Callable[..., Schedule]] = {
-    "constant": lambda peak_lr, warmup_steps, total_steps, **kw: constant(peak_lr, **kw),
-    "constant_with_warmup": lambda peak_lr, warmup_steps, total_steps, **kw: warmup_constant(
-        peak_lr, warmup_steps, **kw
+# name -> (builder, whether it needs total_steps, HF's scheduler-specific keywords)
+_BY_NAME: dict[str, tuple[Callable[..., Schedule], bool, tuple[str, ...]]] = {
+    "constant": (lambda peak_lr, warmup_steps, total_steps: constant(peak_lr), False, ()),
+    "constant_with_warmup": (
+        lambda peak_lr, warmup_steps, total_steps: warmup_constant(peak_lr, warmup_steps),
+        False,
+        (),
     ),
-    "linear": warmup_linear,
-    "cosine": warmup_cosine,
-    "cosine_with_restarts": warmup_cosine_restarts,
-    "polynomial": warmup_polynomial,
-    "inverse_sqrt": lambda peak_lr, warmup_steps, total_steps, **kw: warmup_inverse_sqrt(
-        peak_lr, warmup_steps, **kw
+    "linear": (warmup_linear, True, ()),
+    "cosine": (warmup_cosine, True, ("num_cycles",)),
+    "cosine_with_restarts": (warmup_cosine_restarts, True, ("num_cycles",)),
+    "polynomial": (warmup_polynomial, True, ("lr_end", "power")),
+    "inverse_sqrt": (
+        lambda peak_lr, warmup_steps, total_steps, **kw: warmup_inverse_sqrt(
+            peak_lr, warmup_steps, **kw
+        ),
+        False,
+        ("timescale",),
     ),
-    "cosine_with_min_lr": cosine_with_min_lr,
-    "cosine_warmup_with_min_lr": cosine_warmup_with_min_lr,
-    "warmup_stable_decay": warmup_stable_decay,
+    "cosine_with_min_lr": (cosine_with_min_lr, True, ("num_cycles", "min_lr", "min_lr_rate")),
+    "cosine_warmup_with_min_lr": (
+        cosine_warmup_with_min_lr,
+        True,
+        ("num_cycles", "min_lr", "min_lr_rate", "warmup_lr_rate"),
+    ),
+    "warmup_stable_decay": (
+        warmup_stable_decay,
+        False,
+        (
+            "num_decay_steps",
+            "num_stable_steps",
+            "warmup_type",
+            "decay_type",
+            "min_lr_ratio",
+            "num_cycles",
+        ),
+    ),
 }
+
+
+def _warmup_from_ratio(where: str, warmup_steps: float, total_steps: int | None) -> int:
+    # transformers 5 (TrainingArguments.get_warmup_steps): a float < 1 is a ratio, rounded up.
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, float)):
+        raise ValueError(f"{where}: warmup_steps must be an int >= 0 or a float ratio in [0, 1)")
+    if isinstance(warmup_steps, int) or warmup_steps >= 1:
+        if warmup_steps < 0 or not float(warmup_steps).is_integer():
+            raise ValueError(
+                f"{where}: warmup_steps must be an int >= 0 or a float ratio in [0, 1), "
+                f"got {warmup_steps!r}"
+            )
+        return int(warmup_steps)
+    if warmup_steps < 0:
+        raise ValueError(f"{where}: warmup_steps must be >= 0, got {warmup_steps!r}")
+    if total_steps is None:
+        raise ValueError(
+            f"{where}: warmup_steps={warmup_steps} is a ratio of total_steps; pass total_steps"
+        )
+    return math.ceil(total_steps * warmup_steps)
 
 
 def from_name(
     name: str,
     *,
     peak_lr: float,
-    warmup_steps: int = 0,
+    warmup_steps: int | float = 0,
     total_steps: int | None = None,
     **hf_kwargs: Any,
 ) -> Schedule:
     """Build a schedule from HF's `lr_scheduler_type` name and `lr_scheduler_kwargs`.
 
+    `warmup_steps` is a count, or a float in [0, 1) that is a ratio of `total_steps`, rounded
+    up: transformers 5's `TrainingArguments(warmup_steps=0.1)` (its old `warmup_ratio`).
+
+    Example:
+        >>> import ftrain as ft
+        >>> lr = ft.schedules.from_name("linear", peak_lr=1.0, warmup_steps=0.1, total_steps=95)
+        >>> [lr(5), lr(10)]  # warmup: ceil(0.1 * 95) = 10 steps
+        [0.5, 1.0]
+
     Raises:
-        ValueError: for an unknown name (the message lists the known ones).
+        ValueError: for an unknown name (the message lists the known ones), a missing
+            `total_steps` where the schedule decays, a warmup for "constant" (which has none:
+            HF ignores it; use "constant_with_warmup"), or a bad value.
+        TypeError: for a keyword that schedule does not take (the message lists those it does).
     """
+    return _by_name(f"from_name({name!r})", name, peak_lr, warmup_steps, total_steps, hf_kwargs)
+
+
+def _by_name(
+    where: str,
+    name: str,
+    peak_lr: float,
+    warmup_steps: int | float,
+    total_steps: int | None,
+    hf_kwargs: dict[str, Any],
+) -> Schedule:
+    # `where` is the call the user wrote (from_name or schedule_lr), for the error messages.
     if name not in _BY_NAME:
         hint = " (use ft.schedules.Plateau)" if name == "reduce_lr_on_plateau" else ""
         raise ValueError(f"unknown schedule {name!r}{hint}; known: {sorted(_BY_NAME)}")
-    return _BY_NAME[name](peak_lr, warmup_steps, total_steps, **hf_kwargs)
+    build, needs_total, known = _BY_NAME[name]
+    for key in hf_kwargs:
+        if key not in known:
+            hint = "; warmup_steps=0.1 is a ratio of total_steps" if key == "warmup_ratio" else ""
+            raise TypeError(
+                f"{where} got an unexpected keyword {key!r}; {name!r} takes "
+                f"{list(known) or 'none'} besides peak_lr, warmup_steps, total_steps{hint}"
+            )
+    if needs_total and total_steps is None:
+        raise ValueError(f"{where} needs total_steps (an int >= 1), got None")
+    warmup = _warmup_from_ratio(where, warmup_steps, total_steps)
+    if name == "constant" and warmup:
+        raise ValueError(
+            f"{where}: 'constant' has no warmup, got warmup_steps={warmup_steps!r}: use "
+            "'constant_with_warmup', or warmup_steps=0 (HF's 'constant' ignores it)"
+        )
+    return build(peak_lr, warmup, total_steps, **hf_kwargs)
 
 
 def schedule_lr(
@@ -432,7 +557,7 @@ def schedule_lr(
     *,
     name: str,
     peak_lr: float,
-    warmup_steps: int = 0,
+    warmup_steps: int | float = 0,
     total_steps: int | None = None,
     **hf_kwargs: Any,
 ) -> float:
@@ -443,9 +568,8 @@ def schedule_lr(
         >>> ft.schedule_lr(50, name="linear", peak_lr=1.0, warmup_steps=0, total_steps=100)
         0.5
     """
-    return from_name(
-        name, peak_lr=peak_lr, warmup_steps=warmup_steps, total_steps=total_steps, **hf_kwargs
-    )(step)
+    where = f"schedule_lr(name={name!r})"
+    return _by_name(where, name, peak_lr, warmup_steps, total_steps, hf_kwargs)(step)
 
 
 class PlateauState(NamedTuple):

@@ -1,5 +1,7 @@
-"""Logging (`ft.logging`): log windows with HF's definitions, sinks, trackers, throughput, plots."""
+"""Logging (`ft.logging`): one call per step (`Logger`), log windows with HF's definitions,
+sinks, trackers, profiler, throughput, plots."""
 
+from ftrain.logging._logger import Logger as Logger
 from ftrain.logging._perf import flops_per_token as flops_per_token
 from ftrain.logging._perf import peak_memory_mb as peak_memory_mb
 from ftrain.logging._plot import plot_metrics as plot_metrics
@@ -21,6 +23,7 @@ from ftrain.logging._window import window as window
 __all__ = [
     "JSONLSink",
     "LogWindow",
+    "Logger",
     "MLflowSink",
     "NullSink",
     "Profiler",

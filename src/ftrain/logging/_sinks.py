@@ -3,7 +3,8 @@
 A sink's `step(state)` runs after every step and must not read device tensors (it may move a
 progress bar); `log(record)` receives each emitted record (train or eval: a dict with `step`);
 `close()` flushes. Build sinks on the main rank only (`state.strategy.rank == 0`), or rely on
-`ProgressBar`, which turns itself off elsewhere.
+`ProgressBar`, which turns itself off elsewhere. `ft.logging.Logger` drives them all with one
+call per step.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TextIO, runtime_checkable
 
 from ftrain.state import TrainState
 
@@ -103,41 +105,86 @@ class JSONLSink:
 
 
 class ProgressBar:
-    """A tqdm progress bar over optimizer steps with ETA, and the last loss and lr.
+    """Progress over optimizer steps: a tqdm bar in a terminal, printed lines elsewhere.
 
-    Off when stderr is not a terminal or on a non-main rank, unless `enabled` says otherwise.
+    The bar shows the rate and ETA, and the latest value of each of `loss`, `learning_rate`
+    and `eval_loss` (an eval record does not hide the train loss). It starts at `initial`
+    (the resumed step), so the rate and ETA are right from the first step after a resume.
+    Where stderr is not a terminal (nohup, CI, SLURM logs) each logged record is printed as
+    one line instead, with the elapsed time. Only rank 0 shows anything by default.
 
     Args:
         total: total optimizer steps.
-        enabled: force on or off; None decides from the terminal and `rank`.
+        enabled: force on or off; None: on for `rank` 0 only.
         rank: this process's data-parallel rank.
+        initial: the step training starts or resumes at (`state.step`).
+        lines: print one line per record instead of a bar; None: when stderr is not a
+            terminal.
+        file: where lines go (`sys.stdout` by default).
+
+    Example:
+        >>> import io, ftrain as ft
+        >>> out = io.StringIO()
+        >>> bar = ft.logging.ProgressBar(100, lines=True, file=out)
+        >>> bar.log({"step": 10, "loss": 2.5, "learning_rate": 1e-3, "grad_norm": 0.5})
+        >>> out.getvalue().split("  ")[:3]
+        ['step 10/100', 'loss 2.5', 'learning_rate 0.001']
     """
 
-    def __init__(self, total: int, *, enabled: bool | None = None, rank: int = 0) -> None:
-        if enabled is None:
-            enabled = rank == 0 and sys.stderr.isatty()
-        self.enabled = enabled
+    def __init__(
+        self,
+        total: int,
+        *,
+        enabled: bool | None = None,
+        rank: int = 0,
+        initial: int = 0,
+        lines: bool | None = None,
+        file: TextIO | None = None,
+    ) -> None:
+        self.enabled = rank == 0 if enabled is None else enabled
+        self.lines = self.enabled and (not sys.stderr.isatty() if lines is None else lines)
+        self.total, self._file, self._start = total, file, time.perf_counter()
+        self._shown: dict[str, float] = {}
         self._bar: Any = None
-        if enabled:
+        if self.enabled and not self.lines:
             try:
                 from tqdm.auto import tqdm
             except ImportError as e:  # pragma: no cover - exercised only without the extra
                 raise ImportError("ProgressBar needs tqdm: pip install 'ftrain[progress]'") from e
-            self._bar = tqdm(total=total, unit="step", dynamic_ncols=True)
+            self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
 
     def step(self, state: TrainState) -> None:
         if self._bar is not None and state.step > self._bar.n:
             self._bar.update(state.step - self._bar.n)
 
     def log(self, record: Mapping[str, Any]) -> None:
+        if self.lines:
+            line = _line(record, self.total, time.perf_counter() - self._start)
+            print(line, file=self._file or sys.stdout, flush=True)
         if self._bar is None:
             return
-        shown = {k: record[k] for k in ("loss", "eval_loss", "learning_rate") if k in record}
-        self._bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items()}, refresh=False)
+        self._shown.update({k: record[k] for k in _BAR_KEYS if _is_number(record.get(k))})
+        self._bar.set_postfix({k: f"{v:.4g}" for k, v in self._shown.items()}, refresh=False)
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+_BAR_KEYS = ("loss", "eval_loss", "learning_rate")
+_LINE_KEYS = ("loss", "learning_rate", "grad_norm")
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _line(record: Mapping[str, Any], total: int, elapsed: float) -> str:
+    keys = [k for k in _LINE_KEYS if k in record]
+    keys += [k for k in record if k.startswith("eval_") and k != "eval_items"]
+    parts = [f"step {record.get('step')}/{total}"]
+    parts += [f"{k} {record[k]:.4g}" if _is_number(record[k]) else f"{k} {record[k]}" for k in keys]
+    return "  ".join([*parts, f"{elapsed:.1f}s"])
 
 
 class TensorBoardSink:

@@ -2,13 +2,14 @@
 
 `window(state)` opens one, `update(window, stats, info)` folds a step in (device arithmetic only,
 no host sync), `emit(window, state)` reads everything back in one sync and returns the record
-and a fresh window. Definitions follow HF's Trainer so that curves compare:
+and a fresh window (`ft.logging.Logger` does all three, and the sinks, in one call per step).
+Definitions follow HF's Trainer so that curves compare:
 
 - `loss`: mean of the per-step losses since the last log (each step's loss is the global
   per-item mean of that step). A non-finite step loss is replaced, as HF's
   `logging_nan_inf_filter` does, by the window's sum so far divided by the steps so far + 1.
-- `learning_rate`: the lr the last step used (HF logs the scheduler's lr *after* its step,
-  i.e. the next step's).
+- `learning_rate`: the lr the last step used (as transformers 5's Trainer logs it: it reads the
+  scheduler's lr before stepping the scheduler).
 - `grad_norm`: the last step's pre-clip global norm.
 - `epoch`: fractional, `epoch + cursor / epoch_size` when `epoch_size` (micro-batches per epoch,
   `ft.data.num_micro_batches`) is given.
@@ -103,10 +104,12 @@ def emit(
         `samples_seen`, `skipped_steps`, `peak_memory_mb`, and the FLOP figures when asked.
 
     Raises:
-        ValueError: if the window holds no step.
+        ValueError: if the window holds no step, for an `epoch_size` < 1, or for `peak_flops`
+            without `flops_per_token` (it would be ignored).
     """
     if w.steps == 0:
         raise ValueError("emit needs at least one update since the window was opened")
+    _check_emit_args(epoch_size, flops_per_token, peak_flops)
     norm = w.grad_norm if w.grad_norm is not None else torch.full_like(w.loss_sum, math.nan)
     parts = [w.loss_sum, w.skipped, norm, state.tokens_seen, state.samples_seen]
     parts += [w.start_tokens, w.start_samples]
@@ -115,7 +118,7 @@ def emit(
     ).tolist()  # the one host sync of a log step
     elapsed = max(time.perf_counter() - w.start_time, 1e-9)
     epoch = float(state.epoch)
-    if epoch_size:
+    if epoch_size is not None:
         epoch += state.cursor / epoch_size
     record: dict[str, Any] = {
         "step": state.step,
@@ -132,6 +135,20 @@ def emit(
     }
     if flops_per_token is not None:
         record["flops_per_second"] = flops_per_token * record["tokens_per_second"]
-        if peak_flops:
+        if peak_flops is not None:
             record["mfu"] = record["flops_per_second"] / peak_flops
     return record, window(state)
+
+
+def _check_emit_args(
+    epoch_size: int | None, flops_per_token: float | None, peak_flops: float | None
+) -> None:
+    if epoch_size is not None and (
+        isinstance(epoch_size, bool) or not isinstance(epoch_size, int) or epoch_size < 1
+    ):
+        raise ValueError(f"epoch_size must be an int >= 1 or None, got {epoch_size!r}")
+    if peak_flops is not None and (flops_per_token is None or not peak_flops > 0):
+        raise ValueError(
+            f"peak_flops={peak_flops!r} needs flops_per_token and a value > 0 (mfu is "
+            "flops_per_token * tokens_per_second / peak_flops)"
+        )

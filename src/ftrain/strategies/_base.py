@@ -148,6 +148,19 @@ class SingleDevice:
     def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
+    # Lifetime, as the process-group strategies have it: one process has nothing to tear down.
+    def __enter__(self) -> SingleDevice:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Nothing to release with one process (`DDP`/`FSDP` leave their process group)."""
+
+    def abort(self) -> None:
+        """Nothing to release with one process."""
+
 
 def uncompiled(model: nn.Module) -> nn.Module:
     """The module inside a `torch.compile(model)` wrapper, whose parameter names would

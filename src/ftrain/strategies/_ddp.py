@@ -58,9 +58,17 @@ class DDP(ProcessGroupStrategy):
     def setup(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
         ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(
-            model, device_ids=ids, process_group=self.group, **self._kwargs
+        return self._track(
+            DistributedDataParallel(model, device_ids=ids, process_group=self.group, **self._kwargs)
         )
+
+    def release_model(self, model: nn.Module) -> None:
+        # The reducer (and the logger holding it) keep the C++ process group alive.
+        for name in ("logger", "reducer"):
+            if hasattr(model, name):
+                delattr(model, name)
+        if isinstance(model, DistributedDataParallel):
+            model.process_group = None  # type: ignore[assignment]
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return uncompiled(model.module if isinstance(model, DistributedDataParallel) else model)

@@ -23,24 +23,50 @@ def from_env(
 
     Under `torchrun --nproc_per_node N` or `accelerate launch` (WORLD_SIZE > 1) this joins the
     process group (NCCL with CUDA, gloo on CPU) unless it is already initialised, and returns a
-    `DDP` (or `FSDP` for kind="fsdp"); in a plain `python` run it returns `SingleDevice()`.
+    `DDP` (or `FSDP` for kind="fsdp"); in a plain `python` run it returns
+    `SingleDevice(device, precision=precision)`.
+
+    Use it as a context manager, so that the run leaves the process group in the right order
+    on every rank, also when the loop raised (`close()` / `abort()` do the same by hand):
+
+        with ft.strategies.from_env("ddp", precision="bf16") as strategy:
+            state = ft.TrainState.create(model, ft.optim.adamw(), strategy=strategy)
+            ...  # the loop
 
     Args:
         kind: "ddp" or "fsdp".
         timeout: how long a collective may wait before the process fails (default 10 minutes),
-            so that one rank's crash ends the others instead of hanging them.
-        **kwargs: passed to the strategy.
+            so that one rank's crash ends the others instead of hanging them (one process has
+            no collectives to time out).
+        **kwargs: passed to the strategy. In one process `device` and `precision` go to
+            `SingleDevice`; `sync_every_micro` and `replicate=1` mean nothing there and are
+            accepted; any other keyword raises rather than being dropped.
 
     Raises:
         ValueError: for an unknown `kind`.
+        TypeError: for a keyword `SingleDevice` cannot honour in a one-process run.
     """
     if kind not in ("ddp", "fsdp"):
         raise ValueError(f"kind must be 'ddp' or 'fsdp', got {kind!r}")
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not dist.is_initialized():
-        return SingleDevice()
-    if not dist.is_initialized():
+        return _single(kind, kwargs)
+    owns = not dist.is_initialized()
+    if owns:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, timeout=timeout or timedelta(minutes=10))
-    if kind == "fsdp":
-        return FSDP(**kwargs)
-    return DDP(**kwargs)
+    strategy = FSDP(**kwargs) if kind == "fsdp" else DDP(**kwargs)
+    strategy.owns_group = owns  # close() destroys the group only if from_env created it
+    return strategy
+
+
+def _single(kind: str, kwargs: dict[str, Any]) -> SingleDevice:
+    # Multi-process settings that one process satisfies as it is (there is nothing to sync).
+    moot = {k for k in ("sync_every_micro",) if k in kwargs}
+    moot |= {"replicate"} if kwargs.get("replicate") == 1 else set()
+    unknown = sorted(set(kwargs) - moot - {"device", "precision"})
+    if unknown:
+        raise TypeError(
+            f"from_env({kind!r}) in a one-process run (WORLD_SIZE=1) returns SingleDevice, which "
+            f"cannot honour {unknown}; pass them only under torchrun, or launch with torchrun"
+        )
+    return SingleDevice(kwargs.get("device"), precision=kwargs.get("precision"))

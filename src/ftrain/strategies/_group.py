@@ -6,16 +6,22 @@ each other.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
-from typing import Any
+import weakref
+from types import TracebackType
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ftrain.precision import Precision
 from ftrain.strategies._base import _precision_repr, move_to
 
 __all__ = ["ProcessGroupStrategy", "local_device"]
+
+_S = TypeVar("_S", bound="ProcessGroupStrategy")
 
 
 def local_device() -> torch.device:
@@ -47,6 +53,9 @@ class ProcessGroupStrategy:
         self.grad_reduce_factor = 1.0 / self.world_size  # both average over ranks
         self.device = torch.device(device) if device is not None else local_device()
         self.precision = Precision.of(precision)
+        self.owns_group = False  # from_env sets it when it initialised the group
+        self.closed = False
+        self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     def __repr__(self) -> str:
         name = type(self).__name__
@@ -57,6 +66,71 @@ class ProcessGroupStrategy:
 
     def to_device(self, batch: Any) -> Any:
         return move_to(batch, self.device)
+
+    # --- lifetime ------------------------------------------------------------------------------
+
+    def __enter__(self: _S) -> _S:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def close(self) -> None:
+        """Leave the process group together; safe on every rank, and idempotent.
+
+        In this order: release what the set-up models hold of the group (a DDP model freed
+        after `destroy_process_group` drops the last reference to a gloo group, whose
+        destructor then deadlocks at exit, see docs/strategies.md), wait for every rank
+        (a rank leaving while a peer still uses the group makes gloo abort the peer), and
+        destroy the group if `from_env` created it. Models set up by this strategy cannot
+        train afterwards: save and export before.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        self._release()
+        if not dist.is_initialized():
+            return
+        try:
+            self.barrier()
+        finally:
+            if self.owns_group:
+                dist.destroy_process_group()
+
+    def abort(self) -> None:
+        """Leave after an error, without waiting for the other ranks (idempotent).
+
+        A barrier here could wait forever on a peer that is itself stuck in a collective; this
+        rank releases its models and destroys the group it created, so that the peers' next
+        collective fails at once instead of after the timeout.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        self._release()
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _track(self, model: nn.Module) -> nn.Module:
+        self._models.add(model)
+        return model
+
+    def _release(self) -> None:
+        for model in list(self._models):
+            self.release_model(model)
+        gc.collect()  # models the caller dropped go now, before the group does
+
+    def release_model(self, model: nn.Module) -> None:
+        """Drop what `model` (set up by this strategy) holds of the process group; a no-op
+        unless the backend's wrapper keeps the group alive."""
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         return self.precision.autocast(self.device)

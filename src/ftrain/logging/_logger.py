@@ -1,0 +1,128 @@
+"""`Logger`: the log step of the loop in one call (window, cadence, emit, sinks, progress)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ftrain.grads import Stats
+from ftrain.logging._sinks import NullSink, ProgressBar, Sink, Sinks
+from ftrain.logging._window import _check_emit_args, emit, update, window
+from ftrain.predicates import should_log
+from ftrain.state import TrainState
+from ftrain.step import StepInfo
+
+__all__ = ["Logger"]
+
+
+class Logger:
+    """Log a run with one call per step: `logger.step(state, stats, info)`.
+
+    It folds each step into a log window on the device (no host sync), moves the progress bar,
+    and on log steps (`should_log(state, every=..., total_steps=..., first=...)`) reads the
+    window back in one sync and sends the record to the sinks. Records from elsewhere (eval
+    metrics) go through `logger.log(record)`. The parts (`window`, `update`, `emit`, the sinks)
+    stay public for anything this does not cover.
+
+    Args:
+        state: where training starts or resumes: the bar starts at `state.step`, and only
+            rank 0 shows progress.
+        every: log every `every` steps (a float in (0, 1): a fraction of `total_steps`).
+        total_steps: the run's length, for the bar's ETA (and a fractional `every`).
+        sinks: e.g. `[ft.logging.JSONLSink(path)]`; build them on rank 0 only.
+        progress: add a `ProgressBar` (a bar in a terminal, printed lines otherwise);
+            needs `total_steps`.
+        first: also log step 1 (an early sign of life).
+        epoch_size: micro-batches per epoch, for a fractional `epoch` (e.g.
+            `ft.data.num_micro_batches(len(train), batch_size, world_size=W)`). None: learned
+            from the state when the first epoch ends (the cursor of its last step); until then
+            `epoch` is the whole number of epochs done.
+        flops_per_token: passed to `emit` (adds `flops_per_second`).
+        peak_flops: passed to `emit` (adds `mfu`, with `flops_per_token`).
+
+    Raises:
+        ValueError: for a bad `every`/`total_steps`, or `progress` without `total_steps`.
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+        >>> logger = ft.logging.Logger(state, every=2, progress=False)
+        >>> batch = [(torch.ones(4, 2), torch.zeros(4, 1))]
+        >>> def loss_fn(model, b):
+        ...     return ((model(b[0]) - b[1]) ** 2).sum(), torch.tensor(4)
+        >>> for _ in range(4):
+        ...     grads, stats = ft.accumulate_grads(state, batch, loss_fn)
+        ...     state, info = ft.clip_and_step(state, grads, stats=stats, lr=0.1)
+        ...     record = logger.step(state, stats, info)
+        ...     print(state.step, record is not None)
+        1 True
+        2 True
+        3 False
+        4 True
+    """
+
+    def __init__(
+        self,
+        state: TrainState,
+        *,
+        every: int | float,
+        total_steps: int | None = None,
+        sinks: Sequence[Sink] = (),
+        progress: bool = True,
+        first: bool = True,
+        epoch_size: int | None = None,
+        flops_per_token: float | None = None,
+        peak_flops: float | None = None,
+    ) -> None:
+        should_log(state, every=every, total_steps=total_steps)  # validates both, now
+        if progress and total_steps is None:
+            raise ValueError("progress=True needs total_steps (for the ETA); or progress=False")
+        _check_emit_args(epoch_size, flops_per_token, peak_flops)
+        self.every, self.total_steps, self.first = every, total_steps, first
+        self.epoch_size = epoch_size
+        self._emit_kw = {"flops_per_token": flops_per_token, "peak_flops": peak_flops}
+        bar: Sink = NullSink()
+        if progress:
+            bar = ProgressBar(total_steps or 0, rank=state.strategy.rank, initial=state.step)
+        self.sink = Sinks(bar, *sinks)
+        self.window = window(state)
+        self._epoch, self._cursor = state.epoch, state.cursor
+
+    def step(self, state: TrainState, stats: Stats, info: StepInfo) -> dict[str, Any] | None:
+        """Fold in the step that made `state`; on a log step emit and return its record."""
+        self.window = update(self.window, stats, info)  # device arithmetic, no host sync
+        self._learn_epoch_size(state)
+        self.sink.step(state)
+        if not should_log(state, every=self.every, total_steps=self.total_steps, first=self.first):
+            return None
+        return self.flush(state)  # the one host sync of a log step
+
+    def flush(self, state: TrainState) -> dict[str, Any] | None:
+        """Emit the steps since the last record now (e.g. at an epoch's end), if there are any."""
+        if self.window.steps == 0:
+            return None
+        record, self.window = emit(self.window, state, epoch_size=self.epoch_size, **self._emit_kw)
+        self.sink.log(record)
+        return record
+
+    def log(self, record: Mapping[str, Any]) -> None:
+        """Send another record (e.g. `{"step": state.step, **metrics}`) to the sinks."""
+        if "step" not in record:
+            raise ValueError(f"a record needs its 'step', got keys {sorted(record)}")
+        self.sink.log(record)
+
+    def close(self) -> None:
+        """Close the bar and every sink."""
+        self.sink.close()
+
+    def __enter__(self) -> Logger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _learn_epoch_size(self, state: TrainState) -> None:
+        # The epoch's last step left the cursor at the number of micro-batches in it.
+        if self.epoch_size is None and state.epoch == self._epoch + 1 and self._cursor > 0:
+            self.epoch_size = int(self._cursor)
+        self._epoch, self._cursor = state.epoch, state.cursor
