@@ -23,11 +23,11 @@ def _loss(model, batch):
     return ((model(batch["x"]) - batch["y"]) ** 2).sum(), batch["y"].numel()
 
 
-def _train(root, sink_factory, *, until, total=6):
+def _train(root, sink_factory, *, until, total=6, optimizer=None):
     """The loop with a Logger (every step) and a checkpoint every 3 steps, stopping at `until`
     as a killed job would (no close); a second call resumes from the latest checkpoint."""
     torch.manual_seed(0)
-    state = ft.TrainState.create(torch.nn.Linear(3, 1), ft.optim.sgd(), seed=0)
+    state = ft.TrainState.create(torch.nn.Linear(3, 1), optimizer or ft.optim.sgd(), seed=0)
     if (ckpt := ft.latest_checkpoint(root)) is not None:
         state = ft.load_checkpoint(ckpt, state)
     sink = sink_factory()
@@ -176,26 +176,9 @@ def test_wandb_sink_does_nothing_off_rank_0_and_rejects_its_own_arguments(tmp_pa
         ft.logging.WandbSink(tmp_path / "r", id="x")
 
 
-def _linear_loop(sink, steps):
-    torch.manual_seed(0)
-    state = ft.TrainState.create(torch.nn.Linear(3, 1), ft.optim.adamw(), seed=0)
-    logger = ft.logging.Logger(state, every=5, sinks=[sink], progress=False)
-    data = _data()
-    while state.step < steps:
-        for micro in ft.make_batches(data, batch_size=4, epoch=state.epoch, start=state.cursor):
-            grads, stats = ft.accumulate_grads(state, micro, _loss)
-            state, info = ft.clip_and_step(state, grads, stats=stats, lr=0.05, max_norm=1.0)
-            logger.step(state, stats, info)  # calls sink.step(state) every step
-            if state.step >= steps:
-                break
-        else:
-            state = ft.next_epoch(state)
-    logger.close()
-
-
 def test_profiler_traces_the_chosen_steps_with_their_ops(tmp_path):
     prof = ft.logging.Profiler(tmp_path / "prof", steps=(3, 4), warmup=1)
-    _linear_loop(prof, steps=7)
+    _train(tmp_path / "run", lambda: prof, until=7, total=7, optimizer=ft.optim.adamw())
     (trace,) = prof.traces()
     assert trace.parent == tmp_path / "prof" and trace.name.endswith(".pt.trace.json")
     events = json.loads(trace.read_text())["traceEvents"]  # Chrome trace format
