@@ -165,18 +165,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     final = eval_loss()
     ft.export_pretrained(state, Path(args.out) / "adapter", tokenizer=tok, overwrite=True)
 
-    # Greedy completions of the held-out prompts.
-    state.model.eval()
-    right = 0
-    for i, row in enumerate(eval_rows):
-        prompt = [tok.bos_token_id, *tok(ft.sft.alpaca(row)["input"])["input_ids"]]
-        with torch.no_grad():
-            out = state.model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=4,
-                                       do_sample=False, pad_token_id=tok.pad_token_id)  # fmt: skip
-        answer = tok.decode(out[0, len(prompt) :], skip_special_tokens=True).strip()
-        right += answer == row["output"]
-        if i < 4:
-            print(f"{row['instruction']} {row['input']!r} -> {answer!r} (want {row['output']!r})")
+    # Greedy completions of the held-out prompts (predict_with_generate), batched and, with
+    # several ranks, gathered in dataset order.
+    prompts = [{"input_ids": [tok.bos_token_id, *tok(ft.sft.alpaca(r)["input"])["input_ids"]]}
+               for r in eval_rows]  # fmt: skip
+    completions = ft.generate(state, ft.make_batches(prompts, batch_size=32, shuffle=False),
+                              tokenizer=tok, max_new_tokens=4, do_sample=False)  # fmt: skip
+    answers = [text.strip() for batch in completions for text in batch["text"]]
+    right = sum(a == r["output"] for a, r in zip(answers, eval_rows, strict=True))
+    for row, answer in list(zip(eval_rows, answers, strict=True))[:4]:
+        print(f"{row['instruction']} {row['input']!r} -> {answer!r} (want {row['output']!r})")
     accuracy = right / len(eval_rows)
     print(f"eval_loss={final:.4f} (from {first:.4f}), accuracy={accuracy:.2f} on {len(eval_rows)}")
     return {"first": first, "final": final, "accuracy": accuracy}

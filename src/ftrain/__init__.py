@@ -5,6 +5,8 @@ Small pure functions over an immutable `TrainState`; you write the loop.
 
 from ftrain import checkpoint as checkpoint
 from ftrain import func as func
+
+from ftrain import generation as generation
 from ftrain import logging as logging
 from ftrain import lora as lora
 from ftrain import losses as losses
@@ -26,6 +28,9 @@ from ftrain.eval import classification_metrics as classification_metrics
 from ftrain.eval import evaluate as evaluate
 from ftrain.eval import predict as predict
 from ftrain.grads import Grads as Grads
+
+from ftrain.generation import generate as generate
+from ftrain.generation import multiple_choice_metrics as multiple_choice_metrics
 from ftrain.grads import Stats as Stats
 from ftrain.grads import accumulate_grads as accumulate_grads
 from ftrain.predicates import should_eval as should_eval
@@ -67,6 +72,8 @@ __all__ = [
     "evaluate",
     "predict",
     "classification_metrics",
+    "generate",
+    "multiple_choice_metrics",
     # checkpoints
     "save_checkpoint",
     "load_checkpoint",
@@ -77,6 +84,8 @@ __all__ = [
     # namespaces
     "checkpoint",
     "func",
+
+    "generation",
     "logging",
     "lora",
     "losses",

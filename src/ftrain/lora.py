@@ -61,9 +61,13 @@ def apply(
 
     Args:
         model: an HF model (full precision, or from `load_4bit`).
-        r, alpha, dropout: LoRA rank, scaling numerator and dropout.
+        r: LoRA rank.
+        alpha: LoRA scaling numerator (the update is scaled by alpha / r).
+        dropout: dropout on the adapters' input.
         targets: module names to adapt; `find_all_linear_names(model)` by default.
-        bias, task_type, **lora_kwargs: passed to `peft.LoraConfig`.
+        bias: passed to `peft.LoraConfig`.
+        task_type: passed to `peft.LoraConfig`.
+        **lora_kwargs: passed to `peft.LoraConfig`.
 
     Raises:
         ImportError: without peft (`pip install 'ftrain[hf]'`).

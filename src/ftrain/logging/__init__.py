@@ -1,17 +1,20 @@
 """Logging (`ft.logging`): one call per step (`Logger`), log windows with HF's definitions,
-sinks, throughput, plots."""
+sinks, trackers, profiler, throughput, plots."""
 
 from ftrain.logging._logger import Logger as Logger
 from ftrain.logging._perf import flops_per_token as flops_per_token
 from ftrain.logging._perf import peak_memory_mb as peak_memory_mb
 from ftrain.logging._plot import plot_metrics as plot_metrics
 from ftrain.logging._plot import read_jsonl as read_jsonl
+from ftrain.logging._profile import Profiler as Profiler
 from ftrain.logging._sinks import JSONLSink as JSONLSink
 from ftrain.logging._sinks import NullSink as NullSink
 from ftrain.logging._sinks import ProgressBar as ProgressBar
 from ftrain.logging._sinks import Sink as Sink
 from ftrain.logging._sinks import Sinks as Sinks
 from ftrain.logging._sinks import TensorBoardSink as TensorBoardSink
+from ftrain.logging._trackers import MLflowSink as MLflowSink
+from ftrain.logging._trackers import WandbSink as WandbSink
 from ftrain.logging._window import LogWindow as LogWindow
 from ftrain.logging._window import emit as emit
 from ftrain.logging._window import update as update
@@ -21,11 +24,14 @@ __all__ = [
     "JSONLSink",
     "LogWindow",
     "Logger",
+    "MLflowSink",
     "NullSink",
+    "Profiler",
     "ProgressBar",
     "Sink",
     "Sinks",
     "TensorBoardSink",
+    "WandbSink",
     "emit",
     "flops_per_token",
     "peak_memory_mb",

@@ -37,7 +37,8 @@ class Logger:
             `ft.data.num_micro_batches(len(train), batch_size, world_size=W)`). None: learned
             from the state when the first epoch ends (the cursor of its last step); until then
             `epoch` is the whole number of epochs done.
-        flops_per_token, peak_flops: passed to `emit` (adds `flops_per_second`, `mfu`).
+        flops_per_token: passed to `emit` (adds `flops_per_second`).
+        peak_flops: passed to `emit` (adds `mfu`, with `flops_per_token`).
 
     Raises:
         ValueError: for a bad `every`/`total_steps`, or `progress` without `total_steps`.

@@ -1,0 +1,220 @@
+"""Generation-based evaluation: `generate` over ranks in dataset order, multiple-choice scoring.
+
+`generate` is what `Seq2SeqTrainer(predict_with_generate=True)` gives: completions of every
+prompt, gathered from all data-parallel ranks with exact counts. `multiple_choice_metrics` is
+qlora.py's MMLU scoring as an `evaluate` metrics_fn: the answer-letter logits at the answer
+position, accuracy per subject, and `mean_over_subjects` for the mean of those accuracies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ftrain.data import weighted
+from ftrain.eval import MetricsFn, _flatten, _inference
+from ftrain.losses import IGNORE_INDEX, _logits, _upcast
+from ftrain.state import TrainState
+from ftrain.strategies._base import Strategy
+
+__all__ = ["generate", "left_pad", "mean_over_subjects", "multiple_choice_metrics"]
+
+_OWN = ("input_ids", "attention_mask")
+
+
+def left_pad(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move each row's tokens (where `attention_mask` is 1) to the right end, as generation
+    wants: new tokens then follow every prompt directly. Works on the device, no host sync.
+
+    Example:
+        >>> import torch
+        >>> from ftrain.generation import left_pad
+        >>> ids, mask = left_pad(torch.tensor([[5, 6, 0], [7, 0, 0]]),
+        ...                      torch.tensor([[1, 1, 0], [1, 0, 0]]), pad_id=0)
+        >>> ids.tolist(), mask.tolist()
+        ([[0, 5, 6], [0, 0, 7]], [[0, 1, 1], [0, 0, 1]])
+    """
+    if attention_mask is None:
+        return input_ids, torch.ones_like(input_ids)
+    # A stable sort of the mask puts the padding first and keeps the tokens in order.
+    order = torch.argsort(attention_mask.to(torch.int8), dim=1, stable=True)
+    mask = attention_mask.gather(1, order)
+    ids = torch.where(mask.bool(), input_ids.gather(1, order), pad_id)
+    return ids, mask
+
+
+def _eos_ids(model: nn.Module, kwargs: Mapping[str, Any]) -> list[int]:
+    eos = kwargs.get("eos_token_id", getattr(model.generation_config, "eos_token_id", None))
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def _trim(new: torch.Tensor, eos: list[int]) -> torch.Tensor:
+    """Mark everything after each row's first end-of-sequence token with -100 (what HF fills
+    with padding once a row is done; one prompt alone stops there)."""
+    if not eos:
+        return new
+    is_eos = torch.isin(new, torch.tensor(eos, device=new.device))
+    after = (is_eos.cumsum(1) - is_eos.long()) > 0
+    return new.masked_fill(after, IGNORE_INDEX)
+
+
+def generate(
+    state: TrainState,
+    batches: Iterable[Any],
+    *,
+    tokenizer: Any = None,
+    gather: bool = True,
+    strategy: Strategy | None = None,
+    **generate_kwargs: Any,
+) -> Iterator[dict[str, list[Any]]]:
+    """Complete every prompt with `model.generate`; yield the new tokens (and text) per batch.
+
+    Each batch holds prompts: `input_ids` and, when rows are padded, `attention_mask` (other
+    keys such as `labels` are ignored). Rows are left-padded here whatever side they were
+    padded on, so `make_batches(prompts, batch_size=..., shuffle=False)` with the default collate
+    works. The model runs unwrapped from DDP, in eval mode without gradients, under the
+    strategy's autocast. With several data-parallel ranks every rank generates its own share
+    and, with `gather`, yields every rank's rows in rank order, which is dataset order
+    (`make_batches` gives each prompt to exactly one rank; a stand-in batch adds none). Ranks
+    generate in lockstep (`synced_gpus=True`, which FSDP needs: its forward passes are
+    collectives), so every rank must iterate the same batches.
+
+    Args:
+        state: the state whose model generates (not consumed).
+        batches: batches of prompts, e.g. `make_batches(prompts, batch_size=8, shuffle=False)`.
+        tokenizer: decodes the new tokens into `text` (special tokens skipped) when given.
+        gather: gather every rank's rows (a collective); False yields this rank's only.
+        strategy: overrides `state.strategy`.
+        **generate_kwargs: for `model.generate`, e.g. `max_new_tokens=32, do_sample=False`.
+            `pad_token_id` defaults to the model's, else the tokenizer's.
+
+    Yields:
+        `{"token_ids": [[int, ...], ...]}` per batch, the new tokens of each prompt up to and
+        including the first end-of-sequence token (what generating for that prompt alone
+        returns), plus `"text"` with a tokenizer.
+
+    Raises:
+        TypeError: if the model has no `generate`, or `generate_kwargs` sets the prompts.
+        ValueError: if no pad token id is known.
+    """
+    strategy = state.strategy if strategy is None else strategy
+    model = strategy.unwrap(state.model)
+    generate_fn: Any = getattr(model, "generate", None)
+    if not callable(generate_fn):
+        raise TypeError(f"generate needs a model with .generate (an HF model), not {type(model)}")
+    if taken := sorted(set(_OWN) & set(generate_kwargs)):
+        raise TypeError(f"generate takes the prompts from the batches, not from {taken}")
+    kwargs = dict(generate_kwargs)
+    pad_id = kwargs.setdefault("pad_token_id", _pad_id(model, tokenizer))
+    if strategy.world_size > 1:
+        kwargs.setdefault("synced_gpus", True)
+    eos = _eos_ids(model, kwargs)
+    with _inference(state.model), strategy.autocast():
+        for batch in _flatten(batches):
+            batch, weight = weighted(batch)
+            batch = strategy.to_device(batch)
+            ids, mask = left_pad(batch["input_ids"], batch.get("attention_mask"), pad_id=pad_id)
+            out = generate_fn(input_ids=ids, attention_mask=mask, **kwargs)
+            new = _trim(getattr(out, "sequences", out)[:, ids.shape[1] :], eos)
+            if gather and strategy.world_size > 1:
+                new = strategy.gather_rows(new[: None if weight else 0])
+            elif not weight:
+                continue
+            token_ids = [row[row != IGNORE_INDEX].tolist() for row in new.cpu()]
+            result: dict[str, list[Any]] = {"token_ids": token_ids}
+            if tokenizer is not None:
+                result["text"] = tokenizer.batch_decode(token_ids, skip_special_tokens=True)
+            yield result
+
+
+def _pad_id(model: nn.Module, tokenizer: Any) -> int:
+    pad = getattr(model.generation_config, "pad_token_id", None)
+    if pad is None and tokenizer is not None:
+        pad = tokenizer.pad_token_id
+    if pad is None:
+        raise ValueError(
+            "generate needs a pad token id: pass pad_token_id=..., a tokenizer with one, or set "
+            "model.generation_config.pad_token_id"
+        )
+    return int(pad)
+
+
+def multiple_choice_metrics(
+    *, choice_ids: Sequence[int], subjects: Sequence[str] | None = None
+) -> MetricsFn:
+    """A metrics_fn scoring multiple-choice questions as qlora.py scores MMLU.
+
+    Each row's answer is its first label that is not -100 (the answer letter's token); the
+    prediction is the choice whose token has the highest logit at the position before it (the
+    one that predicts it). Returns, from one forward pass, the summed causal-LM `loss` over the
+    labels, `accuracy` over all rows and, with `subjects`, `accuracy_<subject>` per subject,
+    where the batch holds `subject`: each row's index into `subjects`. Use it as
+    `evaluate(state, batches, metrics_fn=...)`; `mean_over_subjects` then gives qlora.py's
+    `mmlu_<split>_accuracy`, the mean of the subjects' accuracies.
+
+    Args:
+        choice_ids: the token id of each answer letter, e.g. of "A", "B", "C", "D" (qlora.py
+            takes `tokenizer(letter, add_special_tokens=False).input_ids[0]`).
+        subjects: subject names; the batch's `subject` indexes them.
+
+    Raises:
+        ValueError: if `choice_ids` is empty or repeats an id; from the metrics_fn, if a row's
+            answer token is not one of `choice_ids`, or `subject` is missing.
+    """
+    if not choice_ids or len(set(choice_ids)) != len(choice_ids):
+        raise ValueError(f"choice_ids must be distinct token ids, got {list(choice_ids)!r}")
+    names = list(subjects or [])
+
+    def metrics_fn(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
+        inputs = {k: v for k, v in batch.items() if k != "subject"}
+        logits, labels = _upcast(_logits(model, inputs)), batch["labels"]
+        answered = (labels != IGNORE_INDEX).any(1)
+        pos = (labels != IGNORE_INDEX).int().argmax(1)  # the first label: the answer letter
+        rows = torch.arange(len(labels), device=labels.device)
+        choices = torch.as_tensor(list(choice_ids), device=labels.device)
+        ref = labels[rows, pos]
+        if not torch.isin(ref[answered], choices).all():  # a host sync, outside the step path
+            raise ValueError(f"an answer token is not one of choice_ids={list(choice_ids)}")
+        pred = choices[logits[rows, pos - 1][:, choices].argmax(-1)]
+        correct = (pred == ref) & answered
+        loss = F.cross_entropy(
+            logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )  # fmt: skip
+        out = {"loss": (loss, (labels[:, 1:] != IGNORE_INDEX).sum())}
+        out["accuracy"] = (correct.sum(), answered.sum())
+        if names:
+            if "subject" not in batch:
+                raise ValueError("multiple_choice_metrics with subjects needs 'subject' rows")
+            for i, name in enumerate(names):  # every name on every rank: evaluate sums by name
+                mine = batch["subject"] == i
+                out[f"accuracy_{name}"] = ((correct & mine).sum(), (answered & mine).sum())
+        return out
+
+    return metrics_fn
+
+
+def mean_over_subjects(metrics: Mapping[str, float], *, prefix: str = "eval_accuracy_") -> float:
+    """The mean of the per-subject accuracies in `evaluate`'s result (subjects without rows,
+    whose accuracy is NaN, left out), as qlora.py averages MMLU subjects.
+
+    Example:
+        >>> from ftrain.generation import mean_over_subjects
+        >>> mean_over_subjects({"eval_accuracy": 0.7, "eval_accuracy_law": 0.5,
+        ...                     "eval_accuracy_art": 1.0, "eval_accuracy_x": float("nan")})
+        0.75
+
+    Raises:
+        ValueError: if no key starts with `prefix`.
+    """
+    scores = [v for k, v in metrics.items() if k.startswith(prefix) and not math.isnan(v)]
+    if not scores:
+        raise ValueError(f"no per-subject accuracy (a key starting with {prefix!r}) in metrics")
+    return sum(scores) / len(scores)

@@ -1,0 +1,200 @@
+"""Experiment trackers as sinks: MLflow and Weights & Biases (HF's `report_to`).
+
+Both log the hyperparameters once, when the run is created, and every numeric field of each
+record at its `step`. The tracker's run id is kept in a small file in the run folder, so a
+restarted job (e.g. one resumed from `ft.latest_checkpoint`) continues the same tracker run
+instead of opening a new one. Both do nothing on ranks other than 0, so every rank can build
+them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ftrain.logging._sinks import _tag
+from ftrain.state import TrainState
+
+__all__ = ["MLflowSink", "WandbSink"]
+
+
+def _numeric(record: Mapping[str, Any]) -> dict[str, float]:
+    return {
+        k: float(v)
+        for k, v in record.items()
+        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
+
+
+def _read_id(path: Path) -> str | None:
+    return path.read_text(encoding="utf-8").strip() if path.is_file() else None
+
+
+def _write_id(path: Path, run_id: str) -> None:
+    # Written atomically: a crash leaves the old file or the new one, never half of one.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(run_id + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class MLflowSink:
+    """Logs records to an MLflow run: every numeric field as a metric at the record's `step`.
+
+    The run id is stored in `<run_dir>/mlflow_run_id`; when that file exists (a restarted job),
+    the sink reopens that run, so the metric history continues in one run. Steps logged after
+    the last checkpoint and before the restart are logged again by the resumed job (with the same
+    values, since resume is exact): MLflow keeps both entries. Needs the `mlflow` extra
+    (`pip install 'ftrain[mlflow]'`).
+
+    Args:
+        run_dir: the run's folder (e.g. the checkpoint root).
+        tracking_uri: where MLflow stores runs, e.g. `"sqlite:///runs/x/mlflow.db"`; None uses
+            MLflow's default (`MLFLOW_TRACKING_URI`).
+        experiment: experiment name, created if missing.
+        run_name: display name of a new run.
+        params: hyperparameters, logged once when the run is created. A restart must pass the
+            same values (MLflow params are immutable).
+        rank: this process's data-parallel rank; the sink does nothing unless it is 0.
+
+    Raises:
+        ValueError: if a restart passes params that differ from the run's, or the stored run
+            id is not in the tracking store.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        *,
+        tracking_uri: str | None = None,
+        experiment: str = "ftrain",
+        run_name: str | None = None,
+        params: Mapping[str, Any] | None = None,
+        rank: int = 0,
+    ) -> None:
+        self.run_id: str | None = None
+        self.resumed = False
+        self._client: Any = None
+        if rank != 0:
+            return
+        try:
+            from mlflow.tracking import MlflowClient
+        except ImportError as e:  # pragma: no cover - exercised only without the extra
+            raise ImportError("MLflowSink needs mlflow: pip install 'ftrain[mlflow]'") from e
+        self._client = MlflowClient(tracking_uri)
+        id_file = Path(run_dir) / "mlflow_run_id"
+        params = {k: str(v) for k, v in (params or {}).items()}
+        if (stored := _read_id(id_file)) is not None:
+            self.run_id, self.resumed = stored, True
+            self._reopen(stored, params, tracking_uri, id_file)
+        else:
+            exp = self._client.get_experiment_by_name(experiment)
+            exp_id = exp.experiment_id if exp else self._client.create_experiment(experiment)
+            self.run_id = self._client.create_run(exp_id, run_name=run_name).info.run_id
+            from mlflow.entities import Param
+
+            self._client.log_batch(self.run_id, params=[Param(k, v) for k, v in params.items()])
+            _write_id(id_file, self.run_id)
+
+    def _reopen(self, run_id: str, params: dict[str, str], uri: str | None, id_file: Path) -> None:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            logged = self._client.get_run(run_id).data.params
+        except MlflowException as e:
+            raise ValueError(
+                f"{id_file} names MLflow run {run_id!r}, which tracking_uri={uri!r} does not "
+                "hold; pass the tracking_uri that holds it, or delete the file to start a new run"
+            ) from e
+        changed = {k: (logged[k], v) for k, v in params.items() if k in logged and logged[k] != v}
+        if changed:
+            raise ValueError(
+                f"params differ from those of the resumed MLflow run {run_id} "
+                f"(logged, given): {changed}; pass the run's params or use a new run_dir"
+            )
+        new = {k: v for k, v in params.items() if k not in logged}
+        from mlflow.entities import Param
+
+        self._client.log_batch(run_id, params=[Param(k, v) for k, v in new.items()])
+        self._client.update_run(run_id, status="RUNNING")
+
+    def step(self, state: TrainState) -> None:
+        pass
+
+    def log(self, record: Mapping[str, Any]) -> None:
+        if self._client is None:
+            return
+        from mlflow.entities import Metric
+
+        now, step = int(time.time() * 1000), int(record["step"])
+        metrics = [Metric(k, v, now, step) for k, v in _numeric(record).items()]
+        self._client.log_batch(self.run_id, metrics=metrics)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.set_terminated(self.run_id, status="FINISHED")
+            self._client = None
+
+
+class WandbSink:
+    """Logs records to a Weights & Biases run, under `train/<key>` and `eval/<key>`, at `step`.
+
+    The run id is stored in `<run_dir>/wandb_run_id`; a restarted job resumes that run
+    (`resume="allow"`). W&B writes its files under `<run_dir>/wandb`; `WANDB_MODE=offline` keeps
+    them local until `wandb sync`. Needs the `wandb` extra (`pip install 'ftrain[wandb]'`).
+
+    Args:
+        run_dir: the run's folder (e.g. the checkpoint root).
+        project: the W&B project.
+        params: hyperparameters, the run's config, logged once when the run is created.
+        rank: this process's data-parallel rank; the sink does nothing unless it is 0.
+        **init_kwargs: passed on to `wandb.init` (e.g. `mode`, `entity`, `name`, `settings`).
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        *,
+        project: str = "ftrain",
+        params: Mapping[str, Any] | None = None,
+        rank: int = 0,
+        **init_kwargs: Any,
+    ) -> None:
+        self.run_id: str | None = None
+        self.resumed = False
+        self._run: Any = None
+        if rank != 0:
+            return
+        taken = {"id", "resume", "dir", "config", "project"} & set(init_kwargs)
+        if taken:
+            raise TypeError(f"WandbSink sets {sorted(taken)} itself; use run_dir/params/project")
+        try:
+            import wandb
+        except ImportError as e:  # pragma: no cover - exercised only without the extra
+            raise ImportError("WandbSink needs wandb: pip install 'ftrain[wandb]'") from e
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        id_file = run_dir / "wandb_run_id"
+        stored = _read_id(id_file)
+        self.resumed = stored is not None
+        config = None if self.resumed else dict(params or {})  # the resumed run has its config
+        self._run = wandb.init(project=project, dir=str(run_dir), id=stored, resume="allow",
+                               config=config, **init_kwargs)  # fmt: skip
+        self.run_id = self._run.id
+        if not self.resumed:
+            _write_id(id_file, self.run_id)
+
+    def step(self, state: TrainState) -> None:
+        pass
+
+    def log(self, record: Mapping[str, Any]) -> None:
+        if self._run is not None:
+            self._run.log({_tag(k): v for k, v in _numeric(record).items()}, step=record["step"])
+
+    def close(self) -> None:
+        if self._run is not None:
+            self._run.finish()
+            self._run = None

@@ -1,0 +1,205 @@
+"""Experiment trackers as sinks: MLflow (sqlite store) and W&B (offline), read back from disk."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+
+import ftrain as ft
+
+PARAMS = {"lr": 0.05, "max_norm": 1.0, "optimizer": "sgd"}
+
+
+def _data(n=24):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 3, generator=g)
+    return [{"x": x[i], "y": x[i].sum(0, keepdim=True)} for i in range(n)]
+
+
+def _loss(model, batch):
+    return ((model(batch["x"]) - batch["y"]) ** 2).sum(), batch["y"].numel()
+
+
+def _train(root, sink_factory, *, until, total=6, optimizer=None):
+    """The loop with a Logger (every step) and a checkpoint every 3 steps, stopping at `until`
+    as a killed job would (no close); a second call resumes from the latest checkpoint."""
+    torch.manual_seed(0)
+    state = ft.TrainState.create(torch.nn.Linear(3, 1), optimizer or ft.optim.sgd(), seed=0)
+    if (ckpt := ft.latest_checkpoint(root)) is not None:
+        state = ft.load_checkpoint(ckpt, state)
+    sink = sink_factory()
+    logger = ft.logging.Logger(state, every=1, sinks=[sink], progress=False)
+    data = _data()
+    while state.step < until:
+        for micro in ft.make_batches(data, batch_size=4, epoch=state.epoch, start=state.cursor):
+            grads, stats = ft.accumulate_grads(state, micro, _loss)
+            state, info = ft.clip_and_step(state, grads, stats=stats, lr=0.05, max_norm=1.0)
+            logger.step(state, stats, info)
+            if ft.should_eval(state, every=2, total_steps=total):
+                logger.log({"step": state.step, **ft.evaluate(state, [data[:8]], _loss)})
+            if ft.should_save(state, every=3, total_steps=total):
+                ft.save_checkpoint(state, root)
+            if state.step >= until:
+                break
+        else:
+            state = ft.next_epoch(state)
+    return sink
+
+
+@pytest.fixture
+def mlflow_uri(tmp_path, monkeypatch):
+    # A file store: MLflow's sqlite store works the same but builds its schema through ~60
+    # migrations (10 s on a loaded CI core). MLflow 3 asks for this opt-in to the file store.
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    return (tmp_path / "mlruns").as_uri()
+
+
+def test_mlflow_sink_logs_params_once_every_metric_at_its_step_and_resumes_the_run(
+    tmp_path, mlflow_uri
+):
+    from mlflow.tracking import MlflowClient
+
+    uri = mlflow_uri
+    root = tmp_path / "run"
+
+    def make():
+        return ft.logging.MLflowSink(root, tracking_uri=uri, experiment="t", params=PARAMS)
+
+    first = _train(root, make, until=5)  # killed at step 5; the last checkpoint is step 3
+    assert not first.resumed
+    second = _train(root, make, until=6)  # the restart: resumes from step 3
+    assert second.resumed and second.run_id == first.run_id
+    second.close()
+
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("t").experiment_id])
+    assert [r.info.run_id for r in runs] == [first.run_id]  # one run, not one per restart
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.params == {k: str(v) for k, v in PARAMS.items()}
+    loss = client.get_metric_history(first.run_id, "loss")
+    # Steps 4 and 5 were logged before the kill and again after the resume, with equal values.
+    assert sorted(m.step for m in loss) == [1, 2, 3, 4, 4, 5, 5, 6]
+    by_step: dict[int, set[float]] = {}
+    for m in loss:
+        by_step.setdefault(m.step, set()).add(m.value)
+    assert all(len(v) == 1 for v in by_step.values())
+    evals = client.get_metric_history(first.run_id, "eval_loss")
+    assert sorted({m.step for m in evals}) == [2, 4, 6]
+    norms = client.get_metric_history(first.run_id, "grad_norm")
+    assert {m.step for m in norms} == set(range(1, 7))
+
+
+def test_mlflow_sink_refuses_changed_params_and_is_silent_off_rank_0(tmp_path, mlflow_uri):
+    uri = mlflow_uri
+    root = tmp_path / "run"
+    ft.logging.MLflowSink(root, tracking_uri=uri, params={"lr": 0.1}).close()
+    with pytest.raises(ValueError, match=r"params differ.*'lr'"):
+        ft.logging.MLflowSink(root, tracking_uri=uri, params={"lr": 0.2})
+    other = tmp_path / "other"
+    quiet = ft.logging.MLflowSink(other, tracking_uri=uri, params={"lr": 0.1}, rank=1)
+    quiet.log({"step": 1, "loss": 1.0})
+    quiet.close()
+    assert quiet.run_id is None and not other.exists()
+    (other / "mlflow_run_id").parent.mkdir()
+    (other / "mlflow_run_id").write_text("0123456789abcdef")
+    with pytest.raises(ValueError, match="does not hold"):
+        ft.logging.MLflowSink(other, tracking_uri=uri)
+
+
+def _wandb_records(path):
+    """Protobuf records of a .wandb file (W&B's LevelDB-style log: 32 KiB blocks of chunks with
+    a 7-byte header: crc32, length, type 1 full / 2 first / 3 middle / 4 last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, buf, out = 7, b"", []
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # the rest of a block too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        buf += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(buf)
+            out.append(rec)
+            buf = b""
+    return out
+
+
+def test_wandb_sink_offline_run_files_hold_config_once_and_every_metric(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    root = tmp_path / "run"
+
+    def make():
+        return ft.logging.WandbSink(root, project="t", params=PARAMS)
+
+    first = _train(root, make, until=5)
+    first.close()  # W&B flushes its files on finish
+    second = _train(root, make, until=6)
+    second.close()
+    assert second.resumed and second.run_id == first.run_id
+
+    runs = sorted(root.glob(f"wandb/offline-run-*-{first.run_id}/run-{first.run_id}.wandb"))
+    assert len(runs) == 2  # W&B writes one offline folder per process, for one run id
+    history: list[dict] = []
+    configs = []
+    for path in runs:
+        for rec in _wandb_records(path):
+            kind = rec.WhichOneof("record_type")
+            if kind == "history":
+                # "train/loss" is stored as the nested key ["train", "loss"].
+                items = {i.key or "/".join(i.nested_key): i.value_json for i in rec.history.item}
+                history.append({k: json.loads(v) for k, v in items.items()})
+            elif kind == "run":
+                config = {i.key: json.loads(i.value_json) for i in rec.run.config.update}
+                configs.append({k: v for k, v in config.items() if k != "_wandb"})
+    assert configs == [PARAMS, {}]  # the config is logged once
+    steps = [h["_step"] for h in history if "train/loss" in h]
+    assert steps == [1, 2, 3, 4, 5, 4, 5, 6]
+    assert sorted(h["_step"] for h in history if "eval/loss" in h) == [2, 4, 4, 6]
+
+
+def test_wandb_sink_does_nothing_off_rank_0_and_rejects_its_own_arguments(tmp_path):
+    quiet = ft.logging.WandbSink(tmp_path / "r", params=PARAMS, rank=1)
+    quiet.log({"step": 1, "loss": 1.0})
+    quiet.close()
+    assert quiet.run_id is None and not (tmp_path / "r").exists()
+    with pytest.raises(TypeError, match=r"\['id'\]"):
+        ft.logging.WandbSink(tmp_path / "r", id="x")
+
+
+def test_profiler_traces_the_chosen_steps_with_their_ops(tmp_path):
+    prof = ft.logging.Profiler(tmp_path / "prof", steps=(3, 4), warmup=1)
+    _train(tmp_path / "run", lambda: prof, until=7, total=7, optimizer=ft.optim.adamw())
+    (trace,) = prof.traces()
+    assert trace.parent == tmp_path / "prof" and trace.name.endswith(".pt.trace.json")
+    events = json.loads(trace.read_text())["traceEvents"]  # Chrome trace format
+    names = {e.get("name") for e in events}
+    assert "aten::addmm" in names  # the Linear forward
+    assert "aten::mse_loss" not in names and "aten::pow" in names  # our loss: (d ** 2).sum()
+    assert "aten::_fused_adamw_" in names  # the optimizer step
+    steps = sorted(n for n in names if (n or "").startswith("ProfilerStep#"))
+    assert steps == ["ProfilerStep#1", "ProfilerStep#2"]  # 3 and 4; not the warmup step (#0)
+
+
+def test_profiler_refuses_impossible_windows_and_resumes_mid_window(tmp_path):
+    with pytest.raises(ValueError, match="warmup \\+ 2 <= first"):
+        ft.logging.Profiler(tmp_path, steps=(2, 3), warmup=1)
+    with pytest.raises(ValueError, match="first <= last"):
+        ft.logging.Profiler(tmp_path, steps=(5, 4))
+    prof = ft.logging.Profiler(tmp_path, steps=(5, 6))
+    state = ft.TrainState.create(torch.nn.Linear(3, 1), ft.optim.sgd()).replace(step=4)
+    with pytest.raises(ValueError, match="past step 4"):
+        prof.step(state)
+    late = ft.logging.Profiler(tmp_path / "late", steps=(5, 6))
+    late.step(state.replace(step=9))  # resumed after the window: nothing to do
+    late.close()
+    assert late.traces() == []
