@@ -82,7 +82,8 @@ def assert_accumulation_exact(
         batch_size: rows per micro-batch.
         accum: micro-batches (at least 2 for the check to mean anything).
         collate_fn: your collate; `make_batches`' default if None.
-        rtol, atol: tolerances of the float comparison.
+        rtol: relative tolerance of the float comparison.
+        atol: absolute tolerance of the float comparison.
 
     Raises:
         AssertionError: naming the first parameter whose gradient differs, and by how much.
@@ -278,7 +279,8 @@ def assert_pure(
 
     Args:
         fn: the function under test.
-        args, kwargs: its arguments.
+        *args: its positional arguments.
+        **kwargs: its keyword arguments.
         donated: positions (int) or keyword names (str) of arguments `fn` may change.
 
     Returns:
