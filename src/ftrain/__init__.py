@@ -9,6 +9,7 @@ from ftrain import lora as lora
 from ftrain import losses as losses
 from ftrain import optim as optim
 from ftrain import precision as precision
+from ftrain import preference as preference
 from ftrain import schedules as schedules
 from ftrain import sft as sft
 from ftrain import strategies as strategies
@@ -77,6 +78,7 @@ __all__ = [
     "losses",
     "optim",
     "precision",
+    "preference",
     "schedules",
     "sft",
     "strategies",
