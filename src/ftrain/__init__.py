@@ -4,6 +4,7 @@ Small pure functions over an immutable `TrainState`; you write the loop.
 """
 
 from ftrain import checkpoint as checkpoint
+from ftrain import guard as guard
 from ftrain import logging as logging
 from ftrain import lora as lora
 from ftrain import losses as losses
@@ -73,6 +74,7 @@ __all__ = [
     "CheckpointError",
     # namespaces
     "checkpoint",
+    "guard",
     "logging",
     "lora",
     "losses",
