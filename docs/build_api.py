@@ -16,6 +16,7 @@ import ftrain as ft
 OUT = Path(__file__).with_name("api.md")
 NAMESPACES = [
     "optim", "schedules", "strategies", "precision", "losses", "checkpoint", "sft", "lora", "data",
+    "preference", "guard",
 ]  # fmt: skip
 
 

@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--sft-steps", type=int, default=150)
     p.add_argument("--dpo-steps", type=int, default=60)
     p.add_argument("--beta", type=float, default=0.1)
+    p.add_argument("--dpo-lr", type=float, default=5e-4)
     p.add_argument("--rows", type=int, default=800, help="training rows (and pairs)")
     p.add_argument("--hidden", type=int, default=128, help="hidden size (sft_lora.py: 128)")
     p.add_argument("--seed", type=int, default=0)
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         functools.partial(ft.preference.dpo_loss, beta=args.beta), reference=reference
     )
     state = ft.TrainState.create(state.model, ft.optim.adamw(weight_decay=0.0), seed=args.seed)
-    state = train(state, dpo_data, steps=args.dpo_steps, lr=5e-4, collate=to_pairs,
+    state = train(state, dpo_data, steps=args.dpo_steps, lr=args.dpo_lr, collate=to_pairs,
                   loss_fn=loss_fn, seed=args.seed)  # fmt: skip
     after = margin(state, evals())
     print(f"held-out log-likelihood margin chosen - rejected: {before:.3f} after SFT -> "

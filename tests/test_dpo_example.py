@@ -12,6 +12,19 @@ def test_dpo_example_grows_the_margin(capsys):
     spec = importlib.util.spec_from_file_location("dpo_example", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    out = module.main(["--sft-steps", "10", "--dpo-steps", "6", "--rows", "96", "--hidden", "32"])
+    out = module.main(
+        [
+            "--sft-steps",
+            "10",
+            "--dpo-steps",
+            "6",
+            "--rows",
+            "96",
+            "--hidden",
+            "32",
+            "--dpo-lr",
+            "3e-3",
+        ]
+    )
     assert out["margin_dpo"] > out["margin_sft"] + 0.1
     assert "after DPO (6 steps, beta 0.1)" in capsys.readouterr().out
