@@ -92,3 +92,51 @@ def ddp(rank: int, world: int, port: int, out: str) -> None:
     gc.collect()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+def recipe(model):
+    """Muon on the hidden matrices, AdamW elsewhere, an EMA of everything."""
+    hidden = {n for n, p in model.named_parameters() if p.dim() == 2 and ".layers." in n}
+    part = ft.optim.partition(
+        {"muon": ft.optim.muon(), "adamw": ft.optim.adamw()},
+        lambda n: "muon" if n in hidden else "adamw",
+        lr_factors={"adamw": 0.2},
+    )
+    return ft.optim.ema(part, decay=0.5)
+
+
+def train_recipe(strategy=None, per_rank: int = 1):
+    """Three steps of the Muon/AdamW/EMA recipe; the live and EMA weights, gathered."""
+    kw = {"strategy": strategy} if strategy is not None else {}
+    state = ft.TrainState.create(tiny_llama(), recipe(tiny_llama()), **kw)
+    for micro in ft.make_batches(ROWS, batch_size=4 // per_rank, shuffle=False,
+                                 strategy=state.strategy):  # fmt: skip
+        grads, stats = ft.accumulate_grads(state, micro)
+        state, _ = ft.clip_and_step(state, grads, stats=stats, lr=1e-2)
+        if state.step == 3:
+            break
+    full = lambda t: getattr(t, "full_tensor", t.detach)().detach().clone()  # noqa: E731
+    live = {n: full(p) for n, p in state.params.items()}
+    with ft.optim.swap_ema(state):
+        average = {n: full(p) for n, p in state.params.items()}
+    back = all(torch.equal(full(p), live[n]) for n, p in state.params.items())
+    return live, average, back
+
+
+def fsdp(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # fmt: skip
+    torch.set_num_threads(1)
+    strategy = ft.strategies.from_env("fsdp", timeout=timedelta(seconds=120))
+    live, average, back = train_recipe(strategy, per_rank=world)
+    if rank == 0:
+        tensors = {**{f"live/{n}": t for n, t in live.items()},
+                   **{f"ema/{n}": t for n, t in average.items()}}  # fmt: skip
+        save_file(tensors, str(Path(out) / "fsdp.safetensors"))
+        (Path(out) / "fsdp.json").write_text(json.dumps({"restored": back}))
+    import gc
+
+    del strategy
+    gc.collect()
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()

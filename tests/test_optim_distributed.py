@@ -46,3 +46,18 @@ def test_ddp_chunked_loss_dpo_and_ema_equal_one_process(tmp_path):
             )
     assert meta["restored"] and want["restored"]
     assert meta["ema_eval"] == pytest.approx(want["ema_eval"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_fsdp_muon_partition_and_ema_equal_one_process(tmp_path):
+    """Muon gathers each sharded matrix for Newton-Schulz and keeps its shard of the result:
+    three FSDP steps of Muon + AdamW + EMA give the one-process weights and averages, and
+    swap_ema swaps shards in place and back."""
+    _spawn_bounded(W.fsdp, str(tmp_path))
+    got = load_file(str(tmp_path / "fsdp.safetensors"))
+    assert json.loads((tmp_path / "fsdp.json").read_text())["restored"]
+    live, average, back = W.train_recipe()
+    assert back
+    for n in live:
+        torch.testing.assert_close(got[f"live/{n}"], live[n], rtol=1e-4, atol=1e-5, msg=n)
+        torch.testing.assert_close(got[f"ema/{n}"], average[n], rtol=1e-4, atol=1e-5, msg=n)
