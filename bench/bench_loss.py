@@ -88,8 +88,9 @@ def main() -> None:
         for k, v in results.items()
     }
     tokens = BATCH * (SEQ - 1)
-    print(f"vocab {VOCAB}, {tokens} label tokens, chunk {args.chunk} "
-          f"(chunk ratio {tokens / args.chunk:.1f}), {args.rounds} rounds x {args.steps} steps")  # fmt: skip
+    ratio = tokens / args.chunk
+    print(f"vocab {VOCAB}, {tokens} label tokens, chunk {args.chunk} (chunk ratio {ratio:.1f}), "
+          f"{args.rounds} rounds x {args.steps} steps")  # fmt: skip
     print(f"logits alone: {tokens * VOCAB * 4 / 2**20:.0f} MiB float32")
     print("| loss | peak RSS growth (MiB) | step (s, median) |")
     print("|---|---|---|")

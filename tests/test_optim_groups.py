@@ -5,11 +5,10 @@ import copy
 
 import pytest
 import torch
+from test_optim import _data, _loss, _lr  # the data and lr of the single-optimizer tests
 
 import ftrain as ft
 from helpers import opt_state_tensors, ragged_rows, tiny_llama, train_steps
-
-STEPS = 12
 
 
 class Net(torch.nn.Module):
@@ -22,23 +21,6 @@ class Net(torch.nn.Module):
 
     def forward(self, x):
         return self.head(torch.tanh(self.hidden(torch.tanh(self.embed(x)))))
-
-
-def _data(dtype):
-    g = torch.Generator().manual_seed(1)
-    return [
-        (torch.randn(6, 5, generator=g, dtype=dtype), torch.randn(6, 3, generator=g, dtype=dtype))
-        for _ in range(STEPS)
-    ]
-
-
-def _loss(model, batch):
-    x, y = batch
-    return ((model(x) - y) ** 2).sum(), torch.tensor(x.shape[0])
-
-
-def _lr(step):
-    return 0.02 * (1 + step) / STEPS
 
 
 def _run_ft(opt, model, data):
