@@ -64,7 +64,7 @@ def test_the_chunked_function_with_bias_in_float64_and_under_no_grad():
     for a, e in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
     with torch.no_grad():  # evaluation: the loss only, same value
-        torch.testing.assert_close(_LinearCrossEntropy.apply(h, w, b, y, 5), want)
+        torch.testing.assert_close(_LinearCrossEntropy.apply(h, w, b, y, 5, False), want)
 
 
 def test_evaluate_with_the_chunked_loss_equals_the_plain_loss():

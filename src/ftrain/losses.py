@@ -100,8 +100,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         bias: torch.Tensor | None,
         labels: torch.Tensor,
         chunk: int,
+        grad_enabled: bool = True,
     ) -> torch.Tensor:
-        want_grad = any(ctx.needs_input_grad[:3])
+        # needs_input_grad stays True under no_grad: the caller says whether grad mode is on.
+        want_grad = grad_enabled and any(ctx.needs_input_grad[:3])
         # The logits' dtype (float32 for half weights): sums over chunks in bf16 would drift.
         acc = torch.promote_types(weight.dtype, torch.float32)
         total = torch.zeros((), dtype=acc, device=h.device)
@@ -133,7 +135,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         saved = list(ctx.saved_tensors)
         gh, gw = saved[0] * grad, (saved[1] * grad).to(ctx.dtypes[0])
         gb = (saved[2] * grad).to(ctx.dtypes[1]) if len(saved) == 3 else None
-        return gh, gw, gb, None, None
+        return gh, gw, gb, None, None, None
 
 
 def _head(model: nn.Module) -> nn.Module:
@@ -219,7 +221,9 @@ def chunked_causal_lm_loss(*, chunk_size: int = 1024, head: nn.Module | None = N
         hidden = _hidden(model, out, batch)[:, :-1]
         labels = batch["labels"][:, 1:].reshape(-1)
         h = hidden.reshape(-1, hidden.shape[-1])
-        loss = _LinearCrossEntropy.apply(h, weight, bias, labels, chunk_size)
+        loss = _LinearCrossEntropy.apply(
+            h, weight, bias, labels, chunk_size, torch.is_grad_enabled()
+        )
         return loss, (labels != IGNORE_INDEX).sum()
 
     return loss_fn
