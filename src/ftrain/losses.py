@@ -199,7 +199,9 @@ def chunked_causal_lm_loss(*, chunk_size: int = 1024, head: nn.Module | None = N
     Example:
         >>> import torch, ftrain as ft
         >>> from transformers import GPT2Config, GPT2LMHeadModel
-        >>> m = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=8, n_layer=1, n_head=2))
+        >>> cfg = GPT2Config(vocab_size=50, n_embd=8, n_layer=1, n_head=2, bos_token_id=0,
+        ...                  eos_token_id=0)
+        >>> m = GPT2LMHeadModel(cfg).eval()  # eval: no dropout, so both losses see one model
         >>> b = {"input_ids": torch.tensor([[1, 2, 3, 4]]), "labels": torch.tensor([[1, 2, 3, 4]])}
         >>> a, n = ft.losses.chunked_causal_lm_loss(chunk_size=2)(m, b)
         >>> bool(torch.isclose(a, ft.losses.causal_lm_loss()(m, b)[0])), int(n)
