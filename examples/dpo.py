@@ -8,7 +8,8 @@ model against a frozen copy of itself (the reference), with `ft.preference.prefe
 as the loss of an ordinary ftrain loop. Reported: the mean log-likelihood margin
 `log p(chosen) - log p(rejected)` on held-out pairs before and after DPO.
 
-    python examples/dpo.py                  # about a minute on 2 CPU cores
+    python examples/dpo.py                          # minutes on CPU
+    python examples/dpo.py --sft-steps 40 --dpo-steps 20   # margin 2.1 -> 9.7
 """
 
 from __future__ import annotations
