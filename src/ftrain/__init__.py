@@ -5,13 +5,14 @@ Small pure functions over an immutable `TrainState`; you write the loop.
 
 from ftrain import checkpoint as checkpoint
 from ftrain import func as func
-
 from ftrain import generation as generation
+from ftrain import guard as guard
 from ftrain import logging as logging
 from ftrain import lora as lora
 from ftrain import losses as losses
 from ftrain import optim as optim
 from ftrain import precision as precision
+from ftrain import preference as preference
 from ftrain import schedules as schedules
 from ftrain import sft as sft
 from ftrain import strategies as strategies
@@ -27,10 +28,9 @@ from ftrain.data import pad_collate as pad_collate
 from ftrain.eval import classification_metrics as classification_metrics
 from ftrain.eval import evaluate as evaluate
 from ftrain.eval import predict as predict
-from ftrain.grads import Grads as Grads
-
 from ftrain.generation import generate as generate
 from ftrain.generation import multiple_choice_metrics as multiple_choice_metrics
+from ftrain.grads import Grads as Grads
 from ftrain.grads import Stats as Stats
 from ftrain.grads import accumulate_grads as accumulate_grads
 from ftrain.predicates import should_eval as should_eval
@@ -84,13 +84,14 @@ __all__ = [
     # namespaces
     "checkpoint",
     "func",
-
     "generation",
+    "guard",
     "logging",
     "lora",
     "losses",
     "optim",
     "precision",
+    "preference",
     "schedules",
     "sft",
     "strategies",

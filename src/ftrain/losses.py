@@ -18,6 +18,7 @@ __all__ = [
     "IGNORE_INDEX",
     "LossFn",
     "causal_lm_loss",
+    "chunked_causal_lm_loss",
     "classification_loss",
     "default_loss",
 ]
@@ -75,6 +76,155 @@ def causal_lm_loss(*, label_smoothing: float = 0.0) -> LossFn:
             ignore_index=IGNORE_INDEX,
             reduction="sum",
             label_smoothing=label_smoothing,
+        )
+        return loss, (labels != IGNORE_INDEX).sum()
+
+    return loss_fn
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of `h @ weight.T (+ bias)` against `labels`, chunk by chunk.
+
+    Forward walks the tokens in chunks of `chunk` rows; each chunk's logits live only while it
+    is processed. When gradients are needed they are computed in the same pass (the softmax is
+    at hand: `d loss / d logits = softmax - onehot`) and kept as `(N, H)` + `(V, H)` tensors,
+    so backward only scales them: no second pass over the vocabulary, and never more than
+    `(chunk, V)` logits at once (the idea of Liger's fused linear cross-entropy).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        labels: torch.Tensor,
+        chunk: int,
+        grad_enabled: bool = True,
+    ) -> torch.Tensor:
+        # needs_input_grad stays True under no_grad: the caller says whether grad mode is on.
+        want_grad = grad_enabled and any(ctx.needs_input_grad[:3])
+        # The logits' dtype (float32 for half weights): sums over chunks in bf16 would drift.
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        total = torch.zeros((), dtype=acc, device=h.device)
+        gh = torch.empty_like(h) if want_grad else None
+        gw = torch.zeros(weight.shape, dtype=acc, device=h.device) if want_grad else None
+        gb = None if bias is None or not want_grad else torch.zeros_like(gw[:, 0])  # type: ignore[index]
+        for start in range(0, h.shape[0], chunk):
+            hc, yc = h[start : start + chunk], labels[start : start + chunk]
+            # Ignored tokens are masked, not dropped: selecting rows would be a host sync.
+            valid = yc != IGNORE_INDEX
+            yc = torch.where(valid, yc, 0)[:, None]
+            logits = _upcast(F.linear(hc, weight, bias))
+            lse = torch.logsumexp(logits, dim=-1)
+            total += torch.where(valid, lse - logits.gather(1, yc).squeeze(1), 0.0).sum()
+            if gh is not None and gw is not None:
+                d = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                d.scatter_add_(1, yc, torch.full_like(yc, -1, dtype=d.dtype))
+                d.mul_(valid[:, None])
+                gh[start : start + chunk] = (d.to(weight.dtype) @ weight).to(h.dtype)
+                gw.addmm_(d.T, hc.to(acc))
+                if gb is not None:
+                    gb += d.sum(0)
+        ctx.save_for_backward(*(t for t in (gh, gw, gb) if t is not None))
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        saved = list(ctx.saved_tensors)
+        gh, gw = saved[0] * grad, (saved[1] * grad).to(ctx.dtypes[0])
+        gb = (saved[2] * grad).to(ctx.dtypes[1]) if len(saved) == 3 else None
+        return gh, gw, gb, None, None, None
+
+
+def _head(model: nn.Module) -> nn.Module:
+    """The output projection of an HF causal LM (DDP and torch.compile wrappers looked through)."""
+    inner: Any = model
+    while not hasattr(inner, "get_output_embeddings"):
+        nxt = getattr(inner, "module", None) or getattr(inner, "_orig_mod", None)
+        if nxt is None:
+            raise TypeError(
+                f"chunked_causal_lm_loss needs an HF causal LM (get_output_embeddings) or "
+                f"head=..., got {type(model).__name__}"
+            )
+        inner = nxt
+    cfg = getattr(inner, "config", None)
+    for attr in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
+        if getattr(cfg, attr, None) not in (None, 1.0):
+            raise ValueError(
+                f"chunked_causal_lm_loss computes plain logits, but this model's config sets "
+                f"{attr}={getattr(cfg, attr)!r}; use causal_lm_loss for it"
+            )
+    head = inner.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise TypeError(f"the output embeddings must be an nn.Linear, got {type(head).__name__}")
+    return head
+
+
+def _hidden(model: nn.Module, head: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+    """Run `model` with `head` fed an empty slice: returns the head's input, no logits built."""
+    seen: list[torch.Tensor] = []
+
+    def grab(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        seen.append(args[0])
+        return (args[0][..., :0, :], *args[1:])
+
+    handle = head.register_forward_pre_hook(grab)
+    try:
+        _logits(model, batch)  # the head still runs (on 0 tokens), so DDP/FSDP hooks fire
+    finally:
+        handle.remove()
+    if len(seen) != 1:
+        raise RuntimeError(f"the output head ran {len(seen)} times in one forward, expected 1")
+    return seen[0]
+
+
+def chunked_causal_lm_loss(*, chunk_size: int = 1024, head: nn.Module | None = None) -> LossFn:
+    """`causal_lm_loss` without the `(tokens, vocab)` logits: cross-entropy through the head in
+    chunks of `chunk_size` label tokens.
+
+    The model runs with its output head fed an empty slice (a forward pre-hook), its input
+    hidden states are taken, and the loss and its gradients are computed chunk by chunk, so
+    the peak holds `chunk_size x vocab` logits instead of `tokens x vocab`. The result (sum
+    and count) equals `causal_lm_loss()` up to float rounding, gradients included. Logits are
+    float32 as in `causal_lm_loss`. Models that transform logits after the head (softcapping,
+    logit scales) are refused. Sharded (FSDP) head weights are refused too: the chunks need
+    the whole matrix outside the head's own forward, where FSDP has resharded it.
+
+    Args:
+        chunk_size: label tokens per chunk (>= 1).
+        head: the output projection (`nn.Linear`); `model.get_output_embeddings()` by default.
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> from transformers import GPT2Config, GPT2LMHeadModel
+        >>> cfg = GPT2Config(vocab_size=50, n_embd=8, n_layer=1, n_head=2, bos_token_id=0,
+        ...                  eos_token_id=0)
+        >>> m = GPT2LMHeadModel(cfg).eval()  # eval: no dropout, so both losses see one model
+        >>> b = {"input_ids": torch.tensor([[1, 2, 3, 4]]), "labels": torch.tensor([[1, 2, 3, 4]])}
+        >>> a, n = ft.losses.chunked_causal_lm_loss(chunk_size=2)(m, b)
+        >>> bool(torch.isclose(a, ft.losses.causal_lm_loss()(m, b)[0])), int(n)
+        (True, 3)
+    """
+    if not (isinstance(chunk_size, int) and chunk_size >= 1):
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+
+    def loss_fn(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if "labels" not in batch:
+            raise KeyError("chunked_causal_lm_loss needs 'labels' in the batch")
+        out = _head(model) if head is None else head
+        weight, bias = out.weight, out.bias
+        if hasattr(weight, "device_mesh"):
+            raise ValueError(
+                "chunked_causal_lm_loss cannot use a sharded (FSDP) head weight; use "
+                "causal_lm_loss under FSDP, or DDP"
+            )
+        hidden = _hidden(model, out, batch)[:, :-1]
+        labels = batch["labels"][:, 1:].reshape(-1)
+        h = hidden.reshape(-1, hidden.shape[-1])
+        loss = _LinearCrossEntropy.apply(
+            h, weight, bias, labels, chunk_size, torch.is_grad_enabled()
         )
         return loss, (labels != IGNORE_INDEX).sum()
 

@@ -12,6 +12,15 @@ from ftrain.optim._base import adam as adam
 from ftrain.optim._base import adamw as adamw
 from ftrain.optim._base import chain as chain
 from ftrain.optim._base import sgd as sgd
+from ftrain.optim._ema import EmaState as EmaState
+from ftrain.optim._ema import ema as ema
+from ftrain.optim._ema import ema_decay as ema_decay
+from ftrain.optim._ema import swap_ema as swap_ema
+from ftrain.optim._muon import MuonState as MuonState
+from ftrain.optim._muon import muon as muon
+from ftrain.optim._partition import PartitionState as PartitionState
+from ftrain.optim._partition import layerwise_lr_decay as layerwise_lr_decay
+from ftrain.optim._partition import partition as partition
 from ftrain.optim._transforms import add_decayed_weights as add_decayed_weights
 from ftrain.optim._transforms import clip as clip
 from ftrain.optim._transforms import clip_by_global_norm as clip_by_global_norm
@@ -21,7 +30,10 @@ from ftrain.optim._transforms import scale as scale
 __all__ = [
     "AdamState",
     "ChainState",
+    "EmaState",
+    "MuonState",
     "Optimizer",
+    "PartitionState",
     "SGDState",
     "TorchOptimizerState",
     "Transform",
@@ -32,8 +44,14 @@ __all__ = [
     "clip",
     "clip_by_global_norm",
     "decay_mask",
+    "ema",
+    "ema_decay",
     "from_torch",
     "from_torchopt",
+    "layerwise_lr_decay",
+    "muon",
+    "partition",
     "scale",
     "sgd",
+    "swap_ema",
 ]

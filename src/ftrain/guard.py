@@ -1,0 +1,161 @@
+"""An opt-in loss-spike guard: roll back to the newest checkpoint and skip the offending data.
+
+A spike (a loss above `factor` times its moving average) or a run of non-finite losses makes
+the guard load the newest checkpoint and move the data cursor past the micro-batches that
+caused it, as PaLM did by hand (Chowdhery et al. 2022, section 5.1: restart from a checkpoint
+before the spike and skip the batches around it). Peers only skip the update or warn.
+
+The guard's memory (the loss average, counts) lives in `GuardedState`, a `TrainState` with
+four more plain fields that checkpoints save and restore, and every decision is a pure
+function of that state and the observed loss: a resumed run makes the same decisions.
+
+    guard = ft.guard.SpikeGuard(factor=3.0, warmup=20)
+    state = ft.guard.GuardedState.create(model, opt, seed=0)
+    ...
+        for micro in ft.make_batches(..., epoch=state.epoch, start=state.cursor):
+            grads, stats = ft.accumulate_grads(state, micro)
+            state, verdict = guard.observe(state, stats)     # reads the loss: a host sync
+            if verdict.rollback:
+                state = guard.rollback(state, "runs/x", skip=len(micro))
+                break                                        # restart the data at the new cursor
+            state, info = ft.clip_and_step(state, grads, stats=stats, lr=lr(state.step))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from typing import Any, NamedTuple, cast
+
+from ftrain.grads import Stats
+from ftrain.state import TrainState
+
+__all__ = ["GuardedState", "SpikeGuard", "Verdict"]
+
+log = logging.getLogger("ftrain.guard")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GuardedState(TrainState):
+    """A `TrainState` with the guard's memory as plain values (saved in checkpoints).
+
+    `loss_avg`: bias-corrected moving average of the accepted losses (None before the first);
+    `loss_count`: losses averaged so far; `nonfinite_run`: consecutive non-finite losses;
+    `rollbacks`: rollbacks done.
+    """
+
+    loss_avg: float | None = None
+    loss_count: int = 0
+    nonfinite_run: int = 0
+    rollbacks: int = 0
+
+
+def _set(state: GuardedState, **changes: Any) -> GuardedState:
+    return cast(GuardedState, state.replace(**changes))  # replace keeps the subclass
+
+
+class Verdict(NamedTuple):
+    """What `SpikeGuard.observe` decided: `rollback` and a human-readable `reason`."""
+
+    rollback: bool
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SpikeGuard:
+    """Detect a loss spike or a run of non-finite losses.
+
+    A finite loss is a spike when at least `warmup` losses have been averaged and
+    `loss > factor * loss_avg`. Accepted losses update `avg = beta * avg + (1 - beta) * loss`
+    (the first one sets it). Spikes and non-finite losses do not enter the average.
+
+    Args:
+        factor: spike threshold on the ratio to the moving average, > 1.
+        beta: decay of the moving average, in [0, 1).
+        warmup: accepted losses before spikes are detected, >= 1.
+        max_nonfinite: consecutive non-finite losses that trigger a rollback, >= 1
+            (`clip_and_step` already skips each such update on its own).
+    """
+
+    factor: float = 3.0
+    beta: float = 0.98
+    warmup: int = 20
+    max_nonfinite: int = 3
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("factor", self.factor, self.factor > 1, "> 1"),
+            ("beta", self.beta, 0 <= self.beta < 1, "in [0, 1)"),
+            ("warmup", self.warmup, isinstance(self.warmup, int) and self.warmup >= 1, ">= 1"),
+            ("max_nonfinite", self.max_nonfinite,
+             isinstance(self.max_nonfinite, int) and self.max_nonfinite >= 1, "an int >= 1"),
+        ]  # fmt: skip
+        for name, value, ok, want in checks:
+            if not ok:
+                raise ValueError(f"SpikeGuard {name} must be {want}, got {value!r}")
+
+    def observe(self, state: GuardedState, stats: Stats | float) -> tuple[GuardedState, Verdict]:
+        """Record this step's loss (before `clip_and_step`); say whether to roll back.
+
+        Reading the loss is a host sync (as logging every step would be).
+
+        Raises:
+            TypeError: when `state` is not a `GuardedState`.
+        """
+        if not isinstance(state, GuardedState):
+            raise TypeError(
+                "SpikeGuard needs a GuardedState (ft.guard.GuardedState.create(...)), got "
+                f"{type(state).__name__}"
+            )
+        loss = float(stats.loss) if isinstance(stats, Stats) else float(stats)  # host sync
+        if not math.isfinite(loss):
+            run = state.nonfinite_run + 1
+            state = _set(state, nonfinite_run=run)
+            if run >= self.max_nonfinite:
+                return state, Verdict(True, f"{run} non-finite losses in a row")
+            return state, Verdict(False, "non-finite loss")
+        avg = state.loss_avg
+        if avg is not None and state.loss_count >= self.warmup and loss > self.factor * avg:
+            return _set(state, nonfinite_run=0), Verdict(
+                True, f"loss {loss:.4g} > {self.factor} x its average {avg:.4g}"
+            )
+        new_avg = loss if avg is None else self.beta * avg + (1 - self.beta) * loss
+        return _set(
+            state, loss_avg=new_avg, loss_count=state.loss_count + 1, nonfinite_run=0
+        ), Verdict(False, "ok")
+
+    def rollback(
+        self, state: GuardedState, root: str | os.PathLike[str], *, skip: int
+    ) -> GuardedState:
+        """Load the newest checkpoint under `root` and move the cursor past the `skip`
+        micro-batches that start at `state.cursor` (the ones just observed).
+
+        The weights, optimizer state and counters return to the checkpoint's; the data moves
+        on past the spike, so the micro-batches between the checkpoint and the spike are not
+        replayed either (PaLM skipped a few hundred batches the same way). Without a checkpoint
+        the state is kept and only the `skip` micro-batches are skipped. Each rollback is
+        logged on the `ftrain.guard` logger. `state` is consumed.
+
+        Raises:
+            ValueError: for `skip < 1`.
+        """
+        from ftrain.checkpoint import latest_checkpoint, load_checkpoint
+
+        if not (isinstance(skip, int) and skip >= 1):
+            raise ValueError(
+                f"skip must be the number of micro-batches observed (>= 1), got {skip!r}"
+            )
+        epoch, start, step = state.epoch, state.cursor, state.step
+        rollbacks = state.rollbacks + 1
+        path = latest_checkpoint(root)
+        if path is not None:
+            state = cast(GuardedState, load_checkpoint(path, state))  # keeps the class
+        log.warning(
+            "loss guard: rollback %d at step %d (epoch %d): %s; skipping micro-batches [%d, %d)",
+            rollbacks, step, epoch,
+            f"resumed from {path} (step {state.step})" if path else "no checkpoint to load",
+            start, start + skip,
+        )  # fmt: skip
+        return _set(state, epoch=epoch, cursor=start + skip, nonfinite_run=0, rollbacks=rollbacks)

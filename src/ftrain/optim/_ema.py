@@ -1,0 +1,162 @@
+"""An exponential moving average of the parameters, kept as optimizer state.
+
+The average lives in the optimizer state (keyed by parameter name), so checkpoints save and
+restore it with everything else, and sharded (FSDP) parameters get sharded averages.
+`swap_ema(state)` puts the average into the model for evaluation or export and restores the
+live weights afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from ftrain.optim._base import Grads, Optimizer, Params, _check
+
+if TYPE_CHECKING:
+    from ftrain.state import TrainState
+
+__all__ = ["EmaState", "ema", "ema_decay", "swap_ema"]
+
+
+class EmaState(NamedTuple):
+    """State of `ema`: the wrapped optimizer's state and the average of each parameter."""
+
+    inner: Any
+    ema: dict[str, torch.Tensor]
+
+
+def ema_decay(step: int, *, decay: float, warmup: bool = True, gamma: float = 1.0,
+              power: float = 2 / 3) -> float:  # fmt: skip
+    """The decay used by the EMA update made together with optimizer update number `step`.
+
+    With `warmup`, `min(decay, 1 - (1 + step / gamma) ** -power)`: timm's `ModelEmaV3.get_decay`
+    (timm/utils/model_ema.py, `warmup_gamma`, `warmup_power`) with its step counted from 0, so
+    the first update copies the parameters and early averages are not dominated by the random
+    initialisation. Without warmup, `decay` at every step.
+
+    Example:
+        >>> import ftrain as ft
+        >>> ft.optim.ema_decay(0, decay=0.999), round(ft.optim.ema_decay(7, decay=0.999), 4)
+        (0.0, 0.75)
+    """
+    if not warmup:
+        return decay
+    return min(decay, 1.0 - (1.0 + step / gamma) ** -power)
+
+
+def ema(
+    optimizer: Optimizer,
+    *,
+    decay: float = 0.9999,
+    warmup: bool = True,
+    gamma: float = 1.0,
+    power: float = 2 / 3,
+) -> Optimizer:
+    """Wrap `optimizer` so that each update also advances an EMA of the parameters.
+
+    After the inner update, `ema = d * ema + (1 - d) * param` with `d = ema_decay(step, ...)`
+    (`step`: updates done before this one). A skipped update (`found_inf`) leaves the average
+    unchanged, without a host sync. Evaluate or export the average inside `swap_ema(state)`.
+
+    Args:
+        optimizer: the optimizer that trains the live parameters.
+        decay: the decay once warmed up, in [0, 1).
+        warmup: use timm's warmup (see `ema_decay`); False uses `decay` from the first step.
+        gamma: timm's `warmup_gamma`, > 0.
+        power: timm's `warmup_power`, > 0 (2/3 for runs of ~1M steps, 3/4 for shorter ones).
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> opt = ft.optim.ema(ft.optim.sgd(), decay=0.5, warmup=False)
+        >>> p = {"w": torch.zeros(1)}
+        >>> s = opt.update({"w": torch.ones(1)}, opt.init(p), p, lr=1.0, step=0)
+        >>> p["w"].item(), s.ema["w"].item()    # the average moved half-way to -1
+        (-1.0, -0.5)
+    """
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(f"ema wraps an ft.optim.Optimizer, got {type(optimizer).__name__}")
+    _check("decay", decay, 0.0 <= decay < 1.0, "in [0, 1)")
+    _check("gamma", gamma, gamma > 0, "> 0")
+    _check("power", power, power > 0, "> 0")
+
+    def init(params: Params) -> EmaState:
+        average = {n: p.detach().clone() for n, p in params.items()}
+        return EmaState(optimizer.init(params), average)
+
+    def update(
+        grads: Grads,
+        state: EmaState,
+        params: Params,
+        *,
+        lr: float,
+        step: int,
+        found_inf: torch.Tensor | None = None,
+    ) -> EmaState:
+        inner = optimizer.update(grads, state.inner, params, lr=lr, step=step, found_inf=found_inf)
+        d = ema_decay(step, decay=decay, warmup=warmup, gamma=gamma, power=power)
+        names = list(state.ema)
+        averages = _locals([state.ema[n] for n in names])
+        live = _locals([params[n].detach() for n in names])
+        with torch.no_grad():
+            if found_inf is None:
+                torch._foreach_lerp_(averages, live, 1.0 - d)
+            else:  # a 0-dim device weight, zero when skipped: no host sync
+                weight = (1.0 - found_inf) * (1.0 - d)  # (torch's stubs lack this overload)
+                torch._foreach_lerp_(averages, live, weight)  # type: ignore[call-overload]
+        return EmaState(inner, state.ema)
+
+    return Optimizer(init, update)
+
+
+def _locals(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+
+
+def _find(opt_state: Any) -> EmaState:
+    if isinstance(opt_state, EmaState):
+        return opt_state
+    raise TypeError(
+        f"swap_ema needs a state whose optimizer is ft.optim.ema(...), got an optimizer state "
+        f"of type {type(opt_state).__name__}; wrap the optimizer: ft.optim.ema(ft.optim.adamw())"
+    )
+
+
+@contextlib.contextmanager
+def swap_ema(state: TrainState) -> Iterator[TrainState]:
+    """Put the EMA weights into the model for the block, then the live weights back.
+
+    Inside, `ft.evaluate(state, ...)` evaluates and `ft.export_pretrained(state, dir)` exports
+    the averaged model. The swap is local to each rank (every DDP rank holds the same average;
+    under FSDP each rank swaps its own shards), needs no communication and only one
+    parameter-sized buffer at a time. The live weights come back even when the block raises.
+
+    Raises:
+        TypeError: when the state's optimizer is not wrapped in `ft.optim.ema`.
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> state = ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.ema(ft.optim.sgd()))
+        >>> with ft.optim.swap_ema(state):
+        ...     pass  # evaluate or export here
+    """
+    average = _find(state.opt_state).ema
+    names = list(average)
+    live = _locals([state.params[n] for n in names])
+    pairs = list(zip(live, _locals([average[n] for n in names]), strict=True))
+    _swap(pairs)
+    try:
+        yield state
+    finally:
+        _swap(pairs)
+
+
+def _swap(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for p, a in pairs:  # one temporary at a time bounds the extra memory
+            tmp = p.clone()
+            p.copy_(a)
+            a.copy_(tmp)

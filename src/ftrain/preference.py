@@ -1,0 +1,234 @@
+"""Preference losses (DPO, IPO, SimPO, ORPO, KTO) as plain functions of per-sequence log-probs.
+
+Each function takes the policy's (and, where the method has one, the reference model's)
+per-sequence log-probabilities and returns one loss per example, shape `(batch,)`.
+`preference_loss` turns a pairwise loss into an ftrain `loss_fn(model, batch) -> (loss_sum,
+num_pairs)`, so `accumulate_grads` averages over the global number of pairs across
+micro-batches and ranks: data-parallel training equals one process on the whole batch.
+
+Formulas follow the papers and TRL 1.16 (`DPOTrainer._compute_loss`, `CPOTrainer.cpo_loss`,
+`ORPOTrainer.odds_ratio_loss`, `KTOTrainer._compute_loss`); each docstring gives its formula.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ftrain.losses import IGNORE_INDEX, LossFn, _logits, _upcast
+
+__all__ = [
+    "dpo_loss",
+    "ipo_loss",
+    "kto_loss",
+    "orpo_loss",
+    "preference_loss",
+    "sequence_logps",
+    "simpo_loss",
+]
+
+
+def _positive(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and value > 0):
+        raise ValueError(f"{name} must be a number > 0, got {value!r}")
+
+
+def _smoothing(label_smoothing: float) -> None:
+    if not (isinstance(label_smoothing, (int, float)) and 0 <= label_smoothing < 0.5):
+        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing!r}")
+
+
+def _bce(logits: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+    # -log sigma(z) with probability 1 - eps that the label is right (cDPO, Mitchell 2023).
+    return -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
+
+
+def dpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    reference_chosen: torch.Tensor,
+    reference_rejected: torch.Tensor,
+    *,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """DPO (Rafailov et al. 2023, eq. 7), with cDPO label smoothing eps.
+
+    `z = beta * ((pc - pr) - (rc - rr))`; loss `= -(1 - eps) log sigma(z) - eps log sigma(-z)`.
+    Log-probs are per-sequence sums over the response tokens.
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> z = torch.zeros(1)
+        >>> round(ft.preference.dpo_loss(z, z, z, z).item(), 4)   # log 2 at the start
+        0.6931
+    """
+    _positive("beta", beta)
+    _smoothing(label_smoothing)
+    margin = (policy_chosen - policy_rejected) - (reference_chosen - reference_rejected)
+    return _bce(beta * margin, label_smoothing)
+
+
+def ipo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    reference_chosen: torch.Tensor,
+    reference_rejected: torch.Tensor,
+    *,
+    beta: float = 0.1,
+) -> torch.Tensor:
+    """IPO (Azar et al. 2023, eq. 17): `((pc - pr) - (rc - rr) - 1 / (2 beta)) ** 2`.
+
+    TRL and the IPO authors use log-probs averaged over response tokens: build the loss with
+    `preference_loss(ipo_loss, average=True)`.
+    """
+    _positive("beta", beta)
+    margin = (policy_chosen - policy_rejected) - (reference_chosen - reference_rejected)
+    return (margin - 1 / (2 * beta)) ** 2
+
+
+def simpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    *,
+    beta: float = 2.0,
+    gamma: float = 0.5,
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """SimPO (Meng et al. 2024, eq. 6): reference-free, on length-averaged log-probs.
+
+    `z = beta * (pc - pr) - gamma`; loss `= -(1 - eps) log sigma(z) - eps log sigma(-z)`
+    (TRL's CPOTrainer with `loss_type="simpo"`, `simpo_gamma=gamma`). Use averaged log-probs:
+    `preference_loss(simpo_loss, average=True)`.
+    """
+    _positive("beta", beta)
+    _smoothing(label_smoothing)
+    return _bce(beta * (policy_chosen - policy_rejected) - gamma, label_smoothing)
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, stable at both ends (Maechler 2012)."""
+    return torch.where(x > -0.6931, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def orpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    *,
+    beta: float = 0.1,
+) -> torch.Tensor:
+    """ORPO (Hong et al. 2024, eqs. 4-7): SFT loss on the chosen answer plus an odds-ratio term.
+
+    With length-averaged log-probs `pc`, `pr` (< 0): `log_odds = (pc - pr) - (log(1 - e^pc) -
+    log(1 - e^pr))`; loss `= -pc - beta * log sigma(log_odds)`. The first term is the chosen
+    answer's mean token NLL per pair (TRL averages it over all chosen tokens of the batch
+    instead); the second is TRL's `odds_ratio_loss`. Use `preference_loss(orpo_loss,
+    average=True)`.
+    """
+    _positive("beta", beta)
+    log_odds = (policy_chosen - policy_rejected) - (
+        _log1mexp(policy_chosen) - _log1mexp(policy_rejected)
+    )
+    return -policy_chosen - beta * F.logsigmoid(log_odds)
+
+
+def kto_loss(
+    policy: torch.Tensor,
+    reference: torch.Tensor,
+    desirable: torch.Tensor,
+    *,
+    kl: torch.Tensor | float,
+    beta: float = 0.1,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> torch.Tensor:
+    """KTO (Ethayarajh et al. 2024, eq. 7) on unpaired examples.
+
+    With `r = policy - reference` per sequence: a desirable example costs
+    `desirable_weight * (1 - sigma(beta * (r - kl)))`, an undesirable one
+    `undesirable_weight * (1 - sigma(beta * (kl - r)))`. `kl` is the reference point, a
+    detached estimate of KL(policy || reference) clamped at 0; TRL takes the batch mean of
+    `policy - reference` on mismatched (prompt, completion) pairs, averaged over ranks (use
+    `strategy.all_reduce_sum(x) / world_size` so that every rank uses the same value).
+
+    Args:
+        policy, reference: per-sequence log-probs, shape (batch,).
+        desirable: bool, shape (batch,): which examples are desirable.
+        kl: the reference point (a number or 0-dim tensor; detached here).
+    """
+    _positive("beta", beta)
+    if desirable.dtype != torch.bool:
+        raise TypeError(f"desirable must be a bool tensor, got {desirable.dtype}")
+    kl_t = torch.as_tensor(kl, dtype=policy.dtype, device=policy.device).detach().clamp(min=0)
+    r = policy - reference
+    good = desirable_weight * (1 - torch.sigmoid(beta * (r - kl_t)))
+    bad = undesirable_weight * (1 - torch.sigmoid(beta * (kl_t - r)))
+    return torch.where(desirable, good, bad)
+
+
+def sequence_logps(
+    model: nn.Module, batch: Mapping[str, Any], *, average: bool = False
+) -> torch.Tensor:
+    """Per-sequence sum (or mean) of the log-probs of the label tokens (not -100), after the
+    causal shift: shape (batch,)."""
+    logits = _upcast(_logits(model, batch))[:, :-1]
+    labels = batch["labels"][:, 1:]
+    keep = labels != IGNORE_INDEX
+    token = torch.gather(
+        logits.log_softmax(-1), 2, torch.where(keep, labels, 0).unsqueeze(-1)
+    ).squeeze(-1)
+    total = (token * keep).sum(-1)
+    return total / keep.sum(-1).clamp(min=1) if average else total
+
+
+def _side(batch: Mapping[str, Any], side: str) -> dict[str, Any]:
+    prefix = f"{side}_"
+    return {k.removeprefix(prefix): v for k, v in batch.items() if k.startswith(prefix)}
+
+
+def preference_loss(
+    loss: Callable[..., torch.Tensor],
+    *,
+    reference: nn.Module | None = None,
+    average: bool = False,
+) -> LossFn:
+    """A `loss_fn(model, batch) -> (loss_sum, num_pairs)` from a pairwise preference loss.
+
+    The batch holds `chosen_input_ids`, `chosen_labels` (and optionally
+    `chosen_attention_mask`), the same for `rejected_`, and, for losses with a reference,
+    either precomputed `reference_chosen` / `reference_rejected` log-probs (shape (batch,),
+    computed with the same `average`) or a frozen `reference` model run here without
+    gradients. Reference-free losses (`simpo_loss`, `orpo_loss`) get the policy log-probs only.
+
+    Args:
+        loss: e.g. `functools.partial(ft.preference.dpo_loss, beta=0.1)`.
+        reference: a frozen copy of the starting model (used when the batch has no
+            precomputed reference log-probs).
+        average: use length-averaged log-probs (IPO, SimPO, ORPO) instead of sums (DPO).
+    """
+    if not callable(loss):
+        raise TypeError(f"loss must be a function such as ft.preference.dpo_loss, got {loss!r}")
+
+    def loss_fn(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        chosen, rejected = _side(batch, "chosen"), _side(batch, "rejected")
+        if "labels" not in chosen or "labels" not in rejected:
+            raise KeyError("preference batches need chosen_labels and rejected_labels")
+        pc = sequence_logps(model, chosen, average=average)
+        pr = sequence_logps(model, rejected, average=average)
+        refs: tuple[torch.Tensor, ...] = ()
+        if "reference_chosen" in batch:
+            refs = (batch["reference_chosen"], batch["reference_rejected"])
+        elif reference is not None:
+            with torch.no_grad():
+                refs = (
+                    sequence_logps(reference, chosen, average=average),
+                    sequence_logps(reference, rejected, average=average),
+                )
+        per_pair = loss(pc, pr, *refs)
+        return per_pair.sum(), torch.tensor(per_pair.shape[0], device=per_pair.device)
+
+    return loss_fn

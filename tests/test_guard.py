@@ -1,0 +1,111 @@
+"""The loss-spike guard on an injected spike: rollback, skip, log, and the same decisions after a
+resume."""
+
+import logging
+
+import pytest
+import torch
+
+import ftrain as ft
+from helpers import ragged_rows, tiny_llama
+
+POISON = 60  # only the poisoned rows start with this token
+
+
+def _rows(poisoned):
+    rows = ragged_rows(40, seed=7)
+    for i, r in enumerate(rows):
+        first = POISON if i in poisoned else min(r["input_ids"][0], POISON - 1)
+        r["input_ids"] = [first, *r["input_ids"][1:]]
+    return rows
+
+
+ROWS = _rows({12, 13})  # micro-batch 6 of epoch 0 at batch size 2
+
+
+def _loss(scale):
+    plain = ft.losses.causal_lm_loss()
+
+    def loss_fn(model, batch):
+        loss, n = plain(model, batch)
+        hit = (batch["input_ids"][:, 0] == POISON).any()
+        return torch.where(hit, loss * scale, loss), n
+
+    return loss_fn
+
+
+def _run(root, steps, *, scale=100.0, guard=None, stop_at=None, state=None, rows=ROWS):
+    """The README loop with the guard; returns the state and the verdicts that rolled back."""
+    guard = guard or ft.guard.SpikeGuard(factor=3.0, warmup=3, beta=0.9)
+    if state is None:
+        state = ft.guard.GuardedState.create(tiny_llama(), ft.optim.adamw(), seed=0)
+        if (ckpt := ft.latest_checkpoint(root)) is not None:
+            state = ft.load_checkpoint(ckpt, state)
+    rolled = []
+    loss_fn = _loss(scale)
+    while state.step < steps:
+        for micro in ft.make_batches(
+            rows, batch_size=2, seed=0, shuffle=False, epoch=state.epoch, start=state.cursor
+        ):
+            grads, stats = ft.accumulate_grads(state, micro, loss_fn)
+            state, verdict = guard.observe(state, stats)
+            if verdict.rollback:
+                rolled.append((state.step, state.cursor, verdict.reason))
+                del grads
+                state = guard.rollback(state, root, skip=len(micro))
+                break
+            state, _ = ft.clip_and_step(state, grads, stats=stats, lr=1e-2, max_norm=1.0)
+            if ft.should_save(state, every=4):
+                ft.save_checkpoint(state, root)
+            if state.step in (stop_at, steps):
+                return state, rolled
+        else:
+            state = ft.next_epoch(state)
+    return state, rolled
+
+
+def test_a_spike_rolls_back_skips_the_batch_logs_it_and_resumes_the_same(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="ftrain.guard"):
+        whole, rolled = _run(tmp_path / "whole", 8)
+    assert len(rolled) == 1
+    step, cursor, reason = rolled[0]
+    assert (step, cursor) == (6, 6) and "x its average" in reason  # micro-batch 6
+    # Back to the step-4 checkpoint, the data on from micro-batch 7: 4 more steps end at 11.
+    assert (whole.rollbacks, whole.step, whole.cursor) == (1, 8, 11)
+    (record,) = caplog.records
+    assert "rollback 1 at step 6" in record.getMessage()
+    assert "(step 4); skipping micro-batches [6, 7)" in record.getMessage()
+    # A crash after the rollback, before the next save: the resume reloads step 4, meets the
+    # spike again with the saved loss average, and rolls back the same way.
+    _, rolled_first = _run(tmp_path / "crash", 8, stop_at=7)
+    resumed, rolled_again = _run(tmp_path / "crash", 8)
+    assert rolled_first == rolled_again == rolled
+    for n, p in whole.params.items():
+        assert torch.equal(resumed.params[n], p), n
+    assert (resumed.loss_avg, resumed.loss_count) == (whole.loss_avg, whole.loss_count)
+
+
+def test_a_run_of_nonfinite_losses_rolls_back(tmp_path):
+    guard = ft.guard.SpikeGuard(max_nonfinite=2, warmup=3)
+    rows = _rows({12, 13, 14, 15})  # micro-batches 6 and 7: two non-finite losses in a row
+    state, rolled = _run(tmp_path, 8, scale=float("nan"), guard=guard, rows=rows)
+    assert rolled == [(7, 7, "2 non-finite losses in a row")]
+    assert (state.step, state.cursor, state.nonfinite_run) == (8, 12, 0)
+
+
+def test_errors_and_the_no_checkpoint_case(tmp_path, caplog):
+    plain = ft.TrainState.create(tiny_llama(), ft.optim.sgd())
+    with pytest.raises(TypeError, match="GuardedState"):
+        ft.guard.SpikeGuard().observe(plain, 1.0)
+    bad_args = [(dict(factor=1.0), "factor"), (dict(beta=1.0), "beta"),
+                (dict(warmup=0), "warmup"), (dict(max_nonfinite=0), "max_nonfinite")]  # fmt: skip
+    for bad, match in bad_args:
+        with pytest.raises(ValueError, match=match):
+            ft.guard.SpikeGuard(**bad)
+    state = ft.guard.GuardedState.create(tiny_llama(), ft.optim.sgd()).replace(cursor=5)
+    with pytest.raises(ValueError, match="skip"):
+        ft.guard.SpikeGuard().rollback(state, tmp_path, skip=0)
+    with caplog.at_level(logging.WARNING, logger="ftrain.guard"):
+        state = ft.guard.SpikeGuard().rollback(state, tmp_path, skip=2)
+    assert (state.cursor, state.step, state.rollbacks) == (7, 0, 1)
+    assert "no checkpoint to load" in caplog.text

@@ -1,0 +1,163 @@
+"""Preference losses: hand-computed cases from the papers' formulas, TRL's own loss code where it
+is callable (ORPO, SimPO), TRL 1.16's formulas transcribed where it is inlined (DPO, IPO, KTO),
+and the ftrain loss_fn built from them."""
+
+import functools
+import math
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ftrain as ft
+from ftrain import preference as P
+from helpers import tiny_llama
+
+PC = torch.tensor([-3.0, -10.0, -1.5, -7.0], dtype=torch.float64)
+PR = torch.tensor([-4.0, -9.0, -1.5, -12.0], dtype=torch.float64)
+RC = torch.tensor([-3.5, -9.5, -2.0, -8.0], dtype=torch.float64)
+RR = torch.tensor([-3.5, -9.0, -1.0, -11.0], dtype=torch.float64)
+
+
+def _sig(x):
+    return 1 / (1 + math.exp(-x))
+
+
+def test_dpo_by_hand_and_label_smoothing():
+    # pair 0: margin (-3 + 4) - (-3.5 + 3.5) = 1; beta 0.5 -> z = 0.5
+    got = P.dpo_loss(PC, PR, RC, RR, beta=0.5)
+    assert got[0].item() == pytest.approx(-math.log(_sig(0.5)), rel=1e-12)
+    got = P.dpo_loss(PC, PR, RC, RR, beta=0.5, label_smoothing=0.2)
+    want = -0.8 * math.log(_sig(0.5)) - 0.2 * math.log(_sig(-0.5))
+    assert got[0].item() == pytest.approx(want, rel=1e-12)
+    # TRL 1.16 DPOTrainer._compute_loss, loss_type="sigmoid" (reverse KL):
+    # chosen_scores = chosen_logps - ref_chosen_logps; delta_score = chosen - rejected scores;
+    # per_sequence_loss = -F.logsigmoid(beta * delta_score)
+    delta = (PC - RC) - (PR - RR)
+    torch.testing.assert_close(P.dpo_loss(PC, PR, RC, RR, beta=0.1), -F.logsigmoid(0.1 * delta))
+
+
+def test_ipo_by_hand_and_trl_formula():
+    # pair 0: margin 1, beta 0.25 -> (1 - 2) ** 2 = 1
+    assert P.ipo_loss(PC, PR, RC, RR, beta=0.25)[0].item() == pytest.approx(1.0)
+    # TRL: per_sequence_loss = (ipo_delta - 1 / (2 * beta)) ** 2 on length-averaged scores
+    delta = (PC - RC) - (PR - RR)
+    torch.testing.assert_close(P.ipo_loss(PC, PR, RC, RR, beta=0.1), (delta - 5.0) ** 2)
+
+
+def _trl_self(**kw):
+    acc = types.SimpleNamespace(device=torch.device("cpu"))
+    return types.SimpleNamespace(accelerator=acc, **kw)
+
+
+def test_simpo_by_hand_and_trl_formula():
+    # pair 0: z = 2 * (-3 + 4) - 0.5 = 1.5
+    assert P.simpo_loss(PC, PR)[0].item() == pytest.approx(-math.log(_sig(1.5)), rel=1e-12)
+    # TRL 1.16 CPOTrainer.cpo_loss, loss_type="simpo": logits = (pc - pr) - simpo_gamma / beta;
+    # losses = -logsigmoid(beta * logits) * (1 - ls) - logsigmoid(-beta * logits) * ls
+    z = 2.0 * ((PC - PR) - 0.8 / 2.0)
+    want = -F.logsigmoid(z) * 0.9 - F.logsigmoid(-z) * 0.1
+    torch.testing.assert_close(P.simpo_loss(PC, PR, beta=2.0, gamma=0.8, label_smoothing=0.1), want)
+
+
+def test_orpo_by_hand():
+    pc, pr = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.2)])
+    # odds 0.5/0.5 = 1 and 0.2/0.8 = 0.25: log odds ratio = log 4
+    want = -math.log(0.5) - 0.1 * math.log(_sig(math.log(4)))
+    assert P.orpo_loss(pc, pr, beta=0.1).item() == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.slow  # importing TRL takes ~10 s of CPU
+def test_simpo_and_orpo_against_trl_code():
+    cpo = pytest.importorskip("trl.experimental.cpo").CPOTrainer
+    orpo = pytest.importorskip("trl.experimental.orpo").ORPOTrainer
+    fake = _trl_self(beta=2.0, simpo_gamma=0.8, label_smoothing=0.1, loss_type="simpo", alpha=0.0)
+    want, _, _ = cpo.cpo_loss(fake, PC, PR)
+    torch.testing.assert_close(P.simpo_loss(PC, PR, beta=2.0, gamma=0.8, label_smoothing=0.1), want)
+    avg_c, avg_r = PC / 10, PR / 10  # length-averaged log-probs
+    ratio_term, *_ = orpo.odds_ratio_loss(_trl_self(beta=0.3), avg_c, avg_r)
+    # TRL: loss = nll - mean(beta * logsigmoid(log_odds)); ours adds the NLL per pair.
+    torch.testing.assert_close(P.orpo_loss(avg_c, avg_r, beta=0.3), -avg_c - ratio_term.double())
+
+
+def test_kto_by_hand_and_trl_formula():
+    desirable = torch.tensor([True, False, True, False])
+    got = P.kto_loss(PC, RC, desirable, kl=0.2, beta=0.5, undesirable_weight=1.5)
+    # example 0 desirable: r = 0.5 -> 1 - sigma(0.5 * (0.5 - 0.2))
+    assert got[0].item() == pytest.approx(1 - _sig(0.15), rel=1e-12)
+    # example 1 undesirable: r = -0.5 -> 1.5 * (1 - sigma(0.5 * (0.2 + 0.5)))
+    assert got[1].item() == pytest.approx(1.5 * (1 - _sig(0.35)), rel=1e-12)
+    # a negative KL estimate is clamped at 0 (TRL: .clamp(min=0))
+    torch.testing.assert_close(
+        P.kto_loss(PC, RC, desirable, kl=-1.0), P.kto_loss(PC, RC, desirable, kl=0.0)
+    )
+    with pytest.raises(TypeError, match="bool"):
+        P.kto_loss(PC, RC, torch.ones(4), kl=0.0)
+
+
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (lambda: P.dpo_loss(PC, PR, RC, RR, beta=0), "beta"),
+        (lambda: P.dpo_loss(PC, PR, RC, RR, label_smoothing=0.5), "label_smoothing"),
+        (lambda: P.simpo_loss(PC, PR, beta=-1), "beta"),
+        (lambda: P.preference_loss("dpo"), "loss must be a function"),
+    ],
+)
+def test_bad_hyperparameters_raise(bad, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        bad()
+
+
+def _pair_batch():
+    g = torch.Generator().manual_seed(0)
+    ids_c = torch.randint(1, 61, (3, 7), generator=g)
+    ids_r = torch.randint(1, 61, (3, 9), generator=g)
+    lab_c, lab_r = ids_c.clone(), ids_r.clone()
+    lab_c[:, :3] = -100  # the prompt
+    lab_r[:, :3] = -100
+    lab_r[0, 7:] = -100  # padding
+    return {"chosen_input_ids": ids_c, "chosen_labels": lab_c,
+            "rejected_input_ids": ids_r, "rejected_labels": lab_r}  # fmt: skip
+
+
+def test_sequence_logps_and_the_loss_fn_with_a_frozen_or_precomputed_reference():
+    model, ref = tiny_llama(), tiny_llama(seed=1)
+    batch = _pair_batch()
+    logits = model(input_ids=batch["chosen_input_ids"]).logits[:, :-1].log_softmax(-1)
+    want0 = sum(
+        logits[0, t, batch["chosen_labels"][0, t + 1]].item() for t in range(2, 6)
+    )  # labels at positions 3..6 are predicted from positions 2..5
+    got = P.sequence_logps(
+        model, {"input_ids": batch["chosen_input_ids"], "labels": batch["chosen_labels"]}
+    )
+    assert got[0].item() == pytest.approx(want0, rel=1e-5)
+    loss_fn = P.preference_loss(functools.partial(P.dpo_loss, beta=0.1), reference=ref)
+    total, n = loss_fn(model, batch)
+    pre = dict(batch)
+    with torch.no_grad():
+        for side in ("chosen", "rejected"):
+            pre[f"reference_{side}"] = P.sequence_logps(
+                ref, {"input_ids": batch[f"{side}_input_ids"], "labels": batch[f"{side}_labels"]}
+            )
+    total_pre, _ = P.preference_loss(functools.partial(P.dpo_loss, beta=0.1))(model, pre)
+    assert int(n) == 3 and total.item() == pytest.approx(total_pre.item(), rel=1e-6)
+    simpo = P.preference_loss(P.simpo_loss, average=True)
+    assert simpo(model, batch)[0].requires_grad
+    with pytest.raises(KeyError, match="chosen_labels"):
+        loss_fn(model, {"chosen_input_ids": batch["chosen_input_ids"]})
+
+
+def test_accumulated_pairs_equal_one_big_batch():
+    batch = _pair_batch()
+    loss_fn = P.preference_loss(
+        functools.partial(P.dpo_loss, beta=0.5), reference=tiny_llama(seed=1)
+    )
+    whole = ft.TrainState.create(tiny_llama(), ft.optim.sgd())
+    g1, _ = ft.accumulate_grads(whole, [batch], loss_fn)
+    split = ft.TrainState.create(tiny_llama(), ft.optim.sgd())
+    parts = [{k: v[i : i + 1] for k, v in batch.items()} for i in range(3)]
+    g2, _ = ft.accumulate_grads(split, parts, loss_fn)
+    for n in g1:
+        torch.testing.assert_close(g2[n], g1[n], rtol=1e-5, atol=1e-7, msg=n)
