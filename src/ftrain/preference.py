@@ -156,7 +156,8 @@ def kto_loss(
     `strategy.all_reduce_sum(x) / world_size` so that every rank uses the same value).
 
     Args:
-        policy, reference: per-sequence log-probs, shape (batch,).
+        policy: per-sequence log-probs of the policy, shape (batch,).
+        reference: per-sequence log-probs of the reference model, shape (batch,).
         desirable: bool, shape (batch,): which examples are desirable.
         kl: the reference point (a number or 0-dim tensor; detached here).
     """
