@@ -254,9 +254,9 @@ def _seal(tmp: Path, root: Path, staged: L.Contents, files: list[str], *, checks
 def _after_every_commit(marker: Path, root: Path) -> None:
     """Give the marker a time after every other commit's in `root`: commit order is then
     strict even when the clock is coarse (ms) or went back."""
-    found = _commits(root)
-    if found and marker.stat().st_mtime_ns <= found[-1][0]:
-        os.utime(marker, ns=(found[-1][0] + 1, found[-1][0] + 1))
+    last = [(p / L.COMMIT_FILE).stat().st_mtime_ns for _, p in committed(root)[-1:]]
+    if last and marker.stat().st_mtime_ns <= last[0]:
+        os.utime(marker, ns=(last[0] + 1, last[0] + 1))
 
 
 def _all_ok(ok: bool, strategy: Any) -> bool:
@@ -388,20 +388,13 @@ def committed(root: Path) -> list[tuple[int, Path]]:
     rollback (resuming an earlier checkpoint, a new run in an old folder) the checkpoints of the
     branch being trained count as the newest.
     """
-    return [(step, p) for _, step, p in _commits(root)]
-
-
-def _commits(root: Path) -> list[tuple[int, int, Path]]:
-    """(commit time in ns, step, path) of every committed checkpoint, sorted."""
     found = []
     for p in root.iterdir() if root.is_dir() else []:
         m = L.STEP_DIR.fullmatch(p.name)
-        try:
+        with contextlib.suppress(OSError):  # not committed (or rotated away meanwhile)
             if m:
                 found.append(((p / L.COMMIT_FILE).stat().st_mtime_ns, int(m.group(1)), p))
-        except OSError:
-            continue  # not committed (or rotated away meanwhile)
-    return sorted(found)
+    return [(step, p) for _, step, p in sorted(found)]
 
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
