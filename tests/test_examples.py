@@ -133,8 +133,15 @@ def test_sft_lora_short_run_saves_adapters_and_resumes_exactly(tmp_path, capsys)
     """qlora.py's recipe as a short ftrain run: eval loss falls, checkpoints hold only the
     trained tensors (adapters and the trained head copy), the exported adapter loads with
     peft, and a run interrupted at step 20 and run again ends where the straight run did."""
-    args = ["--max-steps", "40", "--pretrain-steps", "30", "--eval-every", "20",
-            "--group-by-length"]  # fmt: skip  (resuming mid-epoch in HF's length-grouped order)
+    args = [
+        "--max-steps",
+        "40",
+        "--pretrain-steps",
+        "30",
+        "--eval-every",
+        "20",
+        "--group-by-length",
+    ]  # fmt: skip  (resuming mid-epoch in HF's length-grouped order)
     straight = _load("sft_lora").main([*args, "--out", str(tmp_path / "a")])
     out = capsys.readouterr().out
     assert straight["final"] < straight["first"] - 1.0
