@@ -303,8 +303,8 @@ def _torch_entry_problem(
 ) -> str | None:
     """What is wrong with one saved `<param>/<key>` entry of a torch optimizer's state, if any.
 
-    Its live state for that parameter, where it has one, is the reference. Otherwise the
-    entry must be a number or a tensor that fits the parameter: 0-dim (`step`), of the
+    (Where the live optimizer already holds state, the template has it and is compared
+    exactly.) The entry must be a number or a tensor that fits the parameter: 0-dim (`step`), of the
     parameter's shape, or, for optimizers that keep factored or quantized state (Adafactor,
     bitsandbytes), a factor broadcasting to it or a 1-D table. A wrong shape would reach the
     fused kernels (out-of-bounds reads), a string would fail at the next step.
@@ -323,11 +323,7 @@ def _torch_entry_problem(
         return None if ok else f"a {type(value).__name__} where a number or tensor belongs"
     if "tensor" not in entry or tensor is None:
         return f"malformed entry {entry!r}"
-    reference = holder.tensors().get(parts[0], {}).get(parts[1])
     has = describe(tensor)
-    if isinstance(reference, torch.Tensor):
-        want = describe(reference)
-        return None if has == want else f"checkpoint has {has}, the optimizer has {want}"
     cls = type(holder.optimizer)
     factored = cls.__name__ == "Adafactor" or not cls.__module__.startswith("torch.optim")
     shape, pshape = list(tensor.shape), list(param.shape)
