@@ -274,7 +274,8 @@ def _check_entry(name: str, info: Any, body: int, where: Path) -> tuple[torch.dt
         raise bad
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     numel = shape_numel(shape)
-    if dtype not in _DTYPES or numel is None or not isinstance(offsets, list):
+    known = isinstance(dtype, str) and dtype in _DTYPES  # a dict here is unhashable
+    if not known or numel is None or not isinstance(offsets, list):
         raise bad
     if len(offsets) != 2 or not all(type(o) is int for o in offsets):
         raise bad
