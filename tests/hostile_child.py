@@ -31,7 +31,7 @@ def outcome(fn) -> str:
         return "CheckpointError" if rc == 1 else f"returned {rc!r}"
     except ft.CheckpointError:
         return "CheckpointError"
-    except BaseException as e:  # noqa: BLE001 - any other outcome is what the test reports
+    except BaseException as e:  # any other outcome is what the test reports
         return type(e).__name__
     finally:
         signal.alarm(0)

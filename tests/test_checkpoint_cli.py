@@ -61,11 +61,11 @@ def test_a_damaged_config_json_is_refused_by_load_inspect_and_export(
     else:
         cfg.write_text("{not json" if damage.startswith("invalid") else "[1, 2]")
         reseal(path)
-    with pytest.raises(ft.CheckpointError, match="config.json"):
+    with pytest.raises(ft.CheckpointError, match=r"config\.json"):
         ft.load_checkpoint(path, llama_state())
     assert main(["inspect", str(path)]) == 1
     assert "complete    no" in capsys.readouterr().out
-    with pytest.raises(ft.CheckpointError, match="config.json"):
+    with pytest.raises(ft.CheckpointError, match=r"config\.json"):
         ft.checkpoint.export_checkpoint(path, tmp_path / "out")
     assert main(["export", str(path), "--to", str(tmp_path / "out")]) == 1
     assert "config.json" in capsys.readouterr().err and not (tmp_path / "out").exists()

@@ -31,7 +31,10 @@ import ftrain as ft
 from ftrain.__main__ import inspect
 from ftrain.checkpoint import CheckpointMismatchError
 
-CASES = 300
+# More cases, away from CI:
+#   FTRAIN_FUZZ_CASES=5000 FTRAIN_FUZZ_FIRST=300 pytest tests/test_checkpoint_fuzz.py
+CASES = int(os.environ.get("FTRAIN_FUZZ_CASES", "300"))
+FIRST = int(os.environ.get("FTRAIN_FUZZ_FIRST", "0"))
 FILES = ["model.safetensors", "optimizer.safetensors", "state.json", "COMMITTED", "config.json"]
 KINDS = {
     "adamw": lambda: ft.optim.adamw(),
@@ -197,11 +200,15 @@ def _header(rng: random.Random, path: Path) -> str:
     except (ValueError, IndexError):
         return f"nothing ({name} header unreadable)"
     field = rng.choice(["dtype", "shape", "data_offsets"])
-    header[key][field] = _random_json(rng) if rng.random() < 0.5 else {
-        "dtype": rng.choice(["F16", "I64", "BOOL", "F8"]),
-        "shape": [header[key]["shape"][0] + 1] if header[key]["shape"] else [2],
-        "data_offsets": [0, 2**40],
-    }[field]
+    header[key][field] = (
+        _random_json(rng)
+        if rng.random() < 0.5
+        else {
+            "dtype": rng.choice(["F16", "I64", "BOOL", "F8"]),
+            "shape": [header[key]["shape"][0] + 1] if header[key]["shape"] else [2],
+            "data_offsets": [0, 2**40],
+        }[field]
+    )
     raw = json.dumps(header).encode()
     f.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
     return f"header {name}[{key}].{field}"
@@ -281,7 +288,7 @@ def run_case(seed: int, pristine: dict, work: Path) -> str:
 
 def test_fuzzed_checkpoints_fail_cleanly_in_load_and_inspect_alike(pristine, tmp_path):
     outcomes = {"loaded": 0, "mismatch": 0, "refused": 0}
-    for seed in range(CASES):
+    for seed in range(FIRST, FIRST + CASES):
         outcomes[run_case(seed, pristine, tmp_path)] += 1
     # The mutations reach every outcome: not all refused at the door, nor all harmless.
     assert outcomes["refused"] > CASES // 2 and outcomes["loaded"] > 0, outcomes

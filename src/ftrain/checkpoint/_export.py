@@ -18,9 +18,9 @@ from torch import nn
 from ftrain.checkpoint import _layout as L
 from ftrain.checkpoint import _sharded
 from ftrain.checkpoint._io import CheckpointError, fsync_tree, publish_dir, read_json
-from ftrain.checkpoint._sharded import is_sharded
 from ftrain.checkpoint._verify import open_checkpoint
 from ftrain.state import TrainState
+from ftrain.strategies import SingleDevice
 
 __all__ = ["export_checkpoint", "export_pretrained"]
 
@@ -63,26 +63,19 @@ def export_pretrained(
     """
     module, strategy = state.strategy.unwrap(state.model), state.strategy
     directory = Path(directory)
-    sharded = is_sharded(state.params.values())
+    # A sharded state is gathered by every rank together; then they leave together.
+    together = strategy.checkpoint_sharded
     if merge:
-        module = _merged(module, sharded=sharded)
-    full = None
-    if sharded:
-        with torch.no_grad():  # every rank takes part in gathering the whole tensors
-            full = {
-                n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
-                for n, t in module.state_dict().items()
-            }
-    if strategy.rank != 0:
-        if full is not None:
-            strategy.barrier()
-        return directory
+        module = _merged(module, sharded=together)
+    full = strategy.full_state_dict(module) if together else None
     try:
-        write = lambda tmp: _save_module(module, tmp, tokenizer, full)  # noqa: E731
-        return _atomic_dir(directory, overwrite, write)
+        if strategy.rank == 0:
+            write = lambda tmp: _save_module(module, tmp, tokenizer, full)  # noqa: E731
+            _atomic_dir(directory, overwrite, write)
     finally:
-        if full is not None:
+        if together:
             strategy.barrier()
+    return directory
 
 
 def _merged(module: nn.Module, *, sharded: bool) -> nn.Module:
@@ -176,7 +169,7 @@ def export_checkpoint(
         model = _with_adapter(model, adapter, path)
     if meta.get("sharded") is True:  # assemble whole tensors from the ranks' shards
         saved = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in shapes.items()}
-        _sharded.read_into(path / _sharded.MODEL_DIR, saved)
+        _sharded.read_into(SingleDevice("cpu"), path / _sharded.MODEL_DIR, saved)
     else:
         saved = shapes
     _check_fits(path, model, saved, meta, adapter is not None, base=base)

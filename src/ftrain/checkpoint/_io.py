@@ -274,15 +274,16 @@ def _check_entry(name: str, info: Any, body: int, where: Path) -> tuple[torch.dt
         raise bad
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     numel = shape_numel(shape)
-    known = isinstance(dtype, str) and dtype in _DTYPES  # a dict here is unhashable
-    if not known or numel is None or not isinstance(offsets, list):
+    # A dict in place of the dtype is unhashable: look it up only when it is a string.
+    torch_dtype = _DTYPES.get(dtype) if isinstance(dtype, str) else None
+    if torch_dtype is None or numel is None or not isinstance(offsets, list):
         raise bad
     if len(offsets) != 2 or not all(type(o) is int for o in offsets):
         raise bad
     begin, stop = offsets
-    if not 0 <= begin <= stop <= body or stop - begin != numel * _DTYPES[dtype].itemsize:
+    if not 0 <= begin <= stop <= body or stop - begin != numel * torch_dtype.itemsize:
         raise CheckpointError(f"{where}: tensor {name!r} claims bytes outside the file")
-    return _DTYPES[dtype], shape  # type: ignore[return-value]  # a list of ints, checked above
+    return torch_dtype, list(shape)  # type: ignore[arg-type]  # a list of ints, checked above
 
 
 def read_safetensors(

@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,24 +24,7 @@ import torch
 from torch import nn
 
 from ftrain.checkpoint._io import CheckpointError
-
-__all__ = [
-    "COMMIT_FILE",
-    "CONFIG_FILE",
-    "FORMAT",
-    "FORMAT_VERSION",
-    "MODEL_FILE",
-    "OPTIM_FILE",
-    "STATE_FILE",
-    "STEP_DIR",
-    "TMP_PREFIX",
-    "fingerprint",
-    "is_committed",
-    "model_tensors",
-    "param_table",
-    "plain_fields",
-    "step_dir",
-]
+from ftrain.checkpoint._tree import Node, flatten
 
 FORMAT = "ftrain.checkpoint"
 FORMAT_VERSION = 1
@@ -51,6 +35,9 @@ CONFIG_FILE = "config.json"
 COMMIT_FILE = "COMMITTED"
 STEP_DIR = re.compile(r"step-(\d+)")
 TMP_PREFIX = ".tmp-"
+
+MODEL_DIR = "model"  # sharded layout: one shard file per rank in each of these
+OPTIM_DIR = "optimizer"
 
 # TrainState fields that are not plain values: handled as tensors/objects, or not saved at all.
 NOT_PLAIN = {"model_", "optimizer", "opt_state_", "strategy", "params_", "lease_"}
@@ -108,3 +95,81 @@ def step_dir(root: Path, step: int) -> Path:
 
 def is_committed(path: Path) -> bool:
     return (path / COMMIT_FILE).is_file()
+
+
+@dataclasses.dataclass
+class Contents:
+    """Everything one checkpoint holds, collected from a state before anything is written."""
+
+    step: int
+    model: dict[str, torch.Tensor]
+    optim: dict[str, torch.Tensor]
+    meta: dict[str, Any]  # state.json without "files" (added once the files are written)
+    config: str | None  # the model's HF config.json
+
+
+def collect(state: Any, metrics: Mapping[str, Any] | None, *, sharded: bool) -> Contents:
+    """The tensors (live, not copied) and the JSON of a checkpoint of `state`.
+
+    Reads the counters and metrics, a host sync: saving is the place for it.
+    """
+    module = state.strategy.unwrap(state.model)
+    opt_flat = flatten(state.opt_state)
+    model = {n: t.detach() for n, t in model_tensors(module, dict(state.params)).items()}
+    optim = {p: v.detach() for p, v in opt_flat.items() if isinstance(v, torch.Tensor)}
+    table = param_table(module)
+    meta = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "ftrain_version": _version(),
+        "torch_version": torch.__version__,
+        "fields": plain_fields(state),
+        "metrics": _metrics(metrics),
+        "world_size": state.strategy.world_size,
+        "params": table,
+        "fingerprint": fingerprint(table),
+        "optimizer": {p: _entry(v) for p, v in opt_flat.items()},
+    }
+    if sharded:  # the shards' headers hold pieces: record each whole tensor
+        meta.update(sharded=True, tensors={n: _entry(t) for n, t in model.items()})
+    adapter = _peft_config(module)
+    if adapter is not None:
+        meta["peft"] = adapter
+    to_json = getattr(getattr(module, "config", None), "to_json_string", None)
+    return Contents(state.step, model, optim, meta, to_json() if callable(to_json) else None)
+
+
+def _entry(leaf: Any) -> dict[str, Any]:
+    if isinstance(leaf, Node):
+        return {"node": str(leaf)}
+    if isinstance(leaf, torch.Tensor):
+        return {"tensor": str(leaf.dtype).removeprefix("torch."), "shape": list(leaf.shape)}
+    return {"value": leaf}
+
+
+def _metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in (metrics or {}).items():
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            v = v.item()  # host sync: metrics are read once, at save time
+        if not isinstance(k, str) or not (v is None or isinstance(v, (bool, int, float, str))):
+            raise CheckpointError(f"metric {k!r}={v!r} is not a string key with a plain value")
+        out[k] = v
+    return out
+
+
+def _peft_config(module: Any) -> dict[str, Any] | None:
+    """A PEFT model's adapter config as JSON (for the CLI's export), or None."""
+    configs = getattr(module, "peft_config", None)
+    if not isinstance(configs, dict) or list(configs) != ["default"]:
+        return None
+    as_json = json.dumps(
+        configs["default"].to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)
+    )
+    return dict(json.loads(as_json))
+
+
+def _version() -> str:
+    from ftrain import __version__
+
+    return __version__

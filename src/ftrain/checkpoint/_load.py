@@ -18,7 +18,7 @@ from ftrain.checkpoint import _layout as L
 from ftrain.checkpoint import _sharded
 from ftrain.checkpoint._io import CheckpointError
 from ftrain.checkpoint._save import raise_pending_save_error
-from ftrain.checkpoint._tree import Node, copy_into, describe, flatten, unflatten
+from ftrain.checkpoint._tree import Node, describe, flatten, unflatten
 from ftrain.checkpoint._tree import _children as children
 from ftrain.checkpoint._verify import Opened, field_hints, fits, open_checkpoint, read_meta
 from ftrain.optim._adapters import TorchOptimizerState
@@ -137,7 +137,7 @@ def load_checkpoint(
         raise CheckpointMismatchError(path, diffs, cause=_config_cause(opened, module))
     fields = _fields(meta, state)  # may still reject the file: before anything is written
     lazy = sorted(p for p in opt_values if p not in opt_flat)  # a torch optimizer's own state
-    if lazy and _sharded.is_sharded(state.params.values()):
+    if lazy and state.strategy.checkpoint_sharded:
         raise CheckpointError(
             f"{path}: the state of a from_torch optimizer ({lazy[0]}, ...) cannot be loaded "
             "into sharded (FSDP) parameters; use an ft.optim optimizer with FSDP"
@@ -150,19 +150,21 @@ def load_checkpoint(
         )
     with torch.no_grad():
         if sharded:
-            _sharded.read_into(path / _sharded.MODEL_DIR, {n: dst for n, dst, _ in model_pairs})
+            model_dir, strategy = path / _sharded.MODEL_DIR, state.strategy
+            _sharded.read_into(strategy, model_dir, {n: dst for n, dst, _ in model_pairs})
             device = state.strategy.device
             targets = {
                 p: opt_flat[p] if p in opt_flat else torch.empty_like(v, device=device)
                 for p, v in opt_values.items()
                 if isinstance(v, torch.Tensor)
             }
-            _sharded.read_into(path / _sharded.OPTIM_DIR, targets)
+            _sharded.read_into(strategy, path / _sharded.OPTIM_DIR, targets)
             opt_values.update(targets)
         else:
             for _, dst, src in model_pairs:
-                copy_into(dst, src)
-        opt_state = unflatten(state.opt_state, opt_values) if opt_values else state.opt_state
+                state.strategy.copy_whole(dst, src)
+        copy = state.strategy.copy_whole
+        opt_state = unflatten(state.opt_state, opt_values, copy) if opt_values else state.opt_state
     return state.consume("load_checkpoint", opt_state=opt_state, **fields)
 
 

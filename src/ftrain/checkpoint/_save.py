@@ -1,20 +1,33 @@
-"""save_checkpoint, latest_checkpoint, rotation, and the one background save allowed in flight.
+"""save_checkpoint as one pipeline: collect, stage, write, seal, rotate.
 
-A save is atomic: everything is written into `root/.tmp-…`, fsynced, sealed with the commit
-marker, then renamed to `root/step-<N>` and the rename fsynced. A crash at any instant leaves
-either the previous checkpoints untouched or the new one complete. Rotation runs only after the
-new checkpoint is committed.
+- collect (`_layout.collect`): the state's tensors and its JSON, on the ranks that write.
+- stage (`_stage`): whole tensors become host copies, detached from the live (donated) state.
+- write (`_write`): into a fresh `root/.tmp-…` of this save's own. Whole tensors: rank 0 writes
+  `model.safetensors` and `optimizer.safetensors`; sharded ones: every rank writes its shards
+  through the strategy (`Strategy.save_shards`). The strategy says which (`checkpoint_sharded`);
+  nothing here looks at a tensor's type.
+- seal (`_seal`): rank 0 records sizes and checksums in state.json, writes the commit marker,
+  and renames the directory to `root/step-<N>`. A crash at any instant leaves the previous
+  checkpoints untouched or the new one complete.
+- rotate (`_rotate`): only after the commit; the checkpoint just written is always kept.
+
+A blocking save ends with every rank learning whether rank 0 committed (`_all_ok`): all return,
+or all raise `CheckpointError`.
 """
 
 from __future__ import annotations
 
 import atexit
 import json
+import logging
 import math
 import os
+import re
 import shutil
+import socket
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,7 +37,6 @@ from typing import Any, Literal
 import torch
 
 from ftrain.checkpoint import _layout as L
-from ftrain.checkpoint import _sharded
 from ftrain.checkpoint._io import (
     CheckpointError,
     fsync_tree,
@@ -34,21 +46,9 @@ from ftrain.checkpoint._io import (
     write_safetensors,
     write_text,
 )
-from ftrain.checkpoint._tree import Node, flatten
 from ftrain.state import TrainState
 
 __all__ = ["latest_checkpoint", "save_checkpoint", "wait_for_checkpoint"]
-
-
-@dataclass
-class _Staged:
-    """Everything a save writes, detached from the live state (safe to write in the background)."""
-
-    step: int
-    model: dict[str, torch.Tensor]
-    optim: dict[str, torch.Tensor]
-    meta: dict[str, Any]
-    config: str | None
 
 
 def save_checkpoint(
@@ -72,29 +72,32 @@ def save_checkpoint(
         state: not consumed; training may continue from it.
         root: the run's checkpoint directory (created if missing).
         metrics: numbers to record with this checkpoint, e.g. `{"eval_loss": 1.7}`.
-        keep_last: keep this many newest checkpoints (None keeps all; 0 keeps only the newest
-            and the best).
+        keep_last: keep this many most recently committed checkpoints (None keeps all; 0 keeps
+            only the one just written and the best).
         keep_best: also keep this many best by `metrics[best_metric]`; defaults to 1 when
             `best_metric` is given.
-        best_metric: the metric that ranks checkpoints.
+        best_metric: the metric that ranks checkpoints; `metrics` must hold it.
         mode: "min" if lower `best_metric` is better, "max" otherwise.
         checksum: record each file's SHA-256 so `load_checkpoint` can detect corruption.
         blocking: False copies the tensors and returns while a background thread writes them;
             at most one save is in flight, and its error is raised by the next
-            `clip_and_step` or checkpoint call. Make the final save of a run blocking.
+            `clip_and_step` or checkpoint call. Make the final save of a run blocking: a
+            background save that fails at interpreter exit makes the process exit with 1.
 
-    With several data-parallel ranks, call it on every rank. With DDP rank 0 writes, and a
-    blocking save returns on every rank once the checkpoint is committed. With FSDP every rank
-    writes its own shards (torch.distributed.checkpoint), rank 0 commits them all at once, and
-    the save is always blocking: it returns on every rank after the commit, or raises on every
-    rank. Either kind loads with any number of ranks.
+    With several data-parallel ranks, call it on every rank with the same arguments. With DDP
+    rank 0 writes; with FSDP every rank writes its own shards (torch.distributed.checkpoint)
+    and rank 0 commits them all at once, always blocking. A blocking save returns on every rank
+    once the checkpoint is committed, or raises `CheckpointError` on every rank. Either kind
+    loads with any number of ranks.
 
     Returns:
         The checkpoint directory `root/step-<N>`.
 
     Raises:
-        ValueError: for bad retention arguments.
-        CheckpointError: when a state field or metric cannot be stored.
+        ValueError: for bad retention arguments, or `best_metric` missing from `metrics`.
+        CheckpointError: when the checkpoint could not be written (full disk, `root` is a
+            file, ...; the original error is its cause, and when that is an `OSError` the
+            `CheckpointError` is one too), or a state field or metric cannot be stored.
 
     Example:
         >>> import tempfile, torch, ftrain as ft
@@ -105,81 +108,53 @@ def save_checkpoint(
         >>> ft.latest_checkpoint(root).name
         'step-0'
     """
-    _check_retention(keep_last, keep_best, best_metric, mode)
-    if best_metric is not None and keep_best is None:
-        keep_best = 1
+    rotation = _retention(keep_last, keep_best, best_metric, mode)
+    job = _Job(Path(root), state.step, *rotation, checksum=checksum)
+    job.check(metrics)
     wait_for_checkpoint()
-    root, strategy = Path(root), state.strategy
-    if _sharded.is_sharded(state.params.values()):
-        rotation = (keep_last, keep_best, best_metric, mode)
-        return _save_sharded(state, root, metrics, rotation, checksum=checksum)
-    path = L.step_dir(root, state.step)
-    if strategy.rank != 0:
-        # Replicated data parallelism: rank 0 holds everything and writes it; the others wait
-        # (when blocking) so that no rank runs ahead of the commit.
-        if blocking:
-            strategy.barrier()
-        return path
-    staged = _stage(state, metrics, copy=not blocking)
-    job = _Job(staged, root, keep_last, keep_best, best_metric, mode, checksum)
-    if not blocking:
-        _start(job)
-        return path
-    try:
-        return job.run()
-    finally:
-        strategy.barrier()
-
-
-def _save_sharded(
-    state: TrainState,
-    root: Path,
-    metrics: Mapping[str, Any] | None,
-    rotation: tuple[int | None, int | None, str | None, str],
-    *,
-    checksum: bool,
-) -> Path:
-    """Every rank writes its shards; rank 0 seals and renames the directory; all agree."""
     strategy = state.strategy
-    keep_last, keep_best, best_metric, mode = rotation
-    tmp = _sharded.tmp_dir(root, state.step)
-    if strategy.rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        clean_tmp(root)
-        tmp.mkdir()
-    strategy.barrier()  # the directory exists before anyone writes into it
-    module = strategy.unwrap(state.model)
-    opt_flat = flatten(state.opt_state)
-    model = L.model_tensors(module, dict(state.params))
-    group = getattr(strategy, "group", None)
-    _sharded.write({n: t.detach() for n, t in model.items()}, tmp / _sharded.MODEL_DIR, group)
-    optim = {p: v.detach() for p, v in opt_flat.items() if isinstance(v, torch.Tensor)}
-    _sharded.write(optim, tmp / _sharded.OPTIM_DIR, group)
-    final, error = L.step_dir(root, state.step), None
-    if strategy.rank == 0:
-        try:
-            meta = _meta(state, metrics, module, opt_flat)  # reads the counters: a host sync
-            meta["sharded"] = True
-            meta["tensors"] = {n: _describe(t) for n, t in model.items()}
-            meta["files"] = _sharded.record_files(tmp, checksum=checksum)
-            config = getattr(module, "config", None)
-            to_json = getattr(config, "to_json_string", None)
-            if callable(to_json):
-                write_text(to_json(), tmp / L.CONFIG_FILE)
-            fsync_tree(tmp)
-            _seal(tmp, root, state.step, meta)
-            if keep_last is not None:
-                _rotate(root, keep_last, keep_best, best_metric, mode)
-        except BaseException as e:  # every rank must hear about it, then it is raised here
-            error = e
-    if not _sharded.commit_ok(error is None, strategy):
-        raise CheckpointError(f"rank 0 could not commit the sharded checkpoint {final}") from error
-    return final
+    if blocking or strategy.checkpoint_sharded:
+        return _save_together(job, state, metrics)
+    if strategy.rank == 0:  # rank 0 holds whole tensors: it writes them in the background
+        _start(job, _stage(L.collect(state, metrics, sharded=False), copy=True), strategy)
+    return job.path
 
 
-def _check_retention(
+@dataclass
+class _Job:
+    """Where a save goes and what rotation keeps afterwards."""
+
+    root: Path
+    step: int
+    keep_last: int | None
+    keep_best: int | None
+    best_metric: str | None
+    mode: str
+    checksum: bool = True
+
+    @property
+    def path(self) -> Path:
+        return L.step_dir(self.root, self.step)
+
+    def check(self, metrics: Mapping[str, Any] | None) -> None:
+        if self.best_metric is not None and self.best_metric not in (metrics or {}):
+            raise ValueError(
+                f"best_metric={self.best_metric!r} is not in metrics (keys: "
+                f"{sorted(metrics or {})}): pass metrics={{{self.best_metric!r}: value}} so that "
+                "this checkpoint can be ranked, or drop best_metric"
+            )
+
+    def run(self, staged: L.Contents, strategy: Any) -> Path:
+        """Write, seal, rotate (on the ranks that write)."""
+        path = _commit(staged, self.root, checksum=self.checksum, strategy=strategy)
+        if self.keep_last is not None and strategy.rank == 0:
+            _rotate(self.root, path, self.keep_last, self.keep_best, self.best_metric, self.mode)
+        return path
+
+
+def _retention(
     keep_last: int | None, keep_best: int | None, best_metric: str | None, mode: str
-) -> None:
+) -> tuple[int | None, int | None, str | None, str]:
     if keep_last is not None and (type(keep_last) is not int or keep_last < 0):
         raise ValueError(f"keep_last must be an int >= 0 or None, got {keep_last!r}")
     if keep_best is not None and (type(keep_best) is not int or keep_best < 1):
@@ -188,20 +163,37 @@ def _check_retention(
         raise ValueError("keep_best needs best_metric, the metrics key that ranks checkpoints")
     if mode not in ("min", "max"):
         raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+    if best_metric is not None and keep_best is None:
+        keep_best = 1
+    return keep_last, keep_best, best_metric, mode
 
 
-def _stage(state: TrainState, metrics: Mapping[str, Any] | None, *, copy: bool) -> _Staged:
+def _save_together(job: _Job, state: TrainState, metrics: Mapping[str, Any] | None) -> Path:
+    """The blocking pipeline on every rank; all return once rank 0 committed, or all raise."""
+    strategy = state.strategy
+    sharded = strategy.checkpoint_sharded
+    error: BaseException | None = None
+    try:
+        if sharded or strategy.rank == 0:  # the ranks that write
+            job.run(_stage(L.collect(state, metrics, sharded=sharded), copy=False), strategy)
+    except BaseException as e:  # every rank must hear about it, then it is raised here
+        error = e
+    if not _all_ok(error is None, strategy):
+        raise _failure(f"saving step {job.step} into {job.root} failed", error)
+    return job.path
+
+
+def _stage(contents: L.Contents, *, copy: bool) -> L.Contents:
+    """Host copies of whole tensors (a sharded state's shards are written where they are)."""
+    if contents.meta.get("sharded"):
+        return contents
     if sys.byteorder != "little":  # pragma: no cover - safetensors stores little-endian
         raise CheckpointError("checkpoints are written on little-endian machines only")
-    module = state.strategy.unwrap(state.model)
-    opt_flat = flatten(state.opt_state)
-
     seen: set[int] = set()
 
     def host(t: torch.Tensor) -> torch.Tensor:
         # A copy decouples an async write from the next (donated, in-place) step. safetensors
         # refuses tensors that share memory (views of one buffer), so those are copied too.
-        t = t.detach()
         ptr = t.untyped_storage().data_ptr()
         shared = ptr in seen and t.numel() > 0
         seen.add(ptr)
@@ -210,115 +202,174 @@ def _stage(state: TrainState, metrics: Mapping[str, Any] | None, *, copy: bool) 
         return t.cpu().contiguous()
 
     with torch.no_grad():
-        model = {n: host(t) for n, t in L.model_tensors(module, dict(state.params)).items()}
-        optim = {p: host(v) for p, v in opt_flat.items() if isinstance(v, torch.Tensor)}
-    config = getattr(module, "config", None)
-    meta = _meta(state, metrics, module, opt_flat)
-    to_json = getattr(config, "to_json_string", None)
-    return _Staged(state.step, model, optim, meta, to_json() if callable(to_json) else None)
+        model = {n: host(t) for n, t in contents.model.items()}
+        optim = {p: host(v) for p, v in contents.optim.items()}
+    return L.Contents(contents.step, model, optim, contents.meta, contents.config)
 
 
-def _meta(
-    state: TrainState, metrics: Mapping[str, Any] | None, module: Any, opt_flat: dict[str, Any]
-) -> dict[str, Any]:
-    table = L.param_table(module)
-    meta = {
-        "format": L.FORMAT,
-        "format_version": L.FORMAT_VERSION,
-        "ftrain_version": _version(),
-        "torch_version": torch.__version__,
-        "fields": L.plain_fields(state),
-        "metrics": _metrics(metrics),
-        "world_size": state.strategy.world_size,
-        "params": table,
-        "fingerprint": L.fingerprint(table),
-        "optimizer": {p: _describe(v) for p, v in opt_flat.items()},
-    }
-    adapter = _peft_config(module)
-    if adapter is not None:
-        meta["peft"] = adapter
-    return meta
+def _commit(staged: L.Contents, root: Path, *, checksum: bool, strategy: Any) -> Path:
+    """Write `staged` into a temporary directory of this save's own, seal it, publish it."""
+    tmp = _new_tmp(root, staged.step, strategy)
+    try:
+        files = _write(staged, tmp, strategy)
+        if strategy.rank == 0:
+            _seal(tmp, root, staged, files, checksum=checksum)
+    finally:
+        if strategy.rank == 0:  # gone once published; after a failure, only its owner cleans
+            shutil.rmtree(tmp, ignore_errors=True)
+    return L.step_dir(root, staged.step)
 
 
-def _peft_config(module: Any) -> dict[str, Any] | None:
-    """A PEFT model's adapter config as JSON (for the CLI's export), or None."""
-    configs = getattr(module, "peft_config", None)
-    if not isinstance(configs, dict) or list(configs) != ["default"]:
-        return None
-    as_json = json.dumps(
-        configs["default"].to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)
-    )
-    return dict(json.loads(as_json))
-
-
-def _describe(leaf: Any) -> dict[str, Any]:
-    if isinstance(leaf, Node):
-        return {"node": str(leaf)}
-    if isinstance(leaf, torch.Tensor):
-        return {"tensor": str(leaf.dtype).removeprefix("torch."), "shape": list(leaf.shape)}
-    return {"value": leaf}
-
-
-def _metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in (metrics or {}).items():
-        if isinstance(v, torch.Tensor) and v.numel() == 1:
-            v = v.item()  # host sync: metrics are read once, at save time
-        if not isinstance(k, str) or not (v is None or isinstance(v, (bool, int, float, str))):
-            raise CheckpointError(f"metric {k!r}={v!r} is not a string key with a plain value")
-        out[k] = v
-    return out
-
-
-def _version() -> str:
-    from ftrain import __version__
-
-    return __version__
-
-
-@dataclass
-class _Job:
-    staged: _Staged
-    root: Path
-    keep_last: int | None
-    keep_best: int | None
-    best_metric: str | None
-    mode: str
-    checksum: bool
-
-    def run(self) -> Path:
-        path = _commit(self.staged, self.root, checksum=self.checksum)
-        if self.keep_last is not None:
-            _rotate(self.root, self.keep_last, self.keep_best, self.best_metric, self.mode)
-        return path
-
-
-def _commit(staged: _Staged, root: Path, *, checksum: bool) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    clean_tmp(root)
-    tmp = root / f"{L.TMP_PREFIX}step-{staged.step}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+def _write(staged: L.Contents, tmp: Path, strategy: Any) -> list[str]:
+    """Write the tensors (and config.json) into `tmp`; return the files state.json records."""
+    if strategy.checkpoint_sharded:
+        try:  # collective: when any rank fails, every rank raises
+            strategy.save_shards(staged.model, tmp / L.MODEL_DIR)
+            strategy.save_shards(staged.optim, tmp / L.OPTIM_DIR)
+        except Exception as e:
+            raise CheckpointError(f"writing the shards into {tmp} failed: {e}") from e
+        if staged.config is not None and strategy.rank == 0:
+            write_text(staged.config, tmp / L.CONFIG_FILE)
+        return [
+            f"{sub}/{f.name}"
+            for sub in (L.MODEL_DIR, L.OPTIM_DIR)
+            for f in sorted((tmp / sub).glob("*.safetensors"))
+        ]
     write_safetensors(staged.model, tmp / L.MODEL_FILE)
     write_safetensors(staged.optim, tmp / L.OPTIM_FILE)
-    names = [L.MODEL_FILE, L.OPTIM_FILE]
-    if staged.config is not None:
-        write_text(staged.config, tmp / L.CONFIG_FILE)
-        names.append(L.CONFIG_FILE)
-    files: dict[str, dict[str, Any]] = {n: {"bytes": (tmp / n).stat().st_size} for n in names}
+    if staged.config is None:
+        return [L.MODEL_FILE, L.OPTIM_FILE]
+    write_text(staged.config, tmp / L.CONFIG_FILE)
+    return [L.MODEL_FILE, L.OPTIM_FILE, L.CONFIG_FILE]
+
+
+def _seal(tmp: Path, root: Path, staged: L.Contents, files: list[str], *, checksum: bool) -> None:
+    """Record the files in state.json, write the commit marker last, publish as step-N."""
+    fsync_tree(tmp)  # files written by others (DCP) are not fsynced yet
+    record: dict[str, dict[str, Any]] = {n: {"bytes": (tmp / n).stat().st_size} for n in files}
     if checksum:
-        for n, digest in zip(names, _sha256_parallel([tmp / n for n in names]), strict=True):
-            files[n]["sha256"] = digest
-    return _seal(tmp, root, staged.step, {**staged.meta, "files": files})
-
-
-def _seal(tmp: Path, root: Path, step: int, meta: dict[str, Any]) -> Path:
-    """Write state.json and the commit marker into the finished `tmp`, then publish it."""
-    write_json(meta, tmp / L.STATE_FILE)
+        for n, digest in zip(files, _sha256_parallel([tmp / n for n in files]), strict=True):
+            record[n]["sha256"] = digest
+    write_json({**staged.meta, "files": record}, tmp / L.STATE_FILE)
     write_json({"state.json": sha256_file(tmp / L.STATE_FILE)}, tmp / L.COMMIT_FILE)
-    final = L.step_dir(root, step)
+    _after_every_commit(tmp / L.COMMIT_FILE, root)
+    final = L.step_dir(root, staged.step)
     # Re-saving a step moves the old copy aside into a temporary name first.
-    publish_dir(tmp, final, root / f"{L.TMP_PREFIX}replaced-{final.name}-{uuid.uuid4().hex[:8]}")
-    return final
+    publish_dir(tmp, final, root / _tmp_name(f"replaced-{final.name}"))
+
+
+def _after_every_commit(marker: Path, root: Path) -> None:
+    """Give the marker a time after every other commit's in `root`: commit order is then
+    strict even when the clock is coarse (ms) or went back."""
+    found = _commits(root)
+    if found and marker.stat().st_mtime_ns <= found[-1][0]:
+        os.utime(marker, ns=(found[-1][0] + 1, found[-1][0] + 1))
+
+
+def _all_ok(ok: bool, strategy: Any) -> bool:
+    """Collective: True on every rank when every rank passed True."""
+    failed = torch.tensor(0.0 if ok else 1.0, device=strategy.device)
+    return bool(strategy.all_reduce_sum(failed) == 0)  # host sync: saving is the place
+
+
+def _failure(message: str, cause: BaseException | None) -> CheckpointError:
+    """One error type for every failed save, blocking or not; an OSError cause keeps its
+    errno, and the error is an OSError too (code catching the disk-full OSError still does)."""
+    if cause is None:
+        return CheckpointError(f"{message} on another rank")
+    if not isinstance(cause, OSError):
+        error = CheckpointError(f"{message}: {type(cause).__name__}: {cause}")
+    else:
+        error = _OSCheckpointError(f"{message}: {cause}")
+        error.errno, error.strerror, error.filename = cause.errno, cause.strerror, cause.filename
+    error.__cause__ = cause
+    return error
+
+
+class _OSCheckpointError(CheckpointError, OSError):
+    """A CheckpointError caused by the operating system (disk full, permission denied).
+
+    Named CheckpointError: to its catcher it is one, that is also an OSError.
+    """
+
+    def __str__(self) -> str:  # the message, not OSError's "[Errno N] strerror: filename"
+        return str(self.args[0])
+
+
+_OSCheckpointError.__name__ = _OSCheckpointError.__qualname__ = "CheckpointError"
+
+
+# --- temporary directories: one per save, removed only by their owner ------------------------
+
+_HOST = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())[:64] or "host"
+_OWNER = re.compile(r".*\.(\d+)@([A-Za-z0-9_.-]+)\.[0-9a-f]{8}")
+STALE_AFTER_S = 24 * 3600  # another machine's temporary directory this old is a crash's
+
+
+def _tmp_name(what: str, *, pid: int | None = None, host: str = _HOST) -> str:
+    """`.tmp-<what>.<pid>@<host>.<random>`: unique per save, and says who owns it."""
+    owner = f"{os.getpid() if pid is None else pid}@{host}"
+    return f"{L.TMP_PREFIX}{what}.{owner}.{uuid.uuid4().hex[:8]}"
+
+
+def _new_tmp(root: Path, step: int, strategy: Any) -> Path:
+    """Rank 0 makes the directory; with a sharded state every rank learns its name."""
+    name, error = "", None
+    if strategy.rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            _remove_stale(root)
+            tmp = root / _tmp_name(f"step-{step}")
+            tmp.mkdir()
+            name = tmp.name
+        except OSError as e:
+            error = e
+    if strategy.checkpoint_sharded:
+        name = _broadcast_name(name, strategy)
+    if error is not None:
+        raise _failure(f"cannot create a temporary directory in {root}", error)
+    if not name:
+        raise CheckpointError(f"rank 0 could not create a temporary directory in {root}")
+    return root / name
+
+
+def _broadcast_name(name: str, strategy: Any) -> str:
+    """Rank 0's `name` on every rank ("" when rank 0 failed), through a sum of byte codes."""
+    codes = torch.zeros(256, dtype=torch.int64)
+    codes[: len(name)] = torch.tensor(list(name.encode()), dtype=torch.int64)
+    summed = strategy.all_reduce_sum(codes.to(strategy.device)).cpu().tolist()
+    return bytes(c for c in summed if c).decode()
+
+
+def _remove_stale(root: Path) -> None:
+    """Remove the temporary directories that crashed saves left; never another live save's."""
+    for p in root.glob(f"{L.TMP_PREFIX}*"):
+        if _stale(p):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _stale(p: Path) -> bool:
+    m = _OWNER.fullmatch(p.name)
+    if m is None:
+        return True  # no owner recorded (an older ftrain's): as before, a crash's leftover
+    pid, host = int(m.group(1)), m.group(2)
+    if host == _HOST:
+        # This process has no save in flight when it cleans (it waited for it first).
+        return pid == os.getpid() or not _alive(pid)
+    try:
+        return time.time() - p.lstat().st_mtime > STALE_AFTER_S
+    except OSError:
+        return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
 
 
 def _sha256_parallel(paths: list[Path]) -> list[str]:
@@ -333,7 +384,8 @@ def _sha256_parallel(paths: list[Path]) -> list[str]:
     threads = [threading.Thread(target=work, args=(i,)) for i in range(1, len(paths))]
     for t in threads:
         t.start()
-    work(0)
+    if paths:
+        work(0)
     for t in threads:
         t.join()
     if not all(out):
@@ -341,28 +393,39 @@ def _sha256_parallel(paths: list[Path]) -> list[str]:
     return out
 
 
-def clean_tmp(root: Path) -> None:
-    """Remove temporary directories that a crashed save left in `root`."""
-    for p in root.glob(f"{L.TMP_PREFIX}*"):
-        shutil.rmtree(p, ignore_errors=True)
+# --- which checkpoints exist, and rotation -----------------------------------------------------
 
 
 def committed(root: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every committed checkpoint under `root`, oldest first."""
-    if not root.is_dir():
-        return []
+    """(step, path) of every committed checkpoint under `root`, in commit order (oldest first).
+
+    Commit order is the time the commit marker was written (ties: by step), so that after a
+    rollback (resuming an earlier checkpoint, a new run in an old folder) the checkpoints of the
+    branch being trained count as the newest.
+    """
+    return [(step, p) for _, step, p in _commits(root)]
+
+
+def _commits(root: Path) -> list[tuple[int, int, Path]]:
+    """(commit time in ns, step, path) of every committed checkpoint, sorted."""
     found = []
-    for p in root.iterdir():
+    for p in root.iterdir() if root.is_dir() else []:
         m = L.STEP_DIR.fullmatch(p.name)
-        if m and L.is_committed(p):
-            found.append((int(m.group(1)), p))
+        try:
+            if m:
+                found.append(((p / L.COMMIT_FILE).stat().st_mtime_ns, int(m.group(1)), p))
+        except OSError:
+            continue  # not committed (or rotated away meanwhile)
     return sorted(found)
 
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
-    """Return the committed checkpoint with the highest step under `root`, or None.
+    """Return the most recently committed checkpoint under `root`, or None.
 
-    Directories without the commit marker (a save cut short) are ignored.
+    In a run that never went back this is the one with the highest step. After a rollback
+    (resuming from an earlier checkpoint and saving again) it is the newest checkpoint of the
+    branch being trained, not the higher step of the abandoned one. Directories without the
+    commit marker (a save cut short) are ignored.
 
     Example:
         >>> import ftrain as ft
@@ -382,10 +445,10 @@ def retained(
     best_metric: str | None,
     mode: str,
 ) -> set[int]:
-    """Steps to keep out of `(step, metrics)` pairs: the `keep_last` newest, the `keep_best`
-    best by `metrics[best_metric]` (checkpoints without a finite value are not ranked), and
-    always the newest and the best."""
-    steps = sorted(s for s, _ in checkpoints)
+    """Steps to keep out of `(step, metrics)` pairs in commit order (oldest first): the
+    `keep_last` newest, the `keep_best` best by `metrics[best_metric]` (checkpoints without a
+    finite value are not ranked), and always the newest and the best."""
+    steps = [s for s, _ in checkpoints]
     keep = set(steps[-keep_last:]) if keep_last else set()
     keep.update(steps[-1:])
     if best_metric is not None:
@@ -401,9 +464,16 @@ def retained(
 
 
 def _rotate(
-    root: Path, keep_last: int, keep_best: int | None, best_metric: str | None, mode: str
+    root: Path,
+    just_written: Path,
+    keep_last: int,
+    keep_best: int | None,
+    best_metric: str | None,
+    mode: str,
 ) -> None:
-    found = committed(root)
+    found = [(s, p) for s, p in committed(root) if p != just_written] + [
+        (int(just_written.name.removeprefix("step-")), just_written)
+    ]  # the checkpoint just written is the newest, whatever the clock says
     listed = [(s, _saved_metrics(p)) for s, p in found]
     keep = retained(
         listed, keep_last=keep_last, keep_best=keep_best, best_metric=best_metric, mode=mode
@@ -412,7 +482,7 @@ def _rotate(
         if s not in keep:
             # Rename to a temporary name first: a crash mid-delete leaves a directory that
             # latest_checkpoint ignores and the next save removes, never a half checkpoint.
-            doomed = root / f"{L.TMP_PREFIX}deleting-{p.name}-{uuid.uuid4().hex[:8]}"
+            doomed = root / _tmp_name(f"deleting-{p.name}")
             os.rename(p, doomed)
             shutil.rmtree(doomed, ignore_errors=True)
 
@@ -433,42 +503,46 @@ _inflight: _Background | None = None
 
 
 class _Background(threading.Thread):
-    def __init__(self, job: _Job) -> None:
+    def __init__(self, job: _Job, staged: L.Contents, strategy: Any) -> None:
         super().__init__(name="ftrain-checkpoint", daemon=False)
-        self.job = job
+        self.job, self.staged, self.strategy = job, staged, strategy
         self.path: Path | None = None
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
-            self.path = self.job.run()
+            self.path = self.job.run(self.staged, self.strategy)
         except BaseException as e:  # re-raised in the caller's thread
             self.error = e
 
 
-def _start(job: _Job) -> None:
+def _start(job: _Job, staged: L.Contents, strategy: Any) -> None:
     global _inflight
     with _lock:
-        _inflight = _Background(job)
+        _inflight = _Background(job, staged, strategy)
         _inflight.start()
 
 
 def wait_for_checkpoint() -> Path | None:
     """Block until the background save (if any) is written; return its path.
 
+    An exception while waiting (Ctrl-C) leaves the save in flight: the next checkpoint call
+    waits for it again and reports its outcome.
+
     Raises:
         CheckpointError: if the background save failed (the original error is its cause).
     """
     global _inflight
-    with _lock:
-        bg, _inflight = _inflight, None
+    bg = _inflight
     if bg is None:
         return None
     bg.join()
-    if bg.error is not None:
-        raise CheckpointError(f"background save of step {bg.job.staged.step} failed") from (
-            bg.error
-        )
+    with _lock:  # only one caller reports the outcome
+        mine = _inflight is bg
+        if mine:
+            _inflight = None
+    if mine and bg.error is not None:
+        raise _failure(f"background save of step {bg.job.step} failed", bg.error)
     return bg.path
 
 
@@ -483,5 +557,12 @@ def raise_pending_save_error() -> None:
 def _finish_at_exit() -> None:
     try:
         wait_for_checkpoint()
-    except CheckpointError as e:  # pragma: no cover - reported, the interpreter is exiting
-        print(f"ftrain: {e}: {e.__cause__!r}", file=sys.stderr)
+    except CheckpointError as e:
+        # The run's last checkpoint is lost: say so, and fail the process (a script that
+        # ended normally would otherwise exit 0). os._exit skips the exit handlers that were
+        # registered before ftrain's; flush what they would have.
+        print(f"ftrain: {e}", file=sys.stderr)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)

@@ -1,68 +1,31 @@
-"""Sharded checkpoints (FSDP): every rank writes its own shards with torch.distributed.checkpoint.
+"""Sharded checkpoints (FSDP): the files every rank wrote, verified before anything reads them.
 
 Layout of a sharded `step-N/`: `model/` and `optimizer/` each hold one safetensors file per rank
-(`shard-0000<r>-model-00001-of-00001.safetensors`, written by DCP's `HuggingFaceStorageWriter`,
-whose header records each chunk's offset in the whole tensor), then `state.json` and
-`COMMITTED` as in a whole checkpoint. Nothing is pickled: DCP's default writer pickles its
-`.metadata`; the safetensors storage does not need one.
+(`shard-0000<r>-model-00001-of-00001.safetensors`, written by the strategy's `save_shards`
+through torch.distributed.checkpoint, whose header records each chunk's offset in the whole
+tensor), then `state.json` and `COMMITTED` as in a whole checkpoint. Nothing is pickled: DCP's
+default writer pickles its `.metadata`; the safetensors storage does not need one.
 
-The commit is collective: every rank writes its shards into one temporary directory; DCP's
-save returns on every rank only when all of them have written; rank 0 then hashes, seals and
-renames the directory, and tells every rank whether that worked. Loading verifies the files
-(sizes, checksums, headers, and that the chunks tile every tensor exactly) before DCP reads
-them, so that DCP reshards into any number of ranks, or into a single process, from checked
-files only.
+Loading verifies the files (sizes, checksums, headers, and that the chunks tile every tensor
+exactly) before the strategy's `load_shards` reads them, so that they are resharded into any
+number of ranks, or into a single process, from checked files only. Nothing here imports
+torch.distributed.
 """
 
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
-from ftrain.checkpoint import _layout as L
-from ftrain.checkpoint._io import CheckpointError, check_header, read_regular, sha256_file
+from ftrain.checkpoint._io import CheckpointError, check_header, read_regular
+from ftrain.checkpoint._layout import CONFIG_FILE, MODEL_DIR, OPTIM_DIR
 
-MODEL_DIR = "model"
-OPTIM_DIR = "optimizer"
+__all__ = ["MODEL_DIR", "OPTIM_DIR", "placeholders", "read_into", "verify"]
+
 _SHARDING_KEY = "DCP_SHARDING_INFO"
-
-
-def is_sharded(tensors: Any) -> bool:
-    """Whether any of `tensors` is a DTensor (an FSDP parameter or optimizer-state shard)."""
-    return any(hasattr(t, "device_mesh") for t in tensors)
-
-
-def write(tensors: dict[str, torch.Tensor], directory: Path, group: Any) -> None:
-    """Collective: every rank writes its shards of `tensors` into `directory`."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
-
-    if not tensors:
-        directory.mkdir(parents=True, exist_ok=True)
-        return
-    writer = HuggingFaceStorageWriter(str(directory), save_distributed=True)
-    try:
-        dcp.save(dict(tensors), storage_writer=writer, process_group=group)
-    except (Exception, CheckpointException) as e:  # raised on every rank when any rank failed
-        raise CheckpointError(f"writing the shards into {directory} failed: {e}") from e
-
-
-def record_files(tmp: Path, *, checksum: bool) -> dict[str, dict[str, Any]]:
-    """{relative path: {"bytes", "sha256"?}} of every shard file, for state.json."""
-    files: dict[str, dict[str, Any]] = {}
-    for sub in (MODEL_DIR, OPTIM_DIR):
-        for f in sorted((tmp / sub).glob("*.safetensors")):
-            entry: dict[str, Any] = {"bytes": f.stat().st_size}
-            if checksum:
-                entry["sha256"] = sha256_file(f)
-            files[f"{sub}/{f.name}"] = entry
-    return files
 
 
 def verify(path: Path, meta: dict[str, Any], *, checksum: bool) -> None:
@@ -83,7 +46,7 @@ def verify(path: Path, meta: dict[str, Any], *, checksum: bool) -> None:
     }
     chunks: dict[tuple[str, str], list[tuple[list[int], list[int]]]] = {}
     for name, entry in sorted(files.items()):
-        if name == L.CONFIG_FILE:  # checked with the other JSON
+        if name == CONFIG_FILE:  # checked with the other JSON
             continue
         sub, _, fname = name.partition("/")
         if sub not in shapes or "/" in fname or not fname.endswith(".safetensors"):
@@ -160,26 +123,12 @@ def _tiles(parts: list[tuple[list[int], list[int]]], full: list[int]) -> bool:
     return True
 
 
-def read_into(directory: Path, targets: dict[str, torch.Tensor]) -> None:
-    """Fill `targets` (DTensors or whole tensors) from verified shards; DCP reshards.
-
-    Collective when a process group is up (every rank calls it); local otherwise.
-    """
-    if not targets:
-        return
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-
+def read_into(strategy: Any, directory: Path, targets: dict[str, torch.Tensor]) -> None:
+    """Fill `targets` (the strategy's tensors) from verified shards, resharded by the strategy;
+    collective with several ranks."""
     try:
-        with warnings.catch_warnings():
-            # DCP warns whenever it loads without a process group, which is the point here.
-            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.load(
-                dict(targets),
-                storage_reader=HuggingFaceStorageReader(str(directory)),
-                no_dist=not dist.is_initialized(),
-            )
-    except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+        strategy.load_shards(directory, targets)
+    except Exception as e:  # the files were verified: I/O, or tensors that do not fit
         raise CheckpointError(f"reading the shards in {directory} failed: {e}") from e
 
 
@@ -195,14 +144,3 @@ def placeholders(records: dict[str, Any]) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"malformed tensor record for {name!r}: {d!r}")
         out[name] = torch.empty(shape, dtype=dtype, device="meta")
     return out
-
-
-def commit_ok(ok: bool, strategy: Any) -> bool:
-    """Collective: True on every rank when rank 0 (the only one passing False on failure) did."""
-    flag = torch.tensor(1.0 if ok else 0.0, device=strategy.device)
-    return bool(strategy.all_reduce_sum(flag) == strategy.world_size)
-
-
-def tmp_dir(root: Path, step: int) -> Path:
-    # The same name on every rank: no rank needs to hear it from another.
-    return root / f"{L.TMP_PREFIX}step-{step}-sharded"

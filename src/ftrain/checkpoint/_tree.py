@@ -8,7 +8,7 @@ rebuild, so loading never constructs a type named by the file.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -71,29 +71,21 @@ def describe(leaf: Any) -> str:
     return type(leaf).__name__
 
 
-def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """`dst.copy_(src)`, where `dst` may be a shard (DTensor) of the whole tensor `src`."""
-    if src is dst:
-        return
-    if hasattr(dst, "device_mesh") and not hasattr(src, "device_mesh"):
-        from torch.distributed.tensor import distribute_tensor
-
-        # Every rank holds the whole `src`: each takes its own shard, no communication.
-        shard: Any = dst
-        src = distribute_tensor(
-            src.to(dst.device), shard.device_mesh, shard.placements, src_data_rank=None
-        )
-    dst.copy_(src)
-
-
-def unflatten(template: Any, values: Mapping[str, Any], prefix: str = "") -> Any:
-    """Rebuild `template` with leaves from `values`; tensors are copied into the template's.
+def unflatten(
+    template: Any,
+    values: Mapping[str, Any],
+    copy: Callable[[torch.Tensor, torch.Tensor], None],
+    prefix: str = "",
+) -> Any:
+    """Rebuild `template` with leaves from `values`; tensors are copied into the template's
+    with `copy(dst, src)` (the strategy's `copy_whole`, as `dst` may be a shard).
 
     Values must already have been checked against `flatten(template)`. A live torch optimizer
     has its state loaded through `load_state_dict`.
     """
     if isinstance(template, torch.Tensor):
-        copy_into(template, values[prefix])
+        if values[prefix] is not template:
+            copy(template, values[prefix])
         return template
     if isinstance(template, _SCALARS):
         return values[prefix]
@@ -101,7 +93,8 @@ def unflatten(template: Any, values: Mapping[str, Any], prefix: str = "") -> Any
         template.load_tensors(_subtree(values, prefix))
         return template
     items = [
-        (k, unflatten(v, values, f"{prefix}/{k}" if prefix else k)) for k, v in _children(template)
+        (k, unflatten(v, values, copy, f"{prefix}/{k}" if prefix else k))
+        for k, v in _children(template)
     ]
     if isinstance(template, Mapping):
         cls: Any = type(template)

@@ -9,12 +9,14 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from ftrain.precision import Precision
+from ftrain.strategies import _dcp
 
 __all__ = ["SingleDevice", "Strategy", "default_device"]
 
@@ -31,6 +33,15 @@ class Strategy(Protocol):
             by (DDP averages: `1 / world_size`); `accumulate_grads` undoes it so that gradients
             are normalized by the global item count.
         precision: the mixed-precision policy: `autocast` dtype and loss scaling.
+        checkpoint_sharded: the checkpoint layout (see "Checkpoint layout" below): True when
+            each rank holds only shards of the parameters and optimizer state, so that every
+            rank writes its own shards (`save_shards`); False when rank 0 holds whole tensors
+            and writes them alone.
+
+    Checkpoint layout: `checkpoint_sharded`, `save_shards`, `load_shards`, `full_state_dict`
+    and `copy_whole` are the only place that knows how tensors are placed. `ft.checkpoint`
+    asks them and never inspects a tensor's type; a new layout (tensor parallelism) is a new
+    strategy, not a new branch there. See docs/strategies.md.
     """
 
     device: torch.device
@@ -38,6 +49,7 @@ class Strategy(Protocol):
     world_size: int
     grad_reduce_factor: float
     precision: Precision
+    checkpoint_sharded: bool
 
     def setup(self, model: nn.Module) -> nn.Module:
         """Move/wrap `model` for this strategy and return the module to train."""
@@ -78,6 +90,25 @@ class Strategy(Protocol):
     def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's rows of `tensor` (first axis; counts may differ), concatenated in rank
         order, on every rank. Other axes that differ between ranks are padded with -100."""
+        ...
+
+    def save_shards(self, tensors: dict[str, torch.Tensor], directory: Path) -> None:
+        """Write this rank's part of `tensors` into `directory` as shard files (safetensors,
+        through torch.distributed.checkpoint); collective with several ranks."""
+        ...
+
+    def load_shards(self, directory: Path, targets: dict[str, torch.Tensor]) -> None:
+        """Fill `targets` (this strategy's tensors) from the shard files in `directory`,
+        whatever number of ranks wrote them; collective with several ranks."""
+        ...
+
+    def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """`module.state_dict()` with whole tensors (gathered from the shards: collective)."""
+        ...
+
+    def copy_whole(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy the whole tensor `src` into `dst`, one of this strategy's (maybe sharded)
+        tensors; every rank holds `src`."""
         ...
 
 
@@ -147,6 +178,21 @@ class SingleDevice:
 
     def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
+
+    # Checkpoint layout: whole tensors, one process.
+    checkpoint_sharded = False
+
+    def save_shards(self, tensors: dict[str, torch.Tensor], directory: Path) -> None:
+        _dcp.save_shards(tensors, directory, group=None, local=True)
+
+    def load_shards(self, directory: Path, targets: dict[str, torch.Tensor]) -> None:
+        _dcp.load_shards(directory, targets, group=None, local=True)
+
+    def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        return module.state_dict()
+
+    def copy_whole(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
 
 
 def uncompiled(model: nn.Module) -> nn.Module:

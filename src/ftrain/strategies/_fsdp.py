@@ -133,7 +133,29 @@ class FSDP(ProcessGroupStrategy):
         dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self._norm_group)
         return sq.sqrt()
 
+    # Checkpoint layout: parameters and optimizer state are DTensors sharded over the ranks.
+    checkpoint_sharded = True
+
+    def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        with torch.no_grad():  # every rank takes part in gathering the whole tensors
+            return {n: _full(t).detach().cpu() for n, t in module.state_dict().items()}
+
+    def copy_whole(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        if isinstance(dst, DTensor) and not isinstance(src, DTensor):
+            # Every rank holds the whole `src`: each takes its own shard, no communication.
+            src = distribute_tensor(
+                src.to(dst.device), dst.device_mesh, dst.placements, src_data_rank=None
+            )
+        dst.copy_(src)
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    full_tensor = getattr(t, "full_tensor", None)  # buffers are not sharded
+    return full_tensor() if callable(full_tensor) else t

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ftrain.precision import Precision
+from ftrain.strategies import _dcp
 from ftrain.strategies._base import _precision_repr, move_to
 
 __all__ = ["ProcessGroupStrategy", "local_device"]
@@ -84,3 +87,18 @@ class ProcessGroupStrategy:
         dist.all_gather(parts, padded.contiguous(), group=self.group)
         rest = tuple(slice(0, d) for d in largest[1:])
         return torch.cat([p[(slice(0, s[0]), *rest)] for p, s in zip(parts, sizes, strict=True)])
+
+    # Checkpoint layout: whole tensors on every rank (DDP); FSDP overrides what shards change.
+    checkpoint_sharded = False
+
+    def save_shards(self, tensors: dict[str, torch.Tensor], directory: Path) -> None:
+        _dcp.save_shards(tensors, directory, group=self.group, local=False)
+
+    def load_shards(self, directory: Path, targets: dict[str, torch.Tensor]) -> None:
+        _dcp.load_shards(directory, targets, group=self.group, local=False)
+
+    def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        return module.state_dict()
+
+    def copy_whole(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)

@@ -1,0 +1,260 @@
+"""The save side: the strategy seam, rotation after a rollback, concurrent writers, lost saves."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors import SafetensorError
+
+import ftrain as ft
+from ftrain.checkpoint import _save
+
+SEAM = ("save_shards", "load_shards", "full_state_dict", "copy_whole")
+SRC = Path(ft.__file__).parent
+
+
+def _state(step=0):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    return ft.TrainState.create(model, ft.optim.adamw()).replace(step=step)
+
+
+def _run(script: str, timeout: int = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout
+    )
+
+
+# --- the strategy seam ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", [ft.strategies.SingleDevice, ft.strategies.DDP, ft.strategies.FSDP])
+def test_every_strategy_implements_the_checkpoint_seam(cls):
+    for name in SEAM:
+        assert callable(getattr(cls, name)), (cls, name)
+        assert name in ft.strategies.Strategy.__dict__  # part of the documented protocol
+    assert cls.checkpoint_sharded is (cls is ft.strategies.FSDP)
+    assert isinstance(ft.strategies.SingleDevice("cpu"), ft.strategies.Strategy)
+
+
+def test_single_device_seam_round_trips_shard_files(tmp_path):
+    s = ft.strategies.SingleDevice("cpu")
+    model = torch.nn.Linear(3, 2)
+    tensors = {n: t.detach() for n, t in s.full_state_dict(model).items()}
+    s.save_shards(tensors, tmp_path / "model")
+    assert [f.suffix for f in (tmp_path / "model").iterdir()] == [".safetensors"]  # no pickle
+    back = {n: torch.zeros_like(t) for n, t in tensors.items()}
+    s.load_shards(tmp_path / "model", back)
+    for n, t in tensors.items():
+        assert torch.equal(back[n], t)
+    dst = torch.zeros(2, 3)
+    s.copy_whole(dst, tensors["weight"])
+    assert torch.equal(dst, tensors["weight"])
+
+
+def test_checkpoint_code_never_asks_what_kind_of_tensor_it_holds():
+    """Placement questions go through the strategy (issue 11): no DTensor test in checkpoint/."""
+    pattern = re.compile(r"device_mesh|full_tensor|DTensor|is_sharded|placements|to_local")
+    for f in sorted((SRC / "checkpoint").glob("*.py")):
+        hits = [line for line in f.read_text().splitlines() if pattern.search(line)]
+        assert not hits, (f.name, hits)
+
+
+def test_import_does_not_load_distributed_checkpoint():
+    run = _run(
+        "import sys, ftrain\n"
+        "heavy = [m for m in sys.modules if m.startswith('torch.distributed.checkpoint')]\n"
+        "print(heavy)\n"
+        "raise SystemExit(1 if heavy else 0)\n"
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+# --- retention after a rollback --------------------------------------------------------------
+
+
+def test_rotation_after_a_rollback_keeps_the_checkpoint_just_written(tmp_path):
+    for step in (10, 20, 30):
+        ft.save_checkpoint(_state(step), tmp_path, keep_last=2)
+    path = ft.save_checkpoint(_state(15), tmp_path, keep_last=2)  # resumed from step 10
+    assert path.name == "step-15" and ft.load_checkpoint(path, _state()).step == 15
+    # Newest by commit order: 30 (the abandoned branch) and 15; resume goes on from 15.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-15", "step-30"]
+    assert ft.latest_checkpoint(tmp_path) == path
+    ft.save_checkpoint(_state(16), tmp_path, keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-16"]
+
+
+def test_rotation_keeps_the_best_even_on_an_abandoned_branch(tmp_path):
+    losses = {10: 0.5, 20: 0.1, 30: 0.9, 15: 0.7}
+    for step, loss in losses.items():
+        ft.save_checkpoint(
+            _state(step), tmp_path, metrics={"loss": loss}, keep_last=0, best_metric="loss"
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-15", "step-20"]
+
+
+def test_best_metric_missing_from_metrics_raises_naming_it(tmp_path):
+    with pytest.raises(ValueError, match="best_metric='eval_accuracy' is not in metrics"):
+        ft.save_checkpoint(
+            _state(1), tmp_path, metrics={"eval_loss": 1.0}, best_metric="eval_accuracy"
+        )
+    with pytest.raises(ValueError, match="eval_accuracy"):
+        ft.save_checkpoint(_state(1), tmp_path, best_metric="eval_accuracy", keep_last=1)
+    assert not tmp_path.exists() or not list(tmp_path.iterdir())
+
+
+# --- concurrent writers -----------------------------------------------------------------------
+
+
+def _foreign_tmp(root: Path, pid: int) -> Path:
+    tmp = root / _save._tmp_name("step-99", pid=pid)
+    tmp.mkdir(parents=True)
+    (tmp / "model.safetensors").write_bytes(b"being written")
+    return tmp
+
+
+def test_a_save_never_removes_another_live_writers_temporary_directory(tmp_path):
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        live = _foreign_tmp(tmp_path, other.pid)  # a requeued job's predecessor, still saving
+        remote = tmp_path / _save._tmp_name("step-98", pid=1, host="another-node")
+        remote.mkdir()
+        ft.save_checkpoint(_state(1), tmp_path)
+        ft.save_checkpoint(_state(2), tmp_path, keep_last=1)
+        assert live.is_dir() and (live / "model.safetensors").read_bytes() == b"being written"
+        assert remote.is_dir()  # another machine's: removed only once a day old
+    finally:
+        other.kill()
+        other.wait(10)
+    ft.save_checkpoint(_state(3), tmp_path, keep_last=1)  # its owner is gone: a crash's leftover
+    assert sorted(p.name for p in tmp_path.iterdir() if p != remote) == ["step-3"]
+    os.utime(remote, (0, 0))
+    ft.save_checkpoint(_state(4), tmp_path, keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4"]
+
+
+@pytest.mark.slow
+def test_two_processes_saving_into_one_folder_both_succeed(tmp_path):
+    script = (
+        "import sys, torch, ftrain as ft\n"
+        "first = int(sys.argv[1])\n"
+        "state = ft.TrainState.create(torch.nn.Linear(64, 64), ft.optim.adamw())\n"
+        "for i in range(25):\n"
+        f"    ft.save_checkpoint(state.replace(step=first + i), {str(tmp_path)!r})\n"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script, str(first)], stderr=subprocess.PIPE)
+        for first in (0, 1000)
+    ]
+    errors = [p.communicate(timeout=240)[1].decode() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors
+    steps = sorted(int(p.name[5:]) for p in tmp_path.iterdir() if p.name.startswith("step-"))
+    assert steps == [*range(25), *range(1000, 1025)]
+
+
+# --- errors: one type, never lost ------------------------------------------------------------
+
+
+def test_blocking_and_background_saves_raise_the_same_error(tmp_path, monkeypatch):
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    with pytest.raises(ft.CheckpointError) as blocking:
+        ft.save_checkpoint(_state(1), afile)
+    ft.save_checkpoint(_state(1), afile, blocking=False)
+    with pytest.raises(ft.CheckpointError) as background:
+        ft.wait_for_checkpoint()
+    for info in (blocking, background):
+        assert isinstance(info.value, OSError) and str(afile) in str(info.value)
+
+    def disk_full(tensors, path):
+        raise SafetensorError("Error while serializing: IoError(No space left on device)")
+
+    monkeypatch.setattr(_save, "write_safetensors", disk_full)
+    with pytest.raises(ft.CheckpointError, match="No space left") as blocking:
+        ft.save_checkpoint(_state(2), tmp_path / "run")
+    ft.save_checkpoint(_state(2), tmp_path / "run", blocking=False)
+    with pytest.raises(ft.CheckpointError, match="No space left") as background:
+        ft.wait_for_checkpoint()
+    assert type(blocking.value.__cause__) is type(background.value.__cause__) is SafetensorError
+    assert ft.latest_checkpoint(tmp_path / "run") is None
+
+
+def test_an_interrupted_wait_does_not_forget_the_save_in_flight(tmp_path, monkeypatch):
+    release = threading.Event()
+    real = _save.write_safetensors
+
+    def slow(tensors, path):  # the background save stays mid-write until released
+        if threading.current_thread().name == "ftrain-checkpoint":
+            release.wait(20)
+        real(tensors, path)
+
+    monkeypatch.setattr(_save, "write_safetensors", slow)
+    ft.save_checkpoint(_state(1), tmp_path, blocking=False)
+    bg = _save._inflight
+
+    def ctrl_c(timeout=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bg, "join", ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        ft.wait_for_checkpoint()
+    monkeypatch.delattr(bg, "join")
+    timer = threading.Timer(0.5, release.set)
+    timer.start()
+    ft.save_checkpoint(_state(2), tmp_path)  # waits for step 1 instead of deleting its files
+    timer.join()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-2"]
+    ft.load_checkpoint(tmp_path / "step-1", _state())
+
+
+def test_a_failed_final_background_save_fails_the_process(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    script = (
+        "import torch, ftrain as ft\n"
+        "state = ft.TrainState.create(torch.nn.Linear(4, 4), ft.optim.adamw())\n"
+        f"ft.save_checkpoint(state.replace(step=7), {str(afile / 'run')!r}, blocking=False)\n"
+        "print('script done', flush=True)\n"
+    )
+    run = _run(script)
+    assert "script done" in run.stdout
+    assert run.returncode == 1, run.stderr
+    assert "background save of step 7 failed" in run.stderr
+
+
+# --- DDP: a failed commit raises on every rank ------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ddp_rank_0_failing_a_blocking_save_raises_on_every_rank(tmp_path):
+    import ckpt_save_workers as W
+
+    ctx = mp.start_processes(
+        W.ddp_save_failure, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=False,
+        start_method="spawn",
+    )  # fmt: skip
+    deadline = time.monotonic() + 180  # bounded: the workers' collectives time out at 60 s
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the 2-process save did not finish in time")
+    outcomes = [json.loads((tmp_path / f"outcome-{r}.json").read_text()) for r in (0, 1)]
+    assert outcomes == [["CheckpointError", True, "step-1"]] * 2
