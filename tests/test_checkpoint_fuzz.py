@@ -200,12 +200,16 @@ def _header(rng: random.Random, path: Path) -> str:
     except (ValueError, IndexError):
         return f"nothing ({name} header unreadable)"
     field = rng.choice(["dtype", "shape", "data_offsets"])
+    if not isinstance(header[key], dict):  # an earlier mutation replaced the entry
+        return f"nothing ({name}[{key}] not an entry)"
+    shape = header[key].get("shape")
+    grown = [shape[0] + 1] if isinstance(shape, list) and shape and type(shape[0]) is int else [2]
     header[key][field] = (
         _random_json(rng)
         if rng.random() < 0.5
         else {
             "dtype": rng.choice(["F16", "I64", "BOOL", "F8"]),
-            "shape": [header[key]["shape"][0] + 1] if header[key]["shape"] else [2],
+            "shape": grown,
             "data_offsets": [0, 2**40],
         }[field]
     )
