@@ -18,7 +18,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import struct
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,6 +29,7 @@ import torch
 import ftrain as ft
 from ftrain.__main__ import inspect
 from ftrain.checkpoint import CheckpointMismatchError
+from helpers import within
 
 # More cases, away from CI:
 #   FTRAIN_FUZZ_CASES=5000 FTRAIN_FUZZ_FIRST=300 pytest tests/test_checkpoint_fuzz.py
@@ -40,24 +40,6 @@ KINDS = {
     "adamw": lambda: ft.optim.adamw(),
     "from_torch": lambda: ft.optim.from_torch(torch.optim.AdamW),
 }
-
-
-class Hung(BaseException):
-    """A case ran past its time (a BaseException: the code under test cannot swallow it)."""
-
-
-@contextlib.contextmanager
-def within(seconds: float, what: str):
-    def expire(*_):
-        raise Hung(f"{what} took more than {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def template(kind: str) -> ft.TrainState:

@@ -6,13 +6,11 @@ that rewrote the file) would do, so that the parsers behind the checksums are te
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import pickle
 import shutil
-import signal
 import struct
 import subprocess
 import sys
@@ -24,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ftrain as ft
-from helpers import opt_state_tensors
+from helpers import opt_state_tensors, within
 
 FILES = ["model.safetensors", "optimizer.safetensors", "state.json", "COMMITTED"]
 
@@ -351,27 +349,6 @@ def test_a_rejected_file_leaves_the_state_untouched(good, tmp_path):
 
 
 # --- issue 20: the red team's defects ------------------------------------------------------------
-
-
-class Hung(BaseException):
-    """Raised by `within` when time runs out (not an OSError, which the code under test may
-    catch: TimeoutError is one)."""
-
-
-@contextlib.contextmanager
-def within(seconds: float):
-    """Fail (Hung) instead of hanging when the body blocks, e.g. on a FIFO."""
-
-    def expire(*_):
-        raise Hung(f"took more than {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def inspect_cli(path: Path, capsys, *, verify: bool = True) -> tuple[int, str]:
