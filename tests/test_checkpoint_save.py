@@ -118,8 +118,14 @@ def test_best_metric_missing_from_metrics_raises_naming_it(tmp_path):
 # --- concurrent writers -----------------------------------------------------------------------
 
 
+def _owned(what: str, pid: int, host: str | None = None) -> str:
+    """A temporary directory's name as docs/checkpoints.md documents it."""
+    host = host or re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())[:64]
+    return f".tmp-{what}.{pid}@{host}.0123abcd"
+
+
 def _foreign_tmp(root: Path, pid: int) -> Path:
-    tmp = root / _save._tmp_name("step-99", pid=pid)
+    tmp = root / _owned("step-99", pid)
     tmp.mkdir(parents=True)
     (tmp / "model.safetensors").write_bytes(b"being written")
     return tmp
@@ -129,7 +135,7 @@ def test_a_save_never_removes_another_live_writers_temporary_directory(tmp_path)
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         live = _foreign_tmp(tmp_path, other.pid)  # a requeued job's predecessor, still saving
-        remote = tmp_path / _save._tmp_name("step-98", pid=1, host="another-node")
+        remote = tmp_path / _owned("step-98", 1, host="another-node")
         remote.mkdir()
         ft.save_checkpoint(_state(1), tmp_path)
         ft.save_checkpoint(_state(2), tmp_path, keep_last=1)
@@ -147,21 +153,25 @@ def test_a_save_never_removes_another_live_writers_temporary_directory(tmp_path)
 
 @pytest.mark.slow
 def test_two_processes_saving_into_one_folder_both_succeed(tmp_path):
-    script = (
-        "import sys, torch, ftrain as ft\n"
-        "first = int(sys.argv[1])\n"
-        "state = ft.TrainState.create(torch.nn.Linear(64, 64), ft.optim.adamw())\n"
-        "for i in range(25):\n"
-        f"    ft.save_checkpoint(state.replace(step=first + i), {str(tmp_path)!r})\n"
+    script = (  # both start saving together, once both have imported
+        "import sys, time, pathlib, torch, ftrain as ft\n"
+        "first, root = int(sys.argv[1]), pathlib.Path(sys.argv[2])\n"
+        "state = ft.TrainState.create(torch.nn.Linear(128, 128), ft.optim.adamw())\n"
+        "(root.parent / f'ready-{first}').touch()\n"
+        "while len(list(root.parent.glob('ready-*'))) < 2:\n"
+        "    time.sleep(0.01)\n"
+        "for i in range(15):\n"
+        "    ft.save_checkpoint(state.replace(step=first + i), root)\n"
     )
+    root = tmp_path / "run"
     procs = [
-        subprocess.Popen([sys.executable, "-c", script, str(first)], stderr=subprocess.PIPE)
+        subprocess.Popen([sys.executable, "-c", script, str(first), root], stderr=subprocess.PIPE)
         for first in (0, 1000)
     ]
     errors = [p.communicate(timeout=240)[1].decode() for p in procs]
     assert [p.returncode for p in procs] == [0, 0], errors
-    steps = sorted(int(p.name[5:]) for p in tmp_path.iterdir() if p.name.startswith("step-"))
-    assert steps == [*range(25), *range(1000, 1025)]
+    steps = sorted(int(p.name[5:]) for p in root.iterdir())
+    assert steps == [*range(15), *range(1000, 1015)]
 
 
 # --- errors: one type, never lost ------------------------------------------------------------

@@ -113,6 +113,8 @@ def collect(state: Any, metrics: Mapping[str, Any] | None, *, sharded: bool) -> 
 
     Reads the counters and metrics, a host sync: saving is the place for it.
     """
+    from ftrain import __version__  # ftrain/__init__ imports this module
+
     module = state.strategy.unwrap(state.model)
     opt_flat = flatten(state.opt_state)
     model = {n: t.detach() for n, t in model_tensors(module, dict(state.params)).items()}
@@ -121,7 +123,7 @@ def collect(state: Any, metrics: Mapping[str, Any] | None, *, sharded: bool) -> 
     meta = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "ftrain_version": _version(),
+        "ftrain_version": __version__,
         "torch_version": torch.__version__,
         "fields": plain_fields(state),
         "metrics": _metrics(metrics),
@@ -167,9 +169,3 @@ def _peft_config(module: Any) -> dict[str, Any] | None:
         configs["default"].to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)
     )
     return dict(json.loads(as_json))
-
-
-def _version() -> str:
-    from ftrain import __version__
-
-    return __version__

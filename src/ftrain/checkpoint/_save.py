@@ -1,23 +1,16 @@
-"""save_checkpoint as one pipeline: collect, stage, write, seal, rotate.
-
-- collect (`_layout.collect`): the state's tensors and its JSON, on the ranks that write.
-- stage (`_stage`): whole tensors become host copies, detached from the live (donated) state.
-- write (`_write`): into a fresh `root/.tmp-…` of this save's own. Whole tensors: rank 0 writes
-  `model.safetensors` and `optimizer.safetensors`; sharded ones: every rank writes its shards
-  through the strategy (`Strategy.save_shards`). The strategy says which (`checkpoint_sharded`);
-  nothing here looks at a tensor's type.
-- seal (`_seal`): rank 0 records sizes and checksums in state.json, writes the commit marker,
-  and renames the directory to `root/step-<N>`. A crash at any instant leaves the previous
-  checkpoints untouched or the new one complete.
-- rotate (`_rotate`): only after the commit; the checkpoint just written is always kept.
-
-A blocking save ends with every rank learning whether rank 0 committed (`_all_ok`): all return,
-or all raise `CheckpointError`.
+"""save_checkpoint as one pipeline, each step in one place: collect (`_layout.collect`), stage
+(`_stage`: host copies of whole tensors), write (`_write`: into this save's own `root/.tmp-…`;
+rank 0 writes whole tensors, or every rank its shards through `Strategy.save_shards`, as the
+strategy's `checkpoint_sharded` says), seal (`_seal`: state.json, the commit marker, rename to
+`root/step-<N>`), rotate (`_rotate`, after the commit). A crash at any instant leaves the
+previous checkpoints untouched or the new one complete. A blocking save ends with every rank
+learning whether rank 0 committed (`_all_ok`): all return, or all raise `CheckpointError`.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import math
@@ -108,9 +101,8 @@ def save_checkpoint(
         >>> ft.latest_checkpoint(root).name
         'step-0'
     """
-    rotation = _retention(keep_last, keep_best, best_metric, mode)
+    rotation = _retention(keep_last, keep_best, best_metric, mode, metrics)
     job = _Job(Path(root), state.step, *rotation, checksum=checksum)
-    job.check(metrics)
     wait_for_checkpoint()
     strategy = state.strategy
     if blocking or strategy.checkpoint_sharded:
@@ -136,24 +128,20 @@ class _Job:
     def path(self) -> Path:
         return L.step_dir(self.root, self.step)
 
-    def check(self, metrics: Mapping[str, Any] | None) -> None:
-        if self.best_metric is not None and self.best_metric not in (metrics or {}):
-            raise ValueError(
-                f"best_metric={self.best_metric!r} is not in metrics (keys: "
-                f"{sorted(metrics or {})}): pass metrics={{{self.best_metric!r}: value}} so that "
-                "this checkpoint can be ranked, or drop best_metric"
-            )
-
     def run(self, staged: L.Contents, strategy: Any) -> Path:
         """Write, seal, rotate (on the ranks that write)."""
         path = _commit(staged, self.root, checksum=self.checksum, strategy=strategy)
         if self.keep_last is not None and strategy.rank == 0:
-            _rotate(self.root, path, self.keep_last, self.keep_best, self.best_metric, self.mode)
+            _rotate(self, self.keep_last)
         return path
 
 
 def _retention(
-    keep_last: int | None, keep_best: int | None, best_metric: str | None, mode: str
+    keep_last: int | None,
+    keep_best: int | None,
+    best_metric: str | None,
+    mode: str,
+    metrics: Mapping[str, Any] | None,
 ) -> tuple[int | None, int | None, str | None, str]:
     if keep_last is not None and (type(keep_last) is not int or keep_last < 0):
         raise ValueError(f"keep_last must be an int >= 0 or None, got {keep_last!r}")
@@ -163,6 +151,11 @@ def _retention(
         raise ValueError("keep_best needs best_metric, the metrics key that ranks checkpoints")
     if mode not in ("min", "max"):
         raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+    if best_metric is not None and best_metric not in (metrics or {}):
+        raise ValueError(
+            f"best_metric={best_metric!r} is not in metrics (keys: {sorted(metrics or {})}): "
+            f"pass metrics={{{best_metric!r}: value}} to rank this checkpoint, or no best_metric"
+        )
     if best_metric is not None and keep_best is None:
         keep_best = 1
     return keep_last, keep_best, best_metric, mode
@@ -261,9 +254,9 @@ def _seal(tmp: Path, root: Path, staged: L.Contents, files: list[str], *, checks
 def _after_every_commit(marker: Path, root: Path) -> None:
     """Give the marker a time after every other commit's in `root`: commit order is then
     strict even when the clock is coarse (ms) or went back."""
-    found = _commits(root)
-    if found and marker.stat().st_mtime_ns <= found[-1][0]:
-        os.utime(marker, ns=(found[-1][0] + 1, found[-1][0] + 1))
+    last = [(p / L.COMMIT_FILE).stat().st_mtime_ns for _, p in committed(root)[-1:]]
+    if last and marker.stat().st_mtime_ns <= last[0]:
+        os.utime(marker, ns=(last[0] + 1, last[0] + 1))
 
 
 def _all_ok(ok: bool, strategy: Any) -> bool:
@@ -344,31 +337,28 @@ def _broadcast_name(name: str, strategy: Any) -> str:
 def _remove_stale(root: Path) -> None:
     """Remove the temporary directories that crashed saves left; never another live save's."""
     for p in root.glob(f"{L.TMP_PREFIX}*"):
-        if _stale(p):
-            shutil.rmtree(p, ignore_errors=True)
+        with contextlib.suppress(OSError):  # gone meanwhile: its owner finished
+            if _stale(p):
+                shutil.rmtree(p, ignore_errors=True)
 
 
 def _stale(p: Path) -> bool:
     m = _OWNER.fullmatch(p.name)
     if m is None:
         return True  # no owner recorded (an older ftrain's): as before, a crash's leftover
-    pid, host = int(m.group(1)), m.group(2)
-    if host == _HOST:
-        # This process has no save in flight when it cleans (it waited for it first).
-        return pid == os.getpid() or not _alive(pid)
-    try:
+    if m.group(2) != _HOST:
         return time.time() - p.lstat().st_mtime > STALE_AFTER_S
-    except OSError:
-        return False
+    # This process has no save in flight when it cleans (it waited for it first).
+    return int(m.group(1)) == os.getpid() or not _alive(int(m.group(1)))
 
 
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
     except ProcessLookupError:
         return False
-    except OSError:
-        return True  # exists, owned by someone else
+    except OSError:  # exists, owned by another user
+        pass
     return True
 
 
@@ -377,15 +367,10 @@ def _sha256_parallel(paths: list[Path]) -> list[str]:
     # concurrent.futures refuses new work once the interpreter starts shutting down, which is
     # when a background save still in flight gets finished.
     out = [""] * len(paths)
-
-    def work(i: int) -> None:
-        out[i] = sha256_file(paths[i])
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(1, len(paths))]
+    work = [lambda i=i: out.__setitem__(i, sha256_file(paths[i])) for i in range(len(paths))]
+    threads = [threading.Thread(target=w) for w in work]
     for t in threads:
         t.start()
-    if paths:
-        work(0)
     for t in threads:
         t.join()
     if not all(out):
@@ -403,20 +388,13 @@ def committed(root: Path) -> list[tuple[int, Path]]:
     rollback (resuming an earlier checkpoint, a new run in an old folder) the checkpoints of the
     branch being trained count as the newest.
     """
-    return [(step, p) for _, step, p in _commits(root)]
-
-
-def _commits(root: Path) -> list[tuple[int, int, Path]]:
-    """(commit time in ns, step, path) of every committed checkpoint, sorted."""
     found = []
     for p in root.iterdir() if root.is_dir() else []:
         m = L.STEP_DIR.fullmatch(p.name)
-        try:
+        with contextlib.suppress(OSError):  # not committed (or rotated away meanwhile)
             if m:
                 found.append(((p / L.COMMIT_FILE).stat().st_mtime_ns, int(m.group(1)), p))
-        except OSError:
-            continue  # not committed (or rotated away meanwhile)
-    return sorted(found)
+    return [(step, p) for _, step, p in sorted(found)]
 
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
@@ -463,26 +441,19 @@ def retained(
     return keep
 
 
-def _rotate(
-    root: Path,
-    just_written: Path,
-    keep_last: int,
-    keep_best: int | None,
-    best_metric: str | None,
-    mode: str,
-) -> None:
-    found = [(s, p) for s, p in committed(root) if p != just_written] + [
-        (int(just_written.name.removeprefix("step-")), just_written)
-    ]  # the checkpoint just written is the newest, whatever the clock says
+def _rotate(job: _Job, keep_last: int) -> None:
+    # The checkpoint just written is the newest, whatever the clock says.
+    found = [(s, p) for s, p in committed(job.root) if p != job.path] + [(job.step, job.path)]
     listed = [(s, _saved_metrics(p)) for s, p in found]
     keep = retained(
-        listed, keep_last=keep_last, keep_best=keep_best, best_metric=best_metric, mode=mode
-    )
+        listed, keep_last=keep_last, keep_best=job.keep_best, best_metric=job.best_metric,
+        mode=job.mode,
+    )  # fmt: skip
     for s, p in found:
         if s not in keep:
             # Rename to a temporary name first: a crash mid-delete leaves a directory that
             # latest_checkpoint ignores and the next save removes, never a half checkpoint.
-            doomed = root / _tmp_name(f"deleting-{p.name}")
+            doomed = job.root / _tmp_name(f"deleting-{p.name}")
             os.rename(p, doomed)
             shutil.rmtree(doomed, ignore_errors=True)
 
@@ -516,10 +487,10 @@ class _Background(threading.Thread):
             self.error = e
 
 
-def _start(job: _Job, staged: L.Contents, strategy: Any) -> None:
+def _start(*args: Any) -> None:
     global _inflight
     with _lock:
-        _inflight = _Background(job, staged, strategy)
+        _inflight = _Background(*args)
         _inflight.start()
 
 
