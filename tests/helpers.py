@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
+import signal
 
 import torch
 
@@ -86,3 +88,24 @@ def train_steps(state, data, steps, *, loss_fn=None, batch_size=4, accum=2, seed
         else:
             state = ft.next_epoch(state)
     return state
+
+
+class Hung(BaseException):
+    """Raised by `within` when time runs out: a BaseException, so that the code under test
+    cannot swallow it (TimeoutError is an OSError, which file-reading code catches)."""
+
+
+@contextlib.contextmanager
+def within(seconds: float, what: str = "the block"):
+    """Raise `Hung` instead of hanging when the body blocks (e.g. opening a FIFO); main thread."""
+
+    def expire(*_):
+        raise Hung(f"{what} took more than {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pickle
 import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ftrain as ft
-from helpers import opt_state_tensors
+from helpers import opt_state_tensors, within
 
 FILES = ["model.safetensors", "optimizer.safetensors", "state.json", "COMMITTED"]
 
@@ -343,3 +346,266 @@ def test_a_rejected_file_leaves_the_state_untouched(good, tmp_path):
         ft.load_checkpoint(path, template)
     assert all(torch.equal(before[n], p) for n, p in template.params.items())
     assert not template.consumed
+
+
+# --- issue 20: the red team's defects ------------------------------------------------------------
+
+
+def inspect_cli(path: Path, capsys, *, verify: bool = True) -> tuple[int, str]:
+    """`python -m ftrain inspect` in-process: its exit code and what it printed."""
+    from ftrain.__main__ import inspect
+
+    rc = inspect(path, verify=verify)
+    return rc, capsys.readouterr().out
+
+
+def assert_refused(path: Path, capsys, **kw) -> None:
+    """load_checkpoint raises CheckpointError, inspect says "complete no" and exits 1."""
+    with within(20):
+        with pytest.raises(ft.CheckpointError):
+            load(path, **kw)
+        rc, out = inspect_cli(path, capsys, verify=kw.get("verify", True))
+    assert rc == 1 and "complete    no" in out and "yes" not in out, out
+
+
+def _edit_meta(path: Path, edit) -> None:
+    meta = json.loads((path / "state.json").read_text())
+    edit(meta)
+    (path / "state.json").write_text(json.dumps(meta))
+    reseal(path)
+
+
+_OPTIMIZERS = {
+    "adamw": lambda: ft.optim.adamw(),
+    "from_torch_adamw": lambda: ft.optim.from_torch(torch.optim.AdamW),
+    "from_torch_sgd": lambda: ft.optim.from_torch(torch.optim.SGD, momentum=0.9),
+    "from_torchopt": lambda: ft.optim.from_torchopt(__import__("torchopt").adamw(lr=1.0)),
+}
+
+
+def _mlp_state(kind: str):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    return ft.TrainState.create(model, _OPTIMIZERS[kind]())
+
+
+@pytest.fixture(scope="module")
+def per_optimizer(tmp_path_factory):
+    """A checkpoint after one step with each kind of optimizer."""
+    out = {}
+    for kind in _OPTIMIZERS:
+        state = _mlp_state(kind)
+        grads = {n: torch.ones_like(p) for n, p in state.params.items()}
+        state, _ = ft.clip_and_step(state, grads, lr=0.01)
+        out[kind] = ft.save_checkpoint(state, tmp_path_factory.mktemp(kind))
+    return out
+
+
+def _damage_optimizer(path: Path, how: str) -> None:
+    """Resize, retype or replace by a string the first optimizer tensor shaped like 0.weight."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path / "optimizer.safetensors")
+    key = next(k for k, t in sorted(tensors.items()) if list(t.shape) == [8, 4])
+    meta = json.loads((path / "state.json").read_text())
+    if how == "string":
+        del tensors[key]
+        meta["optimizer"][key] = {"value": "not a tensor"}
+    else:
+        bad = torch.zeros(3, 4) if how == "resize" else torch.zeros(8, 4, dtype=torch.int64)
+        tensors[key] = bad
+        meta["optimizer"][key] = {"tensor": str(bad.dtype)[6:], "shape": list(bad.shape)}
+    save_file(tensors, path / "optimizer.safetensors")
+    (path / "state.json").write_text(json.dumps(meta))
+    reseal(path)
+
+
+@pytest.mark.parametrize("how", ["resize", "string", "dtype"])
+@pytest.mark.parametrize("kind", list(_OPTIMIZERS))
+def test_optimizer_state_that_does_not_fit_its_parameters_is_refused(
+    per_optimizer, tmp_path, kind, how
+):
+    """Issue 20.2: a resized or retyped `exp_avg` (or a string in its place) would reach the
+    fused kernels (out-of-bounds reads) or fail at the next step; it fails the load instead,
+    for every kind of optimizer."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(per_optimizer[kind], path)
+    ft.load_checkpoint(path, _mlp_state(kind))  # the undamaged copy loads
+    _damage_optimizer(path, how)
+    template = _mlp_state(kind)
+    with pytest.raises(ft.CheckpointError, match="optimizer"):
+        ft.load_checkpoint(path, template)
+    assert not template.consumed
+
+
+def test_torch_optimizer_state_is_checked_against_live_state_where_there_is_one(
+    per_optimizer, tmp_path
+):
+    """A template whose torch optimizer has already stepped is the exact reference."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(per_optimizer["from_torch_adamw"], path)
+    _damage_optimizer(path, "resize")
+    state = _mlp_state("from_torch_adamw")
+    state, _ = ft.clip_and_step(
+        state, {n: torch.ones_like(p) for n, p in state.params.items()}, lr=0.01
+    )
+    with pytest.raises(ft.CheckpointError, match=r"state has float32\[8, 4\]"):
+        ft.load_checkpoint(path, state)
+
+
+def _outside_copy(path: Path, name: str, tmp_path: Path) -> Path:
+    """A byte-identical copy of `name` outside the checkpoint folder (checksums still match)."""
+    outside = tmp_path / "elsewhere" / name
+    outside.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(path / name, outside)
+    return outside
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "state.json", "COMMITTED", "config.json"])
+@pytest.mark.parametrize("kind", ["fifo", "symlink-outside", "directory"])
+def test_only_regular_files_inside_the_folder_are_read(good, tmp_path, capsys, name, kind):
+    """Issue 20.3: a FIFO would block forever, a symlink leads out of the folder: both fail
+    fast with CheckpointError, in load_checkpoint and in inspect, with and without verify."""
+    path = _copy(good, tmp_path)
+    if name == "config.json":  # an unrecorded config.json is still parsed (export uses it)
+        (path / name).write_text("{}")
+    outside = _outside_copy(path, name, tmp_path)
+    (path / name).unlink()
+    if kind == "fifo":
+        os.mkfifo(path / name)
+    elif kind == "directory":
+        (path / name).mkdir()
+    else:
+        (path / name).symlink_to(outside)
+    for verify in (True, False):
+        assert_refused(path, capsys, verify=verify)
+
+
+def test_a_symlinked_sub_folder_of_a_sharded_checkpoint_is_refused(tmp_path):
+    from ftrain.checkpoint._io import read_regular
+
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "f").write_bytes(b"x")
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "model").symlink_to(tmp_path / "real")
+    with pytest.raises(ft.CheckpointError, match=r"cannot read|symlink"):
+        read_regular(tmp_path / "ckpt", "model/f")
+    assert read_regular(tmp_path / "real", "f") == b"x"
+    with pytest.raises(ft.CheckpointError, match="plain file name"):
+        read_regular(tmp_path / "ckpt", "../real/f")
+
+
+def test_a_symlink_to_dev_zero_fails_without_reading_it(tmp_path):
+    """Issue 20.3, in a child process capped at 6 GB of address space (a regression must fail
+    here, not exhaust the machine): a symlink to /dev/zero in place of each file."""
+    script = Path(__file__).with_name("hostile_child.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    assert results and all(r == "CheckpointError" for r in results.values()), results
+
+
+_MALFORMED = {
+    "step as a string": lambda m: m["fields"].update(step="12"),
+    "negative dimension": lambda m: m["params"][0].__setitem__(2, [-1, 4]),
+    "dimension not an int": lambda m: m["params"][0].__setitem__(2, ["8", 4]),
+    "200k dimensions": lambda m: m["params"][0].__setitem__(2, [2**47] * 200_000),
+    "files entry a list": lambda m: m["files"].update({"model.safetensors": [1, 2]}),
+    "checksum a number": lambda m: m["files"].update({"extra.bin": {"bytes": 1, "sha256": 5}}),
+    "size missing": lambda m: m["files"].update({"extra.bin": {"sha256": None}}),
+    "tokens overflow": lambda m: m["fields"].update(tokens_seen={"dtype": "int64", "value": 2**70}),
+    "optimizer record differs from its file": lambda m: m["optimizer"]["mu/0.weight"].update(
+        shape=[4, 8]
+    ),
+    "optimizer entry with two kinds": lambda m: m["optimizer"]["mu/0.weight"].update(value=1),
+    "best_metric a string": lambda m: m["fields"].update(best_metric="low"),
+    "metrics holding a list": lambda m: m["metrics"].update(eval_loss=[1]),
+    "world_size zero": lambda m: m.update(world_size=0),
+    "dtype unknown": lambda m: m["params"][0].__setitem__(1, "float99"),
+}
+
+
+@pytest.mark.parametrize("edit", list(_MALFORMED))
+def test_inspect_refuses_exactly_what_load_refuses(good, tmp_path, capsys, edit):
+    """Issue 20.4: inspect runs load's own validator: a resealed state.json that load refuses
+    is "complete no" (exit 1), never a traceback, never "checksums verified"; a 200k-dimension
+    shape is refused at once rather than multiplied out."""
+    path = _copy(good, tmp_path)
+    _edit_meta(path, _MALFORMED[edit])
+    assert_refused(path, capsys)
+
+
+_SHARDED = {
+    "record without a shape": {"tensor": "float32"},
+    "shape of None": {"tensor": "float32", "shape": [None]},
+    "shape a string": {"tensor": "float32", "shape": "8,4"},
+    "unknown dtype": {"tensor": "complex1024", "shape": [2]},
+    "record a list": ["float32", [2]],
+}
+
+
+@pytest.mark.parametrize("record", list(_SHARDED))
+def test_a_forged_sharded_layout_with_a_malformed_tensor_record(good, tmp_path, capsys, record):
+    """Issue 20.5: state.json claiming the sharded layout with a malformed tensor record is a
+    CheckpointError (was KeyError / TypeError)."""
+    path = _copy(good, tmp_path)
+
+    def edit(m):
+        m.update(sharded=True, tensors={"0.weight": _SHARDED[record]}, files={})
+
+    _edit_meta(path, edit)
+    assert_refused(path, capsys)
+
+
+def test_permission_denied_is_a_checkpoint_error(good, tmp_path, capsys, monkeypatch):
+    """Issue 20.8: a folder the process may not read (emulated: the tests run as root, which
+    no permission stops) raises CheckpointError, in load and inspect."""
+    path = _copy(good, tmp_path)
+    inside = str(path) + os.sep
+    denied = OSError(13, "Permission denied")
+
+    def guard(real):
+        def call(p, *args, **kwargs):
+            name = os.fspath(p) if isinstance(p, (str, os.PathLike)) else ""
+            if name.startswith(inside) or (real is os.open and name == str(path)):
+                raise PermissionError(*denied.args)
+            return real(p, *args, **kwargs)
+
+        return call
+
+    for fn in ("stat", "lstat", "open", "scandir", "listdir"):
+        monkeypatch.setattr(os, fn, guard(getattr(os, fn)))
+    assert_refused(path, capsys)
+
+
+def test_export_compares_a_forged_config_on_the_meta_device_first(tmp_path, monkeypatch):
+    """Issue 20.7: a forged (resealed) config.json claiming 65 GB of parameters is compared
+    with the checkpoint on the meta device and refused before anything is allocated. (A guard
+    turns any real allocation of a big embedding into a RuntimeError, so that a regression
+    fails here instead of exhausting the machine.)"""
+    from helpers import tiny_llama
+
+    path = ft.save_checkpoint(ft.TrainState.create(tiny_llama(), ft.optim.adamw()), tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    config["vocab_size"] = 2**30  # x hidden 16 x 4 bytes: a 64 GB embedding, and its head
+    (path / "config.json").write_text(json.dumps(config))
+    reseal(path)
+    real_init = torch.nn.Embedding.__init__
+
+    def guarded(self, num, dim, *args, **kwargs):
+        meta = torch.get_default_device().type == "meta" or kwargs.get("device") == "meta"
+        if num * dim > 2**28 and not meta:
+            raise RuntimeError(f"allocating a {num} x {dim} embedding")
+        real_init(self, num, dim, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Embedding, "__init__", guarded)
+    with pytest.raises(ft.CheckpointError, match="1073741824"):
+        ft.checkpoint.export_checkpoint(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

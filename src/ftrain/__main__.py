@@ -7,79 +7,173 @@ import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from ftrain.checkpoint import CheckpointError, _sharded, export_checkpoint, read_meta
+from ftrain.checkpoint import CheckpointError, export_checkpoint, latest_checkpoint
 from ftrain.checkpoint import _layout as L
-from ftrain.checkpoint._io import read_safetensors
+from ftrain.checkpoint._verify import open_checkpoint, read_meta
 
 
-def inspect(path: Path, *, verify: bool = True) -> int:
-    """Print what a checkpoint holds; return 0 when it is complete and intact, else 1."""
+def inspect(
+    path: Path, *, verify: bool = True, metric: str = "eval_loss", mode: str = "min"
+) -> int:
+    """Print what a checkpoint (or a run folder of them) holds; return 0 when it (the newest) is
+    complete and intact, else 1.
+
+    The checks are `load_checkpoint`'s own (one validator): what this calls complete loads.
+    """
+    if _is_run_folder(path):
+        return inspect_run(path, verify=verify, metric=metric, mode=mode)
     print(f"checkpoint  {path}")
     try:
-        meta = read_meta(path)
-        sharded = meta.get("sharded") is True
-        if sharded:
-            _sharded.verify(path, meta, checksum=verify)
-        elif verify:
-            for name in (L.MODEL_FILE, L.OPTIM_FILE):
-                read_safetensors(path / name, sha256=meta["files"][name].get("sha256"))
+        meta = open_checkpoint(path, verify=verify, keep=()).meta
     except CheckpointError as e:
         print(f"complete    no: {e}")
         return 1
     fields = meta["fields"]
-
-    def value(name: str) -> object:
-        v = fields.get(name)
-        return v.get("value") if isinstance(v, dict) else v
-
     rows = meta["params"]
     trainable = sum(math.prod(r[2]) for r in rows if r[3] is True)
     total = sum(math.prod(r[2]) for r in rows)
     summed = all(entry.get("sha256") for entry in meta["files"].values())
     note = " (checksums verified)" if verify and summed else " (no checksums checked)"
     print(f"complete    yes{note}")
-    print(f"step        {value('step')}")
-    print(f"epoch       {value('epoch')}  (cursor {value('cursor')} micro-batches)")
-    print(f"seen        {value('tokens_seen')} tokens, {value('samples_seen')} samples")
+    print(f"step        {_value(fields, 'step')}")
+    epoch, cursor = _value(fields, "epoch"), _value(fields, "cursor")
+    print(f"epoch       {epoch}  (cursor {cursor} micro-batches)")
+    tokens, samples = _value(fields, "tokens_seen"), _value(fields, "samples_seen")
+    print(f"seen        {tokens} tokens, {samples} samples")
     print(f"parameters  {trainable:,} trainable of {total:,}")
     for k, v in sorted(meta["metrics"].items()):
         print(f"metric      {k} = {v}")
     if fields.get("best_metric") is not None:
         print(f"best        {fields['best_metric']} at step {fields.get('best_step')}")
-    layout = f", sharded into {len(meta['files'])} files" if sharded else ""
+    layout = f", sharded into {len(meta['files'])} files" if meta.get("sharded") is True else ""
     print(f"ranks       {meta['world_size']}{layout}")
-    print(f"written by  ftrain {meta.get('ftrain_version')}, torch {meta.get('torch_version')}")
+    versions = _short(meta.get("ftrain_version")), _short(meta.get("torch_version"))
+    print(f"written by  ftrain {versions[0]}, torch {versions[1]}")
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _value(fields: dict[str, Any], name: str) -> object:
+    v = fields.get(name)
+    return v.get("value") if isinstance(v, dict) else v
+
+
+def _short(value: object) -> str:
+    text = str(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _is_run_folder(path: Path) -> bool:
+    """A folder of `step-<N>` checkpoints rather than one checkpoint."""
+    try:
+        if not path.is_dir() or (path / L.STATE_FILE).exists() or (path / L.COMMIT_FILE).exists():
+            return False
+        return any(L.STEP_DIR.fullmatch(p.name) for p in path.iterdir())
+    except OSError:
+        return False  # reported by the checkpoint path, which says why
+
+
+def inspect_run(
+    path: Path, *, verify: bool = True, metric: str = "eval_loss", mode: str = "min"
+) -> int:
+    """List a run folder's checkpoints: step, complete or not, metrics, latest and best.
+
+    Every checkpoint's marker and state.json are checked; the newest (the one
+    `latest_checkpoint` returns, which a resume loads) is checked completely (files, sizes,
+    checksums unless `verify=False`). Returns 0 when it is complete.
+    """
+    found = sorted(
+        (int(m.group(1)), p)
+        for p in path.iterdir()
+        if (m := L.STEP_DIR.fullmatch(p.name)) is not None
+    )
+    # The newest is the one a resume would take: latest_checkpoint's choice.
+    try:
+        newest = latest_checkpoint(path)
+    except OSError as e:
+        print(f"run         {path}: cannot read it: {e.strerror or e}")
+        return 1
+    rows: list[tuple[int, Path, dict[str, Any] | None, str]] = []
+    for step, p in found:
+        try:
+            meta = open_checkpoint(p, verify=verify, keep=()).meta if p == newest else read_meta(p)
+            rows.append((step, p, meta, "complete" if p == newest else "committed"))
+        except CheckpointError as e:
+            rows.append((step, p, None, f"incomplete: {e}"))
+    good = [(s, m) for s, _, m, _ in rows if m is not None]
+    latest = next((s for s, p, m, _ in rows if p == newest and m is not None), None)
+    best = _best(good, metric, mode)
+    print(f"run         {path}  ({len(rows)} checkpoints, {len(good)} readable)")
+    for step, _, saved, status in rows:
+        marks = [m for m, s in (("latest", latest), (f"best {metric}", best)) if s == step]
+        metrics = " ".join(f"{k}={v}" for k, v in sorted((saved or {}).get("metrics", {}).items()))
+        tag = f"  <- {', '.join(marks)}" if marks else ""
+        print(f"step {step:<8} {status:<10} {metrics}{tag}")
+    if best is None:
+        print(f"best        no checkpoint records a finite {metric!r} (--metric NAME)")
+    return 0 if latest is not None else 1
+
+
+def _best(good: list[tuple[int, dict[str, Any]]], metric: str, mode: str) -> int | None:
+    scored = [
+        (float(v) if mode == "min" else -float(v), s)
+        for s, m in good
+        if isinstance(v := m["metrics"].get(metric), (int, float))
+        and not isinstance(v, bool)
+        and math.isfinite(v)
+    ]
+    return min(scored)[1] if scored else None  # ties go to the older checkpoint
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ftrain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("inspect", help="print a checkpoint's step, metrics and completeness")
-    p.add_argument("checkpoint", type=Path)
+    p = sub.add_parser(
+        "inspect", help="print a checkpoint's step, metrics and completeness, or list a run's"
+    )
+    p.add_argument("checkpoint", type=Path, help="a step-<N> folder, or a run folder of them")
     p.add_argument("--no-verify", action="store_true", help="skip checking file checksums")
+    p.add_argument("--metric", default="eval_loss", help="run folder: the metric ranking 'best'")
+    p.add_argument("--mode", choices=["min", "max"], default="min", help="lower or higher is best")
     p = sub.add_parser("export", help="write a checkpoint as an HF model directory")
     p.add_argument("checkpoint", type=Path)
     p.add_argument("--to", type=Path, required=True, help="output directory")
     p.add_argument("--config", type=Path, help="config.json (or its directory); default: saved")
     p.add_argument("--base", type=Path, help="pretrained model for parameters frozen in training")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --to directory")
-    p = sub.add_parser("plot", help="draw loss, lr and grad norm from a metrics.jsonl")
-    p.add_argument("metrics", type=Path)
+    p = sub.add_parser(
+        "plot", help="draw loss, lr and grad norm (or --metrics) from a metrics.jsonl"
+    )
+    p.add_argument("metrics_file", type=Path, metavar="metrics", help="a metrics.jsonl log")
     p.add_argument("-o", "--out", type=Path, default=Path("curves.png"), help="PNG to write")
-    args = parser.parse_args(argv)
+    p.add_argument(
+        "--metrics",
+        nargs="+",
+        metavar="NAME",
+        help="plot these logged values instead (e.g. eval_accuracy); the first one's best step "
+        "is marked",
+    )
+    p.add_argument("--mode", choices=["min", "max"], default="min", help="best is lowest/highest")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.command == "plot":
         from ftrain.logging import plot_metrics
 
         try:
-            print(f"wrote {plot_metrics(args.metrics, args.out)}")
+            out = plot_metrics(args.metrics_file, args.out, metrics=args.metrics, mode=args.mode)
         except (OSError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
+        print(f"wrote {out}")
         return 0
     if args.command == "inspect":
-        return inspect(args.checkpoint, verify=not args.no_verify)
+        return inspect(
+            args.checkpoint, verify=not args.no_verify, metric=args.metric, mode=args.mode
+        )
     try:
         out = export_checkpoint(
             args.checkpoint, args.to, config=args.config, base=args.base, overwrite=args.overwrite

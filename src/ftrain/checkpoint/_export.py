@@ -17,8 +17,8 @@ from torch import nn
 
 from ftrain.checkpoint import _layout as L
 from ftrain.checkpoint import _sharded
-from ftrain.checkpoint._io import CheckpointError, fsync_tree, publish_dir, read_safetensors
-from ftrain.checkpoint._load import read_meta
+from ftrain.checkpoint._io import CheckpointError, fsync_tree, publish_dir, read_json
+from ftrain.checkpoint._verify import open_checkpoint
 from ftrain.state import TrainState
 from ftrain.strategies import SingleDevice
 
@@ -150,22 +150,48 @@ def export_checkpoint(
         CheckpointError: if the checkpoint is invalid or lacks parameters the model needs.
     """
     path = Path(path)
-    meta = read_meta(path)
-    model = _build(path, config, base)
+    # The one validator: marker, state.json, files, sizes, checksums and config.json.
+    opened = open_checkpoint(path, keep=(L.MODEL_FILE,))
+    meta = opened.meta
     adapter = meta.get("peft")
+    if meta.get("sharded") is True:
+        shapes = _sharded.placeholders(meta["tensors"])
+    else:
+        shapes = opened.tensors[L.MODEL_FILE]
+    if base is None:  # compare on the meta device first: a forged config allocates nothing
+        with torch.device("meta"):
+            skeleton = _build(path, config, None, opened.config)
+            if adapter is not None:
+                skeleton = _with_adapter(skeleton, adapter, path)
+        _check_fits(path, skeleton, shapes, meta, adapter is not None)
+    model = _build(path, config, base, opened.config)
     if adapter is not None:
         model = _with_adapter(model, adapter, path)
     if meta.get("sharded") is True:  # assemble whole tensors from the ranks' shards
-        _sharded.verify(path, meta, checksum=True)
-        shapes = _sharded.placeholders(meta["tensors"])
         saved = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in shapes.items()}
         _sharded.read_into(SingleDevice("cpu"), path / _sharded.MODEL_DIR, saved)
     else:
-        sha = meta["files"][L.MODEL_FILE].get("sha256")
-        saved = read_safetensors(path / L.MODEL_FILE, sha256=sha)
+        saved = shapes
+    _check_fits(path, model, saved, meta, adapter is not None, base=base)
+    live = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    with torch.no_grad():
+        for n, t in saved.items():
+            live[n].copy_(t)
+    return _atomic_dir(Path(directory), overwrite, lambda tmp: model.save_pretrained(tmp))
+
+
+def _check_fits(
+    path: Path,
+    model: Any,
+    saved: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    adapter: bool,
+    base: Any = None,
+) -> None:
+    """The checkpoint's tensors fit `model` (names and shapes; compared on any device)."""
     params = dict(model.named_parameters())
     # An adapter export needs the adapter's tensors only; a full model needs every parameter.
-    needed = [n for n, p in params.items() if p.requires_grad or adapter is None]
+    needed = [n for n, p in params.items() if p.requires_grad or not adapter]
     missing = sorted(n for n in needed if n not in saved) if base is None else []
     if missing:
         raise CheckpointError(
@@ -176,14 +202,16 @@ def export_checkpoint(
     unknown = sorted(n for n in saved if n not in live)
     if unknown:
         raise CheckpointError(f"{path} holds tensors the model does not have: {unknown[:5]}")
-    with torch.no_grad():
-        for n, t in saved.items():
-            if live[n].shape != t.shape:
-                raise CheckpointError(
-                    f"{n}: checkpoint {list(t.shape)}, model {list(live[n].shape)}"
-                )
-            live[n].copy_(t)
-    return _atomic_dir(Path(directory), overwrite, lambda tmp: model.save_pretrained(tmp))
+    for n, t in saved.items():
+        if live[n].shape != t.shape:
+            raise CheckpointError(f"{n}: checkpoint {list(t.shape)}, model {list(live[n].shape)}")
+    recorded = {r[0]: r[2] for r in meta["params"]}
+    for n, p in params.items():  # frozen ones too: the table records every parameter
+        if n in recorded and list(p.shape) != recorded[n]:
+            raise CheckpointError(
+                f"{n}: the model config gives {list(p.shape)}, the checkpoint recorded "
+                f"{recorded[n]}"
+            )
 
 
 def _with_adapter(model: Any, adapter: Any, path: Path) -> Any:
@@ -200,22 +228,33 @@ def _with_adapter(model: Any, adapter: Any, path: Path) -> Any:
         raise CheckpointError(f"{path}: the saved adapter config is malformed: {e}") from e
 
 
-def _build(path: Path, config: str | os.PathLike[str] | None, base: Any) -> Any:
+def _build(
+    path: Path, config: str | os.PathLike[str] | None, base: Any, saved: dict[str, Any] | None
+) -> Any:
     import transformers
 
     if base is not None:
         return transformers.AutoModelForCausalLM.from_pretrained(base)
-    source = Path(config) if config is not None else path
-    if source.is_file():
-        source = source.parent
-    if not (source / "config.json").is_file():
+    if config is not None:
+        source = Path(config)
+        source = source / "config.json" if source.is_dir() else source
+        raw = read_json(source)
+    elif saved is not None:
+        raw = saved  # checked against its recorded size and digest
+    else:
         raise CheckpointError(
-            f"no config.json in {source}: pass config=<dir or config.json> (--config) for the "
+            f"no config.json in {path}: pass config=<dir or config.json> (--config) for the "
             "model's architecture"
         )
-    cfg = transformers.AutoConfig.from_pretrained(source)
-    arch = (getattr(cfg, "architectures", None) or [None])[0]
-    cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
-    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
-        cls = transformers.AutoModelForCausalLM
-    return cls.from_config(cfg) if cls is transformers.AutoModelForCausalLM else cls(cfg)
+    try:
+        if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
+            raise ValueError("not a JSON object with a 'model_type'")
+        settings = dict(raw)
+        cfg = transformers.AutoConfig.for_model(settings.pop("model_type"), **settings)
+        arch = (getattr(cfg, "architectures", None) or [None])[0]
+        cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
+        if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+            cls = transformers.AutoModelForCausalLM
+        return cls.from_config(cfg) if cls is transformers.AutoModelForCausalLM else cls(cfg)
+    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError, OverflowError) as e:
+        raise CheckpointError(f"cannot build a model from the config of {path}: {e}") from e

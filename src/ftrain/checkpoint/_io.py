@@ -7,11 +7,15 @@ offsets, dtypes) first, and nothing is ever unpickled.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import shutil
+import stat
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +28,10 @@ __all__ = [
     "CheckpointError",
     "fsync_dir",
     "fsync_tree",
+    "open_regular",
     "publish_dir",
     "read_json",
+    "read_regular",
     "read_safetensors",
     "sha256_file",
     "write_json",
@@ -33,6 +39,9 @@ __all__ = [
     "write_text",
 ]
 
+# A shape with more dimensions than this is not a tensor any framework builds (torch's limit is
+# lower); refusing it keeps products of dimensions small to compute.
+MAX_DIMS = 64
 # Bigger headers than this are not produced by any real checkpoint; refusing them early keeps a
 # hostile file from making us allocate. (safetensors itself caps headers at 100 MB.)
 MAX_HEADER_BYTES = 100 * 2**20
@@ -132,25 +141,97 @@ def write_json(obj: Any, path: Path) -> None:
     write_text(text, path)
 
 
-def _read_bytes(path: Path, limit: int | None = None) -> bytes:
+@contextlib.contextmanager
+def open_regular(folder: Path, name: str, *, size: int | None = None) -> Iterator[int]:
+    """Open `folder/name` for reading only if it is a regular file inside `folder`; yield its fd.
+
+    Every component of `name` is opened relative to its parent with `O_NOFOLLOW`, so a symlink
+    (to `/dev/zero`, or out of the folder) is refused; `O_NONBLOCK` keeps a FIFO from blocking
+    the open, and `fstat` refuses anything that is not a regular file (FIFO, device, folder).
+    With `size`, the file must have exactly that many bytes (the size recorded at save).
+    Any failure, permission denied included, is a `CheckpointError`.
+    """
+    where = folder / name
+    parts = name.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise CheckpointError(f"{where}: not a plain file name inside the checkpoint")
+    nofollow = getattr(os, "O_NOFOLLOW", 0)
+    fds: list[int] = []
     try:
-        size = path.stat().st_size
-        if limit is not None and size > limit:
-            raise CheckpointError(f"{path} is {size} bytes, more than the {limit} allowed")
-        return path.read_bytes()
+        fds.append(os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)))
+        for part in parts[:-1]:
+            flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | nofollow
+            fds.append(os.open(part, flags, dir_fd=fds[-1]))
+        flags = os.O_RDONLY | nofollow | getattr(os, "O_NONBLOCK", 0)
+        fds.append(os.open(parts[-1], flags, dir_fd=fds[-1]))
+        info = os.fstat(fds[-1])
     except OSError as e:
-        raise CheckpointError(f"cannot read {path}: {e}") from e
+        for fd in fds:
+            os.close(fd)
+        if e.errno == errno.ELOOP:
+            raise CheckpointError(f"{where} is a symlink; checkpoints hold regular files") from e
+        raise CheckpointError(f"cannot read {where}: {e.strerror or e}") from e
+    for fd in fds[:-1]:
+        os.close(fd)
+    try:
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"{where} is not a regular file")
+        if size is not None and info.st_size != size:
+            raise CheckpointError(
+                f"{where} has {info.st_size} bytes, not the {size} recorded with its checksum "
+                "(truncated or corrupted)"
+            )
+        yield fds[-1]
+    finally:
+        os.close(fds[-1])
 
 
-def read_json(path: Path, *, sha256: str | None = None) -> Any:
-    """Parse a JSON file, checking its digest first when `sha256` is given."""
-    data = _read_bytes(path, MAX_JSON_BYTES)
+def read_regular(
+    folder: Path, name: str, *, size: int | None = None, limit: int | None = None
+) -> bytes:
+    """The bytes of the regular file `folder/name` (see `open_regular`), at most `limit`."""
+    with open_regular(folder, name, size=size) as fd:
+        have = os.fstat(fd).st_size
+        if limit is not None and have > limit:
+            raise CheckpointError(f"{folder / name} is {have} bytes, more than the {limit} allowed")
+        chunks, left = [], have
+        try:
+            while left > 0 and (chunk := os.read(fd, min(left, 2**26))):
+                chunks.append(chunk)
+                left -= len(chunk)
+        except OSError as e:
+            raise CheckpointError(f"cannot read {folder / name}: {e.strerror or e}") from e
+    data = b"".join(chunks)
+    if len(data) != have:
+        raise CheckpointError(f"{folder / name} changed size while it was read")
+    return data
+
+
+def read_json(path: Path, *, sha256: str | None = None, size: int | None = None) -> Any:
+    """Parse the JSON file `path` (a regular file, see `open_regular`), checking its digest and
+    size first when they are given."""
+    data = read_regular(path.parent, path.name, size=size, limit=MAX_JSON_BYTES)
     if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
         raise CheckpointError(f"{path} does not match its recorded checksum (corrupted)")
     try:
         return json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+
+
+def shape_numel(shape: Any) -> int | None:
+    """The element count of a shape read from a file, or None when it is not a sane shape:
+    a list of at most `MAX_DIMS` ints in [0, 2**48) whose product stays below 2**62."""
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS:
+        return None
+    numel = 1
+    for d in shape:
+        if type(d) is not int or not 0 <= d < 2**48:
+            return None
+        numel *= d
+        if numel >= 2**62:  # checked as it grows: never a product of thousands of digits
+            return None
+    return numel
 
 
 def check_header(data: bytes | memoryview, file_size: int, where: Path) -> dict[str, Any]:
@@ -192,47 +273,56 @@ def _check_entry(name: str, info: Any, body: int, where: Path) -> tuple[torch.dt
     if not isinstance(info, dict):
         raise bad
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in _DTYPES or not isinstance(shape, list) or not isinstance(offsets, list):
-        raise bad
-    if not all(type(d) is int and 0 <= d < 2**48 for d in shape):
+    numel = shape_numel(shape)
+    # A dict in place of the dtype is unhashable: look it up only when it is a string.
+    torch_dtype = _DTYPES.get(dtype) if isinstance(dtype, str) else None
+    if torch_dtype is None or numel is None or not isinstance(offsets, list):
         raise bad
     if len(offsets) != 2 or not all(type(o) is int for o in offsets):
         raise bad
     begin, stop = offsets
-    numel = 1
-    for d in shape:
-        numel *= d
-    if not 0 <= begin <= stop <= body or stop - begin != numel * _DTYPES[dtype].itemsize:
+    if not 0 <= begin <= stop <= body or stop - begin != numel * torch_dtype.itemsize:
         raise CheckpointError(f"{where}: tensor {name!r} claims bytes outside the file")
-    return _DTYPES[dtype], shape
+    return torch_dtype, list(shape)  # type: ignore[arg-type]  # a list of ints, checked above
 
 
-def read_safetensors(path: Path, *, sha256: str | None = None) -> dict[str, torch.Tensor]:
-    """Load tensors from `path` after validating it; verify its digest when `sha256` is given.
+def read_safetensors(
+    folder: Path, name: str, *, size: int, sha256: str | None = None
+) -> dict[str, torch.Tensor]:
+    """Load tensors from the regular file `folder/name` of `size` bytes after validating it.
 
     With a digest the file is read once into memory and hashed; without one it is memory-mapped
-    (for checkpoints too big to hash on every load).
+    (for checkpoints too big to hash on every load) through the descriptor already checked.
     """
+    where = folder / name
     if sha256 is not None:
-        data = _read_bytes(path)
+        data = read_regular(folder, name, size=size)
         if hashlib.sha256(data).hexdigest() != sha256:
-            raise CheckpointError(f"{path} does not match its recorded checksum (corrupted)")
-        check_header(data, len(data), path)
+            raise CheckpointError(f"{where} does not match its recorded checksum (corrupted)")
+        check_header(data, len(data), where)
         try:
             return _st_load(data)
         except (SafetensorError, ValueError, RuntimeError) as e:  # pragma: no cover - pre-checked
-            raise CheckpointError(f"{path}: {e}") from e
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
+            raise CheckpointError(f"{where}: {e}") from e
+    with open_regular(folder, name, size=size) as fd:
+        try:
+            head = os.pread(fd, 8, 0)
             n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-            check_header(head + f.read(min(n, MAX_HEADER_BYTES)), size, path)
-    except OSError as e:
-        raise CheckpointError(f"cannot read {path}: {e}") from e
+            check_header(head + os.pread(fd, min(n, MAX_HEADER_BYTES), 8), size, where)
+        except OSError as e:
+            raise CheckpointError(f"cannot read {where}: {e.strerror or e}") from e
+        return _map(fd, where)
+
+
+def _map(fd: int, where: Path) -> dict[str, torch.Tensor]:
+    """Memory-map the checked file through its descriptor (never by name again: the name could
+    have been swapped since); read it whole where /proc/self/fd is missing."""
     from safetensors.torch import load_file
 
+    by_fd = Path(f"/proc/self/fd/{fd}")
     try:
-        return load_file(path)
+        if by_fd.exists():
+            return load_file(str(by_fd))
+        return _st_load(b"".join(iter(lambda: os.read(fd, 2**26), b"")))  # pragma: no cover
     except (SafetensorError, ValueError, RuntimeError, OSError) as e:  # pragma: no cover
-        raise CheckpointError(f"{path}: {e}") from e
+        raise CheckpointError(f"{where}: {e}") from e

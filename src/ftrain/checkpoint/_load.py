@@ -16,24 +16,61 @@ import torch
 
 from ftrain.checkpoint import _layout as L
 from ftrain.checkpoint import _sharded
-from ftrain.checkpoint._io import CheckpointError, read_json, read_safetensors
+from ftrain.checkpoint._io import CheckpointError
 from ftrain.checkpoint._save import raise_pending_save_error
 from ftrain.checkpoint._tree import Node, describe, flatten, unflatten
+from ftrain.checkpoint._tree import _children as children
+from ftrain.checkpoint._verify import Opened, field_hints, fits, open_checkpoint, read_meta
+from ftrain.optim._adapters import TorchOptimizerState
 from ftrain.state import TrainState
 
 __all__ = ["CheckpointMismatchError", "CheckpointMismatchWarning", "load_checkpoint", "read_meta"]
 
 
 class CheckpointMismatchError(CheckpointError):
-    """The checkpoint does not fit the state; `differences` lists every mismatch."""
+    """The checkpoint does not fit the state; `differences` lists every mismatch.
 
-    def __init__(self, path: Path, differences: list[str]) -> None:
+    The message opens with one line saying why (`summary`): the model config's difference
+    from the checkpoint's when there is one, else counts of missing / unexpected / mis-shaped
+    entries. The full list follows.
+    """
+
+    def __init__(self, path: Path, differences: list[str], *, cause: str | None = None) -> None:
         self.differences = differences
+        self.summary = cause or _count(differences)
         lines = "\n  ".join(differences)
         super().__init__(
-            f"checkpoint {path} does not match the state ({len(differences)} "
+            f"{self.summary}\ncheckpoint {path} does not match the state ({len(differences)} "
             f"difference(s)):\n  {lines}\npass strict=False to load what matches"
         )
+
+
+def _count(differences: list[str]) -> str:
+    kinds = {"missing": 0, "unexpected": 0, "mis-shaped": 0}
+    for d in differences:
+        kind = "missing" if "missing" in d else "unexpected" if "unexpected" in d else None
+        kinds[kind or "mis-shaped"] += 1
+    parts = [f"{n} {kind}" for kind, n in kinds.items() if n]
+    return "checkpoint does not fit the state: " + ", ".join(parts) + " (details below)"
+
+
+def _config_cause(opened: Opened, module: torch.nn.Module) -> str | None:
+    """'config differs: hidden_size 64 in the checkpoint, 32 in the model' when both have an
+    HF config and they differ, else None."""
+    to_dict = getattr(getattr(module, "config", None), "to_dict", None)
+    if opened.config is None or not callable(to_dict):
+        return None
+    ours = to_dict()
+    skip = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures"}
+    keys = sorted(k for k in opened.config.keys() & ours.keys() if k not in skip)
+    changed = [k for k in keys if opened.config[k] != ours[k]]
+    if not changed:
+        return None
+    parts = [
+        f"{k} {opened.config[k]!r} in the checkpoint, {ours[k]!r} in the model" for k in changed
+    ]
+    more = f" (+{len(parts) - 3} more)" if len(parts) > 3 else ""
+    return "the model's config differs from the checkpoint's: " + "; ".join(parts[:3]) + more
 
 
 class CheckpointMismatchWarning(UserWarning):
@@ -78,11 +115,10 @@ def load_checkpoint(
     """
     raise_pending_save_error()
     path = Path(path)
-    meta = read_meta(path)
-    files = meta["files"]
+    opened = _open_on_every_rank(path, state.strategy, verify=verify)
+    meta = opened.meta
     sharded = meta.get("sharded") is True
     if sharded:
-        _sharded.verify(path, meta, checksum=verify)  # every file, before DCP opens any
         tensors = {
             L.MODEL_FILE: _sharded.placeholders(meta["tensors"]),
             L.OPTIM_FILE: _sharded.placeholders(
@@ -90,18 +126,15 @@ def load_checkpoint(
             ),
         }
     else:
-        tensors = {
-            n: read_safetensors(path / n, sha256=files[n].get("sha256") if verify else None)
-            for n in (L.MODEL_FILE, L.OPTIM_FILE)
-        }
+        tensors = opened.tensors
     module = state.strategy.unwrap(state.model)
     live = L.model_tensors(module, dict(state.params))
     opt_flat = flatten(state.opt_state)
     diffs, model_pairs = _match_model(meta, tensors[L.MODEL_FILE], live, module)
-    opt_diffs, opt_values = _match_optimizer(meta, tensors[L.OPTIM_FILE], opt_flat, live)
+    opt_diffs, opt_values = _match_optimizer(meta, tensors[L.OPTIM_FILE], state.opt_state, live)
     diffs += opt_diffs
     if diffs and strict:
-        raise CheckpointMismatchError(path, diffs)
+        raise CheckpointMismatchError(path, diffs, cause=_config_cause(opened, module))
     fields = _fields(meta, state)  # may still reject the file: before anything is written
     lazy = sorted(p for p in opt_values if p not in opt_flat)  # a torch optimizer's own state
     if lazy and state.strategy.checkpoint_sharded:
@@ -135,64 +168,47 @@ def load_checkpoint(
     return state.consume("load_checkpoint", opt_state=opt_state, **fields)
 
 
-def read_meta(path: Path) -> dict[str, Any]:
-    """Read and validate a committed checkpoint's `state.json` (checked against the marker)."""
-    if not path.is_dir():
-        raise CheckpointError(f"{path} is not a checkpoint directory")
-    if not (path / L.COMMIT_FILE).is_file():
-        raise CheckpointError(f"{path} is incomplete: no {L.COMMIT_FILE} marker (save cut short)")
-    marker = read_json(path / L.COMMIT_FILE)
-    digest = marker.get("state.json") if isinstance(marker, dict) else None
-    if not isinstance(digest, str):
-        raise CheckpointError(f"{path / L.COMMIT_FILE} is malformed")
-    meta = read_json(path / L.STATE_FILE, sha256=digest)
-    _validate(meta, path)
-    return meta
+def _open_on_every_rank(path: Path, strategy: Any, *, verify: bool) -> Opened:
+    """Open the checkpoint; with several ranks, make sure every rank opened the same one.
 
-
-def _validate(meta: Any, path: Path) -> None:
-    def need(ok: bool, what: str) -> None:
-        if not ok:
-            raise CheckpointError(f"{path / L.STATE_FILE}: {what}")
-
-    need(isinstance(meta, dict), "not a JSON object")
-    need(
-        meta.get("format") == L.FORMAT, f"not an ftrain checkpoint (format {meta.get('format')!r})"
-    )
-    version = meta.get("format_version")
-    need(
-        version == L.FORMAT_VERSION,
-        f"format version {version!r}; this ftrain reads {L.FORMAT_VERSION}",
-    )
-    for key, kind in [
-        ("fields", dict),
-        ("metrics", dict),
-        ("params", list),
-        ("optimizer", dict),
-        ("files", dict),
-    ]:
-        need(isinstance(meta.get(key), kind), f"{key!r} missing or not a {kind.__name__}")
-    need(type(meta.get("world_size")) is int, "'world_size' missing or not an int")
-    need(
-        all(
-            isinstance(r, list) and len(r) == 4 and isinstance(r[0], str) and isinstance(r[2], list)
-            for r in meta["params"]
-        ),
-        "malformed 'params' table",
-    )
-    sharded = meta.get("sharded") is True
-    names = [n for n in meta["files"]] if sharded else [L.MODEL_FILE, L.OPTIM_FILE]
-    for name in names:
-        entry = meta["files"].get(name)
-        need(isinstance(entry, dict), f"no record of {name}")
-        sha = entry.get("sha256")
-        need(sha is None or isinstance(sha, str), f"malformed checksum for {name}")
-    if sharded:
-        need(isinstance(meta.get("tensors"), dict), "'tensors' missing or not a dict")
-        for n, d in meta["tensors"].items():
-            need(isinstance(d, dict) and "tensor" in d, f"malformed tensor record {n!r}")
-    for p, d in meta["optimizer"].items():
-        need(isinstance(d, dict) and len(d) in (1, 2), f"malformed optimizer entry {p!r}")
+    Ranks can see different files (node-local run folders, a copy lagging behind): each
+    would resume from its own step with its own parameters, silently. So every rank takes
+    part in one small all-reduce, whether its own open failed or not, and all raise
+    `CheckpointError` unless every rank read a checkpoint with the same `state.json` digest
+    (which covers the step and every file's digest).
+    """
+    world = strategy.world_size
+    if world <= 1:
+        return open_checkpoint(path, verify=verify)
+    opened: Opened | None = None
+    error: BaseException | None = None
+    try:
+        opened = open_checkpoint(path, verify=verify)
+    except Exception as e:  # every rank must reach the all-reduce below, or the others hang
+        error = e
+    # 24-bit pieces of (digest, step), and their squares: the values are equal on every rank
+    # iff n * sum(x^2) == sum(x)^2 (Cauchy-Schwarz), and int64 sums of them are exact. The
+    # ranks count themselves (the leading 1) rather than trusting world_size.
+    step = opened.meta["fields"]["step"] if opened else 0
+    key = int(opened.digest[:12], 16) if opened else 0
+    pieces = [key >> 24, key & 0xFFFFFF, (step >> 24) & 0xFFFFFF, step & 0xFFFFFF]
+    flat = [1, int(opened is not None), *pieces, *(x * x for x in pieces)]
+    local = torch.tensor(flat, dtype=torch.int64, device=strategy.device)
+    total = strategy.all_reduce_sum(local).tolist()  # a host sync: once per load
+    if error is not None or opened is None:
+        raise error or CheckpointError(f"cannot read {path}")
+    ranks, readable, sums, squares = total[0], total[1], total[2:6], total[6:10]
+    if readable != ranks:
+        raise CheckpointError(
+            f"{ranks - readable} of {ranks} ranks could not read {path}; see their errors"
+        )
+    if any(ranks * q != s * s for s, q in zip(sums, squares, strict=True)):
+        raise CheckpointError(
+            f"the {ranks} ranks opened different checkpoints at {path} (this rank: step "
+            f"{step}, state.json {opened.digest[:12]}): with node-local run folders each rank "
+            "resumes from its own copy; give every rank the same checkpoint (shared storage)"
+        )
+    return opened
 
 
 def _match_model(
@@ -223,10 +239,11 @@ def _match_model(
 def _match_optimizer(
     meta: dict[str, Any],
     saved: dict[str, torch.Tensor],
-    template: dict[str, Any],
+    opt_state: Any,
     live: dict[str, torch.Tensor],
 ) -> tuple[list[str], dict[str, Any]]:
     entries: dict[str, Any] = meta["optimizer"]
+    template = flatten(opt_state)
     diffs: list[tuple[str, str]] = []  # (path, message)
     values: dict[str, Any] = {}
     for p, want in template.items():
@@ -244,31 +261,87 @@ def _match_optimizer(
             )
         elif not isinstance(want, Node):
             values[p] = saved[p] if "tensor" in got else got["value"]
-    torch_roots = [p for p, v in template.items() if isinstance(v, Node) and v.startswith("torch:")]
+    torch_states = _torch_states(opt_state)
     for p in sorted(entries.keys() - template.keys()):
-        root = next((r for r in torch_roots if _under(p, r)), None)
+        root = next((r for r in torch_states if _under(p, r)), None)
         if root is None:
             diffs.append((p, f"optimizer state unexpected in checkpoint: {p}"))
             continue
-        # A torch optimizer creates its state lazily, so the template has none to compare.
-        name, got = p[len(root) + 1 :].split("/")[0] if root else p.split("/")[0], entries[p]
-        if name not in live:
-            diffs.append((p, f"optimizer state for unknown parameter: {p}"))
-        elif got == {"node": "dict"}:
-            continue
-        elif "tensor" in got and p in saved:
+        # A torch optimizer creates its state lazily, so the template has none to compare:
+        # each entry is checked against the parameter it belongs to.
+        rest = p[len(root) + 1 :] if root else p
+        problem = _torch_entry_problem(rest, entries[p], saved.get(p), live, torch_states[root])
+        if problem is not None:
+            diffs.append((p, f"optimizer state {p}: {problem}"))
+        elif "tensor" in entries[p]:
             values[p] = saved[p]
-        elif "value" in got and isinstance(got["value"], (bool, int, float, str, type(None))):
-            values[p] = got["value"]
-        else:
-            diffs.append((p, f"optimizer state {p}: malformed entry {got!r}"))
-    for p in sorted(saved.keys() - entries.keys()):
-        diffs.append((p, f"optimizer tensor {p} is in {L.OPTIM_FILE} but not in {L.STATE_FILE}"))
+        elif "value" in entries[p]:
+            values[p] = entries[p]["value"]
     # Report a container of another type once, not again for everything below it.
     heads = [p for p, _ in diffs if isinstance(template.get(p), Node)]
     report = [m for p, m in diffs if not any(_under(p, h) and p != h for h in heads)]
     # A partial optimizer state is worse than a fresh one: load none of it on a mismatch.
     return report, ({} if report else values)
+
+
+def _torch_states(tree: Any, prefix: str = "") -> dict[str, TorchOptimizerState]:
+    """Path -> live torch optimizer (from `ft.optim.from_torch`) inside an optimizer state."""
+    if isinstance(tree, TorchOptimizerState):
+        return {prefix: tree}
+    if isinstance(tree, (torch.Tensor, bool, int, float, str, type(None))):
+        return {}
+    out: dict[str, TorchOptimizerState] = {}
+    for key, child in children(tree):
+        out.update(_torch_states(child, f"{prefix}/{key}" if prefix else key))
+    return out
+
+
+def _torch_entry_problem(
+    rest: str,
+    entry: dict[str, Any],
+    tensor: torch.Tensor | None,
+    live: dict[str, torch.Tensor],
+    holder: TorchOptimizerState,
+) -> str | None:
+    """What is wrong with one saved `<param>/<key>` entry of a torch optimizer's state, if any.
+
+    (Where the live optimizer already holds state, the template has it and is compared
+    exactly.) The entry must be a number or a tensor that fits the parameter: 0-dim (`step`), of the
+    parameter's shape, or, for optimizers that keep factored or quantized state (Adafactor,
+    bitsandbytes), a factor broadcasting to it or a 1-D table. A wrong shape would reach the
+    fused kernels (out-of-bounds reads), a string would fail at the next step.
+    """
+    parts = rest.split("/")
+    param = live.get(parts[0])
+    if param is None:
+        return "state for a parameter the model does not have"
+    if len(parts) == 1:
+        return None if entry == {"node": "dict"} else f"malformed entry {entry!r}"
+    if len(parts) != 2:
+        return "nested deeper than <parameter>/<key>"
+    if "value" in entry:
+        value = entry["value"]
+        ok = isinstance(value, (bool, int, float, type(None)))
+        return None if ok else f"a {type(value).__name__} where a number or tensor belongs"
+    if "tensor" not in entry or tensor is None:
+        return f"malformed entry {entry!r}"
+    has = describe(tensor)
+    cls = type(holder.optimizer)
+    factored = cls.__name__ == "Adafactor" or not cls.__module__.startswith("torch.optim")
+    shape, pshape = list(tensor.shape), list(param.shape)
+    if tensor.dim() == 0:
+        return None
+    if shape == pshape:
+        quantized = factored and tensor.dtype in (torch.uint8, torch.int8)
+        if param.is_floating_point() and not (tensor.is_floating_point() or quantized):
+            return f"checkpoint has {has} for a {describe(param)} parameter"
+        return None
+    broadcasts = len(shape) == len(pshape) and all(
+        a in (1, b) for a, b in zip(shape, pshape, strict=True)
+    )
+    if factored and (broadcasts or tensor.dim() == 1):
+        return None
+    return f"checkpoint has {has}, which does not fit the parameter ({describe(param)})"
 
 
 def _under(path: str, root: str) -> bool:
@@ -284,18 +357,22 @@ def _describe_saved(entry: dict[str, Any], tensor: torch.Tensor | None) -> str:
 
 
 def _fields(meta: dict[str, Any], state: TrainState) -> dict[str, Any]:
-    """The saved counters, checked against the types the state's fields declare."""
+    """The saved counters, checked against the types the state's fields declare.
+
+    `open_checkpoint` has checked them against `TrainState`'s fields; this adds the fields a
+    subclass declares and what depends on the live state (a tensor field's dtype and device).
+    """
     out: dict[str, Any] = {}
     saved = meta["fields"]
-    hints = _hints(type(state))
+    hints = field_hints(type(state))
     for f in dataclasses.fields(state):
         if f.name in L.NOT_PLAIN or f.name not in saved:
             continue
-        value, current = saved[f.name], getattr(state, f.name)
-        if _optional_tensor(f) and (value is None or current is None):
+        value, current, hint = saved[f.name], getattr(state, f.name), hints.get(f.name)
+        if hint == "tensor?" and (value is None or current is None):
             # e.g. the float16 loss scale, saved by an fp16 run and resumed in bf16 or the
             # other way round: the new run keeps its own (fresh) value.
-            if value is not None and not _is_saved_tensor(value):
+            if value is not None and not isinstance(value, dict):
                 raise CheckpointError(f"state field {f.name!r} is malformed: {value!r}")
             continue
         if isinstance(current, torch.Tensor):
@@ -306,61 +383,11 @@ def _fields(meta: dict[str, Any], state: TrainState) -> dict[str, Any]:
                 out[f.name] = torch.tensor(number, dtype=current.dtype, device=current.device)
             except (TypeError, ValueError, RuntimeError, OverflowError) as e:
                 raise CheckpointError(f"state field {f.name!r} is malformed: {value!r}") from e
-        elif _fits(value, hints.get(f.name)):
+        elif fits(value, hint if isinstance(hint, set) else None):
             out[f.name] = value
         else:
             raise CheckpointError(f"state field {f.name!r} is malformed: {value!r}")
     for name in ("step", "epoch", "cursor", "seed"):
         if type(out.get(name)) is not int or out[name] < 0:
             raise CheckpointError(f"state field {name!r} is missing or not an int >= 0")
-    scale = out.get("loss_scale")
-    if scale is not None and not (bool(torch.isfinite(scale)) and float(scale) > 0):
-        raise CheckpointError(f"state field 'loss_scale' must be finite and > 0, got {scale}")
     return out
-
-
-def _optional_tensor(f: dataclasses.Field[Any]) -> bool:
-    text = f.type if isinstance(f.type, str) else ""
-    return {t.strip() for t in text.split("|")} == {"torch.Tensor", "None"}
-
-
-def _is_saved_tensor(value: Any) -> bool:
-    return (
-        isinstance(value, dict)
-        and set(value) == {"dtype", "value"}
-        and type(value["value"]) in (int, float)
-    )
-
-
-_PLAIN_TYPES: dict[str, type] = {
-    "int": int,
-    "float": float,
-    "str": str,
-    "bool": bool,
-    "None": type(None),
-}
-
-
-def _hints(cls: type) -> dict[str, set[type] | None]:
-    """Allowed JSON types per plain field, from annotations like `float | None`.
-
-    Annotations are strings here (`from __future__ import annotations`); they are parsed, not
-    evaluated. A field annotated with anything else is only checked for being a plain value.
-    """
-    out: dict[str, set[type] | None] = {}
-    for f in dataclasses.fields(cls):
-        text = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
-        names = [t.strip() for t in text.split("|")]
-        out[f.name] = (
-            {_PLAIN_TYPES[n] for n in names} if all(n in _PLAIN_TYPES for n in names) else None
-        )
-    return out
-
-
-def _fits(value: Any, allowed: set[type] | None) -> bool:
-    if type(value) not in (bool, int, float, str, type(None)):
-        return False
-    if allowed is None:
-        return True
-    # A float field may hold an int a user stored; bool is never an int here.
-    return type(value) in allowed or (type(value) is int and float in allowed)

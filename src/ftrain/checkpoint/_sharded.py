@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from ftrain.checkpoint._io import CheckpointError, check_header
-from ftrain.checkpoint._layout import MODEL_DIR, OPTIM_DIR
+from ftrain.checkpoint._io import CheckpointError, check_header, read_regular
+from ftrain.checkpoint._layout import CONFIG_FILE, MODEL_DIR, OPTIM_DIR
 
 __all__ = ["MODEL_DIR", "OPTIM_DIR", "placeholders", "read_into", "verify"]
 
@@ -46,11 +46,13 @@ def verify(path: Path, meta: dict[str, Any], *, checksum: bool) -> None:
     }
     chunks: dict[tuple[str, str], list[tuple[list[int], list[int]]]] = {}
     for name, entry in sorted(files.items()):
+        if name == CONFIG_FILE:  # checked with the other JSON
+            continue
         sub, _, fname = name.partition("/")
         if sub not in shapes or "/" in fname or not fname.endswith(".safetensors"):
             raise CheckpointError(f"{path}: unexpected file {name!r} in state.json")
         f = path / name
-        data = _read(f, entry, checksum)
+        data = _read(path, name, entry, checksum)
         header = check_header(data, len(data), f)
         offsets = _sharding_info(data, f)
         for key, (dtype, shape) in header.items():
@@ -74,15 +76,12 @@ def verify(path: Path, meta: dict[str, Any], *, checksum: bool) -> None:
                 raise CheckpointError(f"{path / sub}: the shards of {key!r} do not cover it once")
 
 
-def _read(f: Path, entry: Any, checksum: bool) -> bytes:
+def _read(path: Path, name: str, entry: Any, checksum: bool) -> bytes:
     import hashlib
 
-    try:
-        data = f.read_bytes()
-    except OSError as e:
-        raise CheckpointError(f"cannot read {f}: {e}") from e
-    if not isinstance(entry, dict) or entry.get("bytes") != len(data):
-        raise CheckpointError(f"{f} has {len(data)} bytes, not the recorded size (truncated?)")
+    f = path / name
+    # A regular file inside the folder (no symlink, FIFO or device), of the recorded size.
+    data = read_regular(path, name, size=entry.get("bytes") if isinstance(entry, dict) else -1)
     sha = entry.get("sha256")
     if checksum and sha is not None and hashlib.sha256(data).hexdigest() != sha:
         raise CheckpointError(f"{f} does not match its recorded checksum (corrupted)")

@@ -1,0 +1,325 @@
+"""One validator for a checkpoint folder, shared by `load_checkpoint`, `inspect` and `export`.
+
+`open_checkpoint` checks everything that does not depend on the state a checkpoint is loaded
+into: the commit marker, `state.json` (digest, then every field's type and shape), each file
+(a regular file inside the folder, its recorded size and digest, its safetensors header),
+`config.json`, and that the optimizer file holds exactly the tensors `state.json` records. What
+`inspect` calls complete, `load_checkpoint` can read; what one refuses, the other refuses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+import re
+import stat
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ftrain.checkpoint import _layout as L
+from ftrain.checkpoint import _sharded
+from ftrain.checkpoint._io import (
+    MAX_HEADER_BYTES,
+    CheckpointError,
+    check_header,
+    open_regular,
+    read_json,
+    read_regular,
+    read_safetensors,
+    shape_numel,
+)
+
+__all__ = ["Opened", "open_checkpoint", "read_meta", "validate_meta"]
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_SCALARS = (bool, int, float, str, type(None))
+_COUNTERS = ("step", "epoch", "cursor", "seed")
+
+
+@dataclasses.dataclass(frozen=True)
+class Opened:
+    """A checkpoint that passed every file-level check."""
+
+    meta: dict[str, Any]
+    # Whole layout: file name -> its tensors (the files asked for); empty when sharded.
+    tensors: dict[str, dict[str, torch.Tensor]]
+    # SHA-256 of state.json: the checkpoint's identity (it records every file's digest).
+    digest: str
+    config: dict[str, Any] | None  # config.json, checked
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """Read and validate a committed checkpoint's `state.json` (checked against the marker)."""
+    return _meta_and_digest(Path(path))[0]
+
+
+def open_checkpoint(
+    path: Path, *, verify: bool = True, keep: Iterable[str] = (L.MODEL_FILE, L.OPTIM_FILE)
+) -> Opened:
+    """Check the checkpoint at `path` as `load_checkpoint` does; return what it read.
+
+    Args:
+        path: a `step-<N>` folder.
+        verify: check each file's recorded SHA-256 (sizes and headers are always checked).
+        keep: whole-layout files whose tensors to return; the others are checked and dropped.
+
+    Raises:
+        CheckpointError: for anything missing, incomplete, corrupted or malformed.
+    """
+    try:
+        meta, digest = _meta_and_digest(path)
+        tensors: dict[str, dict[str, torch.Tensor]] = {}
+        if meta.get("sharded") is True:
+            _sharded.verify(path, meta, checksum=verify)
+        else:
+            headers = {}
+            for name in (L.MODEL_FILE, L.OPTIM_FILE):
+                entry = meta["files"][name]
+                sha = entry.get("sha256") if verify else None
+                if name in keep:
+                    tensors[name] = read_safetensors(path, name, size=entry["bytes"], sha256=sha)
+                    headers[name] = {n: (t.dtype, list(t.shape)) for n, t in tensors[name].items()}
+                else:
+                    headers[name] = _check_safetensors(path, name, entry["bytes"], sha)
+            _check_optimizer_file(meta["optimizer"], headers[L.OPTIM_FILE], path)
+        config = read_config(path, meta, verify=verify)
+    except OSError as e:  # e.g. permission denied on a sub-folder listing
+        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from e
+    return Opened(meta, tensors, digest, config)
+
+
+def read_config(path: Path, meta: dict[str, Any], *, verify: bool = True) -> dict[str, Any] | None:
+    """The checkpoint's `config.json` as a dict (checked against its recorded size and digest),
+    or None when it has none."""
+    entry = meta["files"].get(L.CONFIG_FILE)
+    if entry is None:
+        try:
+            os.lstat(path / L.CONFIG_FILE)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise CheckpointError(f"cannot read {path / L.CONFIG_FILE}: {e.strerror}") from e
+        entry = {}  # present but not recorded (sharded saves): parsed, not verified
+    sha = entry.get("sha256") if verify else None
+    config = read_json(path / L.CONFIG_FILE, sha256=sha, size=entry.get("bytes"))
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path / L.CONFIG_FILE} is not a JSON object")
+    return config
+
+
+def _meta_and_digest(path: Path) -> tuple[dict[str, Any], str]:
+    try:
+        if not stat.S_ISDIR(os.stat(path).st_mode):
+            raise CheckpointError(f"{path} is not a checkpoint directory")
+        os.lstat(path / L.COMMIT_FILE)
+    except (FileNotFoundError, NotADirectoryError) as e:
+        if not os.path.isdir(path):
+            raise CheckpointError(f"{path} is not a checkpoint directory") from e
+        raise CheckpointError(
+            f"{path} is incomplete: no {L.COMMIT_FILE} marker (save cut short)"
+        ) from None
+    except OSError as e:  # permission denied, on the folder or a parent
+        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from e
+    marker = read_json(path / L.COMMIT_FILE)
+    digest = marker.get("state.json") if isinstance(marker, dict) else None
+    if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+        raise CheckpointError(f"{path / L.COMMIT_FILE} is malformed")
+    meta = read_json(path / L.STATE_FILE, sha256=digest)
+    validate_meta(meta, path)
+    return meta, digest
+
+
+def validate_meta(meta: Any, path: Path) -> None:
+    """Check every part of a parsed `state.json` that loading or printing it relies on."""
+    where = path / L.STATE_FILE
+
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise CheckpointError(f"{where}: {what}")
+
+    need(isinstance(meta, dict), "not a JSON object")
+    fmt, version = meta.get("format"), meta.get("format_version")
+    need(fmt == L.FORMAT, f"not an ftrain checkpoint (format {_short(fmt)})")
+    need(version == L.FORMAT_VERSION, f"format version {_short(version)}; this ftrain reads 1")
+    for key, kind in [
+        ("fields", dict),
+        ("metrics", dict),
+        ("params", list),
+        ("optimizer", dict),
+        ("files", dict),
+    ]:
+        need(isinstance(meta.get(key), kind), f"{key!r} missing or not a {kind.__name__}")
+    world = meta.get("world_size")
+    need(type(world) is int and world >= 1, "'world_size' missing or not an int >= 1")
+    need(all(_is_param_row(r) for r in meta["params"]), "malformed 'params' table")
+    need(all(isinstance(v, _SCALARS) for v in meta["metrics"].values()), "malformed 'metrics'")
+    _validate_files(meta, need)
+    for p, d in meta["optimizer"].items():
+        need(_is_optimizer_entry(d), f"malformed optimizer entry {_short(p)}")
+    if meta.get("sharded") is True:
+        need(isinstance(meta.get("tensors"), dict), "'tensors' missing or not a dict")
+        for n, d in meta["tensors"].items():
+            need(_is_tensor_record(d), f"malformed tensor record {_short(n)}")
+    _validate_fields(meta["fields"], need)
+
+
+def _validate_files(meta: dict[str, Any], need: Any) -> None:
+    files = meta["files"]
+    for name, entry in files.items():
+        ok = isinstance(entry, dict) and type(entry.get("bytes")) is int and entry["bytes"] >= 0
+        sha = entry.get("sha256") if isinstance(entry, dict) else None
+        need(ok and (sha is None or _SHA256.fullmatch(str(sha))), f"bad record of {_short(name)}")
+        need(all(p not in ("", ".", "..") for p in name.split("/")), f"bad name {_short(name)}")
+    if meta.get("sharded") is not True:
+        for name in (L.MODEL_FILE, L.OPTIM_FILE):
+            need(name in files, f"no record of {name}")
+
+
+def _validate_fields(fields: dict[str, Any], need: Any) -> None:
+    from ftrain.state import TrainState
+
+    hints = field_hints(TrainState)
+    for name, value in fields.items():
+        kind = hints.get(name)
+        if kind == "tensor":
+            need(_is_saved_tensor(value), f"state field {_short(name)} is malformed")
+        elif kind == "tensor?":
+            need(value is None or _is_saved_tensor(value), f"state field {name!r} is malformed")
+        elif isinstance(kind, set):
+            need(fits(value, kind), f"state field {_short(name)} is malformed: {_short(value)}")
+        else:  # a field of a TrainState subclass: any plain value or 0-dim tensor
+            ok = type(value) in _SCALARS or _is_saved_tensor(value)
+            need(ok, f"state field {_short(name)} is malformed")
+    for name in _COUNTERS:
+        v = fields.get(name)
+        need(type(v) is int and v >= 0, f"state field {name!r} is missing or not an int >= 0")
+    scale = fields.get("loss_scale")
+    if isinstance(scale, dict):
+        v = scale["value"]
+        need(math.isfinite(v) and v > 0, f"state field 'loss_scale' must be finite and > 0: {v}")
+
+
+def field_hints(cls: type) -> dict[str, Any]:
+    """Per dataclass field: "tensor", "tensor?" (optional tensor), the set of plain JSON types
+    allowed (from annotations like `float | None`), or None (anything plain).
+
+    Annotations are strings here (`from __future__ import annotations`): parsed, not evaluated.
+    """
+    plain = {"int": int, "float": float, "str": str, "bool": bool, "None": type(None)}
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        text = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+        names = {t.strip() for t in text.split("|")}
+        if names == {"torch.Tensor"}:
+            out[f.name] = "tensor"
+        elif names == {"torch.Tensor", "None"}:
+            out[f.name] = "tensor?"
+        else:
+            out[f.name] = {plain[n] for n in names} if names <= plain.keys() else None
+    return out
+
+
+def fits(value: Any, allowed: set[type] | None) -> bool:
+    """Whether a plain JSON value fits a field's allowed types (an int fits a float field)."""
+    if type(value) not in _SCALARS:
+        return False
+    if allowed is None:
+        return True
+    # A float field may hold an int a user stored; bool is never an int here.
+    return type(value) in allowed or (type(value) is int and float in allowed)
+
+
+def _is_saved_tensor(value: Any) -> bool:
+    """A 0-dim tensor field as saved: {"dtype", "value"} with a number the dtype can hold."""
+    if not (isinstance(value, dict) and set(value) == {"dtype", "value"}):
+        return False
+    dtype, number = _dtype(value["dtype"]), value["value"]
+    if dtype is None or type(number) not in (int, float):
+        return False
+    try:
+        torch.tensor(number, dtype=dtype)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        return False
+    return True
+
+
+def _dtype(name: Any) -> torch.dtype | None:
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def _is_param_row(r: Any) -> bool:
+    return (
+        isinstance(r, list)
+        and len(r) == 4
+        and isinstance(r[0], str)
+        and _dtype(r[1]) is not None
+        and shape_numel(r[2]) is not None
+        and isinstance(r[3], bool)
+    )
+
+
+def _is_tensor_record(d: Any) -> bool:
+    return (
+        isinstance(d, dict)
+        and set(d) == {"tensor", "shape"}
+        and _dtype(d["tensor"]) is not None
+        and shape_numel(d["shape"]) is not None
+    )
+
+
+def _is_optimizer_entry(d: Any) -> bool:
+    if not isinstance(d, dict):
+        return False
+    if set(d) == {"node"}:
+        return isinstance(d["node"], str)
+    if set(d) == {"value"}:
+        return isinstance(d["value"], _SCALARS)
+    return _is_tensor_record(d)
+
+
+def _check_optimizer_file(
+    records: dict[str, Any], header: dict[str, tuple[torch.dtype, list[int]]], path: Path
+) -> None:
+    """The optimizer file holds exactly the tensors state.json records, as recorded."""
+    wanted = {p: d for p, d in records.items() if "tensor" in d}
+    for p in sorted(wanted.keys() ^ header.keys())[:1]:
+        where = L.STATE_FILE if p in wanted else L.OPTIM_FILE
+        raise CheckpointError(
+            f"{path}: optimizer tensor {_short(p)} is only in {where} (the files disagree)"
+        )
+    for p, d in wanted.items():
+        dtype, shape = header[p]
+        if _dtype(d["tensor"]) != dtype or d["shape"] != shape:
+            raise CheckpointError(
+                f"{path}: optimizer tensor {_short(p)} is {dtype}{shape} in {L.OPTIM_FILE} "
+                f"but {d['tensor']}{d['shape']} in {L.STATE_FILE}"
+            )
+
+
+def _check_safetensors(
+    folder: Path, name: str, size: int, sha256: str | None
+) -> dict[str, tuple[torch.dtype, list[int]]]:
+    """Check a safetensors file without keeping its tensors; return its header."""
+    where = folder / name
+    if sha256 is not None:
+        data = read_regular(folder, name, size=size)
+        if hashlib.sha256(data).hexdigest() != sha256:
+            raise CheckpointError(f"{where} does not match its recorded checksum (corrupted)")
+        return check_header(data, size, where)
+    with open_regular(folder, name, size=size) as fd:
+        head = os.pread(fd, 8, 0)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        return check_header(head + os.pread(fd, min(n, MAX_HEADER_BYTES), 8), size, where)
+
+
+def _short(value: Any) -> str:
+    """repr of a value read from a file, cut short (it may be megabytes long)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,51 @@
+"""One rank of test_checkpoint_ranks.py: ranks that see different checkpoints (node-local run
+folders) must refuse to resume, all of them; ranks that see the same one resume together.
+
+Each rank first writes its own checkpoint into its own folder (no process group yet, as on a
+node-local disk), then joins the group and loads it. Prints one line per case."""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+import ftrain as ft
+
+CASES = {  # case -> (step, parameter offset) that rank r writes
+    "same checkpoint": lambda r: (5, 0.0),
+    "step differs": lambda r: (5 + r, 0.0),
+    "parameters differ": lambda r: (5, float(r)),
+}
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 2)
+
+
+def main(tmp: Path, rank: int) -> None:
+    for case, what in CASES.items():
+        step, offset = what(rank)
+        state = ft.TrainState.create(model(), ft.optim.adamw())
+        with torch.no_grad():
+            state.params["bias"].add_(offset)
+        ft.save_checkpoint(state.replace(step=step), tmp / f"{case}-node{rank}")
+    strategy = ft.strategies.from_env("ddp", timeout=timedelta(seconds=60))
+    for case in CASES:
+        state = ft.TrainState.create(model(), ft.optim.adamw(), strategy=strategy)
+        ckpt = ft.latest_checkpoint(tmp / f"{case}-node{rank}")
+        try:
+            loaded = ft.load_checkpoint(ckpt, state)
+            print(f"{case}: loaded step {loaded.step}", flush=True)
+        except ft.CheckpointError as e:
+            print(f"{case}: refused: {str(e).splitlines()[0]}", flush=True)
+        del state
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), int(sys.argv[2]))
