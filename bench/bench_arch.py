@@ -1,0 +1,63 @@
+"""Forward+backward time of the main job's model variants against nanoGPT's `GPT`.
+
+HF GPT-2 with the tanh GELU approximation (`gelu_new`), HF GPT-2 with exact GELU (what
+examples/shakespeare_char.py uses), and nanoGPT's own model (bias=False) at the example's
+shapes, interleaved, one thread; prints median milliseconds. nanoGPT is not part of ftrain:
+point --nanogpt at a checkout of it (its `model.py` is imported from there).
+
+    python bench/bench_arch.py --nanogpt /path/to/nanoGPT [--rounds 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from transformers import GPT2Config, GPT2LMHeadModel
+
+V, B, T = 65, 12, 64
+
+
+def _hf(activation: str) -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        vocab_size=V, n_positions=T, n_embd=128, n_layer=4, n_head=4, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        activation_function=activation,
+    )  # fmt: skip
+    return GPT2LMHeadModel(cfg)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--nanogpt", required=True, help="a checkout of nanoGPT")
+    parser.add_argument("--rounds", type=int, default=60)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    sys.path.insert(0, args.nanogpt)
+    from model import GPT, GPTConfig  # nanoGPT's
+
+    cfg = GPTConfig(block_size=T, vocab_size=V, n_layer=4, n_head=4, n_embd=128, dropout=0.0)
+    cfg.bias = False
+    models = {"hf_gelu_new": _hf("gelu_new"), "hf_gelu": _hf("gelu"), "nanogpt": GPT(cfg)}
+    x, y = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
+    times: dict[str, list[float]] = {k: [] for k in models}
+    for _ in range(args.rounds):
+        for name, model in models.items():
+            t = time.perf_counter()
+            if name == "nanogpt":
+                loss = model(x, y)[1]
+            else:
+                logits = model(input_ids=x).logits
+                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            loss.backward()
+            times[name].append(time.perf_counter() - t)
+    print({k: round(statistics.median(v[10:]) * 1e3, 2) for k, v in times.items()})
+
+
+if __name__ == "__main__":
+    main()
