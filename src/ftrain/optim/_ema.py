@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from ftrain.optim._base import Grads, Optimizer, Params, _check
+from ftrain.optim._base import Grads, Optimizer, Params, _check, _local
 
 if TYPE_CHECKING:
     from ftrain.state import TrainState
@@ -99,8 +99,8 @@ def ema(
         inner = optimizer.update(grads, state.inner, params, lr=lr, step=step, found_inf=found_inf)
         d = ema_decay(step, decay=decay, warmup=warmup, gamma=gamma, power=power)
         names = list(state.ema)
-        averages = _locals([state.ema[n] for n in names])
-        live = _locals([params[n].detach() for n in names])
+        averages = _local([state.ema[n] for n in names])
+        live = _local([params[n].detach() for n in names])
         with torch.no_grad():
             if found_inf is None:
                 torch._foreach_lerp_(averages, live, 1.0 - d)
@@ -110,10 +110,6 @@ def ema(
         return EmaState(inner, state.ema)
 
     return Optimizer(init, update)
-
-
-def _locals(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
 
 
 def _find(opt_state: Any) -> EmaState:
@@ -145,8 +141,8 @@ def swap_ema(state: TrainState) -> Iterator[TrainState]:
     """
     average = _find(state.opt_state).ema
     names = list(average)
-    live = _locals([state.params[n] for n in names])
-    pairs = list(zip(live, _locals([average[n] for n in names]), strict=True))
+    live = _local([state.params[n] for n in names])
+    pairs = list(zip(live, _local([average[n] for n in names]), strict=True))
     _swap(pairs)
     try:
         yield state
