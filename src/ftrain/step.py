@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from ftrain._compiled import compiled_update, skip_flag
 from ftrain.checkpoint._save import raise_pending_save_error
 from ftrain.grads import Grads, Stats
 from ftrain.precision import update_loss_scale
@@ -25,13 +26,15 @@ class StepInfo(NamedTuple):
     lr: float
 
 
-def _validate(lr: float, max_norm: float | None) -> None:
+def _validate(lr: float, max_norm: float | None, compile: bool) -> None:
     if isinstance(lr, torch.Tensor) or not isinstance(lr, (int, float)):
         raise TypeError(f"lr must be a Python number (e.g. schedule(state.step)), got {lr!r}")
     if not (math.isfinite(lr) and lr >= 0):
         raise ValueError(f"lr must be finite and >= 0, got {lr!r}")
     if max_norm is not None and not (isinstance(max_norm, (int, float)) and max_norm > 0):
         raise ValueError(f"max_norm must be a number > 0 or None, got {max_norm!r}")
+    if not isinstance(compile, bool):
+        raise TypeError(f"compile must be True or False, got {compile!r}")
 
 
 def _check_grads(grads: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> None:
@@ -82,6 +85,7 @@ def clip_and_step(
     stats: Stats | None = None,
     skip_nonfinite: bool = True,
     donate: bool = True,
+    compile: bool = False,
 ) -> tuple[TrainState, StepInfo]:
     """Clip `grads` to a global norm, apply the optimizer, and advance the counters.
 
@@ -108,18 +112,23 @@ def clip_and_step(
             loss scaling).
         donate: update in place and consume `state` and `grads`; False snapshots the state
             first so it stays valid, and keeps the gradients.
+        compile: run the norm, skip, clip and optimizer update as one `torch.compile`d call
+            (opt-in; `adamw`, `adam` and `sgd`, unsharded strategies). Same results as eager
+            up to float rounding, same state and checkpoints; the first step compiles (seconds
+            to a minute), a changing `lr` does not recompile (docs/performance.md).
 
     Returns:
         `(new_state, StepInfo)`.
 
     Raises:
-        TypeError, ValueError: for a bad `lr` or `max_norm`, a state whose loss scale does
+        TypeError, ValueError: for a bad `lr`, `max_norm` or `compile` (an optimizer or
+            strategy it does not support), a state whose loss scale does
             not match its strategy's precision, or a gradient whose name, shape, dtype or
             device does not match its parameter (checked on the host, no sync).
         ConsumedStateError: if `state` or `grads` was already consumed.
         CheckpointError: if a background (`blocking=False`) save has failed since the last call.
     """
-    _validate(lr, max_norm)
+    _validate(lr, max_norm, compile)
     raise_pending_save_error()  # a failed background save surfaces here, one step later
     if isinstance(grads, Grads):
         grads.check()
@@ -133,17 +142,22 @@ def clip_and_step(
             "the strategy that trains it (TrainState.create(..., strategy=...))"
         )
     _check_grads(grads, params)
-    g = list(grads.values())
+    # With loss scaling an overflow is expected now and then: always skip it.
+    check_finite = skip_nonfinite or scaling is not None
+    num_items = None if stats is None else stats.num_items
     with torch.no_grad():
-        norm = strategy.grad_norm(g)
-        # With loss scaling an overflow is expected now and then: always skip it.
-        overflow = (~torch.isfinite(norm)) if skip_nonfinite or scaling is not None else None
-        skip = _skip(overflow, stats)
-        if max_norm is not None and g:
-            torch._foreach_mul_(g, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-        opt_state = state.optimizer.update(
-            grads, state.opt_state, params, lr=float(lr), step=state.step, found_inf=skip
-        )
+        if compile:
+            norm, overflow, skip = compiled_update(
+                state, grads, lr=float(lr), max_norm=max_norm, check_finite=check_finite,
+                num_items=num_items,
+            )  # fmt: skip
+            opt_state = state.opt_state
+        else:
+            norm, overflow = _eager_norm_and_clip(state, grads, max_norm, check_finite)
+            skip = skip_flag(overflow, num_items)
+            opt_state = state.optimizer.update(
+                grads, state.opt_state, params, lr=float(lr), step=state.step, found_inf=skip
+            )
     if donate:
         _release(grads, params, state.step)
     changes: dict[str, object] = {"opt_state": opt_state, "step": state.step + 1}
@@ -170,11 +184,13 @@ def clip_and_step(
     )
 
 
-def _skip(overflow: torch.Tensor | None, stats: Stats | None) -> torch.Tensor | None:
-    """1.0 where the update must be skipped on the device: a non-finite norm (when checked) or
-    a step that counted no item (nothing was learned, so no weight decay nor moment decay
-    either); None when nothing is checked."""
-    empty = None if stats is None else stats.num_items == 0
-    if overflow is None:
-        return None if empty is None else empty.float()
-    return (overflow if empty is None else overflow | empty).float()
+def _eager_norm_and_clip(
+    state: TrainState, grads: Mapping[str, torch.Tensor], max_norm: float | None, check: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The pre-clip norm and the overflow flag (when `check`); clips `grads` in place."""
+    g = list(grads.values())
+    norm = state.strategy.grad_norm(g)
+    overflow = (~torch.isfinite(norm)) if check else None
+    if max_norm is not None and g:
+        torch._foreach_mul_(g, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return norm, overflow

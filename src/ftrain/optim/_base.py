@@ -12,6 +12,8 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from ftrain.optim import _traceable
+
 __all__ = [
     "AdamState",
     "ChainState",
@@ -190,6 +192,11 @@ def _adam(
             count.sub_(found_inf)
         return state
 
+    twin = _traceable.adam_twin(
+        decoupled=decoupled, betas=betas, eps=eps, weight_decay=weight_decay, groups=groups,
+        maximize=maximize,
+    )  # fmt: skip
+    _traceable.register(update, twin)
     return Optimizer(init, update)
 
 
@@ -314,6 +321,11 @@ def sgd(
             )
         return state
 
+    twin = _traceable.sgd_twin(
+        momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay,
+        groups=groups, maximize=maximize,
+    )  # fmt: skip
+    _traceable.register(update, twin)
     return Optimizer(init, update)
 
 

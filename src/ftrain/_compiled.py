@@ -1,0 +1,121 @@
+"""The tensor work of `clip_and_step` (norm, skip, clip, update) as one `torch.compile`d call.
+
+Used by `clip_and_step(..., compile=True)`. One compiled function per optimizer (its traceable
+twin, `ft.optim._traceable`); the learning rate enters as a 0-dim tensor that is refilled each
+step, so a schedule does not recompile. What may recompile: the first step of SGD (its momentum
+buffer starts from the gradient), a new `max_norm`, or another set of parameters.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ftrain.optim._traceable import Split, TraceableUpdate, twin_of
+
+Tensors = Mapping[str, torch.Tensor]
+
+
+def skip_flag(overflow: torch.Tensor | None, num_items: torch.Tensor | None) -> torch.Tensor | None:
+    """1.0 where the update must be skipped on the device: a non-finite norm (when checked) or
+    a step that counted no item (nothing was learned, so no weight decay nor moment decay
+    either); None when nothing is checked."""
+    empty = None if num_items is None else num_items == 0
+    if overflow is None:
+        return None if empty is None else empty.float()
+    return (overflow if empty is None else overflow | empty).float()
+
+
+def _step_math(
+    grad_norm: Callable[[Sequence[torch.Tensor]], torch.Tensor],
+    update: TraceableUpdate,
+    grads: Tensors,
+    opt_state: Any,
+    params: Tensors,
+    split: Split,
+    lr: torch.Tensor,
+    max_norm: float | None,
+    check_finite: bool,
+    num_items: torch.Tensor | None,
+    first: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    g = list(grads.values())
+    norm = grad_norm(g)
+    overflow = ~torch.isfinite(norm) if check_finite else None
+    skip = skip_flag(overflow, num_items)
+    if max_norm is not None and g:
+        torch._foreach_mul_(g, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    update(grads, opt_state, params, split, lr=lr, first=first, skip=skip)
+    return norm, overflow, skip
+
+
+class _Compiled:
+    """The compiled step of one optimizer and its persistent learning-rate tensor."""
+
+    def __init__(self) -> None:
+        # Dynamo caches graphs on the code object, with a recompile limit (8) per code object:
+        # a copy per optimizer keeps a sweep over many optimizers from hitting it.
+        own = types.FunctionType(_step_math.__code__.replace(), _step_math.__globals__)
+        # fullgraph: a graph break would silently run part of the step eagerly; fail instead.
+        self.fn = torch.compile(own, fullgraph=True, dynamic=False)
+        self.lr: torch.Tensor | None = None
+
+    def lr_tensor(self, lr: float, device: torch.device) -> torch.Tensor:
+        if self.lr is None or self.lr.device != device:
+            self.lr = torch.zeros((), dtype=torch.float64, device=device)
+        return self.lr.fill_(lr)  # a kernel with a scalar argument: no copy, no sync
+
+
+_CACHE: weakref.WeakKeyDictionary[Callable[..., Any], _Compiled] = weakref.WeakKeyDictionary()
+
+
+def compiled_update(
+    state: Any,
+    grads: Tensors,
+    *,
+    lr: float,
+    max_norm: float | None,
+    check_finite: bool,
+    num_items: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Run the norm, skip, clip and update of `state` in one compiled call (in place).
+
+    Returns `(norm, overflow, skip)` like the eager path; the optimizer state is updated in
+    place (the same tensors as the eager update), so `state.opt_state` stays what it is.
+    """
+    update = state.optimizer.update
+    twin = twin_of(update)
+    if twin is None:
+        raise ValueError(
+            "clip_and_step(compile=True) supports the optimizers ft.optim.adamw, adam and sgd; "
+            f"state.optimizer is another one ({getattr(update, '__qualname__', update)!r}): "
+            "drop compile=True or use one of those"
+        )
+    strategy = state.strategy
+    if strategy.checkpoint_sharded:
+        raise ValueError(
+            f"clip_and_step(compile=True) does not support a strategy with sharded parameters "
+            f"({type(strategy).__name__}); drop compile=True"
+        )
+    entry = _CACHE.get(update)
+    if entry is None:
+        entry = _CACHE[update] = _Compiled()
+    params = state.params
+    lr_t = entry.lr_tensor(lr, next(iter(params.values())).device)
+    return entry.fn(
+        strategy.grad_norm,
+        twin.update,
+        dict(grads),
+        state.opt_state,
+        dict(params),
+        twin.groups(grads, params),
+        lr_t,
+        max_norm,
+        check_finite,
+        num_items,
+        state.step == 0,
+    )

@@ -1,0 +1,150 @@
+"""Traceable twins of the fused optimizer updates, for `clip_and_step(..., compile=True)`.
+
+PyTorch's fused kernels (`torch._fused_adamw_`, ...) have no meta kernel, so `torch.compile`
+cannot trace them. These twins write the same update as plain tensor ops, which inductor fuses
+with the clipping into a few kernels. They take the learning rate as a 0-dim tensor, so a
+schedule does not recompile, and skip on the device with `torch.where` where the fused kernels
+take `found_inf`. They mutate the same state tensors as the fused update, so checkpoints are
+the same either way.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+Params = Mapping[str, torch.Tensor]
+Split = list[tuple[bool, list[str]]]
+GroupsFn = Callable[[Params, Params], Split]
+
+
+class TraceableUpdate(Protocol):
+    """`update(grads, state, params, split, *, lr, first, skip)`: in place, returns nothing.
+
+    `split` is the optimizer's `(decay, names)` grouping, computed outside the graph (its cache
+    is Python state that a trace would guard on); `lr` is a 0-dim tensor; `first` is True for
+    the first update (`step == 0`); `skip` is a float tensor, nonzero to leave parameters and
+    state as they are, or None.
+    """
+
+    def __call__(
+        self,
+        grads: Params,
+        state: Any,
+        params: Params,
+        split: Split,
+        *,
+        lr: torch.Tensor,
+        first: bool,
+        skip: torch.Tensor | None,
+    ) -> None: ...
+
+
+class Twin(NamedTuple):
+    """The traceable form of an optimizer update and the grouping it runs over."""
+
+    groups: GroupsFn
+    update: TraceableUpdate
+
+
+# Keyed by the eager `update` function of an `Optimizer` that has a traceable twin.
+_TWINS: weakref.WeakKeyDictionary[Callable[..., Any], Twin] = weakref.WeakKeyDictionary()
+
+
+def register(update: Callable[..., Any], twin: Twin) -> None:
+    """Record `twin` as the traceable form of the optimizer update `update`."""
+    _TWINS[update] = twin
+
+
+def twin_of(update: Callable[..., Any]) -> Twin | None:
+    """The traceable form of `update`, or None when it has none."""
+    return _TWINS.get(update)
+
+
+def _keep(skip: torch.Tensor | None, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    return new if skip is None else torch.where(skip != 0, old, new)
+
+
+def adam_twin(
+    *,
+    decoupled: bool,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    groups: GroupsFn,
+    maximize: bool,
+) -> Twin:
+    """The update of `_fused_adam(w)_` (ATen's FusedAdamKernel) as traceable tensor ops."""
+    b1, b2 = betas
+
+    def update(
+        grads: Params,
+        state: Any,
+        params: Params,
+        split: Split,
+        *,
+        lr: torch.Tensor,
+        first: bool,
+        skip: torch.Tensor | None,
+    ) -> None:
+        count = state.steps.double() + 1  # the post-increment count, as the fused kernel
+        step_size = lr / (1 - b1**count)
+        bc2_sqrt = (1 - b2**count).sqrt()
+        for decay, names in split:
+            wd = weight_decay if decay else 0.0
+            for n in names:
+                p, g, m, v = params[n], grads[n], state.mu[n], state.nu[n]
+                g = -g if maximize else g
+                if wd and not decoupled:
+                    g = g + wd * p
+                m_new = m * b1 + g * (1 - b1)
+                v_new = v * b2 + (g * g) * (1 - b2)
+                p_new = p * (1 - lr * wd) if wd and decoupled else p
+                p_new = p_new - step_size * m_new / (v_new.sqrt() / bc2_sqrt + eps)
+                m.copy_(_keep(skip, m, m_new))
+                v.copy_(_keep(skip, v, v_new))
+                p.copy_(_keep(skip, p, p_new))
+        state.steps.copy_(count if skip is None else count - skip)
+
+    return Twin(groups, update)
+
+
+def sgd_twin(
+    *,
+    momentum: float,
+    dampening: float,
+    nesterov: bool,
+    weight_decay: float,
+    groups: GroupsFn,
+    maximize: bool,
+) -> Twin:
+    """The update of `_fused_sgd_` as traceable tensor ops (first step: buffer = gradient)."""
+
+    def update(
+        grads: Params,
+        state: Any,
+        params: Params,
+        split: Split,
+        *,
+        lr: torch.Tensor,
+        first: bool,
+        skip: torch.Tensor | None,
+    ) -> None:
+        for decay, names in split:
+            wd = weight_decay if decay else 0.0
+            for n in names:
+                p, g = params[n], grads[n]
+                g = -g if maximize else g
+                if wd:
+                    g = g + wd * p
+                if momentum:
+                    buf = state.momentum[n]
+                    b_new = g if first else buf * momentum + g * (1 - dampening)
+                    buf.copy_(_keep(skip, buf, b_new))
+                    g = g + momentum * b_new if nesterov else b_new
+                p.copy_(_keep(skip, p, p - lr * g))
+
+    return Twin(groups, update)
