@@ -118,10 +118,11 @@ def raw_loop(model: torch.nn.Module, total: int) -> Callable[[list[Any], int], N
 
 
 def ftrain_loop(
-    model: torch.nn.Module, total: int, strategy: Any = None
+    model: torch.nn.Module, total: int, strategy: Any = None, compile: bool = False
 ) -> Callable[[list[Any], int], None]:
     """The README loop's body. `grads` lives across iterations as in the README, where it stays
-    bound until the next `accumulate_grads` returns: held in `loop`, not scoped to one call."""
+    bound until the next `accumulate_grads` returns: held in `loop`, not scoped to one call.
+    `compile` is `clip_and_step`'s (bench_compiled_step.py)."""
     state = ft.TrainState.create(model, ft.optim.adamw(weight_decay=WD), strategy=strategy)
     lr = ft.schedules.warmup_cosine(1e-3, 10, total)
     loop: dict[str, Any] = {"state": state, "grads": None}
@@ -130,7 +131,7 @@ def ftrain_loop(
         state = loop["state"]
         loop["grads"], stats = ft.accumulate_grads(state, micro)
         state, info = ft.clip_and_step(
-            state, loop["grads"], stats=stats, lr=lr(state.step), max_norm=CLIP
+            state, loop["grads"], stats=stats, lr=lr(state.step), max_norm=CLIP, compile=compile
         )
         loop["state"] = state
         if ft.should_log(state, every=LOG_EVERY):

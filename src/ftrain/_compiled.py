@@ -21,13 +21,13 @@ Tensors = Mapping[str, torch.Tensor]
 
 
 def skip_flag(overflow: torch.Tensor | None, num_items: torch.Tensor | None) -> torch.Tensor | None:
-    """1.0 where the update must be skipped on the device: a non-finite norm (when checked) or
+    """True where the update must be skipped on the device: a non-finite norm (when checked) or
     a step that counted no item (nothing was learned, so no weight decay nor moment decay
-    either); None when nothing is checked."""
+    either); None when nothing is checked. A bool tensor: the optimizers take `.float()`."""
     empty = None if num_items is None else num_items == 0
     if overflow is None:
-        return None if empty is None else empty.float()
-    return (overflow if empty is None else overflow | empty).float()
+        return empty
+    return overflow if empty is None else overflow | empty
 
 
 def _step_math(

@@ -228,20 +228,24 @@ def accumulate_grads(
         p.grad = None
     # float16 training scales the loss up so small gradients survive backward (ft.precision).
     counts = _forward_backward(state, micro, default_loss if loss_fn is None else loss_fn, strategy)
-    loss_total, num_items_t, num_tokens_t, num_samples_t = counts.unbind()
+    loss_total, num_items_t, _, _ = counts.unbind()
     grads = Grads((n, p.grad) for n, p in params.items() if p.grad is not None)
     if grads:
         # Backends that average over ranks (DDP) have multiplied by grad_reduce_factor; undo it,
-        # and the loss scale. A step without items keeps its (zero) gradient as it is.
-        norm = num_items_t.clamp(min=1.0) * strategy.grad_reduce_factor
+        # and the loss scale. A step without items keeps its (zero) gradient as it is. (No
+        # multiply by a factor of 1: each 0-dim op is a few microseconds of a small step.)
+        norm = num_items_t.clamp(min=1.0)
+        if strategy.grad_reduce_factor != 1:
+            norm = norm * strategy.grad_reduce_factor
         scale = state.loss_scale
         torch._foreach_div_(list(grads.values()), norm if scale is None else norm * scale)
     # The mean over zero items is undefined: NaN, and clip_and_step skips such a step.
+    num_items, num_tokens, num_samples = counts[1:].long().unbind()  # one cast for three
     stats = Stats(
         loss=(loss_total / num_items_t).float(),
-        num_items=num_items_t.long(),
-        num_tokens=num_tokens_t.long(),
-        num_samples=num_samples_t.long(),
+        num_items=num_items,
+        num_tokens=num_tokens,
+        num_samples=num_samples,
         num_micro=len(micro),
         position=getattr(micro, "position", None),  # a stream group's (ft.data.Group)
     )

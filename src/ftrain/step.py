@@ -155,8 +155,9 @@ def clip_and_step(
         else:
             norm, overflow = _eager_norm_and_clip(state, grads, max_norm, check_finite)
             skip = skip_flag(overflow, num_items)
+            found_inf = None if skip is None else skip.float()  # the fused kernels' form
             opt_state = state.optimizer.update(
-                grads, state.opt_state, params, lr=float(lr), step=state.step, found_inf=skip
+                grads, state.opt_state, params, lr=float(lr), step=state.step, found_inf=found_inf
             )
     if donate:
         _release(grads, params, state.step)
@@ -176,9 +177,7 @@ def clip_and_step(
             tokens_seen=state.tokens_seen + stats.num_tokens,
             samples_seen=state.samples_seen + stats.num_samples,
         )
-    skipped = (
-        skip.bool() if skip is not None else torch.zeros((), dtype=torch.bool, device=norm.device)
-    )
+    skipped = skip if skip is not None else torch.zeros((), dtype=torch.bool, device=norm.device)
     return state.consume("clip_and_step", **changes), StepInfo(
         grad_norm=norm, skipped=skipped, lr=float(lr)
     )

@@ -26,7 +26,7 @@ class TraceableUpdate(Protocol):
 
     `split` is the optimizer's `(decay, names)` grouping, computed outside the graph (its cache
     is Python state that a trace would guard on); `lr` is a 0-dim tensor; `first` is True for
-    the first update (`step == 0`); `skip` is a float tensor, nonzero to leave parameters and
+    the first update (`step == 0`); `skip` is a bool tensor, True to leave parameters and
     state as they are, or None.
     """
 
@@ -65,7 +65,7 @@ def twin_of(update: Callable[..., Any]) -> Twin | None:
 
 
 def _keep(skip: torch.Tensor | None, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    return new if skip is None else torch.where(skip != 0, old, new)
+    return new if skip is None else torch.where(skip, old, new)
 
 
 def adam_twin(
@@ -107,7 +107,7 @@ def adam_twin(
                 m.copy_(_keep(skip, m, m_new))
                 v.copy_(_keep(skip, v, v_new))
                 p.copy_(_keep(skip, p, p_new))
-        state.steps.copy_(count if skip is None else count - skip)
+        state.steps.copy_(count if skip is None else count - skip.double())
 
     return Twin(groups, update)
 
