@@ -223,3 +223,28 @@ def test_hf_gradient_checkpointing_gives_the_same_training():
     assert not getattr(plain.model, "is_activation_checkpointing", False)
     for n, p in plain.params.items():
         torch.testing.assert_close(recomputed.params[n], p, rtol=1e-6, atol=1e-7, msg=n)
+
+
+def test_counting_items_first_divides_the_loss_and_gives_the_same_gradients(monkeypatch):
+    """Large models divide each loss by the global count before backward (no pass over the
+    gradients, issue 12); the gradients are those of one big batch either way."""
+    import ftrain.grads as grads_module
+
+    model = tiny_llama(torch.float64)
+    rows = ragged_rows(12, seed=1)
+    ref, ref_loss = _full_batch_grads(model, rows)
+    state = ft.TrainState.create(model, ft.optim.sgd())
+    (micro,) = list(ft.make_batches(rows, batch_size=4, accum=3, shuffle=False))
+    counted = []
+    spy = lambda fn, b: counted.append(1) or ft.losses._items_before_forward(fn, b)  # noqa: E731
+    monkeypatch.setattr(grads_module, "_items_before_forward", spy)
+    ft.accumulate_grads(state, micro)
+    assert counted == []  # a 0.02M-parameter model: dividing the gradients is cheaper
+    monkeypatch.setattr(grads_module, "COUNT_FIRST_NUMEL", 1)
+    stand_in = ft.data.ZeroWeight(micro[0])  # runs, counts nothing
+    grads, stats = ft.accumulate_grads(state, [*micro, stand_in])
+    assert len(counted) == 4
+    for n, g in grads.items():
+        torch.testing.assert_close(g, ref[n], rtol=1e-6, atol=5e-8, msg=n)
+    torch.testing.assert_close(stats.loss.double(), ref_loss, rtol=1e-6, atol=0)
+    assert int(stats.num_items) == sum(sum(t != -100 for t in r["labels"][1:]) for r in rows)

@@ -262,6 +262,21 @@ _CAUSAL = causal_lm_loss()
 _CLASSIFY = classification_loss()
 
 
+def _causal_items(batch: Any) -> torch.Tensor | None:
+    """The label tokens `causal_lm_loss` counts in `batch` (after the shift), read from the
+    labels alone; None when `batch` is not a dict with 2-D `labels`."""
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
+        return None
+    return (labels[:, 1:] != IGNORE_INDEX).sum()
+
+
+def _items_before_forward(loss_fn: LossFn, batch: Any) -> torch.Tensor | None:
+    """The item count `loss_fn` will report for `batch`, known without running the model
+    (the default loss on a causal-LM batch, issue 12); None when it is not known in advance."""
+    return _causal_items(batch) if loss_fn is default_loss or loss_fn is _CAUSAL else None
+
+
 def default_loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """The loss `accumulate_grads` uses when none is given, for HF models with `labels`.
 
