@@ -13,6 +13,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import ftrain as ft
+from ftrain.precision import LossScaling, Precision
 from helpers import opt_state_tensors
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -27,9 +28,10 @@ def _loss(m, b):
     return ((m(b) ** 2).sum(), b.shape[0])
 
 
-def _run(model, opt, *, compile, steps, nan_at=None, donate=True):
+def _run(model, opt, *, compile, steps, nan_at=None, donate=True, precision=None):
     """`steps` README-loop steps on fixed data with a warmup-cosine lr (a new lr every step)."""
-    state = ft.TrainState.create(model, opt, seed=0)
+    strategy = ft.strategies.SingleDevice("cpu", precision=precision)
+    state = ft.TrainState.create(model, opt, seed=0, strategy=strategy)
     lr = ft.schedules.warmup_cosine(peak_lr=0.05, warmup_steps=3, total_steps=steps)
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
     infos = []
@@ -83,14 +85,18 @@ def test_compiled_adamw_matches_eager_compiles_once_and_checkpoints_the_same(tmp
 
 
 @pytest.mark.slow
-def test_compiled_sgd_matches_eager_and_donate_false_keeps_the_state():
+def test_compiled_sgd_with_fp16_loss_scaling_matches_eager_and_donate_false_keeps_the_state():
     opt = lambda: ft.optim.sgd(momentum=0.9, nesterov=True, weight_decay=0.01)  # noqa: E731
     model = _model()
-    eager = _run(copy.deepcopy(model), opt(), compile=False, steps=4)
+    # Overflows on the first two steps, then trains.
+    scaling = Precision(torch.float16, LossScaling(init_scale=2.0**18, backoff_factor=0.25))
+    eager = _run(copy.deepcopy(model), opt(), compile=False, steps=4, precision=scaling)
     counters.clear()
-    compiled = _run(model, opt(), compile=True, steps=4, donate=False)
+    compiled = _run(model, opt(), compile=True, steps=4, donate=False, precision=scaling)
     # SGD's first update sets the momentum buffer: one graph for it, one for the rest.
     assert counters["stats"]["unique_graphs"] == 2
+    assert [skip for _, skip in compiled[1]] == [True, True, False, False]
+    assert float(compiled[0].loss_scale) == float(eager[0].loss_scale)
     _assert_same(eager, compiled)
     last_input = compiled[2]
     assert last_input.step == 3 and last_input.params["0.weight"].shape == (6, 4)

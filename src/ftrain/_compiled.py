@@ -61,7 +61,9 @@ class _Compiled:
         # a copy per optimizer keeps a sweep over many optimizers from hitting it.
         own = types.FunctionType(_step_math.__code__.replace(), _step_math.__globals__)
         # fullgraph: a graph break would silently run part of the step eagerly; fail instead.
-        self.fn = torch.compile(own, fullgraph=True, dynamic=False)
+        # No size asserts: dynamo's guards already check every input's sizes and strides, and
+        # the asserts cost ~35 us per call on a 16-parameter model (a fifth of the call).
+        self.fn = torch.compile(own, fullgraph=True, dynamic=False, options={"size_asserts": False})
         self.lr: torch.Tensor | None = None
 
     def lr_tensor(self, lr: float, device: torch.device) -> torch.Tensor:

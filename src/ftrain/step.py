@@ -115,7 +115,7 @@ def clip_and_step(
         compile: run the norm, skip, clip and optimizer update as one `torch.compile`d call
             (opt-in; `adamw`, `adam` and `sgd`, unsharded strategies). Same results as eager
             up to float rounding, same state and checkpoints; the first step compiles (seconds
-            to a minute), a changing `lr` does not recompile (docs/performance.md).
+            to a minute), a changing `lr` does not recompile (docs/optimizers.md).
 
     Returns:
         `(new_state, StepInfo)`.
