@@ -75,7 +75,7 @@ def update(w: LogWindow, stats: Stats, info: StepInfo) -> LogWindow:
     return w._replace(
         loss_sum=w.loss_sum + filtered,
         steps=w.steps + 1,
-        skipped=w.skipped + info.skipped.to(torch.int64),
+        skipped=w.skipped + info.skipped,  # int64 + bool stays int64: no cast op
         grad_norm=info.grad_norm.detach(),
         lr=info.lr,
     )
