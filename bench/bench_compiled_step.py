@@ -7,8 +7,9 @@ Four loops train their own copy of bench_loop.py's model on the same data (AdamW
 accumulation 2, clip 1.0, warmup-cosine lr, logging every 10 steps): the README loop eager and
 with `compile=True`, the raw loop with fused AdamW (bench_loop.py's), and the raw loop with
 the optimizer step compiled as PyTorch's tutorial does it (`torch.compile(opt.step)` over a
-foreach AdamW with a tensor lr). Blocks rotate every round; medians of per-step times. The
-first block of each loop (where compilation happens) is untimed in the medians and reported.
+foreach AdamW with a tensor lr). The loops take turns step by step (order rotating); medians
+of per-step times. The first block of each loop (where compilation happens) is untimed in the
+medians and reported.
 """
 
 from __future__ import annotations
@@ -70,11 +71,17 @@ def time_regime(regime: str, rounds: int) -> None:
         t0 = time.perf_counter()
         _block(step, data, 0)
         first[name] = time.perf_counter() - t0
+    # Interleaved step by step (order rotating): on a shared machine the load changes faster
+    # than a block of steps lasts, which made block-interleaved medians of the tiny regime
+    # differ by 1.8x between two loops doing the same work.
     per_step: dict[str, list[float]] = {name: [] for name in loops}
+    turn = 0
     for r in range(rounds):
-        order = LOOPS[r % 4 :] + LOOPS[: r % 4]
-        for name in order if r % 2 == 0 else tuple(reversed(order)):
-            per_step[name] += _block(loops[name], data, steps * (r + 1))
+        for i, micro in enumerate(data):
+            order = LOOPS[turn % 4 :] + LOOPS[: turn % 4]
+            turn += 1
+            for name in order:
+                per_step[name] += _block(loops[name], [micro], steps * (r + 1) + i)
     med = {name: statistics.median(ts) * 1e3 for name, ts in per_step.items()}
     n = sum(p.numel() for p in model.parameters()) / 1e6
     print(f"\nregime {regime} ({n:.2f}M params), {steps} steps x {rounds} rounds")

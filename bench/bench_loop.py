@@ -126,12 +126,13 @@ def ftrain_loop(
     state = ft.TrainState.create(model, ft.optim.adamw(weight_decay=WD), strategy=strategy)
     lr = ft.schedules.warmup_cosine(1e-3, 10, total)
     loop: dict[str, Any] = {"state": state, "grads": None}
+    extra = {"compile": True} if compile else {}  # so that trees without it run this bench too
 
     def step(micro: list[Any], k: int) -> None:
         state = loop["state"]
         loop["grads"], stats = ft.accumulate_grads(state, micro)
         state, info = ft.clip_and_step(
-            state, loop["grads"], stats=stats, lr=lr(state.step), max_norm=CLIP, compile=compile
+            state, loop["grads"], stats=stats, lr=lr(state.step), max_norm=CLIP, **extra
         )
         loop["state"] = state
         if ft.should_log(state, every=LOG_EVERY):
