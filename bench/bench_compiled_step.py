@@ -18,41 +18,11 @@ import argparse
 import copy
 import statistics
 import time
-from collections.abc import Callable
-from typing import Any
 
 import torch
-from bench_loop import CLIP, LOG_EVERY, LOGGED, WD, _block, _to_device, build, ftrain_loop, raw_loop
-
-import ftrain as ft
+from bench_loop import _block, _to_device, build, ftrain_loop, raw_loop
 
 LOOPS = ("raw fused", "raw compiled opt.step", "ftrain eager", "ftrain compile=True")
-
-
-def raw_compiled_loop(model: torch.nn.Module, total: int) -> Callable[[list[Any], int], None]:
-    """The raw loop with `torch.compile(opt.step)` (torch's "compiled optimizer" recipe)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.0), weight_decay=WD)
-    lr = ft.schedules.warmup_cosine(1e-3, 10, total)
-
-    @torch.compile(fullgraph=False)
-    def opt_step() -> None:
-        opt.step()
-
-    def step(micro: list[Any], k: int) -> None:
-        opt.zero_grad(set_to_none=True)
-        loss_sum = 0.0
-        for batch in micro:
-            loss = model(**batch).loss / len(micro)
-            loss.backward()
-            loss_sum += loss.detach()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        for group in opt.param_groups:
-            group["lr"].fill_(lr(k))  # a tensor lr: no recompile when it changes
-        opt_step()
-        if (k + 1) % LOG_EVERY == 0:
-            LOGGED.append((float(loss_sum), float(norm)))
-
-    return step
 
 
 def time_regime(regime: str, rounds: int) -> None:
@@ -61,7 +31,7 @@ def time_regime(regime: str, rounds: int) -> None:
     total = steps * (rounds + 1)
     makers = {
         "raw fused": raw_loop,
-        "raw compiled opt.step": raw_compiled_loop,
+        "raw compiled opt.step": lambda m, t: raw_loop(m, t, compiled_step=True),
         "ftrain eager": ftrain_loop,
         "ftrain compile=True": lambda m, t: ftrain_loop(m, t, compile=True),
     }

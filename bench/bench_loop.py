@@ -95,9 +95,18 @@ def build(regime: str) -> tuple[torch.nn.Module, list[list[dict[str, torch.Tenso
     return model, data, steps
 
 
-def raw_loop(model: torch.nn.Module, total: int) -> Callable[[list[Any], int], None]:
-    """The loop people write by hand, logging every LOG_EVERY steps like the README loop."""
-    opt = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=WD, fused=True)
+def raw_loop(
+    model: torch.nn.Module, total: int, compiled_step: bool = False
+) -> Callable[[list[Any], int], None]:
+    """The loop people write by hand, logging every LOG_EVERY steps like the README loop.
+    `compiled_step`: torch's compiled-optimizer recipe instead of fused AdamW (a foreach AdamW
+    with a tensor lr, its `step` under `torch.compile`; bench_compiled_step.py)."""
+    if compiled_step:
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.0), weight_decay=WD)
+        opt_step = torch.compile(opt.step)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=WD, fused=True)
+        opt_step = opt.step
     lr = ft.schedules.warmup_cosine(1e-3, 10, total)
 
     def step(micro: list[Any], k: int) -> None:
@@ -109,8 +118,11 @@ def raw_loop(model: torch.nn.Module, total: int) -> Callable[[list[Any], int], N
             loss_sum += loss.detach()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         for group in opt.param_groups:
-            group["lr"] = lr(k)
-        opt.step()
+            if compiled_step:
+                group["lr"].fill_(lr(k))  # a tensor lr: no recompile when it changes
+            else:
+                group["lr"] = lr(k)
+        opt_step()
         if (k + 1) % LOG_EVERY == 0:
             LOGGED.append((float(loss_sum), float(norm)))
 
