@@ -6,8 +6,9 @@
 The ftrain loop is the README loop (`grads` stays bound across iterations, every 10th step logs
 `float(stats.loss)` and `float(info.grad_norm)`); the raw loop logs the same two numbers.
 Step time: both loops train their own copy of the same model on the same pre-collated data with
-the same hyper-parameters (accumulation 2, clip 1.0, warmup-cosine lr, AdamW wd 0.1). Rounds
-alternate raw/ftrain blocks so that machine noise hits both; the ratio is of per-step medians.
+the same hyper-parameters (accumulation 2, clip 1.0, warmup-cosine lr, AdamW wd 0.1). The loops
+take turns step by step (order alternating) so that machine noise hits both; the ratio is of
+per-step medians over the rounds.
 Peak memory: each loop runs alone in a fresh subprocess and reports its peak RSS growth over the
 set-up baseline (CUDA: max allocated), interleaved the same way.
 """
@@ -188,11 +189,14 @@ def time_regime(regime: str, rounds: int) -> dict[str, float]:
     }
     for step in loops.values():  # warm-up block (allocator, first-step state init)
         _block(step, data, 0)
+    # The loops take turns step by step, order alternating: on a shared machine the load changes
+    # within a block of steps, and block-interleaved medians swung by up to 1.2x.
     per_step: dict[str, list[float]] = {name: [] for name in loops}
     for r in range(rounds):
-        order = list(loops) if r % 2 == 0 else list(reversed(loops))
-        for name in order:
-            per_step[name] += _block(loops[name], data, steps * (r + 1))
+        for i, micro in enumerate(data):
+            order = list(loops) if (r * steps + i) % 2 == 0 else list(reversed(loops))
+            for name in order:
+                per_step[name] += _block(loops[name], [micro], steps * (r + 1) + i)
     med = {name: statistics.median(ts) for name, ts in per_step.items()}
     n_params = sum(p.numel() for p in model.parameters())
     return {
