@@ -200,6 +200,10 @@ def accumulate_grads(
     and the gradients are divided by it. Non-final micro-batches skip the strategy's gradient
     sync. Dropout randomness is
     `dropout_seed(state.seed, state.step, i, rank)` for micro-batch i. No host sync.
+    With the default loss on causal-LM batches and at least `COUNT_FIRST_NUMEL` (2**20)
+    parameters, the label tokens are counted before any forward and each loss is divided
+    before backward, as a raw loop does: no extra pass over the gradients, the same result to
+    float rounding.
 
     The returned gradients are the parameters' `.grad` tensors (not copies), in a `Grads`
     mapping that `clip_and_step` consumes; the model is put in training mode. A step that
