@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -130,7 +131,7 @@ class _Job:
 
     def run(self, staged: L.Contents, strategy: Any) -> Path:
         """Write, seal, rotate (on the ranks that write)."""
-        path = _commit(staged, self.root, checksum=self.checksum, strategy=strategy)
+        path = _commit(_ready(staged), self.root, checksum=self.checksum, strategy=strategy)
         if self.keep_last is not None and strategy.rank == 0:
             _rotate(self, self.keep_last)
         return path
@@ -177,19 +178,26 @@ def _save_together(job: _Job, state: TrainState, metrics: Mapping[str, Any] | No
 
 
 def _stage(contents: L.Contents, *, copy: bool) -> L.Contents:
-    """Host copies of whole tensors (a sharded state's shards are written where they are)."""
+    """Host copies of whole tensors (a sharded state's shards are written where they are).
+
+    `copy` (a background save) decouples the write from the next, in-place step. CUDA tensors
+    are then copied into pinned host memory without blocking, and `ready` records an event the
+    writer waits for, so the caller's thread never waits for the device.
+    """
     if contents.meta.get("sharded"):
         return contents
     if sys.byteorder != "little":  # pragma: no cover - safetensors stores little-endian
         raise CheckpointError("checkpoints are written on little-endian machines only")
     seen: set[int] = set()
+    pinned = copy and torch.cuda.is_available()
 
     def host(t: torch.Tensor) -> torch.Tensor:
-        # A copy decouples an async write from the next (donated, in-place) step. safetensors
-        # refuses tensors that share memory (views of one buffer), so those are copied too.
+        # safetensors refuses tensors that share memory (views of one buffer): copy those too.
         ptr = t.untyped_storage().data_ptr()
         shared = ptr in seen and t.numel() > 0
         seen.add(ptr)
+        if pinned and t.is_cuda:
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
         if copy or shared:
             return t.to("cpu", copy=True).contiguous()
         return t.cpu().contiguous()
@@ -197,7 +205,19 @@ def _stage(contents: L.Contents, *, copy: bool) -> L.Contents:
     with torch.no_grad():
         model = {n: host(t) for n, t in contents.model.items()}
         optim = {p: host(v) for p, v in contents.optim.items()}
-    return L.Contents(contents.step, model, optim, contents.meta, contents.config)
+        meta = L.map_values(contents.meta, host)
+    ready = torch.cuda.Event() if pinned else None
+    if ready is not None:
+        ready.record()
+    return L.Contents(contents.step, model, optim, meta, contents.config, ready)
+
+
+def _ready(staged: L.Contents) -> L.Contents:
+    """Wait for the staging copies, then read the counters and metrics as numbers."""
+    if staged.ready is not None:
+        staged.ready.synchronize()
+    meta = L.map_values(staged.meta, lambda t: t.item())  # host sync: saving is the place
+    return dataclasses.replace(staged, meta=meta, ready=None)
 
 
 def _commit(staged: L.Contents, root: Path, *, checksum: bool, strategy: Any) -> Path:
