@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -80,9 +80,9 @@ def save_checkpoint(
 
     With several data-parallel ranks, call it on every rank with the same arguments. With DDP
     rank 0 writes; with FSDP every rank writes its own shards (torch.distributed.checkpoint)
-    and rank 0 commits them all at once, always blocking. A blocking save returns on every rank
-    once the checkpoint is committed, or raises `CheckpointError` on every rank. Either kind
-    loads with any number of ranks.
+    and rank 0 commits them all at once. A blocking save returns on every rank once the
+    checkpoint is committed, or raises `CheckpointError` on every rank; a background sharded
+    save fails on every rank or none. Either kind loads with any number of ranks.
 
     Returns:
         The checkpoint directory `root/step-<N>`.
@@ -106,10 +106,13 @@ def save_checkpoint(
     job = _Job(Path(root), state.step, *rotation, checksum=checksum)
     wait_for_checkpoint()
     strategy = state.strategy
-    if blocking or strategy.checkpoint_sharded:
+    if blocking:
         return _save_together(job, state, metrics)
-    if strategy.rank == 0:  # rank 0 holds whole tensors: it writes them in the background
-        _start(job, _stage(L.collect(state, metrics, sharded=False), copy=True), strategy)
+    if strategy.checkpoint_sharded:  # every rank writes its own shards in the background
+        _start(job.step, _write_later(job, state, metrics))
+    elif strategy.rank == 0:  # rank 0 holds whole tensors: it writes them in the background
+        staged = _stage(L.collect(state, metrics, sharded=False), copy=True)
+        _start(job.step, lambda: job.run(staged, strategy))
     return job.path
 
 
@@ -132,9 +135,13 @@ class _Job:
     def run(self, staged: L.Contents, strategy: Any) -> Path:
         """Write, seal, rotate (on the ranks that write)."""
         path = _commit(_ready(staged), self.root, checksum=self.checksum, strategy=strategy)
-        if self.keep_last is not None and strategy.rank == 0:
-            _rotate(self, self.keep_last)
+        if strategy.rank == 0:
+            self.rotate()
         return path
+
+    def rotate(self) -> None:
+        if self.keep_last is not None:
+            _rotate(self, self.keep_last)
 
 
 def _retention(
@@ -178,14 +185,14 @@ def _save_together(job: _Job, state: TrainState, metrics: Mapping[str, Any] | No
 
 
 def _stage(contents: L.Contents, *, copy: bool) -> L.Contents:
-    """Host copies of whole tensors (a sharded state's shards are written where they are).
+    """Host copies of whole tensors and counters (a sharded state's shards are left to the
+    strategy, which writes them where they are or stages them itself).
 
     `copy` (a background save) decouples the write from the next, in-place step. CUDA tensors
     are then copied into pinned host memory without blocking, and `ready` records an event the
     writer waits for, so the caller's thread never waits for the device.
     """
-    if contents.meta.get("sharded"):
-        return contents
+    sharded = contents.meta.get("sharded")
     if sys.byteorder != "little":  # pragma: no cover - safetensors stores little-endian
         raise CheckpointError("checkpoints are written on little-endian machines only")
     seen: set[int] = set()
@@ -203,8 +210,8 @@ def _stage(contents: L.Contents, *, copy: bool) -> L.Contents:
         return t.cpu().contiguous()
 
     with torch.no_grad():
-        model = {n: host(t) for n, t in contents.model.items()}
-        optim = {p: host(v) for p, v in contents.optim.items()}
+        model = contents.model if sharded else {n: host(t) for n, t in contents.model.items()}
+        optim = contents.optim if sharded else {p: host(v) for p, v in contents.optim.items()}
         meta = L.map_values(contents.meta, host)
     ready = torch.cuda.Event() if pinned else None
     if ready is not None:
@@ -241,19 +248,59 @@ def _write(staged: L.Contents, tmp: Path, strategy: Any) -> list[str]:
             strategy.save_shards(staged.optim, tmp / L.OPTIM_DIR)
         except Exception as e:
             raise CheckpointError(f"writing the shards into {tmp} failed: {e}") from e
-        if staged.config is not None and strategy.rank == 0:
-            write_text(staged.config, tmp / L.CONFIG_FILE)
-        return [
-            f"{sub}/{f.name}"
-            for sub in (L.MODEL_DIR, L.OPTIM_DIR)
-            for f in sorted((tmp / sub).glob("*.safetensors"))
-        ]
+        return _shard_files(staged, tmp) if strategy.rank == 0 else []
     write_safetensors(staged.model, tmp / L.MODEL_FILE)
     write_safetensors(staged.optim, tmp / L.OPTIM_FILE)
     if staged.config is None:
         return [L.MODEL_FILE, L.OPTIM_FILE]
     write_text(staged.config, tmp / L.CONFIG_FILE)
     return [L.MODEL_FILE, L.OPTIM_FILE, L.CONFIG_FILE]
+
+
+def _shard_files(staged: L.Contents, tmp: Path) -> list[str]:
+    """Rank 0, once every rank wrote its shards: add config.json; list the files."""
+    if staged.config is not None:
+        write_text(staged.config, tmp / L.CONFIG_FILE)
+    return [
+        f"{sub}/{f.name}"
+        for sub in (L.MODEL_DIR, L.OPTIM_DIR)
+        for f in sorted((tmp / sub).glob("*.safetensors"))
+    ]
+
+
+def _write_later(
+    job: _Job, state: TrainState, metrics: Mapping[str, Any] | None
+) -> Callable[[], Path]:
+    """Stage a sharded state now (the strategy copies its shards); return the write, which
+    every rank runs in the background: shards, then rank 0 seals and rotates."""
+    strategy = state.strategy
+    staged = _stage(L.collect(state, metrics, sharded=True), copy=True)
+    tmp = _new_tmp(job.root, job.step, strategy)
+
+    def commit() -> None:  # rank 0, once every rank's shards are written
+        ready = _ready(staged)
+        _seal(tmp, job.root, ready, _shard_files(ready, tmp), checksum=job.checksum)
+        job.rotate()
+
+    def clean() -> None:  # gone once published; after a failure, only its owner cleans
+        if strategy.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    try:
+        parts = {tmp / L.MODEL_DIR: staged.model, tmp / L.OPTIM_DIR: staged.optim}
+        shards = strategy.save_shards_async(parts, commit=commit)
+    except BaseException as e:
+        clean()
+        raise _failure(f"staging step {job.step} failed", e) from e
+
+    def write() -> Path:
+        try:
+            shards()
+        finally:
+            clean()
+        return job.path
+
+    return write
 
 
 def _seal(tmp: Path, root: Path, staged: L.Contents, files: list[str], *, checksum: bool) -> None:
@@ -494,23 +541,23 @@ _inflight: _Background | None = None
 
 
 class _Background(threading.Thread):
-    def __init__(self, job: _Job, staged: L.Contents, strategy: Any) -> None:
+    def __init__(self, step: int, write: Callable[[], Path]) -> None:
         super().__init__(name="ftrain-checkpoint", daemon=False)
-        self.job, self.staged, self.strategy = job, staged, strategy
+        self.step, self.write = step, write
         self.path: Path | None = None
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
-            self.path = self.job.run(self.staged, self.strategy)
+            self.path = self.write()
         except BaseException as e:  # re-raised in the caller's thread
             self.error = e
 
 
-def _start(*args: Any) -> None:
+def _start(step: int, write: Callable[[], Path]) -> None:
     global _inflight
     with _lock:
-        _inflight = _Background(*args)
+        _inflight = _Background(step, write)
         _inflight.start()
 
 
@@ -533,7 +580,7 @@ def wait_for_checkpoint() -> Path | None:
         if mine:
             _inflight = None
     if mine and bg.error is not None:
-        raise _failure(f"background save of step {bg.job.step} failed", bg.error)
+        raise _failure(f"background save of step {bg.step} failed", bg.error)
     return bg.path
 
 

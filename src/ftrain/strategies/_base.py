@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -38,10 +38,10 @@ class Strategy(Protocol):
             rank writes its own shards (`save_shards`); False when rank 0 holds whole tensors
             and writes them alone.
 
-    Checkpoint layout: `checkpoint_sharded`, `save_shards`, `load_shards`, `full_state_dict`
-    and `copy_whole` are the only place that knows how tensors are placed. `ft.checkpoint`
-    asks them and never inspects a tensor's type; a new layout (tensor parallelism) is a new
-    strategy, not a new branch there. See docs/strategies.md.
+    Checkpoint layout: `checkpoint_sharded`, `save_shards`, `save_shards_async`, `load_shards`,
+    `full_state_dict` and `copy_whole` are the only place that knows how tensors are placed.
+    `ft.checkpoint` asks them and never inspects a tensor's type; a new layout (tensor
+    parallelism) is a new strategy, not a new branch there. See docs/strategies.md.
     """
 
     device: torch.device
@@ -95,6 +95,15 @@ class Strategy(Protocol):
     def save_shards(self, tensors: dict[str, torch.Tensor], directory: Path) -> None:
         """Write this rank's part of `tensors` into `directory` as shard files (safetensors,
         through torch.distributed.checkpoint); collective with several ranks."""
+        ...
+
+    def save_shards_async(
+        self, parts: Mapping[Path, dict[str, torch.Tensor]], *, commit: Callable[[], None]
+    ) -> Callable[[], None]:
+        """Copy this rank's shards of every `directory -> tensors` part to the host now, and
+        return the write: run in a background thread on every rank, it writes the parts over a
+        process group the training never uses, calls `commit` on rank 0 once every rank's
+        files are written, and raises on every rank when any rank's write or `commit` failed."""
         ...
 
     def load_shards(self, directory: Path, targets: dict[str, torch.Tensor]) -> None:
@@ -197,6 +206,11 @@ class SingleDevice:
 
     def save_shards(self, tensors: dict[str, torch.Tensor], directory: Path) -> None:
         _dcp.save_shards(tensors, directory, group=None, local=True)
+
+    def save_shards_async(
+        self, parts: Mapping[Path, dict[str, torch.Tensor]], *, commit: Callable[[], None]
+    ) -> Callable[[], None]:
+        return _dcp.save_shards_async(parts, commit, group=None, rank=0)
 
     def load_shards(self, directory: Path, targets: dict[str, torch.Tensor]) -> None:
         _dcp.load_shards(directory, targets, group=None, local=True)

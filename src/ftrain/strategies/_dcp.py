@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["load_shards", "save_shards"]
+__all__ = ["load_shards", "save_shards", "save_shards_async"]
 
 
 def save_shards(
@@ -33,6 +33,54 @@ def save_shards(
     writer = HuggingFaceStorageWriter(str(directory), save_distributed=True)
     with _plain_errors():
         dcp.save(dict(tensors), storage_writer=writer, process_group=group, no_dist=local)
+
+
+def save_shards_async(
+    parts: Mapping[Path, dict[str, torch.Tensor]],
+    commit: Callable[[], None],
+    *,
+    group: Any,
+    rank: int,
+) -> Callable[[], None]:
+    """Stage host copies of this rank's shards of every `directory -> tensors` part now
+    (DCP's `DefaultStager`, the staging half of `dcp.async_save`); return the write half.
+
+    The write, run in a background thread on every rank of `group` (a process group the
+    training never uses), saves the parts in order, runs `commit` on rank 0 once every rank's
+    files are written (DCP's save returns only then), and agrees on the outcome with one
+    all-reduce: it raises on every rank when any rank's write or the commit failed.
+    `dcp.async_save` itself is not used: each call starts its own thread, so the two parts'
+    collectives would race on one group, and the commit must follow both.
+    """
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    pinned = torch.cuda.is_available()
+    stager = DefaultStager(StagingOptions(pinned, False, False, False))
+    try:  # synchronous staging: `stage` returns deep copies (DTensors keep their sharding)
+        staged: dict[Path, Any] = {d: stager.stage(dict(t)) if t else {} for d, t in parts.items()}
+    finally:
+        stager.close()
+
+    def write() -> None:
+        import torch.distributed as dist
+
+        error: BaseException | None = None
+        try:
+            for directory, tensors in staged.items():
+                save_shards(tensors, directory, group=group, local=group is None)
+            if rank == 0:
+                commit()
+        except BaseException as e:  # every rank must reach the all-reduce below
+            error = e
+        failed = torch.tensor([0 if error is None else 1])
+        if group is not None:
+            dist.all_reduce(failed, group=group)
+        if error is not None:
+            raise error
+        if failed.item():
+            raise RuntimeError("the background save failed on another rank")
+
+    return write
 
 
 def load_shards(

@@ -9,6 +9,7 @@ import contextlib
 import gc
 import os
 import weakref
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -58,6 +59,8 @@ class ProcessGroupStrategy:
         self.owns_group = False  # from_env sets it when it initialised the group
         self.closed = False
         self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        # Background (sharded) saves talk over a gloo group of their own, made at the first.
+        self._checkpoint_group: Any = None
 
     def __repr__(self) -> str:
         name = type(self).__name__
@@ -97,6 +100,7 @@ class ProcessGroupStrategy:
         """
         if self.closed:
             return
+        self._finish_saves()
         self.closed = True
         self._release()
         if not dist.is_initialized():
@@ -167,8 +171,32 @@ class ProcessGroupStrategy:
     def save_shards(self, tensors: dict[str, torch.Tensor], directory: Path) -> None:
         _dcp.save_shards(tensors, directory, group=self.group, local=False)
 
+    def save_shards_async(
+        self, parts: Mapping[Path, dict[str, torch.Tensor]], *, commit: Callable[[], None]
+    ) -> Callable[[], None]:
+        if self._checkpoint_group is None:  # every rank is here (save_checkpoint's caller)
+            ranks = None if self.group is None else dist.get_process_group_ranks(self.group)
+            self._checkpoint_group = dist.new_group(ranks, backend="gloo", timeout=self._timeout())
+        return _dcp.save_shards_async(parts, commit, group=self._checkpoint_group, rank=self.rank)
+
     def load_shards(self, directory: Path, targets: dict[str, torch.Tensor]) -> None:
         _dcp.load_shards(directory, targets, group=self.group, local=False)
+
+    def _finish_saves(self) -> None:
+        """Wait for a background save that writes over this strategy's checkpoint group."""
+        if self._checkpoint_group is not None:
+            from ftrain.checkpoint import wait_for_checkpoint
+
+            wait_for_checkpoint()
+
+    def _timeout(self) -> Any:
+        """The training group's collective timeout (a dead peer fails a background save as
+        soon as it fails a step), or None (torch's default) where torch does not say."""
+        group = self.group or dist.distributed_c10d._get_default_group()
+        try:
+            return group._get_backend(self.device).options._timeout
+        except (AttributeError, RuntimeError):
+            return None
 
     def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         return module.state_dict()
