@@ -71,7 +71,7 @@ def _slow_shard_writes(seconds: float) -> None:
     real = HuggingFaceStorageWriter.write_data
 
     def slow(*args, **kwargs):
-        if threading.current_thread().name == "ftrain-checkpoint":
+        if threading.current_thread() is not threading.main_thread():
             time.sleep(seconds)
         return real(*args, **kwargs)
 

@@ -16,8 +16,7 @@ import dataclasses
 import hashlib
 import json
 import re
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -78,7 +77,7 @@ def plain_fields(state: Any) -> dict[str, Any]:
             continue
         v = getattr(state, f.name)
         if isinstance(v, torch.Tensor) and v.dim() == 0:
-            # Read back by `read_values` once staged: a background save never syncs here.
+            # Read by `_save._ready` once staged: a background save never syncs here.
             out[f.name] = {"dtype": str(v.dtype).removeprefix("torch."), "value": v.detach()}
         elif v is None or isinstance(v, PLAIN):
             out[f.name] = v
@@ -88,14 +87,6 @@ def plain_fields(state: Any) -> dict[str, Any]:
                 "cannot store: use plain numbers, strings or 0-dim tensors"
             )
     return out
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step-{step}"
-
-
-def is_committed(path: Path) -> bool:
-    return (path / COMMIT_FILE).is_file()
 
 
 @dataclasses.dataclass
@@ -113,7 +104,7 @@ class Contents:
 def collect(state: Any, metrics: Mapping[str, Any] | None, *, sharded: bool) -> Contents:
     """The tensors (live, not copied) and the JSON of a checkpoint of `state`.
 
-    Counters and metrics that are tensors stay tensors (no host sync): `map_values` reads them.
+    Counters and metrics that are tensors stay tensors (no host sync): `_save._ready` reads them.
     """
     from ftrain import __version__  # ftrain/__init__ imports this module
 
@@ -143,19 +134,6 @@ def collect(state: Any, metrics: Mapping[str, Any] | None, *, sharded: bool) -> 
     return Contents(state.step, model, optim, meta, to_json() if callable(to_json) else None)
 
 
-def map_values(meta: dict[str, Any], fn: Callable[[torch.Tensor], Any]) -> dict[str, Any]:
-    """`meta` with `fn` applied to the 0-dim tensors `collect` left in its counters and
-    metrics: staged to the host first, then read as numbers (`Tensor.item`) by the writer."""
-    fields = {
-        n: {**v, "value": fn(v["value"])}
-        if isinstance(v, dict) and isinstance(v.get("value"), torch.Tensor)
-        else v
-        for n, v in meta["fields"].items()
-    }
-    metrics = {k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in meta["metrics"].items()}
-    return {**meta, "fields": fields, "metrics": metrics}
-
-
 def _entry(leaf: Any) -> dict[str, Any]:
     if isinstance(leaf, Node):
         return {"node": str(leaf)}
@@ -171,7 +149,7 @@ def _metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
         if not isinstance(k, str) or not (scalar or v is None or isinstance(v, PLAIN)):
             raise CheckpointError(f"metric {k!r}={v!r} is not a string key with a plain value")
         if scalar:
-            v = v.detach().reshape(())  # read back by `read_values`, once staged
+            v = v.detach().reshape(())  # read by `_save._ready`, once staged
         out[k] = v
     return out
 

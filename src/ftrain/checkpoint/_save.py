@@ -1,10 +1,15 @@
-"""save_checkpoint as one pipeline, each step in one place: collect (`_layout.collect`), stage
-(`_stage`: host copies of whole tensors), write (`_write`: into this save's own `root/.tmp-…`;
-rank 0 writes whole tensors, or every rank its shards through `Strategy.save_shards`, as the
-strategy's `checkpoint_sharded` says), seal (`_seal`: state.json, the commit marker, rename to
-`root/step-<N>`), rotate (`_rotate`, after the commit). A crash at any instant leaves the
-previous checkpoints untouched or the new one complete. A blocking save ends with every rank
-learning whether rank 0 committed (`_all_ok`): all return, or all raise `CheckpointError`.
+"""save_checkpoint as one pipeline, each step in one place. Traced (blocking save):
+
+    _save.save_checkpoint -> _layout.collect (-> _tree.flatten): the state's tensors and JSON
+    -> _save._stage: host copies -> _save._commit: this save's own `root/.tmp-...` directory,
+       _write (whole tensors by rank 0 through _io, or every rank's shards through
+       `Strategy.save_shards`), _seal (_io: state.json, COMMITTED, rename to `step-<N>`)
+    -> _save._rotate (after the commit) -> _save._all_ok (every rank learns the outcome).
+
+_layout and _tree are entered once (collect), the strategy once (write), _io only by write and
+seal. A background save runs the same steps after `_stage` in a thread; a sharded one stages
+through `Strategy.save_shards_async` and commits once every rank's shards are written. A crash
+at any instant leaves the previous checkpoints untouched or the new one complete.
 """
 
 from __future__ import annotations
@@ -102,8 +107,12 @@ def save_checkpoint(
         >>> ft.latest_checkpoint(root).name
         'step-0'
     """
-    rotation = _retention(keep_last, keep_best, best_metric, mode, metrics)
-    job = _Job(Path(root), state.step, *rotation, checksum=checksum)
+    job = _Job(Path(root), state.step, keep_last, keep_best, best_metric, mode, checksum)
+    if best_metric is not None and best_metric not in (metrics or {}):
+        raise ValueError(
+            f"best_metric={best_metric!r} is not in metrics (keys: {sorted(metrics or {})}): "
+            f"pass metrics={{{best_metric!r}: value}} to rank this checkpoint, or no best_metric"
+        )
     wait_for_checkpoint()
     strategy = state.strategy
     if blocking:
@@ -126,11 +135,24 @@ class _Job:
     keep_best: int | None
     best_metric: str | None
     mode: str
-    checksum: bool = True
+    checksum: bool
+
+    def __post_init__(self) -> None:
+        keep_last, keep_best, best_metric = self.keep_last, self.keep_best, self.best_metric
+        if keep_last is not None and (type(keep_last) is not int or keep_last < 0):
+            raise ValueError(f"keep_last must be an int >= 0 or None, got {keep_last!r}")
+        if keep_best is not None and (type(keep_best) is not int or keep_best < 1):
+            raise ValueError(f"keep_best must be an int >= 1 or None, got {keep_best!r}")
+        if keep_best is not None and best_metric is None:
+            raise ValueError("keep_best needs best_metric, the metrics key that ranks checkpoints")
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', got {self.mode!r}")
+        if best_metric is not None and keep_best is None:
+            self.keep_best = 1
 
     @property
     def path(self) -> Path:
-        return L.step_dir(self.root, self.step)
+        return _step_dir(self.root, self.step)
 
     def run(self, staged: L.Contents, strategy: Any) -> Path:
         """Write, seal, rotate (on the ranks that write)."""
@@ -144,29 +166,8 @@ class _Job:
             _rotate(self, self.keep_last)
 
 
-def _retention(
-    keep_last: int | None,
-    keep_best: int | None,
-    best_metric: str | None,
-    mode: str,
-    metrics: Mapping[str, Any] | None,
-) -> tuple[int | None, int | None, str | None, str]:
-    if keep_last is not None and (type(keep_last) is not int or keep_last < 0):
-        raise ValueError(f"keep_last must be an int >= 0 or None, got {keep_last!r}")
-    if keep_best is not None and (type(keep_best) is not int or keep_best < 1):
-        raise ValueError(f"keep_best must be an int >= 1 or None, got {keep_best!r}")
-    if keep_best is not None and best_metric is None:
-        raise ValueError("keep_best needs best_metric, the metrics key that ranks checkpoints")
-    if mode not in ("min", "max"):
-        raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
-    if best_metric is not None and best_metric not in (metrics or {}):
-        raise ValueError(
-            f"best_metric={best_metric!r} is not in metrics (keys: {sorted(metrics or {})}): "
-            f"pass metrics={{{best_metric!r}: value}} to rank this checkpoint, or no best_metric"
-        )
-    if best_metric is not None and keep_best is None:
-        keep_best = 1
-    return keep_last, keep_best, best_metric, mode
+def _step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step}"
 
 
 def _save_together(job: _Job, state: TrainState, metrics: Mapping[str, Any] | None) -> Path:
@@ -212,7 +213,7 @@ def _stage(contents: L.Contents, *, copy: bool) -> L.Contents:
     with torch.no_grad():
         model = contents.model if sharded else {n: host(t) for n, t in contents.model.items()}
         optim = contents.optim if sharded else {p: host(v) for p, v in contents.optim.items()}
-        meta = L.map_values(contents.meta, host)
+        meta = _map_values(contents.meta, host)
     ready = torch.cuda.Event() if pinned else None
     if ready is not None:
         ready.record()
@@ -223,8 +224,21 @@ def _ready(staged: L.Contents) -> L.Contents:
     """Wait for the staging copies, then read the counters and metrics as numbers."""
     if staged.ready is not None:
         staged.ready.synchronize()
-    meta = L.map_values(staged.meta, lambda t: t.item())  # host sync: saving is the place
+    meta = _map_values(staged.meta, lambda t: t.item())  # host sync: saving is the place
     return dataclasses.replace(staged, meta=meta, ready=None)
+
+
+def _map_values(meta: dict[str, Any], fn: Callable[[torch.Tensor], Any]) -> dict[str, Any]:
+    """`meta` with `fn` applied to the 0-dim tensors `collect` left in its counters and
+    metrics: staged to the host first, then read as numbers (`Tensor.item`) by the writer."""
+    fields = {
+        n: {**v, "value": fn(v["value"])}
+        if isinstance(v, dict) and isinstance(v.get("value"), torch.Tensor)
+        else v
+        for n, v in meta["fields"].items()
+    }
+    metrics = {k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in meta["metrics"].items()}
+    return {**meta, "fields": fields, "metrics": metrics}
 
 
 def _commit(staged: L.Contents, root: Path, *, checksum: bool, strategy: Any) -> Path:
@@ -237,7 +251,7 @@ def _commit(staged: L.Contents, root: Path, *, checksum: bool, strategy: Any) ->
     finally:
         if strategy.rank == 0:  # gone once published; after a failure, only its owner cleans
             shutil.rmtree(tmp, ignore_errors=True)
-    return L.step_dir(root, staged.step)
+    return _step_dir(root, staged.step)
 
 
 def _write(staged: L.Contents, tmp: Path, strategy: Any) -> list[str]:
@@ -313,7 +327,7 @@ def _seal(tmp: Path, root: Path, staged: L.Contents, files: list[str], *, checks
     write_json({**staged.meta, "files": record}, tmp / L.STATE_FILE)
     write_json({"state.json": sha256_file(tmp / L.STATE_FILE)}, tmp / L.COMMIT_FILE)
     _after_every_commit(tmp / L.COMMIT_FILE, root)
-    final = L.step_dir(root, staged.step)
+    final = _step_dir(root, staged.step)
     # Re-saving a step moves the old copy aside into a temporary name first.
     publish_dir(tmp, final, root / _tmp_name(f"replaced-{final.name}"))
 
@@ -415,18 +429,17 @@ def _stale(p: Path) -> bool:
         return True  # no owner recorded (an older ftrain's): as before, a crash's leftover
     if m.group(2) != _HOST:
         return time.time() - p.lstat().st_mtime > STALE_AFTER_S
+    pid = int(m.group(1))
     # This process has no save in flight when it cleans (it waited for it first).
-    return int(m.group(1)) == os.getpid() or not _alive(int(m.group(1)))
-
-
-def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
     try:
         os.kill(pid, 0)  # signal 0: only asks whether the process exists
     except ProcessLookupError:
-        return False
+        return True
     except OSError:  # exists, owned by another user
         pass
-    return True
+    return False
 
 
 def _sha256_parallel(paths: list[Path]) -> list[str]:

@@ -210,7 +210,14 @@ class SingleDevice:
     def save_shards_async(
         self, parts: Mapping[Path, dict[str, torch.Tensor]], *, commit: Callable[[], None]
     ) -> Callable[[], None]:
-        return _dcp.save_shards_async(parts, commit, group=None, rank=0)
+        staged = {d: {n: t.detach().clone() for n, t in ts.items()} for d, ts in parts.items()}
+
+        def write() -> None:  # one process: no DCP thread, no group
+            for directory, tensors in staged.items():
+                self.save_shards(tensors, directory)
+            commit()
+
+        return write
 
     def load_shards(self, directory: Path, targets: dict[str, torch.Tensor]) -> None:
         _dcp.load_shards(directory, targets, group=None, local=True)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -39,42 +40,64 @@ def save_shards_async(
     parts: Mapping[Path, dict[str, torch.Tensor]],
     commit: Callable[[], None],
     *,
-    group: Any,
+    groups: Sequence[Any],
     rank: int,
 ) -> Callable[[], None]:
-    """Stage host copies of this rank's shards of every `directory -> tensors` part now
-    (DCP's `DefaultStager`, the staging half of `dcp.async_save`); return the write half.
+    """Start `dcp.async_save` of this rank's shards of every `directory -> tensors` part, each
+    over its own group of `groups` (process groups the training never uses: DCP writes in a
+    thread of its own per save, and one group carries one save's collectives at a time).
+    Every part is copied to host memory (DCP's `DefaultStager`) before the first write starts:
+    a write running beside the copies would slow them down, and the caller waits for those.
 
-    The write, run in a background thread on every rank of `group` (a process group the
-    training never uses), saves the parts in order, runs `commit` on rank 0 once every rank's
-    files are written (DCP's save returns only then), and agrees on the outcome with one
-    all-reduce: it raises on every rank when any rank's write or the commit failed.
-    `dcp.async_save` itself is not used: each call starts its own thread, so the two parts'
-    collectives would race on one group, and the commit must follow both.
+    Return the rest, to run in a background thread on every rank: wait for the writes (DCP's
+    save finishes on a rank only once every rank's files are written, and fails on every rank
+    when one rank's write failed), run `commit` on rank 0, and agree on the outcome with one
+    all-reduce, so that it raises on every rank when any rank's write or the commit failed.
     """
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 
-    pinned = torch.cuda.is_available()
-    stager = DefaultStager(StagingOptions(pinned, False, False, False))
+    class Staged(AsyncStager):  # hands the copies made below to async_save as they are
+        _synchronize_after_execute = False
+
+        def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+            return state_dict
+
+        def synchronize_staging(self) -> None:
+            return None
+
+        def close(self) -> None:
+            return None
+
+    stager = DefaultStager(StagingOptions(torch.cuda.is_available(), False, False, False))
     try:  # synchronous staging: `stage` returns deep copies (DTensors keep their sharding)
-        staged: dict[Path, Any] = {d: stager.stage(dict(t)) if t else {} for d, t in parts.items()}
+        staged: dict[Path, Any] = {d: stager.stage(dict(t)) for d, t in parts.items() if t}
     finally:
         stager.close()
+    futures = []
+    for directory, group in zip(parts, groups, strict=True):
+        directory.mkdir(parents=True, exist_ok=True)
+        if directory in staged:
+            writer = HuggingFaceStorageWriter(str(directory), save_distributed=True)
+            future = dcp.async_save(
+                staged[directory], storage_writer=writer, process_group=group, async_stager=Staged()
+            )
+            futures.append(cast(Future, future))  # a Future: staging is synchronous
 
     def write() -> None:
-        import torch.distributed as dist
-
         error: BaseException | None = None
         try:
-            for directory, tensors in staged.items():
-                save_shards(tensors, directory, group=group, local=group is None)
+            with _plain_errors():
+                for future in futures:
+                    future.result()
             if rank == 0:
                 commit()
         except BaseException as e:  # every rank must reach the all-reduce below
             error = e
         failed = torch.tensor([0 if error is None else 1])
-        if group is not None:
-            dist.all_reduce(failed, group=group)
+        dist.all_reduce(failed, group=groups[0])
         if error is not None:
             raise error
         if failed.item():

@@ -59,8 +59,8 @@ class ProcessGroupStrategy:
         self.owns_group = False  # from_env sets it when it initialised the group
         self.closed = False
         self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-        # Background (sharded) saves talk over a gloo group of their own, made at the first.
-        self._checkpoint_group: Any = None
+        # Background (sharded) saves talk over gloo groups of their own, made at the first.
+        self._checkpoint_groups: list[Any] = []
 
     def __repr__(self) -> str:
         name = type(self).__name__
@@ -174,17 +174,18 @@ class ProcessGroupStrategy:
     def save_shards_async(
         self, parts: Mapping[Path, dict[str, torch.Tensor]], *, commit: Callable[[], None]
     ) -> Callable[[], None]:
-        if self._checkpoint_group is None:  # every rank is here (save_checkpoint's caller)
+        while len(self._checkpoint_groups) < len(parts):  # every rank is here, in this order
             ranks = None if self.group is None else dist.get_process_group_ranks(self.group)
-            self._checkpoint_group = dist.new_group(ranks, backend="gloo", timeout=self._timeout())
-        return _dcp.save_shards_async(parts, commit, group=self._checkpoint_group, rank=self.rank)
+            group = dist.new_group(ranks, backend="gloo", timeout=self._timeout())
+            self._checkpoint_groups.append(group)
+        return _dcp.save_shards_async(parts, commit, groups=self._checkpoint_groups, rank=self.rank)
 
     def load_shards(self, directory: Path, targets: dict[str, torch.Tensor]) -> None:
         _dcp.load_shards(directory, targets, group=self.group, local=False)
 
     def _finish_saves(self) -> None:
         """Wait for a background save that writes over this strategy's checkpoint group."""
-        if self._checkpoint_group is not None:
+        if self._checkpoint_groups:
             from ftrain.checkpoint import wait_for_checkpoint
 
             wait_for_checkpoint()
