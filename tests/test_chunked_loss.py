@@ -123,9 +123,13 @@ def test_an_explicit_kernel_never_falls_back_silently(monkeypatch):
     monkeypatch.setattr(_lce_kernels, "_import_error", lambda kernel: None)
     batch = {"input_ids": torch.ones(1, 3, dtype=torch.long), "labels": torch.ones(1, 3).long()}
     for kernel in ("liger", "cce"):
-        with pytest.raises(ValueError, match=rf"kernel='{kernel}' runs on CUDA tensors"):
+        bf16 = torch.autocast("cpu", dtype=torch.bfloat16)  # CCE wants half precision
+        with pytest.raises(ValueError, match=rf"kernel='{kernel}' runs on CUDA tensors"), bf16:
             ft.losses.chunked_causal_lm_loss(kernel=kernel)(tiny_llama(), batch)
-    lin = torch.nn.Linear(16, 61)  # a head with a bias: CCE has none
-    assert _lce_kernels.pick("auto", lin.weight, lin.bias) == "torch"  # CPU
+    lin, h = torch.nn.Linear(16, 61), torch.ones(3, 16)  # a head with a bias: CCE has none
+    assert _lce_kernels.pick("auto", h, lin.weight, lin.bias) == "torch"  # CPU
     with pytest.raises(ValueError, match="no bias term"):
-        _lce_kernels.pick("cce", lin.weight, lin.bias)
+        _lce_kernels.pick("cce", h, lin.weight, lin.bias)
+    # CCE's backward is half precision only: float32 is refused, not silently rounded.
+    with pytest.raises(ValueError, match=r"bfloat16/float16 only .* torch.float32"):
+        _lce_kernels.pick("cce", h, lin.weight, None)

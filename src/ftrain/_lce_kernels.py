@@ -51,29 +51,47 @@ def require(kernel: str) -> None:
         )
 
 
-def pick(kernel: str, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
+def pick(kernel: str, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
     """The kernel that runs: `kernel` itself when explicit (checked), else auto's choice.
 
-    "auto" takes Liger, then CCE (which has no bias), when installed and the head is on
-    CUDA, else "torch". An explicit kernel that cannot run here raises instead.
+    "auto" takes Liger, then CCE, when installed and the head is on CUDA (CCE only without a
+    bias and in half precision), else "torch". An explicit kernel that cannot run raises.
     """
     if kernel == "auto":
         if weight.device.type != "cuda":
             return "torch"
         if available("liger"):
             return "liger"
-        return "cce" if bias is None and available("cce") else "torch"
+        return "cce" if _cce_fits(h, weight, bias) and available("cce") else "torch"
     if kernel != "torch":
         require(kernel)
-        if kernel == "cce" and bias is not None:
-            raise ValueError("kernel='cce' has no bias term, but the output head has one; use "
-                             "kernel='liger' or 'torch'")  # fmt: skip
+        if kernel == "cce":
+            _check_cce(h, weight, bias)
         if weight.device.type != "cuda":
             raise ValueError(
                 f"kernel={kernel!r} runs on CUDA tensors, but the output head is on "
                 f"{weight.device}; use kernel='auto' or 'torch' there"
             )
     return kernel
+
+
+def _cce_fits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    # CCE's backward asserts half-precision hidden states and accumulates the weight gradient
+    # in their dtype; it has no bias term.
+    return bias is None and _compute_dtype(h, weight) in (torch.float16, torch.bfloat16)
+
+
+def _check_cce(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if bias is not None:
+        raise ValueError("kernel='cce' has no bias term, but the output head has one; use "
+                         "kernel='liger' or 'torch'")  # fmt: skip
+    dtype = _compute_dtype(h, weight)
+    if not _cce_fits(h, weight, None):
+        raise ValueError(
+            f"kernel='cce' computes gradients in bfloat16/float16 only (its backward asserts "
+            f"it), but this loss would run in {dtype}; train with precision='bf16' (autocast), "
+            f"or use kernel='liger' or 'torch'"
+        )
 
 
 def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:

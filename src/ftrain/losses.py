@@ -199,8 +199,9 @@ def chunked_causal_lm_loss(
     `kernel` picks who computes the cross-entropy through the head: "torch" (default) is the
     chunked function above; "liger" (Liger-Kernel's fused linear cross-entropy) and "cce"
     (Apple's Cut Cross-Entropy, no bias) are Triton GPU kernels, optional packages
-    (`pip install 'ftrain[kernels]'`) that need the head on CUDA; "auto" takes Liger, then
-    CCE, when installed and the head is on CUDA, else "torch". Both kernels run with their
+    (`pip install 'ftrain[kernels]'`) that need the head on CUDA, CCE also half precision
+    (`precision="bf16"`); "auto" takes Liger, then CCE, when installed and the head is on
+    CUDA, else "torch". Both kernels run with their
     extras off (z-loss, smoothing, softcap, CCE's gradient filtering) and reduction "sum", so
     they compute this same loss; each reads the device once per call (Liger counts the labels
     with `.item()`, CCE selects them with `nonzero`), unlike "torch".
@@ -214,7 +215,7 @@ def chunked_causal_lm_loss(
 
     Raises:
         ValueError: for a bad `chunk_size` or `kernel`; when called, for an explicit kernel
-            whose head is not on CUDA (or "cce" with a bias).
+            whose head is not on CUDA ("cce": with a bias, or outside bf16/fp16).
         ImportError: for an explicit kernel whose package does not import.
 
     Example:
@@ -254,7 +255,7 @@ def chunked_causal_lm_loss(
         hidden = _hidden(model, out, batch)[:, :-1]
         labels = batch["labels"][:, 1:].reshape(-1)
         h = hidden.reshape(-1, hidden.shape[-1])
-        use = _lce_kernels.pick(kernel, weight, bias)  # type: ignore[arg-type]
+        use = _lce_kernels.pick(kernel, h, weight, bias)  # type: ignore[arg-type]
         if use == "torch":
             grad_on = torch.is_grad_enabled()
             loss = _LinearCrossEntropy.apply(h, weight, bias, labels, chunk, grad_on)
