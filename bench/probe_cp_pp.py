@@ -22,14 +22,14 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 
-def _say(rank: int, what: str, fn) -> None:
+def _say(rank: int, what: str, fn, every_rank: bool = False) -> None:
     try:
         msg = fn()
     except Exception as e:  # a probe reports every failure, whatever it is
         last = traceback.format_exception_only(type(e), e)[-1].strip()
         msg = f"FAILED: {last[:400]}"
-    if rank == 0:
-        print(f"[{what}] {msg}", flush=True)
+    if rank == 0 or every_rank:
+        print(f"[{what}]{f' rank {rank}:' if every_rank else ''} {msg}", flush=True)
 
 
 def _tiny_llama(attn: str = "sdpa"):
@@ -44,6 +44,7 @@ def _tiny_llama(attn: str = "sdpa"):
     return LlamaForCausalLM(cfg)
 
 
+PP_ONLY = False
 BACKEND = None  # None: SDPA's own choice; else a torch.nn.attention.SDPBackend
 
 
@@ -212,6 +213,27 @@ def pp_schedule(mesh, rank: int, schedule: str) -> str:
     )
 
 
+def pp_ragged(mesh, rank: int) -> str:
+    """A second step whose batch has another sequence length (ragged padding per step)."""
+    from torch.distributed import pipelining as P
+
+    model = _tiny_llama()
+    part = _Stage0(model) if rank == 0 else _Stage1(model)
+    stage = P.PipelineStage(part, rank, 2, torch.device("cpu"))
+
+    def loss_fn(logits, y):
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), y[:, 1:].flatten())
+
+    sched = P.ScheduleGPipe(stage, n_microbatches=2, loss_fn=loss_fn)
+    for length in (12, 9):
+        ids = torch.randint(1, 61, (4, length), generator=torch.Generator().manual_seed(length))
+        if rank == 0:
+            sched.step(ids)
+        else:
+            sched.step(target=ids, losses=[])
+    return "ran: a step with sequence length 12, then one with 9"
+
+
 def pp_trace() -> str:
     """pipeline(): split a whole HF model by tracing it (torch.export), no hand-written stages."""
     from torch.distributed.pipelining import SplitPoint, pipeline
@@ -222,7 +244,9 @@ def pp_trace() -> str:
     return f"ran; {pipe.num_stages} stages traced from LlamaForCausalLM"
 
 
-def worker(rank: int, world: int, port: int) -> None:
+def worker(rank: int, world: int, port: int, pp_only: bool) -> None:
+    global PP_ONLY
+    PP_ONLY = pp_only
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
@@ -232,20 +256,24 @@ def worker(rank: int, world: int, port: int) -> None:
     global BACKEND
     from torch.nn.attention import SDPBackend
 
-    for BACKEND in (None, SDPBackend.MATH):
+    for BACKEND in () if PP_ONLY else (None, SDPBackend.MATH):
         b = "default" if BACKEND is None else BACKEND.name
         _say(rank, f"cp/{b}: context_parallel, SDPA on q/k/v", lambda: cp_raw_sdpa(mesh, rank))
         _say(rank, f"cp/{b}: no load balancer", lambda: cp_raw_sdpa_values(mesh, rank))
         _say(rank, f"cp/{b}: HF Llama (sdpa) ids/positions/labels", lambda: cp_llama(mesh, rank))
         dist.barrier()
-    _say(rank, "cp: flex_attention, module wrapper", lambda: cp_flex(mesh, rank, False))
-    dist.barrier()
-    _say(rank, "cp: flex_attention, backward", lambda: cp_flex(mesh, rank, True))
+    if not PP_ONLY:
+        _say(rank, "cp: flex_attention, module wrapper", lambda: cp_flex(mesh, rank, False))
+        dist.barrier()
+        _say(rank, "cp: flex_attention, backward", lambda: cp_flex(mesh, rank, True))
     dist.barrier()
     _say(rank, "pp: ScheduleGPipe, 2 stages", lambda: pp_schedule(mesh, rank, "gpipe"))
     dist.barrier()
     _say(rank, "pp: Schedule1F1B, 2 stages", lambda: pp_schedule(mesh, rank, "1f1b"))
     dist.barrier()
+    # Last: a failed step leaves its peer's receive pending, so the group is not used again.
+    ragged = "pp: GPipe, two steps of different lengths"
+    _say(rank, ragged, lambda: pp_ragged(mesh, rank), every_rank=True)
     dist.destroy_process_group()
 
 
@@ -253,6 +281,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--trace-only", action="store_true", help="only the pipeline() tracer")
+    ap.add_argument("--pp-only", action="store_true", help="skip the context-parallel probes")
     args = ap.parse_args()
     _say(0, "pp: pipeline() tracer on HF Llama", pp_trace)
     if args.trace_only:
@@ -260,7 +289,9 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.start_processes(worker, args=(2, port), nprocs=2, join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        worker, args=(2, port, args.pp_only), nprocs=2, join=False, start_method="spawn"
+    )
     import time
 
     end = time.monotonic() + args.timeout

@@ -32,9 +32,14 @@ def _case(kernel: str, bias: bool, all_ignored: bool = False) -> str:
     if all_ignored:
         y[:] = -100
     leaves = [t for t in (h, w, b) if t is not None]
-    want = F.cross_entropy(F.linear(h, w, b), y, ignore_index=-100, reduction="sum")
+    # CCE computes gradients in half precision only: bf16 autocast for it, for both losses.
+    half = torch.autocast("cpu", dtype=torch.bfloat16, enabled=kernel == "cce")
+    with half:
+        logits = F.linear(h, w, b).float()
+        want = F.cross_entropy(logits, y, ignore_index=-100, reduction="sum")
     want_g = torch.autograd.grad(want * 0.5, leaves, allow_unused=True)
-    got = _lce_kernels.run(kernel, h, w, b, y)
+    with half:
+        got = _lce_kernels.run(kernel, h, w, b, y)
     got_g = torch.autograd.grad(got * 0.5, leaves, allow_unused=True)
     gd = max(
         (a - e).abs().max().item() if a is not None else float("nan")
