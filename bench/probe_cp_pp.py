@@ -13,6 +13,7 @@ import argparse
 import os
 import socket
 import sys
+import time
 import traceback
 from datetime import timedelta
 
@@ -32,7 +33,7 @@ def _say(rank: int, what: str, fn, every_rank: bool = False) -> None:
         print(f"[{what}]{f' rank {rank}:' if every_rank else ''} {msg}", flush=True)
 
 
-def _tiny_llama(attn: str = "sdpa"):
+def tiny_llama(attn: str = "sdpa"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -97,7 +98,7 @@ def cp_raw_sdpa_values(mesh, rank: int) -> str:
 def cp_llama(mesh, rank: int) -> str:
     from torch.distributed.tensor.experimental import context_parallel
 
-    model = _tiny_llama()
+    model = tiny_llama()
     ids = torch.randint(1, 61, (2, 16), generator=torch.Generator().manual_seed(1))
     want = model(input_ids=ids, labels=ids).loss.item()
     pos = torch.arange(16).expand(2, 16).contiguous()
@@ -181,7 +182,7 @@ class _Stage1(torch.nn.Module):
 def pp_schedule(mesh, rank: int, schedule: str) -> str:
     from torch.distributed import pipelining as P
 
-    model = _tiny_llama()
+    model = tiny_llama()
     ids = torch.randint(1, 61, (4, 12), generator=torch.Generator().manual_seed(2))
     want = model(input_ids=ids, labels=ids).loss  # mean over 4 * 11 tokens
     want.backward()
@@ -217,7 +218,7 @@ def pp_ragged(mesh, rank: int) -> str:
     """A second step whose batch has another sequence length (ragged padding per step)."""
     from torch.distributed import pipelining as P
 
-    model = _tiny_llama()
+    model = tiny_llama()
     part = _Stage0(model) if rank == 0 else _Stage1(model)
     stage = P.PipelineStage(part, rank, 2, torch.device("cpu"))
 
@@ -238,7 +239,7 @@ def pp_trace() -> str:
     """pipeline(): split a whole HF model by tracing it (torch.export), no hand-written stages."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
-    model = _tiny_llama()
+    model = tiny_llama()
     ids = torch.randint(1, 61, (2, 12), generator=torch.Generator().manual_seed(2))
     pipe = pipeline(model, mb_args=(ids,), split_spec={"model.layers.1": SplitPoint.BEGINNING})
     return f"ran; {pipe.num_stages} stages traced from LlamaForCausalLM"
@@ -277,6 +278,23 @@ def worker(rank: int, world: int, port: int, pp_only: bool) -> None:
     dist.destroy_process_group()
 
 
+def spawn_bounded(fn, args: tuple, *, timeout: float, world: int = 2) -> None:
+    """Run `fn(rank, world, port, *args)` in `world` spawned processes; kill them all and exit
+    after `timeout` seconds."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.start_processes(
+        fn, args=(world, port, *args), nprocs=world, join=False, start_method="spawn"
+    )
+    end = time.monotonic() + timeout
+    while not ctx.join(timeout=max(1.0, end - time.monotonic())):
+        if time.monotonic() > end:
+            for p in ctx.processes:
+                p.kill()
+            sys.exit(f"timed out after {timeout} s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--timeout", type=float, default=300.0)
@@ -286,20 +304,7 @@ def main() -> None:
     _say(0, "pp: pipeline() tracer on HF Llama", pp_trace)
     if args.trace_only:
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.start_processes(
-        worker, args=(2, port, args.pp_only), nprocs=2, join=False, start_method="spawn"
-    )
-    import time
-
-    end = time.monotonic() + args.timeout
-    while not ctx.join(timeout=max(1.0, end - time.monotonic())):
-        if time.monotonic() > end:
-            for p in ctx.processes:
-                p.kill()
-            sys.exit(f"timed out after {args.timeout} s")
+    spawn_bounded(worker, (args.pp_only,), timeout=args.timeout)
     print(f"torch {torch.__version__}")
 
 

@@ -16,15 +16,12 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import socket
-import sys
-import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from probe_cp_pp import spawn_bounded, tiny_llama  # bench/ is the script's directory
 
 import ftrain as ft
 import ftrain.grads as core
@@ -40,18 +37,6 @@ def rows(n: int = 24) -> list[dict]:
         prompt = rng.randrange(0, 6)
         out.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
     return out
-
-
-def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
-    )  # fmt: skip
-    cfg._attn_implementation = "sdpa"
-    return LlamaForCausalLM(cfg)
 
 
 class Stage(torch.nn.Module):
@@ -170,18 +155,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300.0)
     args = ap.parse_args()
     out = f"/tmp/proto_pipeline_{os.getpid()}"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.start_processes(
-        worker, args=(2, port, args.steps, out), nprocs=2, join=False, start_method="spawn"
-    )
-    end = time.monotonic() + args.timeout
-    while not ctx.join(timeout=max(1.0, end - time.monotonic())):
-        if time.monotonic() > end:
-            for p in ctx.processes:
-                p.kill()
-            sys.exit(f"timed out after {args.timeout} s")
+    spawn_bounded(worker, (args.steps, out), timeout=args.timeout)
     one = ft.TrainState.create(tiny_llama(), ft.optim.adamw(), seed=0)
     one, want = readme_loop(one, rows(), args.steps)
     got = [torch.load(f"{out}.{r}.pt") for r in range(2)]
