@@ -37,6 +37,9 @@ class Strategy(Protocol):
             each rank holds only shards of the parameters and optimizer state, so that every
             rank writes its own shards (`save_shards`); False when rank 0 holds whole tensors
             and writes them alone.
+        process_rank: this process's rank among all the job's processes: process 0 writes
+            what one process writes alone (state.json, the commit marker, an export). It is
+            `rank` except where several processes hold one data-parallel rank (`TP`).
 
     Checkpoint layout: `checkpoint_sharded`, `save_shards`, `load_shards`, `full_state_dict`
     and `copy_whole` are the only place that knows how tensors are placed. `ft.checkpoint`
@@ -50,6 +53,7 @@ class Strategy(Protocol):
     grad_reduce_factor: float
     precision: Precision
     checkpoint_sharded: bool
+    process_rank: int
 
     def setup(self, model: nn.Module) -> nn.Module:
         """Move/wrap `model` for this strategy and return the module to train."""
@@ -81,6 +85,12 @@ class Strategy(Protocol):
 
     def barrier(self) -> None:
         """Wait until every rank gets here (e.g. until rank 0 has committed a checkpoint)."""
+        ...
+
+    def sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum a device tensor over every process of the job, tensor-parallel ones included
+        (for agreement between the processes that write a checkpoint); `all_reduce_sum`
+        where each process is its own data-parallel rank."""
         ...
 
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -177,6 +187,13 @@ class SingleDevice:
         return local_grad_norm(grads)
 
     def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    @property
+    def process_rank(self) -> int:
+        return self.rank
+
+    def sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
     # Lifetime, as the process-group strategies have it: one process has nothing to tear down.
