@@ -208,7 +208,7 @@ def _commit(staged: L.Contents, root: Path, *, checksum: bool, strategy: Any) ->
         if strategy.process_rank == 0:
             _seal(tmp, root, staged, files, checksum=checksum)
     finally:
-        if strategy.process_rank == 0:  # gone once published; after a failure, only its owner cleans
+        if strategy.process_rank == 0:  # gone once published; after a failure, its owner cleans
             shutil.rmtree(tmp, ignore_errors=True)
     return L.step_dir(root, staged.step)
 

@@ -37,9 +37,6 @@ class Strategy(Protocol):
             each rank holds only shards of the parameters and optimizer state, so that every
             rank writes its own shards (`save_shards`); False when rank 0 holds whole tensors
             and writes them alone.
-        process_rank: this process's rank among all the job's processes: process 0 writes
-            what one process writes alone (state.json, the commit marker, an export). It is
-            `rank` except where several processes hold one data-parallel rank (`TP`).
 
     Checkpoint layout: `checkpoint_sharded`, `save_shards`, `load_shards`, `full_state_dict`
     and `copy_whole` are the only place that knows how tensors are placed. `ft.checkpoint`
@@ -53,7 +50,13 @@ class Strategy(Protocol):
     grad_reduce_factor: float
     precision: Precision
     checkpoint_sharded: bool
-    process_rank: int
+
+    @property
+    def process_rank(self) -> int:
+        """This process's rank among all the job's processes: process 0 writes what one
+        process writes alone (state.json, the commit marker, an export). It is `rank` except
+        where several processes hold one data-parallel rank (`TP`)."""
+        ...
 
     def setup(self, model: nn.Module) -> nn.Module:
         """Move/wrap `model` for this strategy and return the module to train."""

@@ -66,7 +66,7 @@ _KINDS: dict[str, type[DDP | FSDP | TP]] = {"ddp": DDP, "fsdp": FSDP, "tp": TP}
 
 def _single(kind: str, kwargs: dict[str, Any]) -> SingleDevice:
     # Multi-process settings that one process satisfies as it is (there is nothing to sync).
-    moot = {k for k in ("sync_every_micro", "plan") if k in kwargs}
+    moot: set[str] = {k for k in ("sync_every_micro", "plan") if k in kwargs}
     moot |= {k for k in ("replicate", "dp") if kwargs.get(k) == 1}
     unknown = sorted(set(kwargs) - moot - {"device", "precision"})
     if unknown:

@@ -214,14 +214,8 @@ class TP(ProcessGroupStrategy):
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         # Squared norms of the slices split over "tp" are summed over the tp ranks; whole
         # (replicated) ones count once; then the sum over "dp", where FSDP splits everything.
-        split = torch.zeros((), dtype=torch.float32, device=self.device)
-        whole = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in grads:
-            sq = torch.linalg.vector_norm(local_shard(g), 2.0, dtype=torch.float32).square()
-            if _split_over_tp(g, self.mesh):
-                split = split + sq
-            else:
-                whole = whole + sq
+        split = _sum_of_squares([g for g in grads if _split_over_tp(g)], self.device)
+        whole = _sum_of_squares([g for g in grads if not _split_over_tp(g)], self.device)
         dist.all_reduce(split, op=dist.ReduceOp.SUM, group=self.mesh.get_group("tp"))
         return self.all_reduce_sum(split + whole).sqrt()
 
@@ -241,13 +235,22 @@ class TP(ProcessGroupStrategy):
         copy_whole(dst, src)
 
 
-def _split_over_tp(t: torch.Tensor, mesh: Any) -> bool:
-    """Whether `t` (a DTensor on `mesh`, or a plain whole tensor) is split over "tp"."""
+def _split_over_tp(t: torch.Tensor) -> bool:
+    """Whether `t` (a DTensor, or a plain whole tensor) is split over the "tp" dimension."""
     from torch.distributed.tensor import DTensor, Shard
 
-    names = t.device_mesh.mesh_dim_names or () if isinstance(t, DTensor) else ()
+    if not isinstance(t, DTensor):
+        return False
     # FSDP over "dp" turns a whole parameter into a DTensor on the "dp" dimension alone.
+    names = t.device_mesh.mesh_dim_names or ()
     return "tp" in names and isinstance(t.placements[names.index("tp")], Shard)
+
+
+def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm([local_shard(t) for t in tensors], 2.0)
+    return torch.stack([n.float() for n in norms]).square().sum()
 
 
 def _check_divisible(model: nn.Module, styles: Mapping[str, Any], tp: int) -> None:
@@ -287,7 +290,8 @@ def _replicate_rest(model: nn.Module, mesh: Any) -> None:
     for module in list(model.modules()):
         own = list(module.parameters(recurse=False))
         if own and not any(isinstance(p, DTensor) for p in own):
-            distribute_module(module, mesh, replicate, input_fn=inputs, output_fn=outputs)
+            hooks: dict[str, Any] = {"input_fn": inputs, "output_fn": outputs}
+            distribute_module(module, mesh, replicate, **hooks)
 
 
 def _as_replicated(x: Any, mesh: Any) -> Any:
