@@ -163,7 +163,6 @@ class TP(ProcessGroupStrategy):
         model = model.to(self.device)
         styles = resolve(model, self.plan if self.plan is not None else hf_plan(model))
         _check_divisible(model, styles, self.tp)
-        _broadcast_whole(model)
         parallelize_module(model, self.mesh["tp"], styles)
         _replicate_rest(model, self.mesh["tp"])
         if self.dp > 1:
@@ -274,11 +273,12 @@ def _replicate_rest(model: nn.Module, mesh: Any) -> None:
     """Make the parameters no plan split (embeddings, norms, the head) DTensors replicated
     over "tp", in modules that take and return plain tensors: the optimizer and the
     gradient arithmetic then see one kind of tensor (torch's foreach kernels refuse a mix)."""
-    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
 
     def replicate(name: str, module: nn.Module, mesh: Any) -> None:
         for key, p in list(module.named_parameters(recurse=False)):
-            dt = DTensor.from_local(p.detach(), mesh, [Replicate()], run_check=False)
+            # tp rank 0's values (a broadcast), as parallelize_module scatters rank 0's slices.
+            dt = distribute_tensor(p.detach(), mesh, [Replicate()])
             module.register_parameter(key, nn.Parameter(dt, requires_grad=p.requires_grad))
 
     def inputs(module: nn.Module, args: tuple[Any, ...], mesh: Any) -> tuple[Any, ...]:
@@ -300,11 +300,3 @@ def _as_replicated(x: Any, mesh: Any) -> Any:
     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
         return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
     return x
-
-
-def _broadcast_whole(model: nn.Module) -> None:
-    """Rank 0's values for every tensor, as DDP does at wrap time: ranks that built the
-    model from different seeds would otherwise hold different whole (replicated) weights."""
-    with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(t.data, src=0)
