@@ -63,6 +63,7 @@ def test_tp_equals_one_process_and_its_checkpoints_reshard(tmp_path):
     _check_shards(tmp_path / "tp" / f"step-{W.SAVE_AT}")
     _check_export(tmp_path, single)
     errors = got["errors"]
+    assert errors["tied"] is True  # tied embeddings and head stay one parameter
     assert "'model.layers.*.mlp.nope_proj' matches no module" in errors["pattern"]
     assert "GPT2LMHeadModel has no config.base_model_tp_plan" in errors["no_plan"]
 

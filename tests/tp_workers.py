@@ -58,6 +58,11 @@ def _errors(out: Path) -> dict[str, str]:
             ft.strategies.TP(plan=plan()).setup(build())
         except ValueError as e:
             found[key] = str(e)
+    tied = tiny_llama()
+    tied.config.tie_word_embeddings = True
+    tied.tie_weights()
+    tied = ft.strategies.TP().setup(tied)
+    found["tied"] = tied.lm_head.weight is tied.model.embed_tokens.weight
     return found
 
 

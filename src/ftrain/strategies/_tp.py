@@ -275,11 +275,15 @@ def _replicate_rest(model: nn.Module, mesh: Any) -> None:
     gradient arithmetic then see one kind of tensor (torch's foreach kernels refuse a mix)."""
     from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
 
+    made: dict[int, nn.Parameter] = {}  # tied weights (embeddings = head) stay one parameter
+
     def replicate(name: str, module: nn.Module, mesh: Any) -> None:
         for key, p in list(module.named_parameters(recurse=False)):
-            # tp rank 0's values (a broadcast), as parallelize_module scatters rank 0's slices.
-            dt = distribute_tensor(p.detach(), mesh, [Replicate()])
-            module.register_parameter(key, nn.Parameter(dt, requires_grad=p.requires_grad))
+            if id(p) not in made:
+                # tp rank 0's values (a broadcast), as parallelize_module scatters its slices.
+                dt = distribute_tensor(p.detach(), mesh, [Replicate()])
+                made[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
+            module.register_parameter(key, made[id(p)])
 
     def inputs(module: nn.Module, args: tuple[Any, ...], mesh: Any) -> tuple[Any, ...]:
         return tuple(_as_replicated(a, mesh) for a in args)
