@@ -44,6 +44,22 @@ def whole(state) -> dict[str, torch.Tensor]:
     return {n: getattr(p, "full_tensor", p.detach)().detach() for n, p in state.params.items()}
 
 
+def _tiny_llama(**overrides):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM(tiny_llama().config.__class__(**{**_TINY, **overrides}))
+
+
+def _tiny_qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM(Qwen3Config(**_TINY, head_dim=4))
+
+
+_TINY = dict(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+             num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+
+
 def _errors(out: Path) -> dict[str, str]:
     """The plan errors, raised inside a live group (a TP strategy needs one)."""
     from torch.distributed.tensor.parallel import ColwiseParallel
@@ -52,6 +68,8 @@ def _errors(out: Path) -> dict[str, str]:
     cases = {
         "pattern": (lambda: {"model.layers.*.mlp.nope_proj": ColwiseParallel()}, tiny_llama),
         "no_plan": (lambda: None, tiny_gpt2),
+        "layout": (lambda: None, _tiny_qwen3),
+        "heads": (lambda: None, lambda: _tiny_llama(num_key_value_heads=1)),
     }
     for key, (plan, build) in cases.items():
         try:

@@ -162,6 +162,8 @@ class TP(ProcessGroupStrategy):
 
         model = model.to(self.device)
         styles = resolve(model, self.plan if self.plan is not None else hf_plan(model))
+        if self.plan is None:  # HF's plan splits attention by heads
+            _check_heads(model, self.tp)
         _check_divisible(model, styles, self.tp)
         parallelize_module(model, self.mesh["tp"], styles)
         _replicate_rest(model, self.mesh["tp"])
@@ -266,6 +268,18 @@ def _check_divisible(model: nn.Module, styles: Mapping[str, Any], tp: int) -> No
                 f"{name}: {type(style).__name__} splits {module.weight.shape[dim]} features "
                 f"over {tp} tensor-parallel ranks unevenly; choose a tp degree (world_size // "
                 "dp) dividing the head and feature counts"
+            )
+
+
+def _check_heads(model: nn.Module, tp: int) -> None:
+    config = getattr(model, "config", None)
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, key, None)
+        if isinstance(heads, int) and heads % tp:
+            raise ValueError(
+                f"{key}={heads} cannot be split over {tp} tensor-parallel ranks (HF's "
+                "base_model_tp_plan gives each rank whole heads): choose a tp degree "
+                "(world_size // dp) that divides it"
             )
 
 
