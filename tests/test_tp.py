@@ -124,3 +124,20 @@ def test_tp_needs_a_process_group(monkeypatch):
     assert isinstance(ft.strategies.from_env("tp", plan={}, dp=1), ft.strategies.SingleDevice)
     with pytest.raises(TypeError, match=r"\['dp'\]"):
         ft.strategies.from_env("tp", dp=2)
+
+
+def test_tp_implements_the_strategy_protocol():
+    """TP is a Strategy; its checkpoints are sharded (every process writes), and the two
+    members the checkpoint code uses to pick one writer among all processes are there for
+    every strategy."""
+    tp = ft.strategies.TP
+    seam = ("save_shards", "load_shards", "full_state_dict", "copy_whole", "sum_over_processes")
+    for cls in (tp, ft.strategies.SingleDevice, ft.strategies.DDP, ft.strategies.FSDP):
+        for name in seam:
+            assert callable(getattr(cls, name)), (cls, name)
+    assert {"process_rank", "sum_over_processes"} <= set(ft.strategies.Strategy.__dict__)
+    assert tp.checkpoint_sharded is True
+    one = ft.strategies.SingleDevice("cpu")
+    assert one.process_rank == 0 and torch.equal(
+        one.sum_over_processes(torch.ones(2)), torch.ones(2)
+    )

@@ -20,7 +20,7 @@ from ftrain.precision import Precision
 from ftrain.strategies._base import uncompiled
 from ftrain.strategies._group import ProcessGroupStrategy
 
-__all__ = ["FSDP", "copy_whole", "full_state_dict", "hf_blocks", "local_shard"]
+__all__ = ["FSDP", "copy_whole", "full_state_dict", "gradient_sync", "hf_blocks", "local_shard"]
 
 
 def hf_blocks(model: nn.Module) -> Callable[[nn.Module], bool]:
@@ -111,15 +111,7 @@ class FSDP(ProcessGroupStrategy):
         )
 
     def grad_sync(self, model: nn.Module, *, final: bool) -> contextlib.AbstractContextManager[Any]:
-        return self._sync(model, final or self.sync_every_micro)
-
-    @contextlib.contextmanager
-    def _sync(self, model: nn.Module, sync: bool) -> Iterator[None]:
-        model.set_requires_gradient_sync(sync)  # type: ignore[operator]
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)  # type: ignore[operator]
+        return gradient_sync(model, final or self.sync_every_micro)
 
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         # Sum of squares of the local shards, summed over ranks: the norm of the whole gradient.
@@ -141,6 +133,16 @@ class FSDP(ProcessGroupStrategy):
 
     def copy_whole(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         copy_whole(dst, src)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
+    """FSDP2 reduce-scatters gradients in this backward only when `sync`."""
+    model.set_requires_gradient_sync(sync)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:

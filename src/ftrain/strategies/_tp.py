@@ -11,7 +11,7 @@ the tensor-parallel model is sharded again with FSDP2 over the data-parallel mes
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,13 @@ from torch import nn
 from ftrain.precision import Precision
 from ftrain.strategies import _dcp
 from ftrain.strategies._base import uncompiled
-from ftrain.strategies._fsdp import copy_whole, full_state_dict, hf_blocks, local_shard
+from ftrain.strategies._fsdp import (
+    copy_whole,
+    full_state_dict,
+    gradient_sync,
+    hf_blocks,
+    local_shard,
+)
 from ftrain.strategies._group import ProcessGroupStrategy
 
 __all__ = ["TP", "hf_plan"]
@@ -187,15 +193,7 @@ class TP(ProcessGroupStrategy):
         )
 
     def grad_sync(self, model: nn.Module, *, final: bool) -> contextlib.AbstractContextManager[Any]:
-        return self._sync(model, final) if self.dp > 1 else contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def _sync(self, model: nn.Module, sync: bool) -> Iterator[None]:
-        model.set_requires_gradient_sync(sync)  # type: ignore[operator]
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)  # type: ignore[operator]
+        return gradient_sync(model, final) if self.dp > 1 else contextlib.nullcontext()
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         # Over the data-parallel ranks only: the tensor-parallel ones hold the same values.
