@@ -57,6 +57,7 @@ def test_tp_equals_one_process_and_its_checkpoints_reshard(tmp_path):
     assert got["losses"] == pytest.approx(losses, **{"rel": 1e-5, "abs": 1e-6})
     assert got["norms"] == pytest.approx(norms, rel=1e-5)
     assert sum(n > W.MAX_NORM for n in norms) >= 3  # clipping scaled most steps
+    assert got["eval"] == pytest.approx(W.evaluate(single), rel=1e-5)  # counted once
     assert_params_close(load_file(str(tmp_path / "params.safetensors")), single, "TP")
     # TP 2 -> one process -> TP 2, both continuing exactly like the uninterrupted run.
     assert_params_close(load_file(str(tmp_path / "resumed.safetensors")), single, "resumed")

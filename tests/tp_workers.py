@@ -39,6 +39,11 @@ def train(state, *, steps, batch_size):
     return state, losses, norms
 
 
+def evaluate(state) -> dict[str, float]:
+    rows = ft.make_batches(ROWS, batch_size=8, shuffle=False, strategy=state.strategy)
+    return ft.evaluate(state, (b for group in rows for b in group))
+
+
 def whole(state) -> dict[str, torch.Tensor]:
     """The parameters as whole tensors (a collective for DTensors: call on every rank)."""
     return {n: getattr(p, "full_tensor", p.detach)().detach() for n, p in state.params.items()}
@@ -96,7 +101,7 @@ def tp_run(rank: int, world: int, port: int, out: str) -> None:
     state, losses, norms = train(state, steps=SAVE_AT, batch_size=4)
     ft.save_checkpoint(state, root / "tp")
     state, more_losses, more_norms = train(state, steps=STEPS, batch_size=4)
-    result.update(losses=losses + more_losses, norms=norms + more_norms)
+    result.update(losses=losses + more_losses, norms=norms + more_norms, eval=evaluate(state))
     params = whole(state)
     if rank == 0:  # one process (no collective) takes the TP checkpoint on to RESUME_AT
         one = ft.TrainState.create(tiny_llama(), ft.optim.adamw(), seed=3)
