@@ -69,6 +69,7 @@ def test_tp_equals_one_process_and_its_checkpoints_reshard(tmp_path):
     assert "GPT2LMHeadModel has no config.base_model_tp_plan" in errors["no_plan"]
     assert "'replicated_with_grad_allreduce', which TP does not translate" in errors["layout"]
     assert "num_key_value_heads=1 cannot be split over 2" in errors["heads"]
+    assert "plan['model.layers.*.mlp.up_proj'] must be a ParallelStyle" in errors["style"]
 
 
 def _check_shards(ckpt):

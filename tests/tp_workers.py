@@ -73,13 +73,14 @@ def _errors(out: Path) -> dict[str, str]:
     cases = {
         "pattern": (lambda: {"model.layers.*.mlp.nope_proj": ColwiseParallel()}, tiny_llama),
         "no_plan": (lambda: None, tiny_gpt2),
+        "style": (lambda: {"model.layers.*.mlp.up_proj": "colwise"}, tiny_llama),
         "layout": (lambda: None, _tiny_qwen3),
         "heads": (lambda: None, lambda: _tiny_llama(num_key_value_heads=1)),
     }
     for key, (plan, build) in cases.items():
         try:
             ft.strategies.TP(plan=plan()).setup(build())
-        except ValueError as e:
+        except (TypeError, ValueError) as e:
             found[key] = str(e)
     tied = tiny_llama()
     tied.config.tie_word_embeddings = True

@@ -11,7 +11,7 @@ the tensor-parallel model is sharded again with FSDP2 over the data-parallel mes
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
@@ -93,10 +93,25 @@ def resolve(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, Any]:
         if not hits:
             raise ValueError(
                 f"plan pattern {pattern!r} matches no module of {type(model).__name__} "
-                f"(names look like {names[-1]!r}); fix or remove it"
+                f"(names look like {names[-1] if names else None!r}); fix or remove it"
             )
         out.update(dict.fromkeys(hits, style))
     return out
+
+
+def _check_plan(plan: Mapping[str, Any] | None) -> None:
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    if plan is None:
+        return
+    if not isinstance(plan, Mapping) or not plan:
+        raise TypeError(f"plan must be a non-empty {{pattern: ParallelStyle}} dict, got {plan!r}")
+    for pattern, style in plan.items():
+        if not isinstance(style, ParallelStyle):
+            raise TypeError(
+                f"plan[{pattern!r}] must be a ParallelStyle such as ColwiseParallel(), got "
+                f"{style!r}; HF's strings ('colwise', ...) are translated only for the default plan"
+            )
 
 
 def _matches(name: list[str], atoms: list[str]) -> bool:
@@ -128,6 +143,8 @@ class TP(ProcessGroupStrategy):
 
     Raises:
         RuntimeError: if no process group is initialised (use `ft.strategies.from_env("tp")`).
+        TypeError: for a `plan` that is empty or maps a pattern to something other than a
+            `ParallelStyle`.
         ValueError: for a `dp` that does not divide the world size; in `setup`, for a plan
             pattern matching no module, a model without a plan, or a layer whose split
             dimension the tensor-parallel degree does not divide.
@@ -140,9 +157,10 @@ class TP(ProcessGroupStrategy):
         dp: int = 1,
         device: str | torch.device | None = None,
         precision: str | Precision | None = None,
-        shard: Any = None,
+        shard: Callable[[nn.Module], bool] | None = None,
     ) -> None:
         super().__init__("TP", device, None, precision)
+        _check_plan(plan)
         processes = self.world_size
         if not (type(dp) is int and dp >= 1 and processes % dp == 0):
             raise ValueError(f"dp must be an int dividing the world size {processes}, got {dp!r}")
