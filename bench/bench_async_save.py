@@ -24,20 +24,10 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from bench_checkpoint import build_model  # the same ~30M-parameter GPT-2
 
 import ftrain as ft
 from ftrain.checkpoint._tree import flatten
-
-
-def build_model() -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(
-        vocab_size=50_000, n_positions=32, n_embd=576, n_layer=1, n_head=4,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    return GPT2LMHeadModel(cfg)
 
 
 def worker(rank: int, world: int, port: int, root: str, rounds: int, every: int) -> None:

@@ -13,16 +13,20 @@ import torch
 import ftrain as ft
 
 
-def ddp_save_failure(rank: int, world: int, port: int, out: str) -> None:
-    """Rank 0 cannot seal a blocking save: every rank's save_checkpoint raises, nothing is
-    committed, and the next save works on every rank."""
-    from ftrain.checkpoint import _save
-
+def _env(rank: int, world: int, port: int) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
         WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
     )  # fmt: skip
     torch.set_num_threads(1)
+
+
+def ddp_save_failure(rank: int, world: int, port: int, out: str) -> None:
+    """Rank 0 cannot seal a blocking save: every rank's save_checkpoint raises, nothing is
+    committed, and the next save works on every rank."""
+    from ftrain.checkpoint import _save
+
+    _env(rank, world, port)
     strategy = ft.strategies.from_env("ddp", timeout=timedelta(seconds=60))
     state = ft.TrainState.create(torch.nn.Linear(4, 2), ft.optim.adamw(), strategy=strategy)
     real = _save.write_json
@@ -49,11 +53,7 @@ def ddp_save_failure(rank: int, world: int, port: int, out: str) -> None:
 
 
 def _fsdp(rank: int, world: int, port: int, model: torch.nn.Module | None = None):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-        WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-    )  # fmt: skip
-    torch.set_num_threads(1)
+    _env(rank, world, port)
     from helpers import tiny_llama
 
     strategy = ft.strategies.from_env("fsdp", timeout=timedelta(seconds=60))

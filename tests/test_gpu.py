@@ -127,7 +127,8 @@ def test_gradients_are_released_on_the_device():
     state, _ = ft.clip_and_step(state, grads, stats=stats, lr=0.1)
     torch.cuda.synchronize()
     released = with_grads - torch.cuda.memory_allocated()
-    assert released >= 1024 * 1024 * 4, f"only {released} bytes released"
+    # The gradient's 4 MiB go; the step's own small tensors (a few hundred bytes) may come.
+    assert released >= 1024 * 1024 * 4 - 4096, f"only {released} bytes released"
 
 
 def test_background_save_stages_without_blocking_the_loop(tmp_path):

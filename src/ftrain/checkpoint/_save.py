@@ -119,7 +119,7 @@ def save_checkpoint(
         return _save_together(job, state, metrics)
     if strategy.checkpoint_sharded:  # every rank writes its own shards in the background
         _start(job.step, _write_later(job, state, metrics))
-    elif strategy.rank == 0:  # rank 0 holds whole tensors: it writes them in the background
+    elif strategy.process_rank == 0:  # rank 0 holds whole tensors: it writes them in the background
         staged = _stage(L.collect(state, metrics, sharded=False), copy=True)
         _start(job.step, lambda: job.run(staged, strategy))
     return job.path
@@ -157,7 +157,7 @@ class _Job:
     def run(self, staged: L.Contents, strategy: Any) -> Path:
         """Write, seal, rotate (on the ranks that write)."""
         path = _commit(_ready(staged), self.root, checksum=self.checksum, strategy=strategy)
-        if strategy.rank == 0:
+        if strategy.process_rank == 0:
             self.rotate()
         return path
 
@@ -176,7 +176,7 @@ def _save_together(job: _Job, state: TrainState, metrics: Mapping[str, Any] | No
     sharded = strategy.checkpoint_sharded
     error: BaseException | None = None
     try:
-        if sharded or strategy.rank == 0:  # the ranks that write
+        if sharded or strategy.process_rank == 0:  # the ranks that write
             job.run(_stage(L.collect(state, metrics, sharded=sharded), copy=False), strategy)
     except BaseException as e:  # every rank must hear about it, then it is raised here
         error = e
@@ -246,10 +246,10 @@ def _commit(staged: L.Contents, root: Path, *, checksum: bool, strategy: Any) ->
     tmp = _new_tmp(root, staged.step, strategy)
     try:
         files = _write(staged, tmp, strategy)
-        if strategy.rank == 0:
+        if strategy.process_rank == 0:
             _seal(tmp, root, staged, files, checksum=checksum)
     finally:
-        if strategy.rank == 0:  # gone once published; after a failure, only its owner cleans
+        if strategy.process_rank == 0:  # gone once published; after a failure, its owner cleans
             shutil.rmtree(tmp, ignore_errors=True)
     return _step_dir(root, staged.step)
 
@@ -262,7 +262,7 @@ def _write(staged: L.Contents, tmp: Path, strategy: Any) -> list[str]:
             strategy.save_shards(staged.optim, tmp / L.OPTIM_DIR)
         except Exception as e:
             raise CheckpointError(f"writing the shards into {tmp} failed: {e}") from e
-        return _shard_files(staged, tmp) if strategy.rank == 0 else []
+        return _shard_files(staged, tmp) if strategy.process_rank == 0 else []
     write_safetensors(staged.model, tmp / L.MODEL_FILE)
     write_safetensors(staged.optim, tmp / L.OPTIM_FILE)
     if staged.config is None:
@@ -297,7 +297,7 @@ def _write_later(
         job.rotate()
 
     def clean() -> None:  # gone once published; after a failure, only its owner cleans
-        if strategy.rank == 0:
+        if strategy.process_rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
 
     try:
@@ -343,7 +343,7 @@ def _after_every_commit(marker: Path, root: Path) -> None:
 def _all_ok(ok: bool, strategy: Any) -> bool:
     """Collective: True on every rank when every rank passed True."""
     failed = torch.tensor(0.0 if ok else 1.0, device=strategy.device)
-    return bool(strategy.all_reduce_sum(failed) == 0)  # host sync: saving is the place
+    return bool(strategy.sum_over_processes(failed) == 0)  # host sync: saving is the place
 
 
 def _failure(message: str, cause: BaseException | None) -> CheckpointError:
@@ -389,7 +389,7 @@ def _tmp_name(what: str, *, pid: int | None = None, host: str = _HOST) -> str:
 def _new_tmp(root: Path, step: int, strategy: Any) -> Path:
     """Rank 0 makes the directory; with a sharded state every rank learns its name."""
     name, error = "", None
-    if strategy.rank == 0:
+    if strategy.process_rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
             _remove_stale(root)
@@ -411,7 +411,7 @@ def _broadcast_name(name: str, strategy: Any) -> str:
     """Rank 0's `name` on every rank ("" when rank 0 failed), through a sum of byte codes."""
     codes = torch.zeros(256, dtype=torch.int64)
     codes[: len(name)] = torch.tensor(list(name.encode()), dtype=torch.int64)
-    summed = strategy.all_reduce_sum(codes.to(strategy.device)).cpu().tolist()
+    summed = strategy.sum_over_processes(codes.to(strategy.device)).cpu().tolist()
     return bytes(c for c in summed if c).decode()
 
 

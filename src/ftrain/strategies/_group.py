@@ -53,6 +53,7 @@ class ProcessGroupStrategy:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.process_rank = self.rank  # each process is a data-parallel rank (not under TP)
         self.grad_reduce_factor = 1.0 / self.world_size  # both average over ranks
         self.device = torch.device(device) if device is not None else local_device()
         self.precision = Precision.of(precision)
@@ -149,6 +150,9 @@ class ProcessGroupStrategy:
     def barrier(self) -> None:
         dist.barrier(group=self.group)
 
+    def sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.all_reduce_sum(tensor)
+
     def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
         # Shapes first (one small all-gather and a host sync), then rows padded to the largest.
         # A rank without rows does not widen the other axes.
@@ -174,11 +178,12 @@ class ProcessGroupStrategy:
     def save_shards_async(
         self, parts: Mapping[Path, dict[str, torch.Tensor]], *, commit: Callable[[], None]
     ) -> Callable[[], None]:
-        while len(self._checkpoint_groups) < len(parts):  # every rank is here, in this order
-            ranks = None if self.group is None else dist.get_process_group_ranks(self.group)
-            group = dist.new_group(ranks, backend="gloo", timeout=self._timeout())
+        # Over every process, as the shards are (TP's too); each is here, in this order.
+        while len(self._checkpoint_groups) < len(parts):
+            group = dist.new_group(backend="gloo", timeout=self._timeout())
             self._checkpoint_groups.append(group)
-        return _dcp.save_shards_async(parts, commit, groups=self._checkpoint_groups, rank=self.rank)
+        groups, rank = self._checkpoint_groups, self.process_rank
+        return _dcp.save_shards_async(parts, commit, groups=groups, rank=rank)
 
     def load_shards(self, directory: Path, targets: dict[str, torch.Tensor]) -> None:
         _dcp.load_shards(directory, targets, group=self.group, local=False)
@@ -193,8 +198,8 @@ class ProcessGroupStrategy:
     def _timeout(self) -> Any:
         """The training group's collective timeout (a dead peer fails a background save as
         soon as it fails a step), or None (torch's default) where torch does not say."""
-        group = self.group or dist.distributed_c10d._get_default_group()
         try:
+            group = dist.distributed_c10d._get_default_group()
             return group._get_backend(self.device).options._timeout
         except (AttributeError, RuntimeError):
             return None
