@@ -126,3 +126,22 @@ def fsdp_async_saves(rank: int, world: int, port: int, out: str) -> None:
     time.sleep(0.5)
     (root / f"killed-{rank}").write_text("")
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def tp_async_save(rank: int, world: int, port: int, out: str) -> None:
+    """Tensor parallelism: a background save while training goes on, and a blocking one."""
+    from dist_workers import train
+
+    from helpers import tiny_llama
+
+    _env(rank, world, port)
+    root = Path(out)
+    strategy = ft.strategies.from_env("tp", timeout=timedelta(seconds=60))
+    state = ft.TrainState.create(tiny_llama(), ft.optim.adamw(), seed=3, strategy=strategy)
+    state, _ = train(state, steps=2, batch_size=2)
+    ft.save_checkpoint(state, root / "blocking")
+    _slow_shard_writes(0.5)
+    ft.save_checkpoint(state, root / "async", blocking=False)
+    state, _ = train(state, steps=4, batch_size=2)  # steps in place while the save writes
+    (root / f"done-{rank}").write_text(ft.wait_for_checkpoint().name)
+    strategy.close()

@@ -313,7 +313,7 @@ def test_fsdp_background_saves_are_blocking_ones_committed_on_every_rank_or_none
     import ckpt_save_workers as W
     from dist_workers import train
 
-    from helpers import opt_state_tensors, tiny_llama
+    from helpers import tiny_llama
 
     assert _launch_two(W.fsdp_async_saves, tmp_path) == [-9, -9]  # SIGKILL mid-save, last
     assert (tmp_path / "killed-0").exists() and (tmp_path / "killed-1").exists()
@@ -326,13 +326,7 @@ def test_fsdp_background_saves_are_blocking_ones_committed_on_every_rank_or_none
     def fresh():
         return ft.TrainState.create(tiny_llama(dropout=0.0), ft.optim.adamw(), seed=3)
 
-    background = ft.load_checkpoint(tmp_path / "async" / "step-3", fresh())
-    blocking = ft.load_checkpoint(tmp_path / "blocking" / "step-3", fresh())
-    for n, p in blocking.params.items():  # written while training went on: still step 3's
-        assert torch.equal(background.params[n], p), n
-    for p, t in opt_state_tensors(blocking.opt_state).items():
-        assert torch.equal(opt_state_tensors(background.opt_state)[p], t), p
-    assert (background.step, background.cursor, background.epoch) == (3, blocking.cursor, 0)
+    background, blocking = _same_checkpoints(tmp_path, 3, fresh)
     # The save of step 5 cut short by the crash is not a checkpoint; a new save cleans up.
     assert ft.latest_checkpoint(tmp_path / "async") == tmp_path / "async" / "step-3"
     ft.save_checkpoint(blocking, tmp_path / "async")
@@ -341,3 +335,30 @@ def test_fsdp_background_saves_are_blocking_ones_committed_on_every_rank_or_none
     reference, _ = train(fresh(), steps=6, batch_size=4)
     for n, p in reference.params.items():
         torch.testing.assert_close(resumed.params[n], p, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def _same_checkpoints(root: Path, step: int, fresh):
+    """The background and the blocking save of one state, loaded into one process: equal."""
+    from helpers import opt_state_tensors
+
+    background = ft.load_checkpoint(root / "async" / f"step-{step}", fresh())
+    blocking = ft.load_checkpoint(root / "blocking" / f"step-{step}", fresh())
+    for n, p in blocking.params.items():  # written while training went on: still that step's
+        assert torch.equal(background.params[n], p), n
+    for p, t in opt_state_tensors(blocking.opt_state).items():
+        assert torch.equal(opt_state_tensors(background.opt_state)[p], t), p
+    assert (background.step, background.cursor) == (step, blocking.cursor)
+    return background, blocking
+
+
+@pytest.mark.slow
+def test_tp_background_saves_are_blocking_ones(tmp_path):
+    import ckpt_save_workers as W
+
+    from helpers import tiny_llama
+
+    assert _launch_two(W.tp_async_save, tmp_path) == [0, 0]
+    assert [(tmp_path / f"done-{r}").read_text() for r in (0, 1)] == ["step-2"] * 2
+    _same_checkpoints(
+        tmp_path, 2, lambda: ft.TrainState.create(tiny_llama(), ft.optim.adamw(), seed=3)
+    )
