@@ -6,10 +6,11 @@
        `Strategy.save_shards`), _seal (_io: state.json, COMMITTED, rename to `step-<N>`)
     -> _save._rotate (after the commit) -> _save._all_ok (every rank learns the outcome).
 
-_layout and _tree are entered once (collect), the strategy once (write), _io only by write and
-seal. A background save runs the same steps after `_stage` in a thread; a sharded one stages
-through `Strategy.save_shards_async` and commits once every rank's shards are written. A crash
-at any instant leaves the previous checkpoints untouched or the new one complete.
+_save orchestrates and is the only module returned to: _layout and _tree are entered once
+(collect), the strategy once (write), _io only by write and seal (file helpers, no callbacks
+into checkpoint/). A background save runs the same steps after `_stage` in a thread; a sharded
+one stages through `Strategy.save_shards_async` and commits once every rank's shards are
+written. A crash at any instant leaves the previous checkpoints untouched or the new one whole.
 """
 
 from __future__ import annotations
