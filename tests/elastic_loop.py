@@ -1,0 +1,82 @@
+"""A checkpointed loop that builds `ft.strategies.DDP()` directly under torchrun (test_elastic).
+
+Usage: torchrun ... tests/elastic_loop.py ROOT TOTAL KILLS
+Every step is saved to ROOT. With KILLS > 0, attempt r < KILLS (torchrun's
+TORCHELASTIC_RESTART_COUNT) has one rank SIGKILL itself at a step drawn from a generator seeded
+by r, at a random instant of that step's save, so the job only ends through KILLS restarts that
+resume from `latest_checkpoint`. Rank 0 prints "attempt R: steps A..B" per attempt.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+import threading
+
+import torch
+from torch import nn
+
+import ftrain as ft
+
+GLOBAL_BATCH = 4
+
+
+def build(strategy: ft.strategies.Strategy | None = None) -> ft.TrainState:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 4))
+    return ft.TrainState.create(model, ft.optim.adamw(weight_decay=0.1), seed=3, strategy=strategy)
+
+
+def rows() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 8, generator=g)
+    return [{"x": x[i], "y": torch.tensor(i % 4)} for i in range(40)]
+
+
+def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    loss = nn.functional.cross_entropy(model(batch["x"]), batch["y"], reduction="sum")
+    return loss, torch.tensor(len(batch["y"]))
+
+
+def train(state: ft.TrainState, root: str, total: int, kill_at: int | None = None) -> ft.TrainState:
+    """The README loop, saving every step; SIGKILL this process during the save of `kill_at`."""
+    data, strategy = rows(), state.strategy
+    while state.step < total:
+        for micro in ft.make_batches(
+            data, batch_size=GLOBAL_BATCH // strategy.world_size, accum=2, seed=state.seed,
+            epoch=state.epoch, start=state.cursor, strategy=strategy,
+        ):  # fmt: skip
+            grads, stats = ft.accumulate_grads(state, micro, loss_fn)
+            state, _ = ft.clip_and_step(state, grads, stats=stats, lr=1e-2, max_norm=1.0)
+            if state.step == kill_at:  # somewhere inside the save (it takes milliseconds)
+                delay = random.Random(kill_at).uniform(0.0, 0.03)
+                threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+            ft.save_checkpoint(state, root, keep_last=2)
+            if state.step >= total:
+                break
+        else:
+            state = ft.next_epoch(state)
+    return state
+
+
+def main(root: str, total: int, kills: int) -> None:
+    torch.set_num_threads(1)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    with ft.strategies.DDP() as strategy:  # joins the group torchrun describes
+        state = build(strategy)
+        if (ckpt := ft.latest_checkpoint(root)) is not None:
+            state = ft.load_checkpoint(ckpt, state)
+        start, kill_at = state.step, None
+        if attempt < kills:
+            rng = random.Random(attempt)
+            victim, kill_at = rng.randrange(strategy.world_size), state.step + rng.randrange(1, 4)
+            kill_at = kill_at if strategy.rank == victim else None
+        state = train(state, root, total, kill_at)
+        if strategy.rank == 0:
+            print(f"attempt {attempt}: steps {start}..{state.step}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
