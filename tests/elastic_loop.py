@@ -40,8 +40,11 @@ def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Ten
     return loss, torch.tensor(len(batch["y"]))
 
 
-def train(state: ft.TrainState, root: str, total: int, kill_at: int | None = None) -> ft.TrainState:
-    """The README loop, saving every step; SIGKILL this process during the save of `kill_at`."""
+def train(
+    state: ft.TrainState, root: str | None, total: int, kill_at: int | None = None
+) -> ft.TrainState:
+    """The README loop, saving every step to `root` (if any); SIGKILL this process during the
+    save of step `kill_at`."""
     data, strategy = rows(), state.strategy
     while state.step < total:
         for micro in ft.make_batches(
@@ -53,7 +56,8 @@ def train(state: ft.TrainState, root: str, total: int, kill_at: int | None = Non
             if state.step == kill_at:  # somewhere inside the save (it takes milliseconds)
                 delay = random.Random(kill_at).uniform(0.0, 0.03)
                 threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
-            ft.save_checkpoint(state, root, keep_last=2)
+            if root is not None:
+                ft.save_checkpoint(state, root, keep_last=2)
             if state.step >= total:
                 break
         else:

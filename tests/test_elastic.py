@@ -1,0 +1,136 @@
+"""torchrun launches (issue 14): a strategy joins the launcher's group by itself, two "nodes"
+equal one process, and SIGKILLed ranks restart under `--max-restarts` and end bit-equal."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+import ftrain as ft
+from elastic_loop import build, train
+from ftrain.strategies._group import collective_timeout
+
+SCRIPT = Path(__file__).with_name("elastic_loop.py")
+KILLS = 10
+TOTAL = 3 * KILLS + 2  # each attempt dies at most 3 steps after its start: all 10 die early
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(*args: str) -> subprocess.Popen:
+    """Start a torchrun agent in its own process group (so that a failure kills all of it)."""
+    env = {**os.environ, "FTRAIN_COLLECTIVE_TIMEOUT": "20", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", *args]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # fmt: skip
+
+
+def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[str, str]]:
+    """Wait for every agent; on a timeout or failure kill every process group, then fail."""
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            outs.append((out, err))
+            assert p.returncode == 0, err[-4000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+    return outs
+
+
+def final(root: Path) -> ft.TrainState:
+    path = ft.latest_checkpoint(root)
+    assert path is not None and path.name == f"step-{TOTAL}"
+    return ft.load_checkpoint(path, build())
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory) -> ft.TrainState:
+    """Two torchrun agents as two nodes (1 process each, c10d rendezvous on 127.0.0.1), sharing
+    the checkpoint directory as a shared filesystem would; each rank builds `DDP()` itself."""
+    root, port = tmp_path_factory.mktemp("two_nodes"), free_port()
+    agents = [
+        torchrun("--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
+                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                 "--rdzv-id", "two-nodes", str(SCRIPT), str(root), str(TOTAL), "0")
+        for node in (0, 1)
+    ]  # fmt: skip
+    (out, _), _ = finish(agents, timeout=120)
+    assert f"attempt 0: steps 0..{TOTAL}" in out
+    return final(root)
+
+
+def test_a_strategy_outside_a_launcher_says_how_to_launch(monkeypatch):
+    for name in LAUNCHER_ENV:
+        monkeypatch.delenv(name, raising=False)
+    for cls in (ft.strategies.DDP, ft.strategies.FSDP):
+        with pytest.raises(RuntimeError, match=r"unset: RANK.*torchrun --nproc_per_node N"):
+            cls()
+    assert not torch.distributed.is_initialized()
+
+
+def test_the_collective_timeout_comes_from_the_argument_or_the_environment(monkeypatch):
+    monkeypatch.delenv("FTRAIN_COLLECTIVE_TIMEOUT", raising=False)
+    assert collective_timeout() == timedelta(minutes=10)
+    assert collective_timeout(timedelta(seconds=3)) == timedelta(seconds=3)
+    monkeypatch.setenv("FTRAIN_COLLECTIVE_TIMEOUT", "7.5")
+    assert collective_timeout() == timedelta(seconds=7.5)
+    for bad in ("soon", "0", "-1", "nan"):
+        monkeypatch.setenv("FTRAIN_COLLECTIVE_TIMEOUT", bad)
+        with pytest.raises(ValueError, match=f"FTRAIN_COLLECTIVE_TIMEOUT.*{bad!r}"):
+            collective_timeout()
+    with pytest.raises(ValueError, match="timeout must be a positive"):
+        collective_timeout(timedelta(0))
+
+
+@pytest.mark.slow
+def test_two_nodes_equal_one_process(two_nodes):
+    one = train(build(), None, TOTAL)  # global batch 4 in one process
+    assert (two_nodes.step, two_nodes.samples_seen) == (one.step, one.samples_seen)
+    for n, p in one.params.items():
+        torch.testing.assert_close(two_nodes.params[n], p, rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.slow
+def test_sigkilled_ranks_restart_and_end_bit_equal_to_the_uninterrupted_run(two_nodes, tmp_path):
+    """One torchrun job, 10 tries: attempt r < 10 SIGKILLs a random rank during the save of a
+    step drawn from a generator seeded by r (TORCHELASTIC_RESTART_COUNT); torchrun restarts
+    the job, which resumes from the newest committed checkpoint (a half-written one of the
+    dead attempt is never loaded). Attempt 10 finishes, bit-equal to the 2-rank run without
+    kills. Before each attempt got its own key space in torchrun's store, a restarted attempt
+    often failed with gloo's "connectFullMesh failed: Connection refused"."""
+    agent = torchrun("--nproc-per-node", "2", "--max-restarts", str(KILLS), "--master-port",
+                     str(free_port()), str(SCRIPT), str(tmp_path), str(TOTAL), str(KILLS))  # fmt: skip
+    ((out, err),) = finish([agent], timeout=240)
+    attempts = re.findall(r"attempt (\d+): steps (\d+)\.\.(\d+)", out)
+    assert attempts == [(str(KILLS), attempts[0][1], str(TOTAL))], out
+    failed = re.findall(r"failed \(exitcode: (-?\d+)\)", err)  # torchrun: one per failed attempt
+    assert len(failed) == KILLS and "-9" in failed, err[-4000:]
+    assert "connectFullMesh" not in err
+    resumed = final(tmp_path)
+    assert resumed.step == two_nodes.step == TOTAL
+    for n, p in two_nodes.params.items():
+        assert torch.equal(resumed.params[n], p), n
+    for n, (a, b) in enumerate(zip(_flat(resumed.opt_state), _flat(two_nodes.opt_state))):
+        assert torch.equal(a, b), n
+
+
+def _flat(tree) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
