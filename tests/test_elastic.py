@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from elastic_loop import build, train
 
 import ftrain as ft
-from elastic_loop import build, train
 from ftrain.strategies._group import collective_timeout
+from helpers import opt_state_tensors
 
 SCRIPT = Path(__file__).with_name("elastic_loop.py")
 KILLS = 10
@@ -116,8 +117,9 @@ def test_sigkilled_ranks_restart_and_end_bit_equal_to_the_uninterrupted_run(two_
     dead attempt is never loaded). Attempt 10 finishes, bit-equal to the 2-rank run without
     kills. Before each attempt got its own key space in torchrun's store, a restarted attempt
     often failed with gloo's "connectFullMesh failed: Connection refused"."""
-    agent = torchrun("--nproc-per-node", "2", "--max-restarts", str(KILLS), "--master-port",
-                     str(free_port()), str(SCRIPT), str(tmp_path), str(TOTAL), str(KILLS))  # fmt: skip
+    port, kills = str(free_port()), str(KILLS)
+    agent = torchrun("--nproc-per-node", "2", "--max-restarts", kills, "--master-port", port,
+                     str(SCRIPT), str(tmp_path), str(TOTAL), kills)  # fmt: skip
     ((out, err),) = finish([agent], timeout=240)
     attempts = re.findall(r"attempt (\d+): steps (\d+)\.\.(\d+)", out)
     assert attempts == [(str(KILLS), attempts[0][1], str(TOTAL))], out
@@ -128,9 +130,6 @@ def test_sigkilled_ranks_restart_and_end_bit_equal_to_the_uninterrupted_run(two_
     assert resumed.step == two_nodes.step == TOTAL
     for n, p in two_nodes.params.items():
         assert torch.equal(resumed.params[n], p), n
-    for n, (a, b) in enumerate(zip(_flat(resumed.opt_state), _flat(two_nodes.opt_state))):
-        assert torch.equal(a, b), n
-
-
-def _flat(tree) -> list[torch.Tensor]:
-    return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    reference = opt_state_tensors(two_nodes.opt_state)
+    for n, t in opt_state_tensors(resumed.opt_state).items():
+        assert torch.equal(t, reference[n]), n
