@@ -1,10 +1,14 @@
 """A checkpointed loop that builds `ft.strategies.DDP()` directly under torchrun (test_elastic).
 
-Usage: torchrun ... tests/elastic_loop.py ROOT TOTAL KILLS
+Usage: torchrun ... tests/elastic_loop.py ROOT TOTAL KILLS [PREEMPTIONS]
 Every step is saved to ROOT. With KILLS > 0, attempt r < KILLS (torchrun's
 TORCHELASTIC_RESTART_COUNT) has one rank SIGKILL itself at a step drawn from a generator seeded
 by r, at a random instant of that step's save, so the job only ends through KILLS restarts that
 resume from `latest_checkpoint`. Rank 0 prints "attempt R: steps A..B" per attempt.
+
+With PREEMPTIONS = P > 0 the run is instead cut by SIGTERM P times (`preemptible`): segment
+i < P sends it to one rank at a random instant of a random step; every rank saves the same step
+and leaves the loop; the next segment resumes from the checkpoint, in the same processes.
 """
 
 from __future__ import annotations
@@ -65,13 +69,60 @@ def train(
     return state
 
 
+def preemptible(
+    state: ft.TrainState, root: str, total: int, signal_at: int | None = None, delay: float = 0.0
+) -> ft.TrainState:
+    """The README loop under `on_preemption`; SIGTERM to this process `delay` seconds into
+    step `signal_at`."""
+    data, strategy, timer = rows(), state.strategy, None
+    with ft.strategies.on_preemption() as preempt:
+        while state.step < total and not preempt.requested:
+            for micro in ft.make_batches(
+                data, batch_size=GLOBAL_BATCH // strategy.world_size, accum=2,
+                seed=state.seed, epoch=state.epoch, start=state.cursor, strategy=strategy,
+            ):  # fmt: skip
+                if state.step == signal_at and not delay:
+                    os.kill(os.getpid(), signal.SIGTERM)  # handled before the next line
+                elif state.step == signal_at:
+                    timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGTERM))
+                    timer.start()
+                grads, stats = ft.accumulate_grads(state, micro, loss_fn)
+                state, _ = ft.clip_and_step(state, grads, stats=stats, lr=1e-2, max_norm=1.0)
+                if ft.should_save(state, every=8, total_steps=total):  # and when preempted
+                    ft.save_checkpoint(state, root, keep_last=2)
+                if state.step >= total or preempt.requested:
+                    break
+            else:
+                state = ft.next_epoch(state)
+        if timer is not None:
+            timer.join()  # never let the signal outlive the handler
+    return state
+
+
+def resume(root: str, strategy: ft.strategies.Strategy | None = None) -> ft.TrainState:
+    state = build(strategy)
+    if (ckpt := ft.latest_checkpoint(root)) is not None:
+        state = ft.load_checkpoint(ckpt, state)
+    return state
+
+
+def main_preempted(root: str, total: int, preemptions: int) -> None:
+    with ft.strategies.DDP() as strategy:
+        for segment in range(preemptions + 1):
+            state = resume(root, strategy)
+            start, rng = state.step, random.Random(segment)
+            victim, at, delay = rng.randrange(2), start + rng.randrange(1, 4), rng.uniform(0, 0.01)
+            signal_at = at if segment < preemptions and strategy.rank == victim else None
+            state = preemptible(state, root, total, signal_at, delay)
+            line = f"rank {strategy.rank} segment {segment}: steps {start}..{state.step}\n"
+            sys.stdout.write(line)  # one write: the ranks' lines cannot interleave
+            sys.stdout.flush()
+
+
 def main(root: str, total: int, kills: int) -> None:
-    torch.set_num_threads(1)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     with ft.strategies.DDP() as strategy:  # joins the group torchrun describes
-        state = build(strategy)
-        if (ckpt := ft.latest_checkpoint(root)) is not None:
-            state = ft.load_checkpoint(ckpt, state)
+        state = resume(root, strategy)
         start, kill_at = state.step, None
         if attempt < kills:
             rng = random.Random(attempt)
@@ -83,4 +134,8 @@ def main(root: str, total: int, kills: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    torch.set_num_threads(1)
+    if len(sys.argv) > 4 and int(sys.argv[4]) > 0:
+        main_preempted(sys.argv[1], int(sys.argv[2]), int(sys.argv[4]))
+    else:
+        main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

@@ -3,6 +3,7 @@ equal one process, and SIGKILLed ranks restart under `--max-restarts` and end bi
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import signal
@@ -133,3 +134,27 @@ def test_sigkilled_ranks_restart_and_end_bit_equal_to_the_uninterrupted_run(two_
     reference = opt_state_tensors(two_nodes.opt_state)
     for n, t in opt_state_tensors(resumed.opt_state).items():
         assert torch.equal(t, reference[n]), n
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_makes_both_save_the_same_step_and_continue_bit_equal(
+    two_nodes, tmp_path
+):
+    """4 preemptions in one 2-rank launch: each sends SIGTERM to one random rank at a random
+    instant of a random step; both ranks learn it from the step's own all-reduce, save the same
+    step, and leave the loop; the next segment resumes from there. The end is bit-equal to the
+    run without preemptions."""
+    port, segments = str(free_port()), 4
+    agent = torchrun("--nproc-per-node", "2", "--master-port", port, str(SCRIPT), str(tmp_path),
+                     str(TOTAL), "0", str(segments))  # fmt: skip
+    ((out, _),) = finish([agent], timeout=180)
+    found = re.findall(r"rank (\d) segment (\d+): steps (\d+)\.\.(\d+)", out)
+    ends = {(int(s), int(a), int(b)) for _, s, a, b in found}
+    assert len(found) == 2 * (segments + 1) and len(ends) == segments + 1, out  # ranks agree
+    ends_sorted = sorted(ends)
+    for (_, a, b), (_, next_start, _) in itertools.pairwise(ends_sorted):
+        assert a < b < TOTAL and next_start == b  # preempted, saved, resumed from that step
+    assert ends_sorted[-1][2] == TOTAL
+    resumed = final(tmp_path)
+    for n, p in two_nodes.params.items():
+        assert torch.equal(resumed.params[n], p), n

@@ -12,6 +12,7 @@ import torch
 from ftrain.data import weighted
 from ftrain.losses import LossFn, default_loss
 from ftrain.state import ConsumedStateError, TrainState
+from ftrain.strategies import _preempt
 from ftrain.strategies._base import Strategy
 
 __all__ = ["Grads", "Stats", "accumulate_grads", "dropout_seed"]
@@ -290,9 +291,19 @@ def _forward_backward(
             else:
                 host_tokens += n_tok
             samples += n_samples
-    return strategy.all_reduce_sum(
-        _totals(losses, items, masked, (host_items, host_tokens, samples), device)
-    )
+    totals = _totals(losses, items, masked, (host_items, host_tokens, samples), device)
+    return _reduce(totals, strategy)
+
+
+def _reduce(totals: torch.Tensor, strategy: Strategy) -> torch.Tensor:
+    """All-reduce the step's totals; with a preemption handler installed, its flag rides along
+    (every rank learns at this step whether any rank was signalled, at no extra collective)."""
+    preempt = _preempt.active()
+    if preempt is None:
+        return strategy.all_reduce_sum(totals)
+    reduced = strategy.all_reduce_sum(torch.cat([totals, preempt.local_flag(totals.device)]))
+    preempt.observe(reduced[4])
+    return reduced[:4]
 
 
 def _totals(

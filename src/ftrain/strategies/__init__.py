@@ -6,5 +6,16 @@ from ftrain.strategies._base import default_device as default_device
 from ftrain.strategies._ddp import DDP as DDP
 from ftrain.strategies._env import from_env as from_env
 from ftrain.strategies._fsdp import FSDP as FSDP
+from ftrain.strategies._preempt import Preemption as Preemption
+from ftrain.strategies._preempt import on_preemption as on_preemption
 
-__all__ = ["DDP", "FSDP", "SingleDevice", "Strategy", "default_device", "from_env"]
+__all__ = [
+    "DDP",
+    "FSDP",
+    "Preemption",
+    "SingleDevice",
+    "Strategy",
+    "default_device",
+    "from_env",
+    "on_preemption",
+]
