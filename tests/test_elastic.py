@@ -33,9 +33,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(*args: str) -> subprocess.Popen:
+def torchrun(*args: str, **env: str) -> subprocess.Popen:
     """Start a torchrun agent in its own process group (so that a failure kills all of it)."""
-    env = {**os.environ, "FTRAIN_COLLECTIVE_TIMEOUT": "20", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "FTRAIN_COLLECTIVE_TIMEOUT": "20", "OMP_NUM_THREADS": "1", **env}
     cmd = [sys.executable, "-m", "torch.distributed.run", *args]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)  # fmt: skip
@@ -66,12 +66,14 @@ def final(root: Path) -> ft.TrainState:
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory) -> ft.TrainState:
     """Two torchrun agents as two nodes (1 process each, c10d rendezvous on 127.0.0.1), sharing
-    the checkpoint directory as a shared filesystem would; each rank builds `DDP()` itself."""
+    the checkpoint directory as a shared filesystem would; each rank builds `DDP()` itself.
+    This 2-rank run without failures is the reference of the elastic and preemption tests."""
     root, port = tmp_path_factory.mktemp("two_nodes"), free_port()
     agents = [
         torchrun("--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
                  "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                 "--rdzv-id", "two-nodes", str(SCRIPT), str(root), str(TOTAL), "0")
+                 "--rdzv-id", "two-nodes", str(SCRIPT), str(root), str(TOTAL), "0",
+                 TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # as docs/strategies.md advises
         for node in (0, 1)
     ]  # fmt: skip
     (out, _), _ = finish(agents, timeout=120)
