@@ -9,11 +9,12 @@ says yes on all of them.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 from collections import deque
 from collections.abc import Iterable
-from types import FrameType, TracebackType
+from types import FrameType
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ __all__ = ["Preemption", "active", "on_preemption"]
 _ACTIVE: Preemption | None = None
 
 
-class Preemption:
+class Preemption(contextlib.AbstractContextManager["Preemption"]):
     """The flag `on_preemption` installs; `requested` is what every rank agreed on.
 
     Attributes:
@@ -92,15 +93,7 @@ class Preemption:
         if _ACTIVE is self:
             _ACTIVE = None
 
-    def __enter__(self) -> Preemption:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
 
