@@ -4,7 +4,8 @@ Usage: torchrun ... tests/elastic_loop.py ROOT TOTAL KILLS [PREEMPTIONS]
 Every step is saved to ROOT. With KILLS > 0, attempt r < KILLS (torchrun's
 TORCHELASTIC_RESTART_COUNT) has one rank SIGKILL itself at a step drawn from a generator seeded
 by r, at a random instant of that step's save, so the job only ends through KILLS restarts that
-resume from `latest_checkpoint`. Rank 0 prints "attempt R: steps A..B" per attempt.
+resume from `latest_checkpoint` (VICTIM_SIGNAL=SIGSTOP freezes the rank instead). Rank 0
+prints "attempt R: steps A..B" per attempt.
 
 With PREEMPTIONS = P > 0 the run is instead cut by SIGTERM P times (`preemptible`): segment
 i < P sends it to one rank at a random instant of a random step; every rank saves the same step
@@ -59,7 +60,8 @@ def train(
             state, _ = ft.clip_and_step(state, grads, stats=stats, lr=1e-2, max_norm=1.0)
             if state.step == kill_at:  # somewhere inside the save (it takes milliseconds)
                 delay = random.Random(kill_at).uniform(0.0, 0.03)
-                threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+                how = signal.Signals[os.environ.get("VICTIM_SIGNAL", "SIGKILL")]  # or SIGSTOP
+                threading.Timer(delay, os.kill, (os.getpid(), how)).start()
             if root is not None:
                 ft.save_checkpoint(state, root, keep_last=2)
             if state.step >= total:
@@ -119,14 +121,19 @@ def main_preempted(root: str, total: int, preemptions: int) -> None:
             sys.stdout.flush()
 
 
+def plan(attempt: int, world_size: int, start: int) -> tuple[int, int]:
+    """Which rank dies in this attempt, and at which step."""
+    rng = random.Random(attempt)
+    return rng.randrange(world_size), start + rng.randrange(1, 4)
+
+
 def main(root: str, total: int, kills: int) -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     with ft.strategies.DDP() as strategy:  # joins the group torchrun describes
         state = resume(root, strategy)
         start, kill_at = state.step, None
         if attempt < kills:
-            rng = random.Random(attempt)
-            victim, kill_at = rng.randrange(strategy.world_size), state.step + rng.randrange(1, 4)
+            victim, kill_at = plan(attempt, strategy.world_size, state.step)
             kill_at = kill_at if strategy.rank == victim else None
         state = train(state, root, total, kill_at)
         if strategy.rank == 0:

@@ -10,16 +10,17 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-from elastic_loop import build, train
+from elastic_loop import build, plan, train
 
 import ftrain as ft
 from ftrain.strategies._group import collective_timeout
-from helpers import opt_state_tensors
+from helpers import opt_state_tensors, within
 
 SCRIPT = Path(__file__).with_name("elastic_loop.py")
 KILLS = 10
@@ -160,3 +161,47 @@ def test_sigterm_to_one_rank_makes_both_save_the_same_step_and_continue_bit_equa
     resumed = final(tmp_path)
     for n, p in two_nodes.params.items():
         assert torch.equal(resumed.params[n], p), n
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
+def test_when_a_rank_dies_or_freezes_the_other_exits_by_itself(tmp_path, how):
+    """No launcher to clean up (two processes started as torchrun would, and nothing kills the
+    survivor): a peer SIGKILLed inside a save ends the survivor's next collective at once
+    ("Connection reset by peer", well inside the 30 s timeout); a frozen peer (SIGSTOP) ends it
+    after FTRAIN_COLLECTIVE_TIMEOUT (3 s). Either way the
+    survivor leaves its `with DDP()` block and the interpreter exits."""
+    victim, _ = plan(0, 2, 0)
+    port, procs, timeout = str(free_port()), [], "30" if how == "SIGKILL" else "3"
+    for rank in (0, 1):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank),
+               "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "FTRAIN_COLLECTIVE_TIMEOUT": timeout,
+               "VICTIM_SIGNAL": how, "OMP_NUM_THREADS": "1"}  # fmt: skip
+        procs.append(subprocess.Popen(
+            [sys.executable, str(SCRIPT), str(tmp_path), str(TOTAL), "1"], env=env, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        ))  # fmt: skip
+    dead, survivor = procs[victim], procs[1 - victim]
+    try:
+        with within(60, "the victim's signal"):
+            while dead.poll() is None and _state(dead.pid) != "T":
+                time.sleep(0.02)
+        gone = time.monotonic()
+        out, _ = survivor.communicate(timeout=60)
+        waited = time.monotonic() - gone
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    assert survivor.returncode == 1, out[-3000:]
+    if how == "SIGKILL":  # the socket closed: no waiting for the timeout
+        assert dead.returncode == -signal.SIGKILL, out[-3000:]
+        assert re.search(r"Connection (reset|closed) by peer", out) and waited < 30, out[-3000:]
+    else:
+        assert re.search(r"[Tt]imed? ?out", out) and 3 < waited < 60, (waited, out[-3000:])
+
+
+def _state(pid: int) -> str:
+    """The process state letter from /proc (T: stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
