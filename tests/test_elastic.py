@@ -19,7 +19,7 @@ import torch
 from elastic_loop import build, plan, train
 
 import ftrain as ft
-from ftrain.strategies._group import collective_timeout
+from ftrain.strategies._group import _attempt_store, collective_timeout
 from helpers import opt_state_tensors, within
 
 SCRIPT = Path(__file__).with_name("elastic_loop.py")
@@ -103,6 +103,27 @@ def test_the_collective_timeout_comes_from_the_argument_or_the_environment(monke
             collective_timeout()
     with pytest.raises(ValueError, match="timeout must be a positive"):
         collective_timeout(timedelta(0))
+
+
+def test_each_torchrun_attempt_gets_its_own_keys_in_the_agent_store(monkeypatch):
+    server = torch.distributed.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5)
+    )
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port), "GROUP_WORLD_SIZE": "1",
+           "TORCHELASTIC_RESTART_COUNT": "3", "TORCHELASTIC_USE_AGENT_STORE": "True",
+           "TORCHELASTIC_MAX_RESTARTS": "5"}  # fmt: skip
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    store = _attempt_store(timedelta(seconds=5))
+    assert store is not None
+    store.set("rank_0", "addr")
+    assert server.get("ftrain/attempt-3/rank_0") == b"addr"
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # a fresh store: nothing to do
+    assert _attempt_store(timedelta(seconds=5)) is None
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")  # nodes may count restarts differently
+    with pytest.warns(UserWarning, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        assert _attempt_store(timedelta(seconds=5)) is None
 
 
 @pytest.mark.slow

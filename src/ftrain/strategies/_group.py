@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import warnings
 import weakref
 from datetime import timedelta
 from pathlib import Path
@@ -96,14 +97,25 @@ def _attempt_store(timeout: timedelta) -> dist.Store | None:
     join it (TORCHELASTIC_USE_AGENT_STORE). The keys in which a dead attempt's ranks published
     their gloo/NCCL addresses are still there, so a restarted rank may connect to a dead peer
     ("connectFullMesh failed: Connection refused") before the live one overwrote its key.
-    Prefixing by TORCHELASTIC_RESTART_COUNT gives each attempt its own keys.
+    Prefixing by TORCHELASTIC_RESTART_COUNT gives each attempt its own keys. With several
+    agents (nodes) the agents' restart counts can differ, so there the fix is torch's own
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store per round), and this warns without it.
     """
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
+    if os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+        if os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":
+            warnings.warn(
+                "torchrun restarts across several nodes share one store in which a dead "
+                "attempt's addresses survive; set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (with "
+                "--rdzv-backend c10d) so that each restart gets a fresh one (docs/strategies.md)",
+                stacklevel=4,
+            )
+        return None
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"ftrain/attempt-{attempt}/", store)
+    return dist.PrefixStore(f"ftrain/attempt-{attempt}", store)  # keys: ftrain/attempt-N/...
 
 
 class ProcessGroupStrategy:
