@@ -28,14 +28,7 @@ TOTAL = 3 * KILLS + 2  # each attempt dies at most 3 steps after its start: all 
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The tiny model's steps take 50x longer with two intra-op threads on a busy 2-core
-    machine (measured); the launched workers use one thread too."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def free_port() -> int:

@@ -17,14 +17,7 @@ from helpers import opt_state_tensors
 TOTAL = 8
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The tiny model's steps take 50x longer with two intra-op threads on a busy 2-core
-    machine (measured); the launched workers use one thread too."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def assert_bit_equal(a: ft.TrainState, b: ft.TrainState) -> None:
