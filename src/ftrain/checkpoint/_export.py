@@ -69,7 +69,7 @@ def export_pretrained(
         module = _merged(module, sharded=together)
     full = strategy.full_state_dict(module) if together else None
     try:
-        if strategy.rank == 0:
+        if strategy.process_rank == 0:
             write = lambda tmp: _save_module(module, tmp, tokenizer, full)  # noqa: E731
             _atomic_dir(directory, overwrite, write)
     finally:

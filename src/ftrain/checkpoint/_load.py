@@ -177,8 +177,7 @@ def _open_on_every_rank(path: Path, strategy: Any, *, verify: bool) -> Opened:
     `CheckpointError` unless every rank read a checkpoint with the same `state.json` digest
     (which covers the step and every file's digest).
     """
-    world = strategy.world_size
-    if world <= 1:
+    if strategy.world_size <= 1 and not strategy.checkpoint_sharded:  # one process
         return open_checkpoint(path, verify=verify)
     opened: Opened | None = None
     error: BaseException | None = None
@@ -194,7 +193,7 @@ def _open_on_every_rank(path: Path, strategy: Any, *, verify: bool) -> Opened:
     pieces = [key >> 24, key & 0xFFFFFF, (step >> 24) & 0xFFFFFF, step & 0xFFFFFF]
     flat = [1, int(opened is not None), *pieces, *(x * x for x in pieces)]
     local = torch.tensor(flat, dtype=torch.int64, device=strategy.device)
-    total = strategy.all_reduce_sum(local).tolist()  # a host sync: once per load
+    total = strategy.sum_over_processes(local).tolist()  # a host sync: once per load
     if error is not None or opened is None:
         raise error or CheckpointError(f"cannot read {path}")
     ranks, readable, sums, squares = total[0], total[1], total[2:6], total[6:10]

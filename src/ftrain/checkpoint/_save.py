@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -107,7 +108,7 @@ def save_checkpoint(
     strategy = state.strategy
     if blocking or strategy.checkpoint_sharded:
         return _save_together(job, state, metrics)
-    if strategy.rank == 0:  # rank 0 holds whole tensors: it writes them in the background
+    if strategy.process_rank == 0:  # rank 0 holds whole tensors: it writes them in the background
         _start(job, _stage(L.collect(state, metrics, sharded=False), copy=True), strategy)
     return job.path
 
@@ -130,8 +131,8 @@ class _Job:
 
     def run(self, staged: L.Contents, strategy: Any) -> Path:
         """Write, seal, rotate (on the ranks that write)."""
-        path = _commit(staged, self.root, checksum=self.checksum, strategy=strategy)
-        if self.keep_last is not None and strategy.rank == 0:
+        path = _commit(_ready(staged), self.root, checksum=self.checksum, strategy=strategy)
+        if self.keep_last is not None and strategy.process_rank == 0:
             _rotate(self, self.keep_last)
         return path
 
@@ -167,7 +168,7 @@ def _save_together(job: _Job, state: TrainState, metrics: Mapping[str, Any] | No
     sharded = strategy.checkpoint_sharded
     error: BaseException | None = None
     try:
-        if sharded or strategy.rank == 0:  # the ranks that write
+        if sharded or strategy.process_rank == 0:  # the ranks that write
             job.run(_stage(L.collect(state, metrics, sharded=sharded), copy=False), strategy)
     except BaseException as e:  # every rank must hear about it, then it is raised here
         error = e
@@ -177,19 +178,26 @@ def _save_together(job: _Job, state: TrainState, metrics: Mapping[str, Any] | No
 
 
 def _stage(contents: L.Contents, *, copy: bool) -> L.Contents:
-    """Host copies of whole tensors (a sharded state's shards are written where they are)."""
+    """Host copies of whole tensors (a sharded state's shards are written where they are).
+
+    `copy` (a background save) decouples the write from the next, in-place step. CUDA tensors
+    are then copied into pinned host memory without blocking, and `ready` records an event the
+    writer waits for, so the caller's thread never waits for the device.
+    """
     if contents.meta.get("sharded"):
         return contents
     if sys.byteorder != "little":  # pragma: no cover - safetensors stores little-endian
         raise CheckpointError("checkpoints are written on little-endian machines only")
     seen: set[int] = set()
+    pinned = copy and torch.cuda.is_available()
 
     def host(t: torch.Tensor) -> torch.Tensor:
-        # A copy decouples an async write from the next (donated, in-place) step. safetensors
-        # refuses tensors that share memory (views of one buffer), so those are copied too.
+        # safetensors refuses tensors that share memory (views of one buffer): copy those too.
         ptr = t.untyped_storage().data_ptr()
         shared = ptr in seen and t.numel() > 0
         seen.add(ptr)
+        if pinned and t.is_cuda:
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
         if copy or shared:
             return t.to("cpu", copy=True).contiguous()
         return t.cpu().contiguous()
@@ -197,7 +205,19 @@ def _stage(contents: L.Contents, *, copy: bool) -> L.Contents:
     with torch.no_grad():
         model = {n: host(t) for n, t in contents.model.items()}
         optim = {p: host(v) for p, v in contents.optim.items()}
-    return L.Contents(contents.step, model, optim, contents.meta, contents.config)
+        meta = L.map_values(contents.meta, host)
+    ready = torch.cuda.Event() if pinned else None
+    if ready is not None:
+        ready.record()
+    return L.Contents(contents.step, model, optim, meta, contents.config, ready)
+
+
+def _ready(staged: L.Contents) -> L.Contents:
+    """Wait for the staging copies, then read the counters and metrics as numbers."""
+    if staged.ready is not None:
+        staged.ready.synchronize()
+    meta = L.map_values(staged.meta, lambda t: t.item())  # host sync: saving is the place
+    return dataclasses.replace(staged, meta=meta, ready=None)
 
 
 def _commit(staged: L.Contents, root: Path, *, checksum: bool, strategy: Any) -> Path:
@@ -205,10 +225,10 @@ def _commit(staged: L.Contents, root: Path, *, checksum: bool, strategy: Any) ->
     tmp = _new_tmp(root, staged.step, strategy)
     try:
         files = _write(staged, tmp, strategy)
-        if strategy.rank == 0:
+        if strategy.process_rank == 0:
             _seal(tmp, root, staged, files, checksum=checksum)
     finally:
-        if strategy.rank == 0:  # gone once published; after a failure, only its owner cleans
+        if strategy.process_rank == 0:  # gone once published; after a failure, its owner cleans
             shutil.rmtree(tmp, ignore_errors=True)
     return L.step_dir(root, staged.step)
 
@@ -221,7 +241,7 @@ def _write(staged: L.Contents, tmp: Path, strategy: Any) -> list[str]:
             strategy.save_shards(staged.optim, tmp / L.OPTIM_DIR)
         except Exception as e:
             raise CheckpointError(f"writing the shards into {tmp} failed: {e}") from e
-        if staged.config is not None and strategy.rank == 0:
+        if staged.config is not None and strategy.process_rank == 0:
             write_text(staged.config, tmp / L.CONFIG_FILE)
         return [
             f"{sub}/{f.name}"
@@ -262,7 +282,7 @@ def _after_every_commit(marker: Path, root: Path) -> None:
 def _all_ok(ok: bool, strategy: Any) -> bool:
     """Collective: True on every rank when every rank passed True."""
     failed = torch.tensor(0.0 if ok else 1.0, device=strategy.device)
-    return bool(strategy.all_reduce_sum(failed) == 0)  # host sync: saving is the place
+    return bool(strategy.sum_over_processes(failed) == 0)  # host sync: saving is the place
 
 
 def _failure(message: str, cause: BaseException | None) -> CheckpointError:
@@ -308,7 +328,7 @@ def _tmp_name(what: str, *, pid: int | None = None, host: str = _HOST) -> str:
 def _new_tmp(root: Path, step: int, strategy: Any) -> Path:
     """Rank 0 makes the directory; with a sharded state every rank learns its name."""
     name, error = "", None
-    if strategy.rank == 0:
+    if strategy.process_rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
             _remove_stale(root)
@@ -330,7 +350,7 @@ def _broadcast_name(name: str, strategy: Any) -> str:
     """Rank 0's `name` on every rank ("" when rank 0 failed), through a sum of byte codes."""
     codes = torch.zeros(256, dtype=torch.int64)
     codes[: len(name)] = torch.tensor(list(name.encode()), dtype=torch.int64)
-    summed = strategy.all_reduce_sum(codes.to(strategy.device)).cpu().tolist()
+    summed = strategy.sum_over_processes(codes.to(strategy.device)).cpu().tolist()
     return bytes(c for c in summed if c).decode()
 
 

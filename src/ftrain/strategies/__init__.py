@@ -8,10 +8,12 @@ from ftrain.strategies._env import from_env as from_env
 from ftrain.strategies._fsdp import FSDP as FSDP
 from ftrain.strategies._preempt import Preemption as Preemption
 from ftrain.strategies._preempt import on_preemption as on_preemption
+from ftrain.strategies._tp import TP as TP
 
 __all__ = [
     "DDP",
     "FSDP",
+    "TP",
     "Preemption",
     "SingleDevice",
     "Strategy",

@@ -51,6 +51,13 @@ class Strategy(Protocol):
     precision: Precision
     checkpoint_sharded: bool
 
+    @property
+    def process_rank(self) -> int:
+        """This process's rank among all the job's processes: process 0 writes what one
+        process writes alone (state.json, the commit marker, an export). It is `rank` except
+        where several processes hold one data-parallel rank (`TP`)."""
+        ...
+
     def setup(self, model: nn.Module) -> nn.Module:
         """Move/wrap `model` for this strategy and return the module to train."""
         ...
@@ -81,6 +88,12 @@ class Strategy(Protocol):
 
     def barrier(self) -> None:
         """Wait until every rank gets here (e.g. until rank 0 has committed a checkpoint)."""
+        ...
+
+    def sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum a device tensor over every process of the job, tensor-parallel ones included
+        (for agreement between the processes that write a checkpoint); `all_reduce_sum`
+        where each process is its own data-parallel rank."""
         ...
 
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -177,6 +190,13 @@ class SingleDevice:
         return local_grad_norm(grads)
 
     def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    @property
+    def process_rank(self) -> int:
+        return self.rank
+
+    def sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
     # Lifetime, as the process-group strategies have it: one process has nothing to tear down.

@@ -132,6 +132,7 @@ class ProcessGroupStrategy:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.process_rank = self.rank  # each process is a data-parallel rank (not under TP)
         self.grad_reduce_factor = 1.0 / self.world_size  # both average over ranks
         self.device = torch.device(device) if device is not None else local_device()
         self.precision = Precision.of(precision)
@@ -224,6 +225,9 @@ class ProcessGroupStrategy:
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
+
+    def sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.all_reduce_sum(tensor)
 
     def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
         # Shapes first (one small all-gather and a host sync), then rows padded to the largest.
