@@ -2,9 +2,9 @@
 
 Clusters warn a job before they kill it (SLURM: `--signal=USR1@60`; torchrun forwards SIGTERM
 to its workers and SIGKILLs them 30 s later). The handler only sets a flag; `accumulate_grads`
-adds it to the all-reduce of the step's counts that it does anyway, so every rank learns at the
-same step that some rank was signalled, without a collective of its own, and `should_save` then
-says yes on all of them.
+sums it over every process next to the all-reduce of the step's counts (one small collective,
+no host sync), so every rank learns at the same step that some rank was signalled, and
+`should_save` then says yes on all of them.
 """
 
 from __future__ import annotations
