@@ -12,6 +12,7 @@ import torch
 from ftrain.data import weighted
 from ftrain.losses import LossFn, default_loss
 from ftrain.state import ConsumedStateError, TrainState
+from ftrain.strategies import _preempt
 from ftrain.strategies._base import Strategy
 
 __all__ = ["Grads", "Stats", "accumulate_grads", "dropout_seed"]
@@ -290,9 +291,21 @@ def _forward_backward(
             else:
                 host_tokens += n_tok
             samples += n_samples
-    return strategy.all_reduce_sum(
-        _totals(losses, items, masked, (host_items, host_tokens, samples), device)
-    )
+    totals = _totals(losses, items, masked, (host_items, host_tokens, samples), device)
+    return _reduce(totals, strategy)
+
+
+def _reduce(totals: torch.Tensor, strategy: Strategy) -> torch.Tensor:
+    """All-reduce the step's totals; with a preemption handler installed, its flag too.
+
+    The flag is summed over every process (`sum_over_processes`): under tensor parallelism
+    several processes share a data-parallel rank, and each may have been signalled alone.
+    That is a second small collective per step, only with the opt-in handler, never a sync.
+    """
+    preempt = _preempt.active()
+    if preempt is not None:
+        preempt.observe(strategy.sum_over_processes(preempt.local_flag(totals.device))[0])
+    return strategy.all_reduce_sum(totals)
 
 
 def _totals(

@@ -6,12 +6,12 @@ import os
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from ftrain.strategies._base import SingleDevice
 from ftrain.strategies._ddp import DDP
 from ftrain.strategies._fsdp import FSDP
+from ftrain.strategies._group import join_group
 from ftrain.strategies._tp import TP
 
 __all__ = ["from_env"]
@@ -36,26 +36,24 @@ def from_env(
 
     Args:
         kind: "ddp", "fsdp" or "tp".
-        timeout: how long a collective may wait before the process fails (default 10 minutes),
-            so that one rank's crash ends the others instead of hanging them (one process has
-            no collectives to time out).
+        timeout: how long a collective may wait before the process fails (default: the
+            FTRAIN_COLLECTIVE_TIMEOUT environment variable in seconds, else 10 minutes), so
+            that one rank's crash ends the others instead of hanging them (one process has
+            no collectives to time out). Applies when this call creates the group.
         **kwargs: passed to the strategy. In one process `device` and `precision` go to
             `SingleDevice`; `sync_every_micro`, `replicate=1`, `dp=1` and `plan` (the whole
             model is in the one process) mean nothing there and are accepted; any other
             keyword raises rather than being dropped.
 
     Raises:
-        ValueError: for an unknown `kind`.
+        ValueError: for an unknown `kind` or a non-positive timeout.
         TypeError: for a keyword `SingleDevice` cannot honour in a one-process run.
     """
     if kind not in _KINDS:
         raise ValueError(f"kind must be 'ddp', 'fsdp' or 'tp', got {kind!r}")
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not dist.is_initialized():
         return _single(kind, kwargs)
-    owns = not dist.is_initialized()
-    if owns:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=timeout or timedelta(minutes=10))
+    owns = join_group(f"from_env({kind!r})", timeout=timeout)
     strategy = _KINDS[kind](**kwargs)
     strategy.owns_group = owns  # close() destroys the group only if from_env created it
     return strategy

@@ -51,7 +51,9 @@ class FSDP(ProcessGroupStrategy):
         **fsdp_kwargs: passed to `fully_shard` (e.g. `reshard_after_forward`, `mesh`).
 
     Raises:
-        RuntimeError: if no process group is initialised (use `ft.strategies.from_env("fsdp")`).
+        RuntimeError: outside a launcher: with no process group initialised, the group is
+            joined from the environment torchrun or `accelerate launch` set (RANK,
+            WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and without those this names them.
     """
 
     def __init__(

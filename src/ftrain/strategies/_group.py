@@ -8,8 +8,10 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import warnings
 import weakref
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -22,7 +24,10 @@ from ftrain.precision import Precision
 from ftrain.strategies import _dcp
 from ftrain.strategies._base import _precision_repr, move_to
 
-__all__ = ["ProcessGroupStrategy", "local_device"]
+__all__ = ["ProcessGroupStrategy", "collective_timeout", "join_group", "local_device"]
+
+TIMEOUT_ENV = "FTRAIN_COLLECTIVE_TIMEOUT"
+_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 _S = TypeVar("_S", bound="ProcessGroupStrategy")
 
@@ -35,6 +40,85 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
+def collective_timeout(timeout: timedelta | None = None) -> timedelta:
+    """How long a collective may wait for a peer: `timeout`, else FTRAIN_COLLECTIVE_TIMEOUT
+    (seconds), else 10 minutes. A dead peer then ends the survivors instead of hanging them
+    (gloo's own default is 30 minutes; an elastic restart waits for every survivor to exit)."""
+    if timeout is not None:
+        if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+            raise ValueError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
+        return timeout
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return timedelta(minutes=10)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}")
+    return timedelta(seconds=seconds)
+
+
+def join_group(name: str, *, timeout: timedelta | None = None) -> bool:
+    """Initialise the default process group from the launcher's environment unless one exists.
+
+    torchrun and `accelerate launch` set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; the
+    backend is NCCL with CUDA and gloo on the CPU. Returns True when this call created the
+    group (the strategy then destroys it in `close()`).
+
+    Raises:
+        RuntimeError: outside a launcher, naming the missing variables and how to launch.
+    """
+    if dist.is_initialized():
+        return False
+    missing = [k for k in _LAUNCHER_ENV if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"{name}() needs a process group, and none is initialised nor described by the "
+            f"environment (unset: {', '.join(missing)}). Launch the script with "
+            f"`torchrun --nproc_per_node N script.py` or `accelerate launch --num_processes N "
+            f"script.py`; in one process use ft.strategies.from_env(), which returns SingleDevice"
+        )
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = collective_timeout(timeout)
+    store = _attempt_store(timeout)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    return True
+
+
+def _attempt_store(timeout: timedelta) -> dist.Store | None:
+    """A fresh key space in torchrun's store for this restart attempt, or None outside one.
+
+    torchrun's agent hosts one TCPStore for the whole job and every restart attempt's workers
+    join it (TORCHELASTIC_USE_AGENT_STORE). The keys in which a dead attempt's ranks published
+    their gloo/NCCL addresses are still there, so a restarted rank may connect to a dead peer
+    ("connectFullMesh failed: Connection refused") before the live one overwrote its key.
+    Prefixing by TORCHELASTIC_RESTART_COUNT gives each attempt its own keys. With several
+    agents (nodes) the agents' restart counts can differ, so there the fix is torch's own
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store per round), and this warns without it.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+        if os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":
+            warnings.warn(
+                "torchrun restarts across several nodes share one store in which a dead "
+                "attempt's addresses survive; set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (with "
+                "--rdzv-backend c10d) so that each restart gets a fresh one (docs/strategies.md)",
+                stacklevel=4,
+            )
+        return None
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"ftrain/attempt-{attempt}", store)  # keys: ftrain/attempt-N/...
+
+
 class ProcessGroupStrategy:
     """What DDP and FSDP share: a process group, this rank's device, collectives on tensors."""
 
@@ -45,11 +129,7 @@ class ProcessGroupStrategy:
         group: Any,
         precision: str | Precision | None,
     ) -> None:
-        if not dist.is_initialized():
-            raise RuntimeError(
-                f"{name} needs an initialised process group: launch with torchrun (or "
-                f"accelerate launch) and build the strategy with ft.strategies.from_env()"
-            )
+        owns = join_group(name)
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -57,7 +137,7 @@ class ProcessGroupStrategy:
         self.grad_reduce_factor = 1.0 / self.world_size  # both average over ranks
         self.device = torch.device(device) if device is not None else local_device()
         self.precision = Precision.of(precision)
-        self.owns_group = False  # from_env sets it when it initialised the group
+        self.owns_group = owns  # close() destroys the group only if ftrain created it
         self.closed = False
         self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         # Background (sharded) saves talk over gloo groups of their own, made at the first.

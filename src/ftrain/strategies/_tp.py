@@ -142,7 +142,8 @@ class TP(ProcessGroupStrategy):
             `_no_split_modules` by default.
 
     Raises:
-        RuntimeError: if no process group is initialised (use `ft.strategies.from_env("tp")`).
+        RuntimeError: outside a launcher (no process group initialised, and no RANK,
+            WORLD_SIZE, MASTER_ADDR, MASTER_PORT to join one from).
         TypeError: for a `plan` that is empty or maps a pattern to something other than a
             `ParallelStyle`.
         ValueError: for a `dp` that does not divide the world size; in `setup`, for a plan
