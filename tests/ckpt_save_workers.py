@@ -13,16 +13,20 @@ import torch
 import ftrain as ft
 
 
-def ddp_save_failure(rank: int, world: int, port: int, out: str) -> None:
-    """Rank 0 cannot seal a blocking save: every rank's save_checkpoint raises, nothing is
-    committed, and the next save works on every rank."""
-    from ftrain.checkpoint import _save
-
+def _env(rank: int, world: int, port: int) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
         WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
     )  # fmt: skip
     torch.set_num_threads(1)
+
+
+def ddp_save_failure(rank: int, world: int, port: int, out: str) -> None:
+    """Rank 0 cannot seal a blocking save: every rank's save_checkpoint raises, nothing is
+    committed, and the next save works on every rank."""
+    from ftrain.checkpoint import _save
+
+    _env(rank, world, port)
     strategy = ft.strategies.from_env("ddp", timeout=timedelta(seconds=60))
     state = ft.TrainState.create(torch.nn.Linear(4, 2), ft.optim.adamw(), strategy=strategy)
     real = _save.write_json
@@ -46,3 +50,98 @@ def ddp_save_failure(rank: int, world: int, port: int, out: str) -> None:
     gc.collect()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+def _fsdp(rank: int, world: int, port: int, model: torch.nn.Module | None = None):
+    _env(rank, world, port)
+    from helpers import tiny_llama
+
+    strategy = ft.strategies.from_env("fsdp", timeout=timedelta(seconds=60))
+    model = tiny_llama(dropout=0.0) if model is None else model
+    return ft.TrainState.create(model, ft.optim.adamw(), seed=3, strategy=strategy)
+
+
+def _slow_shard_writes(seconds: float) -> None:
+    """Make the background thread's shard writes take `seconds` longer (training overlaps)."""
+    import threading
+    import time
+
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    real = HuggingFaceStorageWriter.write_data
+
+    def slow(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(seconds)
+        return real(*args, **kwargs)
+
+    HuggingFaceStorageWriter.write_data = slow
+
+
+def fsdp_async_saves(rank: int, world: int, port: int, out: str) -> None:
+    """FSDP background saves: one equals a blocking save of the same state although training
+    goes on while it is written; a failed shard write on rank 1, then a failed commit on rank
+    0, raise CheckpointError on both ranks at the next step and commit nothing; a crash in the
+    middle of a background save leaves the committed checkpoints only."""
+    import signal
+    import time
+
+    from dist_workers import train
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    from ftrain.checkpoint import _save
+
+    root = Path(out)
+    state, _ = train(_fsdp(rank, world, port), steps=3, batch_size=2)
+    ft.save_checkpoint(state, root / "blocking")
+    _slow_shard_writes(0.5)
+    ft.save_checkpoint(state, root / "async", blocking=False)
+    state, _ = train(state, steps=5, batch_size=2)  # steps in place while the save writes
+    done = ft.wait_for_checkpoint()
+    outcomes: list = [done is not None and done.name]
+    real_write, real_json = HuggingFaceStorageWriter.write_data, _save.write_json
+
+    def broken(*args, **kwargs):
+        raise OSError(28, "No space left on device (simulated)")
+
+    for who, target in ((1, "write_data"), (0, "write_json")):
+        if rank == who and target == "write_data":
+            HuggingFaceStorageWriter.write_data = broken
+        if rank == who and target == "write_json":
+            _save.write_json = broken
+        ft.save_checkpoint(state, root / "failed", blocking=False)
+        while _save._inflight is not None and _save._inflight.is_alive():
+            time.sleep(0.01)  # finished (failed) before the next step looks
+        try:
+            state, _ = train(state, steps=state.step + 2, batch_size=2)
+            outcomes.append("trained")
+        except ft.CheckpointError as e:
+            outcomes.append(f"{type(e).__name__}: {'background save of step 5' in str(e)}")
+        HuggingFaceStorageWriter.write_data, _save.write_json = real_write, real_json
+        outcomes.append(ft.latest_checkpoint(root / "failed") is None)
+    (root / f"outcome-{rank}.json").write_text(json.dumps(outcomes))
+    # Last, both ranks die (SIGKILL) while a background save of step 5 is being written.
+    _slow_shard_writes(5.0)
+    ft.save_checkpoint(state, root / "async", blocking=False)
+    time.sleep(0.5)
+    (root / f"killed-{rank}").write_text("")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def tp_async_save(rank: int, world: int, port: int, out: str) -> None:
+    """Tensor parallelism: a background save while training goes on, and a blocking one."""
+    from dist_workers import train
+
+    from helpers import tiny_llama
+
+    _env(rank, world, port)
+    root = Path(out)
+    strategy = ft.strategies.from_env("tp", timeout=timedelta(seconds=60))
+    state = ft.TrainState.create(tiny_llama(), ft.optim.adamw(), seed=3, strategy=strategy)
+    state, _ = train(state, steps=2, batch_size=2)
+    ft.save_checkpoint(state, root / "blocking")
+    _slow_shard_writes(0.5)
+    ft.save_checkpoint(state, root / "async", blocking=False)
+    state, _ = train(state, steps=4, batch_size=2)  # steps in place while the save writes
+    (root / f"done-{rank}").write_text(ft.wait_for_checkpoint().name)
+    strategy.close()

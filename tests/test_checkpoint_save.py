@@ -63,6 +63,26 @@ def test_single_device_seam_round_trips_shard_files(tmp_path):
     assert torch.equal(dst, tensors["weight"])
 
 
+def test_a_background_shard_write_stages_copies_first_then_writes_then_commits(tmp_path):
+    s = ft.strategies.SingleDevice("cpu")
+    weight, seen = torch.arange(6.0).reshape(2, 3), []
+    parts = {tmp_path / "model": {"weight": weight}, tmp_path / "optimizer": {}}
+    write = s.save_shards_async(parts, commit=lambda: seen.append(sorted(os.listdir(tmp_path))))
+    weight.add_(100)  # the next step, in place: the staged copy keeps what was saved
+    assert seen == []  # nothing is written before the write runs
+    write()
+    assert seen == [["model", "optimizer"]]  # committed once the shards are on disk
+    back = {"weight": torch.zeros(2, 3)}
+    s.load_shards(tmp_path / "model", back)
+    assert torch.equal(back["weight"], torch.arange(6.0).reshape(2, 3))
+
+    def disk_full():
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):  # the commit's error reaches the writer
+        s.save_shards_async({tmp_path / "m2": {"weight": weight}}, commit=disk_full)()
+
+
 def test_checkpoint_code_never_asks_what_kind_of_tensor_it_holds():
     """Placement questions go through the strategy (issue 11): no DTensor test in checkpoint/."""
     pattern = re.compile(r"device_mesh|full_tensor|DTensor|is_sharded|placements|to_local")
@@ -268,3 +288,77 @@ def test_ddp_rank_0_failing_a_blocking_save_raises_on_every_rank(tmp_path):
             pytest.fail("the 2-process save did not finish in time")
     outcomes = [json.loads((tmp_path / f"outcome-{r}.json").read_text()) for r in (0, 1)]
     assert outcomes == [["CheckpointError", True, "step-1"]] * 2
+
+
+# --- background saves of sharded (FSDP) states -------------------------------------------------
+
+
+def _launch_two(worker, out: Path, seconds: float = 240) -> list[int | None]:
+    """Run `worker` on 2 spawned ranks until both exit by themselves; their exit codes."""
+    ctx = mp.start_processes(
+        worker, args=(2, _free_port(), str(out)), nprocs=2, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + seconds  # bounded: the workers' collectives time out at 60 s
+    while any(p.is_alive() for p in ctx.processes):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{worker.__name__} did not finish in time")
+        time.sleep(0.2)
+    return [p.exitcode for p in ctx.processes]
+
+
+@pytest.mark.slow
+def test_fsdp_background_saves_are_blocking_ones_committed_on_every_rank_or_none(tmp_path):
+    import ckpt_save_workers as W
+    from dist_workers import train
+
+    from helpers import tiny_llama
+
+    assert _launch_two(W.fsdp_async_saves, tmp_path) == [-9, -9]  # SIGKILL mid-save, last
+    assert (tmp_path / "killed-0").exists() and (tmp_path / "killed-1").exists()
+    outcomes = [json.loads((tmp_path / f"outcome-{r}.json").read_text()) for r in (0, 1)]
+    # Rank 1's shard write fails, then rank 0's commit: both ranks raise at the next step.
+    failed = ["CheckpointError: True", True]
+    assert outcomes == [["step-3", *failed, *failed]] * 2
+    assert list((tmp_path / "failed").iterdir()) == []  # nothing committed, nothing left over
+
+    def fresh():
+        return ft.TrainState.create(tiny_llama(dropout=0.0), ft.optim.adamw(), seed=3)
+
+    background, blocking = _same_checkpoints(tmp_path, 3, fresh)
+    # The save of step 5 cut short by the crash is not a checkpoint; a new save cleans up.
+    assert ft.latest_checkpoint(tmp_path / "async") == tmp_path / "async" / "step-3"
+    ft.save_checkpoint(blocking, tmp_path / "async")
+    assert sorted(p.name for p in (tmp_path / "async").iterdir()) == ["step-3"]
+    resumed, _ = train(background, steps=6, batch_size=4)
+    reference, _ = train(fresh(), steps=6, batch_size=4)
+    for n, p in reference.params.items():
+        torch.testing.assert_close(resumed.params[n], p, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def _same_checkpoints(root: Path, step: int, fresh):
+    """The background and the blocking save of one state, loaded into one process: equal."""
+    from helpers import opt_state_tensors
+
+    background = ft.load_checkpoint(root / "async" / f"step-{step}", fresh())
+    blocking = ft.load_checkpoint(root / "blocking" / f"step-{step}", fresh())
+    for n, p in blocking.params.items():  # written while training went on: still that step's
+        assert torch.equal(background.params[n], p), n
+    for p, t in opt_state_tensors(blocking.opt_state).items():
+        assert torch.equal(opt_state_tensors(background.opt_state)[p], t), p
+    assert (background.step, background.cursor) == (step, blocking.cursor)
+    return background, blocking
+
+
+@pytest.mark.slow
+def test_tp_background_saves_are_blocking_ones(tmp_path):
+    import ckpt_save_workers as W
+
+    from helpers import tiny_llama
+
+    assert _launch_two(W.tp_async_save, tmp_path) == [0, 0]
+    assert [(tmp_path / f"done-{r}").read_text() for r in (0, 1)] == ["step-2"] * 2
+    _same_checkpoints(
+        tmp_path, 2, lambda: ft.TrainState.create(tiny_llama(), ft.optim.adamw(), seed=3)
+    )

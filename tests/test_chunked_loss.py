@@ -89,3 +89,47 @@ def test_errors_name_the_problem():
     batch = {"input_ids": torch.ones(1, 3, dtype=torch.long), "labels": torch.ones(1, 3).long()}
     with pytest.raises(ValueError, match=r"final_logit_softcapping=30\.0"):
         loss(model, batch)
+
+
+def test_auto_kernel_on_cpu_is_the_chunked_torch_loss():
+    model, micro = tiny_llama(), _padded(2)
+    want = _grads(copy.deepcopy(model), micro, ft.losses.chunked_causal_lm_loss(chunk_size=7))
+    got = _grads(model, micro, ft.losses.chunked_causal_lm_loss(chunk_size=7, kernel="auto"))
+    assert got[1:] == want[1:]  # the same function ran: equal to the last bit
+    for n in want[0]:
+        assert torch.equal(got[0][n], want[0][n]), n
+
+
+def test_an_explicit_kernel_never_falls_back_silently(monkeypatch):
+    import sys
+
+    from ftrain import _lce_kernels
+
+    with pytest.raises(ValueError, match="kernel must be"):
+        ft.losses.chunked_causal_lm_loss(kernel="triton")
+    with pytest.raises(ValueError, match=r"chunk_size=64 applies to the torch path"):
+        ft.losses.chunked_causal_lm_loss(kernel="liger", chunk_size=64)
+    # A library that does not import (here: hidden) is named, with the way out.
+    for kernel, module, package in [
+        ("liger", "liger_kernel", "liger-kernel"),
+        ("cce", "cut_cross_entropy", "cut-cross-entropy"),
+    ]:
+        _lce_kernels._import_error.cache_clear()
+        monkeypatch.setitem(sys.modules, module, None)
+        with pytest.raises(ImportError, match=rf"kernel='{kernel}' needs the {package} package"):
+            ft.losses.chunked_causal_lm_loss(kernel=kernel)
+    _lce_kernels._import_error.cache_clear()
+    # Installed but handed CPU tensors: refused, not run on the torch path.
+    monkeypatch.setattr(_lce_kernels, "_import_error", lambda kernel: None)
+    batch = {"input_ids": torch.ones(1, 3, dtype=torch.long), "labels": torch.ones(1, 3).long()}
+    for kernel in ("liger", "cce"):
+        bf16 = torch.autocast("cpu", dtype=torch.bfloat16)  # CCE wants half precision
+        with pytest.raises(ValueError, match=rf"kernel='{kernel}' runs on CUDA tensors"), bf16:
+            ft.losses.chunked_causal_lm_loss(kernel=kernel)(tiny_llama(), batch)
+    lin, h = torch.nn.Linear(16, 61), torch.ones(3, 16)  # a head with a bias: CCE has none
+    assert _lce_kernels.pick("auto", h, lin.weight, lin.bias) == "torch"  # CPU
+    with pytest.raises(ValueError, match="no bias term"):
+        _lce_kernels.pick("cce", h, lin.weight, lin.bias)
+    # CCE's backward is half precision only: float32 is refused, not silently rounded.
+    with pytest.raises(ValueError, match=r"bfloat16/float16 only .* torch.float32"):
+        _lce_kernels.pick("cce", h, lin.weight, None)

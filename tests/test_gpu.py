@@ -11,6 +11,7 @@ measured by bench/bench_gpu.py, not asserted here.
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -58,7 +59,9 @@ def _micro(device: torch.device, accum: int = 2) -> list[dict[str, torch.Tensor]
 def _no_sync():
     torch.cuda.synchronize()
     before = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
+    with warnings.catch_warnings():  # torch warns that the debug mode is a prototype
+        warnings.simplefilter("ignore", UserWarning)
+        torch.cuda.set_sync_debug_mode("error")
     try:
         yield
     finally:
@@ -124,22 +127,35 @@ def test_gradients_are_released_on_the_device():
     state, _ = ft.clip_and_step(state, grads, stats=stats, lr=0.1)
     torch.cuda.synchronize()
     released = with_grads - torch.cuda.memory_allocated()
-    assert released >= 1024 * 1024 * 4, f"only {released} bytes released"
+    # The gradient's 4 MiB go; the step's own small tensors (a few hundred bytes) may come.
+    assert released >= 1024 * 1024 * 4 - 4096, f"only {released} bytes released"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 12 item 4: checkpoint/_save.py stages with blocking copies (t.to('cpu')); a "
-    "background save should stage into pinned memory with non_blocking copies and an event",
-)
 def test_background_save_stages_without_blocking_the_loop(tmp_path):
+    """A background save copies into pinned host memory without a host sync, and what it
+    writes is the state at the save even though the next (in-place) steps run meanwhile."""
     device = torch.device("cuda")
-    strategy = ft.strategies.SingleDevice(device)
+    strategy = ft.strategies.SingleDevice(device, precision="bf16")
     state = ft.TrainState.create(TinyLM(), ft.optim.adamw(), strategy=strategy)
-    grads, stats = ft.accumulate_grads(state, _micro(device), _loss)
+    micro = _micro(device)
+    grads, stats = ft.accumulate_grads(state, micro, _loss)
     state, _ = ft.clip_and_step(state, grads, stats=stats, lr=1e-3)
+    saved = {n: p.detach().clone() for n, p in state.params.items()}
+    saved_loss = float(stats.loss)
     try:
         with _no_sync():
-            ft.save_checkpoint(state, tmp_path, blocking=False)
+            ft.save_checkpoint(state, tmp_path, blocking=False, metrics={"loss": stats.loss})
+            for _ in range(3):
+                grads, stats = ft.accumulate_grads(state, micro, _loss)
+                state, _ = ft.clip_and_step(state, grads, stats=stats, lr=1e-1)
     finally:
         ft.wait_for_checkpoint()
+    fresh = ft.TrainState.create(TinyLM(), ft.optim.adamw(), strategy=strategy)
+    loaded = ft.load_checkpoint(tmp_path / "step-1", fresh)
+    assert loaded.step == 1
+    # A device-tensor metric is read back in the writer thread, after the staging copies.
+    assert ft.checkpoint.read_meta(tmp_path / "step-1")["metrics"]["loss"] == saved_loss
+    for n, p in loaded.params.items():
+        assert torch.equal(p, saved[n]), n
+    # ... and not the values the later steps wrote into the same (donated) tensors meanwhile.
+    assert not torch.equal(state.params["head.weight"], saved["head.weight"])

@@ -12,6 +12,7 @@ import torch
 from ftrain.data import weighted
 from ftrain.losses import LossFn, _items_before_forward, default_loss
 from ftrain.state import ConsumedStateError, TrainState
+from ftrain.strategies import _preempt
 from ftrain.strategies._base import Strategy
 
 __all__ = ["Grads", "Stats", "accumulate_grads", "dropout_seed"]
@@ -306,7 +307,7 @@ def _forward_backward(
                 host_tokens += n_tok
             samples += n_samples
     totals = _totals(losses, items, masked, (host_items, host_tokens, samples), device)
-    return strategy.all_reduce_sum(totals), inv is not None
+    return _reduce(totals, strategy), inv is not None
 
 
 # Dividing the gradients by the item count after backward is one pass over them; counting the
@@ -346,6 +347,19 @@ def _at_least(params: Mapping[str, torch.Tensor], numel: int) -> bool:
         if n >= numel:
             return True
     return False
+
+
+def _reduce(totals: torch.Tensor, strategy: Strategy) -> torch.Tensor:
+    """All-reduce the step's totals; with a preemption handler installed, its flag too.
+
+    The flag is summed over every process (`sum_over_processes`): under tensor parallelism
+    several processes share a data-parallel rank, and each may have been signalled alone.
+    That is a second small collective per step, only with the opt-in handler, never a sync.
+    """
+    preempt = _preempt.active()
+    if preempt is not None:
+        preempt.observe(strategy.sum_over_processes(preempt.local_flag(totals.device))[0])
+    return strategy.all_reduce_sum(totals)
 
 
 def _totals(

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ftrain import _lce_kernels
+
 __all__ = [
     "IGNORE_INDEX",
     "LossFn",
@@ -180,7 +182,9 @@ def _hidden(model: nn.Module, head: nn.Module, batch: Mapping[str, Any]) -> torc
     return seen[0]
 
 
-def chunked_causal_lm_loss(*, chunk_size: int = 1024, head: nn.Module | None = None) -> LossFn:
+def chunked_causal_lm_loss(
+    *, chunk_size: int | None = None, head: nn.Module | None = None, kernel: str = "torch"
+) -> LossFn:
     """`causal_lm_loss` without the `(tokens, vocab)` logits: cross-entropy through the head in
     chunks of `chunk_size` label tokens.
 
@@ -192,9 +196,27 @@ def chunked_causal_lm_loss(*, chunk_size: int = 1024, head: nn.Module | None = N
     logit scales) are refused. Sharded (FSDP) head weights are refused too: the chunks need
     the whole matrix outside the head's own forward, where FSDP has resharded it.
 
+    `kernel` picks who computes the cross-entropy through the head: "torch" (default) is the
+    chunked function above; "liger" (Liger-Kernel's fused linear cross-entropy) and "cce"
+    (Apple's Cut Cross-Entropy, no bias) are Triton GPU kernels, optional packages
+    (`pip install 'ftrain[kernels]'`) that need the head on CUDA, CCE also half precision
+    (`precision="bf16"`); "auto" takes Liger, then CCE, when installed and the head is on
+    CUDA, else "torch". Both kernels run with their
+    extras off (z-loss, smoothing, softcap, CCE's gradient filtering) and reduction "sum", so
+    they compute this same loss; each reads the device once per call (Liger counts the labels
+    with `.item()`, CCE selects them with `nonzero`), unlike "torch".
+
     Args:
-        chunk_size: label tokens per chunk (>= 1).
+        chunk_size: label tokens per chunk of the "torch" path (>= 1; default 1024); also
+            the chunk of "auto" when it falls back to "torch". The kernels choose their own
+            tiling, so an explicit "liger" or "cce" refuses it.
         head: the output projection (`nn.Linear`); `model.get_output_embeddings()` by default.
+        kernel: "torch", "auto", "liger" or "cce".
+
+    Raises:
+        ValueError: for a bad `chunk_size` or `kernel`; when called, for an explicit kernel
+            whose head is not on CUDA ("cce": with a bias, or outside bf16/fp16).
+        ImportError: for an explicit kernel whose package does not import.
 
     Example:
         >>> import torch, ftrain as ft
@@ -207,7 +229,17 @@ def chunked_causal_lm_loss(*, chunk_size: int = 1024, head: nn.Module | None = N
         >>> bool(torch.isclose(a, ft.losses.causal_lm_loss()(m, b)[0])), int(n)
         (True, 3)
     """
-    if not (isinstance(chunk_size, int) and chunk_size >= 1):
+    if kernel not in ("torch", "auto", *_lce_kernels.KERNELS):
+        raise ValueError(f"kernel must be 'torch', 'auto', 'liger' or 'cce', got {kernel!r}")
+    if chunk_size is not None and kernel in _lce_kernels.KERNELS:
+        raise ValueError(
+            f"chunk_size={chunk_size!r} applies to the torch path; kernel={kernel!r} tiles the "
+            f"vocabulary itself: drop chunk_size, or use kernel='torch' or 'auto'"
+        )
+    if kernel in _lce_kernels.KERNELS:
+        _lce_kernels.require(kernel)  # fail when built, not at the first step
+    chunk = 1024 if chunk_size is None else chunk_size
+    if not (isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= 1):
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
 
     def loss_fn(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,9 +255,12 @@ def chunked_causal_lm_loss(*, chunk_size: int = 1024, head: nn.Module | None = N
         hidden = _hidden(model, out, batch)[:, :-1]
         labels = batch["labels"][:, 1:].reshape(-1)
         h = hidden.reshape(-1, hidden.shape[-1])
-        loss = _LinearCrossEntropy.apply(
-            h, weight, bias, labels, chunk_size, torch.is_grad_enabled()
-        )
+        use = _lce_kernels.pick(kernel, h, weight, bias)  # type: ignore[arg-type]
+        if use == "torch":
+            grad_on = torch.is_grad_enabled()
+            loss = _LinearCrossEntropy.apply(h, weight, bias, labels, chunk, grad_on)
+        else:
+            loss = _lce_kernels.run(use, h, weight, bias, labels)  # type: ignore[arg-type]
         return loss, (labels != IGNORE_INDEX).sum()
 
     return loss_fn

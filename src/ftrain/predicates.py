@@ -6,6 +6,7 @@ import math
 from collections.abc import Mapping
 
 from ftrain.state import TrainState
+from ftrain.strategies import _preempt
 
 __all__ = ["should_eval", "should_log", "should_save", "should_stop", "track_best"]
 
@@ -61,8 +62,12 @@ def should_eval(
 def should_save(
     state: TrainState, *, every: int | float, total_steps: int | None = None, first: bool = False
 ) -> bool:
-    """Like `should_log`, and also true at `total_steps` (so the final model is saved)."""
-    return should_eval(state, every=every, total_steps=total_steps, first=first)
+    """Like `should_log`, and also true at `total_steps` (so the final model is saved), and
+    once every rank agreed on a preemption signal (`ft.strategies.on_preemption`)."""
+    preempt = _preempt.active()
+    return should_eval(state, every=every, total_steps=total_steps, first=first) or (
+        preempt is not None and preempt.requested
+    )
 
 
 def track_best(

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from ftrain.checkpoint import _layout as L
-from ftrain.checkpoint import _sharded
 from ftrain.checkpoint._io import CheckpointError, fsync_tree, publish_dir, read_json
+from ftrain.checkpoint._load import read_shards
 from ftrain.checkpoint._verify import open_checkpoint
 from ftrain.state import TrainState
 from ftrain.strategies import SingleDevice
@@ -69,7 +69,7 @@ def export_pretrained(
         module = _merged(module, sharded=together)
     full = strategy.full_state_dict(module) if together else None
     try:
-        if strategy.rank == 0:
+        if strategy.process_rank == 0:
             write = lambda tmp: _save_module(module, tmp, tokenizer, full)  # noqa: E731
             _atomic_dir(directory, overwrite, write)
     finally:
@@ -154,10 +154,7 @@ def export_checkpoint(
     opened = open_checkpoint(path, keep=(L.MODEL_FILE,))
     meta = opened.meta
     adapter = meta.get("peft")
-    if meta.get("sharded") is True:
-        shapes = _sharded.placeholders(meta["tensors"])
-    else:
-        shapes = opened.tensors[L.MODEL_FILE]
+    shapes = opened.tensors[L.MODEL_FILE]
     if base is None:  # compare on the meta device first: a forged config allocates nothing
         with torch.device("meta"):
             skeleton = _build(path, config, None, opened.config)
@@ -169,7 +166,7 @@ def export_checkpoint(
         model = _with_adapter(model, adapter, path)
     if meta.get("sharded") is True:  # assemble whole tensors from the ranks' shards
         saved = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in shapes.items()}
-        _sharded.read_into(SingleDevice("cpu"), path / _sharded.MODEL_DIR, saved)
+        read_shards(SingleDevice("cpu"), path / L.MODEL_DIR, saved)
     else:
         saved = shapes
     _check_fits(path, model, saved, meta, adapter is not None, base=base)

@@ -30,6 +30,8 @@ __all__ = [
     "fsync_tree",
     "open_regular",
     "publish_dir",
+    "read_checked",
+    "read_header",
     "read_json",
     "read_regular",
     "read_safetensors",
@@ -67,16 +69,12 @@ class CheckpointError(RuntimeError):
 
 def fsync_dir(path: Path) -> None:
     """Make a rename or file creation inside `path` durable (a no-op where unsupported)."""
-    try:
+    with contextlib.suppress(OSError):  # platforms without directory handles
         fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory handles
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _fsync_file(path: Path) -> None:
@@ -207,12 +205,21 @@ def read_regular(
     return data
 
 
+def read_checked(
+    folder: Path, name: str, *, size: int | None, sha256: str | None, limit: int | None = None
+) -> bytes:
+    """The bytes of the regular file `folder/name` (see `read_regular`), which must match
+    `sha256` when it is given."""
+    data = read_regular(folder, name, size=size, limit=limit)
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        raise CheckpointError(f"{folder / name} does not match its recorded checksum (corrupted)")
+    return data
+
+
 def read_json(path: Path, *, sha256: str | None = None, size: int | None = None) -> Any:
     """Parse the JSON file `path` (a regular file, see `open_regular`), checking its digest and
     size first when they are given."""
-    data = read_regular(path.parent, path.name, size=size, limit=MAX_JSON_BYTES)
-    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
-        raise CheckpointError(f"{path} does not match its recorded checksum (corrupted)")
+    data = read_checked(path.parent, path.name, size=size, sha256=sha256, limit=MAX_JSON_BYTES)
     try:
         return json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -296,22 +303,36 @@ def read_safetensors(
     """
     where = folder / name
     if sha256 is not None:
-        data = read_regular(folder, name, size=size)
-        if hashlib.sha256(data).hexdigest() != sha256:
-            raise CheckpointError(f"{where} does not match its recorded checksum (corrupted)")
+        data = read_checked(folder, name, size=size, sha256=sha256)
         check_header(data, len(data), where)
         try:
             return _st_load(data)
         except (SafetensorError, ValueError, RuntimeError) as e:  # pragma: no cover - pre-checked
             raise CheckpointError(f"{where}: {e}") from e
     with open_regular(folder, name, size=size) as fd:
-        try:
-            head = os.pread(fd, 8, 0)
-            n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-            check_header(head + os.pread(fd, min(n, MAX_HEADER_BYTES), 8), size, where)
-        except OSError as e:
-            raise CheckpointError(f"cannot read {where}: {e.strerror or e}") from e
+        _header_at(fd, size, where)
         return _map(fd, where)
+
+
+def read_header(
+    folder: Path, name: str, *, size: int, sha256: str | None
+) -> dict[str, tuple[torch.dtype, list[int]]]:
+    """Check a safetensors file as `read_safetensors` does, without loading it; its header."""
+    if sha256 is not None:
+        return check_header(
+            read_checked(folder, name, size=size, sha256=sha256), size, folder / name
+        )
+    with open_regular(folder, name, size=size) as fd:
+        return _header_at(fd, size, folder / name)
+
+
+def _header_at(fd: int, size: int, where: Path) -> dict[str, tuple[torch.dtype, list[int]]]:
+    try:
+        head = os.pread(fd, 8, 0)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        return check_header(head + os.pread(fd, min(n, MAX_HEADER_BYTES), 8), size, where)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {where}: {e.strerror or e}") from e
 
 
 def _map(fd: int, where: Path) -> dict[str, torch.Tensor]:

@@ -17,7 +17,6 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,6 +38,7 @@ TMP_PREFIX = ".tmp-"
 MODEL_DIR = "model"  # sharded layout: one shard file per rank in each of these
 OPTIM_DIR = "optimizer"
 
+PLAIN = (bool, int, float, str)  # JSON values
 # TrainState fields that are not plain values: handled as tensors/objects, or not saved at all.
 NOT_PLAIN = {"model_", "optimizer", "opt_state_", "strategy", "params_", "lease_"}
 
@@ -77,9 +77,9 @@ def plain_fields(state: Any) -> dict[str, Any]:
             continue
         v = getattr(state, f.name)
         if isinstance(v, torch.Tensor) and v.dim() == 0:
-            # .item() is a host sync; saving is the place for it.
-            out[f.name] = {"dtype": str(v.dtype).removeprefix("torch."), "value": v.item()}
-        elif v is None or isinstance(v, (bool, int, float, str)):
+            # Read by `_save._ready` once staged: a background save never syncs here.
+            out[f.name] = {"dtype": str(v.dtype).removeprefix("torch."), "value": v.detach()}
+        elif v is None or isinstance(v, PLAIN):
             out[f.name] = v
         else:
             raise CheckpointError(
@@ -87,14 +87,6 @@ def plain_fields(state: Any) -> dict[str, Any]:
                 "cannot store: use plain numbers, strings or 0-dim tensors"
             )
     return out
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step-{step}"
-
-
-def is_committed(path: Path) -> bool:
-    return (path / COMMIT_FILE).is_file()
 
 
 @dataclasses.dataclass
@@ -106,12 +98,13 @@ class Contents:
     optim: dict[str, torch.Tensor]
     meta: dict[str, Any]  # state.json without "files" (added once the files are written)
     config: str | None  # the model's HF config.json
+    ready: Any = None  # a device event the staging copies wait for, when they are in flight
 
 
 def collect(state: Any, metrics: Mapping[str, Any] | None, *, sharded: bool) -> Contents:
     """The tensors (live, not copied) and the JSON of a checkpoint of `state`.
 
-    Reads the counters and metrics, a host sync: saving is the place for it.
+    Counters and metrics that are tensors stay tensors (no host sync): `_save._ready` reads them.
     """
     from ftrain import __version__  # ftrain/__init__ imports this module
 
@@ -152,10 +145,11 @@ def _entry(leaf: Any) -> dict[str, Any]:
 def _metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in (metrics or {}).items():
-        if isinstance(v, torch.Tensor) and v.numel() == 1:
-            v = v.item()  # host sync: metrics are read once, at save time
-        if not isinstance(k, str) or not (v is None or isinstance(v, (bool, int, float, str))):
+        scalar = isinstance(v, torch.Tensor) and v.numel() == 1
+        if not isinstance(k, str) or not (scalar or v is None or isinstance(v, PLAIN)):
             raise CheckpointError(f"metric {k!r}={v!r} is not a string key with a plain value")
+        if scalar:
+            v = v.detach().reshape(())  # read by `_save._ready`, once staged
         out[k] = v
     return out
 

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from ftrain.checkpoint import _layout as L
-from ftrain.checkpoint import _sharded
 from ftrain.checkpoint._io import CheckpointError
 from ftrain.checkpoint._save import raise_pending_save_error
 from ftrain.checkpoint._tree import Node, describe, flatten, unflatten
@@ -116,17 +115,7 @@ def load_checkpoint(
     raise_pending_save_error()
     path = Path(path)
     opened = _open_on_every_rank(path, state.strategy, verify=verify)
-    meta = opened.meta
-    sharded = meta.get("sharded") is True
-    if sharded:
-        tensors = {
-            L.MODEL_FILE: _sharded.placeholders(meta["tensors"]),
-            L.OPTIM_FILE: _sharded.placeholders(
-                {p: d for p, d in meta["optimizer"].items() if "tensor" in d}
-            ),
-        }
-    else:
-        tensors = opened.tensors
+    meta, tensors = opened.meta, opened.tensors
     module = state.strategy.unwrap(state.model)
     live = L.model_tensors(module, dict(state.params))
     opt_flat = flatten(state.opt_state)
@@ -148,24 +137,32 @@ def load_checkpoint(
             CheckpointMismatchWarning,
             stacklevel=2,
         )
+    strategy = state.strategy
     with torch.no_grad():
-        if sharded:
-            model_dir, strategy = path / _sharded.MODEL_DIR, state.strategy
-            _sharded.read_into(strategy, model_dir, {n: dst for n, dst, _ in model_pairs})
-            device = state.strategy.device
+        if meta.get("sharded") is True:  # the shards fill the live tensors, resharded
+            read_shards(strategy, path / L.MODEL_DIR, {n: dst for n, dst, _ in model_pairs})
             targets = {
-                p: opt_flat[p] if p in opt_flat else torch.empty_like(v, device=device)
+                p: opt_flat[p] if p in opt_flat else torch.empty_like(v, device=strategy.device)
                 for p, v in opt_values.items()
                 if isinstance(v, torch.Tensor)
             }
-            _sharded.read_into(strategy, path / _sharded.OPTIM_DIR, targets)
+            read_shards(strategy, path / L.OPTIM_DIR, targets)
             opt_values.update(targets)
         else:
             for _, dst, src in model_pairs:
-                state.strategy.copy_whole(dst, src)
-        copy = state.strategy.copy_whole
+                strategy.copy_whole(dst, src)
+        copy = strategy.copy_whole
         opt_state = unflatten(state.opt_state, opt_values, copy) if opt_values else state.opt_state
     return state.consume("load_checkpoint", opt_state=opt_state, **fields)
+
+
+def read_shards(strategy: Any, directory: Path, targets: dict[str, torch.Tensor]) -> None:
+    """Fill `targets` (the strategy's tensors) from verified shards, resharded by the strategy;
+    collective with several ranks."""
+    try:
+        strategy.load_shards(directory, targets)
+    except Exception as e:  # the files were verified: I/O, or tensors that do not fit
+        raise CheckpointError(f"reading the shards in {directory} failed: {e}") from e
 
 
 def _open_on_every_rank(path: Path, strategy: Any, *, verify: bool) -> Opened:
@@ -177,8 +174,7 @@ def _open_on_every_rank(path: Path, strategy: Any, *, verify: bool) -> Opened:
     `CheckpointError` unless every rank read a checkpoint with the same `state.json` digest
     (which covers the step and every file's digest).
     """
-    world = strategy.world_size
-    if world <= 1:
+    if strategy.world_size <= 1 and not strategy.checkpoint_sharded:  # one process
         return open_checkpoint(path, verify=verify)
     opened: Opened | None = None
     error: BaseException | None = None
@@ -194,7 +190,7 @@ def _open_on_every_rank(path: Path, strategy: Any, *, verify: bool) -> Opened:
     pieces = [key >> 24, key & 0xFFFFFF, (step >> 24) & 0xFFFFFF, step & 0xFFFFFF]
     flat = [1, int(opened is not None), *pieces, *(x * x for x in pieces)]
     local = torch.tensor(flat, dtype=torch.int64, device=strategy.device)
-    total = strategy.all_reduce_sum(local).tolist()  # a host sync: once per load
+    total = strategy.sum_over_processes(local).tolist()  # a host sync: once per load
     if error is not None or opened is None:
         raise error or CheckpointError(f"cannot read {path}")
     ranks, readable, sums, squares = total[0], total[1], total[2:6], total[6:10]
@@ -387,7 +383,4 @@ def _fields(meta: dict[str, Any], state: TrainState) -> dict[str, Any]:
             out[f.name] = value
         else:
             raise CheckpointError(f"state field {f.name!r} is malformed: {value!r}")
-    for name in ("step", "epoch", "cursor", "seed"):
-        if type(out.get(name)) is not int or out[name] < 0:
-            raise CheckpointError(f"state field {name!r} is missing or not an int >= 0")
     return out

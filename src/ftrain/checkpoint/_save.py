@@ -1,16 +1,23 @@
-"""save_checkpoint as one pipeline, each step in one place: collect (`_layout.collect`), stage
-(`_stage`: host copies of whole tensors), write (`_write`: into this save's own `root/.tmp-…`;
-rank 0 writes whole tensors, or every rank its shards through `Strategy.save_shards`, as the
-strategy's `checkpoint_sharded` says), seal (`_seal`: state.json, the commit marker, rename to
-`root/step-<N>`), rotate (`_rotate`, after the commit). A crash at any instant leaves the
-previous checkpoints untouched or the new one complete. A blocking save ends with every rank
-learning whether rank 0 committed (`_all_ok`): all return, or all raise `CheckpointError`.
+"""save_checkpoint as one pipeline, each step in one place. Traced (blocking save):
+
+    _save.save_checkpoint -> _layout.collect (-> _tree.flatten): the state's tensors and JSON
+    -> _save._stage: host copies -> _save._commit: this save's own `root/.tmp-...` directory,
+       _write (whole tensors by rank 0 through _io, or every rank's shards through
+       `Strategy.save_shards`), _seal (_io: state.json, COMMITTED, rename to `step-<N>`)
+    -> _save._rotate (after the commit) -> _save._all_ok (every rank learns the outcome).
+
+_save orchestrates and is the only module returned to: _layout and _tree are entered once
+(collect), the strategy once (write), _io only by write and seal (file helpers, no callbacks
+into checkpoint/). A background save runs the same steps after `_stage` in a thread; a sharded
+one stages through `Strategy.save_shards_async` and commits once every rank's shards are
+written. A crash at any instant leaves the previous checkpoints untouched or the new one whole.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -22,7 +29,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -79,9 +86,9 @@ def save_checkpoint(
 
     With several data-parallel ranks, call it on every rank with the same arguments. With DDP
     rank 0 writes; with FSDP every rank writes its own shards (torch.distributed.checkpoint)
-    and rank 0 commits them all at once, always blocking. A blocking save returns on every rank
-    once the checkpoint is committed, or raises `CheckpointError` on every rank. Either kind
-    loads with any number of ranks.
+    and rank 0 commits them all at once. A blocking save returns on every rank once the
+    checkpoint is committed, or raises `CheckpointError` on every rank; a background sharded
+    save fails on every rank or none. Either kind loads with any number of ranks.
 
     Returns:
         The checkpoint directory `root/step-<N>`.
@@ -101,14 +108,21 @@ def save_checkpoint(
         >>> ft.latest_checkpoint(root).name
         'step-0'
     """
-    rotation = _retention(keep_last, keep_best, best_metric, mode, metrics)
-    job = _Job(Path(root), state.step, *rotation, checksum=checksum)
+    job = _Job(Path(root), state.step, keep_last, keep_best, best_metric, mode, checksum)
+    if best_metric is not None and best_metric not in (metrics or {}):
+        raise ValueError(
+            f"best_metric={best_metric!r} is not in metrics (keys: {sorted(metrics or {})}): "
+            f"pass metrics={{{best_metric!r}: value}} to rank this checkpoint, or no best_metric"
+        )
     wait_for_checkpoint()
     strategy = state.strategy
-    if blocking or strategy.checkpoint_sharded:
+    if blocking:
         return _save_together(job, state, metrics)
-    if strategy.rank == 0:  # rank 0 holds whole tensors: it writes them in the background
-        _start(job, _stage(L.collect(state, metrics, sharded=False), copy=True), strategy)
+    if strategy.checkpoint_sharded:  # every rank writes its own shards in the background
+        _start(job.step, _write_later(job, state, metrics))
+    elif strategy.process_rank == 0:  # rank 0 holds whole tensors: it writes them in the background
+        staged = _stage(L.collect(state, metrics, sharded=False), copy=True)
+        _start(job.step, lambda: job.run(staged, strategy))
     return job.path
 
 
@@ -122,43 +136,39 @@ class _Job:
     keep_best: int | None
     best_metric: str | None
     mode: str
-    checksum: bool = True
+    checksum: bool
+
+    def __post_init__(self) -> None:
+        keep_last, keep_best, best_metric = self.keep_last, self.keep_best, self.best_metric
+        if keep_last is not None and (type(keep_last) is not int or keep_last < 0):
+            raise ValueError(f"keep_last must be an int >= 0 or None, got {keep_last!r}")
+        if keep_best is not None and (type(keep_best) is not int or keep_best < 1):
+            raise ValueError(f"keep_best must be an int >= 1 or None, got {keep_best!r}")
+        if keep_best is not None and best_metric is None:
+            raise ValueError("keep_best needs best_metric, the metrics key that ranks checkpoints")
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', got {self.mode!r}")
+        if best_metric is not None and keep_best is None:
+            self.keep_best = 1
 
     @property
     def path(self) -> Path:
-        return L.step_dir(self.root, self.step)
+        return _step_dir(self.root, self.step)
 
     def run(self, staged: L.Contents, strategy: Any) -> Path:
         """Write, seal, rotate (on the ranks that write)."""
-        path = _commit(staged, self.root, checksum=self.checksum, strategy=strategy)
-        if self.keep_last is not None and strategy.rank == 0:
-            _rotate(self, self.keep_last)
+        path = _commit(_ready(staged), self.root, checksum=self.checksum, strategy=strategy)
+        if strategy.process_rank == 0:
+            self.rotate()
         return path
 
+    def rotate(self) -> None:
+        if self.keep_last is not None:
+            _rotate(self, self.keep_last)
 
-def _retention(
-    keep_last: int | None,
-    keep_best: int | None,
-    best_metric: str | None,
-    mode: str,
-    metrics: Mapping[str, Any] | None,
-) -> tuple[int | None, int | None, str | None, str]:
-    if keep_last is not None and (type(keep_last) is not int or keep_last < 0):
-        raise ValueError(f"keep_last must be an int >= 0 or None, got {keep_last!r}")
-    if keep_best is not None and (type(keep_best) is not int or keep_best < 1):
-        raise ValueError(f"keep_best must be an int >= 1 or None, got {keep_best!r}")
-    if keep_best is not None and best_metric is None:
-        raise ValueError("keep_best needs best_metric, the metrics key that ranks checkpoints")
-    if mode not in ("min", "max"):
-        raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
-    if best_metric is not None and best_metric not in (metrics or {}):
-        raise ValueError(
-            f"best_metric={best_metric!r} is not in metrics (keys: {sorted(metrics or {})}): "
-            f"pass metrics={{{best_metric!r}: value}} to rank this checkpoint, or no best_metric"
-        )
-    if best_metric is not None and keep_best is None:
-        keep_best = 1
-    return keep_last, keep_best, best_metric, mode
+
+def _step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step}"
 
 
 def _save_together(job: _Job, state: TrainState, metrics: Mapping[str, Any] | None) -> Path:
@@ -167,7 +177,7 @@ def _save_together(job: _Job, state: TrainState, metrics: Mapping[str, Any] | No
     sharded = strategy.checkpoint_sharded
     error: BaseException | None = None
     try:
-        if sharded or strategy.rank == 0:  # the ranks that write
+        if sharded or strategy.process_rank == 0:  # the ranks that write
             job.run(_stage(L.collect(state, metrics, sharded=sharded), copy=False), strategy)
     except BaseException as e:  # every rank must hear about it, then it is raised here
         error = e
@@ -177,27 +187,59 @@ def _save_together(job: _Job, state: TrainState, metrics: Mapping[str, Any] | No
 
 
 def _stage(contents: L.Contents, *, copy: bool) -> L.Contents:
-    """Host copies of whole tensors (a sharded state's shards are written where they are)."""
-    if contents.meta.get("sharded"):
-        return contents
+    """Host copies of whole tensors and counters (a sharded state's shards are left to the
+    strategy, which writes them where they are or stages them itself).
+
+    `copy` (a background save) decouples the write from the next, in-place step. CUDA tensors
+    are then copied into pinned host memory without blocking, and `ready` records an event the
+    writer waits for, so the caller's thread never waits for the device.
+    """
+    sharded = contents.meta.get("sharded")
     if sys.byteorder != "little":  # pragma: no cover - safetensors stores little-endian
         raise CheckpointError("checkpoints are written on little-endian machines only")
     seen: set[int] = set()
+    pinned = copy and torch.cuda.is_available()
 
     def host(t: torch.Tensor) -> torch.Tensor:
-        # A copy decouples an async write from the next (donated, in-place) step. safetensors
-        # refuses tensors that share memory (views of one buffer), so those are copied too.
+        # safetensors refuses tensors that share memory (views of one buffer): copy those too.
         ptr = t.untyped_storage().data_ptr()
         shared = ptr in seen and t.numel() > 0
         seen.add(ptr)
+        if pinned and t.is_cuda:
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
         if copy or shared:
             return t.to("cpu", copy=True).contiguous()
         return t.cpu().contiguous()
 
     with torch.no_grad():
-        model = {n: host(t) for n, t in contents.model.items()}
-        optim = {p: host(v) for p, v in contents.optim.items()}
-    return L.Contents(contents.step, model, optim, contents.meta, contents.config)
+        model = contents.model if sharded else {n: host(t) for n, t in contents.model.items()}
+        optim = contents.optim if sharded else {p: host(v) for p, v in contents.optim.items()}
+        meta = _map_values(contents.meta, host)
+    ready = torch.cuda.Event() if pinned else None
+    if ready is not None:
+        ready.record()
+    return L.Contents(contents.step, model, optim, meta, contents.config, ready)
+
+
+def _ready(staged: L.Contents) -> L.Contents:
+    """Wait for the staging copies, then read the counters and metrics as numbers."""
+    if staged.ready is not None:
+        staged.ready.synchronize()
+    meta = _map_values(staged.meta, lambda t: t.item())  # host sync: saving is the place
+    return dataclasses.replace(staged, meta=meta, ready=None)
+
+
+def _map_values(meta: dict[str, Any], fn: Callable[[torch.Tensor], Any]) -> dict[str, Any]:
+    """`meta` with `fn` applied to the 0-dim tensors `collect` left in its counters and
+    metrics: staged to the host first, then read as numbers (`Tensor.item`) by the writer."""
+    fields = {
+        n: {**v, "value": fn(v["value"])}
+        if isinstance(v, dict) and isinstance(v.get("value"), torch.Tensor)
+        else v
+        for n, v in meta["fields"].items()
+    }
+    metrics = {k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in meta["metrics"].items()}
+    return {**meta, "fields": fields, "metrics": metrics}
 
 
 def _commit(staged: L.Contents, root: Path, *, checksum: bool, strategy: Any) -> Path:
@@ -205,12 +247,12 @@ def _commit(staged: L.Contents, root: Path, *, checksum: bool, strategy: Any) ->
     tmp = _new_tmp(root, staged.step, strategy)
     try:
         files = _write(staged, tmp, strategy)
-        if strategy.rank == 0:
+        if strategy.process_rank == 0:
             _seal(tmp, root, staged, files, checksum=checksum)
     finally:
-        if strategy.rank == 0:  # gone once published; after a failure, only its owner cleans
+        if strategy.process_rank == 0:  # gone once published; after a failure, its owner cleans
             shutil.rmtree(tmp, ignore_errors=True)
-    return L.step_dir(root, staged.step)
+    return _step_dir(root, staged.step)
 
 
 def _write(staged: L.Contents, tmp: Path, strategy: Any) -> list[str]:
@@ -221,19 +263,59 @@ def _write(staged: L.Contents, tmp: Path, strategy: Any) -> list[str]:
             strategy.save_shards(staged.optim, tmp / L.OPTIM_DIR)
         except Exception as e:
             raise CheckpointError(f"writing the shards into {tmp} failed: {e}") from e
-        if staged.config is not None and strategy.rank == 0:
-            write_text(staged.config, tmp / L.CONFIG_FILE)
-        return [
-            f"{sub}/{f.name}"
-            for sub in (L.MODEL_DIR, L.OPTIM_DIR)
-            for f in sorted((tmp / sub).glob("*.safetensors"))
-        ]
+        return _shard_files(staged, tmp) if strategy.process_rank == 0 else []
     write_safetensors(staged.model, tmp / L.MODEL_FILE)
     write_safetensors(staged.optim, tmp / L.OPTIM_FILE)
     if staged.config is None:
         return [L.MODEL_FILE, L.OPTIM_FILE]
     write_text(staged.config, tmp / L.CONFIG_FILE)
     return [L.MODEL_FILE, L.OPTIM_FILE, L.CONFIG_FILE]
+
+
+def _shard_files(staged: L.Contents, tmp: Path) -> list[str]:
+    """Rank 0, once every rank wrote its shards: add config.json; list the files."""
+    if staged.config is not None:
+        write_text(staged.config, tmp / L.CONFIG_FILE)
+    return [
+        f"{sub}/{f.name}"
+        for sub in (L.MODEL_DIR, L.OPTIM_DIR)
+        for f in sorted((tmp / sub).glob("*.safetensors"))
+    ]
+
+
+def _write_later(
+    job: _Job, state: TrainState, metrics: Mapping[str, Any] | None
+) -> Callable[[], Path]:
+    """Stage a sharded state now (the strategy copies its shards); return the write, which
+    every rank runs in the background: shards, then rank 0 seals and rotates."""
+    strategy = state.strategy
+    staged = _stage(L.collect(state, metrics, sharded=True), copy=True)
+    tmp = _new_tmp(job.root, job.step, strategy)
+
+    def commit() -> None:  # rank 0, once every rank's shards are written
+        ready = _ready(staged)
+        _seal(tmp, job.root, ready, _shard_files(ready, tmp), checksum=job.checksum)
+        job.rotate()
+
+    def clean() -> None:  # gone once published; after a failure, only its owner cleans
+        if strategy.process_rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    try:
+        parts = {tmp / L.MODEL_DIR: staged.model, tmp / L.OPTIM_DIR: staged.optim}
+        shards = strategy.save_shards_async(parts, commit=commit)
+    except BaseException as e:
+        clean()
+        raise _failure(f"staging step {job.step} failed", e) from e
+
+    def write() -> Path:
+        try:
+            shards()
+        finally:
+            clean()
+        return job.path
+
+    return write
 
 
 def _seal(tmp: Path, root: Path, staged: L.Contents, files: list[str], *, checksum: bool) -> None:
@@ -246,7 +328,7 @@ def _seal(tmp: Path, root: Path, staged: L.Contents, files: list[str], *, checks
     write_json({**staged.meta, "files": record}, tmp / L.STATE_FILE)
     write_json({"state.json": sha256_file(tmp / L.STATE_FILE)}, tmp / L.COMMIT_FILE)
     _after_every_commit(tmp / L.COMMIT_FILE, root)
-    final = L.step_dir(root, staged.step)
+    final = _step_dir(root, staged.step)
     # Re-saving a step moves the old copy aside into a temporary name first.
     publish_dir(tmp, final, root / _tmp_name(f"replaced-{final.name}"))
 
@@ -262,7 +344,7 @@ def _after_every_commit(marker: Path, root: Path) -> None:
 def _all_ok(ok: bool, strategy: Any) -> bool:
     """Collective: True on every rank when every rank passed True."""
     failed = torch.tensor(0.0 if ok else 1.0, device=strategy.device)
-    return bool(strategy.all_reduce_sum(failed) == 0)  # host sync: saving is the place
+    return bool(strategy.sum_over_processes(failed) == 0)  # host sync: saving is the place
 
 
 def _failure(message: str, cause: BaseException | None) -> CheckpointError:
@@ -308,7 +390,7 @@ def _tmp_name(what: str, *, pid: int | None = None, host: str = _HOST) -> str:
 def _new_tmp(root: Path, step: int, strategy: Any) -> Path:
     """Rank 0 makes the directory; with a sharded state every rank learns its name."""
     name, error = "", None
-    if strategy.rank == 0:
+    if strategy.process_rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
             _remove_stale(root)
@@ -330,7 +412,7 @@ def _broadcast_name(name: str, strategy: Any) -> str:
     """Rank 0's `name` on every rank ("" when rank 0 failed), through a sum of byte codes."""
     codes = torch.zeros(256, dtype=torch.int64)
     codes[: len(name)] = torch.tensor(list(name.encode()), dtype=torch.int64)
-    summed = strategy.all_reduce_sum(codes.to(strategy.device)).cpu().tolist()
+    summed = strategy.sum_over_processes(codes.to(strategy.device)).cpu().tolist()
     return bytes(c for c in summed if c).decode()
 
 
@@ -348,18 +430,17 @@ def _stale(p: Path) -> bool:
         return True  # no owner recorded (an older ftrain's): as before, a crash's leftover
     if m.group(2) != _HOST:
         return time.time() - p.lstat().st_mtime > STALE_AFTER_S
+    pid = int(m.group(1))
     # This process has no save in flight when it cleans (it waited for it first).
-    return int(m.group(1)) == os.getpid() or not _alive(int(m.group(1)))
-
-
-def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
     try:
         os.kill(pid, 0)  # signal 0: only asks whether the process exists
     except ProcessLookupError:
-        return False
+        return True
     except OSError:  # exists, owned by another user
         pass
-    return True
+    return False
 
 
 def _sha256_parallel(paths: list[Path]) -> list[str]:
@@ -474,23 +555,23 @@ _inflight: _Background | None = None
 
 
 class _Background(threading.Thread):
-    def __init__(self, job: _Job, staged: L.Contents, strategy: Any) -> None:
+    def __init__(self, step: int, write: Callable[[], Path]) -> None:
         super().__init__(name="ftrain-checkpoint", daemon=False)
-        self.job, self.staged, self.strategy = job, staged, strategy
+        self.step, self.write = step, write
         self.path: Path | None = None
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
-            self.path = self.job.run(self.staged, self.strategy)
+            self.path = self.write()
         except BaseException as e:  # re-raised in the caller's thread
             self.error = e
 
 
-def _start(*args: Any) -> None:
+def _start(step: int, write: Callable[[], Path]) -> None:
     global _inflight
     with _lock:
-        _inflight = _Background(*args)
+        _inflight = _Background(step, write)
         _inflight.start()
 
 
@@ -513,7 +594,7 @@ def wait_for_checkpoint() -> Path | None:
         if mine:
             _inflight = None
     if mine and bg.error is not None:
-        raise _failure(f"background save of step {bg.job.step} failed", bg.error)
+        raise _failure(f"background save of step {bg.step} failed", bg.error)
     return bg.path
 
 

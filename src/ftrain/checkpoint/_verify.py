@@ -10,12 +10,11 @@ into: the commit marker, `state.json` (digest, then every field's type and shape
 from __future__ import annotations
 
 import dataclasses
-import hashlib
+import json
 import math
 import os
 import re
 import stat
-import struct
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -23,14 +22,12 @@ from typing import Any
 import torch
 
 from ftrain.checkpoint import _layout as L
-from ftrain.checkpoint import _sharded
 from ftrain.checkpoint._io import (
-    MAX_HEADER_BYTES,
     CheckpointError,
     check_header,
-    open_regular,
+    read_checked,
+    read_header,
     read_json,
-    read_regular,
     read_safetensors,
     shape_numel,
 )
@@ -47,7 +44,7 @@ class Opened:
     """A checkpoint that passed every file-level check."""
 
     meta: dict[str, Any]
-    # Whole layout: file name -> its tensors (the files asked for); empty when sharded.
+    # File name -> its tensors (those asked for); sharded: meta-device tensors of each shape.
     tensors: dict[str, dict[str, torch.Tensor]]
     # SHA-256 of state.json: the checkpoint's identity (it records every file's digest).
     digest: str
@@ -76,7 +73,12 @@ def open_checkpoint(
         meta, digest = _meta_and_digest(path)
         tensors: dict[str, dict[str, torch.Tensor]] = {}
         if meta.get("sharded") is True:
-            _sharded.verify(path, meta, checksum=verify)
+            _verify_shards(path, meta, checksum=verify)
+            optimizer = {p: d for p, d in meta["optimizer"].items() if "tensor" in d}
+            tensors = {
+                L.MODEL_FILE: _placeholders(meta["tensors"]),
+                L.OPTIM_FILE: _placeholders(optimizer),
+            }
         else:
             headers = {}
             for name in (L.MODEL_FILE, L.OPTIM_FILE):
@@ -86,7 +88,7 @@ def open_checkpoint(
                     tensors[name] = read_safetensors(path, name, size=entry["bytes"], sha256=sha)
                     headers[name] = {n: (t.dtype, list(t.shape)) for n, t in tensors[name].items()}
                 else:
-                    headers[name] = _check_safetensors(path, name, entry["bytes"], sha)
+                    headers[name] = read_header(path, name, size=entry["bytes"], sha256=sha)
             _check_optimizer_file(meta["optimizer"], headers[L.OPTIM_FILE], path)
         config = read_config(path, meta, verify=verify)
     except OSError as e:  # e.g. permission denied on a sub-folder listing
@@ -303,23 +305,92 @@ def _check_optimizer_file(
             )
 
 
-def _check_safetensors(
-    folder: Path, name: str, size: int, sha256: str | None
-) -> dict[str, tuple[torch.dtype, list[int]]]:
-    """Check a safetensors file without keeping its tensors; return its header."""
-    where = folder / name
-    if sha256 is not None:
-        data = read_regular(folder, name, size=size)
-        if hashlib.sha256(data).hexdigest() != sha256:
-            raise CheckpointError(f"{where} does not match its recorded checksum (corrupted)")
-        return check_header(data, size, where)
-    with open_regular(folder, name, size=size) as fd:
-        head = os.pread(fd, 8, 0)
-        n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-        return check_header(head + os.pread(fd, min(n, MAX_HEADER_BYTES), 8), size, where)
-
-
 def _short(value: Any) -> str:
     """repr of a value read from a file, cut short (it may be megabytes long)."""
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+# --- the sharded layout: one shard file per rank in model/ and optimizer/ (docs/checkpoints.md)
+
+
+def _verify_shards(path: Path, meta: dict[str, Any], *, checksum: bool) -> None:
+    """Check every shard file before DCP opens any: listed files only, sizes, checksums,
+    headers, and chunks that tile each recorded tensor exactly once."""
+    files: dict[str, Any] = meta["files"]
+    for sub in (L.MODEL_DIR, L.OPTIM_DIR):
+        found = (path / sub).glob("*") if (path / sub).is_dir() else []
+        on_disk = {f"{sub}/{f.name}" for f in found}
+        listed = {n for n in files if n.startswith(f"{sub}/")}
+        if on_disk != listed:
+            raise CheckpointError(
+                f"{path / sub}: files {sorted(on_disk ^ listed)} are missing or not recorded"
+            )
+    shapes = {
+        L.MODEL_DIR: meta["tensors"],
+        L.OPTIM_DIR: {p: d for p, d in meta["optimizer"].items() if "tensor" in d},
+    }
+    chunks: dict[tuple[str, str], list[tuple[list[int], list[int]]]] = {}
+    for name, entry in sorted(files.items()):
+        if name == L.CONFIG_FILE:  # checked with the other JSON
+            continue
+        sub, _, fname = name.partition("/")
+        if sub not in shapes or "/" in fname or not fname.endswith(".safetensors"):
+            raise CheckpointError(f"{path}: unexpected file {name!r} in state.json")
+        f = path / name
+        sha = entry.get("sha256") if checksum else None
+        data = read_checked(path, name, size=entry["bytes"], sha256=sha)
+        header = check_header(data, len(data), f)
+        offsets = _sharding_info(data, f)
+        for key, (dtype, shape) in header.items():
+            want, off = shapes[sub].get(key), offsets.get(key)
+            if want is None or off is None:
+                raise CheckpointError(f"{f}: tensor {key!r} is not recorded in state.json")
+            full = want["shape"]
+            if str(dtype).removeprefix("torch.") != want["tensor"] or not (
+                isinstance(off, list)
+                and len(off) == len(shape) == len(full)
+                and all(type(o) is int and o >= 0 for o in off)
+                and all(o + s <= g for o, s, g in zip(off, shape, full, strict=True))
+            ):
+                raise CheckpointError(f"{f}: shard of {key!r} does not fit {want}")
+            chunks.setdefault((sub, key), []).append((off, shape))
+    for sub, recorded in shapes.items():
+        for key, want in recorded.items():
+            if not _tiles(chunks.get((sub, key), []), want["shape"]):
+                raise CheckpointError(f"{path / sub}: the shards of {key!r} do not cover it once")
+
+
+def _sharding_info(data: bytes, f: Path) -> dict[str, Any]:
+    """Each tensor's offset in the whole tensor, from the header DCP wrote (checked JSON)."""
+    n = int.from_bytes(data[:8], "little")
+    meta = json.loads(data[8 : 8 + n]).get("__metadata__")  # parsed by check_header already
+    try:
+        info = json.loads(meta["DCP_SHARDING_INFO"])
+        if not isinstance(info, dict):
+            raise TypeError
+        return {k: v.get("saved_offsets") for k, v in info.items()}
+    except (TypeError, KeyError, ValueError, AttributeError, RecursionError) as e:
+        raise CheckpointError(f"{f}: missing or malformed shard offsets") from e
+
+
+def _tiles(parts: list[tuple[list[int], list[int]]], full: list[int]) -> bool:
+    """Whether the boxes `parts` (offset, shape) cover the box `full` exactly once."""
+    if sum(math.prod(shape) for _, shape in parts) != math.prod(full):
+        return False
+    for i, (oa, sa) in enumerate(parts):  # equal volume and no overlap: an exact cover
+        for ob, sb in parts[i + 1 :]:
+            overlap = all(
+                a < b + lb and b < a + la for a, la, b, lb in zip(oa, sa, ob, sb, strict=True)
+            )
+            if overlap and all(s > 0 for s in sa) and all(s > 0 for s in sb):
+                return False
+    return True
+
+
+def _placeholders(records: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Meta-device tensors of each recorded (validated) dtype and whole shape."""
+    return {
+        n: torch.empty(d["shape"], dtype=_dtype(d["tensor"]), device="meta")
+        for n, d in records.items()
+    }

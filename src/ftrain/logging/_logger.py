@@ -83,7 +83,9 @@ class Logger:
         self._emit_kw = {"flops_per_token": flops_per_token, "peak_flops": peak_flops}
         bar: Sink = NullSink()
         if progress:
-            bar = ProgressBar(total_steps or 0, rank=state.strategy.rank, initial=state.step)
+            bar = ProgressBar(
+                total_steps or 0, rank=state.strategy.process_rank, initial=state.step
+            )
         self.sink = Sinks(bar, *sinks)
         self.window = window(state)
         self._epoch, self._cursor = state.epoch, state.cursor

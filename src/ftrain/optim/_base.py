@@ -315,7 +315,7 @@ def sgd(
                 dampening=dampening,
                 nesterov=nesterov,
                 maximize=maximize,
-                is_first_step=step == 0,
+                is_first_step=step == 0 and bool(momentum),  # CUDA warns otherwise
                 grad_scale=None,
                 found_inf=found_inf,
             )

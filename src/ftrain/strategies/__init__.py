@@ -6,5 +6,18 @@ from ftrain.strategies._base import default_device as default_device
 from ftrain.strategies._ddp import DDP as DDP
 from ftrain.strategies._env import from_env as from_env
 from ftrain.strategies._fsdp import FSDP as FSDP
+from ftrain.strategies._preempt import Preemption as Preemption
+from ftrain.strategies._preempt import on_preemption as on_preemption
+from ftrain.strategies._tp import TP as TP
 
-__all__ = ["DDP", "FSDP", "SingleDevice", "Strategy", "default_device", "from_env"]
+__all__ = [
+    "DDP",
+    "FSDP",
+    "TP",
+    "Preemption",
+    "SingleDevice",
+    "Strategy",
+    "default_device",
+    "from_env",
+    "on_preemption",
+]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -38,10 +38,10 @@ class Strategy(Protocol):
             rank writes its own shards (`save_shards`); False when rank 0 holds whole tensors
             and writes them alone.
 
-    Checkpoint layout: `checkpoint_sharded`, `save_shards`, `load_shards`, `full_state_dict`
-    and `copy_whole` are the only place that knows how tensors are placed. `ft.checkpoint`
-    asks them and never inspects a tensor's type; a new layout (tensor parallelism) is a new
-    strategy, not a new branch there. See docs/strategies.md.
+    Checkpoint layout: `checkpoint_sharded`, `save_shards`, `save_shards_async`, `load_shards`,
+    `full_state_dict` and `copy_whole` are the only place that knows how tensors are placed.
+    `ft.checkpoint` asks them and never inspects a tensor's type; a new layout (tensor
+    parallelism) is a new strategy, not a new branch there. See docs/strategies.md.
     """
 
     device: torch.device
@@ -50,6 +50,13 @@ class Strategy(Protocol):
     grad_reduce_factor: float
     precision: Precision
     checkpoint_sharded: bool
+
+    @property
+    def process_rank(self) -> int:
+        """This process's rank among all the job's processes: process 0 writes what one
+        process writes alone (state.json, the commit marker, an export). It is `rank` except
+        where several processes hold one data-parallel rank (`TP`)."""
+        ...
 
     def setup(self, model: nn.Module) -> nn.Module:
         """Move/wrap `model` for this strategy and return the module to train."""
@@ -83,6 +90,12 @@ class Strategy(Protocol):
         """Wait until every rank gets here (e.g. until rank 0 has committed a checkpoint)."""
         ...
 
+    def sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum a device tensor over every process of the job, tensor-parallel ones included
+        (for agreement between the processes that write a checkpoint); `all_reduce_sum`
+        where each process is its own data-parallel rank."""
+        ...
+
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """Global L2 norm of `grads` across shards and ranks, as a device tensor."""
         ...
@@ -95,6 +108,15 @@ class Strategy(Protocol):
     def save_shards(self, tensors: dict[str, torch.Tensor], directory: Path) -> None:
         """Write this rank's part of `tensors` into `directory` as shard files (safetensors,
         through torch.distributed.checkpoint); collective with several ranks."""
+        ...
+
+    def save_shards_async(
+        self, parts: Mapping[Path, dict[str, torch.Tensor]], *, commit: Callable[[], None]
+    ) -> Callable[[], None]:
+        """Copy this rank's shards of every `directory -> tensors` part to the host now, and
+        return the write: run in a background thread on every rank, it writes the parts over a
+        process group the training never uses, calls `commit` on rank 0 once every rank's
+        files are written, and raises on every rank when any rank's write or `commit` failed."""
         ...
 
     def load_shards(self, directory: Path, targets: dict[str, torch.Tensor]) -> None:
@@ -179,6 +201,13 @@ class SingleDevice:
     def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
+    @property
+    def process_rank(self) -> int:
+        return self.rank
+
+    def sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
     # Lifetime, as the process-group strategies have it: one process has nothing to tear down.
     def __enter__(self) -> SingleDevice:
         return self
@@ -197,6 +226,18 @@ class SingleDevice:
 
     def save_shards(self, tensors: dict[str, torch.Tensor], directory: Path) -> None:
         _dcp.save_shards(tensors, directory, group=None, local=True)
+
+    def save_shards_async(
+        self, parts: Mapping[Path, dict[str, torch.Tensor]], *, commit: Callable[[], None]
+    ) -> Callable[[], None]:
+        staged = {d: {n: t.detach().clone() for n, t in ts.items()} for d, ts in parts.items()}
+
+        def write() -> None:  # one process: no DCP thread, no group
+            for directory, tensors in staged.items():
+                self.save_shards(tensors, directory)
+            commit()
+
+        return write
 
     def load_shards(self, directory: Path, targets: dict[str, torch.Tensor]) -> None:
         _dcp.load_shards(directory, targets, group=None, local=True)

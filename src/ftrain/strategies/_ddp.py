@@ -39,7 +39,9 @@ class DDP(ProcessGroupStrategy):
         **ddp_kwargs: passed to `DistributedDataParallel` (e.g. `bucket_cap_mb`).
 
     Raises:
-        RuntimeError: if no process group is initialised (use `ft.strategies.from_env()`).
+        RuntimeError: outside a launcher: with no process group initialised, the group is
+            joined from the environment torchrun or `accelerate launch` set (RANK,
+            WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and without those this names them.
     """
 
     def __init__(

@@ -6,24 +6,25 @@ import os
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from ftrain.strategies._base import SingleDevice
 from ftrain.strategies._ddp import DDP
 from ftrain.strategies._fsdp import FSDP
+from ftrain.strategies._group import join_group
+from ftrain.strategies._tp import TP
 
 __all__ = ["from_env"]
 
 
 def from_env(
     kind: str = "ddp", *, timeout: timedelta | None = None, **kwargs: Any
-) -> SingleDevice | DDP | FSDP:
+) -> SingleDevice | DDP | FSDP | TP:
     """The strategy that the launcher's environment describes.
 
     Under `torchrun --nproc_per_node N` or `accelerate launch` (WORLD_SIZE > 1) this joins the
     process group (NCCL with CUDA, gloo on CPU) unless it is already initialised, and returns a
-    `DDP` (or `FSDP` for kind="fsdp"); in a plain `python` run it returns
+    `DDP` (`FSDP` for kind="fsdp", `TP` for kind="tp"); in a plain `python` run it returns
     `SingleDevice(device, precision=precision)`.
 
     Use it as a context manager, so that the run leaves the process group in the right order
@@ -34,35 +35,37 @@ def from_env(
             ...  # the loop
 
     Args:
-        kind: "ddp" or "fsdp".
-        timeout: how long a collective may wait before the process fails (default 10 minutes),
-            so that one rank's crash ends the others instead of hanging them (one process has
-            no collectives to time out).
+        kind: "ddp", "fsdp" or "tp".
+        timeout: how long a collective may wait before the process fails (default: the
+            FTRAIN_COLLECTIVE_TIMEOUT environment variable in seconds, else 10 minutes), so
+            that one rank's crash ends the others instead of hanging them (one process has
+            no collectives to time out). Applies when this call creates the group.
         **kwargs: passed to the strategy. In one process `device` and `precision` go to
-            `SingleDevice`; `sync_every_micro` and `replicate=1` mean nothing there and are
-            accepted; any other keyword raises rather than being dropped.
+            `SingleDevice`; `sync_every_micro`, `replicate=1`, `dp=1` and `plan` (the whole
+            model is in the one process) mean nothing there and are accepted; any other
+            keyword raises rather than being dropped.
 
     Raises:
-        ValueError: for an unknown `kind`.
+        ValueError: for an unknown `kind` or a non-positive timeout.
         TypeError: for a keyword `SingleDevice` cannot honour in a one-process run.
     """
-    if kind not in ("ddp", "fsdp"):
-        raise ValueError(f"kind must be 'ddp' or 'fsdp', got {kind!r}")
+    if kind not in _KINDS:
+        raise ValueError(f"kind must be 'ddp', 'fsdp' or 'tp', got {kind!r}")
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not dist.is_initialized():
         return _single(kind, kwargs)
-    owns = not dist.is_initialized()
-    if owns:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=timeout or timedelta(minutes=10))
-    strategy = FSDP(**kwargs) if kind == "fsdp" else DDP(**kwargs)
+    owns = join_group(f"from_env({kind!r})", timeout=timeout)
+    strategy = _KINDS[kind](**kwargs)
     strategy.owns_group = owns  # close() destroys the group only if from_env created it
     return strategy
 
 
+_KINDS: dict[str, type[DDP | FSDP | TP]] = {"ddp": DDP, "fsdp": FSDP, "tp": TP}
+
+
 def _single(kind: str, kwargs: dict[str, Any]) -> SingleDevice:
     # Multi-process settings that one process satisfies as it is (there is nothing to sync).
-    moot = {k for k in ("sync_every_micro",) if k in kwargs}
-    moot |= {"replicate"} if kwargs.get("replicate") == 1 else set()
+    moot: set[str] = {k for k in ("sync_every_micro", "plan") if k in kwargs}
+    moot |= {k for k in ("replicate", "dp") if kwargs.get(k) == 1}
     unknown = sorted(set(kwargs) - moot - {"device", "precision"})
     if unknown:
         raise TypeError(

@@ -20,10 +20,10 @@ from ftrain.precision import Precision
 from ftrain.strategies._base import uncompiled
 from ftrain.strategies._group import ProcessGroupStrategy
 
-__all__ = ["FSDP"]
+__all__ = ["FSDP", "copy_whole", "full_state_dict", "gradient_sync", "hf_blocks", "local_shard"]
 
 
-def _hf_blocks(model: nn.Module) -> Callable[[nn.Module], bool]:
+def hf_blocks(model: nn.Module) -> Callable[[nn.Module], bool]:
     names = set(getattr(model, "_no_split_modules", None) or [])
     return lambda m: type(m).__name__ in names
 
@@ -51,7 +51,9 @@ class FSDP(ProcessGroupStrategy):
         **fsdp_kwargs: passed to `fully_shard` (e.g. `reshard_after_forward`, `mesh`).
 
     Raises:
-        RuntimeError: if no process group is initialised (use `ft.strategies.from_env("fsdp")`).
+        RuntimeError: outside a launcher: with no process group initialised, the group is
+            joined from the environment torchrun or `accelerate launch` set (RANK,
+            WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and without those this names them.
     """
 
     def __init__(
@@ -94,7 +96,7 @@ class FSDP(ProcessGroupStrategy):
         from torch.distributed.fsdp import fully_shard
 
         model = model.to(self.device)
-        is_block = self._shard or _hf_blocks(model)
+        is_block = self._shard or hf_blocks(model)
         for module in list(model.modules())[1:]:
             if is_block(module):
                 fully_shard(module, **self._kwargs)
@@ -111,19 +113,11 @@ class FSDP(ProcessGroupStrategy):
         )
 
     def grad_sync(self, model: nn.Module, *, final: bool) -> contextlib.AbstractContextManager[Any]:
-        return self._sync(model, final or self.sync_every_micro)
-
-    @contextlib.contextmanager
-    def _sync(self, model: nn.Module, sync: bool) -> Iterator[None]:
-        model.set_requires_gradient_sync(sync)  # type: ignore[operator]
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)  # type: ignore[operator]
+        return gradient_sync(model, final or self.sync_every_micro)
 
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         # Sum of squares of the local shards, summed over ranks: the norm of the whole gradient.
-        local = [_local(g) for g in grads]
+        local = [local_shard(g) for g in grads]
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
         if local:
             norms = torch._foreach_norm(local, 2.0)
@@ -137,21 +131,41 @@ class FSDP(ProcessGroupStrategy):
     checkpoint_sharded = True
 
     def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        with torch.no_grad():  # every rank takes part in gathering the whole tensors
-            return {n: _full(t).detach().cpu() for n, t in module.state_dict().items()}
+        return full_state_dict(module)
 
     def copy_whole(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        from torch.distributed.tensor import DTensor, distribute_tensor
-
-        if isinstance(dst, DTensor) and not isinstance(src, DTensor):
-            # Every rank holds the whole `src`: each takes its own shard, no communication.
-            src = distribute_tensor(
-                src.to(dst.device), dst.device_mesh, dst.placements, src_data_rank=None
-            )
-        dst.copy_(src)
+        copy_whole(dst, src)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
+    """FSDP2 reduce-scatters gradients in this backward only when `sync`."""
+    model.set_requires_gradient_sync(sync)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """`module.state_dict()` with whole tensors on the CPU, gathered from DTensor shards."""
+    with torch.no_grad():  # every rank takes part in gathering the whole tensors
+        return {n: _full(t).detach().cpu() for n, t in module.state_dict().items()}
+
+
+def copy_whole(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy the whole `src` (on every rank) into `dst`, a DTensor shard or a plain tensor."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(dst, DTensor) and not isinstance(src, DTensor):
+        # Every rank holds the whole `src`: each takes its own shard, no communication.
+        src = distribute_tensor(
+            src.to(dst.device), dst.device_mesh, dst.placements, src_data_rank=None
+        )
+    dst.copy_(src)
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
 

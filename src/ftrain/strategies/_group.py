@@ -8,7 +8,10 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import warnings
 import weakref
+from collections.abc import Callable, Mapping
+from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -21,7 +24,10 @@ from ftrain.precision import Precision
 from ftrain.strategies import _dcp
 from ftrain.strategies._base import _precision_repr, move_to
 
-__all__ = ["ProcessGroupStrategy", "local_device"]
+__all__ = ["ProcessGroupStrategy", "collective_timeout", "join_group", "local_device"]
+
+TIMEOUT_ENV = "FTRAIN_COLLECTIVE_TIMEOUT"
+_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 _S = TypeVar("_S", bound="ProcessGroupStrategy")
 
@@ -34,6 +40,85 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
+def collective_timeout(timeout: timedelta | None = None) -> timedelta:
+    """How long a collective may wait for a peer: `timeout`, else FTRAIN_COLLECTIVE_TIMEOUT
+    (seconds), else 10 minutes. A dead peer then ends the survivors instead of hanging them
+    (gloo's own default is 30 minutes; an elastic restart waits for every survivor to exit)."""
+    if timeout is not None:
+        if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+            raise ValueError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
+        return timeout
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return timedelta(minutes=10)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}")
+    return timedelta(seconds=seconds)
+
+
+def join_group(name: str, *, timeout: timedelta | None = None) -> bool:
+    """Initialise the default process group from the launcher's environment unless one exists.
+
+    torchrun and `accelerate launch` set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; the
+    backend is NCCL with CUDA and gloo on the CPU. Returns True when this call created the
+    group (the strategy then destroys it in `close()`).
+
+    Raises:
+        RuntimeError: outside a launcher, naming the missing variables and how to launch.
+    """
+    if dist.is_initialized():
+        return False
+    missing = [k for k in _LAUNCHER_ENV if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"{name}() needs a process group, and none is initialised nor described by the "
+            f"environment (unset: {', '.join(missing)}). Launch the script with "
+            f"`torchrun --nproc_per_node N script.py` or `accelerate launch --num_processes N "
+            f"script.py`; in one process use ft.strategies.from_env(), which returns SingleDevice"
+        )
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = collective_timeout(timeout)
+    store = _attempt_store(timeout)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    return True
+
+
+def _attempt_store(timeout: timedelta) -> dist.Store | None:
+    """A fresh key space in torchrun's store for this restart attempt, or None outside one.
+
+    torchrun's agent hosts one TCPStore for the whole job and every restart attempt's workers
+    join it (TORCHELASTIC_USE_AGENT_STORE). The keys in which a dead attempt's ranks published
+    their gloo/NCCL addresses are still there, so a restarted rank may connect to a dead peer
+    ("connectFullMesh failed: Connection refused") before the live one overwrote its key.
+    Prefixing by TORCHELASTIC_RESTART_COUNT gives each attempt its own keys. With several
+    agents (nodes) the agents' restart counts can differ, so there the fix is torch's own
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store per round), and this warns without it.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+        if os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":
+            warnings.warn(
+                "torchrun restarts across several nodes share one store in which a dead "
+                "attempt's addresses survive; set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (with "
+                "--rdzv-backend c10d) so that each restart gets a fresh one (docs/strategies.md)",
+                stacklevel=4,
+            )
+        return None
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"ftrain/attempt-{attempt}", store)  # keys: ftrain/attempt-N/...
+
+
 class ProcessGroupStrategy:
     """What DDP and FSDP share: a process group, this rank's device, collectives on tensors."""
 
@@ -44,20 +129,19 @@ class ProcessGroupStrategy:
         group: Any,
         precision: str | Precision | None,
     ) -> None:
-        if not dist.is_initialized():
-            raise RuntimeError(
-                f"{name} needs an initialised process group: launch with torchrun (or "
-                f"accelerate launch) and build the strategy with ft.strategies.from_env()"
-            )
+        owns = join_group(name)
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.process_rank = self.rank  # each process is a data-parallel rank (not under TP)
         self.grad_reduce_factor = 1.0 / self.world_size  # both average over ranks
         self.device = torch.device(device) if device is not None else local_device()
         self.precision = Precision.of(precision)
-        self.owns_group = False  # from_env sets it when it initialised the group
+        self.owns_group = owns  # close() destroys the group only if ftrain created it
         self.closed = False
         self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        # Background (sharded) saves talk over gloo groups of their own, made at the first.
+        self._checkpoint_groups: list[Any] = []
 
     def __repr__(self) -> str:
         name = type(self).__name__
@@ -97,6 +181,7 @@ class ProcessGroupStrategy:
         """
         if self.closed:
             return
+        self._finish_saves()
         self.closed = True
         self._release()
         if not dist.is_initialized():
@@ -145,6 +230,9 @@ class ProcessGroupStrategy:
     def barrier(self) -> None:
         dist.barrier(group=self.group)
 
+    def sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.all_reduce_sum(tensor)
+
     def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
         # Shapes first (one small all-gather and a host sync), then rows padded to the largest.
         # A rank without rows does not widen the other axes.
@@ -167,8 +255,34 @@ class ProcessGroupStrategy:
     def save_shards(self, tensors: dict[str, torch.Tensor], directory: Path) -> None:
         _dcp.save_shards(tensors, directory, group=self.group, local=False)
 
+    def save_shards_async(
+        self, parts: Mapping[Path, dict[str, torch.Tensor]], *, commit: Callable[[], None]
+    ) -> Callable[[], None]:
+        # Over every process, as the shards are (TP's too); each is here, in this order.
+        while len(self._checkpoint_groups) < len(parts):
+            group = dist.new_group(backend="gloo", timeout=self._timeout())
+            self._checkpoint_groups.append(group)
+        groups, rank = self._checkpoint_groups, self.process_rank
+        return _dcp.save_shards_async(parts, commit, groups=groups, rank=rank)
+
     def load_shards(self, directory: Path, targets: dict[str, torch.Tensor]) -> None:
         _dcp.load_shards(directory, targets, group=self.group, local=False)
+
+    def _finish_saves(self) -> None:
+        """Wait for a background save that writes over this strategy's checkpoint group."""
+        if self._checkpoint_groups:
+            from ftrain.checkpoint import wait_for_checkpoint
+
+            wait_for_checkpoint()
+
+    def _timeout(self) -> Any:
+        """The training group's collective timeout (a dead peer fails a background save as
+        soon as it fails a step), or None (torch's default) where torch does not say."""
+        try:
+            group = dist.distributed_c10d._get_default_group()
+            return group._get_backend(self.device).options._timeout
+        except (AttributeError, RuntimeError):
+            return None
 
     def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         return module.state_dict()

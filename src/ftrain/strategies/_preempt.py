@@ -1,0 +1,166 @@
+"""Preemption: a signal becomes a flag that every rank agrees on at the next step.
+
+Clusters warn a job before they kill it (SLURM: `--signal=USR1@60`; torchrun forwards SIGTERM
+to its workers and SIGKILLs them 30 s later). The handler only sets a flag; `accumulate_grads`
+sums it over every process next to the all-reduce of the step's counts (one small collective,
+no host sync), so every rank learns at the same step that some rank was signalled, and
+`should_save` then says yes on all of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections import deque
+from collections.abc import Iterable
+from types import FrameType
+from typing import Any
+
+import torch
+
+__all__ = ["Preemption", "active", "on_preemption"]
+
+_ACTIVE: Preemption | None = None
+
+
+class Preemption(contextlib.AbstractContextManager["Preemption"]):
+    """The flag `on_preemption` installs; `requested` is what every rank agreed on.
+
+    Attributes:
+        signals: the signals it handles.
+        received: a signal reached this process (its rank alone may know).
+    """
+
+    def __init__(self, signals: tuple[signal.Signals, ...]) -> None:
+        self.signals = signals
+        self.received = False
+        self._agreed = False
+        # The last two reduced flags (device tensors); on CUDA one step old is read (below).
+        self._seen: deque[tuple[torch.Tensor, Any]] = deque(maxlen=2)
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def __repr__(self) -> str:
+        names = ", ".join(s.name for s in self.signals)
+        return f"Preemption(signals=({names}), requested={self._agreed})"
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received = True  # only a flag: the step in flight finishes, the loop saves
+
+    def local_flag(self, device: torch.device) -> torch.Tensor:
+        """This rank's vote as a float64 vector of one, for the step's all-reduce."""
+        # A non-blocking host-to-device copy is no sync (a no-op on the CPU).
+        return torch.tensor([float(self.received)], dtype=torch.float64).to(
+            device, non_blocking=True
+        )
+
+    def observe(self, total: torch.Tensor) -> None:
+        """Record the all-reduced vote of one step (how many ranks were signalled)."""
+        if total.device.type == "cpu":
+            self._seen.append((total, None))
+            return
+        # Reading a device value is a host sync: copy it out asynchronously and read it one
+        # step later, when the copy has long finished (every rank reads the same step's vote).
+        host = torch.empty(total.shape, dtype=total.dtype, pin_memory=True)
+        host.copy_(total, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._seen.append((host, event))
+
+    @property
+    def requested(self) -> bool:
+        """True once every rank knows that some rank was signalled (sticky).
+
+        On the CPU it holds after the step whose `accumulate_grads` saw the signal; on a GPU
+        one step later, so that reading it never waits for the device.
+        """
+        if not self._agreed and self._seen:
+            value, event = self._seen[-1]
+            if event is not None:  # the vote of the step before, unless this is the first
+                if len(self._seen) < 2:
+                    return False
+                value, event = self._seen[0]
+                event.synchronize()
+            self._agreed = bool(value.item() > 0)
+        return self._agreed
+
+    def close(self) -> None:
+        """Restore the handlers that were installed before (idempotent)."""
+        global _ACTIVE
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+        if _ACTIVE is self:
+            _ACTIVE = None
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def on_preemption(
+    signals: Iterable[signal.Signals] = (signal.SIGTERM, signal.SIGUSR1),
+) -> Preemption:
+    """Turn `signals` into a request to save and stop that every rank agrees on.
+
+    The handler sets a flag; the next `accumulate_grads` adds it to the all-reduce it already
+    does (one process needs none), and from then on `should_save` is True and `requested`
+    is True on every rank, at the same step. The loop saves and leaves:
+
+        preempt = ft.strategies.on_preemption()  # SIGTERM, SIGUSR1
+        while state.step < total and not preempt.requested:
+            for micro in ft.make_batches(...):
+                ...  # accumulate_grads, clip_and_step
+                if ft.should_save(state, every=500, total_steps=total):  # also on preemption
+                    ft.save_checkpoint(state, root)
+                if state.step >= total or preempt.requested:
+                    break
+
+    Call it in the main thread (Python runs signal handlers there), before the loop; one
+    handler is active at a time. `close()` (or leaving a `with` block) restores the previous
+    handlers.
+
+    Args:
+        signals: the signals that mean "you are about to be killed".
+
+    Returns:
+        The `Preemption`, whose `requested` the loop reads.
+
+    Raises:
+        ValueError: if `signals` is empty, a handler is already active, or this is not the
+            main thread.
+        TypeError: for an entry that is not a signal.
+
+    Example:
+        >>> import os, signal, torch, ftrain as ft
+        >>> preempt = ft.strategies.on_preemption(signals=(signal.SIGUSR1,))
+        >>> state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+        >>> batch = {"input": torch.ones(1, 2), "target": torch.ones(1, 1)}
+        >>> loss = lambda m, b: (((m(b["input"]) - b["target"]) ** 2).sum(), 1)
+        >>> os.kill(os.getpid(), signal.SIGUSR1)
+        >>> grads, stats = ft.accumulate_grads(state, [batch], loss)
+        >>> state, _ = ft.clip_and_step(state, grads, stats=stats, lr=0.1)
+        >>> preempt.requested, ft.should_save(state, every=1000)
+        (True, True)
+        >>> preempt.close()
+    """
+    global _ACTIVE
+    sigs = tuple(signals)
+    if not sigs:
+        raise ValueError("signals is empty: pass e.g. (signal.SIGTERM, signal.SIGUSR1)")
+    for s in sigs:
+        if not isinstance(s, signal.Signals):
+            raise TypeError(f"signals must hold signal.Signals members, got {s!r}")
+    if _ACTIVE is not None:
+        raise ValueError(f"{_ACTIVE!r} is already active: close() it before installing another")
+    if threading.current_thread() is not threading.main_thread():
+        raise ValueError("on_preemption must be called in the main thread (signal handlers)")
+    handler = Preemption(sigs)
+    for s in sigs:
+        handler._previous[s] = signal.signal(s, handler._handle)
+    _ACTIVE = handler
+    return handler
+
+
+def active() -> Preemption | None:
+    """The installed handler, if any (read by `accumulate_grads` and `should_save`)."""
+    return _ACTIVE

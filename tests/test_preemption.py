@@ -1,0 +1,92 @@
+"""Preemption (issue 14): a signal becomes a flag every rank agrees on; the loop saves, leaves,
+and the run continues from that checkpoint bit-equal (2 ranks: tests/test_elastic.py)."""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+
+import pytest
+import torch
+from elastic_loop import build, preemptible, resume, train
+
+import ftrain as ft
+from helpers import opt_state_tensors
+
+TOTAL = 8
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def assert_bit_equal(a: ft.TrainState, b: ft.TrainState) -> None:
+    assert (a.step, a.epoch, a.cursor) == (b.step, b.epoch, b.cursor)
+    for n, p in b.params.items():
+        assert torch.equal(a.params[n], p), n
+    reference = opt_state_tensors(b.opt_state)
+    for n, t in opt_state_tensors(a.opt_state).items():
+        assert torch.equal(t, reference[n]), n
+
+
+def test_sigterm_at_random_steps_saves_then_the_run_continues_bit_equal(tmp_path):
+    """16 tries in one process (no collective: the flag is this rank's own): SIGTERM at a random
+    step, the loop saves that step's successor and leaves; resuming ends bit-equal."""
+    reference = train(build(), None, TOTAL)
+    rng = random.Random(0)
+    for i in range(16):
+        root, at = tmp_path / str(i), rng.randrange(TOTAL - 1)
+        stopped = preemptible(build(), str(root), TOTAL, signal_at=at)
+        assert stopped.step == at + 1  # the signalled step's own all-reduce carried the flag
+        assert ft.latest_checkpoint(root) == root / f"step-{at + 1}"
+        assert_bit_equal(preemptible(resume(str(root)), str(root), TOTAL), reference)
+
+
+def test_on_preemption_restores_the_previous_handlers_and_checks_its_arguments():
+    before = signal.getsignal(signal.SIGUSR1)
+    state = build()
+    with ft.strategies.on_preemption(signals=(signal.SIGUSR1,)) as preempt:
+        assert signal.getsignal(signal.SIGUSR1) == preempt._handle
+        assert not preempt.requested and not ft.should_save(state, every=5)
+        with pytest.raises(ValueError, match="already active"):
+            ft.strategies.on_preemption()
+    assert signal.getsignal(signal.SIGUSR1) == before
+    preempt.close()  # idempotent
+    with pytest.raises(ValueError, match="signals is empty"):
+        ft.strategies.on_preemption(signals=())
+    with pytest.raises(TypeError, match=r"signal\.Signals"):
+        ft.strategies.on_preemption(signals=(15,))
+    errors: list[BaseException] = []
+
+    def in_a_thread() -> None:
+        try:
+            ft.strategies.on_preemption()
+        except ValueError as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=in_a_thread)
+    thread.start()
+    thread.join(10)
+    assert len(errors) == 1 and "main thread" in str(errors[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_flag_is_read_one_step_late_without_a_sync():
+    import os
+
+    state = ft.TrainState.create(
+        torch.nn.Linear(2, 1), ft.optim.sgd(), strategy=ft.strategies.SingleDevice("cuda")
+    )
+    batch = {"x": torch.ones(2, 2)}
+
+    def loss(model, b):
+        return model(b["x"]).sum(), 2
+
+    with ft.strategies.on_preemption(signals=(signal.SIGUSR1,)) as preempt:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        seen = []
+        for _ in range(3):
+            grads, stats = ft.accumulate_grads(state, [batch], loss)
+            state, _ = ft.clip_and_step(state, grads, stats=stats, lr=0.1)
+            seen.append(preempt.requested)
+    assert seen == [False, True, True]
