@@ -102,6 +102,14 @@ def test_compiled_sgd_with_fp16_loss_scaling_matches_eager_and_donate_false_keep
     assert last_input.step == 3 and last_input.params["0.weight"].shape == (6, 4)
 
 
+@pytest.mark.slow
+def test_compiled_adam_with_l2_decay_and_maximize_matches_eager():
+    opt = lambda: ft.optim.adam(weight_decay=0.1, maximize=True, mask=["0.weight"])  # noqa: E731
+    model = _model()
+    eager = _run(copy.deepcopy(model), opt(), compile=False, steps=3)
+    _assert_same(eager, _run(model, opt(), compile=True, steps=3))
+
+
 class _Sharded(ft.strategies.SingleDevice):
     checkpoint_sharded = True
 

@@ -68,6 +68,12 @@ def _keep(skip: torch.Tensor | None, old: torch.Tensor, new: torch.Tensor) -> to
     return new if skip is None else torch.where(skip, old, new)
 
 
+def _grad(g: torch.Tensor, p: torch.Tensor, l2: float, maximize: bool) -> torch.Tensor:
+    """The gradient the update uses: negated to maximize, plus L2 weight decay `l2 * p`."""
+    g = -g if maximize else g
+    return g + l2 * p if l2 else g
+
+
 def adam_twin(
     *,
     decoupled: bool,
@@ -96,10 +102,8 @@ def adam_twin(
         for decay, names in split:
             wd = weight_decay if decay else 0.0
             for n in names:
-                p, g, m, v = params[n], grads[n], state.mu[n], state.nu[n]
-                g = -g if maximize else g
-                if wd and not decoupled:
-                    g = g + wd * p
+                p, m, v = params[n], state.mu[n], state.nu[n]
+                g = _grad(grads[n], p, 0.0 if decoupled else wd, maximize)
                 m_new = m * b1 + g * (1 - b1)
                 v_new = v * b2 + (g * g) * (1 - b2)
                 p_new = p * (1 - lr * wd) if wd and decoupled else p
@@ -136,10 +140,8 @@ def sgd_twin(
         for decay, names in split:
             wd = weight_decay if decay else 0.0
             for n in names:
-                p, g = params[n], grads[n]
-                g = -g if maximize else g
-                if wd:
-                    g = g + wd * p
+                p = params[n]
+                g = _grad(grads[n], p, wd, maximize)
                 if momentum:
                     buf = state.momentum[n]
                     b_new = g if first else buf * momentum + g * (1 - dampening)
