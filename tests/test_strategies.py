@@ -85,6 +85,10 @@ def test_from_env_in_one_process_passes_device_and_precision(monkeypatch):
         ft.precision.Precision()
     )
     # ... and what it cannot honour raises, naming it.
+    with pytest.raises(TypeError, match=r"from_env\('ddp'\).*\['plan'\]"):
+        ft.strategies.from_env("ddp", plan={})  # TP's keyword, dropped under DDP: refused
+    with pytest.raises(TypeError, match="plan must be a non-empty"):
+        ft.strategies.from_env("tp", plan={})  # validated even where one process ignores it
     with pytest.raises(TypeError, match=r"from_env\('fsdp'\).*\['replicate', 'shard'\]"):
         ft.strategies.from_env("fsdp", shard=lambda m: True, replicate=2)
     with pytest.raises(TypeError, match="bucket_cap_mb"):

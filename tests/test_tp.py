@@ -70,6 +70,7 @@ def test_tp_equals_one_process_and_its_checkpoints_reshard(tmp_path):
     assert "'replicated_with_grad_allreduce', which TP does not translate" in errors["layout"]
     assert "num_key_value_heads=1 cannot be split over 2" in errors["heads"]
     assert "plan['model.layers.*.mlp.up_proj'] must be a ParallelStyle" in errors["style"]
+    assert "shard= chooses FSDP's units, which only exist with dp > 1" in errors["shard"]
 
 
 def _check_shards(ckpt):
@@ -123,7 +124,10 @@ def test_tp_needs_a_process_group(monkeypatch):
     with pytest.raises(RuntimeError, match=r"TP|RANK"):
         ft.strategies.TP()
     # One process holds the whole model: from_env("tp") is SingleDevice, the plan moot.
-    assert isinstance(ft.strategies.from_env("tp", plan={}, dp=1), ft.strategies.SingleDevice)
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    plan = {"model.layers.*.mlp.up_proj": ColwiseParallel()}
+    assert isinstance(ft.strategies.from_env("tp", plan=plan, dp=1), ft.strategies.SingleDevice)
     with pytest.raises(TypeError, match=r"\['dp'\]"):
         ft.strategies.from_env("tp", dp=2)
 
@@ -143,3 +147,25 @@ def test_tp_implements_the_strategy_protocol():
     assert one.process_rank == 0 and torch.equal(
         one.sum_over_processes(torch.ones(2)), torch.ones(2)
     )
+
+
+def test_a_gradient_left_partial_over_tp_is_refused(tmp_path):
+    """A SequenceParallel layer's weight gradient is a pending sum over tp: clipping and the
+    update would use this rank's part only, so TP's grad_norm raises instead."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    from ftrain.strategies._tp import _refuse_partial
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        whole = DTensor.from_local(torch.ones(3), mesh, [Replicate()])
+        _refuse_partial([whole])  # replicated: fine
+        pending = DTensor.from_local(torch.ones(3), mesh, [Partial()])
+        with pytest.raises(ValueError, match=r"shape \(3,\) is Partial over the tensor-parallel"):
+            _refuse_partial([whole, pending])
+    finally:
+        dist.destroy_process_group()

@@ -82,6 +82,10 @@ def _errors(out: Path) -> dict[str, str]:
             ft.strategies.TP(plan=plan()).setup(build())
         except (TypeError, ValueError) as e:
             found[key] = str(e)
+    try:
+        ft.strategies.TP(shard=lambda m: True)  # FSDP units without FSDP (dp=1)
+    except ValueError as e:
+        found["shard"] = str(e)
     tied = tiny_llama()
     tied.config.tie_word_embeddings = True
     tied.tie_weights()

@@ -98,7 +98,7 @@ class Contents:
     optim: dict[str, torch.Tensor]
     meta: dict[str, Any]  # state.json without "files" (added once the files are written)
     config: str | None  # the model's HF config.json
-    ready: Any = None  # a device event the staging copies wait for, when they are in flight
+    ready: Any = None  # device events the staging copies wait for, when they are in flight
 
 
 def collect(state: Any, metrics: Mapping[str, Any] | None, *, sharded: bool) -> Contents:

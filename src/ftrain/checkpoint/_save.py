@@ -199,6 +199,7 @@ def _stage(contents: L.Contents, *, copy: bool) -> L.Contents:
         raise CheckpointError("checkpoints are written on little-endian machines only")
     seen: set[int] = set()
     pinned = copy and torch.cuda.is_available()
+    devices: set[torch.device] = set()  # where non-blocking copies are in flight
 
     def host(t: torch.Tensor) -> torch.Tensor:
         # safetensors refuses tensors that share memory (views of one buffer): copy those too.
@@ -206,6 +207,7 @@ def _stage(contents: L.Contents, *, copy: bool) -> L.Contents:
         shared = ptr in seen and t.numel() > 0
         seen.add(ptr)
         if pinned and t.is_cuda:
+            devices.add(t.device)
             return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
         if copy or shared:
             return t.to("cpu", copy=True).contiguous()
@@ -215,16 +217,18 @@ def _stage(contents: L.Contents, *, copy: bool) -> L.Contents:
         model = contents.model if sharded else {n: host(t) for n, t in contents.model.items()}
         optim = contents.optim if sharded else {p: host(v) for p, v in contents.optim.items()}
         meta = _map_values(contents.meta, host)
-    ready = torch.cuda.Event() if pinned else None
-    if ready is not None:
-        ready.record()
-    return L.Contents(contents.step, model, optim, meta, contents.config, ready)
+    # One event per device, on the stream its copies were queued on (that device's current
+    # stream, not the current device's: a model on cuda:1 with cuda:0 current).
+    ready = [torch.cuda.Event() for _ in devices]
+    for event, device in zip(ready, devices, strict=True):
+        event.record(torch.cuda.current_stream(device))
+    return L.Contents(contents.step, model, optim, meta, contents.config, ready or None)
 
 
 def _ready(staged: L.Contents) -> L.Contents:
     """Wait for the staging copies, then read the counters and metrics as numbers."""
-    if staged.ready is not None:
-        staged.ready.synchronize()
+    for event in staged.ready or ():
+        event.synchronize()
     meta = _map_values(staged.meta, lambda t: t.item())  # host sync: saving is the place
     return dataclasses.replace(staged, meta=meta, ready=None)
 

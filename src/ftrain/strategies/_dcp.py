@@ -90,8 +90,12 @@ def save_shards_async(
         error: BaseException | None = None
         try:
             with _plain_errors():
-                for future in futures:
-                    future.result()
+                # Every part's writer thread must be done before anyone votes or cleans up,
+                # also when an earlier part failed: wait for all, then raise the first error.
+                done = [future.exception() for future in futures]
+                first = next((e for e in done if e is not None), None)
+                if first is not None:
+                    raise first
             if rank == 0:
                 commit()
         except BaseException as e:  # every rank must reach the all-reduce below

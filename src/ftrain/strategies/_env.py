@@ -41,9 +41,9 @@ def from_env(
             that one rank's crash ends the others instead of hanging them (one process has
             no collectives to time out). Applies when this call creates the group.
         **kwargs: passed to the strategy. In one process `device` and `precision` go to
-            `SingleDevice`; `sync_every_micro`, `replicate=1`, `dp=1` and `plan` (the whole
-            model is in the one process) mean nothing there and are accepted; any other
-            keyword raises rather than being dropped.
+            `SingleDevice`; the kind's own `sync_every_micro` (ddp, fsdp), `replicate=1` (fsdp),
+            `dp=1` and a valid `plan` (tp) mean nothing there (the whole model is in the one
+            process) and are accepted; any other keyword raises rather than being dropped.
 
     Raises:
         ValueError: for an unknown `kind` or a non-positive timeout.
@@ -64,8 +64,15 @@ _KINDS: dict[str, type[DDP | FSDP | TP]] = {"ddp": DDP, "fsdp": FSDP, "tp": TP}
 
 def _single(kind: str, kwargs: dict[str, Any]) -> SingleDevice:
     # Multi-process settings that one process satisfies as it is (there is nothing to sync).
-    moot: set[str] = {k for k in ("sync_every_micro", "plan") if k in kwargs}
-    moot |= {k for k in ("replicate", "dp") if kwargs.get(k) == 1}
+    own = {"ddp": ("sync_every_micro",), "fsdp": ("sync_every_micro", "replicate")}.get(
+        kind, ("plan", "dp")
+    )
+    moot: set[str] = {k for k in ("sync_every_micro", "plan") if k in kwargs and k in own}
+    moot |= {k for k in ("replicate", "dp") if kwargs.get(k) == 1 and k in own}
+    if "plan" in moot:
+        from ftrain.strategies._tp import _check_plan
+
+        _check_plan(kwargs["plan"])
     unknown = sorted(set(kwargs) - moot - {"device", "precision"})
     if unknown:
         raise TypeError(

@@ -64,7 +64,7 @@ class Preemption(contextlib.AbstractContextManager["Preemption"]):
         host = torch.empty(total.shape, dtype=total.dtype, pin_memory=True)
         host.copy_(total, non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(total.device))  # the copy's device, not the current
         self._seen.append((host, event))
 
     @property

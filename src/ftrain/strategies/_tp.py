@@ -114,6 +114,20 @@ def _check_plan(plan: Mapping[str, Any] | None) -> None:
             )
 
 
+def _refuse_partial(grads: Sequence[torch.Tensor]) -> None:
+    """A gradient left as a pending sum over tp (e.g. of a `SequenceParallel` norm's weight)
+    holds only this rank's part: training on it would let the replicas drift apart."""
+    from torch.distributed.tensor import DTensor
+
+    for g in grads:
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            raise ValueError(
+                f"a gradient of shape {tuple(g.shape)} is Partial over the tensor-parallel "
+                "ranks (a SequenceParallel layer's parameters?): TP does not reduce those yet; "
+                "leave such layers out of the plan"
+            )
+
+
 def _matches(name: list[str], atoms: list[str]) -> bool:
     return len(name) == len(atoms) and all(map(fnmatchcase, name, atoms))
 
@@ -129,7 +143,7 @@ class TP(ProcessGroupStrategy):
 
     Args:
         plan: `{module pattern: ParallelStyle}` (torch's `ColwiseParallel()`,
-            `RowwiseParallel()`, `SequenceParallel()`, ...); a pattern's `*` matches one
+            `RowwiseParallel()`, `PrepareModuleInput(...)`, ...); a pattern's `*` matches one
             name atom (`model.layers.*.mlp.up_proj`). By default the model's HF
             `base_model_tp_plan` (`hf_plan`).
         dp: data-parallel degree: `world_size // dp` ranks form each tensor-parallel group
@@ -146,6 +160,8 @@ class TP(ProcessGroupStrategy):
             WORLD_SIZE, MASTER_ADDR, MASTER_PORT to join one from).
         TypeError: for a `plan` that is empty or maps a pattern to something other than a
             `ParallelStyle`.
+        ValueError: for `shard` with `dp=1` (there is no FSDP to shard with); in
+            `grad_norm`, for a gradient left Partial over tp (`SequenceParallel`).
         ValueError: for a `dp` that does not divide the world size; in `setup`, for a plan
             pattern matching no module, a model without a plan, or a layer whose split
             dimension the tensor-parallel degree does not divide.
@@ -162,6 +178,8 @@ class TP(ProcessGroupStrategy):
     ) -> None:
         super().__init__("TP", device, None, precision)
         _check_plan(plan)
+        if shard is not None and dp == 1:
+            raise ValueError("shard= chooses FSDP's units, which only exist with dp > 1; drop it")
         processes = self.world_size
         if not (type(dp) is int and dp >= 1 and processes % dp == 0):
             raise ValueError(f"dp must be an int dividing the world size {processes}, got {dp!r}")
@@ -232,6 +250,7 @@ class TP(ProcessGroupStrategy):
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         # Squared norms of the slices split over "tp" are summed over the tp ranks; whole
         # (replicated) ones count once; then the sum over "dp", where FSDP splits everything.
+        _refuse_partial(grads)
         split = _sum_of_squares([g for g in grads if _split_over_tp(g)], self.device)
         whole = _sum_of_squares([g for g in grads if not _split_over_tp(g)], self.device)
         dist.all_reduce(split, op=dist.ReduceOp.SUM, group=self.mesh.get_group("tp"))
