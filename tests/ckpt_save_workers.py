@@ -9,16 +9,9 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+from dist_workers import _env
 
 import ftrain as ft
-
-
-def _env(rank: int, world: int, port: int) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-        WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-    )  # fmt: skip
-    torch.set_num_threads(1)
 
 
 def ddp_save_failure(rank: int, world: int, port: int, out: str) -> None:
