@@ -3,7 +3,8 @@
 HF GPT-2 with the tanh GELU approximation (`gelu_new`), HF GPT-2 with exact GELU, HF
 GPTBigCode with one head per key (`multi_query=False`: GPT-2 with `nn.Linear` instead of
 `Conv1D`), each also under `torch.compile` (steady state, compile time excluded), and nanoGPT's
-own model (bias=False) at the example's shapes, interleaved; prints median milliseconds.
+own model (bias=False) and the example's `CharGPT` (nanoGPT's model written as an HF
+`PreTrainedModel`) at the example's shapes, interleaved; prints median milliseconds.
 nanoGPT is not part of ftrain: point --nanogpt at a checkout of it (its `model.py` is imported
 from there).
 
@@ -17,12 +18,22 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel, GPTBigCodeConfig, GPTBigCodeForCausalLM
 
 V, B, T = 65, 12, 64
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _example() -> torch.nn.Module:
+    sys.path.insert(0, str(EXAMPLES))
+    from shakespeare_char import CharGPT, CharGPTConfig
+
+    torch.manual_seed(0)
+    return CharGPT(CharGPTConfig(vocab_size=V, block_size=T, n_layer=4, n_head=4, n_embd=128))
 
 
 def _hf(activation: str) -> GPT2LMHeadModel:
@@ -89,12 +100,13 @@ def main() -> None:
     cfg.bias = False
     models = {
         "hf_gelu_new": _hf("gelu_new"), "hf_gelu": _hf("gelu"), "hf_bigcode": _bigcode(),
-        "nanogpt": GPT(cfg),
+        "nanogpt": GPT(cfg), "example": _example(),
     }  # fmt: skip
     if args.others:
         models |= _others()
     if args.compile:
-        models |= {f"{k}_compiled": torch.compile(models[k]) for k in ("hf_gelu", "hf_bigcode")}
+        compiled = ("hf_gelu", "hf_bigcode", "nanogpt", "example")
+        models |= {f"{k}_compiled": torch.compile(models[k]) for k in compiled}
     x, y = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
     times: dict[str, list[float]] = {k: [] for k in models}
     for _ in range(args.rounds):

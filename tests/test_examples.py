@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 import ftrain as ft
@@ -63,7 +64,12 @@ def test_shakespeare_char_short_run(capsys, tmp_path):
     assert final < math.log(65) - 0.5, "40 steps must learn something beyond uniform"
     # Checkpoints at each evaluation (the last one blocking), and the exported final model.
     assert ft.latest_checkpoint(out_dir).name == "step-40"
-    assert (out_dir / "final" / "model.safetensors").is_file()
+    # The export is the trained model: CharGPT.from_pretrained loads the last step's weights.
+    example = sys.modules["shakespeare_char"]
+    exported = example.CharGPT.from_pretrained(out_dir / "final").state_dict()
+    trained = safetensors.torch.load_file(out_dir / "step-40" / "model.safetensors")
+    assert exported.keys() == trained.keys()
+    assert all(torch.equal(exported[k], trained[k]) for k in trained)
     records = ft.logging.read_jsonl(out_dir / "metrics.jsonl")
     assert [r["step"] for r in records if "loss" in r] == [1, 10, 20, 30, 40]
     assert [r["step"] for r in records if "eval_loss" in r] == [20, 40]
@@ -75,6 +81,16 @@ def test_shakespeare_char_short_run(capsys, tmp_path):
     again = _load("shakespeare_char").main(["--out", str(resumed_dir), *SHORT])
     assert "resumed from" in capsys.readouterr().out
     assert again == final
+
+
+def test_shakespeare_char_model_refuses_what_it_cannot_compute():
+    example = _load("shakespeare_char")
+    with pytest.raises(ValueError, match="n_embd=130 is not divisible by n_head=4"):
+        example.CharGPTConfig(n_embd=130)
+    model = example.CharGPT(example.CharGPTConfig(block_size=8, n_layer=1))
+    assert model(input_ids=torch.zeros(2, 8, dtype=torch.long)).logits.shape == (2, 8, 65)
+    with pytest.raises(ValueError, match="input_ids has 9 positions; block_size is 8"):
+        model(input_ids=torch.zeros(2, 9, dtype=torch.long))
 
 
 @pytest.mark.parametrize("precision", ["bf16"])  # fp16 autocast is slow on CPU (22 s)
@@ -129,10 +145,9 @@ def test_shakespeare_char_under_torchrun(tmp_path, capsys, strategy):
     meta = ft.checkpoint.read_meta(tmp_path / "two" / "step-20")
     assert meta["world_size"] == 2
     assert meta.get("sharded", False) == (strategy == "fsdp")
-    from transformers import GPT2LMHeadModel
-
-    exported = GPT2LMHeadModel.from_pretrained(tmp_path / "two" / "final")
-    reference = GPT2LMHeadModel.from_pretrained(tmp_path / "one" / "final")
+    model_class = sys.modules["shakespeare_char"].CharGPT  # an HF PreTrainedModel
+    exported = model_class.from_pretrained(tmp_path / "two" / "final")
+    reference = model_class.from_pretrained(tmp_path / "one" / "final")
     for (n, a), (_, b) in zip(
         exported.state_dict().items(), reference.state_dict().items(), strict=True
     ):
