@@ -3,6 +3,8 @@
 Usage: RANK=.. WORLD_SIZE=2 MASTER_ADDR=.. MASTER_PORT=.. python tests/dist_lifetime.py KIND MODE
 MODE "raise": rank 1 raises after one step while rank 0 trains on. "clean": both finish; the
 state (and its DDP/FSDP model) stays alive after the block, and close() runs a second time.
+"refuse": the strategy's constructor refuses a layout the world size cannot hold (FSDP
+`replicate=3`, TP `dp=3`) after joining the group: it must leave the group before raising.
 A plain torch model keeps the start-up short (no transformers import).
 """
 
@@ -33,6 +35,12 @@ def train(state, steps):
 
 def main(kind: str, mode: str) -> None:
     torch.set_num_threads(1)
+    if mode == "refuse":
+        try:
+            ft.strategies.from_env(kind, **{"fsdp": {"replicate": 3}, "tp": {"dp": 3}}[kind])
+        except ValueError as e:
+            print(f"refused: {e}; initialized={torch.distributed.is_initialized()}")
+        return
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
     with ft.strategies.from_env(kind) as strategy:  # collective timeout: the default 10 min
         state = ft.TrainState.create(model, ft.optim.sgd(), seed=3, strategy=strategy)

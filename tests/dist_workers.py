@@ -47,8 +47,17 @@ def equivalence(
     rank: int, world: int, port: int, out: str, kind: str, steps: int, accum: int
 ) -> None:
     """Train with `kind` ("ddp"/"fsdp"/"hsdp") at batch 2 per rank; rank 0 writes the
-    (gathered) parameters, the logged losses and the counters."""
+    (gathered) parameters, the logged losses and the counters. A "+count" suffix makes the
+    tiny model take the large models' path: items counted (and all-reduced) before the
+    forward, each loss divided before backward; the result records how often it counted."""
     _env(rank, world, port)
+    counted = []
+    if kind.endswith("+count"):
+        import ftrain.grads as grads_module
+
+        kind, count = kind.removesuffix("+count"), grads_module._items_before_forward
+        grads_module.COUNT_FIRST_NUMEL = 1
+        grads_module._items_before_forward = lambda fn, b: counted.append(1) or count(fn, b)
     if kind == "hsdp":  # 2 replicas of a 1-rank shard group: a 2-D mesh
         strategy = ft.strategies.from_env("fsdp", replicate=2)
         assert strategy._kwargs["mesh"].mesh_dim_names == ("replicate", "shard")
@@ -63,7 +72,7 @@ def equivalence(
     if rank == 0:
         _save_params(full, Path(out) / "params.safetensors")
         meta = {"losses": losses, "tokens": int(state.tokens_seen), "epoch": state.epoch,
-                "cursor": state.cursor}  # fmt: skip
+                "cursor": state.cursor, "counted": len(counted)}  # fmt: skip
         (Path(out) / "result.json").write_text(json.dumps(meta))
     state.strategy.close()  # leaves the group together, the model released first
 

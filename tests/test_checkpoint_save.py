@@ -20,7 +20,14 @@ from safetensors import SafetensorError
 import ftrain as ft
 from ftrain.checkpoint import _save
 
-SEAM = ("save_shards", "load_shards", "full_state_dict", "copy_whole")
+SEAM = (
+    "to_host",
+    "save_shards",
+    "save_shards_async",
+    "load_shards",
+    "full_state_dict",
+    "copy_whole",
+)
 SRC = Path(ft.__file__).parent
 
 
@@ -39,12 +46,14 @@ def _run(script: str, timeout: int = 120) -> subprocess.CompletedProcess[str]:
 # --- the strategy seam ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cls", [ft.strategies.SingleDevice, ft.strategies.DDP, ft.strategies.FSDP])
+@pytest.mark.parametrize(
+    "cls", [ft.strategies.SingleDevice, ft.strategies.DDP, ft.strategies.FSDP, ft.strategies.TP]
+)
 def test_every_strategy_implements_the_checkpoint_seam(cls):
     for name in SEAM:
         assert callable(getattr(cls, name)), (cls, name)
         assert name in ft.strategies.Strategy.__dict__  # part of the documented protocol
-    assert cls.checkpoint_sharded is (cls is ft.strategies.FSDP)
+    assert cls.checkpoint_sharded is (cls in (ft.strategies.FSDP, ft.strategies.TP))
     assert isinstance(ft.strategies.SingleDevice("cpu"), ft.strategies.Strategy)
 
 
@@ -83,9 +92,23 @@ def test_a_background_shard_write_stages_copies_first_then_writes_then_commits(t
         s.save_shards_async({tmp_path / "m2": {"weight": weight}}, commit=disk_full)()
 
 
+def test_single_device_to_host_stages_copies_the_next_step_cannot_change():
+    s = ft.strategies.SingleDevice("cpu")
+    weight, strided = torch.arange(6.0).reshape(2, 3), torch.arange(6.0).reshape(3, 2).t()
+    (kept, view), wait = s.to_host([weight, strided], copy=False)
+    assert kept is weight and view.is_contiguous() and torch.equal(view, strided)
+    (copied, _), wait = s.to_host([weight, strided], copy=True)
+    weight.add_(100)  # the next step, in place
+    wait()  # nothing in flight on a CPU: returns at once
+    assert torch.equal(copied, torch.arange(6.0).reshape(2, 3))
+
+
 def test_checkpoint_code_never_asks_what_kind_of_tensor_it_holds():
-    """Placement questions go through the strategy (issue 11): no DTensor test in checkpoint/."""
-    pattern = re.compile(r"device_mesh|full_tensor|DTensor|is_sharded|placements|to_local")
+    """Placement questions go through the strategy (issue 11): no DTensor or device test in
+    checkpoint/ (pinned staging of CUDA tensors is `Strategy.to_host`'s)."""
+    pattern = re.compile(
+        r"device_mesh|full_tensor|DTensor|is_sharded|placements|to_local|is_cuda|torch\.cuda"
+    )
     for f in sorted((SRC / "checkpoint").glob("*.py")):
         hits = [line for line in f.read_text().splitlines() if pattern.search(line)]
         assert not hits, (f.name, hits)

@@ -27,10 +27,12 @@ def spawn(fn, *args, world=2):
     mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, start_method="spawn")
 
 
-@pytest.mark.parametrize("accum", [1, 2])
-def test_ddp_equals_one_process_with_the_same_global_batch(tmp_path, accum):
+@pytest.mark.parametrize(("kind", "accum"), [("ddp", 1), ("ddp", 2), ("ddp+count", 2)])
+def test_ddp_equals_one_process_with_the_same_global_batch(tmp_path, kind, accum):
+    """ddp+count: the path of models >= 2^20 parameters (items counted over the ranks before
+    the forward, losses divided before backward) equals one process dividing afterwards."""
     steps = 9  # 29 rows, 4 per global micro-batch: crosses an epoch end and a 1-row last batch
-    spawn(W.equivalence, str(tmp_path), "ddp", steps, accum)
+    spawn(W.equivalence, str(tmp_path), kind, steps, accum)
     single = ft.TrainState.create(tiny_llama(dropout=0.0), ft.optim.adamw(), seed=3)
     single, losses = W.train(single, steps=steps, batch_size=4, accum=accum)
     got = json.loads((tmp_path / "result.json").read_text())
@@ -38,6 +40,7 @@ def test_ddp_equals_one_process_with_the_same_global_batch(tmp_path, accum):
     assert (got["tokens"], got["epoch"], got["cursor"]) == (
         int(single.tokens_seen), single.epoch, single.cursor,
     )  # fmt: skip
+    assert got["counted"] == (steps * accum if kind.endswith("+count") else 0)
     params = load_file(str(tmp_path / "params.safetensors"))
     for n, p in single.params.items():
         torch.testing.assert_close(params[n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
@@ -137,11 +140,14 @@ def test_a_failing_rank_ends_the_other_with_a_clear_error(mode):
     assert elapsed < 90
 
 
-@pytest.mark.parametrize(("kind", "accum"), [("fsdp", 1), ("fsdp", 2), ("hsdp", 2)])
+@pytest.mark.parametrize(
+    ("kind", "accum"), [("fsdp", 1), ("fsdp", 2), ("hsdp", 2), ("fsdp+count", 2)]
+)
 def test_fsdp_equals_one_process_with_the_same_global_batch(tmp_path, kind, accum):
     """FSDP2 shards parameters, gradients and AdamW state; clipping uses the global norm
     (max_norm=0.5 is active here), so the run matches one process. HSDP (a replicate x shard
-    mesh) too: its norm counts each shard once, not once per replica."""
+    mesh) too: its norm counts each shard once, not once per replica. fsdp+count: the large
+    models' count-first path (see the DDP test)."""
     steps = 9
     spawn(W.equivalence, str(tmp_path), kind, steps, accum)
     single = ft.TrainState.create(tiny_llama(dropout=0.0), ft.optim.adamw(), seed=3)
@@ -149,6 +155,7 @@ def test_fsdp_equals_one_process_with_the_same_global_batch(tmp_path, kind, accu
     got = json.loads((tmp_path / "result.json").read_text())
     assert got["losses"] == pytest.approx(losses, rel=1e-5, abs=1e-6)
     assert got["tokens"] == int(single.tokens_seen)
+    assert got["counted"] == (steps * accum if kind.endswith("+count") else 0)
     params = load_file(str(tmp_path / "params.safetensors"))
     for n, p in single.params.items():
         torch.testing.assert_close(params[n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)

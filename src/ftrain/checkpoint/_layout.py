@@ -16,7 +16,7 @@ import dataclasses
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -98,7 +98,7 @@ class Contents:
     optim: dict[str, torch.Tensor]
     meta: dict[str, Any]  # state.json without "files" (added once the files are written)
     config: str | None  # the model's HF config.json
-    ready: Any = None  # device events the staging copies wait for, when they are in flight
+    ready: Callable[[], None] | None = None  # waits for staging copies still in flight
 
 
 def collect(state: Any, metrics: Mapping[str, Any] | None, *, sharded: bool) -> Contents:

@@ -1,16 +1,18 @@
 """save_checkpoint as one pipeline, each step in one place. Traced (blocking save):
 
     _save.save_checkpoint -> _layout.collect (-> _tree.flatten): the state's tensors and JSON
-    -> _save._stage: host copies -> _save._commit: this save's own `root/.tmp-...` directory,
-       _write (whole tensors by rank 0 through _io, or every rank's shards through
-       `Strategy.save_shards`), _seal (_io: state.json, COMMITTED, rename to `step-<N>`)
+    -> _save._stage: host copies (`Strategy.to_host`)
+    -> _save._commit: this save's own `root/.tmp-...` directory, _write (whole tensors by
+       rank 0 through _io, or every rank's shards through `Strategy.save_shards`), _seal (_io:
+       state.json, COMMITTED, rename to `step-<N>`)
     -> _save._rotate (after the commit) -> _save._all_ok (every rank learns the outcome).
 
 _save orchestrates and is the only module returned to: _layout and _tree are entered once
-(collect), the strategy once (write), _io only by write and seal (file helpers, no callbacks
-into checkpoint/). A background save runs the same steps after `_stage` in a thread; a sharded
-one stages through `Strategy.save_shards_async` and commits once every rank's shards are
-written. A crash at any instant leaves the previous checkpoints untouched or the new one whole.
+(collect), the strategy once to stage and once to write, _io only by write and seal (file
+helpers, no callbacks into checkpoint/). A background save runs the same steps after `_stage`
+in a thread; a sharded one stages through `Strategy.save_shards_async` and commits once every
+rank's shards are written. A crash at any instant leaves the previous checkpoints untouched or
+the new one whole.
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ def save_checkpoint(
     if strategy.checkpoint_sharded:  # every rank writes its own shards in the background
         _start(job.step, _write_later(job, state, metrics))
     elif strategy.process_rank == 0:  # rank 0 holds whole tensors: it writes them in the background
-        staged = _stage(L.collect(state, metrics, sharded=False), copy=True)
+        staged = _stage(L.collect(state, metrics, sharded=False), strategy, copy=True)
         _start(job.step, lambda: job.run(staged, strategy))
     return job.path
 
@@ -178,7 +180,8 @@ def _save_together(job: _Job, state: TrainState, metrics: Mapping[str, Any] | No
     error: BaseException | None = None
     try:
         if sharded or strategy.process_rank == 0:  # the ranks that write
-            job.run(_stage(L.collect(state, metrics, sharded=sharded), copy=False), strategy)
+            contents = L.collect(state, metrics, sharded=sharded)
+            job.run(_stage(contents, strategy, copy=False), strategy)
     except BaseException as e:  # every rank must hear about it, then it is raised here
         error = e
     if not _all_ok(error is None, strategy):
@@ -186,49 +189,43 @@ def _save_together(job: _Job, state: TrainState, metrics: Mapping[str, Any] | No
     return job.path
 
 
-def _stage(contents: L.Contents, *, copy: bool) -> L.Contents:
-    """Host copies of whole tensors and counters (a sharded state's shards are left to the
-    strategy, which writes them where they are or stages them itself).
+def _stage(contents: L.Contents, strategy: Any, *, copy: bool) -> L.Contents:
+    """Host copies of whole tensors and counters, from `Strategy.to_host` (a sharded state's
+    shards are left to the strategy, which writes them where they are or stages them itself).
 
-    `copy` (a background save) decouples the write from the next, in-place step. CUDA tensors
-    are then copied into pinned host memory without blocking, and `ready` records an event the
-    writer waits for, so the caller's thread never waits for the device.
+    `copy` (a background save) decouples the write from the next, in-place step; `ready` is
+    then what the writer waits for, so the caller's thread never waits for the device.
     """
-    sharded = contents.meta.get("sharded")
     if sys.byteorder != "little":  # pragma: no cover - safetensors stores little-endian
         raise CheckpointError("checkpoints are written on little-endian machines only")
+    whole = [] if contents.meta.get("sharded") else [contents.model, contents.optim]
+    counters: list[torch.Tensor] = []  # the 0-dim tensors in the counters and metrics, in order
+    _map_values(contents.meta, counters.append)
+    tensors = [t for part in whole for t in part.values()]
+    hosts, wait = strategy.to_host([*tensors, *counters], copy=copy)
+    it = iter(hosts)  # in the order they went in: model, optimizer, counters
+    model, optim = contents.model, contents.optim
+    if whole:
+        model, optim = (_unshared({n: next(it) for n in part}) for part in whole)
+    meta = _map_values(contents.meta, lambda _: next(it))
+    return L.Contents(contents.step, model, optim, meta, contents.config, wait)
+
+
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors that share memory (views of one buffer): copy those."""
     seen: set[int] = set()
-    pinned = copy and torch.cuda.is_available()
-    devices: set[torch.device] = set()  # where non-blocking copies are in flight
-
-    def host(t: torch.Tensor) -> torch.Tensor:
-        # safetensors refuses tensors that share memory (views of one buffer): copy those too.
+    out = {}
+    for name, t in tensors.items():
         ptr = t.untyped_storage().data_ptr()
-        shared = ptr in seen and t.numel() > 0
+        out[name] = t.clone() if ptr in seen and t.numel() > 0 else t
         seen.add(ptr)
-        if pinned and t.is_cuda:
-            devices.add(t.device)
-            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-        if copy or shared:
-            return t.to("cpu", copy=True).contiguous()
-        return t.cpu().contiguous()
-
-    with torch.no_grad():
-        model = contents.model if sharded else {n: host(t) for n, t in contents.model.items()}
-        optim = contents.optim if sharded else {p: host(v) for p, v in contents.optim.items()}
-        meta = _map_values(contents.meta, host)
-    # One event per device, on the stream its copies were queued on (that device's current
-    # stream, not the current device's: a model on cuda:1 with cuda:0 current).
-    ready = [torch.cuda.Event() for _ in devices]
-    for event, device in zip(ready, devices, strict=True):
-        event.record(torch.cuda.current_stream(device))
-    return L.Contents(contents.step, model, optim, meta, contents.config, ready or None)
+    return out
 
 
 def _ready(staged: L.Contents) -> L.Contents:
     """Wait for the staging copies, then read the counters and metrics as numbers."""
-    for event in staged.ready or ():
-        event.synchronize()
+    if staged.ready is not None:
+        staged.ready()
     meta = _map_values(staged.meta, lambda t: t.item())  # host sync: saving is the place
     return dataclasses.replace(staged, meta=meta, ready=None)
 
@@ -293,7 +290,7 @@ def _write_later(
     """Stage a sharded state now (the strategy copies its shards); return the write, which
     every rank runs in the background: shards, then rank 0 seals and rotates."""
     strategy = state.strategy
-    staged = _stage(L.collect(state, metrics, sharded=True), copy=True)
+    staged = _stage(L.collect(state, metrics, sharded=True), strategy, copy=True)
     tmp = _new_tmp(job.root, job.step, strategy)
 
     def commit() -> None:  # rank 0, once every rank's shards are written

@@ -38,8 +38,9 @@ class Strategy(Protocol):
             rank writes its own shards (`save_shards`); False when rank 0 holds whole tensors
             and writes them alone.
 
-    Checkpoint layout: `checkpoint_sharded`, `save_shards`, `save_shards_async`, `load_shards`,
-    `full_state_dict` and `copy_whole` are the only place that knows how tensors are placed.
+    Checkpoint layout: `checkpoint_sharded`, `to_host`, `save_shards`, `save_shards_async`,
+    `load_shards`, `full_state_dict` and `copy_whole` are the only place that knows how and
+    where tensors are placed.
     `ft.checkpoint` asks them and never inspects a tensor's type; a new layout (tensor
     parallelism) is a new strategy, not a new branch there. See docs/strategies.md.
     """
@@ -103,6 +104,15 @@ class Strategy(Protocol):
     def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's rows of `tensor` (first axis; counts may differ), concatenated in rank
         order, on every rank. Other axes that differ between ranks are padded with -100."""
+        ...
+
+    def to_host(
+        self, tensors: Sequence[torch.Tensor], *, copy: bool
+    ) -> tuple[list[torch.Tensor], Callable[[], None]]:
+        """Contiguous CPU versions of whole `tensors` for a checkpoint, and a `wait` that returns
+        once they hold their values. `copy=False` may return CPU tensors themselves; `copy=True`
+        (a background save) returns copies the next in-place step cannot change, and the caller
+        never waits for the device: only `wait`, run by the writer, does."""
         ...
 
     def save_shards(self, tensors: dict[str, torch.Tensor], directory: Path) -> None:
@@ -224,6 +234,11 @@ class SingleDevice:
     # Checkpoint layout: whole tensors, one process.
     checkpoint_sharded = False
 
+    def to_host(
+        self, tensors: Sequence[torch.Tensor], *, copy: bool
+    ) -> tuple[list[torch.Tensor], Callable[[], None]]:
+        return host_copies(tensors, copy=copy)
+
     def save_shards(self, tensors: dict[str, torch.Tensor], directory: Path) -> None:
         _dcp.save_shards(tensors, directory, group=None, local=True)
 
@@ -265,6 +280,34 @@ def move_to(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(move_to(v, device) for v in batch)
     return batch
+
+
+def host_copies(
+    tensors: Sequence[torch.Tensor], *, copy: bool
+) -> tuple[list[torch.Tensor], Callable[[], None]]:
+    """`Strategy.to_host` for whole tensors. With `copy`, CUDA tensors are copied into pinned
+    host memory without blocking, and `wait` synchronizes on one event per device, recorded on
+    the stream the copies were queued on (that device's current stream, not the current
+    device's: a model on cuda:1 with cuda:0 current)."""
+    devices: set[torch.device] = set()  # where non-blocking copies are in flight
+
+    def host(t: torch.Tensor) -> torch.Tensor:
+        if copy and t.is_cuda:
+            devices.add(t.device)
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+        return t.to("cpu", copy=copy).contiguous()
+
+    with torch.no_grad():
+        out = [host(t) for t in tensors]
+    events = [torch.cuda.Event() for _ in devices]
+    for event, device in zip(events, devices, strict=True):
+        event.record(torch.cuda.current_stream(device))
+
+    def wait() -> None:
+        for event in events:
+            event.synchronize()
+
+    return out, wait
 
 
 def local_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:

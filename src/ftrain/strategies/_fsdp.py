@@ -73,24 +73,23 @@ class FSDP(ProcessGroupStrategy):
         self.replicate = replicate
         self._norm_group = None  # every rank holds a distinct shard
         if replicate != 1:
-            if not (
-                isinstance(replicate, int) and replicate > 1 and self.world_size % replicate == 0
-            ):
-                raise ValueError(
-                    f"replicate must divide the world size {self.world_size}, got {replicate!r}"
-                )
-            if "mesh" in fsdp_kwargs:
-                raise ValueError("pass either replicate or mesh, not both")
-            from torch.distributed.device_mesh import init_device_mesh
+            with self._leaving_on_error():
+                self._kwargs["mesh"], self._norm_group = self._hsdp_mesh(replicate)
 
-            mesh = init_device_mesh(
-                self.device.type,
-                (replicate, self.world_size // replicate),
-                mesh_dim_names=("replicate", "shard"),
+    def _hsdp_mesh(self, replicate: int) -> tuple[Any, Any]:
+        """The (replicate, shard) mesh, and the group the norm sums over: shards repeat across
+        the replicate groups, so squared norms are summed within one group."""
+        if not (isinstance(replicate, int) and replicate > 1 and self.world_size % replicate == 0):
+            raise ValueError(
+                f"replicate must divide the world size {self.world_size}, got {replicate!r}"
             )
-            self._kwargs["mesh"] = mesh
-            # Shards repeat across the replicate groups: sum squared norms within one group.
-            self._norm_group = mesh.get_group("shard")
+        if "mesh" in self._kwargs:
+            raise ValueError("pass either replicate or mesh, not both")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = (replicate, self.world_size // replicate)
+        mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=("replicate", "shard"))
+        return mesh, mesh.get_group("shard")
 
     def setup(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import fully_shard

@@ -10,7 +10,7 @@ import gc
 import os
 import warnings
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
@@ -22,7 +22,7 @@ from torch import nn
 
 from ftrain.precision import Precision
 from ftrain.strategies import _dcp
-from ftrain.strategies._base import _precision_repr, move_to
+from ftrain.strategies._base import _precision_repr, host_copies, move_to
 
 __all__ = ["ProcessGroupStrategy", "collective_timeout", "join_group", "local_device"]
 
@@ -206,6 +206,16 @@ class ProcessGroupStrategy:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
+    @contextlib.contextmanager
+    def _leaving_on_error(self) -> Iterator[None]:
+        """Around a constructor's checks that need the group (the world size): a strategy that
+        raises is never returned to be closed, so it leaves the group it joined first."""
+        try:
+            yield
+        except BaseException:
+            self.abort()
+            raise
+
     def _track(self, model: nn.Module) -> nn.Module:
         self._models.add(model)
         return model
@@ -267,6 +277,11 @@ class ProcessGroupStrategy:
 
     def load_shards(self, directory: Path, targets: dict[str, torch.Tensor]) -> None:
         _dcp.load_shards(directory, targets, group=self.group, local=False)
+
+    def to_host(
+        self, tensors: Sequence[torch.Tensor], *, copy: bool
+    ) -> tuple[list[torch.Tensor], Callable[[], None]]:
+        return host_copies(tensors, copy=copy)
 
     def _finish_saves(self) -> None:
         """Wait for a background save that writes over this strategy's checkpoint group."""

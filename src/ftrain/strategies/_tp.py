@@ -177,6 +177,11 @@ class TP(ProcessGroupStrategy):
         shard: Callable[[nn.Module], bool] | None = None,
     ) -> None:
         super().__init__("TP", device, None, precision)
+        with self._leaving_on_error():
+            self._layout(plan, dp, shard)
+
+    def _layout(self, plan: Mapping[str, Any] | None, dp: int, shard: Any) -> None:
+        """Check the arguments against the world size; build the (dp, tp) mesh."""
         _check_plan(plan)
         if shard is not None and dp == 1:
             raise ValueError("shard= chooses FSDP's units, which only exist with dp > 1; drop it")
