@@ -3,8 +3,8 @@
 Usage: RANK=.. WORLD_SIZE=2 MASTER_ADDR=.. MASTER_PORT=.. python tests/dist_lifetime.py KIND MODE
 MODE "raise": rank 1 raises after one step while rank 0 trains on. "clean": both finish; the
 state (and its DDP/FSDP model) stays alive after the block, and close() runs a second time.
-"refuse": the strategy's constructor refuses a layout the world size cannot hold (FSDP
-`replicate=3`, TP `dp=3`) after joining the group: it must leave the group before raising.
+"refuse" / "refuse-direct": `from_env` / the strategy's class refuses a layout the world size
+cannot hold (FSDP `replicate=3`, TP `dp=3`) after joining the group: it leaves before raising.
 A plain torch model keeps the start-up short (no transformers import).
 """
 
@@ -35,9 +35,11 @@ def train(state, steps):
 
 def main(kind: str, mode: str) -> None:
     torch.set_num_threads(1)
-    if mode == "refuse":
+    if mode.startswith("refuse"):  # "refuse": through from_env; "refuse-direct": the class
+        bad = {"fsdp": {"replicate": 3}, "tp": {"dp": 3}}[kind]
+        make = getattr(ft.strategies, kind.upper()) if mode == "refuse-direct" else None
         try:
-            ft.strategies.from_env(kind, **{"fsdp": {"replicate": 3}, "tp": {"dp": 3}}[kind])
+            make(**bad) if make else ft.strategies.from_env(kind, **bad)
         except ValueError as e:
             print(f"refused: {e}; initialized={torch.distributed.is_initialized()}")
         return

@@ -154,11 +154,18 @@ def test_with_from_env_closes_in_order_with_the_model_still_alive():
     assert all(f"rank {r} left: initialized=False" in o for r, o in enumerate(outs)), outs
 
 
-@pytest.mark.parametrize(("kind", "argument"), [("fsdp", "replicate"), ("tp", "dp")])
-def test_a_strategy_that_refuses_its_arguments_leaves_the_group_it_joined(kind, argument):
+@pytest.mark.parametrize(
+    ("kind", "argument", "mode"),
+    [
+        ("fsdp", "replicate", "refuse"),
+        ("tp", "dp", "refuse"),
+        ("fsdp", "replicate", "refuse-direct"),
+    ],
+)
+def test_a_strategy_that_refuses_its_arguments_leaves_the_group_it_joined(kind, argument, mode):
     """The check needs the world size, so it runs after joining; the strategy is never returned
     to be closed, so it must leave by itself (else the process hangs or aborts at exit)."""
-    codes, outs = _launch(kind, "refuse", timeout=60)
+    codes, outs = _launch(kind, mode, timeout=60)
     assert codes == [0, 0], outs
     for out in outs:
         assert f"refused: {argument} must be an int dividing the world size 2" in out or (

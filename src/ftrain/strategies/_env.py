@@ -54,7 +54,12 @@ def from_env(
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not dist.is_initialized():
         return _single(kind, kwargs)
     owns = join_group(f"from_env({kind!r})", timeout=timeout)
-    strategy = _KINDS[kind](**kwargs)
+    try:
+        strategy = _KINDS[kind](**kwargs)
+    except BaseException:  # never returned to be closed: leave the group joined above
+        if owns and dist.is_initialized():
+            dist.destroy_process_group()
+        raise
     strategy.owns_group = owns  # close() destroys the group only if from_env created it
     return strategy
 
