@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 
 import pytest
 import torch
@@ -143,6 +144,9 @@ def test_wandb_sink_offline_run_files_hold_config_once_and_every_metric(tmp_path
 
     first = _train(root, make, until=5)
     first.close()  # W&B flushes its files on finish
+    # W&B names offline folders by the second they start in: a resume within the same second
+    # would reuse the first run's folder. Start the second run in the next second.
+    time.sleep(1.0 - time.time() % 1.0 + 0.05)
     second = _train(root, make, until=6)
     second.close()
     assert second.resumed and second.run_id == first.run_id
