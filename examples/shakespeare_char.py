@@ -29,6 +29,7 @@ import argparse
 import math
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -104,6 +105,7 @@ class CharGPT(PreTrainedModel):
     job went from 1.03x nanoGPT's time to 0.92x (bench/RESULTS.md)."""
 
     config_class = CharGPTConfig
+    _no_split_modules: ClassVar[list[str]] = ["Block"]  # FSDP shards each block on its own
 
     def __init__(self, config: CharGPTConfig) -> None:
         super().__init__(config)
