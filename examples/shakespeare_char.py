@@ -86,6 +86,7 @@ class Block(nn.Module):
         self.attn_proj = nn.Linear(c.n_embd, c.n_embd, bias=False)
         self.fc = nn.Linear(c.n_embd, 4 * c.n_embd, bias=False)
         self.mlp_proj = nn.Linear(4 * c.n_embd, c.n_embd, bias=False)
+        self.attn_proj.residual = self.mlp_proj.residual = True  # GPT-2's scaled init
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
@@ -98,7 +99,8 @@ class Block(nn.Module):
 
 class CharGPT(PreTrainedModel):
     """nanoGPT's model (bias-free, exact GELU, output layer tied to the token embedding) as an
-    HF model: `CharGPT.from_pretrained("runs/shakespeare_char/final")` loads the export.
+    HF model: `CharGPT.from_pretrained("runs/shakespeare_char/final")` loads the export. It is
+    not registered with the Auto classes and does not generate (no `GenerationMixin`).
 
     HF's GPT-2 at the same size has biases, `Conv1D` layers and more module overhead: its
     forward+backward takes 1.17x nanoGPT's at these shapes, this model's 1.02x, and the whole
@@ -116,15 +118,15 @@ class CharGPT(PreTrainedModel):
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
+        # Leaf modules only: transformers 5 skips a module whose own parameters are all
+        # initialized, which a parameter-free container (Block) always is.
         if isinstance(module, nn.Embedding):
             init.normal_(module.weight, mean=0.0, std=0.02)
         elif isinstance(module, nn.LayerNorm):
             init.ones_(module.weight)
-        elif isinstance(module, Block):  # GPT-2's scaled residual projections
-            for linear in (module.qkv, module.fc, module.attn_proj, module.mlp_proj):
-                residual = linear in (module.attn_proj, module.mlp_proj)
-                std = 0.02 / math.sqrt(2 * self.config.n_layer) if residual else 0.02
-                init.normal_(linear.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.Linear):  # residual projections: 0.02 / sqrt(2 n_layer)
+            scale = math.sqrt(2 * self.config.n_layer) if getattr(module, "residual", 0) else 1
+            init.normal_(module.weight, mean=0.0, std=0.02 / scale)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.wte

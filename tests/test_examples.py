@@ -88,6 +88,14 @@ def test_shakespeare_char_model_refuses_what_it_cannot_compute():
     with pytest.raises(ValueError, match="n_embd=130 is not divisible by n_head=4"):
         example.CharGPTConfig(n_embd=130)
     model = example.CharGPT(example.CharGPTConfig(block_size=8, n_layer=1))
+    # nanoGPT's init: N(0, 0.02), the residual projections 0.02 / sqrt(2 n_layer), norms 1.
+    big = example.CharGPT(example.CharGPTConfig(n_layer=4, n_embd=256))
+    stds = {n: float(p.detach().std()) for n, p in big.named_parameters() if p.dim() == 2}
+    for name, std in stds.items():
+        residual = name.endswith(("attn_proj.weight", "mlp_proj.weight"))
+        want = 0.02 / math.sqrt(2 * 4) if residual else 0.02
+        assert std == pytest.approx(want, rel=0.05), name
+    assert all(float(p.detach().min()) == 1.0 for n, p in big.named_parameters() if p.dim() == 1)
     assert model(input_ids=torch.zeros(2, 8, dtype=torch.long)).logits.shape == (2, 8, 65)
     with pytest.raises(ValueError, match="input_ids has 9 positions; block_size is 8"):
         model(input_ids=torch.zeros(2, 9, dtype=torch.long))

@@ -160,6 +160,7 @@ def test_with_from_env_closes_in_order_with_the_model_still_alive():
         ("fsdp", "replicate", "refuse"),
         ("tp", "dp", "refuse"),
         ("fsdp", "replicate", "refuse-direct"),
+        ("tp", "dp", "refuse-direct"),
     ],
 )
 def test_a_strategy_that_refuses_its_arguments_leaves_the_group_it_joined(kind, argument, mode):
@@ -172,3 +173,12 @@ def test_a_strategy_that_refuses_its_arguments_leaves_the_group_it_joined(kind, 
             f"refused: {argument} must divide the world size 2" in out
         ), out
         assert "initialized=False" in out, out
+
+
+@pytest.mark.parametrize("cls", [ft.strategies.DDP, ft.strategies.FSDP, ft.strategies.TP])
+def test_arguments_that_need_no_group_are_refused_before_joining_one(cls, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)  # joining would raise "launch with torchrun"
+    with pytest.raises(ValueError, match="precision"):
+        cls(precision="fp8")
+    assert not torch.distributed.is_initialized()

@@ -129,14 +129,16 @@ class ProcessGroupStrategy:
         group: Any,
         precision: str | Precision | None,
     ) -> None:
+        # Arguments that need no group are checked before joining it (a raise leaves no group).
+        self.precision = Precision.of(precision)
+        explicit = torch.device(device) if device is not None else None
         owns = join_group(name)
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.process_rank = self.rank  # each process is a data-parallel rank (not under TP)
         self.grad_reduce_factor = 1.0 / self.world_size  # both average over ranks
-        self.device = torch.device(device) if device is not None else local_device()
-        self.precision = Precision.of(precision)
+        self.device = explicit if explicit is not None else local_device()
         self.owns_group = owns  # close() destroys the group only if ftrain created it
         self.closed = False
         self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
