@@ -6,6 +6,7 @@ import json
 import math
 import re
 import socket
+import time
 
 import dist_workers as W
 import pytest
@@ -23,8 +24,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(fn, *args, world=2):
-    mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, start_method="spawn")
+def spawn(fn, *args, world=2, timeout=240.0):
+    """Run `fn` in `world` spawned ranks; a hang fails the test after `timeout` s (CI never
+    hangs), an error in a rank raises here."""
+    ctx = mp.start_processes(
+        fn, args=(world, free_port(), *args), nprocs=world, start_method="spawn", join=False
+    )
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{fn.__name__} did not finish within {timeout:.0f} s")
 
 
 @pytest.mark.parametrize(("kind", "accum"), [("ddp", 1), ("ddp", 2), ("ddp+count", 2)])
