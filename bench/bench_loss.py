@@ -52,7 +52,7 @@ def worker(kind: str, chunk: int, steps: int) -> dict[str, float]:
     loss_fn = (
         ft.losses.causal_lm_loss()
         if kind == "plain"
-        else ft.losses.chunked_causal_lm_loss(chunk_size=chunk)
+        else ft.chunked_causal_lm_loss(chunk_size=chunk)
     )
     state = ft.TrainState.create(model, ft.optim.sgd())
     grads = None

@@ -1,4 +1,4 @@
-"""Probe: ftrain's Liger / CCE adapters (`ftrain._lce_kernels.run`) against the plain summed
+"""Probe: ftrain's Liger / CCE adapters (`ftrain.extras._lce_kernels.run`) against the plain summed
 cross-entropy, on the CPU through Triton's interpreter (no GPU needed).
 
 The kernels are Triton code; `TRITON_INTERPRET=1` runs them on CPU tensors (slowly), which is
@@ -18,7 +18,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ftrain import _lce_kernels
+from ftrain.extras import _lce_kernels
 
 
 def _error(got: torch.Tensor | None, want: torch.Tensor) -> float:

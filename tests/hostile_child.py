@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 import ftrain as ft
-from ftrain.__main__ import inspect
+from ftrain.extras.cli import inspect
 
 
 def outcome(fn) -> str:

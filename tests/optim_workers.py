@@ -53,7 +53,7 @@ def run(strategy=None, per_rank: int = 1) -> dict[str, object]:
     state = ft.TrainState.create(tiny_llama(), ft.optim.sgd(), **kw)
     micro = next(iter(ft.make_batches(ROWS, batch_size=8 // per_rank, accum=2, shuffle=False,
                                       strategy=state.strategy)))  # fmt: skip
-    loss_fn = ft.losses.chunked_causal_lm_loss(chunk_size=5) if per_rank > 1 else None
+    loss_fn = ft.chunked_causal_lm_loss(chunk_size=5) if per_rank > 1 else None
     grads, _ = ft.accumulate_grads(state, micro, loss_fn)
     out["lm"] = {n: g.detach().clone() for n, g in grads.items()}
     state = ft.TrainState.create(tiny_llama(), ft.optim.sgd(), **kw)

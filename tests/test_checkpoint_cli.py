@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ftrain as ft
-from ftrain.__main__ import main
+from ftrain.extras.cli import main
 from helpers import tiny_llama
 
 
@@ -66,13 +66,13 @@ def test_a_damaged_config_json_is_refused_by_load_inspect_and_export(
     assert main(["inspect", str(path)]) == 1
     assert "complete    no" in capsys.readouterr().out
     with pytest.raises(ft.CheckpointError, match=r"config\.json"):
-        ft.checkpoint.export_checkpoint(path, tmp_path / "out")
+        ft.export_checkpoint(path, tmp_path / "out")
     assert main(["export", str(path), "--to", str(tmp_path / "out")]) == 1
     assert "config.json" in capsys.readouterr().err and not (tmp_path / "out").exists()
 
 
 def test_the_intact_config_json_still_exports(hf_ckpt, tmp_path):
-    out = ft.checkpoint.export_checkpoint(hf_ckpt, tmp_path / "out")
+    out = ft.export_checkpoint(hf_ckpt, tmp_path / "out")
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(out)

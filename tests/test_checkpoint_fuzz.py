@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import ftrain as ft
-from ftrain.__main__ import inspect
+from ftrain.extras.cli import inspect
 from ftrain.checkpoint import CheckpointMismatchError
 from helpers import within
 

@@ -353,7 +353,7 @@ def test_a_rejected_file_leaves_the_state_untouched(good, tmp_path):
 
 def inspect_cli(path: Path, capsys, *, verify: bool = True) -> tuple[int, str]:
     """`python -m ftrain inspect` in-process: its exit code and what it printed."""
-    from ftrain.__main__ import inspect
+    from ftrain.extras.cli import inspect
 
     rc = inspect(path, verify=verify)
     return rc, capsys.readouterr().out
@@ -607,5 +607,5 @@ def test_export_compares_a_forged_config_on_the_meta_device_first(tmp_path, monk
 
     monkeypatch.setattr(torch.nn.Embedding, "__init__", guarded)
     with pytest.raises(ft.CheckpointError, match="1073741824"):
-        ft.checkpoint.export_checkpoint(path, tmp_path / "out")
+        ft.export_checkpoint(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()

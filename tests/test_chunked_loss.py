@@ -40,7 +40,7 @@ def _packed():
 def test_gradients_equal_the_plain_loss(make_model, micro):
     model = make_model()
     want, want_loss, want_n = _grads(copy.deepcopy(model), micro, ft.losses.causal_lm_loss())
-    got, got_loss, got_n = _grads(model, micro, ft.losses.chunked_causal_lm_loss(chunk_size=7))
+    got, got_loss, got_n = _grads(model, micro, ft.chunked_causal_lm_loss(chunk_size=7))
     assert got_n == want_n and got_loss == pytest.approx(want_loss, rel=1e-6)
     assert got.keys() == want.keys()
     for n in want:
@@ -71,15 +71,15 @@ def test_evaluate_with_the_chunked_loss_equals_the_plain_loss():
     state = ft.TrainState.create(tiny_llama(), ft.optim.sgd())
     val = lambda: ft.make_batches(ragged_rows(12, seed=1), batch_size=4, shuffle=False)  # noqa: E731
     plain = ft.evaluate(state, val())
-    chunked = ft.evaluate(state, val(), ft.losses.chunked_causal_lm_loss(chunk_size=16))
+    chunked = ft.evaluate(state, val(), ft.chunked_causal_lm_loss(chunk_size=16))
     assert chunked["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-6)
     assert chunked["eval_items"] == plain["eval_items"]
 
 
 def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="chunk_size"):
-        ft.losses.chunked_causal_lm_loss(chunk_size=0)
-    loss = ft.losses.chunked_causal_lm_loss()
+        ft.chunked_causal_lm_loss(chunk_size=0)
+    loss = ft.chunked_causal_lm_loss()
     with pytest.raises(KeyError, match="labels"):
         loss(tiny_llama(), {"input_ids": torch.ones(1, 3, dtype=torch.long)})
     with pytest.raises(TypeError, match="get_output_embeddings"):
@@ -93,8 +93,8 @@ def test_errors_name_the_problem():
 
 def test_auto_kernel_on_cpu_is_the_chunked_torch_loss():
     model, micro = tiny_llama(), _padded(2)
-    want = _grads(copy.deepcopy(model), micro, ft.losses.chunked_causal_lm_loss(chunk_size=7))
-    got = _grads(model, micro, ft.losses.chunked_causal_lm_loss(chunk_size=7, kernel="auto"))
+    want = _grads(copy.deepcopy(model), micro, ft.chunked_causal_lm_loss(chunk_size=7))
+    got = _grads(model, micro, ft.chunked_causal_lm_loss(chunk_size=7, kernel="auto"))
     assert got[1:] == want[1:]  # the same function ran: equal to the last bit
     for n in want[0]:
         assert torch.equal(got[0][n], want[0][n]), n
@@ -103,12 +103,12 @@ def test_auto_kernel_on_cpu_is_the_chunked_torch_loss():
 def test_an_explicit_kernel_never_falls_back_silently(monkeypatch):
     import sys
 
-    from ftrain import _lce_kernels
+    from ftrain.extras import _lce_kernels
 
     with pytest.raises(ValueError, match="kernel must be"):
-        ft.losses.chunked_causal_lm_loss(kernel="triton")
+        ft.chunked_causal_lm_loss(kernel="triton")
     with pytest.raises(ValueError, match=r"chunk_size=64 applies to the torch path"):
-        ft.losses.chunked_causal_lm_loss(kernel="liger", chunk_size=64)
+        ft.chunked_causal_lm_loss(kernel="liger", chunk_size=64)
     # A library that does not import (here: hidden) is named, with the way out.
     for kernel, module, package in [
         ("liger", "liger_kernel", "liger-kernel"),
@@ -117,7 +117,7 @@ def test_an_explicit_kernel_never_falls_back_silently(monkeypatch):
         _lce_kernels._import_error.cache_clear()
         monkeypatch.setitem(sys.modules, module, None)
         with pytest.raises(ImportError, match=rf"kernel='{kernel}' needs the {package} package"):
-            ft.losses.chunked_causal_lm_loss(kernel=kernel)
+            ft.chunked_causal_lm_loss(kernel=kernel)
     _lce_kernels._import_error.cache_clear()
     # Installed but handed CPU tensors: refused, not run on the torch path.
     monkeypatch.setattr(_lce_kernels, "_import_error", lambda kernel: None)
@@ -125,7 +125,7 @@ def test_an_explicit_kernel_never_falls_back_silently(monkeypatch):
     for kernel in ("liger", "cce"):
         bf16 = torch.autocast("cpu", dtype=torch.bfloat16)  # CCE wants half precision
         with pytest.raises(ValueError, match=rf"kernel='{kernel}' runs on CUDA tensors"), bf16:
-            ft.losses.chunked_causal_lm_loss(kernel=kernel)(tiny_llama(), batch)
+            ft.chunked_causal_lm_loss(kernel=kernel)(tiny_llama(), batch)
     lin, h = torch.nn.Linear(16, 61), torch.ones(3, 16)  # a head with a bias: CCE has none
     assert _lce_kernels.pick("auto", h, lin.weight, lin.bias) == "torch"  # CPU
     with pytest.raises(ValueError, match="no bias term"):

@@ -282,7 +282,7 @@ def _cli_on_shards(ckpt, out):
 
     from transformers import AutoModelForCausalLM
 
-    from ftrain.__main__ import main
+    from ftrain.extras.cli import main
 
     text = io.StringIO()
     with contextlib.redirect_stdout(text):

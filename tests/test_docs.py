@@ -22,7 +22,7 @@ def test_docs_site_builds_strictly(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     api = (site / "api" / "index.html").read_text()
     for name in ["ftrain.make_batches", "ftrain.generate", "ftrain.optim.adamw",
-                 "ftrain.logging.MLflowSink", "ftrain.strategies.DDP"]:  # fmt: skip
+                 "ftrain.extras.logging.MLflowSink", "ftrain.strategies.DDP"]:  # fmt: skip
         assert f'id="{name}"' in api, name
     assert (site / "img" / "curves.png").is_file()
 

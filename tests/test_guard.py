@@ -65,7 +65,7 @@ def _run(root, steps, *, scale=100.0, guard=None, stop_at=None, state=None, rows
 
 
 def test_a_spike_rolls_back_skips_the_batch_logs_it_and_resumes_the_same(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="ftrain.guard"):
+    with caplog.at_level(logging.WARNING, logger="ftrain.extras.guard"):
         whole, rolled = _run(tmp_path / "whole", 8)
     assert len(rolled) == 1
     step, cursor, reason = rolled[0]
@@ -105,7 +105,7 @@ def test_errors_and_the_no_checkpoint_case(tmp_path, caplog):
     state = ft.guard.GuardedState.create(tiny_llama(), ft.optim.sgd()).replace(cursor=5)
     with pytest.raises(ValueError, match="skip"):
         ft.guard.SpikeGuard().rollback(state, tmp_path, skip=0)
-    with caplog.at_level(logging.WARNING, logger="ftrain.guard"):
+    with caplog.at_level(logging.WARNING, logger="ftrain.extras.guard"):
         state = ft.guard.SpikeGuard().rollback(state, tmp_path, skip=2)
     assert (state.cursor, state.step, state.rollbacks) == (7, 0, 1)
     assert "no checkpoint to load" in caplog.text

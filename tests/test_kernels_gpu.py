@@ -58,7 +58,7 @@ def test_liger_equals_the_plain_loss_in_float32():
     _library("liger_kernel")
     model, micro = _model(), _micro()
     want, want_sums = _run(copy.deepcopy(model), micro, ft.losses.causal_lm_loss())
-    got, got_sums = _run(model, micro, ft.losses.chunked_causal_lm_loss(kernel="liger"))
+    got, got_sums = _run(model, micro, ft.chunked_causal_lm_loss(kernel="liger"))
     assert got_sums[1] == want_sums[1]  # the same item count
     torch.testing.assert_close(got_sums[0], want_sums[0], rtol=1e-5, atol=0)  # summed loss
     assert got.keys() == want.keys()
@@ -69,7 +69,7 @@ def test_liger_equals_the_plain_loss_in_float32():
 def test_cce_refuses_float32_instead_of_rounding():
     _library("cut_cross_entropy")
     with pytest.raises(ValueError, match="bfloat16/float16 only"):
-        _run(_model(), _micro(), ft.losses.chunked_causal_lm_loss(kernel="cce"))
+        _run(_model(), _micro(), ft.chunked_causal_lm_loss(kernel="cce"))
 
 
 @pytest.mark.parametrize("kernel,module", KERNELS, ids=[k for k, _ in KERNELS])
@@ -78,7 +78,7 @@ def test_the_kernel_equals_the_plain_loss_under_bf16_autocast(kernel, module):
     model, micro = _model(), _micro()
     plain = ft.losses.causal_lm_loss()
     want, want_sums = _run(copy.deepcopy(model), micro, plain, precision="bf16")
-    got, got_sums = _run(model, micro, ft.losses.chunked_causal_lm_loss(kernel=kernel), "bf16")
+    got, got_sums = _run(model, micro, ft.chunked_causal_lm_loss(kernel=kernel), "bf16")
     assert got_sums[1] == want_sums[1]
     torch.testing.assert_close(got_sums[0], want_sums[0], rtol=1e-2, atol=0)
     for n in want:
@@ -98,20 +98,20 @@ def test_the_kernel_in_evaluation_and_with_every_label_ignored(kernel, module, p
     state = ft.TrainState.create(model, ft.optim.sgd(), strategy=strategy)
     val = _micro()
     plain = ft.evaluate(state, [val])
-    fused = ft.evaluate(state, [val], ft.losses.chunked_causal_lm_loss(kernel=kernel))
+    fused = ft.evaluate(state, [val], ft.chunked_causal_lm_loss(kernel=kernel))
     assert fused["eval_items"] == plain["eval_items"]
     assert fused["eval_loss"] == pytest.approx(plain["eval_loss"], rel=rel)
     # A micro-batch with no counted label (e.g. all prompt): a zero sum, zero gradients.
     batch = strategy.to_device(_micro(all_ignored=True)[0])
     with strategy.autocast():
-        loss, n = ft.losses.chunked_causal_lm_loss(kernel=kernel)(model, batch)
+        loss, n = ft.chunked_causal_lm_loss(kernel=kernel)(model, batch)
     loss.backward()
     assert int(n) == 0 and float(loss.detach()) == 0.0
     assert all(float(p.grad.abs().max()) == 0.0 for p in model.parameters() if p.grad is not None)
 
 
 def test_auto_picks_an_installed_kernel_on_cuda():
-    from ftrain import _lce_kernels
+    from ftrain.extras import _lce_kernels
 
     installed = [k for k, _ in KERNELS if _lce_kernels.available(k)]
     if not installed:

@@ -70,7 +70,7 @@ def test_lora_trains_and_exports_adapter_and_merged_model(tmp_path):
     import contextlib
     import io
 
-    from ftrain.__main__ import main
+    from ftrain.extras.cli import main
 
     ckpt = ft.save_checkpoint(state, tmp_path / "ckpt")
     with contextlib.redirect_stdout(io.StringIO()):

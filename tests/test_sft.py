@@ -10,7 +10,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 import ftrain as ft
-from ftrain.sft import SFTCollator, pack, packed_collate
+from ftrain.extras.sft import SFTCollator, pack, packed_collate
 
 TEXT = Path(__file__).parent.parent / "examples" / "data" / "tinyshakespeare.txt"
 

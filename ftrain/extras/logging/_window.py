@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ftrain.grads import Stats
-from ftrain.logging._perf import peak_memory_mb
+from ftrain.extras.logging._perf import peak_memory_mb
 from ftrain.state import TrainState
 from ftrain.step import StepInfo
 

@@ -206,7 +206,7 @@ class _Pack(Source):
             yield {"input_ids": block, "labels": list(block)}, {"src": before, "tok": 0}
 
     def _examples(self, rows: Items, before: Pos) -> Items:
-        from ftrain.sft import pack as pack_rows
+        from ftrain.extras.sft import pack as pack_rows
 
         kept: list[dict[str, Any]] = []
         length = 0

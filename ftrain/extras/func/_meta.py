@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from ftrain.func._grads import _LossModule, check_model
+from ftrain.extras.func._grads import _LossModule, check_model
 from ftrain.losses import LossFn, default_loss
 
 __all__ = [

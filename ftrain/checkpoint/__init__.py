@@ -1,7 +1,8 @@
-"""Checkpoints (`ft.checkpoint`): atomic, pickle-free saves, exact resume, HF export."""
+"""Checkpoints (`ft.checkpoint`): atomic, pickle-free saves, exact resume.
 
-from ftrain.checkpoint._export import export_checkpoint as export_checkpoint
-from ftrain.checkpoint._export import export_pretrained as export_pretrained
+HF export (`ft.export_pretrained`, `ft.export_checkpoint`) is an extra: `ftrain/extras/hf_export.py`.
+"""
+
 from ftrain.checkpoint._io import CheckpointError as CheckpointError
 from ftrain.checkpoint._load import CheckpointMismatchError as CheckpointMismatchError
 from ftrain.checkpoint._load import CheckpointMismatchWarning as CheckpointMismatchWarning
@@ -16,8 +17,6 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "CheckpointMismatchWarning",
-    "export_checkpoint",
-    "export_pretrained",
     "latest_checkpoint",
     "load_checkpoint",
     "read_meta",

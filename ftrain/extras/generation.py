@@ -35,7 +35,7 @@ def left_pad(
 
     Example:
         >>> import torch
-        >>> from ftrain.generation import left_pad
+        >>> from ftrain.extras.generation import left_pad
         >>> ids, mask = left_pad(torch.tensor([[5, 6, 0], [7, 0, 0]]),
         ...                      torch.tensor([[1, 1, 0], [1, 0, 0]]), pad_id=0)
         >>> ids.tolist(), mask.tolist()
@@ -206,7 +206,7 @@ def mean_over_subjects(metrics: Mapping[str, float], *, prefix: str = "eval_accu
     whose accuracy is NaN, left out), as qlora.py averages MMLU subjects.
 
     Example:
-        >>> from ftrain.generation import mean_over_subjects
+        >>> from ftrain.extras.generation import mean_over_subjects
         >>> mean_over_subjects({"eval_accuracy": 0.7, "eval_accuracy_law": 0.5,
         ...                     "eval_accuracy_art": 1.0, "eval_accuracy_x": float("nan")})
         0.75

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ftrain.logging._sinks import _tag
+from ftrain.extras.logging._sinks import _tag
 from ftrain.state import TrainState
 
 __all__ = ["MLflowSink", "WandbSink"]

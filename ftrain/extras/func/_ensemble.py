@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
 
-from ftrain.func._grads import check_model
+from ftrain.extras.func._grads import check_model
 from ftrain.losses import LossFn
 from ftrain.optim._base import Optimizer
 

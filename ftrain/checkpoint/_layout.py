@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ftrain.checkpoint._io import CheckpointError
+from ftrain.version import __version__
 from ftrain.checkpoint._tree import Node, flatten
 
 FORMAT = "ftrain.checkpoint"
@@ -106,7 +107,6 @@ def collect(state: Any, metrics: Mapping[str, Any] | None, *, sharded: bool) -> 
 
     Counters and metrics that are tensors stay tensors (no host sync): `_save._ready` reads them.
     """
-    from ftrain import __version__  # ftrain/__init__ imports this module
 
     module = state.strategy.unwrap(state.model)
     opt_flat = flatten(state.opt_state)

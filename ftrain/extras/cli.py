@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ftrain.checkpoint import CheckpointError, export_checkpoint, latest_checkpoint
+from ftrain.checkpoint import CheckpointError, latest_checkpoint
+from ftrain.extras.hf_export import export_checkpoint
 from ftrain.checkpoint import _layout as L
 from ftrain.checkpoint._verify import open_checkpoint, read_meta
 
@@ -161,7 +162,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "plot":
-        from ftrain.logging import plot_metrics
+        from ftrain.extras.logging import plot_metrics
 
         try:
             out = plot_metrics(args.metrics_file, args.out, metrics=args.metrics, mode=args.mode)

@@ -79,7 +79,7 @@ def export_pretrained(
 
 
 def _merged(module: nn.Module, *, sharded: bool) -> nn.Module:
-    from ftrain.lora import is_quantized
+    from ftrain.extras.lora import is_quantized
 
     if not callable(getattr(module, "merge_and_unload", None)):
         raise ValueError("merge=True needs a PEFT model (adapters to merge)")

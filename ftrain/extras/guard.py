@@ -34,7 +34,7 @@ from ftrain.state import TrainState
 
 __all__ = ["GuardedState", "SpikeGuard", "Verdict"]
 
-log = logging.getLogger("ftrain.guard")
+log = logging.getLogger("ftrain.extras.guard")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -136,7 +136,7 @@ class SpikeGuard:
         on past the spike, so the micro-batches between the checkpoint and the spike are not
         replayed either (PaLM skipped a few hundred batches the same way). Without a checkpoint
         the state is kept and only the `skip` micro-batches are skipped. Each rollback is
-        logged on the `ftrain.guard` logger. `state` is consumed.
+        logged on the `ftrain.extras.guard` logger. `state` is consumed.
 
         Raises:
             ValueError: for `skip < 1`.
