@@ -9,15 +9,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ftrain.data import weighted
+from ftrain.data import MicroBatches, weighted
 from ftrain.losses import LossFn, _items_before_forward, default_loss
-from ftrain.state import ConsumedStateError, TrainState
+from ftrain.rng import dropout_seed
+from ftrain.state import TrainState, _Lease
 from ftrain.strategies import _preempt
-from ftrain.strategies._base import Strategy
+from ftrain.strategies import Strategy
 
-__all__ = ["Grads", "Stats", "accumulate_grads", "dropout_seed"]
-
-_MASK64 = (1 << 64) - 1
+__all__ = ["Grads", "Stats", "accumulate_grads"]
 
 
 class Stats(NamedTuple):
@@ -44,7 +43,8 @@ class Grads(dict[str, torch.Tensor]):
     `clip_and_step` consumes it (unless `donate=False`): it empties the dict and releases the
     parameters' `.grad`, so a `grads` variable that outlives the step holds no gradient memory,
     like a raw loop with `zero_grad(set_to_none=True)`. Reading a consumed `Grads` raises
-    `ConsumedStateError` naming the function and step.
+    `ConsumedStateError` naming the function and step: the same donation mark (a lease) as a
+    consumed `TrainState`.
 
     Example:
         >>> import torch, ftrain as ft
@@ -58,30 +58,25 @@ class Grads(dict[str, torch.Tensor]):
         (True, True)
     """
 
-    __slots__ = ("consumed_by",)
+    __slots__ = ("lease",)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.consumed_by: tuple[str, int] | None = None
+        self.lease = _Lease("these gradients were")
 
     @property
     def consumed(self) -> bool:
         """Whether a step function has consumed (and released) these gradients."""
-        return self.consumed_by is not None
+        return self.lease.consumed_by is not None
 
     def consume(self, by: str, step: int) -> None:
         """Release the tensors and mark the mapping consumed by `by` at `step`."""
+        self.lease.consume(by, step)
         self.clear()
-        self.consumed_by = (by, step)
 
     def check(self) -> None:
         """Raise `ConsumedStateError` if the gradients were consumed."""
-        if self.consumed_by is not None:
-            fn, step = self.consumed_by
-            raise ConsumedStateError(
-                f"these gradients were consumed by {fn} at step {step} (released to free their "
-                "memory); read them before the step, or pass donate=False to keep them"
-            )
+        self.lease.check(_RELEASED)
 
     # Reading goes through dict's C fast path while live; a consumed (emptied) mapping lands in
     # __missing__ or in these checks, so every read of it raises instead of looking empty.
@@ -118,28 +113,13 @@ class Grads(dict[str, torch.Tensor]):
         return super().get(key, default)
 
     def __repr__(self) -> str:
-        if self.consumed_by is not None:
-            return f"Grads(<consumed by {self.consumed_by[0]} at step {self.consumed_by[1]}>)"
+        used = self.lease.consumed_by
+        if used is not None:
+            return f"Grads(<consumed by {used[0]} at step {used[1]}>)"
         return f"Grads({super().__repr__()})"
 
 
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def dropout_seed(seed: int, step: int, micro: int, rank: int) -> int:
-    """The RNG seed for one micro-batch's forward/backward: a pure function of its position.
-
-    Because dropout masks depend only on `(seed, step, micro, rank)`, a resumed run draws the
-    same masks as the uninterrupted one without saving any RNG state.
-    """
-    h = 0
-    for part in (seed, step, micro, rank):
-        h = _splitmix64(h ^ (part & _MASK64))
-    return h >> 1  # torch.manual_seed wants a non-negative int64
+_RELEASED = "(released to free their memory); read them before the step, or pass donate=False"
 
 
 def _generators(device: torch.device) -> list[torch.Generator]:
@@ -197,7 +177,7 @@ def accumulate_grads(
 
     Each `loss_fn` returns a *sum* and an item count; the gradient is divided by the item count
     summed over every micro-batch and rank, so ragged padding and uneven ranks do not change
-    it. With float16 loss scaling the loss is multiplied by `state.loss_scale` before backward
+    it. With float16 loss scaling the loss is multiplied by `state.scaler.scale` before backward
     and the gradients are divided by it. Non-final micro-batches skip the strategy's gradient
     sync. Dropout randomness is
     `dropout_seed(state.seed, state.step, i, rank)` for micro-batch i. No host sync.
@@ -244,7 +224,7 @@ def accumulate_grads(
         norm = num_items_t.clamp(min=1.0)
         if strategy.grad_reduce_factor != 1:
             norm = norm * strategy.grad_reduce_factor
-        scale = state.loss_scale
+        scale = state.scaler.scale
         torch._foreach_div_(list(grads.values()), norm if scale is None else norm * scale)
     # The mean over zero items is undefined: NaN, and clip_and_step skips such a step.
     num_items, num_tokens, num_samples = counts[1:].long().unbind()  # one cast for three
@@ -254,7 +234,7 @@ def accumulate_grads(
         num_tokens=num_tokens,
         num_samples=num_samples,
         num_micro=len(micro),
-        position=getattr(micro, "position", None),  # a stream group's (ft.data.Group)
+        position=micro.position if isinstance(micro, MicroBatches) else None,
     )
     return grads, stats
 
@@ -267,7 +247,7 @@ def _forward_backward(
     micro-batch only the loss itself runs on the device: counts known on the host stay host
     ints, and the device ones are summed once at the end (issue 12: per-step small-tensor work
     was a tenth of a small model's step)."""
-    model, device, scale = state.model_, strategy.device, state.loss_scale
+    model, device, scale = state.model, strategy.device, state.scaler.scale
     inv = _inverse_count(state, micro, loss_fn, strategy) if scale is None else None
     losses: list[torch.Tensor] = []
     items: list[torch.Tensor] = []

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
+from typing import Any
 
 from ftrain.state import TrainState
 from ftrain.strategies import _preempt
@@ -78,7 +80,7 @@ def track_best(
     mode: str = "min",
     threshold: float = 0.0,
 ) -> TrainState:
-    """Fold one evaluation into `best_metric`, `best_step` and `patience_counter`.
+    """Fold one evaluation into `state.early_stopping` (best metric, its step, patience).
 
     HF's rule (`EarlyStoppingCallback`): the counter resets when the value beats the best by
     more than `threshold`, and grows by one otherwise; the best is kept as HF's Trainer keeps
@@ -100,19 +102,24 @@ def track_best(
         value = float(metrics[metric])
     else:
         value = float(metrics)
+    es = state.early_stopping
     if math.isnan(value):  # HF never stores NaN as the best: it is no improvement
-        return state.replace(patience_counter=state.patience_counter + 1)
-    best = state.best_metric
+        return _stopping(state, patience_counter=es.patience_counter + 1)
+    best = es.best_metric
     if best is not None and math.isnan(best):  # a NaN best from an older run counts as none
         best = None
     better = best is None or (value < best if mode == "min" else value > best)
     if better and (best is None or abs(value - best) > threshold):
         counter = 0
     else:
-        counter = state.patience_counter + 1
+        counter = es.patience_counter + 1
     if better:
-        return state.replace(best_metric=value, best_step=state.step, patience_counter=counter)
-    return state.replace(patience_counter=counter)
+        return _stopping(state, best_metric=value, best_step=state.step, patience_counter=counter)
+    return _stopping(state, patience_counter=counter)
+
+
+def _stopping(state: TrainState, **changes: Any) -> TrainState:
+    return state.replace(early_stopping=dataclasses.replace(state.early_stopping, **changes))
 
 
 def should_stop(state: TrainState, *, patience: int) -> bool:
@@ -130,4 +137,4 @@ def should_stop(state: TrainState, *, patience: int) -> bool:
     """
     if not isinstance(patience, int) or patience < 1:
         raise ValueError(f"patience must be an int >= 1, got {patience!r}")
-    return state.patience_counter >= patience
+    return state.early_stopping.patience_counter >= patience

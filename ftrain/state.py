@@ -10,18 +10,23 @@ import copy
 import dataclasses
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from ftrain.data import Cursor
-from ftrain.strategies._base import SingleDevice, Strategy
+from ftrain.optim import Optimizer
+from ftrain.strategies import SingleDevice, Strategy
 
-if TYPE_CHECKING:
-    from ftrain.optim._base import Optimizer
-
-__all__ = ["ConsumedStateError", "TrainState", "next_epoch", "snapshot"]
+__all__ = [
+    "ConsumedStateError",
+    "DataState",
+    "EarlyStoppingState",
+    "ScalerState",
+    "TrainState",
+    "next_epoch",
+    "snapshot",
+]
 
 
 class ConsumedStateError(RuntimeError):
@@ -29,24 +34,83 @@ class ConsumedStateError(RuntimeError):
 
 
 class _Lease:
-    """Shared by every state that views the same parameter/optimizer tensors.
+    """The donation mark, shared by everything that views the same tensors: states made from
+    one another by `replace`, and a `Grads` mapping.
 
-    A step function updates those tensors in place and marks the lease consumed, so that any
-    stale state sharing them fails loudly instead of silently reading post-step values.
+    A step function updates those tensors in place (or releases them) and marks the lease
+    consumed, so that anything still holding them fails loudly instead of silently reading
+    post-step values.
     """
 
-    __slots__ = ("consumed_by",)
+    __slots__ = ("consumed_by", "what")
 
-    def __init__(self) -> None:
+    def __init__(self, what: str = "this TrainState was") -> None:
         self.consumed_by: tuple[str, int] | None = None
+        self.what = what
 
-    def check(self) -> None:
+    def consume(self, by: str, step: int) -> None:
+        self.check()
+        self.consumed_by = (by, step)
+
+    def check(self, fix: str = "use the returned state, or pass donate=False") -> None:
         if self.consumed_by is not None:
             fn, step = self.consumed_by
-            raise ConsumedStateError(
-                f"this TrainState was consumed by {fn} at step {step}; use the returned state, "
-                "or pass donate=False"
-            )
+            raise ConsumedStateError(f"{self.what} consumed by {fn} at step {step}; {fix}")
+
+
+class _Tensors(NamedTuple):
+    """The tensor holders of a state and their lease, reached only through checked properties."""
+
+    model: nn.Module
+    params: Mapping[str, torch.Tensor]
+    opt_state: Any
+    lease: _Lease
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DataState:
+    """Where the training data stands, saved in every checkpoint.
+
+    `cursor`: micro-batches of this epoch already consumed (global over data-parallel ranks).
+    `stream`: a stream's position after them, as JSON (None for map-style data).
+    `batch_size`: the per-rank batch size `ft.data.find_batch_size` settled on (None until
+    then), kept so that a resumed run uses it again.
+    `tokens_seen`, `samples_seen`: 0-dim int64 tensors on the training device, so advancing
+    them never waits for the device; `int(state.data.tokens_seen)` reads one (a host sync).
+    """
+
+    cursor: int = 0
+    stream: str | None = None
+    batch_size: int | None = None
+    tokens_seen: torch.Tensor = dataclasses.field(default_factory=lambda: _zero(None))
+    samples_seen: torch.Tensor = dataclasses.field(default_factory=lambda: _zero(None))
+
+
+@dataclasses.dataclass(frozen=True)
+class EarlyStoppingState:
+    """The best evaluation so far and HF's patience counter (`ft.track_best`, `ft.should_stop`).
+
+    `best_metric` is the best value seen (None before the first evaluation), `best_step` the
+    step it was seen at, `patience_counter` the evaluations since without improvement.
+    """
+
+    best_metric: float | None = None
+    best_step: int | None = None
+    patience_counter: int = 0
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ScalerState:
+    """Float16 dynamic loss scaling's state (a strategy with `precision="fp16"`): `scale` (float32) and
+    `growth_tracker` (int32) are 0-dim device tensors, updated on the device; both are None
+    when the run does not scale its loss."""
+
+    scale: torch.Tensor | None = None
+    growth_tracker: torch.Tensor | None = None
+
+
+def _zero(device: torch.device | None) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.int64, device=device)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -58,54 +122,28 @@ class TrainState:
     view of the trainable ones. Step functions update tensors in place and *consume* their
     input state: reading a consumed state's tensors raises `ConsumedStateError`.
 
-    Plain values: `step` (optimizer updates done), `epoch`, `cursor` (micro-batches consumed in
-    this epoch; on a stream it carries `data_position`, the stream position as JSON), `seed`,
-    and the early-stopping fields `best_metric`, `best_step`,
-    `patience_counter`. `tokens_seen` and `samples_seen` are 0-dim int64 tensors on the
-    training device, so advancing them never waits for the device; `int(state.tokens_seen)`
-    reads one (a host sync). With float16 loss scaling (a strategy with `precision="fp16"`),
-    `loss_scale` (float32) and `growth_tracker` (int32) are 0-dim device tensors too; they are
-    None otherwise. `batch_size` is the per-rank batch size `ft.data.find_batch_size` settled
-    on (None until then), kept by checkpoints so that a resumed run uses it again.
+    Top-level values: `step` (optimizer updates done), `epoch`, `seed`, the `optimizer` and
+    the `strategy`. Related values are grouped in small frozen sub-states: `data`
+    (`DataState`: cursor, stream position, batch size, tokens and samples seen),
+    `early_stopping` (`EarlyStoppingState`) and `scaler` (`ScalerState`). Change one with
+    `state.replace(data=dataclasses.replace(state.data, cursor=0))`.
 
     Example:
         >>> import torch, ftrain as ft
         >>> state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd(), seed=0)
-        >>> sorted(state.params), state.step
-        (['bias', 'weight'], 0)
+        >>> sorted(state.params), state.step, state.data.cursor
+        (['bias', 'weight'], 0, 0)
     """
 
-    model_: nn.Module
+    tensors_: _Tensors = dataclasses.field(repr=False)
     optimizer: Optimizer
-    opt_state_: Any
     strategy: Strategy
-    params_: Mapping[str, torch.Tensor]
     step: int = 0
     epoch: int = 0
-    cursor: int = 0
-    tokens_seen: torch.Tensor = dataclasses.field(
-        default_factory=lambda: torch.zeros((), dtype=torch.int64)
-    )
-    samples_seen: torch.Tensor = dataclasses.field(
-        default_factory=lambda: torch.zeros((), dtype=torch.int64)
-    )
     seed: int = 0
-    best_metric: float | None = None
-    best_step: int | None = None
-    patience_counter: int = 0
-    loss_scale: torch.Tensor | None = None
-    growth_tracker: torch.Tensor | None = None
-    batch_size: int | None = None
-    data_position: str | None = None
-    lease_: _Lease = dataclasses.field(default_factory=_Lease, repr=False)
-
-    def __post_init__(self) -> None:
-        # A stream's position (JSON, saved in state.json like any plain field) rides on the
-        # cursor, so the README loop's make_batches(start=state.cursor) resumes the stream.
-        if self.data_position is not None and (
-            getattr(self.cursor, "position", None) != self.data_position
-        ):
-            object.__setattr__(self, "cursor", Cursor(self.cursor, self.data_position))
+    data: DataState = DataState()
+    early_stopping: EarlyStoppingState = EarlyStoppingState()
+    scaler: ScalerState = ScalerState()
 
     @classmethod
     def create(
@@ -129,8 +167,6 @@ class TrainState:
             TypeError: if `model` is not an `nn.Module` or `optimizer` not an `Optimizer`.
             ValueError: if the model has no trainable parameter.
         """
-        from ftrain.optim._base import Optimizer
-
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, Optimizer):
@@ -138,7 +174,7 @@ class TrainState:
                 f"optimizer must be an ft.optim.Optimizer, got {type(optimizer).__name__}; "
                 "wrap torch optimizers with ft.optim.from_torch(torch.optim.X, **kw)"
             )
-        if not isinstance(seed, int):
+        if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {seed!r}")
         strategy = SingleDevice() if strategy is None else strategy
         model = strategy.setup(model)
@@ -147,31 +183,28 @@ class TrainState:
             raise ValueError("model has no trainable parameter (all have requires_grad=False)")
         device = strategy.device
         scaling = strategy.precision.loss_scaling
+        scaler = ScalerState()
         if scaling is not None:
-            loss_scale: dict[str, Any] = {
-                "loss_scale": torch.tensor(scaling.init_scale, dtype=torch.float32, device=device),
-                "growth_tracker": torch.zeros((), dtype=torch.int32, device=device),
-            }
-        else:
-            loss_scale = {}
+            scaler = ScalerState(
+                scale=torch.tensor(scaling.init_scale, dtype=torch.float32, device=device),
+                growth_tracker=torch.zeros((), dtype=torch.int32, device=device),
+            )
+        tensors = _Tensors(model, MappingProxyType(params), optimizer.init(params), _Lease())
         return cls(
-            model_=model,
+            tensors_=tensors,
             optimizer=optimizer,
-            params_=MappingProxyType(params),
-            opt_state_=optimizer.init(params),
             strategy=strategy,
             seed=seed,
-            tokens_seen=torch.zeros((), dtype=torch.int64, device=device),
-            samples_seen=torch.zeros((), dtype=torch.int64, device=device),
-            **loss_scale,
+            data=DataState(tokens_seen=_zero(device), samples_seen=_zero(device)),
+            scaler=scaler,
         )
 
-    # Tensor-holding fields are reached through properties so that a consumed state fails.
+    # Tensor-holding values are reached through properties so that a consumed state fails.
     @property
     def model(self) -> nn.Module:
         """The module (possibly wrapped by the strategy); it owns the parameters."""
-        self.lease_.check()
-        return self.model_
+        self.tensors_.lease.check()
+        return self.tensors_.model
 
     @property
     def params(self) -> Mapping[str, torch.Tensor]:
@@ -179,37 +212,42 @@ class TrainState:
 
         Taken when the state is created: re-create the state after freezing or unfreezing.
         """
-        self.lease_.check()
-        return self.params_
+        self.tensors_.lease.check()
+        return self.tensors_.params
 
     @property
     def opt_state(self) -> Any:
         """The optimizer state: a pytree of tensors keyed by parameter name."""
-        self.lease_.check()
-        return self.opt_state_
+        self.tensors_.lease.check()
+        return self.tensors_.opt_state
 
     @property
     def consumed(self) -> bool:
         """Whether a step function has consumed this state's tensors."""
-        return self.lease_.consumed_by is not None
+        return self.tensors_.lease.consumed_by is not None
 
     def replace(self, **changes: Any) -> TrainState:
         """Return a copy with `changes` applied; it shares tensors (and donation) with `self`.
 
+        `model` and `opt_state` may be replaced too (`params` follows `model`).
+
         Raises:
             TypeError: for a name that is not a field.
         """
-        return dataclasses.replace(self, **self._fields(changes))
+        return dataclasses.replace(self, **self._fields(changes, self.tensors_.lease))
 
-    def _fields(self, changes: dict[str, Any]) -> dict[str, Any]:
-        renamed = {_PUBLIC_TO_FIELD.get(k, k): v for k, v in changes.items()}
-        unknown = set(renamed) - _settable(type(self))
+    def _fields(self, changes: dict[str, Any], lease: _Lease) -> dict[str, Any]:
+        changes = dict(changes)
+        model = changes.pop("model", self.tensors_.model)
+        opt_state = changes.pop("opt_state", self.tensors_.opt_state)
+        unknown = set(changes) - _settable(type(self))
         if unknown:
             raise TypeError(f"{type(self).__name__} has no settable field(s) {sorted(unknown)}")
-        if "model_" in renamed:
-            module = self.strategy.unwrap(renamed["model_"])
-            renamed["params_"] = MappingProxyType(_trainable(module))
-        return renamed
+        params = self.tensors_.params
+        if model is not self.tensors_.model:
+            params = MappingProxyType(_trainable(self.strategy.unwrap(model)))
+        changes["tensors_"] = _Tensors(model, params, opt_state, lease)
+        return changes
 
     def consume(self, by: str, **changes: Any) -> TrainState:
         """Mark this state consumed by `by`; return a fresh handle on the same tensors, with
@@ -217,26 +255,16 @@ class TrainState:
 
         Step functions call this after updating tensors in place; users rarely need it.
         """
-        self.lease_.check()
-        fields = self._fields(changes)
-        self.lease_.consumed_by = (by, self.step)
-        return dataclasses.replace(self, lease_=_Lease(), **fields)
-
-
-_PUBLIC_TO_FIELD = {"model": "model_", "opt_state": "opt_state_"}
-
-
-_SETTABLE: dict[type, frozenset[str]] = {}
+        lease = self.tensors_.lease
+        lease.check()
+        fields = self._fields(changes, _Lease())
+        lease.consume(by, self.step)
+        return dataclasses.replace(self, **fields)
 
 
 def _settable(cls: type) -> frozenset[str]:
-    """Field names `replace` accepts, for TrainState and its subclasses (cached per class)."""
-    names = _SETTABLE.get(cls)
-    if names is None:
-        # params_ follows model_ and lease_ follows the tensors: neither is set by hand.
-        fields = dataclasses.fields(cls)
-        names = _SETTABLE[cls] = frozenset(f.name for f in fields) - {"lease_", "params_"}
-    return names
+    """Field names `replace` accepts besides `model` and `opt_state`."""
+    return frozenset(f.name for f in dataclasses.fields(cls)) - {"tensors_"}
 
 
 def _trainable(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -255,31 +283,37 @@ def snapshot(state: TrainState) -> TrainState:
         >>> c.params["weight"] is s.params["weight"]
         False
     """
-    state.lease_.check()
-    model = state.strategy.clone_model(state.model_)
-    old = dict(state.model_.named_parameters())
+    held = state.tensors_
+    held.lease.check()
+    model = state.strategy.clone_model(held.model)
+    old = dict(held.model.named_parameters())
     new = dict(model.named_parameters())
     # Optimizer state may alias parameters (rare); map them onto the copy, clone the rest.
     memo = {id(old[n]): new[n] for n in old}
-    opt_state = copy.deepcopy(state.opt_state_, memo)
-    counters: dict[str, Any] = {  # tokens_seen, samples_seen, loss scale, a subclass's tensors
-        f.name: v.clone()
-        for f in dataclasses.fields(state)
-        if f.name not in _TENSOR_HOLDERS and isinstance(v := getattr(state, f.name), torch.Tensor)
-    }
+    opt_state = copy.deepcopy(held.opt_state, memo)
+    params = MappingProxyType(_trainable(state.strategy.unwrap(model)))
     return dataclasses.replace(
         state,
-        model_=model,
-        params_=MappingProxyType(_trainable(state.strategy.unwrap(model))),
-        opt_state_=opt_state,
-        lease_=_Lease(),
-        **counters,
+        tensors_=_Tensors(model, params, opt_state, _Lease()),
+        **_cloned(state),
     )
 
 
-_TENSOR_HOLDERS = {"model_", "opt_state_", "params_"}
+def _cloned(obj: Any) -> dict[str, Any]:
+    """The tensors of `obj`'s plain fields and sub-states, cloned (a subclass's too)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if f.name == "tensors_":
+            continue
+        if isinstance(v, torch.Tensor):
+            out[f.name] = v.clone()
+        elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+            out[f.name] = dataclasses.replace(v, **_cloned(v))
+    return out
 
 
 def next_epoch(state: TrainState) -> TrainState:
-    """Return `state` at the start of the next epoch (`epoch + 1`, `cursor = 0`)."""
-    return state.replace(epoch=state.epoch + 1, cursor=0, data_position=None)
+    """Return `state` at the start of the next epoch (`epoch + 1`, cursor 0, no stream position)."""
+    data = dataclasses.replace(state.data, cursor=0, stream=None)
+    return state.replace(epoch=state.epoch + 1, data=data)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import NamedTuple
@@ -12,7 +13,7 @@ from ftrain._compiled import compiled_update, skip_flag
 from ftrain.checkpoint._save import raise_pending_save_error
 from ftrain.grads import Grads, Stats
 from ftrain.precision import update_loss_scale
-from ftrain.state import TrainState, snapshot
+from ftrain.state import ScalerState, TrainState, snapshot
 
 __all__ = ["StepInfo", "clip_and_step"]
 
@@ -92,11 +93,11 @@ def clip_and_step(
     Clipping equals `torch.nn.utils.clip_grad_norm_` (coefficient `max_norm / (norm + 1e-6)`,
     at most 1) with the norm taken across shards and ranks by the strategy. A non-finite norm
     skips the update on the device, without a host sync; `step` still advances (as in HF
-    Trainer) and `info.skipped` says so. `cursor`, `tokens_seen` and `samples_seen` advance by
-    `stats` when given (a stream's `stats.position` goes to `state.data_position`, which rides
-    on `state.cursor`: docs/data.md); a step whose `stats` counted no item is skipped like a
+    Trainer) and `info.skipped` says so. `state.data` (cursor, tokens and samples
+    seen, and a stream's position, `stats.position`: docs/data.md) advances by `stats` when
+    given; a step whose `stats` counted no item is skipped like a
     non-finite one (nothing was learned: no weight decay either). With float16 loss scaling,
-    an overflow always skips the update and `loss_scale`/`growth_tracker` advance by
+    an overflow always skips the update and `state.scaler` advances by
     `torch.amp.GradScaler`'s rule (`ft.precision`).
 
     Args:
@@ -136,9 +137,9 @@ def clip_and_step(
         state = snapshot(state)
     params, strategy = state.params, state.strategy
     scaling = strategy.precision.loss_scaling
-    if (scaling is None) != (state.loss_scale is None):
+    if (scaling is None) != (state.scaler.scale is None):
         raise ValueError(
-            "the strategy's loss scaling and state.loss_scale disagree: create the state with "
+            "the strategy's loss scaling and state.scaler disagree: create the state with "
             "the strategy that trains it (TrainState.create(..., strategy=...))"
         )
     _check_grads(grads, params)
@@ -163,19 +164,19 @@ def clip_and_step(
         _release(grads, params, state.step)
     changes: dict[str, object] = {"opt_state": opt_state, "step": state.step + 1}
     if scaling is not None:
-        assert state.loss_scale is not None and state.growth_tracker is not None
+        scaler = state.scaler
+        assert scaler.scale is not None and scaler.growth_tracker is not None
         assert overflow is not None
-        changes["loss_scale"], changes["growth_tracker"] = update_loss_scale(
-            state.loss_scale, state.growth_tracker, overflow, scaling
-        )
+        scale, growth = update_loss_scale(scaler.scale, scaler.growth_tracker, overflow, scaling)
+        changes["scaler"] = ScalerState(scale=scale, growth_tracker=growth)
     if stats is not None:
-        cursor = state.cursor + stats.num_micro
-        if stats.position is not None:  # a stream: the position rides on the cursor
-            changes["data_position"] = stats.position
-        changes.update(
-            cursor=cursor,
-            tokens_seen=state.tokens_seen + stats.num_tokens,
-            samples_seen=state.samples_seen + stats.num_samples,
+        d = state.data
+        changes["data"] = dataclasses.replace(
+            d,
+            cursor=d.cursor + stats.num_micro,
+            stream=stats.position,  # a stream's position after these micro-batches, or None
+            tokens_seen=d.tokens_seen + stats.num_tokens,
+            samples_seen=d.samples_seen + stats.num_samples,
         )
     skipped = skip if skip is not None else torch.zeros((), dtype=torch.bool, device=norm.device)
     return state.consume("clip_and_step", **changes), StepInfo(

@@ -41,7 +41,7 @@ OPTIM_DIR = "optimizer"
 
 PLAIN = (bool, int, float, str)  # JSON values
 # TrainState fields that are not plain values: handled as tensors/objects, or not saved at all.
-NOT_PLAIN = {"model_", "optimizer", "opt_state_", "strategy", "params_", "lease_"}
+NOT_PLAIN = {"tensors_", "optimizer", "strategy"}
 
 
 def model_tensors(module: nn.Module, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -67,24 +67,54 @@ def fingerprint(table: list[list[Any]]) -> str:
     return hashlib.sha256(json.dumps(table).encode()).hexdigest()[:16]
 
 
+def leaves(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """The state's plain values by dotted name: `step`, `data.cursor`, `scaler.scale`, ...
+
+    Sub-states (dataclass values, e.g. `state.data`) are walked; `NOT_PLAIN` fields skipped.
+    """
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        if f.name in NOT_PLAIN:
+            continue
+        v = getattr(obj, f.name)
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            out.update(leaves(v, f"{prefix}{f.name}."))
+        else:
+            out[prefix + f.name] = v
+    return out
+
+
+def with_leaves(state: Any, values: Mapping[str, Any]) -> dict[str, Any]:
+    """`state.replace` keywords that set the dotted `values` (sub-states rebuilt)."""
+    top: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {}
+    for name, v in values.items():
+        head, _, rest = name.partition(".")
+        if rest:
+            nested.setdefault(head, {})[rest] = v
+        else:
+            top[head] = v
+    for head, sub in nested.items():
+        inner = getattr(state, head)
+        top[head] = dataclasses.replace(inner, **with_leaves(inner, sub))
+    return top
+
+
 def plain_fields(state: Any) -> dict[str, Any]:
     """The state's counters as JSON: plain values as they are, 0-dim tensors with their dtype.
 
     Works for subclasses of TrainState too: every extra dataclass field is saved the same way.
     """
     out: dict[str, Any] = {}
-    for f in dataclasses.fields(state):
-        if f.name in NOT_PLAIN:
-            continue
-        v = getattr(state, f.name)
+    for name, v in leaves(state).items():
         if isinstance(v, torch.Tensor) and v.dim() == 0:
             # Read by `_save._ready` once staged: a background save never syncs here.
-            out[f.name] = {"dtype": str(v.dtype).removeprefix("torch."), "value": v.detach()}
+            out[name] = {"dtype": str(v.dtype).removeprefix("torch."), "value": v.detach()}
         elif v is None or isinstance(v, PLAIN):
-            out[f.name] = v
+            out[name] = v
         else:
             raise CheckpointError(
-                f"TrainState field {f.name!r} holds a {type(v).__name__}, which a checkpoint "
+                f"TrainState field {name!r} holds a {type(v).__name__}, which a checkpoint "
                 "cannot store: use plain numbers, strings or 0-dim tensors"
             )
     return out

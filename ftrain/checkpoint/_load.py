@@ -353,7 +353,8 @@ def _describe_saved(entry: dict[str, Any], tensor: torch.Tensor | None) -> str:
 
 
 def _fields(meta: dict[str, Any], state: TrainState) -> dict[str, Any]:
-    """The saved counters, checked against the types the state's fields declare.
+    """The saved counters as `state.replace` keywords, checked against the types the state's
+    fields declare.
 
     `open_checkpoint` has checked them against `TrainState`'s fields; this adds the fields a
     subclass declares and what depends on the live state (a tensor field's dtype and device).
@@ -361,26 +362,26 @@ def _fields(meta: dict[str, Any], state: TrainState) -> dict[str, Any]:
     out: dict[str, Any] = {}
     saved = meta["fields"]
     hints = field_hints(type(state))
-    for f in dataclasses.fields(state):
-        if f.name in L.NOT_PLAIN or f.name not in saved:
+    for name, current in L.leaves(state).items():
+        if name not in saved:
             continue
-        value, current, hint = saved[f.name], getattr(state, f.name), hints.get(f.name)
+        value, hint = saved[name], hints.get(name)
         if hint == "tensor?" and (value is None or current is None):
             # e.g. the float16 loss scale, saved by an fp16 run and resumed in bf16 or the
             # other way round: the new run keeps its own (fresh) value.
             if value is not None and not isinstance(value, dict):
-                raise CheckpointError(f"state field {f.name!r} is malformed: {value!r}")
+                raise CheckpointError(f"state field {name!r} is malformed: {value!r}")
             continue
         if isinstance(current, torch.Tensor):
             number = value.get("value") if isinstance(value, dict) else None
             try:
                 if type(number) not in (int, float):
                     raise TypeError
-                out[f.name] = torch.tensor(number, dtype=current.dtype, device=current.device)
+                out[name] = torch.tensor(number, dtype=current.dtype, device=current.device)
             except (TypeError, ValueError, RuntimeError, OverflowError) as e:
-                raise CheckpointError(f"state field {f.name!r} is malformed: {value!r}") from e
+                raise CheckpointError(f"state field {name!r} is malformed: {value!r}") from e
         elif fits(value, hint if isinstance(hint, set) else None):
-            out[f.name] = value
+            out[name] = value
         else:
-            raise CheckpointError(f"state field {f.name!r} is malformed: {value!r}")
-    return out
+            raise CheckpointError(f"state field {name!r} is malformed: {value!r}")
+    return L.with_leaves(state, out)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ftrain.state import TrainState
 from ftrain.checkpoint import _layout as L
 from ftrain.checkpoint._io import (
     CheckpointError,
@@ -36,7 +37,7 @@ __all__ = ["Opened", "open_checkpoint", "read_meta", "validate_meta"]
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _SCALARS = (bool, int, float, str, type(None))
-_COUNTERS = ("step", "epoch", "cursor", "seed")
+_COUNTERS = ("step", "epoch", "data.cursor", "seed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,8 +185,6 @@ def _validate_files(meta: dict[str, Any], need: Any) -> None:
 
 
 def _validate_fields(fields: dict[str, Any], need: Any) -> None:
-    from ftrain.state import TrainState
-
     hints = field_hints(TrainState)
     for name, value in fields.items():
         kind = hints.get(name)
@@ -201,30 +200,48 @@ def _validate_fields(fields: dict[str, Any], need: Any) -> None:
     for name in _COUNTERS:
         v = fields.get(name)
         need(type(v) is int and v >= 0, f"state field {name!r} is missing or not an int >= 0")
-    scale = fields.get("loss_scale")
+    scale = fields.get("scaler.scale")
     if isinstance(scale, dict):
         v = scale["value"]
-        need(math.isfinite(v) and v > 0, f"state field 'loss_scale' must be finite and > 0: {v}")
+        need(math.isfinite(v) and v > 0, f"state field 'scaler.scale' must be finite and > 0: {v}")
 
 
-def field_hints(cls: type) -> dict[str, Any]:
-    """Per dataclass field: "tensor", "tensor?" (optional tensor), the set of plain JSON types
-    allowed (from annotations like `float | None`), or None (anything plain).
+def field_hints(cls: type, prefix: str = "") -> dict[str, Any]:
+    """Per plain field by dotted name (sub-states walked, as `_layout.leaves` names them):
+    "tensor", "tensor?" (optional tensor), the set of plain JSON types allowed (from
+    annotations like `float | None`), or None (anything plain).
 
     Annotations are strings here (`from __future__ import annotations`): parsed, not evaluated.
+    A sub-state's class is read from the field's default (`DataState()` or a factory).
     """
     plain = {"int": int, "float": float, "str": str, "bool": bool, "None": type(None)}
     out: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
+        if f.name in L.NOT_PLAIN:
+            continue
+        sub = _substate(f)
+        if sub is not None:
+            out.update(field_hints(sub, f"{prefix}{f.name}."))
+            continue
         text = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
         names = {t.strip() for t in text.split("|")}
         if names == {"torch.Tensor"}:
-            out[f.name] = "tensor"
+            out[prefix + f.name] = "tensor"
         elif names == {"torch.Tensor", "None"}:
-            out[f.name] = "tensor?"
+            out[prefix + f.name] = "tensor?"
         else:
-            out[f.name] = {plain[n] for n in names} if names <= plain.keys() else None
+            out[prefix + f.name] = {plain[n] for n in names} if names <= plain.keys() else None
     return out
+
+
+def _substate(f: dataclasses.Field[Any]) -> type | None:
+    """The dataclass a field holds as a sub-state, from its default, or None."""
+    if dataclasses.is_dataclass(f.default) and not isinstance(f.default, type):
+        return type(f.default)
+    factory = f.default_factory
+    if isinstance(factory, type) and dataclasses.is_dataclass(factory):
+        return factory
+    return None
 
 
 def fits(value: Any, allowed: set[type] | None) -> bool:

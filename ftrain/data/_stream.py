@@ -21,33 +21,28 @@ from typing import Any
 import numpy as np
 import torch
 
-from ftrain.data import (
+from ftrain.data._collate import pack_examples
+from ftrain.data._common import (
     Batch,
-    Group,
+    Items,
+    Loading,
+    MicroBatches,
+    Pos,
+    Source,
+    Spec,
     ZeroWeight,
-    _Loading,
-    _Spec,
     epoch_order,
     is_stream,
     run_loader,
     seeded,
 )
+from ftrain.rng import dropout_seed
 
-__all__ = ["IterableRows", "Source", "mix", "pack", "stream", "stream_groups"]
+__all__ = ["IterableRows", "mix", "pack", "stream", "stream_groups"]
 
-Pos = Any  # a JSON value
-Items = Iterator[tuple[Any, Pos]]
 _VERSION = 1
 _WINDOW_TAG = 0x5EED_B0F
 _ROW_TAG = 0x0520_0E
-
-
-class Source:
-    """An iterable source `make_batches` streams: `items(epoch, pos, seed, shuffle)` yields
-    `(row, position after it)` from position `pos` (None: the epoch's start)."""
-
-    def items(self, epoch: int, pos: Pos, seed: int, shuffle: bool) -> Items:
-        raise NotImplementedError
 
 
 class _Shards(Source):
@@ -107,8 +102,6 @@ class _Shards(Source):
     def _windows(
         self, it: Iterator[Any], shard: int, skip: int, seed: int, epoch: int
     ) -> Iterator[Any]:
-        from ftrain.grads import dropout_seed
-
         k = self.buffer
         first = skip // k
         it = islice(it, first * k, None)  # whole consumed windows: read, not kept
@@ -206,21 +199,19 @@ class _Pack(Source):
             yield {"input_ids": block, "labels": list(block)}, {"src": before, "tok": 0}
 
     def _examples(self, rows: Items, before: Pos) -> Items:
-        from ftrain.extras.sft import pack as pack_rows
-
         kept: list[dict[str, Any]] = []
         length = 0
         for row, after in rows:
             ids = list(row[self.key])
             n = min(len(ids), self.block_size)
             if kept and length + n > self.block_size:
-                yield pack_rows(kept, self.block_size)[0], {"src": before, "tok": 0}
+                yield pack_examples(kept, self.block_size)[0], {"src": before, "tok": 0}
                 kept, length = [], 0
             kept.append({"input_ids": ids, "labels": list(row.get("labels", ids))})
             length += n
             before = after
         if kept:
-            yield pack_rows(kept, self.block_size)[0], {"src": before, "tok": 0}
+            yield pack_examples(kept, self.block_size)[0], {"src": before, "tok": 0}
 
 
 def _take(segs: deque[list[Any]], n: int) -> list[int]:
@@ -329,7 +320,7 @@ class _MicroStream(torch.utils.data.IterableDataset[tuple[Batch, str]]):
     """This rank's micro-batches of the global stream with their positions; a worker of W
     keeps micro-batches b = worker (mod W), which DataLoader delivers round-robin, in order."""
 
-    def __init__(self, source: Source, spec: _Spec, pos: Pos, start: int) -> None:
+    def __init__(self, source: Source, spec: Spec, pos: Pos, start: int) -> None:
         self.source, self.spec, self.pos, self.start = source, spec, pos, start
 
     def __iter__(self) -> Iterator[tuple[Batch, str]]:
@@ -387,24 +378,26 @@ def _claim_worker() -> tuple[int, int]:
     return info.id, info.num_workers
 
 
-def _resume(start: int, spec: _Spec) -> Pos:
-    """The source position to resume at micro-batch `start`, from the cursor's position."""
+def _resume(start: int, raw: str | None, spec: Spec) -> Pos:
+    """The source position to resume at micro-batch `start`, from the state's stream position."""
     if start == 0:
         return None
-    raw = getattr(start, "position", None)
     if raw is None:
         raise ValueError(
-            f"start={start} on a stream needs the stream position, which rides on "
-            "state.cursor after clip_and_step(stats=...): pass start=state.cursor from a state "
-            "trained (or loaded from a checkpoint saved) on this stream"
+            f"resuming a stream at micro-batch {start} needs its position, which clip_and_step"
+            "(stats=...) keeps in state.data.stream: pass the state trained (or loaded from a "
+            "checkpoint saved) on this stream, make_batches(data, state, ...)"
         )
     pos = json.loads(raw)
     if not isinstance(pos, dict) or pos.get("version") != _VERSION or "src" not in pos:
-        raise ValueError(f"start carries a malformed stream position: {raw[:200]!r}")
-    want = {"epoch": spec.epoch, "cursor": int(start), "seed": spec.seed}
+        raise ValueError(f"state.data.stream is a malformed stream position: {raw[:200]!r}")
+    want = {"epoch": spec.epoch, "cursor": start, "seed": spec.seed}
     got = {k: pos.get(k) for k in want}
     if got != want:
-        raise ValueError(f"start's stream position is for {got}, not {want}: pass state.cursor")
+        raise ValueError(
+            f"state.data.stream is the position for {got}, but the state is at {want}: a "
+            "state whose cursor was changed without its stream position?"
+        )
     rows = spec.batch_size * spec.world
     if pos.get("rows") != rows:
         raise ValueError(
@@ -415,21 +408,23 @@ def _resume(start: int, spec: _Spec) -> Pos:
     return pos["src"]
 
 
-def stream_groups(data: Any, spec: _Spec, *, start: int, loading: _Loading) -> Iterator[Group]:
+def stream_groups(
+    data: Any, spec: Spec, *, start: int, position: str | None, loading: Loading
+) -> Iterator[MicroBatches]:
     """make_batches for an iterable source: groups of `accum` micro-batches with positions."""
-    micro = _MicroStream(stream(data), spec, _resume(start, spec), int(start))
+    micro = _MicroStream(stream(data), spec, _resume(start, position, spec), start)
     if loading.num_workers == 0 and not loading.pin_memory:
         return _grouped(iter(micro), spec.accum)
     return _grouped(run_loader(loading.loader(micro)), spec.accum)
 
 
-def _grouped(batches: Iterator[tuple[Batch, str]], accum: int) -> Iterator[Group]:
-    group = Group()
+def _grouped(batches: Iterator[tuple[Batch, str]], accum: int) -> Iterator[MicroBatches]:
+    group: list[Batch] = []
+    position = None
     for batch, position in batches:
         group.append(batch)
-        group.position = position
         if len(group) == accum:
-            yield group
-            group = Group()
+            yield MicroBatches(tuple(group), position)
+            group = []
     if group:
-        yield group
+        yield MicroBatches(tuple(group), position)

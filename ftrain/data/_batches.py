@@ -1,0 +1,342 @@
+"""`make_batches`: a deterministic epoch order, grouped into micro-batches, split across ranks.
+
+The order of an epoch is a pure function of `(seed, epoch)`, so resuming needs only the
+cursor (micro-batches already consumed), and skipping them costs nothing: indices are sliced,
+rows are never read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ftrain.data._collate import pad_collate
+from ftrain.data._common import (
+    Batch,
+    Collate,
+    Loading,
+    MicroBatches,
+    Spec,
+    ZeroWeight,
+    _fetch,
+    epoch_order,
+    is_stream,
+    length_grouped_order,
+    num_micro_batches,
+    seeded,
+)
+from ftrain.data._stream import stream_groups
+from ftrain.strategies import Strategy
+
+if TYPE_CHECKING:
+    from ftrain.state import TrainState
+
+__all__ = ["find_batch_size", "is_out_of_memory", "make_batches"]
+
+
+def make_batches(
+    data: Any,
+    state: TrainState | None = None,
+    *,
+    batch_size: int,
+    accum: int = 1,
+    seed: int | None = None,
+    epoch: int | None = None,
+    start: int | None = None,
+    strategy: Strategy | None = None,
+    shuffle: bool = True,
+    drop_last: bool = False,
+    collate_fn: Collate | None = None,
+    group_by_length: bool = False,
+    lengths: Sequence[int] | None = None,
+    num_workers: int = 0,
+    prefetch_factor: int | None = None,
+    pin_memory: bool = False,
+) -> Iterator[MicroBatches]:
+    """Yield one epoch as groups of `accum` collated micro-batches (the last may be shorter).
+
+    With a `state` (the training loop), the seed, the epoch, where this epoch stands (the
+    cursor, and a stream's position) and the data-parallel strategy come from it:
+    `make_batches(train_ds, state, batch_size=8, accum=4)` resumes exactly where the state
+    stands. Without one (evaluation, tests), `seed`, `epoch`, `start` and `strategy` are
+    keywords (defaults 0, 0, 0 and one process).
+
+    With W data-parallel ranks, global micro-batch b is rows `[b*bs*W, (b+1)*bs*W)` of the
+    epoch order, split into W contiguous parts (`numpy.array_split`); this rank collates its
+    part. The union over ranks equals what one process yields with `batch_size=bs*W`. When the
+    final global micro-batch has fewer than W rows, ranks left without rows get a `ZeroWeight`
+    stand-in, so that every rank runs the same number of micro-batches.
+
+    Fetching and collating micro-batch b runs with torch's default generator, Python's `random`
+    and numpy's global generator seeded from `(seed, epoch, b, rank)`, in worker processes and
+    in-process alike: random augmentations are the same for any `num_workers` and on resume.
+
+    Each group is an `ft.data.MicroBatches` (a read-only sequence of batches). Iterable
+    sources (`datasets.IterableDataset`, torch `IterableDataset`, `ft.data.pack`,
+    `ft.data.mix`) are streamed; each group then carries the stream's position after it, which
+    `accumulate_grads` and `clip_and_step` keep in `state.data.stream`, so the next
+    `make_batches(data, state, ...)` resumes the stream exactly (docs/data.md).
+
+    Args:
+        data: a `datasets.Dataset`, a map-style torch dataset, a sequence of rows, or an
+            iterable source (see above).
+        state: the training state to read the seed, epoch, position and strategy from.
+        batch_size: rows per micro-batch on this rank.
+        accum: micro-batches per optimizer step.
+        seed: with `epoch`, fixes the order (only without a `state`).
+        epoch: which epoch's order (only without a `state`).
+        start: micro-batches of this epoch already consumed, skipped without reading any row
+            (only without a `state`, and only 0 for a stream).
+        strategy: supplies the data-parallel `rank` and `world_size` (only without a `state`).
+            Required under an initialised process group of several ranks (see Raises).
+        shuffle: shuffle rows; otherwise the dataset order.
+        drop_last: drop the final global micro-batch if it has fewer than `bs*W` rows.
+        collate_fn: turns a list of rows into a batch; `pad_collate()` by default.
+        group_by_length: order like HF's `LengthGroupedSampler` (mega-batches of rows of similar
+            length); lengths come from `lengths` or each row's `input_ids`.
+        lengths: row lengths for `group_by_length`, to avoid reading every row.
+        num_workers: background processes that fetch and collate micro-batches (torch
+            `DataLoader`'s meaning); 0 loads in the loop's process. The output is the same.
+        prefetch_factor: micro-batches loaded in advance by each worker (torch's meaning: 2
+            when None); only with `num_workers > 0`.
+        pin_memory: collate into page-locked memory, so the strategy's non-blocking copy to
+            the GPU overlaps compute; needs CUDA.
+
+    Raises:
+        ValueError: for a non-positive `batch_size`/`accum`, a negative `start` or one beyond
+            the epoch, an empty `data`, `drop_last` leaving no micro-batch, a negative
+            `num_workers`, `prefetch_factor` without workers, `pin_memory` without CUDA, and
+            a missing `strategy` under an initialised multi-rank process group (a default group
+            may hold tensor-parallel ranks that must read the same rows, so it is not guessed),
+            `seed`/`epoch`/`start`/`strategy` given together with a `state`, and a stream
+            resumed at `start > 0` without the state that holds its position.
+        TypeError: for data that is neither indexable nor iterable, or a non-integer
+            `seed`/`epoch`.
+
+    Example:
+        >>> import ftrain as ft
+        >>> rows = [{"input_ids": [1] * (i + 1)} for i in range(5)]
+        >>> groups = list(ft.make_batches(rows, batch_size=2, accum=2, shuffle=False))
+        >>> [[b["input_ids"].shape[0] for b in g] for g in groups]
+        [[2, 2], [1]]
+    """
+    where = _where(state, seed=seed, epoch=epoch, start=start, strategy=strategy)
+    seed, epoch, start, stream_pos, strategy = where
+    _validate(batch_size=batch_size, accum=accum, start=start, data=data)
+    rank, world = _ranks(strategy)
+    loading = Loading.check(num_workers, prefetch_factor, pin_memory)
+    collate = pad_collate() if collate_fn is None else collate_fn
+    spec = Spec(batch_size, accum, seed, epoch, shuffle, drop_last, collate, rank, world)
+    if is_stream(data):
+        return stream_groups(data, spec, start=start, position=stream_pos, loading=loading)
+    micro = _MicroBatches(
+        data, _order(data, spec, group_by_length, lengths), spec, total=_total(data, spec, start)
+    )
+    return _groups(_load(micro, range(start, len(micro)), loading), accum)
+
+
+def _where(
+    state: TrainState | None, **given: Any
+) -> tuple[int, int, int, str | None, Strategy | None]:
+    """(seed, epoch, start, stream position, strategy): from the state, or from the keywords."""
+    if state is None:
+        seed, epoch, start = (_integer(k, given[k] if given[k] is not None else 0) for k in ("seed", "epoch", "start"))
+        return seed, epoch, start, None, given["strategy"]
+    clash = sorted(k for k, v in given.items() if v is not None)
+    if clash:
+        raise ValueError(
+            f"make_batches got a state and {', '.join(f'{k}=' for k in clash)}: the state already "
+            "says the seed, epoch, position and strategy. Drop them, or pass no state"
+        )
+    d = state.data
+    return state.seed, state.epoch, d.cursor, d.stream, state.strategy
+
+
+def _integer(name: str, value: Any) -> int:
+    # bool is an int to Python but never a seed or an epoch; numpy integers are fine.
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    out = int(value.__index__())
+    if name == "epoch" and out < 0:
+        raise ValueError(f"epoch must be >= 0, got {out}")
+    return out
+
+
+def _ranks(strategy: Strategy | None) -> tuple[int, int]:
+    if strategy is not None:
+        return strategy.rank, strategy.world_size
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            f"strategy is None under an initialised process group of {dist.get_world_size()} "
+            "ranks: every rank would read the same rows. Pass strategy=state.strategy (each "
+            "rank reads its share), or strategy=ft.strategies.SingleDevice() to give every rank "
+            "all rows on purpose"
+        )
+    return 0, 1
+
+
+def _order(data: Any, spec: Spec, group_by_length: bool, lengths: Any) -> np.ndarray:
+    n = len(data)
+    if group_by_length:
+        lens = lengths if lengths is not None else [len(data[i]["input_ids"]) for i in range(n)]
+        # HF groups by the per-step batch (train_batch_size * accumulation), over all ranks.
+        rows = spec.batch_size * spec.world * spec.accum
+        return length_grouped_order(lens, rows, spec.seed, spec.epoch)
+    return epoch_order(n, spec.seed, spec.epoch) if spec.shuffle else np.arange(n)
+
+
+def _total(data: Any, spec: Spec, start: int) -> int:
+    """Micro-batches in the epoch, refusing an epoch that would make the README loop spin."""
+    n = len(data)
+    if n == 0:
+        raise ValueError("data is empty: an epoch would yield nothing and the loop would never end")
+    total = num_micro_batches(n, spec.batch_size, world_size=spec.world, drop_last=spec.drop_last)
+    if total == 0:
+        raise ValueError(
+            f"drop_last=True leaves no micro-batch: {n} rows < batch_size={spec.batch_size} x "
+            f"{spec.world} rank(s); pass drop_last=False or a smaller batch_size"
+        )
+    if start > total:
+        raise ValueError(
+            f"start={start} is beyond the epoch's {total} micro-batches (a cursor from another "
+            "batch size, rank count or dataset?)"
+        )
+    return total
+
+
+class _MicroBatches(torch.utils.data.Dataset[Batch]):
+    """Index b -> this rank's collated micro-batch b of the epoch: what workers run."""
+
+    def __init__(self, data: Any, order: np.ndarray, spec: Spec, *, total: int) -> None:
+        self.data, self.order, self.spec, self.total = data, order, spec, total
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __getitem__(self, b: int) -> Batch:
+        s = self.spec
+        rows = s.batch_size * s.world
+        part = self.order[b * rows : (b + 1) * rows]
+        chunk = np.array_split(part, s.world)[s.rank]
+        with seeded(s.seed, s.epoch, b, s.rank):
+            if len(chunk):
+                return s.collate(_fetch(self.data, chunk))
+            # only the final, short global micro-batch can leave a rank without rows
+            return ZeroWeight(s.collate(_fetch(self.data, part[:1])))
+
+
+def _load(micro: _MicroBatches, indices: range, loading: Loading) -> Iterator[Batch]:
+    """Micro-batches `indices` in order: in-process, or from DataLoader workers, whose
+    in-order delivery makes the output independent of which worker finishes first."""
+    if loading.num_workers == 0 and not loading.pin_memory:
+        return (micro[b] for b in indices)
+    return run_loader(loading.loader(micro, sampler=indices))
+
+
+def _groups(batches: Iterator[Batch], accum: int) -> Iterator[MicroBatches]:
+    group: list[Batch] = []
+    for batch in batches:
+        group.append(batch)
+        if len(group) == accum:
+            yield MicroBatches(tuple(group))
+            group = []
+    if group:
+        yield MicroBatches(tuple(group))
+
+
+def _validate(*, batch_size: int, accum: int, start: int, data: Any) -> None:
+    for name, value, low in (
+        ("batch_size", batch_size, 1),
+        ("accum", accum, 1),
+        ("start", start, 0),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if not is_stream(data) and not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+        raise TypeError(
+            f"data must support len() and indexing (a datasets.Dataset, a map-style torch "
+            f"Dataset or a sequence) or be an iterable source (datasets.IterableDataset, torch "
+            f"IterableDataset, ft.data.pack/mix), got {type(data).__name__}"
+        )
+
+
+_OOM_MESSAGES = (
+    " out of memory.",  # CUDA, HIP, XPU
+    "MPS backend out of memory",
+    "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED.",
+    "DefaultCPUAllocator: can't allocate memory",
+)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` says a device (or the host) ran out of memory."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return (
+        isinstance(error, RuntimeError)
+        and len(error.args) == 1
+        and isinstance(error.args[0], str)
+        and any(m in error.args[0] for m in _OOM_MESSAGES)
+    )
+
+
+def find_batch_size(
+    state: TrainState,
+    probe: Callable[[TrainState, int], Any],
+    *,
+    start: int,
+    factor: float = 0.9,
+) -> TrainState:
+    """Return `state` with `data.batch_size` set to the largest size that `probe` runs without
+    running out of memory (HF's `auto_find_batch_size`).
+
+    Tries `start`, then `int(size * factor)` after each out-of-memory error (0.9 as HF and
+    accelerate do; 0.5 halves), down to 1. `probe(state, size)` should run the most expensive
+    step at that size, e.g. `accumulate_grads` on a batch of `size` longest rows; it must not
+    consume `state`. A state whose `data.batch_size` is already set (say, resumed from a checkpoint)
+    is returned as it is, without probing: the resumed run keeps the size it started with.
+
+    Raises:
+        ValueError: for `start < 1` or `factor` outside (0, 1).
+        RuntimeError: when not even a batch of 1 fits.
+        Exception: any error of `probe` that is not an out-of-memory error.
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+        >>> def probe(state, size):
+        ...     if size > 20:
+        ...         raise torch.OutOfMemoryError("out of memory (simulated)")
+        >>> ft.data.find_batch_size(state, probe, start=64, factor=0.5).data.batch_size
+        16
+    """
+    if state.data.batch_size is not None:
+        return state
+    if not (isinstance(start, int) and start >= 1):
+        raise ValueError(f"start must be an int >= 1, got {start!r}")
+    if not 0 < factor < 1:
+        raise ValueError(f"factor must be in (0, 1), got {factor!r}")
+    size = start
+    while size >= 1:
+        try:
+            probe(state, size)
+            return state.replace(data=dataclasses.replace(state.data, batch_size=size))
+        except Exception as e:
+            if not is_out_of_memory(e):
+                raise
+        finally:
+            for p in state.params.values():
+                p.grad = None  # what the probe's backward left behind
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        size = int(size * factor)
+    raise RuntimeError(f"no batch size from {start} down to 1 fits in memory")
+
+

@@ -1,0 +1,127 @@
+"""Collation: padding rows into a batch, and packing encoded examples into rows."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["pack_examples", "pad_collate"]
+
+# The label value HF losses ignore (ft.losses.IGNORE_INDEX; repeated here so data needs no loss).
+IGNORE_INDEX = -100
+
+
+def pad_collate(
+    *,
+    pad_id: int = 0,
+    label_pad_id: int = -100,
+    padding_side: str = "right",
+    pad_to_multiple_of: int | None = None,
+    attention_mask: bool = True,
+) -> Collate:
+    """Return a collate function for rows that are dicts of token lists/tensors or scalars.
+
+    Sequence fields are padded to the longest row: `input_ids` with `pad_id`, `labels` with
+    `label_pad_id`, `attention_mask` (created from the row lengths when missing, unless
+    `attention_mask=False`) with 0, and any other sequence (e.g. `position_ids`) with 0.
+    Scalars (e.g. a class `label`) are stacked. Rows that are not dicts use torch's default
+    collate.
+
+    Args:
+        pad_id: padding token id for `input_ids`.
+        label_pad_id: padding for `labels`; -100 is ignored by the losses.
+        padding_side: "right" or "left".
+        pad_to_multiple_of: round the padded length up to a multiple of this.
+        attention_mask: create a mask for rows without one (off for packed rows, whose
+            example boundaries HF models read from `position_ids`).
+
+    Example:
+        >>> from ftrain.data import pad_collate
+        >>> rows = [{"input_ids": [1, 2], "labels": [1, 2]}, {"input_ids": [3], "labels": [3]}]
+        >>> b = pad_collate(pad_id=9)(rows)
+        >>> b["input_ids"].tolist(), b["labels"].tolist(), b["attention_mask"].tolist()
+        ([[1, 2], [3, 9]], [[1, 2], [3, -100]], [[1, 1], [1, 0]])
+    """
+    if padding_side not in ("right", "left"):
+        raise ValueError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
+    if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of!r}")
+    pads = {"input_ids": pad_id, "labels": label_pad_id, "attention_mask": 0}
+
+    def collate(rows: list[Any]) -> Batch:
+        if not rows:
+            raise ValueError("cannot collate an empty list of rows")
+        if not isinstance(rows[0], Mapping):
+            return torch.utils.data.default_collate(rows)
+        out: dict[str, Any] = {}
+        for key in rows[0]:
+            values = [torch.as_tensor(r[key]) for r in rows]
+            if values[0].dim() == 0:
+                out[key] = torch.stack(values)
+                continue
+            out[key] = _pad(values, pads.get(key, 0), padding_side, pad_to_multiple_of)
+        if attention_mask and "input_ids" in out and "attention_mask" not in out:
+            masks = [torch.ones(len(r["input_ids"]), dtype=torch.long) for r in rows]
+            out["attention_mask"] = _pad(masks, 0, padding_side, pad_to_multiple_of)
+        return out
+
+    return collate
+
+
+def _pad(values: list[torch.Tensor], pad: int, side: str, multiple: int | None) -> torch.Tensor:
+    length = max(v.shape[0] for v in values)
+    if multiple:
+        length = -(-length // multiple) * multiple
+    out = values[0].new_full((len(values), length, *values[0].shape[1:]), pad)
+    for i, v in enumerate(values):
+        if side == "right":
+            out[i, : v.shape[0]] = v
+        else:
+            out[i, length - v.shape[0] :] = v
+    return out
+
+
+# Messages of out-of-memory errors raised as plain RuntimeErrors (accelerate's list).
+
+
+def pack_examples(
+    rows: Iterable[Mapping[str, Sequence[int]]], max_length: int
+) -> list[dict[str, list[int]]]:
+    """Concatenate encoded rows, in order, into rows of at most `max_length` tokens.
+
+    An example is never split across packed rows: one that does not fit in the current row
+    starts the next; one longer than `max_length` is cut to `max_length` (the end is lost).
+    `position_ids` restart at 0 for every example, which HF models read as packed sequences
+    (attention stays within each example when no `attention_mask` is passed; see
+    `packed_collate`), and the first label of every example is -100, so no token is predicted
+    from the previous example.
+
+    Example:
+        >>> rows = [{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}, {"input_ids": [4, 5],
+        ...          "labels": [4, 5]}, {"input_ids": [6, 7, 8], "labels": [6, 7, 8]}]
+        >>> [r["position_ids"] for r in pack_examples(rows, max_length=5)]
+        [[0, 1, 2, 0, 1], [0, 1, 2]]
+        >>> pack_examples(rows, max_length=5)[0]["labels"]
+        [-100, 2, 3, -100, 5]
+    """
+    if max_length < 1:
+        raise ValueError(f"max_length must be >= 1, got {max_length!r}")
+    packed: list[dict[str, list[int]]] = []
+    current: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
+    for row in rows:
+        ids, labels = list(row["input_ids"])[:max_length], list(row["labels"])[:max_length]
+        if len(ids) != len(labels):
+            raise ValueError("a row's input_ids and labels differ in length")
+        if not ids:
+            continue
+        if len(current["input_ids"]) + len(ids) > max_length:
+            packed.append(current)
+            current = {"input_ids": [], "labels": [], "position_ids": []}
+        current["input_ids"] += ids
+        current["labels"] += [IGNORE_INDEX, *labels[1:]]
+        current["position_ids"] += list(range(len(ids)))
+    if current["input_ids"]:
+        packed.append(current)
+    return packed

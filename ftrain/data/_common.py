@@ -1,0 +1,256 @@
+"""What the map-style and the stream paths of `make_batches` share: orders, seeding, loading,
+and the group of micro-batches one step consumes."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import random
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple, overload
+
+import numpy as np
+import torch
+
+from ftrain.rng import dropout_seed
+
+__all__ = [
+    "MicroBatches",
+    "Source",
+    "ZeroWeight",
+    "epoch_order",
+    "is_stream",
+    "length_grouped_order",
+    "num_micro_batches",
+    "run_loader",
+    "seeded",
+    "weighted",
+]
+
+Batch = Any
+Collate = Callable[[list[Any]], Batch]
+Pos = Any  # a JSON value
+Items = Iterator[tuple[Any, Pos]]
+
+# Key of the per-(seed, epoch) generator: a fixed odd multiplier keeps nearby seeds apart.
+_EPOCH_STRIDE = 0x9E3779B97F4A7C15
+
+
+def _generator(seed: int, epoch: int) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * _EPOCH_STRIDE + epoch) % (2**63))
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
+    """Return the shuffled row order of one epoch: a pure function of `(n, seed, epoch)`.
+
+    Example:
+        >>> from ftrain.data import epoch_order
+        >>> sorted(epoch_order(5, 0, 0).tolist())
+        [0, 1, 2, 3, 4]
+    """
+    order = torch.randperm(n, generator=_generator(seed, epoch)).numpy()
+    order.setflags(write=False)
+    return order
+
+
+def length_grouped_order(
+    lengths: Sequence[int],
+    batch_size: int,
+    seed: int,
+    epoch: int,
+    mega_batch_mult: int | None = None,
+) -> np.ndarray:
+    """Order rows like HF's `LengthGroupedSampler`: shuffle, cut into mega-batches of
+    `mega_batch_mult * batch_size`, sort each by length (longest first), and put the longest
+    mega-batch head at the very front so that an out-of-memory error happens at once.
+
+    Given the same generator it returns exactly HF's `get_length_grouped_indices`.
+    """
+    n = len(lengths)
+    if mega_batch_mult is None:
+        mega_batch_mult = max(min(n // (batch_size * 4), 50), 1)
+    perm = torch.randperm(n, generator=_generator(seed, epoch)).tolist()
+    size = mega_batch_mult * batch_size
+    megas = [
+        sorted(perm[i : i + size], key=lambda j: lengths[j], reverse=True)
+        for i in range(0, n, size)
+    ]
+    heads = [lengths[m[0]] for m in megas]
+    top = int(np.argmax(heads))  # first maximum, as torch.argmax
+    megas[0][0], megas[top][0] = megas[top][0], megas[0][0]
+    return np.fromiter((i for m in megas for i in m), dtype=np.int64, count=n)
+
+
+def num_micro_batches(
+    n: int, batch_size: int, *, world_size: int = 1, drop_last: bool = False
+) -> int:
+    """Micro-batches in one epoch of `n` rows with `batch_size` rows per rank."""
+    rows = batch_size * world_size
+    return n // rows if drop_last else -(-n // rows)
+
+
+class ZeroWeight(NamedTuple):
+    """A micro-batch that counts for nothing: a rank's stand-in when the final, short global
+    micro-batch has no rows for it.
+
+    It holds a real row (the global micro-batch's first), so the forward and backward run and
+    the rank joins the same collectives as the others, but `accumulate_grads` and `evaluate`
+    give it weight zero and count none of its items, tokens or samples.
+    """
+
+    batch: Batch
+
+
+def weighted(batch: Any) -> tuple[Batch, float]:
+    """`(batch, 1.0)`, or `(stand-in row, 0.0)` for a `ZeroWeight`: run it, count nothing."""
+    return (batch.batch, 0.0) if isinstance(batch, ZeroWeight) else (batch, 1.0)
+
+
+class Spec(NamedTuple):
+    """What make_batches was asked for, as passed to the loaders."""
+
+    batch_size: int
+    accum: int
+    seed: int
+    epoch: int
+    shuffle: bool
+    drop_last: bool
+    collate: Collate
+    rank: int
+    world: int
+
+
+# Keeps data-path seeds apart from the dropout seeds of the same numbers (grads.dropout_seed).
+_DATA_STREAM = 0xDA7A
+
+
+@contextlib.contextmanager
+def seeded(seed: int, epoch: int, micro: int, rank: int) -> Iterator[None]:
+    """Seed torch's default generator, `random` and numpy's global generator from the
+    micro-batch's position for the block, and restore them afterwards.
+
+    Example:
+        >>> import torch
+        >>> from ftrain.data import seeded
+        >>> with seeded(0, 1, 2, 0):
+        ...     a = torch.rand(2)
+        >>> with seeded(0, 1, 2, 0):
+        ...     b = torch.rand(2)
+        >>> bool((a == b).all())
+        True
+    """
+    s = dropout_seed(seed ^ _DATA_STREAM, epoch, micro, rank)
+    saved = torch.default_generator.get_state(), random.getstate(), np.random.get_state()
+    torch.default_generator.manual_seed(s)
+    random.seed(s)
+    np.random.seed(s % 2**32)
+    try:
+        yield
+    finally:
+        torch.default_generator.set_state(saved[0])
+        random.setstate(saved[1])
+        np.random.set_state(saved[2])
+
+
+class Loading(NamedTuple):
+    """How micro-batches are loaded: in-process, or by DataLoader workers."""
+
+    num_workers: int
+    prefetch_factor: int | None
+    pin_memory: bool
+
+    @classmethod
+    def check(cls, num_workers: int, prefetch_factor: int | None, pin_memory: bool) -> Loading:
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
+        if prefetch_factor is not None:
+            if num_workers == 0:
+                raise ValueError(
+                    f"prefetch_factor={prefetch_factor!r} needs num_workers > 0 (the loop's "
+                    "own process loads one micro-batch at a time); drop it or add workers"
+                )
+            if not isinstance(prefetch_factor, int) or prefetch_factor < 1:
+                raise ValueError(f"prefetch_factor must be an int >= 1, got {prefetch_factor!r}")
+        if pin_memory and not torch.cuda.is_available():
+            raise ValueError("pin_memory=True needs a CUDA device; pass pin_memory=False on CPU")
+        return cls(num_workers, prefetch_factor, bool(pin_memory))
+
+    def loader(self, dataset: Any, **kw: Any) -> torch.utils.data.DataLoader[Batch]:
+        return torch.utils.data.DataLoader(
+            dataset,
+            batch_size=None,
+            collate_fn=_identity,
+            num_workers=self.num_workers,
+            prefetch_factor=self.prefetch_factor,
+            pin_memory=self.pin_memory,
+            **kw,
+        )
+
+
+def _identity(batch: Batch) -> Batch:
+    return batch
+
+
+def run_loader(loader: torch.utils.data.DataLoader[Batch]) -> Iterator[Batch]:
+    """Iterate `loader`, ending its workers when the generator is exhausted, closed (a loop
+    that `break`s drops it) or garbage-collected."""
+    it = iter(loader)
+    try:
+        yield from it
+    finally:
+        # torch's own __del__ path; called here so that no reference cycle delays it.
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatches(Sequence[Batch]):
+    """The `accum` micro-batches of one optimizer step, as `make_batches` yields them.
+
+    A read-only sequence of collated batches (iterate, index or `len` it like a list), plus
+    `position`: for a stream, where it stands after these micro-batches (JSON), which
+    `accumulate_grads` reports in `stats.position` and `clip_and_step` keeps in
+    `state.data.stream`; None for map-style data, whose position is the micro-batch count.
+    """
+
+    batches: tuple[Batch, ...]
+    position: str | None = None
+
+    @overload
+    def __getitem__(self, i: int) -> Batch: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[Batch]: ...
+    def __getitem__(self, i: int | slice) -> Any:
+        return self.batches[i]
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return iter(self.batches)
+
+
+class Source:
+    """An iterable source `make_batches` streams: `items(epoch, pos, seed, shuffle)` yields
+    `(row, position after it)` from position `pos` (None: the epoch's start)."""
+
+    def items(self, epoch: int, pos: Pos, seed: int, shuffle: bool) -> Items:
+        raise NotImplementedError
+
+
+def is_stream(data: Any) -> bool:
+    """Whether `make_batches` streams `data` (an iterable source) rather than indexing it."""
+    if isinstance(data, (torch.utils.data.IterableDataset, Source)):
+        return True
+    return type(data).__name__ == "IterableDataset" and hasattr(data, "num_shards")
+
+
+def _fetch(data: Any, idx: np.ndarray) -> list[Any]:
+    indices = idx.tolist()
+    getitems = getattr(data, "__getitems__", None)
+    if getitems is not None:  # datasets.Dataset and torch datasets fetch a whole batch at once
+        return list(getitems(indices))
+    return [data[i] for i in indices]
+
+
