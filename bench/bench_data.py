@@ -88,7 +88,7 @@ def run_ftrain(ds: SlowRows, steps: int, workers: int) -> float:
     t0 = time.perf_counter()
     while state.step < steps:  # the README loop (grads lives across iterations)
         for micro in ft.make_batches(
-            ds, batch_size=BATCH, seed=0, epoch=state.epoch, start=state.cursor,
+            ds, state, batch_size=BATCH,
             num_workers=workers,
         ):  # fmt: skip
             grads, stats = ft.accumulate_grads(state, micro, loss_fn)

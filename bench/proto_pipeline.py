@@ -121,8 +121,7 @@ def readme_loop(state, data, steps):
     lr = ft.schedules.warmup_cosine(peak_lr=1e-2, warmup_steps=2, total_steps=steps)
     while state.step < steps:
         for micro in ft.make_batches(
-            data, batch_size=4, accum=2, seed=0, epoch=state.epoch, start=state.cursor,
-            strategy=state.strategy,
+            data, state, batch_size=4, accum=2,
         ):  # fmt: skip
             grads, stats = ft.accumulate_grads(state, micro)
             state, info = ft.clip_and_step(

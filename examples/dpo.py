@@ -95,13 +95,12 @@ def margin(state: ft.TrainState, batches: Any) -> float:
 
 
 def train(state: ft.TrainState, data: Any, *, steps: int, lr: float, collate: Any,
-          loss_fn: Any = None, seed: int = 0) -> ft.TrainState:  # fmt: skip
+          loss_fn: Any = None) -> ft.TrainState:  # fmt: skip
     """The README loop for `steps` steps at a warmup-constant lr."""
     schedule = ft.schedules.warmup_constant(lr, warmup_steps=max(1, steps // 10))
     start = state.step
     while state.step < start + steps:
-        for micro in ft.make_batches(data, batch_size=16, seed=seed, epoch=state.epoch,
-                                     start=state.cursor, collate_fn=collate):  # fmt: skip
+        for micro in ft.make_batches(data, state, batch_size=16, collate_fn=collate):  # fmt: skip
             grads, stats = ft.accumulate_grads(state, micro, loss_fn)
             state, _ = ft.clip_and_step(state, grads, stats=stats, lr=schedule(state.step - start),
                                         max_norm=1.0)  # fmt: skip
@@ -109,7 +108,7 @@ def train(state: ft.TrainState, data: Any, *, steps: int, lr: float, collate: An
                 break
         else:
             state = ft.next_epoch(state)
-    return state.replace(epoch=0, cursor=0)
+    return state.replace(epoch=0, data=state.data.replace(cursor=0, stream=None))
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -141,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     state = ft.TrainState.create(
         LlamaForCausalLM(config), ft.optim.adamw(weight_decay=0.0), seed=args.seed
     )
-    state = train(state, sft_data, steps=args.sft_steps, lr=3e-3, collate=collate, seed=args.seed)
+    state = train(state, sft_data, steps=args.sft_steps, lr=3e-3, collate=collate)
 
     # 2. DPO against a frozen copy of the SFT model.
     to_pairs = pair_collate(tok.pad_token_id)
@@ -155,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     state = ft.TrainState.create(state.model, ft.optim.adamw(weight_decay=0.0), seed=args.seed)
     state = train(state, dpo_data, steps=args.dpo_steps, lr=args.dpo_lr, collate=to_pairs,
-                  loss_fn=loss_fn, seed=args.seed)  # fmt: skip
+                  loss_fn=loss_fn)  # fmt: skip
     after = margin(state, evals())
     print(f"held-out log-likelihood margin chosen - rejected: {before:.3f} after SFT -> "
           f"{after:.3f} after DPO ({args.dpo_steps} steps, beta {args.beta})")  # fmt: skip

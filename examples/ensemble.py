@@ -48,8 +48,7 @@ def train(state: ft.TrainState, data: list, loss, *, epochs: int, lr: float) -> 
     """The README loop, for `epochs` epochs at a constant learning rate."""
     while state.epoch < epochs:
         for micro in ft.make_batches(
-            data, batch_size=64, seed=0, epoch=state.epoch, start=state.cursor
-        ):
+            data, state, batch_size=64):
             grads, stats = ft.accumulate_grads(state, micro, loss)
             state, _ = ft.clip_and_step(state, grads, lr=lr, stats=stats)
         state = ft.next_epoch(state)

@@ -102,8 +102,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     start = time.perf_counter()
     while state.step < total:
         for micro in ft.make_batches(
-            train, batch_size=args.batch_size, seed=args.seed, epoch=state.epoch,
-            start=state.cursor, collate_fn=collate,
+            train, state, batch_size=args.batch_size, collate_fn=collate,
         ):  # fmt: skip
             grads, stats = ft.accumulate_grads(state, micro)
             state, info = ft.clip_and_step(

@@ -108,11 +108,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     lr = ft.schedules.warmup_cosine(peak_lr=3e-3, warmup_steps=10, total_steps=steps)
     if (ckpt := ft.latest_checkpoint(out)) is not None:
         state = ft.load_checkpoint(ckpt, state)
-        print(f"resumed from {ckpt} (epoch {state.epoch}, micro-batch {state.cursor})")
+        print(f"resumed from {ckpt} (epoch {state.epoch}, micro-batch {state.data.cursor})")
     while state.step < steps:
         for micro in ft.make_batches(
-            train_ds, batch_size=args.batch_size, accum=args.accum, seed=0, epoch=state.epoch,
-            start=state.cursor, num_workers=args.workers,
+            train_ds, state, batch_size=args.batch_size, accum=args.accum, num_workers=args.workers,
         ):  # fmt: skip
             grads, stats = ft.accumulate_grads(state, micro)
             state, info = ft.clip_and_step(state, grads, stats=stats, lr=lr(state.step), max_norm=1)
@@ -129,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             return {"stopped": state.step}
     # -------------------------------------------------------------------------------------------
     params = {n: p.detach().clone() for n, p in state.params.items()}
-    return {"losses": losses, "params": params, "epoch": state.epoch, "cursor": int(state.cursor)}
+    return {"losses": losses, "params": params, "epoch": state.epoch, "cursor": int(state.data.cursor)}
 
 
 if __name__ == "__main__":

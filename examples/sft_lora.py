@@ -142,8 +142,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     stop = min(args.max_steps, args.stop_at or args.max_steps)
     while state.step < stop:
         for micro in ft.make_batches(
-            train, batch_size=args.batch_size, accum=args.accum, seed=args.seed,
-            epoch=state.epoch, start=state.cursor, collate_fn=collate,
+            train, state, batch_size=args.batch_size, accum=args.accum, collate_fn=collate,
             group_by_length=args.group_by_length, lengths=lengths,
         ):  # fmt: skip
             grads, stats = ft.accumulate_grads(state, micro)

@@ -191,12 +191,8 @@ def train_and_export(args, model, optimizer, strategy, train, val) -> float:
     start = time.perf_counter()
     while state.step < args.max_iters:
         for micro in ft.make_batches(
-            train,
+            train, state,
             batch_size=batch_size,
-            seed=args.seed,
-            epoch=state.epoch,
-            start=state.cursor,
-            strategy=state.strategy,
         ):
             grads, stats = ft.accumulate_grads(state, micro, next_char_loss)
             state, info = ft.clip_and_step(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from _collections_abc import dict_items, dict_keys, dict_values
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -11,12 +10,11 @@ import torch
 
 from ftrain.data import MicroBatches, weighted
 from ftrain.losses import LossFn, _items_before_forward, default_loss
-from ftrain.rng import dropout_seed
+from ftrain.rng import default_generators, dropout_seed, restored
 from ftrain.state import TrainState, _Lease
-from ftrain.strategies import _preempt
-from ftrain.strategies import Strategy
+from ftrain.strategies import Strategy, _preempt
 
-__all__ = ["Grads", "Stats", "accumulate_grads"]
+__all__ = ["Grads", "Stats", "accumulate_grads", "batch_counts"]
 
 
 class Stats(NamedTuple):
@@ -122,30 +120,12 @@ class Grads(dict[str, torch.Tensor]):
 _RELEASED = "(released to free their memory); read them before the step, or pass donate=False"
 
 
-def _generators(device: torch.device) -> list[torch.Generator]:
-    """The default generators that dropout on `device` draws from (the CPU one always)."""
-    gens = [torch.default_generator]
-    if device.type == "cuda":
-        gens.append(torch.cuda.default_generators[device.index or torch.cuda.current_device()])
-    return gens
+def batch_counts(batch: Any) -> tuple[torch.Tensor | int, int]:
+    """(non-padding tokens, samples) of one micro-batch, as `Stats` counts them.
 
-
-@contextlib.contextmanager
-def _rng_scope(gens: list[torch.Generator]) -> Iterator[None]:
-    # Restore the generators afterwards, so the caller's random stream is untouched. (Seeding
-    # the generators directly, not torch.manual_seed, avoids its lazy-CUDA bookkeeping, which
-    # captures a stack trace per call: 0.1 ms a micro-batch.)
-    saved = [g.get_state() for g in gens]
-    try:
-        yield
-    finally:
-        for g, s in zip(gens, saved, strict=True):
-            g.set_state(s)
-
-
-def _count(batch: Any) -> tuple[torch.Tensor | int, int]:
-    """(non-padding tokens, samples) of one micro-batch; tokens is a device tensor only when an
-    attention mask must be summed (a host int costs no device op)."""
+    Tokens is a device tensor only when an attention mask must be summed (a host int costs no
+    device op).
+    """
     if isinstance(batch, Mapping):
         if "attention_mask" in batch:
             mask = batch["attention_mask"]
@@ -254,8 +234,8 @@ def _forward_backward(
     masked: list[torch.Tensor] = []  # attention-mask token counts (device)
     host_items = host_tokens = samples = 0
     last = len(micro) - 1
-    gens = _generators(device)
-    with _rng_scope(gens):
+    gens = default_generators(device)
+    with restored(gens):
         for i, batch in enumerate(micro):
             # A ZeroWeight stand-in runs so that this rank joins the collectives, and counts 0.
             batch, weight = weighted(batch)
@@ -280,7 +260,7 @@ def _forward_backward(
                 items.append(num_items)
             else:  # a Python number, or a CPU tensor (reading it is no device sync)
                 host_items += int(num_items)
-            n_tok, n_samples = _count(batch)
+            n_tok, n_samples = batch_counts(batch)
             if isinstance(n_tok, torch.Tensor):
                 masked.append(n_tok)
             else:

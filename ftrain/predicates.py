@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -119,7 +118,7 @@ def track_best(
 
 
 def _stopping(state: TrainState, **changes: Any) -> TrainState:
-    return state.replace(early_stopping=dataclasses.replace(state.early_stopping, **changes))
+    return state.replace(early_stopping=state.early_stopping.replace(**changes))
 
 
 def should_stop(state: TrainState, *, patience: int) -> bool:

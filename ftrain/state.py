@@ -58,6 +58,14 @@ class _Lease:
             raise ConsumedStateError(f"{self.what} consumed by {fn} at step {step}; {fix}")
 
 
+class _SubState:
+    """A small frozen group of related state values; `replace` returns a changed copy."""
+
+    def replace(self, **changes: Any) -> Any:
+        """Return a copy with `changes` applied (`state.data.replace(cursor=0)`)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+
 class _Tensors(NamedTuple):
     """The tensor holders of a state and their lease, reached only through checked properties."""
 
@@ -68,7 +76,7 @@ class _Tensors(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class DataState:
+class DataState(_SubState):
     """Where the training data stands, saved in every checkpoint.
 
     `cursor`: micro-batches of this epoch already consumed (global over data-parallel ranks).
@@ -87,7 +95,7 @@ class DataState:
 
 
 @dataclasses.dataclass(frozen=True)
-class EarlyStoppingState:
+class EarlyStoppingState(_SubState):
     """The best evaluation so far and HF's patience counter (`ft.track_best`, `ft.should_stop`).
 
     `best_metric` is the best value seen (None before the first evaluation), `best_step` the
@@ -100,7 +108,7 @@ class EarlyStoppingState:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ScalerState:
+class ScalerState(_SubState):
     """Float16 dynamic loss scaling's state (a strategy with `precision="fp16"`): `scale` (float32) and
     `growth_tracker` (int32) are 0-dim device tensors, updated on the device; both are None
     when the run does not scale its loss."""
@@ -126,7 +134,7 @@ class TrainState:
     the `strategy`. Related values are grouped in small frozen sub-states: `data`
     (`DataState`: cursor, stream position, batch size, tokens and samples seen),
     `early_stopping` (`EarlyStoppingState`) and `scaler` (`ScalerState`). Change one with
-    `state.replace(data=dataclasses.replace(state.data, cursor=0))`.
+    `state.replace(data=state.data.replace(cursor=0))`.
 
     Example:
         >>> import torch, ftrain as ft
@@ -315,5 +323,4 @@ def _cloned(obj: Any) -> dict[str, Any]:
 
 def next_epoch(state: TrainState) -> TrainState:
     """Return `state` at the start of the next epoch (`epoch + 1`, cursor 0, no stream position)."""
-    data = dataclasses.replace(state.data, cursor=0, stream=None)
-    return state.replace(epoch=state.epoch + 1, data=data)
+    return state.replace(epoch=state.epoch + 1, data=state.data.replace(cursor=0, stream=None))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 from typing import NamedTuple
@@ -171,8 +170,7 @@ def clip_and_step(
         changes["scaler"] = ScalerState(scale=scale, growth_tracker=growth)
     if stats is not None:
         d = state.data
-        changes["data"] = dataclasses.replace(
-            d,
+        changes["data"] = d.replace(
             cursor=d.cursor + stats.num_micro,
             stream=stats.position,  # a stream's position after these micro-batches, or None
             tokens_seen=d.tokens_seen + stats.num_tokens,

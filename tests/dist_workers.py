@@ -22,8 +22,7 @@ def train(state, *, steps, batch_size, accum=2, hook=None):
     lr = ft.schedules.warmup_cosine(peak_lr=1e-2, warmup_steps=2, total_steps=steps)
     while state.step < steps:
         for micro in ft.make_batches(
-            ROWS, batch_size=batch_size, accum=accum, seed=state.seed, epoch=state.epoch,
-            start=state.cursor, strategy=state.strategy,
+            ROWS, state, batch_size=batch_size, accum=accum,
         ):  # fmt: skip
             grads, stats = ft.accumulate_grads(state, micro)
             state, _ = ft.clip_and_step(state, grads, stats=stats, lr=lr(state.step), max_norm=0.5)
@@ -71,8 +70,8 @@ def equivalence(
     full = {n: getattr(p, "full_tensor", p.detach)().detach() for n, p in state.params.items()}
     if rank == 0:
         _save_params(full, Path(out) / "params.safetensors")
-        meta = {"losses": losses, "tokens": int(state.tokens_seen), "epoch": state.epoch,
-                "cursor": state.cursor, "counted": len(counted)}  # fmt: skip
+        meta = {"losses": losses, "tokens": int(state.data.tokens_seen), "epoch": state.epoch,
+                "cursor": state.data.cursor, "counted": len(counted)}  # fmt: skip
         (Path(out) / "result.json").write_text(json.dumps(meta))
     state.strategy.close()  # leaves the group together, the model released first
 
@@ -222,12 +221,12 @@ def fsdp_fp16(rank: int, world: int, port: int, out: str) -> None:
     _env(rank, world, port)
     strategy = ft.strategies.from_env("fsdp", precision="fp16")
     state = ft.TrainState.create(tiny_llama(), ft.optim.adamw(), seed=3, strategy=strategy)
-    state = state.replace(loss_scale=torch.tensor(2.0**30))  # overflows at first: backs off
+    state = state.replace(scaler=state.scaler.replace(scale=torch.tensor(2.0**30)))  # overflows at first: backs off
     state, losses = train(state, steps=5, batch_size=2)
     path = ft.save_checkpoint(state, Path(out) / "ckpt")
     full = {n: p.full_tensor().detach() for n, p in state.params.items()}
     dtypes = sorted({str(p.dtype) for p in state.params.values()})
-    meta = {"scale": float(state.loss_scale), "tracker": int(state.growth_tracker),
+    meta = {"scale": float(state.scaler.scale), "tracker": int(state.scaler.growth_tracker),
             "losses": losses, "dtypes": dtypes}  # fmt: skip
     if rank == 0:
         _save_params(full, Path(out) / "params.safetensors")

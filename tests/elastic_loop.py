@@ -53,8 +53,7 @@ def train(
     data, strategy = rows(), state.strategy
     while state.step < total:
         for micro in ft.make_batches(
-            data, batch_size=GLOBAL_BATCH // strategy.world_size, accum=2, seed=state.seed,
-            epoch=state.epoch, start=state.cursor, strategy=strategy,
+            data, state, batch_size=GLOBAL_BATCH // strategy.world_size, accum=2,
         ):  # fmt: skip
             grads, stats = ft.accumulate_grads(state, micro, loss_fn)
             state, _ = ft.clip_and_step(state, grads, stats=stats, lr=1e-2, max_norm=1.0)
@@ -80,8 +79,7 @@ def preemptible(
     with ft.strategies.on_preemption() as preempt:
         while state.step < total and not preempt.requested:
             for micro in ft.make_batches(
-                data, batch_size=GLOBAL_BATCH // strategy.world_size, accum=2,
-                seed=state.seed, epoch=state.epoch, start=state.cursor, strategy=strategy,
+                data, state, batch_size=GLOBAL_BATCH // strategy.world_size, accum=2,
             ):  # fmt: skip
                 if state.step == signal_at and not delay:
                     os.kill(os.getpid(), signal.SIGTERM)  # handled before the next line

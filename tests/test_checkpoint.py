@@ -32,8 +32,7 @@ def train(state, *, root=None, save_every=0, total=TOTAL):
     losses = {}
     while state.step < total:
         for micro in ft.make_batches(
-            ROWS, batch_size=4, accum=2, seed=state.seed, epoch=state.epoch, start=state.cursor
-        ):
+            ROWS, state, batch_size=4, accum=2):
             grads, stats = ft.accumulate_grads(state, micro)
             state, _ = ft.clip_and_step(state, grads, stats=stats, lr=LR(state.step), max_norm=1.0)
             losses[state.step] = float(stats.loss)
@@ -55,8 +54,8 @@ def assert_same_state(a, b):
         assert torch.equal(ta[p], tb[p]), p
     for f in ("step", "epoch", "cursor", "seed"):
         assert getattr(a, f) == getattr(b, f), f
-    assert int(a.tokens_seen) == int(b.tokens_seen)
-    assert int(a.samples_seen) == int(b.samples_seen)
+    assert int(a.data.tokens_seen) == int(b.data.tokens_seen)
+    assert int(a.data.samples_seen) == int(b.data.samples_seen)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +74,7 @@ def test_resume_from_every_checkpoint_is_bitwise_exact(reference):
     positions = set()
     for step in saved[:-1]:
         state = ft.load_checkpoint(root / f"step-{step}", fresh())
-        positions.add((state.epoch, state.cursor))
+        positions.add((state.epoch, state.data.cursor))
         resumed, later = train(state)
         assert later == {s: losses[s] for s in range(step + 1, TOTAL + 1)}, step
         assert_same_state(resumed, final)
@@ -156,8 +155,8 @@ def test_counters_and_metrics_round_trip(
     )
     path = ft.save_checkpoint(state, root, metrics={"m": metric})
     out = ft.load_checkpoint(path, ft.TrainState.create(torch.nn.Linear(3, 2), ft.optim.adamw()))
-    assert (out.step, out.epoch, out.cursor, int(out.tokens_seen)) == (step, epoch, cursor, tokens)
-    assert out.best_metric == best and out.tokens_seen.dtype == torch.int64
+    assert (out.step, out.epoch, out.data.cursor, int(out.data.tokens_seen)) == (step, epoch, cursor, tokens)
+    assert out.early_stopping.best_metric == best and out.data.tokens_seen.dtype == torch.int64
     saved = ft.checkpoint.read_meta(path)["metrics"]["m"]
     assert saved == metric or (saved != saved and metric != metric)
 

@@ -75,7 +75,7 @@ def test_peft_adapter_checkpoint_resumes_exactly_and_exports(tmp_path):
         assert all("lora_" in k for k in f.keys())  # noqa: SIM118 (safe_open is not iterable)
     resumed = ft.load_checkpoint(path, ft.TrainState.create(_lora(), ft.optim.adamw()))
     state = resumed
-    for micro in list(ft.make_batches(ROWS, batch_size=4, accum=2, seed=0, start=resumed.cursor)):
+    for micro in list(ft.make_batches(ROWS, resumed, batch_size=4, accum=2)):
         grads, stats = ft.accumulate_grads(state, micro)
         state, _ = ft.clip_and_step(state, grads, stats=stats, lr=1e-2)
     for n in full.params:

@@ -370,7 +370,7 @@ def _same_checkpoints(root: Path, step: int, fresh):
         assert torch.equal(background.params[n], p), n
     for p, t in opt_state_tensors(blocking.opt_state).items():
         assert torch.equal(opt_state_tensors(background.opt_state)[p], t), p
-    assert (background.step, background.cursor) == (step, blocking.cursor)
+    assert (background.step, background.data.cursor) == (step, blocking.data.cursor)
     return background, blocking
 
 

@@ -22,7 +22,7 @@ def _padded(accum):
 
 
 def _packed():
-    rows = ft.sft.pack(ragged_rows(16, seed=4), max_length=24)
+    rows = ft.data.pack_examples(ragged_rows(16, seed=4), max_length=24)
     collate = ft.sft.packed_collate(pad_id=0)
     return next(iter(ft.make_batches(rows, batch_size=3, accum=2, collate_fn=collate)))
 

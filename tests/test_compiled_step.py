@@ -96,7 +96,7 @@ def test_compiled_sgd_with_fp16_loss_scaling_matches_eager_and_donate_false_keep
     # SGD's first update sets the momentum buffer: one graph for it, one for the rest.
     assert counters["stats"]["unique_graphs"] == 2
     assert [skip for _, skip in compiled[1]] == [True, True, False, False]
-    assert float(compiled[0].loss_scale) == float(eager[0].loss_scale)
+    assert float(compiled[0].scaler.scale) == float(eager[0].scaler.scale)
     _assert_same(eager, compiled)
     last_input = compiled[2]
     assert last_input.step == 3 and last_input.params["0.weight"].shape == (6, 4)

@@ -95,7 +95,7 @@ def test_default_collate_pads_and_masks():
 def test_group_by_length_equals_hf_length_grouped_sampler():
     from transformers.trainer_pt_utils import get_length_grouped_indices
 
-    from ftrain.data import _generator
+    from ftrain.data._common import _generator
 
     lengths = [len(r["input_ids"]) for r in ragged_rows(300, seed=3)]
     ours = length_grouped_order(lengths, 8, seed=4, epoch=1).tolist()
@@ -218,15 +218,15 @@ def test_find_batch_size_backs_off_like_hf_and_is_kept_on_resume(tmp_path):
     state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
     found = ft.data.find_batch_size(state, probe, start=64)  # HF/accelerate: x0.9 per failure
     assert tried == [64, 57, 51, 45, 40, 36, 32, 28, 25, 22, 19]
-    assert found.batch_size == 19 and state.batch_size is None
+    assert found.data.batch_size == 19 and state.data.batch_size is None
     tried.clear()
-    assert ft.data.find_batch_size(state, probe, start=64, factor=0.5).batch_size == 16
+    assert ft.data.find_batch_size(state, probe, start=64, factor=0.5).data.batch_size == 16
     assert tried == [64, 32, 16]
     # Saved with the state; a resumed run keeps it and does not probe again.
     path = ft.save_checkpoint(found, tmp_path)
     resumed = ft.load_checkpoint(path, ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd()))
     tried.clear()
-    assert ft.data.find_batch_size(resumed, probe, start=64).batch_size == 19 and tried == []
+    assert ft.data.find_batch_size(resumed, probe, start=64).data.batch_size == 19 and tried == []
 
 
 def test_find_batch_size_recognises_a_real_allocation_failure_and_passes_other_errors():
@@ -235,7 +235,7 @@ def test_find_batch_size_recognises_a_real_allocation_failure_and_passes_other_e
     def probe(state, size):  # above 3 the host allocator really refuses (exabytes)
         torch.empty(max(size - 3, 0) * 2**60 + size, dtype=torch.uint8)
 
-    assert ft.data.find_batch_size(state, probe, start=8, factor=0.5).batch_size == 2
+    assert ft.data.find_batch_size(state, probe, start=8, factor=0.5).data.batch_size == 2
     with pytest.raises(RuntimeError, match="no batch size"):
         ft.data.find_batch_size(state, lambda s, n: torch.empty(2**60, dtype=torch.uint8), start=4)
 

@@ -1,5 +1,5 @@
 """make_batches over streams: datasets streaming and torch IterableDatasets, exact resume from
-the JSON position that rides on state.cursor, epochs, shuffle buffer, ranks, packing, mixing."""
+the JSON position that rides on state.data.cursor, epochs, shuffle buffer, ranks, packing, mixing."""
 
 import json
 
@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import ftrain as ft
-from ftrain.data import Cursor
 from helpers import FakeRank
 
 SHARDS, PER_SHARD = 4, 7  # 28 rows
@@ -56,10 +55,11 @@ def _micro(groups):
     ]
 
 
-def _at(group, cursor):
-    """state.cursor after clip_and_step on `group`: what the README loop passes as start."""
-    state_like = Cursor(cursor, group.position)
-    return state_like
+def _resumed(data, group, cursor, *, seed=0, epoch=0, **kw):
+    """make_batches from a state that clip_and_step left after `group` (cursor and position)."""
+    state = ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd(), seed=seed)
+    state = state.replace(epoch=epoch, data=state.data.replace(cursor=cursor, stream=group.position))
+    return ft.make_batches(data, state, **kw)
 
 
 def _resume_all(data, **kw):
@@ -69,7 +69,7 @@ def _resume_all(data, **kw):
     for k, group in enumerate(full[:-1]):
         cursor += len(group)
         READS.clear()
-        resumed = list(ft.make_batches(data, start=_at(group, cursor), **kw))
+        resumed = list(_resumed(data, group, cursor, **kw))
         yield k, full, resumed
 
 
@@ -94,8 +94,8 @@ def test_exact_resume_at_every_step_rereads_at_most_one_shard(hf_stream):
 def test_resuming_twice_equals_resuming_once(hf_stream):
     kw = {"batch_size": 2, "accum": 1, "seed": 3}
     full = list(ft.make_batches(hf_stream, **kw))
-    once = list(ft.make_batches(hf_stream, start=_at(full[3], 4), **kw))
-    twice = list(ft.make_batches(hf_stream, start=_at(once[4], 9), **kw))
+    once = list(_resumed(hf_stream, full[3], 4, **kw))
+    twice = list(_resumed(hf_stream, once[4], 9, **kw))
     assert _ids(twice) == _ids(full[9:])
     assert [g.position for g in twice] == [g.position for g in full[9:]]
 
@@ -124,18 +124,18 @@ def test_ranks_split_each_global_micro_batch_and_resume_on_another_rank_count(hf
     assert len({tuple(len(g) for g in groups) for groups in three}) == 1
     assert [isinstance(groups[-1][-1], ft.data.ZeroWeight) for groups in three] == [0, 1, 1]
     assert sorted(_flat(three[0]) + _flat(three[1]) + _flat(three[2])) == list(range(28))
-    resumed = list(ft.make_batches(hf_stream, batch_size=6, start=_at(two[1][0], 2), **kw))
+    resumed = list(_resumed(hf_stream, two[1][0], 2, batch_size=6, **kw))
     assert _ids(resumed) == _ids(one[1:])
     with pytest.raises(ValueError, match="batch_size=4 x 1 rank"):
-        ft.make_batches(hf_stream, batch_size=4, start=_at(two[1][0], 2), **kw)
+        _resumed(hf_stream, two[1][0], 2, batch_size=4, **kw)
 
 
 def test_stream_errors_name_the_argument(hf_stream):
-    with pytest.raises(ValueError, match="start=2 on a stream needs the stream position"):
+    with pytest.raises(ValueError, match="resuming a stream at micro-batch 2 needs its position"):
         ft.make_batches(hf_stream, batch_size=2, start=2)
     group = next(iter(ft.make_batches(hf_stream, batch_size=2, epoch=0)))
-    with pytest.raises(ValueError, match=r"not \{'epoch': 1"):
-        ft.make_batches(hf_stream, batch_size=2, epoch=1, start=_at(group, 1))
+    with pytest.raises(ValueError, match=r"but the state is at \{'epoch': 1"):
+        _resumed(hf_stream, group, 1, batch_size=2, epoch=1)
     import datasets.distributed
 
     split = datasets.distributed.split_dataset_by_node(hf_stream, rank=0, world_size=2)
@@ -171,7 +171,7 @@ def test_torch_iterable_with_workers_equals_in_process_and_resumes():
     assert _ids(base) == _ids(workers)
     noise = [b["noise"].tolist() for g in base for b in g]
     assert noise == [b["noise"].tolist() for g in workers for b in g]
-    resumed = list(ft.make_batches(Tokens(), start=_at(base[2], 6), num_workers=2, **kw))
+    resumed = list(_resumed(Tokens(), base[2], 6, num_workers=2, **kw))
     assert _ids(resumed) == _ids(base[3:])
     assert [b["noise"].tolist() for g in resumed for b in g] == noise[6:]
 
@@ -231,8 +231,7 @@ def test_readme_loop_on_a_stream_resumes_from_a_checkpoint(hf_stream, tmp_path):
     def run(state, steps, stop=None):
         while state.step < steps:
             for micro in ft.make_batches(
-                hf_stream, batch_size=2, accum=2, seed=0, epoch=state.epoch, start=state.cursor
-            ):
+                hf_stream, state, batch_size=2, accum=2):
                 grads, stats = ft.accumulate_grads(state, micro, loss)
                 state, _ = ft.clip_and_step(state, grads, stats=stats, lr=0.1)
                 if state.step == stop:
@@ -254,11 +253,11 @@ def test_readme_loop_on_a_stream_resumes_from_a_checkpoint(hf_stream, tmp_path):
     straight = run(fresh(), 10)  # 28 rows, 4 per step: 7 steps an epoch
     run(fresh(), 10, stop=5)
     saved = json.loads((tmp_path / "step-5" / "state.json").read_text())["fields"]
-    assert json.loads(saved["data_position"])["cursor"] == 10
+    assert json.loads(saved["data.stream"])["cursor"] == 10
     loaded = ft.load_checkpoint(ft.latest_checkpoint(tmp_path), fresh())
-    assert loaded.cursor == 10 and loaded.cursor.position == saved["data_position"]
+    assert loaded.data.cursor == 10 and loaded.data.stream == saved["data.stream"]
     resumed = run(loaded, 10)
-    assert (resumed.epoch, resumed.cursor) == (straight.epoch, straight.cursor)
+    assert (resumed.epoch, resumed.data.cursor) == (straight.epoch, straight.data.cursor)
     torch.testing.assert_close(resumed.params["weight"], straight.params["weight"])
 
 

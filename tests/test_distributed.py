@@ -49,7 +49,7 @@ def test_ddp_equals_one_process_with_the_same_global_batch(tmp_path, kind, accum
     got = json.loads((tmp_path / "result.json").read_text())
     assert got["losses"] == pytest.approx(losses, rel=1e-5, abs=1e-6)
     assert (got["tokens"], got["epoch"], got["cursor"]) == (
-        int(single.tokens_seen), single.epoch, single.cursor,
+        int(single.data.tokens_seen), single.epoch, single.data.cursor,
     )  # fmt: skip
     assert got["counted"] == (steps * accum if kind.endswith("+count") else 0)
     params = load_file(str(tmp_path / "params.safetensors"))
@@ -165,7 +165,7 @@ def test_fsdp_equals_one_process_with_the_same_global_batch(tmp_path, kind, accu
     single, losses = W.train(single, steps=steps, batch_size=4, accum=accum)
     got = json.loads((tmp_path / "result.json").read_text())
     assert got["losses"] == pytest.approx(losses, rel=1e-5, abs=1e-6)
-    assert got["tokens"] == int(single.tokens_seen)
+    assert got["tokens"] == int(single.data.tokens_seen)
     assert got["counted"] == (steps * accum if kind.endswith("+count") else 0)
     params = load_file(str(tmp_path / "params.safetensors"))
     for n, p in single.params.items():
@@ -269,7 +269,7 @@ def test_fsdp_fp16_loss_scaling_is_sharded_and_checkpointed(tmp_path):
     strategy = ft.strategies.SingleDevice("cpu", precision="fp16")
     fresh = ft.TrainState.create(tiny_llama(), ft.optim.adamw(), seed=3, strategy=strategy)
     state = ft.load_checkpoint(got["path"], fresh)
-    assert (float(state.loss_scale), int(state.growth_tracker)) == (got["scale"], got["tracker"])
+    assert (float(state.scaler.scale), int(state.scaler.growth_tracker)) == (got["scale"], got["tracker"])
     params = load_file(str(tmp_path / "params.safetensors"))
     for n, p in state.params.items():
         assert torch.equal(params[n], p.detach()), n

@@ -132,7 +132,7 @@ def test_each_torchrun_attempt_gets_its_own_keys_in_the_agent_store(monkeypatch)
 @pytest.mark.slow
 def test_two_nodes_equal_one_process(two_nodes):
     one = train(build(), None, TOTAL)  # global batch 4 in one process
-    assert (two_nodes.step, two_nodes.samples_seen) == (one.step, one.samples_seen)
+    assert (two_nodes.step, two_nodes.data.samples_seen) == (one.step, one.data.samples_seen)
     for n, p in one.params.items():
         torch.testing.assert_close(two_nodes.params[n], p, rtol=1e-5, atol=1e-6, msg=n)
 

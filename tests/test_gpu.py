@@ -90,7 +90,7 @@ def test_step_path_never_syncs(precision):
     record, _ = ft.logging.emit(window, state)  # the log step reads back: outside the check
     assert record["loss"] > 0 and state.step == 4
     if precision == "fp16":
-        assert state.loss_scale is not None and float(state.loss_scale) > 0
+        assert state.scaler.scale is not None and float(state.scaler.scale) > 0
 
 
 def test_fp16_overflow_skips_and_backs_off_without_sync():
@@ -100,12 +100,12 @@ def test_fp16_overflow_skips_and_backs_off_without_sync():
     state = ft.TrainState.create(TinyLM(), ft.optim.adamw(), strategy=strategy)
     micro = _micro(device, accum=1)
     before = {n: p.detach().clone() for n, p in state.params.items()}
-    scale = float(state.loss_scale)
+    scale = float(state.scaler.scale)
     with _no_sync():
         grads, stats = ft.accumulate_grads(state, micro, _loss)
         next(iter(grads.values())).fill_(float("inf"))  # an overflow, on the device
         state, info = ft.clip_and_step(state, grads, stats=stats, lr=1e-3, max_norm=1.0)
-    assert bool(info.skipped) and float(state.loss_scale) == scale / 2
+    assert bool(info.skipped) and float(state.scaler.scale) == scale / 2
     for n, p in state.params.items():
         assert torch.equal(p, before[n]), n
 

@@ -45,12 +45,11 @@ def _run(root, steps, *, scale=100.0, guard=None, stop_at=None, state=None, rows
     loss_fn = _loss(scale)
     while state.step < steps:
         for micro in ft.make_batches(
-            rows, batch_size=2, seed=0, shuffle=False, epoch=state.epoch, start=state.cursor
-        ):
+            rows, state, batch_size=2, shuffle=False):
             grads, stats = ft.accumulate_grads(state, micro, loss_fn)
             state, verdict = guard.observe(state, stats)
             if verdict.rollback:
-                rolled.append((state.step, state.cursor, verdict.reason))
+                rolled.append((state.step, state.data.cursor, verdict.reason))
                 del grads
                 state = guard.rollback(state, root, skip=len(micro))
                 break
@@ -71,7 +70,7 @@ def test_a_spike_rolls_back_skips_the_batch_logs_it_and_resumes_the_same(tmp_pat
     step, cursor, reason = rolled[0]
     assert (step, cursor) == (6, 6) and "x its average" in reason  # micro-batch 6
     # Back to the step-4 checkpoint, the data on from micro-batch 7: 4 more steps end at 11.
-    assert (whole.rollbacks, whole.step, whole.cursor) == (1, 8, 11)
+    assert (whole.rollbacks, whole.step, whole.data.cursor) == (1, 8, 11)
     (record,) = caplog.records
     assert "rollback 1 at step 6" in record.getMessage()
     assert "(step 4); skipping micro-batches [6, 7)" in record.getMessage()
@@ -90,7 +89,7 @@ def test_a_run_of_nonfinite_losses_rolls_back(tmp_path):
     rows = _rows({12, 13, 14, 15})  # micro-batches 6 and 7: two non-finite losses in a row
     state, rolled = _run(tmp_path, 8, scale=float("nan"), guard=guard, rows=rows)
     assert rolled == [(7, 7, "2 non-finite losses in a row")]
-    assert (state.step, state.cursor, state.nonfinite_run) == (8, 12, 0)
+    assert (state.step, state.data.cursor, state.nonfinite_run) == (8, 12, 0)
 
 
 def test_errors_and_the_no_checkpoint_case(tmp_path, caplog):
@@ -102,10 +101,11 @@ def test_errors_and_the_no_checkpoint_case(tmp_path, caplog):
     for bad, match in bad_args:
         with pytest.raises(ValueError, match=match):
             ft.guard.SpikeGuard(**bad)
-    state = ft.guard.GuardedState.create(tiny_llama(), ft.optim.sgd()).replace(cursor=5)
+    state = ft.guard.GuardedState.create(tiny_llama(), ft.optim.sgd())
+    state = state.replace(data=state.data.replace(cursor=5))
     with pytest.raises(ValueError, match="skip"):
         ft.guard.SpikeGuard().rollback(state, tmp_path, skip=0)
     with caplog.at_level(logging.WARNING, logger="ftrain.extras.guard"):
         state = ft.guard.SpikeGuard().rollback(state, tmp_path, skip=2)
-    assert (state.cursor, state.step, state.rollbacks) == (7, 0, 1)
+    assert (state.data.cursor, state.step, state.rollbacks) == (7, 0, 1)
     assert "no checkpoint to load" in caplog.text

@@ -26,9 +26,9 @@ def _info(norm=1.0, skipped=False, lr=0.1):
 def _advance(state, stats):
     return state.replace(
         step=state.step + 1,
-        cursor=state.cursor + stats.num_micro,
-        tokens_seen=state.tokens_seen + stats.num_tokens,
-        samples_seen=state.samples_seen + stats.num_samples,
+        cursor=state.data.cursor + stats.num_micro,
+        tokens_seen=state.data.tokens_seen + stats.num_tokens,
+        samples_seen=state.data.samples_seen + stats.num_samples,
     )
 
 
@@ -49,7 +49,7 @@ def test_record_follows_hf_definitions():
     assert rec["flops_per_second"] == pytest.approx(100.0 * rec["tokens_per_second"])
     assert rec["mfu"] == pytest.approx(rec["flops_per_second"] / 1e6)
     assert rec["peak_memory_mb"] > 0
-    assert w2.steps == 0 and w2.start_tokens is state.tokens_seen
+    assert w2.steps == 0 and w2.start_tokens is state.data.tokens_seen
     with pytest.raises(ValueError, match="at least one"):
         ft.logging.emit(w2, state)
     w2 = ft.logging.update(w2, _stats(1.0), _info())
@@ -132,8 +132,7 @@ def test_logger_is_the_log_step_in_one_call(tmp_path):
     logger = ft.logging.Logger(state, every=2, total_steps=6, sinks=[sink], progress=False)
     manual, returned, losses = ft.logging.window(state), [], []
     while state.step < 6:
-        for micro in ft.make_batches(rows, batch_size=4, accum=2, seed=0, epoch=state.epoch,
-                                     start=state.cursor):  # fmt: skip
+        for micro in ft.make_batches(rows, state, batch_size=4, accum=2):  # fmt: skip
             grads, stats = ft.accumulate_grads(state, micro)
             state, info = ft.clip_and_step(state, grads, stats=stats, lr=1e-3)
             returned.append(logger.step(state, stats, info))
@@ -296,5 +295,5 @@ def test_checkpoint_retention_keeps_the_best_that_track_best_tracks(tmp_path):
         metrics = {"eval_loss": loss}
         state = ft.track_best(state.replace(step=step), metrics)
         ft.save_checkpoint(state, tmp_path, metrics=metrics, keep_last=1, best_metric="eval_loss")
-    assert state.best_step == 2 and state.patience_counter == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"step-{state.best_step}", "step-4"]
+    assert state.early_stopping.best_step == 2 and state.early_stopping.patience_counter == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"step-{state.early_stopping.best_step}", "step-4"]

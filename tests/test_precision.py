@@ -41,7 +41,7 @@ def _ft_run(precision: str | Precision, batches, *, max_norm=1.0, lr=1e-2):
         grads, stats = ft.accumulate_grads(state, [b], _sse)
         state, info = ft.clip_and_step(state, grads, lr=lr, max_norm=max_norm, stats=stats)
         skipped.append(bool(info.skipped))
-        scales.append(None if state.loss_scale is None else float(state.loss_scale))
+        scales.append(None if state.scaler.scale is None else float(state.scaler.scale))
     return state, skipped, scales
 
 
@@ -116,7 +116,7 @@ def test_bf16_forward_runs_in_bf16_and_master_weights_stay_fp32():
     )
     out_dtypes = []
     state.model[0].register_forward_hook(lambda m, i, o: out_dtypes.append(o.dtype))
-    assert state.loss_scale is None and state.growth_tracker is None
+    assert state.scaler.scale is None and state.scaler.growth_tracker is None
     for b in batches:
         grads, stats = ft.accumulate_grads(state, [b], _sse)
         assert all(g.dtype == torch.float32 for g in grads.values())
@@ -158,8 +158,8 @@ def test_fp16_loss_scaling_equals_grad_scaler():
     for name, p in model.named_parameters():
         torch.testing.assert_close(state.params[name], p, rtol=1e-5, atol=1e-6)
     assert all(p.dtype == torch.float32 for p in state.params.values())
-    assert state.loss_scale.dtype == torch.float32
-    assert state.growth_tracker.dtype == torch.int32
+    assert state.scaler.scale.dtype == torch.float32
+    assert state.scaler.growth_tracker.dtype == torch.int32
     # Adam counts only the updates that were applied, as torch.optim does under GradScaler.
     assert int(state.opt_state.steps) == len(batches) - sum(skipped)
     assert state.step == len(batches)
@@ -174,7 +174,7 @@ def test_fp16_skipped_step_leaves_parameters_unchanged():
     grads, stats = ft.accumulate_grads(state, batches, _sse)
     state, info = ft.clip_and_step(state, grads, lr=1e-2, stats=stats, skip_nonfinite=False)
     assert bool(info.skipped)  # loss scaling skips overflows even with skip_nonfinite=False
-    assert float(state.loss_scale) == 2.0**15
+    assert float(state.scaler.scale) == 2.0**15
     for n, p in state.params.items():
         assert torch.equal(p, before[n])
 
@@ -196,23 +196,23 @@ def test_fp16_loss_scale_is_checkpointed_and_resume_is_exact(tmp_path):
     full = train(fresh(), batches)
     half = train(fresh(), batches[:7])
     path = ft.save_checkpoint(half, tmp_path)
-    saved_scale = float(half.loss_scale)
+    saved_scale = float(half.scaler.scale)
     assert saved_scale != rule.loss_scaling.init_scale
     resumed = ft.load_checkpoint(path, fresh())
-    assert float(resumed.loss_scale) == saved_scale
-    assert int(resumed.growth_tracker) == int(half.growth_tracker)
+    assert float(resumed.scaler.scale) == saved_scale
+    assert int(resumed.scaler.growth_tracker) == int(half.scaler.growth_tracker)
     resumed = train(resumed, batches[7:])
     for n, p in full.params.items():
         assert torch.equal(resumed.params[n], p)
-    assert float(resumed.loss_scale) == float(full.loss_scale)
+    assert float(resumed.scaler.scale) == float(full.scaler.scale)
 
     # Switching precision on resume: an fp32 run ignores the saved scale, an fp16 run that
     # resumes an fp32 checkpoint starts from init_scale.
     plain = ft.load_checkpoint(path, ft.TrainState.create(_model(), ft.optim.adamw()))
-    assert plain.loss_scale is None and plain.step == 7
+    assert plain.scaler.scale is None and plain.step == 7
     fp32_path = ft.save_checkpoint(plain, tmp_path / "fp32")
     again = ft.load_checkpoint(fp32_path, fresh())
-    assert float(again.loss_scale) == rule.loss_scaling.init_scale
+    assert float(again.scaler.scale) == rule.loss_scaling.init_scale
 
 
 def test_snapshot_copies_the_loss_scale():
@@ -220,8 +220,8 @@ def test_snapshot_copies_the_loss_scale():
         _model(), ft.optim.adamw(), strategy=ft.strategies.SingleDevice("cpu", precision="fp16")
     )
     copy = ft.snapshot(state)
-    assert copy.loss_scale is not state.loss_scale
-    assert torch.equal(copy.loss_scale, state.loss_scale)
+    assert copy.scaler.scale is not state.scaler.scale
+    assert torch.equal(copy.scaler.scale, state.scaler.scale)
 
 
 def test_loss_scale_and_strategy_must_agree():

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def assert_bit_equal(a: ft.TrainState, b: ft.TrainState) -> None:
-    assert (a.step, a.epoch, a.cursor) == (b.step, b.epoch, b.cursor)
+    assert (a.step, a.epoch, a.data.cursor) == (b.step, b.epoch, b.data.cursor)
     for n, p in b.params.items():
         assert torch.equal(a.params[n], p), n
     reference = opt_state_tensors(b.opt_state)

@@ -10,7 +10,8 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 import ftrain as ft
-from ftrain.extras.sft import SFTCollator, pack, packed_collate
+from ftrain.data import pack_examples as pack
+from ftrain.extras.sft import SFTCollator, packed_collate
 
 TEXT = Path(__file__).parent.parent / "examples" / "data" / "tinyshakespeare.txt"
 

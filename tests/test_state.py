@@ -88,6 +88,6 @@ def test_snapshot_is_independent():
 
 
 def test_next_epoch_resets_cursor():
-    s = _state().replace(cursor=7, epoch=1)
+    s = _state().replace(data=_state().data.replace(cursor=7), epoch=1)
     t = ft.next_epoch(s)
-    assert (t.epoch, t.cursor) == (2, 0)
+    assert (t.epoch, t.data.cursor) == (2, 0)

@@ -40,11 +40,11 @@ def test_counters_advance():
     for _ in range(3):
         grads, stats = ft.accumulate_grads(state, [x[:5], x[5:]], loss_fn)
         state, info = ft.clip_and_step(state, grads, lr=0.1, stats=stats)
-    assert (state.step, state.cursor, int(state.samples_seen)) == (3, 6, 24)
+    assert (state.step, state.data.cursor, int(state.data.samples_seen)) == (3, 6, 24)
     assert info.lr == 0.1 and not bool(info.skipped)
     grads, _ = ft.accumulate_grads(state, [x], loss_fn)
     state, _ = ft.clip_and_step(state, grads, lr=0.1)  # without stats only step advances
-    assert (state.step, state.cursor, int(state.samples_seen)) == (4, 6, 24)
+    assert (state.step, state.data.cursor, int(state.data.samples_seen)) == (4, 6, 24)
 
 
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
@@ -217,7 +217,7 @@ def test_a_step_without_items_is_skipped_and_reports_nan_loss():
     grads, stats = ft.accumulate_grads(state, [x[:3], x[3:]], empty)
     assert torch.isnan(stats.loss) and int(stats.num_items) == 0
     state, info = ft.clip_and_step(state, grads, lr=0.1, stats=stats)
-    assert bool(info.skipped) and (state.step, state.cursor) == (2, 3)
+    assert bool(info.skipped) and (state.step, state.data.cursor) == (2, 3)
     for n, p in state.params.items():
         assert torch.equal(p, before[n]), n
     w = ft.logging.update(ft.logging.window(state), stats, info)

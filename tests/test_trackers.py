@@ -35,7 +35,7 @@ def _train(root, sink_factory, *, until, total=6, optimizer=None):
     logger = ft.logging.Logger(state, every=1, sinks=[sink], progress=False)
     data = _data()
     while state.step < until:
-        for micro in ft.make_batches(data, batch_size=4, epoch=state.epoch, start=state.cursor):
+        for micro in ft.make_batches(data, state, batch_size=4):
             grads, stats = ft.accumulate_grads(state, micro, _loss)
             state, info = ft.clip_and_step(state, grads, stats=stats, lr=0.05, max_norm=1.0)
             logger.step(state, stats, info)

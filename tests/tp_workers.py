@@ -23,8 +23,7 @@ def train(state, *, steps, batch_size):
     lr = ft.schedules.warmup_cosine(peak_lr=1e-2, warmup_steps=2, total_steps=STEPS)
     while state.step < steps:
         for micro in ft.make_batches(
-            ROWS, batch_size=batch_size, accum=2, seed=state.seed, epoch=state.epoch,
-            start=state.cursor, strategy=state.strategy,
+            ROWS, state, batch_size=batch_size, accum=2,
         ):  # fmt: skip
             grads, stats = ft.accumulate_grads(state, micro)
             state, info = ft.clip_and_step(

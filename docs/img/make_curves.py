@@ -30,7 +30,7 @@ out = Path(tempfile.mkdtemp()) / "metrics.jsonl"
 sink = ft.logging.JSONLSink(out)
 window = ft.logging.window(state)
 while state.step < total:
-    for micro in ft.make_batches(train, batch_size=32, epoch=state.epoch, start=state.cursor):
+    for micro in ft.make_batches(train, state, batch_size=32):
         grads, stats = ft.accumulate_grads(state, micro, loss_fn)
         state, info = ft.clip_and_step(state, grads, stats=stats, lr=lr(state.step), max_norm=1.0)
         window = ft.logging.update(window, stats, info)

@@ -1,6 +1,7 @@
 """Checkpoints (`ft.checkpoint`): atomic, pickle-free saves, exact resume.
 
-HF export (`ft.export_pretrained`, `ft.export_checkpoint`) is an extra: `ftrain/extras/hf_export.py`.
+HF export (`ft.export_pretrained`, `ft.export_checkpoint`) is an extra:
+`ftrain/extras/hf_export.py`.
 """
 
 from ftrain.checkpoint._io import CheckpointError as CheckpointError

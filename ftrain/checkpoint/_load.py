@@ -6,7 +6,6 @@ failed load leaves the state as it was.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import warnings
 from pathlib import Path

@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from ftrain.state import TrainState
 from ftrain.checkpoint import _layout as L
 from ftrain.checkpoint._io import (
     CheckpointError,
@@ -32,6 +31,7 @@ from ftrain.checkpoint._io import (
     read_safetensors,
     shape_numel,
 )
+from ftrain.state import TrainState
 
 __all__ = ["Opened", "open_checkpoint", "read_meta", "validate_meta"]
 

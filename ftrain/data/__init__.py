@@ -5,6 +5,7 @@ from ftrain.data._batches import is_out_of_memory as is_out_of_memory
 from ftrain.data._batches import make_batches as make_batches
 from ftrain.data._collate import pack_examples as pack_examples
 from ftrain.data._collate import pad_collate as pad_collate
+from ftrain.data._common import Collate as Collate
 from ftrain.data._common import MicroBatches as MicroBatches
 from ftrain.data._common import Source as Source
 from ftrain.data._common import ZeroWeight as ZeroWeight
@@ -21,6 +22,7 @@ from ftrain.data._stream import pack as pack
 from ftrain.data._stream import stream as stream
 
 __all__ = [
+    "Collate",
     "IterableRows",
     "MicroBatches",
     "Source",

@@ -7,7 +7,6 @@ rows are never read.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -28,6 +27,7 @@ from ftrain.data._common import (
     is_stream,
     length_grouped_order,
     num_micro_batches,
+    run_loader,
     seeded,
 )
 from ftrain.data._stream import stream_groups
@@ -145,7 +145,9 @@ def _where(
 ) -> tuple[int, int, int, str | None, Strategy | None]:
     """(seed, epoch, start, stream position, strategy): from the state, or from the keywords."""
     if state is None:
-        seed, epoch, start = (_integer(k, given[k] if given[k] is not None else 0) for k in ("seed", "epoch", "start"))
+        seed, epoch, start = (
+            _integer(k, given[k] if given[k] is not None else 0) for k in ("seed", "epoch", "start")
+        )
         return seed, epoch, start, None, given["strategy"]
     clash = sorted(k for k, v in given.items() if v is not None)
     if clash:
@@ -326,7 +328,7 @@ def find_batch_size(
     while size >= 1:
         try:
             probe(state, size)
-            return state.replace(data=dataclasses.replace(state.data, batch_size=size))
+            return state.replace(data=state.data.replace(batch_size=size))
         except Exception as e:
             if not is_out_of_memory(e):
                 raise
@@ -338,5 +340,3 @@ def find_batch_size(
             torch.cuda.empty_cache()
         size = int(size * factor)
     raise RuntimeError(f"no batch size from {start} down to 1 fits in memory")
-
-

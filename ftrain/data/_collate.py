@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+
+from ftrain.data._common import Batch, Collate
 
 __all__ = ["pack_examples", "pad_collate"]
 

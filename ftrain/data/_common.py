@@ -252,5 +252,3 @@ def _fetch(data: Any, idx: np.ndarray) -> list[Any]:
     if getitems is not None:  # datasets.Dataset and torch datasets fetch a whole batch at once
         return list(getitems(indices))
     return [data[i] for i in indices]
-
-

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from ftrain.checkpoint import CheckpointError, latest_checkpoint
-from ftrain.extras.hf_export import export_checkpoint
 from ftrain.checkpoint import _layout as L
 from ftrain.checkpoint._verify import open_checkpoint, read_meta
+from ftrain.extras.hf_export import export_checkpoint
 
 
 def inspect(

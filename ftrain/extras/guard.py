@@ -12,7 +12,7 @@ function of that state and the observed loss: a resumed run makes the same decis
     guard = ft.guard.SpikeGuard(factor=3.0, warmup=20)
     state = ft.guard.GuardedState.create(model, opt, seed=0)
     ...
-        for micro in ft.make_batches(..., epoch=state.epoch, start=state.cursor):
+        for micro in ft.make_batches(..., state):
             grads, stats = ft.accumulate_grads(state, micro)
             state, verdict = guard.observe(state, stats)     # reads the loss: a host sync
             if verdict.rollback:
@@ -130,7 +130,7 @@ class SpikeGuard:
         self, state: GuardedState, root: str | os.PathLike[str], *, skip: int
     ) -> GuardedState:
         """Load the newest checkpoint under `root` and move the cursor past the `skip`
-        micro-batches that start at `state.cursor` (the ones just observed).
+        micro-batches that start at `state.data.cursor` (the ones just observed).
 
         The weights, optimizer state and counters return to the checkpoint's; the data moves
         on past the spike, so the micro-batches between the checkpoint and the spike are not
@@ -147,7 +147,7 @@ class SpikeGuard:
             raise ValueError(
                 f"skip must be the number of micro-batches observed (>= 1), got {skip!r}"
             )
-        epoch, start, step = state.epoch, state.cursor, state.step
+        epoch, start, step = state.epoch, state.data.cursor, state.step
         rollbacks = state.rollbacks + 1
         path = latest_checkpoint(root)
         if path is not None:
@@ -158,4 +158,5 @@ class SpikeGuard:
             f"resumed from {path} (step {state.step})" if path else "no checkpoint to load",
             start, start + skip,
         )  # fmt: skip
-        return _set(state, epoch=epoch, cursor=start + skip, nonfinite_run=0, rollbacks=rollbacks)
+        data = state.data.replace(cursor=start + skip)
+        return _set(state, epoch=epoch, data=data, nonfinite_run=0, rollbacks=rollbacks)

@@ -4,8 +4,8 @@ A row is `{"input": prompt text, "output": response text}` (qlora.py's layout); 
 the usual dataset layouts into it. `SFTCollator` tokenizes and pads a batch of such rows the way
 qlora.py's `DataCollatorForCausalLM` does: BOS + prompt truncated to `source_max_len`, response +
 EOS truncated to `target_max_len`, prompt tokens labelled -100 unless `train_on_source`.
-`pack` concatenates tokenized rows into rows of at most `max_length` tokens whose
-`position_ids` restart at every example; HF models then attend within each example only
+`ft.data.pack_examples` concatenates tokenized rows into rows of at most `max_length` tokens
+whose `position_ids` restart at every example; HF models then attend within each example only
 (with `model.config.use_cache = False`; see `packed_collate`).
 
     >>> import ftrain as ft
@@ -32,7 +32,6 @@ __all__ = [
     "input_output",
     "neftune",
     "neftune_noise",
-    "pack",
     "packed_collate",
     "train_tokenizer",
 ]
@@ -164,47 +163,6 @@ class SFTCollator:
         return pad_collate(
             pad_id=self.tokenizer.pad_token_id, pad_to_multiple_of=self.pad_to_multiple_of
         )(rows)
-
-
-def pack(
-    rows: Iterable[Mapping[str, Sequence[int]]], max_length: int
-) -> list[dict[str, list[int]]]:
-    """Concatenate encoded rows, in order, into rows of at most `max_length` tokens.
-
-    An example is never split across packed rows: one that does not fit in the current row
-    starts the next; one longer than `max_length` is cut to `max_length` (the end is lost).
-    `position_ids` restart at 0 for every example, which HF models read as packed sequences
-    (attention stays within each example when no `attention_mask` is passed; see
-    `packed_collate`), and the first label of every example is -100, so no token is predicted
-    from the previous example.
-
-    Example:
-        >>> rows = [{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}, {"input_ids": [4, 5],
-        ...          "labels": [4, 5]}, {"input_ids": [6, 7, 8], "labels": [6, 7, 8]}]
-        >>> [r["position_ids"] for r in pack(rows, max_length=5)]
-        [[0, 1, 2, 0, 1], [0, 1, 2]]
-        >>> pack(rows, max_length=5)[0]["labels"]
-        [-100, 2, 3, -100, 5]
-    """
-    if max_length < 1:
-        raise ValueError(f"max_length must be >= 1, got {max_length!r}")
-    packed: list[dict[str, list[int]]] = []
-    current: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
-    for row in rows:
-        ids, labels = list(row["input_ids"])[:max_length], list(row["labels"])[:max_length]
-        if len(ids) != len(labels):
-            raise ValueError("a row's input_ids and labels differ in length")
-        if not ids:
-            continue
-        if len(current["input_ids"]) + len(ids) > max_length:
-            packed.append(current)
-            current = {"input_ids": [], "labels": [], "position_ids": []}
-        current["input_ids"] += ids
-        current["labels"] += [IGNORE_INDEX, *labels[1:]]
-        current["position_ids"] += list(range(len(ids)))
-    if current["input_ids"]:
-        packed.append(current)
-    return packed
 
 
 def packed_collate(pad_id: int, pad_to_multiple_of: int | None = None) -> Callable[..., Any]:

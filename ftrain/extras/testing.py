@@ -111,12 +111,24 @@ def assert_accumulation_exact(
 
 def _state_tensors(state: TrainState) -> dict[str, Any]:
     """Parameters, buffers, optimizer state and counters of a state, by name."""
-    out: dict[str, Any] = {f"model/{k}": v for k, v in state.model_.state_dict().items()}
-    out.update({f"opt_state/{k}": v for k, v in flatten(state.opt_state_).items()})
-    for f in dataclasses.fields(state):
-        v = getattr(state, f.name)
-        if f.name not in ("model_", "opt_state_", "params_", "lease_", "optimizer", "strategy"):
-            out[f.name] = v
+    held = state.tensors_  # read even when consumed: the check is about values, not donation
+    out: dict[str, Any] = {f"model/{k}": v for k, v in held.model.state_dict().items()}
+    out.update({f"opt_state/{k}": v for k, v in flatten(held.opt_state).items()})
+    out.update(_values(state, ""))
+    return out
+
+
+def _values(obj: Any, prefix: str) -> dict[str, Any]:
+    """The plain values and counters of a state by dotted name (`step`, `data.cursor`, ...)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        if f.name in ("tensors_", "optimizer", "strategy"):
+            continue
+        v = getattr(obj, f.name)
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            out.update(_values(v, f"{prefix}{f.name}."))
+        else:
+            out[prefix + f.name] = v
     return out
 
 
@@ -138,7 +150,7 @@ def assert_resume_exact(
     Args:
         make_state: builds the initial state (same seed every call).
         train: your loop: `train(state, until) -> state` with `state.step == until`; it must
-            take the data position from the state (`epoch`, `start=state.cursor`).
+            take the data position from the state (`epoch`, `start=state.data.cursor`).
         steps: total optimizer steps.
         stop_at: where the interrupted run stops (0 < stop_at < steps).
         directory: where to save; a temporary directory if None.
@@ -161,7 +173,7 @@ def assert_resume_exact(
         raise AssertionError(
             f"resume is not exact: stopping at step {stop_at} and resuming to step {steps} "
             f"differs from an uninterrupted run at {problem}. Start make_batches at "
-            "epoch=state.epoch, start=state.cursor, and keep every random draw a function "
+            "epoch=state.epoch, start=state.data.cursor, and keep every random draw a function "
             "of the state"
         )
 
@@ -254,9 +266,7 @@ def _name(fn: Any) -> str:
 def _tensors(obj: Any, prefix: str) -> dict[str, torch.Tensor]:
     """Every tensor an argument holds, by path: states, modules, and pytrees of tensors."""
     if isinstance(obj, TrainState):
-        named = {f"model/{k}": v for k, v in obj.model_.state_dict().items()}
-        named.update({f"opt_state/{k}": v for k, v in flatten(obj.opt_state_).items()})
-        named.update({k: v for k, v in _state_tensors(obj).items() if "/" not in k})
+        named = {k: v for k, v in _state_tensors(obj).items() if isinstance(v, torch.Tensor)}
     elif isinstance(obj, nn.Module):
         named = dict(obj.state_dict())
     else:

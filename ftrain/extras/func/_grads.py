@@ -11,8 +11,9 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ftrain.grads import Stats, _count, _generators, _rng_scope, dropout_seed
+from ftrain.grads import Stats, batch_counts
 from ftrain.losses import LossFn, default_loss
+from ftrain.rng import default_generators, dropout_seed, restored
 from ftrain.state import TrainState
 
 __all__ = ["FuncError", "per_sample_grads", "private_grads"]
@@ -200,9 +201,9 @@ class _Seeded:
     """Seed the default generators for one micro-batch, restoring them afterwards."""
 
     def __init__(self, state: TrainState, micro_index: int) -> None:
-        self._gens = _generators(state.strategy.device)
+        self._gens = default_generators(state.strategy.device)
         self._seed = dropout_seed(state.seed, state.step, micro_index, state.strategy.rank)
-        self._scope = _rng_scope(self._gens)
+        self._scope = restored(self._gens)
 
     def __enter__(self) -> None:
         self._scope.__enter__()
@@ -219,7 +220,7 @@ def _check_single_process(state: TrainState) -> None:
             f"private_grads runs in one process; this strategy has world_size="
             f"{state.strategy.world_size}. Noise and clipping across ranks are not implemented"
         )
-    if state.loss_scale is not None:
+    if state.scaler.scale is not None:
         raise FuncError(
             "private_grads does not scale the loss: float16 per-example gradients would "
             "underflow. Use precision='bf16' or 'fp32'"
@@ -330,7 +331,7 @@ def private_grads(
                 torch._foreach_add_(list(total.values()), list(clipped.values()))
                 losses.append(loss.sum())
                 items.append(n.sum())
-        n_tok, n_ex = _count(batch)
+        n_tok, n_ex = batch_counts(batch)
         tokens.append(torch.as_tensor(n_tok, device=device))
         examples += n_ex
     if noise_multiplier > 0:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ftrain.grads import Stats
 from ftrain.extras.logging._sinks import NullSink, ProgressBar, Sink, Sinks
 from ftrain.extras.logging._window import _check_emit_args, emit, update, window
+from ftrain.grads import Stats
 from ftrain.predicates import should_log
 from ftrain.state import TrainState
 from ftrain.step import StepInfo
@@ -88,7 +88,7 @@ class Logger:
             )
         self.sink = Sinks(bar, *sinks)
         self.window = window(state)
-        self._epoch, self._cursor = state.epoch, state.cursor
+        self._epoch, self._cursor = state.epoch, state.data.cursor
 
     def step(self, state: TrainState, stats: Stats, info: StepInfo) -> dict[str, Any] | None:
         """Fold in the step that made `state`; on a log step emit and return its record."""
@@ -127,4 +127,4 @@ class Logger:
         # The epoch's last step left the cursor at the number of micro-batches in it.
         if self.epoch_size is None and state.epoch == self._epoch + 1 and self._cursor > 0:
             self.epoch_size = int(self._cursor)
-        self._epoch, self._cursor = state.epoch, state.cursor
+        self._epoch, self._cursor = state.epoch, state.data.cursor

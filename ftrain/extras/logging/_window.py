@@ -23,8 +23,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ftrain.grads import Stats
 from ftrain.extras.logging._perf import peak_memory_mb
+from ftrain.grads import Stats
 from ftrain.state import TrainState
 from ftrain.step import StepInfo
 
@@ -53,7 +53,7 @@ def window(state: TrainState) -> LogWindow:
         >>> w.steps
         0
     """
-    device = state.tokens_seen.device
+    device = state.data.tokens_seen.device
     zero = torch.zeros((), dtype=torch.float64, device=device)
     return LogWindow(
         loss_sum=zero,
@@ -62,8 +62,8 @@ def window(state: TrainState) -> LogWindow:
         grad_norm=None,
         lr=None,
         start_time=time.perf_counter(),
-        start_tokens=state.tokens_seen,
-        start_samples=state.samples_seen,
+        start_tokens=state.data.tokens_seen,
+        start_samples=state.data.samples_seen,
     )
 
 
@@ -111,7 +111,7 @@ def emit(
         raise ValueError("emit needs at least one update since the window was opened")
     _check_emit_args(epoch_size, flops_per_token, peak_flops)
     norm = w.grad_norm if w.grad_norm is not None else torch.full_like(w.loss_sum, math.nan)
-    parts = [w.loss_sum, w.skipped, norm, state.tokens_seen, state.samples_seen]
+    parts = [w.loss_sum, w.skipped, norm, state.data.tokens_seen, state.data.samples_seen]
     parts += [w.start_tokens, w.start_samples]
     loss_sum, skipped, grad_norm, tokens, samples, tokens0, samples0 = torch.stack(
         [p.to(torch.float64) for p in parts]
@@ -119,7 +119,7 @@ def emit(
     elapsed = max(time.perf_counter() - w.start_time, 1e-9)
     epoch = float(state.epoch)
     if epoch_size is not None:
-        epoch += state.cursor / epoch_size
+        epoch += state.data.cursor / epoch_size
     record: dict[str, Any] = {
         "step": state.step,
         "epoch": round(epoch, 4),
@@ -131,7 +131,7 @@ def emit(
         "tokens_seen": int(tokens),
         "samples_seen": int(samples),
         "skipped_steps": int(skipped),
-        "peak_memory_mb": peak_memory_mb(state.tokens_seen.device),
+        "peak_memory_mb": peak_memory_mb(state.data.tokens_seen.device),
     }
     if flops_per_token is not None:
         record["flops_per_second"] = flops_per_token * record["tokens_per_second"]
