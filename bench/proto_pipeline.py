@@ -120,9 +120,7 @@ def readme_loop(state, data, steps):
     losses = []
     lr = ft.schedules.warmup_cosine(peak_lr=1e-2, warmup_steps=2, total_steps=steps)
     while state.step < steps:
-        for micro in ft.make_batches(
-            data, state, batch_size=4, accum=2,
-        ):  # fmt: skip
+        for micro in ft.make_batches(data, state, batch_size=4, accum=2):  # fmt: skip
             grads, stats = ft.accumulate_grads(state, micro)
             state, info = ft.clip_and_step(
                 state, grads, stats=stats, lr=lr(state.step), max_norm=0.5

@@ -47,8 +47,7 @@ def hyper(k: int) -> tuple[list[float], list[float]]:
 def train(state: ft.TrainState, data: list, loss, *, epochs: int, lr: float) -> ft.TrainState:
     """The README loop, for `epochs` epochs at a constant learning rate."""
     while state.epoch < epochs:
-        for micro in ft.make_batches(
-            data, state, batch_size=64):
+        for micro in ft.make_batches(data, state, batch_size=64):
             grads, stats = ft.accumulate_grads(state, micro, loss)
             state, _ = ft.clip_and_step(state, grads, lr=lr, stats=stats)
         state = ft.next_epoch(state)

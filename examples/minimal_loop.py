@@ -48,8 +48,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     state = ft.TrainState.create(model, ft.optim.adamw(weight_decay=0.1), seed=0)
     lr = ft.schedules.warmup_cosine(peak_lr=3e-3, warmup_steps=5, total_steps=steps)
     while state.step < steps:
-        for micro in ft.make_batches(
-            train_ds, state, batch_size=8, accum=2):
+        for micro in ft.make_batches(train_ds, state, batch_size=8, accum=2):
             grads, stats = ft.accumulate_grads(state, micro)
             state, info = ft.clip_and_step(
                 state, grads, stats=stats, lr=lr(state.step), max_norm=1.0

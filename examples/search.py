@@ -56,8 +56,7 @@ def train(data, *, lr: float, warmup_steps: int, weight_decay: float, steps: int
     loss_fn = ft.losses.classification_loss()
     metrics: dict[str, float] = {}
     while state.step < steps:
-        for micro in ft.make_batches(
-            train_rows, state, batch_size=32):
+        for micro in ft.make_batches(train_rows, state, batch_size=32):
             grads, stats = ft.accumulate_grads(state, micro, loss_fn)
             state, _ = ft.clip_and_step(state, grads, stats=stats, lr=schedule(state.step),
                                         max_norm=1.0)  # fmt: skip

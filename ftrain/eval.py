@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ftrain.data import weighted
+from ftrain.data import MicroBatches, weighted
 from ftrain.losses import IGNORE_INDEX, LossFn, _logits, _upcast, default_loss
 from ftrain.state import TrainState
 from ftrain.strategies._base import Strategy
@@ -23,9 +23,9 @@ OutputFn = Callable[[nn.Module, Any], Mapping[str, torch.Tensor]]
 
 
 def _flatten(batches: Iterable[Any]) -> Iterable[Any]:
-    # make_batches yields lists of micro-batches; a plain iterable of batches works too.
+    # make_batches yields groups of micro-batches (lists work too); so do plain batches.
     for item in batches:
-        if isinstance(item, list):
+        if isinstance(item, (list, MicroBatches)):
             yield from item
         else:
             yield item

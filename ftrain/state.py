@@ -109,9 +109,9 @@ class EarlyStoppingState(_SubState):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ScalerState(_SubState):
-    """Float16 dynamic loss scaling's state (a strategy with `precision="fp16"`): `scale` (float32) and
-    `growth_tracker` (int32) are 0-dim device tensors, updated on the device; both are None
-    when the run does not scale its loss."""
+    """Float16 dynamic loss scaling's state (a strategy with `precision="fp16"`): `scale`
+    (float32) and `growth_tracker` (int32) are 0-dim device tensors, updated on the device;
+    both are None when the run does not scale its loss."""
 
     scale: torch.Tensor | None = None
     growth_tracker: torch.Tensor | None = None

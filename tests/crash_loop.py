@@ -40,8 +40,7 @@ def main(root: str, total: int) -> None:
     if (ckpt := ft.latest_checkpoint(root)) is not None:
         state = ft.load_checkpoint(ckpt, state)
     while state.step < total:
-        for micro in ft.make_batches(
-            data, state, batch_size=4, accum=3):
+        for micro in ft.make_batches(data, state, batch_size=4, accum=3):
             grads, stats = ft.accumulate_grads(state, micro, loss_fn)
             state, _ = ft.clip_and_step(state, grads, stats=stats, lr=1e-3, max_norm=1.0)
             print(f"saving {state.step}", flush=True)

@@ -21,9 +21,7 @@ def train(state, *, steps, batch_size, accum=2, hook=None):
     losses = []
     lr = ft.schedules.warmup_cosine(peak_lr=1e-2, warmup_steps=2, total_steps=steps)
     while state.step < steps:
-        for micro in ft.make_batches(
-            ROWS, state, batch_size=batch_size, accum=accum,
-        ):  # fmt: skip
+        for micro in ft.make_batches(ROWS, state, batch_size=batch_size, accum=accum):  # fmt: skip
             grads, stats = ft.accumulate_grads(state, micro)
             state, _ = ft.clip_and_step(state, grads, stats=stats, lr=lr(state.step), max_norm=0.5)
             losses.append(float(stats.loss))
@@ -221,7 +219,8 @@ def fsdp_fp16(rank: int, world: int, port: int, out: str) -> None:
     _env(rank, world, port)
     strategy = ft.strategies.from_env("fsdp", precision="fp16")
     state = ft.TrainState.create(tiny_llama(), ft.optim.adamw(), seed=3, strategy=strategy)
-    state = state.replace(scaler=state.scaler.replace(scale=torch.tensor(2.0**30)))  # overflows at first: backs off
+    # overflows at first: backs off
+    state = state.replace(scaler=state.scaler.replace(scale=torch.tensor(2.0**30)))
     state, losses = train(state, steps=5, batch_size=2)
     path = ft.save_checkpoint(state, Path(out) / "ckpt")
     full = {n: p.full_tensor().detach() for n, p in state.params.items()}

@@ -76,9 +76,7 @@ def opt_state_tensors(opt_state) -> dict:
 def train_steps(state, data, steps, *, loss_fn=None, batch_size=4, accum=2, lr=1e-2, max_norm=0.3):
     """The README loop until `state.step == steps` (across epochs), at a constant `lr`."""
     while state.step < steps:
-        for micro in ft.make_batches(
-            data, state, batch_size=batch_size, accum=accum,
-        ):  # fmt: skip
+        for micro in ft.make_batches(data, state, batch_size=batch_size, accum=accum):  # fmt: skip
             grads, stats = ft.accumulate_grads(state, micro, loss_fn)
             state, _ = ft.clip_and_step(state, grads, lr=lr, max_norm=max_norm, stats=stats)
             if state.step >= steps:

@@ -206,7 +206,7 @@ def test_forged_safetensors_headers(good, tmp_path, blob):
         lambda m: m.update(format_version=99),
         lambda m: m["fields"].update(step="12"),
         lambda m: m["fields"].update(step=-1),
-        lambda m: m["fields"].pop("cursor"),
+        lambda m: m["fields"].pop("data.cursor"),
         lambda m: m["fields"].update(tokens_seen=[1, 2]),
         lambda m: m["fields"].update(tokens_seen={"dtype": "int64", "value": 2**70}),
         lambda m: m["fields"].update(step=True),
@@ -337,12 +337,12 @@ def test_fuzzed_metadata_fails_cleanly(good, tmp_path_factory, section, key_inde
 def test_a_rejected_file_leaves_the_state_untouched(good, tmp_path):
     path = _copy(good, tmp_path)
     meta = json.loads((path / "state.json").read_text())
-    meta["fields"]["cursor"] = "seven"  # found only after the tensors have been read and matched
+    meta["fields"]["data.cursor"] = "seven"  # found only after the tensors have been read and matched
     (path / "state.json").write_text(json.dumps(meta))
     reseal(path)
     template = _template()
     before = {n: p.clone() for n, p in template.params.items()}
-    with pytest.raises(ft.CheckpointError, match="cursor"):
+    with pytest.raises(ft.CheckpointError, match="data.cursor"):
         ft.load_checkpoint(path, template)
     assert all(torch.equal(before[n], p) for n, p in template.params.items())
     assert not template.consumed

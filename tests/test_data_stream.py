@@ -230,8 +230,7 @@ def test_readme_loop_on_a_stream_resumes_from_a_checkpoint(hf_stream, tmp_path):
 
     def run(state, steps, stop=None):
         while state.step < steps:
-            for micro in ft.make_batches(
-                hf_stream, state, batch_size=2, accum=2):
+            for micro in ft.make_batches(hf_stream, state, batch_size=2, accum=2):
                 grads, stats = ft.accumulate_grads(state, micro, loss)
                 state, _ = ft.clip_and_step(state, grads, stats=stats, lr=0.1)
                 if state.step == stop:

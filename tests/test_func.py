@@ -516,8 +516,7 @@ def test_dp_sgd_loop_resumes_exactly(tmp_path):
 
     def train(state, until):
         while state.step < until:
-            for micro in ft.make_batches(
-                rows, state, batch_size=4, accum=2):
+            for micro in ft.make_batches(rows, state, batch_size=4, accum=2):
                 grads, stats = ft.func.private_grads(
                     state, micro, ce_loss, max_norm=0.5, noise_multiplier=1.0
                 )

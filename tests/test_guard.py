@@ -44,8 +44,7 @@ def _run(root, steps, *, scale=100.0, guard=None, stop_at=None, state=None, rows
     rolled = []
     loss_fn = _loss(scale)
     while state.step < steps:
-        for micro in ft.make_batches(
-            rows, state, batch_size=2, shuffle=False):
+        for micro in ft.make_batches(rows, state, batch_size=2, shuffle=False):
             grads, stats = ft.accumulate_grads(state, micro, loss_fn)
             state, verdict = guard.observe(state, stats)
             if verdict.rollback:

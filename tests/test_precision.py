@@ -228,7 +228,7 @@ def test_loss_scale_and_strategy_must_agree():
     state = ft.TrainState.create(_model(), ft.optim.adamw())
     grads, _ = ft.accumulate_grads(state, _batches(1, 1.0), _sse)
     bad = state.replace(strategy=ft.strategies.SingleDevice("cpu", precision="fp16"))
-    with pytest.raises(ValueError, match=r"loss scaling and state\.loss_scale disagree"):
+    with pytest.raises(ValueError, match=r"loss scaling and state\.scaler disagree"):
         ft.clip_and_step(bad, grads, lr=1e-2)
 
 
@@ -240,10 +240,10 @@ def test_a_forged_loss_scale_is_refused(tmp_path):
     state = ft.TrainState.create(_model(), ft.optim.adamw(), strategy=strategy)
     path = ft.save_checkpoint(state, tmp_path)
     meta = json.loads((path / "state.json").read_text())
-    meta["fields"]["loss_scale"]["value"] = -1.0
+    meta["fields"]["scaler.scale"]["value"] = -1.0
     (path / "state.json").write_text(json.dumps(meta))
     digest = hashlib.sha256((path / "state.json").read_bytes()).hexdigest()
     (path / "COMMITTED").write_text(json.dumps({"state.json": digest}))
     fresh = ft.TrainState.create(_model(), ft.optim.adamw(), strategy=strategy)
-    with pytest.raises(ft.CheckpointError, match="loss_scale"):
+    with pytest.raises(ft.CheckpointError, match="scaler.scale"):
         ft.load_checkpoint(path, fresh)

@@ -83,7 +83,7 @@ def test_snapshot_is_independent():
     _step(s0)
     for k, v in copy.params.items():
         assert torch.equal(v, before[k])
-        assert v.data_ptr() != s0.model_.state_dict()[k].data_ptr()
+        assert v.data_ptr() != s0.tensors_.model.state_dict()[k].data_ptr()
     _step(copy)  # the copy trains on its own
 
 

@@ -22,9 +22,7 @@ def train(state, *, steps, batch_size):
     losses, norms = [], []
     lr = ft.schedules.warmup_cosine(peak_lr=1e-2, warmup_steps=2, total_steps=STEPS)
     while state.step < steps:
-        for micro in ft.make_batches(
-            ROWS, state, batch_size=batch_size, accum=2,
-        ):  # fmt: skip
+        for micro in ft.make_batches(ROWS, state, batch_size=batch_size, accum=2):  # fmt: skip
             grads, stats = ft.accumulate_grads(state, micro)
             state, info = ft.clip_and_step(
                 state, grads, stats=stats, lr=lr(state.step), max_norm=MAX_NORM

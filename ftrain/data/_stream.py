@@ -232,9 +232,10 @@ def pack(data: Any, *, block_size: int, mode: str = "concat", key: str = "input_
 
     `mode="concat"` concatenates the rows' `key` tokens and cuts them into blocks of exactly
     `block_size` (the stream's last block may be shorter); every token is used once, and a
-    row may span two blocks. `mode="examples"` keeps examples whole, as `ft.data.pack_examples` does:
-    rows are added to a block until the next does not fit (`position_ids` restart per example,
-    a row longer than `block_size` is cut). Blocks are rows `{"input_ids", "labels", ...}`.
+    row may span two blocks. `mode="examples"` keeps examples whole, as
+    `ft.data.pack_examples` does: rows are added to a block until the next does not fit
+    (`position_ids` restart per example, a row longer than `block_size` is cut). Blocks are
+    rows `{"input_ids", "labels", ...}`.
 
     Example:
         >>> import ftrain as ft
