@@ -1,5 +1,6 @@
 """Placement only in strategies/ (issue 25): the seam's placement members, the functions for code
-without a strategy at hand, and a scan proving that nothing else asks what kind of tensor it holds."""
+without a strategy at hand, and a scan showing that nothing else asks what kind of tensor it
+holds."""
 
 from pathlib import Path
 
