@@ -21,6 +21,7 @@ from ftrain.checkpoint._tree import _children as children
 from ftrain.checkpoint._verify import Opened, field_hints, fits, open_checkpoint, read_meta
 from ftrain.optim._adapters import TorchOptimizerState
 from ftrain.state import TrainState
+from ftrain.strategies import Strategy
 
 __all__ = ["CheckpointMismatchError", "CheckpointMismatchWarning", "load_checkpoint", "read_meta"]
 
@@ -155,7 +156,7 @@ def load_checkpoint(
     return state.consume("load_checkpoint", opt_state=opt_state, **fields)
 
 
-def read_shards(strategy: Any, directory: Path, targets: dict[str, torch.Tensor]) -> None:
+def read_shards(strategy: Strategy, directory: Path, targets: dict[str, torch.Tensor]) -> None:
     """Fill `targets` (the strategy's tensors) from verified shards, resharded by the strategy;
     collective with several ranks."""
     try:
@@ -164,7 +165,7 @@ def read_shards(strategy: Any, directory: Path, targets: dict[str, torch.Tensor]
         raise CheckpointError(f"reading the shards in {directory} failed: {e}") from e
 
 
-def _open_on_every_rank(path: Path, strategy: Any, *, verify: bool) -> Opened:
+def _open_on_every_rank(path: Path, strategy: Strategy, *, verify: bool) -> Opened:
     """Open the checkpoint; with several ranks, make sure every rank opened the same one.
 
     Ranks can see different files (node-local run folders, a copy lagging behind): each

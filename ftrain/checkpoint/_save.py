@@ -49,6 +49,7 @@ from ftrain.checkpoint._io import (
     write_text,
 )
 from ftrain.state import TrainState
+from ftrain.strategies import Strategy
 
 __all__ = ["latest_checkpoint", "save_checkpoint", "wait_for_checkpoint"]
 
@@ -157,7 +158,7 @@ class _Job:
     def path(self) -> Path:
         return _step_dir(self.root, self.step)
 
-    def run(self, staged: L.Contents, strategy: Any) -> Path:
+    def run(self, staged: L.Contents, strategy: Strategy) -> Path:
         """Write, seal, rotate (on the ranks that write)."""
         path = _commit(_ready(staged), self.root, checksum=self.checksum, strategy=strategy)
         if strategy.process_rank == 0:
@@ -189,7 +190,7 @@ def _save_together(job: _Job, state: TrainState, metrics: Mapping[str, Any] | No
     return job.path
 
 
-def _stage(contents: L.Contents, strategy: Any, *, copy: bool) -> L.Contents:
+def _stage(contents: L.Contents, strategy: Strategy, *, copy: bool) -> L.Contents:
     """Host copies of whole tensors and counters, from `Strategy.to_host` (a sharded state's
     shards are left to the strategy, which writes them where they are or stages them itself).
 
@@ -243,7 +244,7 @@ def _map_values(meta: dict[str, Any], fn: Callable[[torch.Tensor], Any]) -> dict
     return {**meta, "fields": fields, "metrics": metrics}
 
 
-def _commit(staged: L.Contents, root: Path, *, checksum: bool, strategy: Any) -> Path:
+def _commit(staged: L.Contents, root: Path, *, checksum: bool, strategy: Strategy) -> Path:
     """Write `staged` into a temporary directory of this save's own, seal it, publish it."""
     tmp = _new_tmp(root, staged.step, strategy)
     try:
@@ -256,7 +257,7 @@ def _commit(staged: L.Contents, root: Path, *, checksum: bool, strategy: Any) ->
     return _step_dir(root, staged.step)
 
 
-def _write(staged: L.Contents, tmp: Path, strategy: Any) -> list[str]:
+def _write(staged: L.Contents, tmp: Path, strategy: Strategy) -> list[str]:
     """Write the tensors (and config.json) into `tmp`; return the files state.json records."""
     if strategy.checkpoint_sharded:
         try:  # collective: when any rank fails, every rank raises
@@ -342,7 +343,7 @@ def _after_every_commit(marker: Path, root: Path) -> None:
         os.utime(marker, ns=(last[0] + 1, last[0] + 1))
 
 
-def _all_ok(ok: bool, strategy: Any) -> bool:
+def _all_ok(ok: bool, strategy: Strategy) -> bool:
     """Collective: True on every rank when every rank passed True."""
     failed = torch.tensor(0.0 if ok else 1.0, device=strategy.device)
     return bool(strategy.sum_over_processes(failed) == 0)  # host sync: saving is the place
@@ -388,7 +389,7 @@ def _tmp_name(what: str, *, pid: int | None = None, host: str = _HOST) -> str:
     return f"{L.TMP_PREFIX}{what}.{owner}.{uuid.uuid4().hex[:8]}"
 
 
-def _new_tmp(root: Path, step: int, strategy: Any) -> Path:
+def _new_tmp(root: Path, step: int, strategy: Strategy) -> Path:
     """Rank 0 makes the directory; with a sharded state every rank learns its name."""
     name, error = "", None
     if strategy.process_rank == 0:
@@ -409,7 +410,7 @@ def _new_tmp(root: Path, step: int, strategy: Any) -> Path:
     return root / name
 
 
-def _broadcast_name(name: str, strategy: Any) -> str:
+def _broadcast_name(name: str, strategy: Strategy) -> str:
     """Rank 0's `name` on every rank ("" when rank 0 failed), through a sum of byte codes."""
     codes = torch.zeros(256, dtype=torch.int64)
     codes[: len(name)] = torch.tensor(list(name.encode()), dtype=torch.int64)

@@ -16,6 +16,7 @@ from torch import nn
 
 from ftrain.extras import _lce_kernels
 from ftrain.losses import IGNORE_INDEX, LossFn, _logits, _upcast
+from ftrain.strategies import is_distributed
 
 __all__ = ["chunked_causal_lm_loss"]
 
@@ -183,7 +184,7 @@ def chunked_causal_lm_loss(
             raise KeyError("chunked_causal_lm_loss needs 'labels' in the batch")
         out = _head(model) if head is None else head
         weight, bias = out.weight, out.bias
-        if hasattr(weight, "device_mesh"):
+        if is_distributed(weight):
             raise ValueError(
                 "chunked_causal_lm_loss cannot use a sharded (FSDP) head weight; use "
                 "causal_lm_loss under FSDP, or DDP"

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from ftrain.optim import _traceable
+from ftrain.strategies import local_view
 
 __all__ = [
     "AdamState",
@@ -86,12 +87,12 @@ class ChainState(NamedTuple):
 
 
 def _local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The local shards of DTensors (FSDP2), the tensors themselves otherwise.
+    """This process's parts of `tensors` (shards under FSDP), the tensors themselves otherwise.
 
-    The fused kernels update them in place, which updates the sharded parameters; not every
-    fused kernel has a DTensor rule, and plain tensors skip DTensor dispatch anyway.
+    The fused kernels update them in place, which updates the sharded parameters. `update` has
+    no strategy at hand, so `ft.strategies.local_view` answers the placement question.
     """
-    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return [local_view(t) for t in tensors]
 
 
 def _check(name: str, value: float, ok: bool, want: str) -> None:

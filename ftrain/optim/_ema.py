@@ -140,9 +140,8 @@ def swap_ema(state: TrainState) -> Iterator[TrainState]:
         ...     pass  # evaluate or export here
     """
     average = _find(state.opt_state).ema
-    names = list(average)
-    live = _local([state.params[n] for n in names])
-    pairs = list(zip(live, _local([average[n] for n in names]), strict=True))
+    local = state.strategy.local_view  # this rank's shards (FSDP), whole tensors otherwise
+    pairs = [(local(state.params[n]), local(average[n])) for n in average]
     _swap(pairs)
     try:
         yield state

@@ -8,11 +8,12 @@ matrices and AdamW the rest through `ft.optim.partition`.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from ftrain.optim._base import Grads, Optimizer, Params, _check
+from ftrain.strategies import gather_whole, local_part, local_view
 
 __all__ = ["MuonState", "muon"]
 
@@ -47,33 +48,6 @@ def _lr_ratio(shape: torch.Size, adjust_lr: str) -> float:
     if adjust_lr == "original":  # Keller Jordan: same update RMS for tall matrices
         return math.sqrt(max(1.0, rows / cols))
     return 0.2 * math.sqrt(max(rows, cols))  # Moonshot (arXiv:2502.16982): AdamW's update RMS
-
-
-def _whole(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The whole matrix of a local shard `local` laid out like the DTensor `like` (an
-    all-gather); `local` itself for plain tensors."""
-    if not hasattr(like, "device_mesh"):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    dt: Any = like
-    return DTensor.from_local(
-        local, dt.device_mesh, dt.placements, shape=dt.shape, stride=dt.stride()
-    ).full_tensor()
-
-
-def _shard(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of `whole` laid out like `like` (no communication)."""
-    if not hasattr(like, "device_mesh"):
-        return whole
-    from torch.distributed.tensor import distribute_tensor
-
-    dt: Any = like
-    return distribute_tensor(whole, dt.device_mesh, dt.placements, src_data_rank=None).to_local()
-
-
-def _loc(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def muon(
@@ -148,15 +122,13 @@ def muon(
     def _step_one(
         p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor, lr: float, keep: torch.Tensor | None
     ) -> None:
-        p_l, g_l, buf_l = _loc(p), _loc(g), _loc(buf)
+        # Sharded matrices: the iteration needs the whole one, so gather it, keep our part.
+        p_l, g_l, buf_l = local_view(p), local_view(g), local_view(buf)
         new_buf = buf_l.lerp(g_l, 1 - momentum)
         direction = g_l.lerp(new_buf, momentum) if nesterov else new_buf
-        o = _shard(
-            newton_schulz(
-                _whole(direction, p), coefficients=ns_coefficients, steps=ns_steps, eps=eps
-            ),
-            p,
-        )
+        whole = gather_whole(direction, like=p)
+        o = newton_schulz(whole, coefficients=ns_coefficients, steps=ns_steps, eps=eps)
+        o = local_part(o, like=p)
         ratio = _lr_ratio(p.shape, adjust_lr)
         new_p = p_l.mul(1 - lr * weight_decay).add_(o, alpha=-lr * ratio)
         if keep is not None:  # skip on the device: keep the old values where found_inf

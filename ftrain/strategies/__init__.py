@@ -6,6 +6,10 @@ from ftrain.strategies._base import default_device as default_device
 from ftrain.strategies._ddp import DDP as DDP
 from ftrain.strategies._env import from_env as from_env
 from ftrain.strategies._fsdp import FSDP as FSDP
+from ftrain.strategies._placement import gather_whole as gather_whole
+from ftrain.strategies._placement import is_distributed as is_distributed
+from ftrain.strategies._placement import local_part as local_part
+from ftrain.strategies._placement import local_view as local_view
 from ftrain.strategies._preempt import Preemption as Preemption
 from ftrain.strategies._preempt import on_preemption as on_preemption
 from ftrain.strategies._tp import TP as TP
@@ -19,5 +23,9 @@ __all__ = [
     "Strategy",
     "default_device",
     "from_env",
+    "gather_whole",
+    "is_distributed",
+    "local_part",
+    "local_view",
     "on_preemption",
 ]

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ftrain.precision import Precision
-from ftrain.strategies import _dcp
+from ftrain.strategies import _dcp, _placement
 
 __all__ = ["SingleDevice", "Strategy", "default_device"]
 
@@ -43,6 +43,10 @@ class Strategy(Protocol):
     where tensors are placed.
     `ft.checkpoint` asks them and never inspects a tensor's type; a new layout (tensor
     parallelism) is a new strategy, not a new branch there. See docs/strategies.md.
+
+    Placement: `local_view` and `is_distributed` answer what kind of tensor a caller holds;
+    code without a strategy at hand (an optimizer's `update`, a loss) asks the functions of the
+    same names in `ft.strategies`. Nothing outside `ft.strategies` inspects a tensor's layout.
     """
 
     device: torch.device
@@ -104,6 +108,17 @@ class Strategy(Protocol):
     def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's rows of `tensor` (first axis; counts may differ), concatenated in rank
         order, on every rank. Other axes that differ between ranks are padded with -100."""
+        ...
+
+    def local_view(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This process's part of one of this strategy's tensors (a parameter, a gradient, an
+        optimizer-state tensor), sharing its storage: in-place changes reach the tensor. The
+        tensor itself where tensors are whole (see "Placement" below)."""
+        ...
+
+    def is_distributed(self, tensor: torch.Tensor) -> bool:
+        """Whether one of this strategy's tensors is laid out over several processes (sharded
+        or replicated), so that this process does not hold it as a whole plain tensor."""
         ...
 
     def to_host(
@@ -210,6 +225,12 @@ class SingleDevice:
 
     def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
+
+    def local_view(self, tensor: torch.Tensor) -> torch.Tensor:
+        return _placement.local_view(tensor)
+
+    def is_distributed(self, tensor: torch.Tensor) -> bool:
+        return _placement.is_distributed(tensor)
 
     @property
     def process_rank(self) -> int:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ftrain.precision import Precision
-from ftrain.strategies import _dcp
+from ftrain.strategies import _dcp, _placement
 from ftrain.strategies._base import _precision_repr, host_copies, move_to
 
 __all__ = ["ProcessGroupStrategy", "collective_timeout", "join_group", "local_device"]
@@ -260,6 +260,13 @@ class ProcessGroupStrategy:
         dist.all_gather(parts, padded.contiguous(), group=self.group)
         rest = tuple(slice(0, d) for d in largest[1:])
         return torch.cat([p[(slice(0, s[0]), *rest)] for p, s in zip(parts, sizes, strict=True)])
+
+    # Placement: FSDP and TP hold DTensors, DDP whole tensors; each tensor says which.
+    def local_view(self, tensor: torch.Tensor) -> torch.Tensor:
+        return _placement.local_view(tensor)
+
+    def is_distributed(self, tensor: torch.Tensor) -> bool:
+        return _placement.is_distributed(tensor)
 
     # Checkpoint layout: whole tensors on every rank (DDP); FSDP overrides what shards change.
     checkpoint_sharded = False

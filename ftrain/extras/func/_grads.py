@@ -81,10 +81,10 @@ def _example_fn(state: TrainState, loss_fn: LossFn | None, *, vectorize: bool) -
 
 def _params(state: TrainState) -> dict[str, torch.Tensor]:
     for n, p in state.params.items():
-        if hasattr(p, "device_mesh"):
+        if state.strategy.is_distributed(p):
             raise FuncError(
-                f"parameter {n!r} is sharded (DTensor): ft.func needs whole parameters; "
-                "use SingleDevice or DDP"
+                f"parameter {n!r} is distributed over processes (FSDP, TP): ft.func needs "
+                "whole parameters; use SingleDevice or DDP"
             )
     return {f"model.{n}": p.detach() for n, p in state.params.items()}
 
