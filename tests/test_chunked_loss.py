@@ -48,7 +48,7 @@ def test_gradients_equal_the_plain_loss(make_model, micro):
 
 
 def test_the_chunked_function_with_bias_in_float64_and_under_no_grad():
-    from ftrain.losses import _LinearCrossEntropy
+    from ftrain.extras.chunked_loss import _LinearCrossEntropy
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(13, 6, dtype=torch.float64, generator=g, requires_grad=True)
