@@ -3,10 +3,12 @@
 from ftrain.strategies._base import SingleDevice as SingleDevice
 from ftrain.strategies._base import Strategy as Strategy
 from ftrain.strategies._base import default_device as default_device
+from ftrain.strategies._base import local_grad_norm as local_grad_norm
 from ftrain.strategies._ddp import DDP as DDP
 from ftrain.strategies._env import from_env as from_env
 from ftrain.strategies._fsdp import FSDP as FSDP
 from ftrain.strategies._preempt import Preemption as Preemption
+from ftrain.strategies._preempt import active as active_preemption
 from ftrain.strategies._preempt import on_preemption as on_preemption
 from ftrain.strategies._tp import TP as TP
 
@@ -17,7 +19,9 @@ __all__ = [
     "Preemption",
     "SingleDevice",
     "Strategy",
+    "active_preemption",
     "default_device",
     "from_env",
+    "local_grad_norm",
     "on_preemption",
 ]
