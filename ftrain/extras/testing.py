@@ -18,8 +18,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ftrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from ftrain.checkpoint._tree import flatten
+from ftrain.checkpoint import flatten_tree, latest_checkpoint, load_checkpoint, save_checkpoint
 from ftrain.data import Collate, make_batches
 from ftrain.grads import accumulate_grads
 from ftrain.losses import LossFn
@@ -112,7 +111,7 @@ def assert_accumulation_exact(
 def _state_tensors(state: TrainState) -> dict[str, Any]:
     """Parameters, buffers, optimizer state and counters of a state, by name."""
     out: dict[str, Any] = {f"model/{k}": v for k, v in state.model_.state_dict().items()}
-    out.update({f"opt_state/{k}": v for k, v in flatten(state.opt_state_).items()})
+    out.update({f"opt_state/{k}": v for k, v in flatten_tree(state.opt_state_).items()})
     for f in dataclasses.fields(state):
         v = getattr(state, f.name)
         if f.name not in ("model_", "opt_state_", "params_", "lease_", "optimizer", "strategy"):
@@ -255,7 +254,7 @@ def _tensors(obj: Any, prefix: str) -> dict[str, torch.Tensor]:
     """Every tensor an argument holds, by path: states, modules, and pytrees of tensors."""
     if isinstance(obj, TrainState):
         named = {f"model/{k}": v for k, v in obj.model_.state_dict().items()}
-        named.update({f"opt_state/{k}": v for k, v in flatten(obj.opt_state_).items()})
+        named.update({f"opt_state/{k}": v for k, v in flatten_tree(obj.opt_state_).items()})
         named.update({k: v for k, v in _state_tensors(obj).items() if "/" not in k})
     elif isinstance(obj, nn.Module):
         named = dict(obj.state_dict())
