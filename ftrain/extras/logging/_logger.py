@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ftrain.grads import Stats
 from ftrain.extras.logging._sinks import NullSink, ProgressBar, Sink, Sinks
 from ftrain.extras.logging._window import _check_emit_args, emit, update, window
+from ftrain.grads import Stats
 from ftrain.predicates import should_log
 from ftrain.state import TrainState
 from ftrain.step import StepInfo

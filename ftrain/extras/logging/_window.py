@@ -23,8 +23,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ftrain.grads import Stats
 from ftrain.extras.logging._perf import peak_memory_mb
+from ftrain.grads import Stats
 from ftrain.state import TrainState
 from ftrain.step import StepInfo
 
