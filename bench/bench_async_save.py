@@ -27,7 +27,6 @@ import torch.multiprocessing as mp
 from bench_checkpoint import build_model  # the same ~30M-parameter GPT-2
 
 import ftrain as ft
-from ftrain.checkpoint._tree import flatten
 
 
 def worker(rank: int, world: int, port: int, root: str, rounds: int, every: int) -> None:
@@ -57,7 +56,11 @@ def worker(rank: int, world: int, port: int, root: str, rounds: int, every: int)
         def save(mode: str) -> None:
             t = time.perf_counter()
             if mode == "raw":
-                opt = {k: v for k, v in flatten(state.opt_state).items() if torch.is_tensor(v)}
+                opt = {
+                    k: v
+                    for k, v in ft.checkpoint.flatten_tree(state.opt_state).items()
+                    if torch.is_tensor(v)
+                }
                 tensors = {**state.params, **opt}
                 future = dcp.async_save(
                     tensors, checkpoint_id=f"{root}/raw-{state.step}", process_group=raw_group

@@ -1,7 +1,7 @@
 """The tensor work of `clip_and_step` (norm, skip, clip, update) as one `torch.compile`d call.
 
 Used by `clip_and_step(..., compile=True)`. One compiled function per optimizer (its traceable
-twin, `ft.optim._traceable`); the learning rate enters as a 0-dim tensor that is refilled each
+twin, `ft.optim.twin_of`); the learning rate enters as a 0-dim tensor that is refilled each
 step, so a schedule does not recompile. What may recompile: the first step of SGD (its momentum
 buffer starts from the gradient), a new `max_norm`, or another set of parameters.
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ftrain.optim._traceable import Split, TraceableUpdate, twin_of
+from ftrain.optim import TraceableUpdate, twin_of
 
 Tensors = Mapping[str, torch.Tensor]
 
@@ -36,7 +36,7 @@ def _step_math(
     grads: Tensors,
     opt_state: Any,
     params: Tensors,
-    split: Split,
+    split: list[tuple[bool, list[str]]],  # the optimizer's (decay, names) grouping
     lr: torch.Tensor,
     max_norm: float | None,
     check_finite: bool,

@@ -12,18 +12,33 @@ import torch
 from torch import nn
 
 from ftrain.data import MicroBatches, weighted
-from ftrain.losses import IGNORE_INDEX, LossFn, _logits, _upcast, default_loss
+from ftrain.losses import IGNORE_INDEX, LossFn, default_loss, model_logits, upcast
 from ftrain.state import TrainState
-from ftrain.strategies._base import Strategy
+from ftrain.strategies import Strategy
 
-__all__ = ["MetricsFn", "OutputFn", "classification_metrics", "evaluate", "predict"]
+__all__ = [
+    "MetricsFn",
+    "OutputFn",
+    "classification_metrics",
+    "evaluate",
+    "eval_mode",
+    "flatten_batches",
+    "predict",
+]
 
 MetricsFn = Callable[[nn.Module, Any], Mapping[str, tuple[torch.Tensor, torch.Tensor]]]
 OutputFn = Callable[[nn.Module, Any], Mapping[str, torch.Tensor]]
 
 
-def _flatten(batches: Iterable[Any]) -> Iterable[Any]:
-    # make_batches yields groups of micro-batches (lists work too); so do plain batches.
+def flatten_batches(batches: Iterable[Any]) -> Iterator[Any]:
+    """Yield one batch at a time from `make_batches`' groups (`MicroBatches`, or lists), or from a
+    plain iterable of batches, as `evaluate` and `predict` read them.
+
+    Example:
+        >>> from ftrain.eval import flatten_batches
+        >>> list(flatten_batches([[1, 2], [3], 4]))
+        [1, 2, 3, 4]
+    """
     for item in batches:
         if isinstance(item, (list, MicroBatches)):
             yield from item
@@ -71,8 +86,8 @@ def evaluate(
     strategy = state.strategy if strategy is None else strategy
     sums: dict[str, torch.Tensor] = {}
     tokens = loss_fn is None and metrics_fn is None
-    with _inference(state.model), strategy.autocast():
-        for batch in _flatten(batches):
+    with eval_mode(state.model), strategy.autocast():
+        for batch in flatten_batches(batches):
             batch, weight = weighted(batch)  # a ZeroWeight stand-in runs and counts nothing
             batch = strategy.to_device(batch)
             tokens = tokens and _token_labels(batch)
@@ -114,8 +129,20 @@ def _token_labels(batch: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _inference(model: nn.Module) -> Iterator[None]:
-    """Eval mode without gradients; the previous mode comes back afterwards, even on error."""
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """Run the block with `model` in eval mode and without gradients; the model's previous
+    mode comes back afterwards, even on error.
+
+    Example:
+        >>> import torch
+        >>> from ftrain.eval import eval_mode
+        >>> model = torch.nn.Dropout(0.5)
+        >>> with eval_mode(model):
+        ...     model.training, torch.is_grad_enabled()
+        (False, False)
+        >>> model.training
+        True
+    """
     was_training = model.training
     model.eval()
     try:
@@ -131,7 +158,7 @@ def classification_metrics(model: nn.Module, batch: Mapping[str, Any]) -> dict[s
     Labels of -100 are ignored. `evaluate(state, batches, metrics_fn=ft.classification_metrics)`
     reports `eval_loss` and `eval_accuracy`.
     """
-    logits, labels = _upcast(_logits(model, batch)), batch["labels"]
+    logits, labels = upcast(model_logits(model, batch)), batch["labels"]
     keep = labels != IGNORE_INDEX
     loss = torch.nn.functional.cross_entropy(
         logits, labels, ignore_index=IGNORE_INDEX, reduction="sum"
@@ -144,7 +171,7 @@ def classification_metrics(model: nn.Module, batch: Mapping[str, Any]) -> dict[s
 def _default_outputs(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
     if not isinstance(batch, Mapping):
         raise TypeError("predict needs output_fn for batches that are not dicts")
-    out = {"logits": _logits(model, batch)}
+    out = {"logits": model_logits(model, batch)}
     if "labels" in batch:
         out["labels"] = batch["labels"]
     return out
@@ -189,8 +216,8 @@ def predict(
     strategy = state.strategy if strategy is None else strategy
     output_fn = _default_outputs if output_fn is None else output_fn
     model = state.model
-    with _inference(model), strategy.autocast():
-        for batch in _flatten(batches):
+    with eval_mode(model), strategy.autocast():
+        for batch in flatten_batches(batches):
             batch, weight = weighted(batch)
             outputs = dict(output_fn(model, strategy.to_device(batch)))
             if gather and strategy.world_size > 1:

@@ -20,6 +20,8 @@ __all__ = [
     "causal_lm_loss",
     "classification_loss",
     "default_loss",
+    "model_logits",
+    "upcast",
 ]
 
 IGNORE_INDEX = -100
@@ -31,12 +33,38 @@ class LossFn(Protocol):
     def __call__(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-def _upcast(t: torch.Tensor) -> torch.Tensor:
-    # Half-precision logits lose too much in log-softmax; float32/float64 stay as they are.
+def upcast(t: torch.Tensor) -> torch.Tensor:
+    """Return `t` in float32 when it is float16 or bfloat16, else unchanged.
+
+    Half-precision logits lose too much in log-softmax; every loss here upcasts them first, and
+    a loss of your own should too.
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> ft.losses.upcast(torch.zeros(2, dtype=torch.bfloat16)).dtype
+        torch.float32
+        >>> ft.losses.upcast(torch.zeros(2, dtype=torch.float64)).dtype
+        torch.float64
+    """
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
-def _logits(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+def model_logits(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+    """Run `model` on a dict batch without its `labels` and return the logits.
+
+    The batch's other keys are the keyword arguments. The output's `.logits` (HF models), else
+    its first element when it is a tuple, else the output itself. Labels stay out so that an HF
+    model does not compute a (mean) loss of its own.
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> class Lm(torch.nn.Module):
+        ...     def forward(self, input_ids):
+        ...         return torch.zeros(*input_ids.shape, 5)
+        >>> batch = {"input_ids": torch.tensor([[1, 2, 3]]), "labels": torch.tensor([[1, 2, 3]])}
+        >>> ft.losses.model_logits(Lm(), batch).shape
+        torch.Size([1, 3, 5])
+    """
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     out = model(**inputs)
     return out.logits if hasattr(out, "logits") else out[0] if isinstance(out, tuple) else out
@@ -67,10 +95,10 @@ def causal_lm_loss(*, label_smoothing: float = 0.0) -> LossFn:
     def loss_fn(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if "labels" not in batch:
             raise KeyError("causal_lm_loss needs 'labels' in the batch (use input_ids as labels)")
-        logits = _logits(model, batch)[:, :-1]
+        logits = model_logits(model, batch)[:, :-1]
         labels = batch["labels"][:, 1:]
         loss = F.cross_entropy(
-            _upcast(logits.reshape(-1, logits.shape[-1])),
+            upcast(logits.reshape(-1, logits.shape[-1])),
             labels.reshape(-1),
             ignore_index=IGNORE_INDEX,
             reduction="sum",
@@ -91,13 +119,13 @@ def classification_loss(*, label_smoothing: float = 0.0) -> LossFn:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
 
     def loss_fn(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = _logits(model, batch)
+        logits = model_logits(model, batch)
         labels = batch["labels"]
         if logits.shape[-1] == 1:  # regression head, as HF's num_labels == 1
-            loss = F.mse_loss(_upcast(logits.squeeze(-1)), labels.to(logits.dtype), reduction="sum")
+            loss = F.mse_loss(upcast(logits.squeeze(-1)), labels.to(logits.dtype), reduction="sum")
             return loss, torch.tensor(labels.numel(), device=labels.device)
         loss = F.cross_entropy(
-            _upcast(logits),
+            upcast(logits),
             labels,
             ignore_index=IGNORE_INDEX,
             reduction="sum",

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ftrain.state import TrainState
-from ftrain.strategies import _preempt
+from ftrain.strategies import active_preemption
 
 __all__ = ["should_eval", "should_log", "should_save", "should_stop", "track_best"]
 
@@ -65,7 +65,7 @@ def should_save(
 ) -> bool:
     """Like `should_log`, and also true at `total_steps` (so the final model is saved), and
     once every rank agreed on a preemption signal (`ft.strategies.on_preemption`)."""
-    preempt = _preempt.active()
+    preempt = active_preemption()
     return should_eval(state, every=every, total_steps=total_steps, first=first) or (
         preempt is not None and preempt.requested
     )

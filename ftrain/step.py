@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 
 from ftrain._compiled import compiled_update, skip_flag
-from ftrain.checkpoint._save import raise_pending_save_error
+from ftrain.checkpoint import raise_pending_save_error
 from ftrain.grads import Grads, Stats
 from ftrain.precision import update_loss_scale
 from ftrain.state import ScalerState, TrainState, snapshot

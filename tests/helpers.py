@@ -68,9 +68,7 @@ def tiny_gpt2(seed: int = 0, dropout: float = 0.1):
 
 def opt_state_tensors(opt_state) -> dict:
     """Every tensor in an optimizer state, by checkpoint path (for bitwise comparisons)."""
-    from ftrain.checkpoint._tree import flatten
-
-    return {p: v for p, v in flatten(opt_state).items() if isinstance(v, torch.Tensor)}
+    return {p: v for p, v in ft.checkpoint.flatten_tree(opt_state).items() if torch.is_tensor(v)}
 
 
 def train_steps(state, data, steps, *, loss_fn=None, batch_size=4, accum=2, lr=1e-2, max_norm=0.3):

@@ -85,4 +85,8 @@ def test_sigkill_anywhere_then_resume_equals_the_uninterrupted_run(tmp_path):
         assert torch.equal(a.params[n], b.params[n]), n
     ta, tb = opt_state_tensors(a.opt_state), opt_state_tensors(b.opt_state)
     assert all(torch.equal(ta[p], tb[p]) for p in ta)
-    assert (a.epoch, a.data.cursor, int(a.data.samples_seen)) == (b.epoch, b.data.cursor, int(b.data.samples_seen))
+    assert (a.epoch, a.data.cursor, int(a.data.samples_seen)) == (
+        b.epoch,
+        b.data.cursor,
+        int(b.data.samples_seen),
+    )

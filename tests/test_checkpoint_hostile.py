@@ -337,12 +337,13 @@ def test_fuzzed_metadata_fails_cleanly(good, tmp_path_factory, section, key_inde
 def test_a_rejected_file_leaves_the_state_untouched(good, tmp_path):
     path = _copy(good, tmp_path)
     meta = json.loads((path / "state.json").read_text())
-    meta["fields"]["data.cursor"] = "seven"  # found only after the tensors have been read and matched
+    # found only after the tensors have been read and matched
+    meta["fields"]["data.cursor"] = "seven"
     (path / "state.json").write_text(json.dumps(meta))
     reseal(path)
     template = _template()
     before = {n: p.clone() for n, p in template.params.items()}
-    with pytest.raises(ft.CheckpointError, match="data.cursor"):
+    with pytest.raises(ft.CheckpointError, match=r"data\.cursor"):
         ft.load_checkpoint(path, template)
     assert all(torch.equal(before[n], p) for n, p in template.params.items())
     assert not template.consumed

@@ -1,5 +1,5 @@
 """make_batches over streams: datasets streaming and torch IterableDatasets, exact resume from
-the JSON position that rides on state.data.cursor, epochs, shuffle buffer, ranks, packing, mixing."""
+the JSON position kept in state.data.stream, epochs, shuffle buffer, ranks, packing, mixing."""
 
 import json
 
@@ -58,7 +58,9 @@ def _micro(groups):
 def _resumed(data, group, cursor, *, seed=0, epoch=0, **kw):
     """make_batches from a state that clip_and_step left after `group` (cursor and position)."""
     state = ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd(), seed=seed)
-    state = state.replace(epoch=epoch, data=state.data.replace(cursor=cursor, stream=group.position))
+    state = state.replace(
+        epoch=epoch, data=state.data.replace(cursor=cursor, stream=group.position)
+    )
     return ft.make_batches(data, state, **kw)
 
 

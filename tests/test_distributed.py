@@ -269,7 +269,10 @@ def test_fsdp_fp16_loss_scaling_is_sharded_and_checkpointed(tmp_path):
     strategy = ft.strategies.SingleDevice("cpu", precision="fp16")
     fresh = ft.TrainState.create(tiny_llama(), ft.optim.adamw(), seed=3, strategy=strategy)
     state = ft.load_checkpoint(got["path"], fresh)
-    assert (float(state.scaler.scale), int(state.scaler.growth_tracker)) == (got["scale"], got["tracker"])
+    assert (float(state.scaler.scale), int(state.scaler.growth_tracker)) == (
+        got["scale"],
+        got["tracker"],
+    )
     params = load_file(str(tmp_path / "params.safetensors"))
     for n, p in state.params.items():
         assert torch.equal(params[n], p.detach()), n

@@ -211,6 +211,9 @@ def test_migration_guide_load_best_model_at_end_recipe_runs_as_written(tmp_path)
              "val": ragged_rows(4, seed=2), "root": str(tmp_path), "eval_steps": 1}  # fmt: skip
     exec(compile(code, "migrating_from_trainer.md", "exec"), scope)
     state = scope["state"]
-    assert state.early_stopping.best_step in (1, 2, 3, 4) and state.step == state.early_stopping.best_step
+    assert (
+        state.early_stopping.best_step in (1, 2, 3, 4)
+        and state.step == state.early_stopping.best_step
+    )
     kept = {p.name for p in tmp_path.iterdir() if p.name.startswith("step-")}
     assert kept == {f"step-{state.early_stopping.best_step}", "step-4"}  # keep_last=1 plus the best

@@ -53,9 +53,17 @@ def test_track_best_threshold_and_max_mode(state):
     s = ft.track_best(state.replace(step=3), 0.5, mode="max")
     s = ft.track_best(s.replace(step=4), 0.51, mode="max", threshold=0.05)
     # better but not by more than the threshold: best moves, patience grows (HF)
-    assert (s.early_stopping.best_metric, s.early_stopping.best_step, s.early_stopping.patience_counter) == (0.51, 4, 1)
+    assert (
+        s.early_stopping.best_metric,
+        s.early_stopping.best_step,
+        s.early_stopping.patience_counter,
+    ) == (0.51, 4, 1)
     s = ft.track_best(s.replace(step=5), 0.7, mode="max", threshold=0.05)
-    assert (s.early_stopping.best_metric, s.early_stopping.best_step, s.early_stopping.patience_counter) == (0.7, 5, 0)
+    assert (
+        s.early_stopping.best_metric,
+        s.early_stopping.best_step,
+        s.early_stopping.patience_counter,
+    ) == (0.7, 5, 0)
     with pytest.raises(KeyError, match="eval_acc"):
         ft.track_best(s, {"eval_loss": 1.0}, metric="eval_acc")
     with pytest.raises(ValueError, match="patience"):
@@ -78,9 +86,21 @@ def test_track_best_never_keeps_nan_as_the_best(state, mode, later):
     s = ft.track_best(state.replace(step=1), float("nan"), mode=mode)
     assert s.early_stopping.best_metric is None and s.early_stopping.patience_counter == 1
     s = ft.track_best(s.replace(step=2), later[0], mode=mode)
-    assert (s.early_stopping.best_metric, s.early_stopping.best_step, s.early_stopping.patience_counter) == (later[0], 2, 0)
+    assert (
+        s.early_stopping.best_metric,
+        s.early_stopping.best_step,
+        s.early_stopping.patience_counter,
+    ) == (later[0], 2, 0)
     s = ft.track_best(s.replace(step=3), float("nan"), mode=mode)
-    assert (s.early_stopping.best_metric, s.early_stopping.best_step, s.early_stopping.patience_counter) == (later[0], 2, 1)
+    assert (
+        s.early_stopping.best_metric,
+        s.early_stopping.best_step,
+        s.early_stopping.patience_counter,
+    ) == (later[0], 2, 1)
     s = ft.track_best(s.replace(step=4), later[1], mode=mode)
-    assert (s.early_stopping.best_metric, s.early_stopping.best_step, s.early_stopping.patience_counter) == (later[1], 4, 0)
+    assert (
+        s.early_stopping.best_metric,
+        s.early_stopping.best_step,
+        s.early_stopping.patience_counter,
+    ) == (later[1], 4, 0)
     assert not ft.should_stop(s, patience=1)

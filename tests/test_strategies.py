@@ -182,3 +182,47 @@ def test_arguments_that_need_no_group_are_refused_before_joining_one(cls, monkey
     with pytest.raises(ValueError, match="precision"):
         cls(precision="fp8")
     assert not torch.distributed.is_initialized()
+
+
+def test_close_waits_for_the_strategys_own_background_shard_write(tmp_path):
+    """close() must not destroy the groups a background save still talks over. The strategy
+    knows of that save because it started it (`save_shards_async`), so `ft.strategies` needs
+    nothing from `ft.checkpoint` (the core's import graph has no cycle, tests/test_layout.py).
+    One rank of a real gloo group, in a fresh process; the shard write is a slow stand-in."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    script = """
+import threading, time
+from pathlib import Path
+import ftrain as ft
+from ftrain.strategies import _dcp
+
+events = []
+
+def slow_save(parts, commit, *, groups, rank):
+    def write():
+        time.sleep(1.0)
+        events.append("written")
+    return write
+
+_dcp.save_shards_async = slow_save
+strategy = ft.strategies.DDP(device="cpu")
+write = strategy.save_shards_async({Path("m"): {}}, commit=lambda: None)
+threading.Thread(target=write).start()  # as ft.checkpoint runs it
+time.sleep(0.1)
+strategy.close()
+events.append("closed")
+print(events)
+"""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
+               WORLD_SIZE="1", LOCAL_RANK="0")  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.stdout.strip() == "['written', 'closed']", out.stderr[-3000:]

@@ -15,7 +15,8 @@ import os
 import shutil
 import stat
 import struct
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ __all__ = [
     "write_json",
     "write_safetensors",
     "write_text",
+    "write_atomically",
 ]
 
 # A shape with more dimensions than this is not a tensor any framework builds (torch's limit is
@@ -126,6 +128,44 @@ def publish_dir(tmp: Path, final: Path, aside: Path) -> None:
     else:
         os.rename(tmp, final)
     fsync_dir(final.parent)
+
+
+def write_atomically(
+    directory: str | os.PathLike[str], write: Callable[[Path], object], *, overwrite: bool = False
+) -> Path:
+    """Fill a directory through `write(tmp)` so that it appears complete or not at all.
+
+    `write` fills a fresh temporary folder next to `directory`; every file in it is then
+    fsynced and the folder renamed into place (replacing an existing `directory` when
+    `overwrite`). Checkpoints are written this way; so are HF exports, by `save_pretrained`
+    code that fsyncs nothing itself. A failure leaves no temporary folder behind.
+
+    Returns:
+        `directory` as a Path.
+
+    Raises:
+        FileExistsError: if `directory` exists and `overwrite` is False.
+
+    Example:
+        >>> import tempfile, pathlib, ftrain as ft
+        >>> out = pathlib.Path(tempfile.mkdtemp()) / "export"
+        >>> write = lambda tmp: (tmp / "a.txt").write_text("hi")
+        >>> ft.checkpoint.write_atomically(out, write).name, (out / "a.txt").read_text()
+        ('export', 'hi')
+    """
+    directory = Path(directory)
+    if directory.exists() and not overwrite:
+        raise FileExistsError(f"{directory} exists; pass overwrite=True to replace it")
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        write(tmp)
+        fsync_tree(tmp)
+        publish_dir(tmp, directory, directory.parent / f".{directory.name}.old-{tmp.name[-8:]}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return directory
 
 
 def write_json(obj: Any, path: Path) -> None:

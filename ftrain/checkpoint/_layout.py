@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ftrain.checkpoint._io import CheckpointError
-from ftrain.checkpoint._tree import Node, flatten
+from ftrain.checkpoint._tree import Node, flatten_tree
 from ftrain.version import __version__
 
 FORMAT = "ftrain.checkpoint"
@@ -139,7 +139,7 @@ def collect(state: Any, metrics: Mapping[str, Any] | None, *, sharded: bool) -> 
     """
 
     module = state.strategy.unwrap(state.model)
-    opt_flat = flatten(state.opt_state)
+    opt_flat = flatten_tree(state.opt_state)
     model = {n: t.detach() for n, t in model_tensors(module, dict(state.params)).items()}
     optim = {p: v.detach() for p, v in opt_flat.items() if isinstance(v, torch.Tensor)}
     table = param_table(module)

@@ -16,14 +16,19 @@ import torch
 from ftrain.checkpoint import _layout as L
 from ftrain.checkpoint._io import CheckpointError
 from ftrain.checkpoint._save import raise_pending_save_error
-from ftrain.checkpoint._tree import Node, describe, flatten, unflatten
+from ftrain.checkpoint._tree import Node, describe, flatten_tree, unflatten
 from ftrain.checkpoint._tree import _children as children
-from ftrain.checkpoint._verify import Opened, field_hints, fits, open_checkpoint, read_meta
-from ftrain.optim._adapters import TorchOptimizerState
+from ftrain.checkpoint._verify import Opened, field_hints, fits, open_checkpoint
+from ftrain.optim import TorchOptimizerState
 from ftrain.state import TrainState
-from ftrain.strategies import Strategy
+from ftrain.strategies import SingleDevice, Strategy
 
-__all__ = ["CheckpointMismatchError", "CheckpointMismatchWarning", "load_checkpoint", "read_meta"]
+__all__ = [
+    "CheckpointMismatchError",
+    "CheckpointMismatchWarning",
+    "load_checkpoint",
+    "read_model_tensors",
+]
 
 
 class CheckpointMismatchError(CheckpointError):
@@ -118,9 +123,9 @@ def load_checkpoint(
     meta, tensors = opened.meta, opened.tensors
     module = state.strategy.unwrap(state.model)
     live = L.model_tensors(module, dict(state.params))
-    opt_flat = flatten(state.opt_state)
-    diffs, model_pairs = _match_model(meta, tensors[L.MODEL_FILE], live, module)
-    opt_diffs, opt_values = _match_optimizer(meta, tensors[L.OPTIM_FILE], state.opt_state, live)
+    opt_flat = flatten_tree(state.opt_state)
+    diffs, model_pairs = _match_model(meta, tensors["model"], live, module)
+    opt_diffs, opt_values = _match_optimizer(meta, tensors["optimizer"], state.opt_state, live)
     diffs += opt_diffs
     if diffs and strict:
         raise CheckpointMismatchError(path, diffs, cause=_config_cause(opened, module))
@@ -154,6 +159,29 @@ def load_checkpoint(
         copy = strategy.copy_whole
         opt_state = unflatten(state.opt_state, opt_values, copy) if opt_values else state.opt_state
     return state.consume("load_checkpoint", opt_state=opt_state, **fields)
+
+
+def read_model_tensors(opened: Opened) -> dict[str, torch.Tensor]:
+    """The model's tensors (trainable parameters and persistent buffers) of a checkpoint that
+    `open_checkpoint(path, keep=["model"])` opened, whole and on the CPU.
+
+    A whole-layout checkpoint's were read by `open_checkpoint` already; a sharded one's are
+    assembled here from every rank's shard files, in this one process. For tools that read
+    a checkpoint without a `TrainState` (`ft.export_checkpoint`); training resumes with
+    `load_checkpoint`.
+
+    Raises:
+        ValueError: if `opened` was opened without the model's tensors.
+        CheckpointError: if the shard files cannot be read.
+    """
+    if "model" not in opened.tensors:
+        raise ValueError('open the checkpoint with keep=["model"] to read its model tensors')
+    shapes = opened.tensors["model"]
+    if opened.meta.get("sharded") is not True:
+        return dict(shapes)
+    whole = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in shapes.items()}
+    read_shards(SingleDevice("cpu"), opened.path / L.MODEL_DIR, whole)
+    return whole
 
 
 def read_shards(strategy: Strategy, directory: Path, targets: dict[str, torch.Tensor]) -> None:
@@ -239,7 +267,7 @@ def _match_optimizer(
     live: dict[str, torch.Tensor],
 ) -> tuple[list[str], dict[str, Any]]:
     entries: dict[str, Any] = meta["optimizer"]
-    template = flatten(opt_state)
+    template = flatten_tree(opt_state)
     diffs: list[tuple[str, str]] = []  # (path, message)
     values: dict[str, Any] = {}
     for p, want in template.items():

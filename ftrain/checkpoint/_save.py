@@ -1,6 +1,6 @@
 """save_checkpoint as one pipeline, each step in one place. Traced (blocking save):
 
-    _save.save_checkpoint -> _layout.collect (-> _tree.flatten): the state's tensors and JSON
+    _save.save_checkpoint -> _layout.collect (-> _tree.flatten_tree): the state's tensors and JSON
     -> _save._stage: host copies (`Strategy.to_host`)
     -> _save._commit: this save's own `root/.tmp-...` directory, _write (whole tensors by
        rank 0 through _io, or every rank's shards through `Strategy.save_shards`), _seal (_io:
@@ -51,7 +51,13 @@ from ftrain.checkpoint._io import (
 from ftrain.state import TrainState
 from ftrain.strategies import Strategy
 
-__all__ = ["latest_checkpoint", "save_checkpoint", "wait_for_checkpoint"]
+__all__ = [
+    "latest_checkpoint",
+    "raise_pending_save_error",
+    "save_checkpoint",
+    "step_dirs",
+    "wait_for_checkpoint",
+]
 
 
 def save_checkpoint(
@@ -480,6 +486,33 @@ def committed(root: Path) -> list[tuple[int, Path]]:
     return [(step, p) for _, step, p in sorted(found)]
 
 
+def step_dirs(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """(step, path) of every `step-<N>` folder in the run folder `root`, by step, committed or
+    not (a save cut short, a damaged checkpoint).
+
+    `latest_checkpoint` and rotation see only committed checkpoints; this is for tools that
+    report on every one (`python -m ftrain inspect`). Empty when `root` is not a folder or is
+    itself a checkpoint (it holds a `state.json` or a commit marker).
+
+    Raises:
+        OSError: if `root` cannot be listed.
+
+    Example:
+        >>> import tempfile, torch, ftrain as ft
+        >>> state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+        >>> root = tempfile.mkdtemp()
+        >>> [step for step, _ in ft.checkpoint.step_dirs(root)]
+        []
+        >>> [step for step, _ in ft.checkpoint.step_dirs(ft.save_checkpoint(state, root).parent)]
+        [0]
+    """
+    root = Path(root)
+    if not root.is_dir() or (root / L.STATE_FILE).exists() or (root / L.COMMIT_FILE).exists():
+        return []
+    found = ((L.STEP_DIR.fullmatch(p.name), p) for p in root.iterdir())
+    return sorted((int(m.group(1)), p) for m, p in found if m is not None)
+
+
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     """Return the most recently committed checkpoint under `root`, or None.
 
@@ -601,7 +634,14 @@ def wait_for_checkpoint() -> Path | None:
 
 
 def raise_pending_save_error() -> None:
-    """Raise the error of a finished background save, if it failed (cheap when none did)."""
+    """Raise the error of a finished background save, if it failed (cheap when none did).
+
+    `clip_and_step` and every checkpoint call run it, so that a failed background save
+    surfaces one step later; it never waits for a save still being written.
+
+    Raises:
+        CheckpointError: the background save's failure (the original error is its cause).
+    """
     bg = _inflight
     if bg is not None and not bg.is_alive() and bg.error is not None:
         wait_for_checkpoint()

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from ftrain.checkpoint._io import CheckpointError
-from ftrain.optim._adapters import TorchOptimizerState
+from ftrain.optim import TorchOptimizerState
 
-__all__ = ["Node", "describe", "flatten", "unflatten"]
+__all__ = ["Node", "describe", "flatten_tree", "unflatten"]
 
 Scalar = bool | int | float | str | None
 _SCALARS = (bool, int, float, str, type(None))
@@ -48,13 +48,27 @@ def _children(obj: Any) -> list[tuple[str, Any]]:
     )
 
 
-def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """Map every path in `tree` to its leaf (tensor or plain scalar) or container type name."""
+def flatten_tree(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Map every path in `tree` (an optimizer state) to its leaf, as checkpoints name them.
+
+    Leaves are tensors and plain scalars; each container (dict, list, tuple, NamedTuple, a
+    torch optimizer's state) maps to a marker holding its type name. Paths join keys with "/"
+    (`mu/lm_head.weight`), under `prefix`.
+
+    Raises:
+        CheckpointError: for a container or leaf a checkpoint cannot store.
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> tree = {"mu": {"w": torch.zeros(2)}, "count": 3}
+        >>> sorted(ft.checkpoint.flatten_tree(tree))
+        ['', 'count', 'mu', 'mu/w']
+    """
     if isinstance(tree, (torch.Tensor, *_SCALARS)):
         return {prefix: tree}
     out: dict[str, Any] = {prefix: Node(_node(tree))}
     for key, child in _children(tree):
-        out.update(flatten(child, f"{prefix}/{key}" if prefix else key))
+        out.update(flatten_tree(child, f"{prefix}/{key}" if prefix else key))
     return out
 
 
@@ -80,7 +94,7 @@ def unflatten(
     """Rebuild `template` with leaves from `values`; tensors are copied into the template's
     with `copy(dst, src)` (the strategy's `copy_whole`, as `dst` may be a shard).
 
-    Values must already have been checked against `flatten(template)`. A live torch optimizer
+    Values must already have been checked against `flatten_tree(template)`. A live torch optimizer
     has its state loaded through `load_state_dict`.
     """
     if isinstance(template, torch.Tensor):

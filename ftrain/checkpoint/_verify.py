@@ -17,7 +17,7 @@ import re
 import stat
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -42,59 +42,99 @@ _COUNTERS = ("step", "epoch", "data.cursor", "seed")
 
 @dataclasses.dataclass(frozen=True)
 class Opened:
-    """A checkpoint that passed every file-level check."""
+    """A checkpoint that passed every file-level check (`open_checkpoint`).
 
+    Attributes:
+        path: the `step-<N>` folder.
+        meta: its `state.json`: counters, metrics, the parameter table, versions, files.
+        tensors: `"model"` and/or `"optimizer"` (those asked for) -> tensors by name; for a
+            sharded checkpoint, meta-device tensors of each whole shape (read the values with
+            `read_model_tensors`, or load the checkpoint).
+        digest: the SHA-256 of `state.json`, the checkpoint's identity (it records every
+            file's digest).
+        config: the model's `config.json` (checked), or None when it has none.
+    """
+
+    path: Path
     meta: dict[str, Any]
-    # File name -> its tensors (those asked for); sharded: meta-device tensors of each shape.
     tensors: dict[str, dict[str, torch.Tensor]]
-    # SHA-256 of state.json: the checkpoint's identity (it records every file's digest).
     digest: str
-    config: dict[str, Any] | None  # config.json, checked
+    config: dict[str, Any] | None
 
 
-def read_meta(path: Path) -> dict[str, Any]:
-    """Read and validate a committed checkpoint's `state.json` (checked against the marker)."""
+def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and validate a committed checkpoint's `state.json` (checked against the marker).
+
+    Cheaper than `open_checkpoint`: the other files are not checked.
+
+    Raises:
+        CheckpointError: if the marker or `state.json` is missing, does not match, or is
+            malformed.
+    """
     return _meta_and_digest(Path(path))[0]
 
 
+# The parts a checkpoint holds tensors for, and the file each one is in (whole layout).
+_PARTS = (("model", L.MODEL_FILE), ("optimizer", L.OPTIM_FILE))
+
+
 def open_checkpoint(
-    path: Path, *, verify: bool = True, keep: Iterable[str] = (L.MODEL_FILE, L.OPTIM_FILE)
+    path: str | os.PathLike[str],
+    *,
+    verify: bool = True,
+    keep: Iterable[Literal["model", "optimizer"]] = ("model", "optimizer"),
 ) -> Opened:
     """Check the checkpoint at `path` as `load_checkpoint` does; return what it read.
+
+    The one validator: the commit marker, `state.json` (digest, then every field's type and
+    shape), each file (a regular file inside the folder, its recorded size and digest, its
+    safetensors header), `config.json`, and that the optimizer file holds exactly the tensors
+    `state.json` records. What it accepts, `load_checkpoint` can read. It needs no state, so
+    tools read checkpoints with it (`python -m ftrain inspect`, `ft.export_checkpoint`).
 
     Args:
         path: a `step-<N>` folder.
         verify: check each file's recorded SHA-256 (sizes and headers are always checked).
-        keep: whole-layout files whose tensors to return; the others are checked and dropped.
+        keep: the parts whose tensors to return; the others are checked and dropped.
 
     Raises:
         CheckpointError: for anything missing, incomplete, corrupted or malformed.
+
+    Example:
+        >>> import tempfile, torch, ftrain as ft
+        >>> state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.adamw())
+        >>> path = ft.save_checkpoint(state, tempfile.mkdtemp())
+        >>> opened = ft.checkpoint.open_checkpoint(path, keep=["model"])
+        >>> opened.meta["fields"]["step"], sorted(opened.tensors["model"])
+        (0, ['bias', 'weight'])
     """
+    path = Path(path)
+    wanted: set[str] = set(keep)
+    if unknown := sorted(wanted - {part for part, _ in _PARTS}):
+        raise ValueError(f"keep names unknown parts {unknown}: use 'model' and/or 'optimizer'")
     try:
         meta, digest = _meta_and_digest(path)
         tensors: dict[str, dict[str, torch.Tensor]] = {}
         if meta.get("sharded") is True:
             _verify_shards(path, meta, checksum=verify)
             optimizer = {p: d for p, d in meta["optimizer"].items() if "tensor" in d}
-            tensors = {
-                L.MODEL_FILE: _placeholders(meta["tensors"]),
-                L.OPTIM_FILE: _placeholders(optimizer),
-            }
+            shapes = {"model": meta["tensors"], "optimizer": optimizer}
+            tensors = {part: _placeholders(shapes[part]) for part in wanted}
         else:
             headers = {}
-            for name in (L.MODEL_FILE, L.OPTIM_FILE):
+            for part, name in _PARTS:
                 entry = meta["files"][name]
                 sha = entry.get("sha256") if verify else None
-                if name in keep:
-                    tensors[name] = read_safetensors(path, name, size=entry["bytes"], sha256=sha)
-                    headers[name] = {n: (t.dtype, list(t.shape)) for n, t in tensors[name].items()}
+                if part in wanted:
+                    tensors[part] = read_safetensors(path, name, size=entry["bytes"], sha256=sha)
+                    headers[part] = {n: (t.dtype, list(t.shape)) for n, t in tensors[part].items()}
                 else:
-                    headers[name] = read_header(path, name, size=entry["bytes"], sha256=sha)
-            _check_optimizer_file(meta["optimizer"], headers[L.OPTIM_FILE], path)
+                    headers[part] = read_header(path, name, size=entry["bytes"], sha256=sha)
+            _check_optimizer_file(meta["optimizer"], headers["optimizer"], path)
         config = read_config(path, meta, verify=verify)
     except OSError as e:  # e.g. permission denied on a sub-folder listing
         raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from e
-    return Opened(meta, tensors, digest, config)
+    return Opened(path, meta, tensors, digest, config)
 
 
 def read_config(path: Path, meta: dict[str, Any], *, verify: bool = True) -> dict[str, Any] | None:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ftrain.extras import _lce_kernels
-from ftrain.losses import IGNORE_INDEX, LossFn, _logits, _upcast
+from ftrain.losses import IGNORE_INDEX, LossFn, model_logits, upcast
 from ftrain.strategies import is_distributed
 
 __all__ = ["chunked_causal_lm_loss"]
@@ -54,7 +54,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # Ignored tokens are masked, not dropped: selecting rows would be a host sync.
             valid = yc != IGNORE_INDEX
             yc = torch.where(valid, yc, 0)[:, None]
-            logits = _upcast(F.linear(hc, weight, bias))
+            logits = upcast(F.linear(hc, weight, bias))
             lse = torch.logsumexp(logits, dim=-1)
             total += torch.where(valid, lse - logits.gather(1, yc).squeeze(1), 0.0).sum()
             if gh is not None and gw is not None:
@@ -111,7 +111,7 @@ def _hidden(model: nn.Module, head: nn.Module, batch: Mapping[str, Any]) -> torc
 
     handle = head.register_forward_pre_hook(grab)
     try:
-        _logits(model, batch)  # the head still runs (on 0 tokens), so DDP/FSDP hooks fire
+        model_logits(model, batch)  # the head still runs (on 0 tokens), so DDP/FSDP hooks fire
     finally:
         handle.remove()
     if len(seen) != 1:

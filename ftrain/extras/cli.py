@@ -9,9 +9,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ftrain.checkpoint import CheckpointError, latest_checkpoint
-from ftrain.checkpoint import _layout as L
-from ftrain.checkpoint._verify import open_checkpoint, read_meta
+from ftrain.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    open_checkpoint,
+    read_meta,
+    step_dirs,
+)
 from ftrain.extras.hf_export import export_checkpoint
 
 
@@ -68,9 +72,7 @@ def _short(value: object) -> str:
 def _is_run_folder(path: Path) -> bool:
     """A folder of `step-<N>` checkpoints rather than one checkpoint."""
     try:
-        if not path.is_dir() or (path / L.STATE_FILE).exists() or (path / L.COMMIT_FILE).exists():
-            return False
-        return any(L.STEP_DIR.fullmatch(p.name) for p in path.iterdir())
+        return bool(step_dirs(path))
     except OSError:
         return False  # reported by the checkpoint path, which says why
 
@@ -84,11 +86,7 @@ def inspect_run(
     `latest_checkpoint` returns, which a resume loads) is checked completely (files, sizes,
     checksums unless `verify=False`). Returns 0 when it is complete.
     """
-    found = sorted(
-        (int(m.group(1)), p)
-        for p in path.iterdir()
-        if (m := L.STEP_DIR.fullmatch(p.name)) is not None
-    )
+    found = step_dirs(path)
     # The newest is the one a resume would take: latest_checkpoint's choice.
     try:
         newest = latest_checkpoint(path)

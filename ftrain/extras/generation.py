@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ftrain.data import weighted
-from ftrain.eval import MetricsFn, _flatten, _inference
-from ftrain.losses import IGNORE_INDEX, _logits, _upcast
+from ftrain.eval import MetricsFn, eval_mode, flatten_batches
+from ftrain.losses import IGNORE_INDEX, model_logits, upcast
 from ftrain.state import TrainState
-from ftrain.strategies._base import Strategy
+from ftrain.strategies import Strategy
 
 __all__ = ["generate", "left_pad", "mean_over_subjects", "multiple_choice_metrics"]
 
@@ -116,8 +116,8 @@ def generate(
     if strategy.world_size > 1:
         kwargs.setdefault("synced_gpus", True)
     eos = _eos_ids(model, kwargs)
-    with _inference(state.model), strategy.autocast():
-        for batch in _flatten(batches):
+    with eval_mode(state.model), strategy.autocast():
+        for batch in flatten_batches(batches):
             batch, weight = weighted(batch)
             batch = strategy.to_device(batch)
             ids, mask = left_pad(batch["input_ids"], batch.get("attention_mask"), pad_id=pad_id)
@@ -174,7 +174,7 @@ def multiple_choice_metrics(
 
     def metrics_fn(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
         inputs = {k: v for k, v in batch.items() if k != "subject"}
-        logits, labels = _upcast(_logits(model, inputs)), batch["labels"]
+        logits, labels = upcast(model_logits(model, inputs)), batch["labels"]
         answered = (labels != IGNORE_INDEX).any(1)
         pos = (labels != IGNORE_INDEX).int().argmax(1)  # the first label: the answer letter
         rows = torch.arange(len(labels), device=labels.device)

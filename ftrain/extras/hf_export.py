@@ -6,21 +6,21 @@ writes only its adapter, which `PeftModel.from_pretrained` loads on top of the b
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ftrain.checkpoint import _layout as L
-from ftrain.checkpoint._io import CheckpointError, fsync_tree, publish_dir, read_json
-from ftrain.checkpoint._load import read_shards
-from ftrain.checkpoint._verify import open_checkpoint
+from ftrain.checkpoint import (
+    CheckpointError,
+    open_checkpoint,
+    read_model_tensors,
+    write_atomically,
+)
 from ftrain.state import TrainState
-from ftrain.strategies import SingleDevice
 
 __all__ = ["export_checkpoint", "export_pretrained"]
 
@@ -71,7 +71,7 @@ def export_pretrained(
     try:
         if strategy.process_rank == 0:
             write = lambda tmp: _save_module(module, tmp, tokenizer, full)  # noqa: E731
-            _atomic_dir(directory, overwrite, write)
+            write_atomically(directory, write, overwrite=overwrite)
     finally:
         if together:
             strategy.barrier()
@@ -115,21 +115,6 @@ def _save_module(
         tokenizer.save_pretrained(tmp)
 
 
-def _atomic_dir(directory: Path, overwrite: bool, write: Any) -> Path:
-    if directory.exists() and not overwrite:
-        raise FileExistsError(f"{directory} exists; pass overwrite=True to replace it")
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        write(tmp)
-        fsync_tree(tmp)
-        publish_dir(tmp, directory, directory.parent / f".{directory.name}.old-{tmp.name[-8:]}")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return directory
-
-
 def export_checkpoint(
     path: str | os.PathLike[str],
     directory: str | os.PathLike[str],
@@ -151,10 +136,10 @@ def export_checkpoint(
     """
     path = Path(path)
     # The one validator: marker, state.json, files, sizes, checksums and config.json.
-    opened = open_checkpoint(path, keep=(L.MODEL_FILE,))
+    opened = open_checkpoint(path, keep=("model",))
     meta = opened.meta
     adapter = meta.get("peft")
-    shapes = opened.tensors[L.MODEL_FILE]
+    shapes = opened.tensors["model"]  # meta-device placeholders when sharded
     if base is None:  # compare on the meta device first: a forged config allocates nothing
         with torch.device("meta"):
             skeleton = _build(path, config, None, opened.config)
@@ -164,17 +149,13 @@ def export_checkpoint(
     model = _build(path, config, base, opened.config)
     if adapter is not None:
         model = _with_adapter(model, adapter, path)
-    if meta.get("sharded") is True:  # assemble whole tensors from the ranks' shards
-        saved = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in shapes.items()}
-        read_shards(SingleDevice("cpu"), path / L.MODEL_DIR, saved)
-    else:
-        saved = shapes
+    saved = read_model_tensors(opened)  # a sharded checkpoint's, assembled from its shards
     _check_fits(path, model, saved, meta, adapter is not None, base=base)
     live = {**dict(model.named_buffers()), **dict(model.named_parameters())}
     with torch.no_grad():
         for n, t in saved.items():
             live[n].copy_(t)
-    return _atomic_dir(Path(directory), overwrite, lambda tmp: model.save_pretrained(tmp))
+    return write_atomically(directory, model.save_pretrained, overwrite=overwrite)
 
 
 def _check_fits(
@@ -235,7 +216,7 @@ def _build(
     if config is not None:
         source = Path(config)
         source = source / "config.json" if source.is_dir() else source
-        raw = read_json(source)
+        raw = _read_config(source)
     elif saved is not None:
         raw = saved  # checked against its recorded size and digest
     else:
@@ -255,3 +236,11 @@ def _build(
         return cls.from_config(cfg) if cls is transformers.AutoModelForCausalLM else cls(cfg)
     except (ValueError, TypeError, KeyError, AttributeError, RuntimeError, OverflowError) as e:
         raise CheckpointError(f"cannot build a model from the config of {path}: {e}") from e
+
+
+def _read_config(source: Path) -> Any:
+    """The JSON of a config file the caller names (`config=`, `--config`)."""
+    try:
+        return json.loads(source.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"cannot read the model config {source}: {e}") from e

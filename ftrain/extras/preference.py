@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ftrain.losses import IGNORE_INDEX, LossFn, _logits, _upcast
+from ftrain.losses import IGNORE_INDEX, LossFn, model_logits, upcast
 
 __all__ = [
     "dpo_loss",
@@ -176,7 +176,7 @@ def sequence_logps(
 ) -> torch.Tensor:
     """Per-sequence sum (or mean) of the log-probs of the label tokens (not -100), after the
     causal shift: shape (batch,)."""
-    logits = _upcast(_logits(model, batch))[:, :-1]
+    logits = upcast(model_logits(model, batch))[:, :-1]
     labels = batch["labels"][:, 1:]
     keep = labels != IGNORE_INDEX
     token = torch.gather(

@@ -18,8 +18,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ftrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from ftrain.checkpoint._tree import flatten
+from ftrain.checkpoint import flatten_tree, latest_checkpoint, load_checkpoint, save_checkpoint
 from ftrain.data import Collate, make_batches
 from ftrain.grads import accumulate_grads
 from ftrain.losses import LossFn
@@ -113,7 +112,7 @@ def _state_tensors(state: TrainState) -> dict[str, Any]:
     """Parameters, buffers, optimizer state and counters of a state, by name."""
     held = state.tensors_  # read even when consumed: the check is about values, not donation
     out: dict[str, Any] = {f"model/{k}": v for k, v in held.model.state_dict().items()}
-    out.update({f"opt_state/{k}": v for k, v in flatten(held.opt_state).items()})
+    out.update({f"opt_state/{k}": v for k, v in flatten_tree(held.opt_state).items()})
     out.update(_values(state, ""))
     return out
 

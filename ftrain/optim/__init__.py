@@ -21,6 +21,8 @@ from ftrain.optim._muon import muon as muon
 from ftrain.optim._partition import PartitionState as PartitionState
 from ftrain.optim._partition import layerwise_lr_decay as layerwise_lr_decay
 from ftrain.optim._partition import partition as partition
+from ftrain.optim._traceable import TraceableUpdate as TraceableUpdate
+from ftrain.optim._traceable import twin_of as twin_of
 from ftrain.optim._transforms import add_decayed_weights as add_decayed_weights
 from ftrain.optim._transforms import clip as clip
 from ftrain.optim._transforms import clip_by_global_norm as clip_by_global_norm
@@ -36,6 +38,7 @@ __all__ = [
     "PartitionState",
     "SGDState",
     "TorchOptimizerState",
+    "TraceableUpdate",
     "Transform",
     "adam",
     "adamw",
@@ -54,4 +57,5 @@ __all__ = [
     "scale",
     "sgd",
     "swap_ema",
+    "twin_of",
 ]

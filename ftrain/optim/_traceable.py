@@ -60,7 +60,19 @@ def register(update: Callable[..., Any], twin: Twin) -> None:
 
 
 def twin_of(update: Callable[..., Any]) -> Twin | None:
-    """The traceable form of `update`, or None when it has none."""
+    """The traceable twin of an optimizer's `update`, or None when it has none.
+
+    A twin (`groups`, `update`) writes the same update as plain tensor ops, which
+    `torch.compile` can trace (the fused kernels cannot); `clip_and_step(compile=True)` runs
+    it. `ft.optim.adamw`, `adam` and `sgd` have one.
+
+    Example:
+        >>> import ftrain as ft
+        >>> ft.optim.twin_of(ft.optim.adamw().update) is not None
+        True
+        >>> ft.optim.twin_of(ft.optim.muon().update) is None
+        True
+    """
     return _TWINS.get(update)
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ftrain.optim._base import Grads, Params, Transform
-from ftrain.strategies._base import local_grad_norm
+from ftrain.strategies import local_grad_norm
 
 __all__ = ["add_decayed_weights", "clip", "clip_by_global_norm", "decay_mask", "scale"]
 

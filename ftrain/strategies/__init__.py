@@ -3,6 +3,7 @@
 from ftrain.strategies._base import SingleDevice as SingleDevice
 from ftrain.strategies._base import Strategy as Strategy
 from ftrain.strategies._base import default_device as default_device
+from ftrain.strategies._base import local_grad_norm as local_grad_norm
 from ftrain.strategies._ddp import DDP as DDP
 from ftrain.strategies._env import from_env as from_env
 from ftrain.strategies._fsdp import FSDP as FSDP
@@ -11,6 +12,7 @@ from ftrain.strategies._placement import is_distributed as is_distributed
 from ftrain.strategies._placement import local_part as local_part
 from ftrain.strategies._placement import local_view as local_view
 from ftrain.strategies._preempt import Preemption as Preemption
+from ftrain.strategies._preempt import active as active_preemption
 from ftrain.strategies._preempt import on_preemption as on_preemption
 from ftrain.strategies._tp import TP as TP
 
@@ -21,11 +23,13 @@ __all__ = [
     "Preemption",
     "SingleDevice",
     "Strategy",
+    "active_preemption",
     "default_device",
     "from_env",
     "gather_whole",
     "is_distributed",
     "local_part",
     "local_view",
+    "local_grad_norm",
     "on_preemption",
 ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -144,6 +145,7 @@ class ProcessGroupStrategy:
         self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         # Background (sharded) saves talk over gloo groups of their own, made at the first.
         self._checkpoint_groups: list[Any] = []
+        self._save_done: threading.Event | None = None  # set once the last one has finished
 
     def __repr__(self) -> str:
         name = type(self).__name__
@@ -282,7 +284,16 @@ class ProcessGroupStrategy:
             group = dist.new_group(backend="gloo", timeout=self._timeout())
             self._checkpoint_groups.append(group)
         groups, rank = self._checkpoint_groups, self.process_rank
-        return _dcp.save_shards_async(parts, commit, groups=groups, rank=rank)
+        write = _dcp.save_shards_async(parts, commit, groups=groups, rank=rank)
+        done = self._save_done = threading.Event()
+
+        def write_and_signal() -> None:  # ft.checkpoint runs it, in its background thread
+            try:
+                write()
+            finally:
+                done.set()
+
+        return write_and_signal
 
     def load_shards(self, directory: Path, targets: dict[str, torch.Tensor]) -> None:
         _dcp.load_shards(directory, targets, group=self.group, local=False)
@@ -293,11 +304,12 @@ class ProcessGroupStrategy:
         return host_copies(tensors, copy=copy)
 
     def _finish_saves(self) -> None:
-        """Wait for a background save that writes over this strategy's checkpoint group."""
-        if self._checkpoint_groups:
-            from ftrain.checkpoint import wait_for_checkpoint
-
-            wait_for_checkpoint()
+        """Wait for the background save that writes over this strategy's checkpoint groups:
+        its collectives must end before the groups go. The strategy started it, so it knows of
+        it without asking `ft.checkpoint` (which imports the strategies, not the other way);
+        its outcome is reported by the next checkpoint call, or at exit."""
+        if self._save_done is not None:
+            self._save_done.wait()
 
     def _timeout(self) -> Any:
         """The training group's collective timeout (a dead peer fails a background save as

@@ -12,7 +12,7 @@ from torch.func import functional_call, stack_module_state, vmap
 
 from ftrain.extras.func._grads import check_model
 from ftrain.losses import LossFn
-from ftrain.optim._base import Optimizer
+from ftrain.optim import Optimizer
 
 __all__ = ["Ensemble", "clip_members", "ensemble_loss", "sweep"]
 
