@@ -12,7 +12,7 @@ from ftrain.data import MicroBatches, weighted
 from ftrain.losses import LossFn, _items_before_forward, default_loss
 from ftrain.rng import default_generators, dropout_seed, restored
 from ftrain.state import TrainState, _Lease
-from ftrain.strategies import Strategy, _preempt
+from ftrain.strategies import Strategy
 
 __all__ = ["Grads", "Stats", "accumulate_grads", "batch_counts"]
 
@@ -316,7 +316,7 @@ def _reduce(totals: torch.Tensor, strategy: Strategy) -> torch.Tensor:
     several processes share a data-parallel rank, and each may have been signalled alone.
     That is a second small collective per step, only with the opt-in handler, never a sync.
     """
-    preempt = _preempt.active()
+    preempt = active_preemption()
     if preempt is not None:
         preempt.observe(strategy.sum_over_processes(preempt.local_flag(totals.device))[0])
     return strategy.all_reduce_sum(totals)

@@ -24,10 +24,6 @@ its lazy table (`import_module` of a name from `_LAZY` on first attribute access
 checker does not see; `test_ftrain_lazy_names_resolve` checks the table) and its TYPE_CHECKING
 imports, `ftrain/__main__.py` through the CLI.
 
-Expected failures: only the findings that need the TrainState rewrite (REWRITE below), each one
-a strict xfail so that it flips when fixed. The cycle test leaves out exactly the edges that only
-the rewrite can remove; a cycle through any other edge fails it.
-
 The checker is tested on small synthetic packages first, so these tests cannot pass by
 finding nothing.
 """
@@ -42,32 +38,8 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "ftrain"
-
-# Another change rewrites these four modules (TrainState's sub-states, data as a package) and
-# removes what they break below; those findings are strict expected failures, so that each one
-# flips (XPASS fails the run) when the rewrite fixes it. Nothing else may be listed here.
-REWRITE = ("ftrain.state", "ftrain.data", "ftrain._stream", "ftrain.grads")
-# (importer, imported name): the public name to import instead is in the comment.
-REWRITE_PRIVATE = [
-    ("ftrain.data", "ftrain.strategies._base.Strategy"),  # ftrain.strategies.Strategy
-    ("ftrain.grads", "ftrain.strategies._base.Strategy"),  # ftrain.strategies.Strategy
-    ("ftrain.grads", "ftrain.strategies._preempt"),  # ftrain.strategies.active_preemption
-    ("ftrain.state", "ftrain.strategies._base.SingleDevice"),  # ftrain.strategies.SingleDevice
-    ("ftrain.state", "ftrain.strategies._base.Strategy"),  # ftrain.strategies.Strategy
-    ("ftrain.state", "ftrain.optim._base.Optimizer"),  # ftrain.optim.Optimizer
-    # ft.func needs three of grads' helpers as public names: the micro-batch (tokens, samples)
-    # count, the default generators dropout draws from on a device, and the scope that
-    # restores them (dropout as a function of seed, step, micro-batch and rank).
-    ("ftrain.extras.func._grads", "ftrain.grads._count"),
-    ("ftrain.extras.func._grads", "ftrain.grads._generators"),
-    ("ftrain.extras.func._grads", "ftrain.grads._rng_scope"),
-]
-# The core's `pack` (ftrain/_stream.py) delegates to the SFT extra's `pack`.
-REWRITE_CORE_TO_EXTRAS = [("ftrain._stream", "ftrain.extras.sft.pack")]
 
 
 @dataclass(frozen=True)
@@ -293,27 +265,10 @@ def private_imports(root: Path, package: str) -> list[Import]:
     return found
 
 
-def _in_rewrite(module: str) -> bool:
-    return any(module == r or module.startswith(r + ".") for r in REWRITE)
-
-
-def _pending(importer: str, imported: str) -> bool:
-    """An edge only the rewrite can remove: between two of its modules, or from one of them
-    into the extras (a core -> extras import, listed in REWRITE_CORE_TO_EXTRAS)."""
-    extras = f"{PACKAGE}.extras"
-    to_extras = imported == extras or imported.startswith(extras + ".")
-    return _in_rewrite(importer) and (_in_rewrite(imported) or to_extras)
-
-
-def _without_pending(graph: dict[str, set[str]]) -> dict[str, set[str]]:
-    return {m: {n for n in out if not _pending(m, n)} for m, out in graph.items()}
-
-
-def ftrain_cycles(*, pending: bool) -> list[list[str]]:
-    """The cycles of ftrain's import graph, with or without the edges the rewrite removes."""
+def ftrain_cycles() -> list[list[str]]:
+    """The cycles of ftrain's import graph."""
     modules, imports = find_imports(ROOT, PACKAGE)
     graph = import_graph(modules, imports)
-    graph = graph if pending else _without_pending(graph)
     return [cycle_path(graph, c) for c in strongly_connected(graph)]
 
 
@@ -427,39 +382,21 @@ def _show(found: list[Import]) -> str:
 
 
 def test_no_import_cycle():
-    found = ftrain_cycles(pending=False)
+    found = ftrain_cycles()
     assert not found, "import cycles (break each one; see DESIGN.md, Layout):\n" + _show_cycles(
         found
     )
 
 
-@pytest.mark.xfail(strict=True, reason="removed by the TrainState rewrite")
-def test_no_import_cycle_through_state_data_stream_grads():
-    # The cycles that only the rewrite's edges close: state -> data -> _stream -> grads ->
-    # state, and _stream -> extras.sft -> data -> _stream.
-    found = ftrain_cycles(pending=True)
-    assert not found, "import cycles among " + ", ".join(REWRITE) + ":\n" + _show_cycles(found)
-
-
 def test_the_core_never_imports_the_extras():
-    pending = set(REWRITE_CORE_TO_EXTRAS)
-    found = [i for i in core_to_extras(ROOT, PACKAGE) if (i.importer, i.target) not in pending]
+    found = core_to_extras(ROOT, PACKAGE)
     assert not found, "the core imports the extras (only ftrain/__init__'s lazy table may):\n" + (
         _show(found)
     )
 
 
-@pytest.mark.parametrize(
-    ("importer", "target"), [pytest.param(*p, id=f"{p[0]}->{p[1]}") for p in REWRITE_CORE_TO_EXTRAS]
-)
-@pytest.mark.xfail(strict=True, reason="removed by the TrainState rewrite")
-def test_core_to_extras_imports_left_for_the_rewrite(importer, target):
-    assert (importer, target) not in {(i.importer, i.target) for i in core_to_extras(ROOT, PACKAGE)}
-
-
 def test_no_module_imports_another_packages_private_names():
-    pending = set(REWRITE_PRIVATE)
-    found = [i for i in private_imports(ROOT, PACKAGE) if (i.importer, i.target) not in pending]
+    found = private_imports(ROOT, PACKAGE)
     assert not found, (
         "private names imported from another package (import the package's public name, or "
         "make the name public with a docstring and add it to __all__):\n" + _show(found)
@@ -468,29 +405,10 @@ def test_no_module_imports_another_packages_private_names():
 
 def test_the_extras_use_only_public_names_of_the_core():
     # Rule 4 is rule 3 read from the extras; reported on its own for a clearer failure.
-    pending = set(REWRITE_PRIVATE)
     found = [
-        i
-        for i in private_imports(ROOT, PACKAGE)
-        if not is_core(i.importer) and is_core(i.target) and (i.importer, i.target) not in pending
+        i for i in private_imports(ROOT, PACKAGE) if not is_core(i.importer) and is_core(i.target)
     ]
     assert not found, "the extras use private names of the core:\n" + _show(found)
-
-
-@pytest.mark.parametrize(
-    ("importer", "target"), [pytest.param(*p, id=f"{p[0]}->{p[1]}") for p in REWRITE_PRIVATE]
-)
-@pytest.mark.xfail(strict=True, reason="removed by the TrainState rewrite")
-def test_private_imports_left_for_the_rewrite(importer, target):
-    found = {(i.importer, i.target) for i in private_imports(ROOT, PACKAGE)}
-    assert (importer, target) not in found
-
-
-def test_the_pending_lists_name_only_the_rewrites_modules():
-    # The expected failures above are for the four modules being rewritten (and ft.func's use
-    # of grads' helpers), never a place to park another violation.
-    for importer, target in REWRITE_PRIVATE + REWRITE_CORE_TO_EXTRAS:
-        assert _in_rewrite(importer) or _in_rewrite(target.rpartition(".")[0]), (importer, target)
 
 
 # What `import ftrain` must not load on top of `import torch` (issue 25, item 6): the extras,
