@@ -12,7 +12,7 @@ from ftrain.data import MicroBatches, weighted
 from ftrain.losses import LossFn, _items_before_forward, default_loss
 from ftrain.rng import default_generators, dropout_seed, restored
 from ftrain.state import TrainState, _Lease
-from ftrain.strategies import Strategy
+from ftrain.strategies import Strategy, active_preemption
 
 __all__ = ["Grads", "Stats", "accumulate_grads", "batch_counts"]
 
