@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             return {"stopped": state.step}
     # -------------------------------------------------------------------------------------------
     params = {n: p.detach().clone() for n, p in state.params.items()}
-    return {"losses": losses, "params": params, "epoch": state.epoch, "cursor": int(state.data.cursor)}
+    cursor = int(state.data.cursor)
+    return {"losses": losses, "params": params, "epoch": state.epoch, "cursor": cursor}
 
 
 if __name__ == "__main__":

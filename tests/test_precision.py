@@ -245,5 +245,5 @@ def test_a_forged_loss_scale_is_refused(tmp_path):
     digest = hashlib.sha256((path / "state.json").read_bytes()).hexdigest()
     (path / "COMMITTED").write_text(json.dumps({"state.json": digest}))
     fresh = ft.TrainState.create(_model(), ft.optim.adamw(), strategy=strategy)
-    with pytest.raises(ft.CheckpointError, match="scaler.scale"):
+    with pytest.raises(ft.CheckpointError, match=r"scaler\.scale"):
         ft.load_checkpoint(path, fresh)
