@@ -27,8 +27,8 @@ import pytest
 import torch
 
 import ftrain as ft
-from ftrain.extras.cli import inspect
 from ftrain.checkpoint import CheckpointMismatchError
+from ftrain.extras.cli import inspect
 from helpers import within
 
 # More cases, away from CI:
