@@ -4,7 +4,7 @@ Each sample is a fresh interpreter that times `import torch`, then `import ftrai
 difference is ftrain's own cost, torch already loaded). Interleaves the source trees given on
 the command line (e.g. this branch and main), and reports medians.
 
-    python bench/bench_import.py --runs 9 src /work/main/src
+    python bench/bench_import.py --runs 9 . /path/to/other/checkout
     python -X importtime -c "import torch, ftrain" 2>&1 | sort -t'|' -k2 -n | tail  # who costs
 """
 
