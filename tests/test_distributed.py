@@ -132,8 +132,10 @@ def test_a_failing_rank_ends_the_other_with_a_clear_error(mode):
     port, procs = free_port(), []
     start = time.monotonic()
     for rank in (0, 1):
+        # The ranks import what this process imports (this tree's ftrain, tests/workers/).
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE="2", LOCAL_RANK=str(rank), PYTHONPATH=str(script.parent))  # fmt: skip
+                   WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                   PYTHONPATH=os.pathsep.join(sys.path))  # fmt: skip
         procs.append(subprocess.Popen(
             [sys.executable, str(script), mode], env=env, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True,
