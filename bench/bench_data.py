@@ -87,10 +87,7 @@ def run_ftrain(ds: SlowRows, steps: int, workers: int) -> float:
     state = ft.TrainState.create(model(), ft.optim.adamw(weight_decay=0.1), seed=0)
     t0 = time.perf_counter()
     while state.step < steps:  # the README loop (grads lives across iterations)
-        for micro in ft.make_batches(
-            ds, state, batch_size=BATCH,
-            num_workers=workers,
-        ):  # fmt: skip
+        for micro in ft.make_batches(ds, state, batch_size=BATCH, num_workers=workers):  # fmt: skip
             grads, stats = ft.accumulate_grads(state, micro, loss_fn)
             state, _ = ft.clip_and_step(state, grads, stats=stats, lr=1e-3, max_norm=1.0)
             if state.step >= steps:

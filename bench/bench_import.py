@@ -14,7 +14,7 @@ It also lists the heavy modules `import ftrain` loads beyond `import torch` (the
 stack, torch.compile's, DCP's): there should be none; tests/test_layout.py checks the same.
 
     python bench/bench_import.py --rounds 9 .
-    python bench/bench_import.py --rounds 9 . /work/main
+    python bench/bench_import.py --rounds 9 . /path/to/other/checkout
     python -X importtime -c "import torch, ftrain" 2>&1 | sort -t'|' -k2 -n | tail  # who costs
 """
 

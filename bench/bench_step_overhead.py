@@ -1,10 +1,10 @@
 """Per-step overhead of accumulate_grads and clip_and_step against an older checkout's.
 
 An all-overhead step (a 16-32-4 MLP, accumulation 2, one thread), interleaved in one process:
-this tree's functions, the same functions loaded from another checkout's `src/ftrain`, and a
+this tree's functions, the same functions loaded from another checkout's `ftrain/`, and a
 bare forward+backward. Prints median microseconds.
 
-    python bench/bench_step_overhead.py --old /path/to/other/checkout/src/ftrain [--steps 3000]
+    python bench/bench_step_overhead.py --old /path/to/other/checkout/ftrain [--steps 3000]
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _loss(m: torch.nn.Module, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--old", type=Path, required=True, help="another checkout's src/ftrain")
+    parser.add_argument("--old", type=Path, required=True, help="another checkout's ftrain/ folder")
     parser.add_argument("--steps", type=int, default=3000)
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -8,7 +8,7 @@ is tests/test_kernels_gpu.py. Install the three wheels somewhere private, e.g.
 
     pip download --no-deps triton liger-kernel==0.8.5 cut-cross-entropy==25.1.1 -d w
     for f in w/*.whl; do unzip -q -o $f -d site; done
-    TRITON_INTERPRET=1 PYTHONPATH=src:site python bench/probe_lce_kernels.py
+    TRITON_INTERPRET=1 PYTHONPATH=.:site python bench/probe_lce_kernels.py
 """
 
 from __future__ import annotations

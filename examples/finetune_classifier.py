@@ -101,9 +101,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )  # fmt: skip
     start = time.perf_counter()
     while state.step < total:
-        for micro in ft.make_batches(
-            train, state, batch_size=args.batch_size, collate_fn=collate
-        ):
+        for micro in ft.make_batches(train, state, batch_size=args.batch_size, collate_fn=collate):
             grads, stats = ft.accumulate_grads(state, micro)
             state, info = ft.clip_and_step(
                 state, grads, stats=stats, lr=lr(state.step), max_norm=1.0

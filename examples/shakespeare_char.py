@@ -190,10 +190,7 @@ def train_and_export(args, model, optimizer, strategy, train, val) -> float:
     )  # fmt: skip
     start = time.perf_counter()
     while state.step < args.max_iters:
-        for micro in ft.make_batches(
-            train, state,
-            batch_size=batch_size,
-        ):
+        for micro in ft.make_batches(train, state, batch_size=batch_size):
             grads, stats = ft.accumulate_grads(state, micro, next_char_loss)
             state, info = ft.clip_and_step(
                 state, grads, stats=stats, lr=lr(state.step), max_norm=1.0

@@ -14,7 +14,7 @@ import ftrain as ft
 from crash_loop import build
 from helpers import opt_state_tensors
 
-SCRIPT = Path(__file__).with_name("crash_loop.py")
+SCRIPT = Path(__file__).parent / "workers" / "crash_loop.py"
 TOTAL = 10  # 2.5 epochs of the script's data
 
 

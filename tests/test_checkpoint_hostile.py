@@ -499,7 +499,7 @@ def test_a_symlinked_sub_folder_of_a_sharded_checkpoint_is_refused(tmp_path):
 def test_a_symlink_to_dev_zero_fails_without_reading_it(tmp_path):
     """Issue 20.3, in a child process capped at 6 GB of address space (a regression must fail
     here, not exhaust the machine): a symlink to /dev/zero in place of each file."""
-    script = Path(__file__).with_name("hostile_child.py")
+    script = Path(__file__).parent / "workers" / "hostile_child.py"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     run = subprocess.run(
         [sys.executable, str(script), str(tmp_path)],

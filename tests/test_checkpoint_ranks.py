@@ -20,7 +20,7 @@ def test_ranks_that_see_different_checkpoints_all_refuse_to_resume(tmp_path):
     parameters) and train on silently. The ranks compare the step and the checkpoint's digest
     in one all-reduce at load, and every rank raises CheckpointError when they differ; ranks
     that read equal copies resume."""
-    script = Path(__file__).with_name("ckpt_ranks_child.py")
+    script = Path(__file__).parent / "workers" / "ckpt_ranks_child.py"
     port, procs = _free_port(), []
     for rank in (0, 1):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),

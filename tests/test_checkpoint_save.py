@@ -335,7 +335,6 @@ def _launch_two(worker, out: Path, seconds: float = 240) -> list[int | None]:
 def test_fsdp_background_saves_are_blocking_ones_committed_on_every_rank_or_none(tmp_path):
     import ckpt_save_workers as W
     from dist_workers import train
-
     from helpers import tiny_llama
 
     assert _launch_two(W.fsdp_async_saves, tmp_path) == [-9, -9]  # SIGKILL mid-save, last
@@ -377,7 +376,6 @@ def _same_checkpoints(root: Path, step: int, fresh):
 @pytest.mark.slow
 def test_tp_background_saves_are_blocking_ones(tmp_path):
     import ckpt_save_workers as W
-
     from helpers import tiny_llama
 
     assert _launch_two(W.tp_async_save, tmp_path) == [0, 0]

@@ -8,12 +8,12 @@ import re
 import socket
 import time
 
-import dist_workers as W
 import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
+import dist_workers as W
 import ftrain as ft
 from helpers import tiny_llama
 
@@ -128,12 +128,14 @@ def test_a_failing_rank_ends_the_other_with_a_clear_error(mode):
     import time
     from pathlib import Path
 
-    script = Path(__file__).with_name("dist_fail.py")
+    script = Path(__file__).parent / "workers" / "dist_fail.py"
     port, procs = free_port(), []
     start = time.monotonic()
     for rank in (0, 1):
+        # The ranks import what this process imports (this tree's ftrain, tests/workers/).
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE="2", LOCAL_RANK=str(rank), PYTHONPATH=str(script.parent))  # fmt: skip
+                   WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                   PYTHONPATH=os.pathsep.join(sys.path))  # fmt: skip
         procs.append(subprocess.Popen(
             [sys.executable, str(script), mode], env=env, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True,
@@ -308,7 +310,7 @@ def test_from_env_under_accelerate_launch():
     import sys
     from pathlib import Path
 
-    probe = Path(__file__).parent / "accelerate_probe.py"
+    probe = Path(__file__).parent / "workers" / "accelerate_probe.py"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
            "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            "--main_process_port", str(free_port()), str(probe)]  # fmt: skip

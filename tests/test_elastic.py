@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from elastic_loop import build, plan, train
 
 import ftrain as ft
+from elastic_loop import build, plan, train
 from ftrain.strategies._group import _attempt_store, collective_timeout
 from helpers import opt_state_tensors, within
 
-SCRIPT = Path(__file__).with_name("elastic_loop.py")
+SCRIPT = Path(__file__).parent / "workers" / "elastic_loop.py"
 KILLS = 10
 TOTAL = 3 * KILLS + 2  # each attempt dies at most 3 steps after its start: all 10 die early
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")

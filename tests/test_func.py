@@ -307,7 +307,7 @@ def reg_rows(n=24):
 
 
 def run_loop(state, loss, until, *, clip=None, lr=1e-2):
-    """The README loop (tests/helpers.py) to step `until` on `reg_rows()`."""
+    """The README loop (tests/workers/helpers.py) to step `until` on `reg_rows()`."""
     return train_steps(state, reg_rows(), until, loss_fn=loss, lr=lr, max_norm=clip)
 
 

@@ -8,12 +8,12 @@ import math
 import socket
 import time
 
-import generate_workers as W
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 import ftrain as ft
+import generate_workers as W
 from helpers import tiny_llama
 
 

@@ -3,11 +3,12 @@
 import json
 import socket
 
-import optim_workers as W
 import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
+
+import optim_workers as W
 
 
 def _free_port() -> int:

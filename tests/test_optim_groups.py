@@ -5,10 +5,10 @@ import copy
 
 import pytest
 import torch
-from test_optim import _data, _loss, _lr  # the data and lr of the single-optimizer tests
 
 import ftrain as ft
 from helpers import opt_state_tensors, ragged_rows, tiny_llama, train_steps
+from test_optim import _data, _loss, _lr  # the data and lr of the single-optimizer tests
 
 
 class Net(torch.nn.Module):

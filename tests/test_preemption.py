@@ -9,9 +9,9 @@ import threading
 
 import pytest
 import torch
-from elastic_loop import build, preemptible, resume, train
 
 import ftrain as ft
+from elastic_loop import build, preemptible, resume, train
 from helpers import opt_state_tensors
 
 TOTAL = 8

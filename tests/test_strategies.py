@@ -106,7 +106,8 @@ def test_single_device_lifetime_is_a_no_op():
 
 
 def _launch(kind: str, mode: str, timeout: float = 150.0):
-    """Two ranks as torchrun starts them (environment variables), each tests/dist_lifetime.py."""
+    """Two ranks as torchrun starts them (environment variables), each running
+    tests/workers/dist_lifetime.py."""
     import os
     import socket
     import subprocess
@@ -116,7 +117,7 @@ def _launch(kind: str, mode: str, timeout: float = 150.0):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    script = Path(__file__).with_name("dist_lifetime.py")
+    script = Path(__file__).parent / "workers" / "dist_lifetime.py"
     procs = []
     for rank in (0, 1):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),

@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
-import tp_workers as W
 from safetensors.torch import load_file
 
 import ftrain as ft
+import tp_workers as W
 from helpers import tiny_llama
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}  # float32: the ranks sum in another order

@@ -149,7 +149,7 @@ def assert_resume_exact(
     Args:
         make_state: builds the initial state (same seed every call).
         train: your loop: `train(state, until) -> state` with `state.step == until`; it must
-            take the data position from the state (`epoch`, `start=state.data.cursor`).
+            take the data position from the state (`make_batches(data, state, ...)`).
         steps: total optimizer steps.
         stop_at: where the interrupted run stops (0 < stop_at < steps).
         directory: where to save; a temporary directory if None.
@@ -171,9 +171,8 @@ def assert_resume_exact(
     if problem is not None:
         raise AssertionError(
             f"resume is not exact: stopping at step {stop_at} and resuming to step {steps} "
-            f"differs from an uninterrupted run at {problem}. Start make_batches at "
-            "epoch=state.epoch, start=state.data.cursor, and keep every random draw a function "
-            "of the state"
+            f"differs from an uninterrupted run at {problem}. Give make_batches the state "
+            "(make_batches(data, state, ...)), and keep every random draw a function of the state"
         )
 
 

@@ -1,6 +1,7 @@
 """`with ft.strategies.from_env(kind) as strategy:` around a loop, in 2 ranks (test_strategies).
 
-Usage: RANK=.. WORLD_SIZE=2 MASTER_ADDR=.. MASTER_PORT=.. python tests/dist_lifetime.py KIND MODE
+Usage:
+  RANK=.. WORLD_SIZE=2 MASTER_ADDR=.. MASTER_PORT=.. python tests/workers/dist_lifetime.py KIND MODE
 MODE "raise": rank 1 raises after one step while rank 0 trains on. "clean": both finish; the
 state (and its DDP/FSDP model) stays alive after the block, and close() runs a second time.
 "refuse" / "refuse-direct": `from_env` / the strategy's class refuses a layout the world size

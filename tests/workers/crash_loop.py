@@ -1,7 +1,7 @@
 """A training loop that the crash tests kill with SIGKILL and restart (see test_checkpoint_crash).
 
-Usage: python tests/crash_loop.py ROOT TOTAL_STEPS. Prints "saving N" just before each save and
-"done" at the end, so the test can time its kills.
+Usage: python tests/workers/crash_loop.py ROOT TOTAL_STEPS. Prints "saving N" just before each
+save and "done" at the end, so the test can time its kills.
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-from dist_workers import _env
 
 import ftrain as ft
+from dist_workers import _env
 
 
 def ddp_save_failure(rank: int, world: int, port: int, out: str) -> None:
@@ -79,9 +79,9 @@ def fsdp_async_saves(rank: int, world: int, port: int, out: str) -> None:
     import signal
     import time
 
-    from dist_workers import train
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
+    from dist_workers import train
     from ftrain.checkpoint import _save
 
     root = Path(out)
@@ -124,7 +124,6 @@ def fsdp_async_saves(rank: int, world: int, port: int, out: str) -> None:
 def tp_async_save(rank: int, world: int, port: int, out: str) -> None:
     """Tensor parallelism: a background save while training goes on, and a blocking one."""
     from dist_workers import train
-
     from helpers import tiny_llama
 
     _env(rank, world, port)

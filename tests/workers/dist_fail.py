@@ -1,6 +1,7 @@
 """A 2-rank run in which rank 1 fails after one step (see test_distributed).
 
-Usage: RANK=.. WORLD_SIZE=2 MASTER_ADDR=.. MASTER_PORT=.. python tests/dist_fail.py crash|hang
+Usage:
+  RANK=.. WORLD_SIZE=2 MASTER_ADDR=.. MASTER_PORT=.. python tests/workers/dist_fail.py crash|hang
 "crash" raises on rank 1 (its process exits); "hang" raises and then keeps the process alive
 without joining any collective, as a notebook or a retry loop would.
 """
@@ -12,9 +13,9 @@ import time
 from datetime import timedelta
 
 import torch
-from dist_workers import train
 
 import ftrain as ft
+from dist_workers import train
 from helpers import tiny_llama
 
 

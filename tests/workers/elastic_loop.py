@@ -1,6 +1,6 @@
 """A checkpointed loop that builds `ft.strategies.DDP()` directly under torchrun (test_elastic).
 
-Usage: torchrun ... tests/elastic_loop.py ROOT TOTAL KILLS [PREEMPTIONS]
+Usage: torchrun ... tests/workers/elastic_loop.py ROOT TOTAL KILLS [PREEMPTIONS]
 Every step is saved to ROOT. With KILLS > 0, attempt r < KILLS (torchrun's
 TORCHELASTIC_RESTART_COUNT) has one rank SIGKILL itself at a step drawn from a generator seeded
 by r, at a random instant of that step's save, so the job only ends through KILLS restarts that

@@ -8,9 +8,9 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-from dist_workers import ROWS, _env, _save_params
 
 import ftrain as ft
+from dist_workers import ROWS, _env, _save_params
 from helpers import tiny_gpt2, tiny_llama
 
 STEPS, SAVE_AT, RESUME_AT, MAX_NORM = 5, 3, 4, 0.5
