@@ -207,11 +207,11 @@ def test_forged_safetensors_headers(good, tmp_path, blob):
         lambda m: m["fields"].update(step="12"),
         lambda m: m["fields"].update(step=-1),
         lambda m: m["fields"].pop("data.cursor"),
-        lambda m: m["fields"].update(tokens_seen=[1, 2]),
-        lambda m: m["fields"].update(tokens_seen={"dtype": "int64", "value": 2**70}),
+        lambda m: m["fields"].update({"data.tokens_seen": [1, 2]}),
+        lambda m: m["fields"].update({"data.tokens_seen": {"dtype": "int64", "value": 2**70}}),
         lambda m: m["fields"].update(step=True),
-        lambda m: m["fields"].update(best_metric="low"),
-        lambda m: m["fields"].update(patience_counter=None),
+        lambda m: m["fields"].update({"early_stopping.best_metric": "low"}),
+        lambda m: m["fields"].update({"early_stopping.patience_counter": None}),
         lambda m: m.update(params=[["x", "float32"]]),
         lambda m: m.update(world_size="1"),
         lambda m: m.update(optimizer={"": {"node": "tuple:AdamState"}}),
@@ -521,12 +521,14 @@ _MALFORMED = {
     "files entry a list": lambda m: m["files"].update({"model.safetensors": [1, 2]}),
     "checksum a number": lambda m: m["files"].update({"extra.bin": {"bytes": 1, "sha256": 5}}),
     "size missing": lambda m: m["files"].update({"extra.bin": {"sha256": None}}),
-    "tokens overflow": lambda m: m["fields"].update(tokens_seen={"dtype": "int64", "value": 2**70}),
+    "tokens overflow": lambda m: m["fields"].update(
+        {"data.tokens_seen": {"dtype": "int64", "value": 2**70}}
+    ),
     "optimizer record differs from its file": lambda m: m["optimizer"]["mu/0.weight"].update(
         shape=[4, 8]
     ),
     "optimizer entry with two kinds": lambda m: m["optimizer"]["mu/0.weight"].update(value=1),
-    "best_metric a string": lambda m: m["fields"].update(best_metric="low"),
+    "best_metric a string": lambda m: m["fields"].update({"early_stopping.best_metric": "low"}),
     "metrics holding a list": lambda m: m["metrics"].update(eval_loss=[1]),
     "world_size zero": lambda m: m.update(world_size=0),
     "dtype unknown": lambda m: m["params"][0].__setitem__(1, "float99"),

@@ -24,11 +24,14 @@ def _info(norm=1.0, skipped=False, lr=0.1):
 
 
 def _advance(state, stats):
+    d = state.data
     return state.replace(
         step=state.step + 1,
-        cursor=state.data.cursor + stats.num_micro,
-        tokens_seen=state.data.tokens_seen + stats.num_tokens,
-        samples_seen=state.data.samples_seen + stats.num_samples,
+        data=d.replace(
+            cursor=d.cursor + stats.num_micro,
+            tokens_seen=d.tokens_seen + stats.num_tokens,
+            samples_seen=d.samples_seen + stats.num_samples,
+        ),
     )
 
 
