@@ -82,6 +82,7 @@ def fsdp_async_saves(rank: int, world: int, port: int, out: str) -> None:
     from dist_workers import train
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
+    from ftrain import process_state
     from ftrain.checkpoint import _save
 
     root = Path(out)
@@ -103,7 +104,7 @@ def fsdp_async_saves(rank: int, world: int, port: int, out: str) -> None:
         if rank == who and target == "write_json":
             _save.write_json = broken
         ft.save_checkpoint(state, root / "failed", blocking=False)
-        while _save._inflight is not None and _save._inflight.is_alive():
+        while (bg := process_state.STATE.save_in_flight) is not None and bg.is_alive():
             time.sleep(0.01)  # finished (failed) before the next step looks
         try:
             state, _ = train(state, steps=state.step + 2, batch_size=2)

@@ -407,6 +407,7 @@ def test_at_most_one_save_in_flight(tmp_path, monkeypatch):
 
 
 def test_async_save_error_is_raised_by_the_next_call(tmp_path, monkeypatch):
+    from ftrain import process_state
     from ftrain.checkpoint import _save
 
     def broken(tensors, path):
@@ -417,7 +418,7 @@ def test_async_save_error_is_raised_by_the_next_call(tmp_path, monkeypatch):
     ft.save_checkpoint(state, tmp_path, blocking=False)
     import time
 
-    while _save._inflight is not None and _save._inflight.is_alive():
+    while (bg := process_state.STATE.save_in_flight) is not None and bg.is_alive():
         time.sleep(0.01)
     micro = next(iter(ft.make_batches(ROWS, batch_size=4, accum=2, seed=state.seed)))
     grads, _ = ft.accumulate_grads(state, micro)

@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from safetensors import SafetensorError
 
 import ftrain as ft
+from ftrain import process_state
 from ftrain.checkpoint import _save
 
 SEAM = (
@@ -255,7 +256,7 @@ def test_an_interrupted_wait_does_not_forget_the_save_in_flight(tmp_path, monkey
 
     monkeypatch.setattr(_save, "write_safetensors", slow)
     ft.save_checkpoint(_state(1), tmp_path, blocking=False)
-    bg = _save._inflight
+    bg = process_state.STATE.save_in_flight
 
     def ctrl_c(timeout=None):
         raise KeyboardInterrupt

@@ -41,7 +41,7 @@ OPTIM_DIR = "optimizer"
 
 PLAIN = (bool, int, float, str)  # JSON values
 # TrainState fields that are not plain values: handled as tensors/objects, or not saved at all.
-NOT_PLAIN = {"model_", "optimizer", "opt_state_", "strategy", "params_", "lease_"}
+NOT_PLAIN = frozenset({"model_", "optimizer", "opt_state_", "strategy", "params_", "lease_"})
 
 
 def model_tensors(module: nn.Module, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
