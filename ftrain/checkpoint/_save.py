@@ -85,9 +85,9 @@ def save_checkpoint(
         blocking: False copies the tensors and returns while a background thread writes them;
             at most one save is in flight, and its error is raised by the next
             checkpoint call (`save_checkpoint`, `wait_for_checkpoint`, `latest_checkpoint`,
-            `load_checkpoint`) or `strategy.close()`; training steps do not look. Make the
-            final save of a run blocking: a background save that fails at interpreter exit
-            makes the process exit with 1.
+            `load_checkpoint`); training steps do not look. Make the final save of a run
+            blocking: a background save that fails at interpreter exit makes the process exit
+            with 1.
 
     With several data-parallel ranks, call it on every rank with the same arguments. With DDP
     rank 0 writes; with FSDP every rank writes its own shards (torch.distributed.checkpoint)
