@@ -9,10 +9,13 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
 
 import ftrain as ft
 from ftrain import process_state
+
+pytest_plugins = ["pytester"]
 
 SRC = Path(ft.__file__).parent
 HOME = "process_state.py"
@@ -142,3 +145,36 @@ def test_snapshot_sees_an_active_preemption_handler():
     with ft.strategies.on_preemption(signals=(signal.SIGUSR2,)):
         assert process_state.snapshot() != before
     assert process_state.snapshot() == before
+
+
+@pytest.mark.parametrize("leak", ["threads", "preemption", "save", "group", "signal"])
+def test_the_suite_fails_a_test_that_leaks(pytester, leak):
+    """The autouse fixture in tests/conftest.py, run on a test that leaves something changed."""
+    pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text(encoding="utf-8"))
+    pytester.makepyfile(
+        test_leak=(
+            "import signal, torch, ftrain as ft\n"
+            "def test_leak(tmp_path):\n"
+            f"    leak = {leak!r}\n"
+            "    if leak == 'threads':\n"
+            "        torch.set_num_threads(torch.get_num_threads() + 1)\n"
+            "    if leak == 'preemption':\n"
+            "        ft.strategies.on_preemption(signals=(signal.SIGUSR2,))\n"
+            "    if leak == 'save':\n"
+            "        s = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())\n"
+            "        ft.save_checkpoint(s, tmp_path, blocking=False)\n"
+            "    if leak == 'group':\n"
+            "        import torch.distributed as dist\n"
+            "        store = dist.HashStore()\n"
+            "        dist.init_process_group('gloo', rank=0, world_size=1, store=store)\n"
+            "    if leak == 'signal':\n"
+            "        signal.signal(signal.SIGUSR2, lambda *a: None)\n"
+            "def test_after():\n"
+            "    pass\n"
+        ),
+    )
+    threads = torch.get_num_threads()
+    result = pytester.runpytest_inprocess("-p", "no:randomly", "-p", "no:cacheprovider")
+    assert torch.get_num_threads() == threads
+    result.assert_outcomes(passed=2, errors=1)  # the leak is restored: the next test passes
+    result.stdout.fnmatch_lines(["*left process-wide state changed*"])
