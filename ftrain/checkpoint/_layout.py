@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from ftrain.checkpoint._io import CheckpointError
-from ftrain.version import __version__
 from ftrain.checkpoint._tree import Node, flatten
+from ftrain.version import __version__
 
 FORMAT = "ftrain.checkpoint"
 FORMAT_VERSION = 1
