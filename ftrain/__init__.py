@@ -10,6 +10,8 @@ guard, testing helpers, the CLI) load when first used, so `import ftrain` stays 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from ftrain import checkpoint as checkpoint
@@ -62,21 +64,23 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers and IDEs
     from ftrain.extras.hf_export import export_pretrained as export_pretrained
 
 # name -> (module, attribute or None for the module itself): imported on first access.
-_LAZY: dict[str, tuple[str, str | None]] = {
-    "func": ("ftrain.extras.func", None),
-    "generation": ("ftrain.extras.generation", None),
-    "guard": ("ftrain.extras.guard", None),
-    "logging": ("ftrain.extras.logging", None),
-    "lora": ("ftrain.extras.lora", None),
-    "preference": ("ftrain.extras.preference", None),
-    "sft": ("ftrain.extras.sft", None),
-    "testing": ("ftrain.extras.testing", None),
-    "chunked_causal_lm_loss": ("ftrain.extras.chunked_loss", "chunked_causal_lm_loss"),
-    "generate": ("ftrain.extras.generation", "generate"),
-    "multiple_choice_metrics": ("ftrain.extras.generation", "multiple_choice_metrics"),
-    "export_checkpoint": ("ftrain.extras.hf_export", "export_checkpoint"),
-    "export_pretrained": ("ftrain.extras.hf_export", "export_pretrained"),
-}
+_LAZY: Mapping[str, tuple[str, str | None]] = MappingProxyType(
+    {
+        "func": ("ftrain.extras.func", None),
+        "generation": ("ftrain.extras.generation", None),
+        "guard": ("ftrain.extras.guard", None),
+        "logging": ("ftrain.extras.logging", None),
+        "lora": ("ftrain.extras.lora", None),
+        "preference": ("ftrain.extras.preference", None),
+        "sft": ("ftrain.extras.sft", None),
+        "testing": ("ftrain.extras.testing", None),
+        "chunked_causal_lm_loss": ("ftrain.extras.chunked_loss", "chunked_causal_lm_loss"),
+        "generate": ("ftrain.extras.generation", "generate"),
+        "multiple_choice_metrics": ("ftrain.extras.generation", "multiple_choice_metrics"),
+        "export_checkpoint": ("ftrain.extras.hf_export", "export_checkpoint"),
+        "export_pretrained": ("ftrain.extras.hf_export", "export_pretrained"),
+    }
+)
 
 
 def __getattr__(name: str) -> Any:

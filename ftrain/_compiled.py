@@ -9,13 +9,13 @@ buffer starts from the gradient), a new `max_norm`, or another set of parameters
 from __future__ import annotations
 
 import types
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from ftrain.optim import TraceableUpdate, twin_of
+from ftrain.process_state import STATE
 
 Tensors = Mapping[str, torch.Tensor]
 
@@ -72,9 +72,6 @@ class _Compiled:
         return self.lr.fill_(lr)  # a kernel with a scalar argument: no copy, no sync
 
 
-_CACHE: weakref.WeakKeyDictionary[Callable[..., Any], _Compiled] = weakref.WeakKeyDictionary()
-
-
 def compiled_update(
     state: Any,
     grads: Tensors,
@@ -103,9 +100,9 @@ def compiled_update(
             f"clip_and_step(compile=True) does not support a strategy with sharded parameters "
             f"({type(strategy).__name__}); drop compile=True"
         )
-    entry = _CACHE.get(update)
+    entry = STATE.compiled_steps.get(update)
     if entry is None:
-        entry = _CACHE[update] = _Compiled()
+        entry = STATE.compiled_steps[update] = _Compiled()
     params = state.params
     lr_t = entry.lr_tensor(lr, next(iter(params.values())).device)
     return entry.fn(

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -47,12 +49,14 @@ class LossScaling:
             raise ValueError(f"growth_interval must be an int >= 1, got {self.growth_interval!r}")
 
 
-_NAMES: dict[str, torch.dtype | None] = {
-    "fp32": None,
-    "no": None,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-}
+_NAMES: Mapping[str, torch.dtype | None] = MappingProxyType(
+    {
+        "fp32": None,
+        "no": None,
+        "bf16": torch.bfloat16,
+        "fp16": torch.float16,
+    }
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
 
 __all__ = [
@@ -133,16 +134,20 @@ def _f_cosine_rate(
     return max(0, factor * (1 - min_lr_rate) + min_lr_rate)
 
 
-_SHAPES = {
-    "linear": lambda p: p,
-    "cosine": lambda p: 0.5 * (1.0 - math.cos(math.pi * p)),
-    "1-sqrt": lambda p: 1.0 - math.sqrt(1.0 - p),
-}
-_DECAYS = {
-    "linear": lambda p, c: 1.0 - p,
-    "cosine": lambda p, c: 0.5 * (1.0 + math.cos(math.pi * float(c) * 2.0 * p)),
-    "1-sqrt": lambda p, c: 1.0 - math.sqrt(p),
-}
+_SHAPES: Mapping[str, Callable[[float], float]] = MappingProxyType(
+    {
+        "linear": lambda p: p,
+        "cosine": lambda p: 0.5 * (1.0 - math.cos(math.pi * p)),
+        "1-sqrt": lambda p: 1.0 - math.sqrt(1.0 - p),
+    }
+)
+_DECAYS: Mapping[str, Callable[[float, float], float]] = MappingProxyType(
+    {
+        "linear": lambda p, c: 1.0 - p,
+        "cosine": lambda p, c: 0.5 * (1.0 + math.cos(math.pi * float(c) * 2.0 * p)),
+        "1-sqrt": lambda p, c: 1.0 - math.sqrt(p),
+    }
+)
 
 
 def _f_wsd(
@@ -434,43 +439,45 @@ def warmup_stable_decay(
 
 
 # name -> (builder, whether it needs total_steps, HF's scheduler-specific keywords)
-_BY_NAME: dict[str, tuple[Callable[..., Schedule], bool, tuple[str, ...]]] = {
-    "constant": (lambda peak_lr, warmup_steps, total_steps: constant(peak_lr), False, ()),
-    "constant_with_warmup": (
-        lambda peak_lr, warmup_steps, total_steps: warmup_constant(peak_lr, warmup_steps),
-        False,
-        (),
-    ),
-    "linear": (warmup_linear, True, ()),
-    "cosine": (warmup_cosine, True, ("num_cycles",)),
-    "cosine_with_restarts": (warmup_cosine_restarts, True, ("num_cycles",)),
-    "polynomial": (warmup_polynomial, True, ("lr_end", "power")),
-    "inverse_sqrt": (
-        lambda peak_lr, warmup_steps, total_steps, **kw: warmup_inverse_sqrt(
-            peak_lr, warmup_steps, **kw
+_BY_NAME: Mapping[str, tuple[Callable[..., Schedule], bool, tuple[str, ...]]] = MappingProxyType(
+    {
+        "constant": (lambda peak_lr, warmup_steps, total_steps: constant(peak_lr), False, ()),
+        "constant_with_warmup": (
+            lambda peak_lr, warmup_steps, total_steps: warmup_constant(peak_lr, warmup_steps),
+            False,
+            (),
         ),
-        False,
-        ("timescale",),
-    ),
-    "cosine_with_min_lr": (cosine_with_min_lr, True, ("num_cycles", "min_lr", "min_lr_rate")),
-    "cosine_warmup_with_min_lr": (
-        cosine_warmup_with_min_lr,
-        True,
-        ("num_cycles", "min_lr", "min_lr_rate", "warmup_lr_rate"),
-    ),
-    "warmup_stable_decay": (
-        warmup_stable_decay,
-        False,
-        (
-            "num_decay_steps",
-            "num_stable_steps",
-            "warmup_type",
-            "decay_type",
-            "min_lr_ratio",
-            "num_cycles",
+        "linear": (warmup_linear, True, ()),
+        "cosine": (warmup_cosine, True, ("num_cycles",)),
+        "cosine_with_restarts": (warmup_cosine_restarts, True, ("num_cycles",)),
+        "polynomial": (warmup_polynomial, True, ("lr_end", "power")),
+        "inverse_sqrt": (
+            lambda peak_lr, warmup_steps, total_steps, **kw: warmup_inverse_sqrt(
+                peak_lr, warmup_steps, **kw
+            ),
+            False,
+            ("timescale",),
         ),
-    ),
-}
+        "cosine_with_min_lr": (cosine_with_min_lr, True, ("num_cycles", "min_lr", "min_lr_rate")),
+        "cosine_warmup_with_min_lr": (
+            cosine_warmup_with_min_lr,
+            True,
+            ("num_cycles", "min_lr", "min_lr_rate", "warmup_lr_rate"),
+        ),
+        "warmup_stable_decay": (
+            warmup_stable_decay,
+            False,
+            (
+                "num_decay_steps",
+                "num_stable_steps",
+                "warmup_type",
+                "decay_type",
+                "min_lr_ratio",
+                "num_cycles",
+            ),
+        ),
+    }
+)
 
 
 def _warmup_from_ratio(where: str, warmup_steps: float, total_steps: int | None) -> int:

@@ -9,7 +9,6 @@ from typing import NamedTuple
 import torch
 
 from ftrain._compiled import compiled_update, skip_flag
-from ftrain.checkpoint import raise_pending_save_error
 from ftrain.grads import Grads, Stats
 from ftrain.precision import update_loss_scale
 from ftrain.state import ScalerState, TrainState, snapshot
@@ -126,10 +125,8 @@ def clip_and_step(
             not match its strategy's precision, or a gradient whose name, shape, dtype or
             device does not match its parameter (checked on the host, no sync).
         ConsumedStateError: if `state` or `grads` was already consumed.
-        CheckpointError: if a background (`blocking=False`) save has failed since the last call.
     """
     _validate(lr, max_norm, compile)
-    raise_pending_save_error()  # a failed background save surfaces here, one step later
     if isinstance(grads, Grads):
         grads.check()
     if not donate:

@@ -1,7 +1,16 @@
+import contextlib
+import signal
+
 import pytest
 import torch
+import torch.distributed as dist
 
+import ftrain as ft
+from ftrain import process_state
 from helpers import tiny_llama
+
+# Signals whose handlers a test could leave installed (the preemption handler takes two).
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
 @pytest.fixture
@@ -17,3 +26,48 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def _process_wide() -> dict:
+    """What every test must leave as it found it (a test in a subprocess changes none)."""
+    return {
+        "ftrain.process_state": process_state.snapshot(),
+        "torch.distributed process group": dist.is_available() and dist.is_initialized(),
+        "torch.get_num_threads()": torch.get_num_threads(),
+        **{f"{s.name} handler": signal.getsignal(s) for s in SIGNALS},
+    }
+
+
+def _restore(before: dict) -> None:
+    """Put back what can be, so that one leaking test does not fail the tests after it."""
+    now = process_state.snapshot()
+    if now.save_in_flight is not None:
+        with contextlib.suppress(ft.CheckpointError):  # a failed save: the test's to check
+            ft.wait_for_checkpoint()
+    if now.preemption is not None:
+        now.preemption.close()
+    if (
+        dist.is_available()
+        and dist.is_initialized()
+        and not before["torch.distributed process group"]
+    ):
+        dist.destroy_process_group()
+    torch.set_num_threads(before["torch.get_num_threads()"])
+    for s in SIGNALS:
+        handler = before[f"{s.name} handler"]
+        if handler is not None:  # None: installed from C, which Python cannot put back
+            signal.signal(s, handler)
+
+
+@pytest.fixture(autouse=True)
+def _leaves_process_wide_state_as_it_found_it():
+    """Fail a test that leaves process-wide state changed: ftrain's own (an unreported
+    background save, an active preemption handler), a process group, torch's thread count,
+    a signal handler. The next tests would otherwise run in a changed process."""
+    before = _process_wide()
+    yield
+    after = _process_wide()
+    changed = [f"{k}: {before[k]!r} -> {after[k]!r}" for k in before if after[k] != before[k]]
+    if changed:
+        _restore(before)
+        pytest.fail("the test left process-wide state changed:\n  " + "\n  ".join(changed))

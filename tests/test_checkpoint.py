@@ -411,26 +411,35 @@ def test_at_most_one_save_in_flight(tmp_path, monkeypatch):
     assert events == [("start", 1), ("end", 1), ("start", 2), ("end", 2)]
 
 
-def test_async_save_error_is_raised_by_the_next_call(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "call", ["save_checkpoint", "wait_for_checkpoint", "latest_checkpoint", "load_checkpoint"]
+)
+def test_async_save_error_is_raised_by_the_next_checkpoint_call(tmp_path, monkeypatch, call):
+    from ftrain import process_state
     from ftrain.checkpoint import _save
 
     def broken(tensors, path):
         raise OSError(28, "No space left on device")
 
+    good = ft.save_checkpoint(fresh(), tmp_path)
     monkeypatch.setattr(_save, "write_safetensors", broken)
     state, _ = train(fresh(), total=1)
     ft.save_checkpoint(state, tmp_path, blocking=False)
-    import time
-
-    while _save._inflight is not None and _save._inflight.is_alive():
-        time.sleep(0.01)
-    micro = next(iter(ft.make_batches(ROWS, batch_size=4, accum=2, seed=state.seed)))
-    grads, _ = ft.accumulate_grads(state, micro)
+    process_state.STATE.save_in_flight.join()  # failed before the next steps
+    state, _ = train(state, total=3)  # the steps never look at checkpoints
+    monkeypatch.undo()
+    run = {
+        "save_checkpoint": lambda: ft.save_checkpoint(state, tmp_path),
+        "wait_for_checkpoint": ft.wait_for_checkpoint,
+        "latest_checkpoint": lambda: ft.latest_checkpoint(tmp_path),
+        "load_checkpoint": lambda: ft.load_checkpoint(good, fresh()),
+    }[call]
     with pytest.raises(ft.CheckpointError, match="background save of step 1 failed") as info:
-        ft.clip_and_step(state, grads, lr=0.1)
+        run()
     assert isinstance(info.value.__cause__, OSError)
-    ft.clip_and_step(state, grads, lr=0.1)  # reported once; training goes on
-    assert ft.latest_checkpoint(tmp_path) is None
+    run()  # reported once: the call then does its work
+    latest = tmp_path / "step-3" if call == "save_checkpoint" else good
+    assert ft.latest_checkpoint(tmp_path) == latest
 
 
 def test_tensors_sharing_memory_are_saved_and_restored(tmp_path):

@@ -103,6 +103,7 @@ def test_auto_kernel_on_cpu_is_the_chunked_torch_loss():
 def test_an_explicit_kernel_never_falls_back_silently(monkeypatch):
     import sys
 
+    from ftrain import process_state
     from ftrain.extras import _lce_kernels
 
     with pytest.raises(ValueError, match="kernel must be"):
@@ -114,11 +115,11 @@ def test_an_explicit_kernel_never_falls_back_silently(monkeypatch):
         ("liger", "liger_kernel", "liger-kernel"),
         ("cce", "cut_cross_entropy", "cut-cross-entropy"),
     ]:
-        _lce_kernels._import_error.cache_clear()
+        process_state.STATE.kernel_import_errors.clear()
         monkeypatch.setitem(sys.modules, module, None)
         with pytest.raises(ImportError, match=rf"kernel='{kernel}' needs the {package} package"):
             ft.chunked_causal_lm_loss(kernel=kernel)
-    _lce_kernels._import_error.cache_clear()
+    process_state.STATE.kernel_import_errors.clear()
     # Installed but handed CPU tensors: refused, not run on the torch path.
     monkeypatch.setattr(_lce_kernels, "_import_error", lambda kernel: None)
     batch = {"input_ids": torch.ones(1, 3, dtype=torch.long), "labels": torch.ones(1, 3).long()}

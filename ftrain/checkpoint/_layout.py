@@ -41,7 +41,7 @@ OPTIM_DIR = "optimizer"
 
 PLAIN = (bool, int, float, str)  # JSON values
 # TrainState fields that are not plain values: handled as tensors/objects, or not saved at all.
-NOT_PLAIN = {"tensors_", "optimizer", "strategy"}
+NOT_PLAIN = frozenset({"tensors_", "optimizer", "strategy"})
 
 
 def model_tensors(module: nn.Module, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -48,6 +48,7 @@ from ftrain.checkpoint._io import (
     write_safetensors,
     write_text,
 )
+from ftrain.process_state import STATE
 from ftrain.state import TrainState
 from ftrain.strategies import Strategy
 
@@ -90,8 +91,10 @@ def save_checkpoint(
         checksum: record each file's SHA-256 so `load_checkpoint` can detect corruption.
         blocking: False copies the tensors and returns while a background thread writes them;
             at most one save is in flight, and its error is raised by the next
-            `clip_and_step` or checkpoint call. Make the final save of a run blocking: a
-            background save that fails at interpreter exit makes the process exit with 1.
+            checkpoint call (`save_checkpoint`, `wait_for_checkpoint`, `latest_checkpoint`,
+            `load_checkpoint`); training steps do not look. Make the final save of a run
+            blocking: a background save that fails at interpreter exit makes the process exit
+            with 1.
 
     With several data-parallel ranks, call it on every rank with the same arguments. With DDP
     rank 0 writes; with FSDP every rank writes its own shards (torch.distributed.checkpoint)
@@ -583,10 +586,7 @@ def _saved_metrics(path: Path) -> Mapping[str, Any]:
         return {}
 
 
-# --- background saves: at most one in flight -------------------------------------------------
-
-_lock = threading.Lock()
-_inflight: _Background | None = None
+# --- background saves: at most one in flight (held in ftrain.process_state) ------------------
 
 
 class _Background(threading.Thread):
@@ -604,10 +604,9 @@ class _Background(threading.Thread):
 
 
 def _start(step: int, write: Callable[[], Path]) -> None:
-    global _inflight
-    with _lock:
-        _inflight = _Background(step, write)
-        _inflight.start()
+    with STATE.save_lock:
+        bg = STATE.save_in_flight = _Background(step, write)
+        bg.start()
 
 
 def wait_for_checkpoint() -> Path | None:
@@ -619,15 +618,14 @@ def wait_for_checkpoint() -> Path | None:
     Raises:
         CheckpointError: if the background save failed (the original error is its cause).
     """
-    global _inflight
-    bg = _inflight
+    bg = STATE.save_in_flight
     if bg is None:
         return None
     bg.join()
-    with _lock:  # only one caller reports the outcome
-        mine = _inflight is bg
+    with STATE.save_lock:  # only one caller reports the outcome
+        mine = STATE.save_in_flight is bg
         if mine:
-            _inflight = None
+            STATE.save_in_flight = None
     if mine and bg.error is not None:
         raise _failure(f"background save of step {bg.step} failed", bg.error)
     return bg.path
@@ -636,13 +634,14 @@ def wait_for_checkpoint() -> Path | None:
 def raise_pending_save_error() -> None:
     """Raise the error of a finished background save, if it failed (cheap when none did).
 
-    `clip_and_step` and every checkpoint call run it, so that a failed background save
-    surfaces one step later; it never waits for a save still being written.
+    The checkpoint calls run it (`save_checkpoint`, `wait_for_checkpoint`, `latest_checkpoint`,
+    `load_checkpoint`), so that a failed background save surfaces at the next of them; it
+    never waits for a save still being written.
 
     Raises:
         CheckpointError: the background save's failure (the original error is its cause).
     """
-    bg = _inflight
+    bg = STATE.save_in_flight
     if bg is not None and not bg.is_alive() and bg.error is not None:
         wait_for_checkpoint()
 

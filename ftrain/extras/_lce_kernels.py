@@ -10,24 +10,35 @@ up to float rounding.
 
 from __future__ import annotations
 
-import functools
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 import torch
+
+from ftrain.process_state import STATE
 
 __all__ = ["KERNELS", "available", "pick", "run"]
 
 # kernel -> (module to import, pip package)
-KERNELS = {
-    "liger": ("liger_kernel.transformers.functional", "liger-kernel"),
-    "cce": ("cut_cross_entropy", "cut-cross-entropy"),
-}
+KERNELS: Mapping[str, tuple[str, str]] = MappingProxyType(
+    {
+        "liger": ("liger_kernel.transformers.functional", "liger-kernel"),
+        "cce": ("cut_cross_entropy", "cut-cross-entropy"),
+    }
+)
 
 
-@functools.cache
 def _import_error(kernel: str) -> str | None:
-    """None when the kernel's library imports, else why not (e.g. no triton on a CPU build)."""
+    """None when the kernel's library imports, else why not (e.g. no triton on a CPU build);
+    asked once per process (`process_state.STATE.kernel_import_errors`)."""
+    errors = STATE.kernel_import_errors
+    if kernel not in errors:
+        errors[kernel] = _try_import(kernel)
+    return errors[kernel]
+
+
+def _try_import(kernel: str) -> str | None:
     try:
         importlib.import_module(KERNELS[kernel][0])
     except Exception as e:  # ImportError, or a library failing at import without a GPU stack
@@ -126,7 +137,7 @@ def _cce(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.Tens
     return out.float()
 
 
-_RUN: dict[str, Callable[..., torch.Tensor]] = {"liger": _liger, "cce": _cce}
+_RUN: Mapping[str, Callable[..., torch.Tensor]] = MappingProxyType({"liger": _liger, "cce": _cce})
 
 
 def run(

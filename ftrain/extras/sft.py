@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -39,18 +40,20 @@ __all__ = [
 Row = dict[str, str]
 
 # qlora.py's alpaca prompts, word for word.
-ALPACA_PROMPT_DICT = {
-    "prompt_input": (
-        "Below is an instruction that describes a task, paired with an input that provides "
-        "further context. Write a response that appropriately completes the request.\n\n"
-        "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response: "
-    ),
-    "prompt_no_input": (
-        "Below is an instruction that describes a task. "
-        "Write a response that appropriately completes the request.\n\n"
-        "### Instruction:\n{instruction}\n\n### Response: "
-    ),
-}
+ALPACA_PROMPT_DICT: Mapping[str, str] = MappingProxyType(
+    {
+        "prompt_input": (
+            "Below is an instruction that describes a task, paired with an input that provides "
+            "further context. Write a response that appropriately completes the request.\n\n"
+            "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response: "
+        ),
+        "prompt_no_input": (
+            "Below is an instruction that describes a task. "
+            "Write a response that appropriately completes the request.\n\n"
+            "### Instruction:\n{instruction}\n\n### Response: "
+        ),
+    }
+)
 
 
 def alpaca(example: Mapping[str, Any]) -> Row:

@@ -191,7 +191,7 @@ class _SyncDetector(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-_SCALAR_OPS = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::item"}
+_SCALAR_OPS = frozenset({"aten::_local_scalar_dense", "aten::is_nonzero", "aten::item"})
 
 
 def _sync_kind(func: Any, args: Any, kwargs: Any) -> str | None:

@@ -10,11 +10,12 @@ the same either way.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 import torch
+
+from ftrain.process_state import STATE
 
 Params = Mapping[str, torch.Tensor]
 Split = list[tuple[bool, list[str]]]
@@ -50,13 +51,9 @@ class Twin(NamedTuple):
     update: TraceableUpdate
 
 
-# Keyed by the eager `update` function of an `Optimizer` that has a traceable twin.
-_TWINS: weakref.WeakKeyDictionary[Callable[..., Any], Twin] = weakref.WeakKeyDictionary()
-
-
 def register(update: Callable[..., Any], twin: Twin) -> None:
     """Record `twin` as the traceable form of the optimizer update `update`."""
-    _TWINS[update] = twin
+    STATE.optimizer_twins[update] = twin
 
 
 def twin_of(update: Callable[..., Any]) -> Twin | None:
@@ -73,7 +70,7 @@ def twin_of(update: Callable[..., Any]) -> Twin | None:
         >>> ft.optim.twin_of(ft.optim.muon().update) is None
         True
     """
-    return _TWINS.get(update)
+    return STATE.optimizer_twins.get(update)
 
 
 def _keep(skip: torch.Tensor | None, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:

@@ -78,10 +78,10 @@ def add_decayed_weights(weight_decay: float, *, mask: frozenset[str] | None = No
 
 # HF Trainer's rule (Trainer.get_decay_parameter_names): no decay inside LayerNorm modules, nor
 # for names that look like biases or norm weights.
-_NO_DECAY = [
+_NO_DECAY = tuple(
     re.compile(p)
     for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
-]
+)
 
 
 def decay_mask(model: nn.Module) -> frozenset[str]:

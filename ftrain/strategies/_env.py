@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from datetime import timedelta
+from types import MappingProxyType
 from typing import Any
 
 import torch.distributed as dist
@@ -64,7 +66,7 @@ def from_env(
     return strategy
 
 
-_KINDS: dict[str, type[DDP | FSDP | TP]] = {"ddp": DDP, "fsdp": FSDP, "tp": TP}
+_KINDS: Mapping[str, type[DDP | FSDP | TP]] = MappingProxyType({"ddp": DDP, "fsdp": FSDP, "tp": TP})
 
 
 def _single(kind: str, kwargs: dict[str, Any]) -> SingleDevice:

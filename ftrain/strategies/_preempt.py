@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["Preemption", "active", "on_preemption"]
+from ftrain.process_state import STATE
 
-_ACTIVE: Preemption | None = None
+__all__ = ["Preemption", "active", "on_preemption"]
 
 
 class Preemption(contextlib.AbstractContextManager["Preemption"]):
@@ -86,12 +86,11 @@ class Preemption(contextlib.AbstractContextManager["Preemption"]):
 
     def close(self) -> None:
         """Restore the handlers that were installed before (idempotent)."""
-        global _ACTIVE
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
-        if _ACTIVE is self:
-            _ACTIVE = None
+        if STATE.preemption is self:
+            STATE.preemption = None
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
@@ -143,24 +142,26 @@ def on_preemption(
         (True, True)
         >>> preempt.close()
     """
-    global _ACTIVE
     sigs = tuple(signals)
     if not sigs:
         raise ValueError("signals is empty: pass e.g. (signal.SIGTERM, signal.SIGUSR1)")
     for s in sigs:
         if not isinstance(s, signal.Signals):
             raise TypeError(f"signals must hold signal.Signals members, got {s!r}")
-    if _ACTIVE is not None:
-        raise ValueError(f"{_ACTIVE!r} is already active: close() it before installing another")
+    if STATE.preemption is not None:
+        raise ValueError(
+            f"{STATE.preemption!r} is already active: close() it before installing another"
+        )
     if threading.current_thread() is not threading.main_thread():
         raise ValueError("on_preemption must be called in the main thread (signal handlers)")
     handler = Preemption(sigs)
     for s in sigs:
         handler._previous[s] = signal.signal(s, handler._handle)
-    _ACTIVE = handler
+    STATE.preemption = handler
     return handler
 
 
 def active() -> Preemption | None:
     """The installed handler, if any (read by `accumulate_grads` and `should_save`)."""
-    return _ACTIVE
+    handler = STATE.preemption
+    return handler if isinstance(handler, Preemption) else None

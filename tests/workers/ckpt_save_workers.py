@@ -74,7 +74,7 @@ def _slow_shard_writes(seconds: float) -> None:
 def fsdp_async_saves(rank: int, world: int, port: int, out: str) -> None:
     """FSDP background saves: one equals a blocking save of the same state although training
     goes on while it is written; a failed shard write on rank 1, then a failed commit on rank
-    0, raise CheckpointError on both ranks at the next step and commit nothing; a crash in the
+    0, raise CheckpointError on both ranks at the next save and commit nothing; a crash in the
     middle of a background save leaves the committed checkpoints only."""
     import signal
     import time
@@ -102,18 +102,19 @@ def fsdp_async_saves(rank: int, world: int, port: int, out: str) -> None:
             HuggingFaceStorageWriter.write_data = broken
         if rank == who and target == "write_json":
             _save.write_json = broken
+        failed = f"background save of step {state.step} failed"
         ft.save_checkpoint(state, root / "failed", blocking=False)
-        while _save._inflight is not None and _save._inflight.is_alive():
-            time.sleep(0.01)  # finished (failed) before the next step looks
+        state, _ = train(state, steps=state.step + 2, batch_size=2)  # steps never look at saves
+        outcomes.append("trained")
         try:
-            state, _ = train(state, steps=state.step + 2, batch_size=2)
-            outcomes.append("trained")
+            ft.save_checkpoint(state, root / "failed", blocking=False)  # waits, reports
+            outcomes.append("saved")
         except ft.CheckpointError as e:
-            outcomes.append(f"{type(e).__name__}: {'background save of step 5' in str(e)}")
+            outcomes.append(f"{type(e).__name__}: {failed in str(e)}")
         HuggingFaceStorageWriter.write_data, _save.write_json = real_write, real_json
         outcomes.append(ft.latest_checkpoint(root / "failed") is None)
     (root / f"outcome-{rank}.json").write_text(json.dumps(outcomes))
-    # Last, both ranks die (SIGKILL) while a background save of step 5 is being written.
+    # Last, both ranks die (SIGKILL) while a background save (step 9) is being written.
     _slow_shard_writes(5.0)
     ft.save_checkpoint(state, root / "async", blocking=False)
     time.sleep(0.5)

@@ -1,0 +1,105 @@
+"""Every piece of process-wide state ftrain keeps: who owns it, and how long it lives.
+
+ftrain's functions are pure over a `TrainState`; the few things that belong to the process
+instead live in `STATE`, and no other module of ftrain keeps module-level mutable state
+(tests/test_process_state.py reads every module to check).
+
+Session state, set and cleared by the user's calls. `snapshot()` returns it, and the test
+suite fails any test that leaves it changed:
+
+    `save_in_flight`  the background save (`save_checkpoint(..., blocking=False)`) whose outcome
+        nobody has reported yet: a thread. Owner: `ftrain.checkpoint`. From the background
+        save until the next `save_checkpoint`, `wait_for_checkpoint`, `latest_checkpoint` or
+        `load_checkpoint` reports it (a failed save raises there; a sharded state's
+        `strategy.close()` waits for it too), else until interpreter exit (a failed save then
+        exits with status 1). At most one.
+    `save_lock`  makes reporting `save_in_flight` happen once when threads race. Owner:
+        `ftrain.checkpoint`; for the life of the process.
+    `preemption`  the `Preemption` whose signal handlers `ft.strategies.on_preemption()`
+        installed. Owner: `ftrain.strategies`; from `on_preemption()` to its `close()`. At most
+        one.
+
+Caches of pure lookups: they never change a result, so `snapshot()` leaves them out.
+
+    `optimizer_twins`  an optimizer's `update` function -> its traceable twin. Owner:
+        `ftrain.optim` (`adamw`, `adam`, `sgd` register), read by `clip_and_step(compile=True)`.
+        Weak keys: an entry goes with its optimizer.
+    `compiled_steps`  an optimizer's `update` function -> its `torch.compile`d step. Owner:
+        `clip_and_step(compile=True)`. Weak keys: an entry goes with its optimizer.
+    `kernel_import_errors`  a fused-loss kernel -> why its library does not import (None: it
+        does). Owner: `ftrain.extras.chunked_loss`; for the life of the process (each import
+        is tried once).
+
+Not here yet: `ftrain.state`'s `_SETTABLE` (settable fields per state class; goes with the
+`TrainState` rewrite) and `ftrain.data.epoch_order`'s `lru_cache` (the row order of the last 4
+epochs asked for).
+
+Outside ftrain, ftrain changes torch.distributed's default process group (a strategy built by
+`from_env` creates it, its `close()` destroys it) and, while a `Preemption` is active, the
+handlers of its signals.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol
+
+__all__ = ["STATE", "BackgroundSave", "Closable", "ProcessState", "Snapshot", "snapshot"]
+
+
+class BackgroundSave(Protocol):
+    """A save running in a thread: its checkpoint's `path` once written, or its `error`."""
+
+    step: int
+    path: Path | None
+    error: BaseException | None
+
+    def is_alive(self) -> bool: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+
+class Closable(Protocol):
+    """What can be closed: an active `Preemption` restores its signal handlers."""
+
+    def close(self) -> None: ...
+
+
+_Weak = weakref.WeakKeyDictionary
+
+
+@dataclass
+class ProcessState:
+    """The items the module docstring lists; the process has one, `STATE`."""
+
+    save_in_flight: BackgroundSave | None = None
+    save_lock: threading.Lock = field(default_factory=threading.Lock)
+    preemption: Closable | None = None
+    optimizer_twins: _Weak[Callable[..., Any], Any] = field(default_factory=_Weak)
+    compiled_steps: _Weak[Callable[..., Any], Any] = field(default_factory=_Weak)
+    kernel_import_errors: dict[str, str | None] = field(default_factory=dict)
+
+
+STATE = ProcessState()
+
+
+class Snapshot(NamedTuple):
+    """The session state at one moment; equal snapshots hold the very same objects."""
+
+    save_in_flight: BackgroundSave | None
+    preemption: Closable | None
+
+
+def snapshot() -> Snapshot:
+    """Return the session state (not the caches), to compare before and after some code.
+
+    Example:
+        >>> from ftrain import process_state
+        >>> process_state.snapshot()
+        Snapshot(save_in_flight=None, preemption=None)
+    """
+    return Snapshot(STATE.save_in_flight, STATE.preemption)
