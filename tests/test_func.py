@@ -364,8 +364,12 @@ def test_ensemble_state_checkpoints_and_resumes_exactly(tmp_path):
 def test_ensemble_errors_name_the_problem():
     with pytest.raises(ValueError, match="non-empty"):
         ft.func.Ensemble([])
-    with pytest.raises(ValueError, match="differ in parameter names or shapes"):
-        ft.func.Ensemble([nn.Linear(2, 1), nn.Linear(3, 1)])
+    with pytest.raises(
+        ValueError,
+        match=r"member 1 differs from member 0 in parameter names or "
+        r"shapes: 'weight' is \(1, 3\) in member 1, \(1, 2\) in member 0",
+    ):
+        ft.func.Ensemble([nn.Linear(2, 1), nn.Linear(3, 1)])  # fmt: skip
     with pytest.raises(ft.func.FuncError, match="BatchNorm1d in training mode"):
         ft.func.Ensemble([nn.BatchNorm1d(3) for _ in range(2)])
     with pytest.raises(ValueError, match=r"sweep of 2 optimizers.*Ensemble of 2"):
@@ -374,6 +378,69 @@ def test_ensemble_errors_name_the_problem():
         ft.func.sweep([ft.optim.sgd(), ft.optim.sgd()], lr_factors=[1.0])
     with pytest.raises(TypeError, match=r"needs an ft\.func\.Ensemble"):
         ft.func.ensemble_loss(ce_loss)(mlp(), data(2))
+
+
+class _Scaled(nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.lin, self.act = nn.Linear(3, 2), act
+
+    def forward(self, x):
+        return self.act(self.lin(x))
+
+
+def _mlp_with(act):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), act, nn.Linear(4, 2))
+
+
+@pytest.mark.parametrize(
+    "odd, match",
+    [
+        (_mlp_with(nn.Tanh()), r"in module types: '1' is Tanh in member 2, ReLU in member 0"),
+        (_mlp_with(nn.LeakyReLU(0.3)), r"in module types: '1' is LeakyReLU in member 2, ReLU"),
+        (nn.Sequential(nn.Linear(3, 4), nn.ReLU()), r"in module types: '2' is missing from "
+         r"member 2"),
+        (_mlp_with(nn.ReLU()).double(), r"in dtype: '0.weight' is torch.float64 in member 2, "
+         r"torch.float32 in member 0"),
+        (_mlp_with(nn.ReLU()).to("meta"), r"in device: '0.weight' is device\(type='meta'\) in "
+         r"member 2, device\(type='cpu'\)"),
+        (_mlp_with(nn.ReLU()).requires_grad_(False), r"in requires_grad: '0.weight' is False in "
+         r"member 2, True in member 0"),
+        (_mlp_with(nn.ReLU()).eval(), r"in module settings: '<root>.training' is False in member "
+         r"2, True in member 0"),
+    ],
+    ids=["tanh", "leaky_relu", "fewer_modules", "float64", "device", "frozen", "eval_mode"],
+)  # fmt: skip
+def test_ensemble_refuses_members_unlike_member_0_naming_the_member(odd, match):
+    # Before: Tanh/LeakyReLU members silently ran member 0's ReLU, one float64 member turned
+    # every member into float64 (issue 27, item 6).
+    members = [_mlp_with(nn.ReLU()), _mlp_with(nn.ReLU()), odd]
+    with pytest.raises(ValueError, match=r"Ensemble member 2 differs from member 0 " + match):
+        ft.func.Ensemble(members)
+
+
+def test_ensemble_compares_module_settings_and_function_attributes():
+    with pytest.raises(
+        ValueError,
+        match=r"member 1 .* settings: '1.negative_slope' is 0.2 in "
+        r"member 1, 0.01 in member 0",
+    ):
+        ft.func.Ensemble([_mlp_with(nn.LeakyReLU()), _mlp_with(nn.LeakyReLU(0.2))])  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"member 1 .* settings: '<root>.act' is "
+        r"'torch.nn.functional.silu' in member 1, 'torch.nn.functional.relu'",
+    ):
+        ft.func.Ensemble([_Scaled(F.relu), _Scaled(F.silu)])  # fmt: skip
+    with pytest.raises(ValueError, match=r"member 1 .* settings: '1.p' is 0.5 in member 1"):
+        ft.func.Ensemble([_mlp_with(nn.Dropout(0.1)), _mlp_with(nn.Dropout(0.5))])
+    # Members built alike, lambdas from one line included, are accepted and each runs its own
+    # weights.
+    alike = [_Scaled(lambda x: 2 * x) for _ in range(3)]
+    out = ft.func.Ensemble(alike)(torch.ones(1, 3))
+    for k, m in enumerate(alike):
+        torch.testing.assert_close(out[k], m(torch.ones(1, 3)))
 
 
 @pytest.mark.slow
