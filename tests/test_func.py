@@ -443,6 +443,14 @@ def test_ensemble_compares_module_settings_and_function_attributes():
         torch.testing.assert_close(out[k], m(torch.ones(1, 3)))
 
 
+def test_ensemble_train_and_eval_reach_the_members():
+    ens = ft.func.Ensemble([nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5)) for _ in range(2)])
+    x = torch.ones(4, 3)
+    assert not torch.equal(ens(x), ens(x))  # dropout on in training mode
+    ens.eval()  # before: ignored, member 0's training mode ran for good
+    torch.testing.assert_close(ens(x), torch.stack([ens.member(k)(x) for k in range(2)]))
+
+
 @pytest.mark.slow
 def test_ensemble_example_prints_one_line(capsys):
     from test_examples import _load

@@ -73,7 +73,12 @@ class Ensemble(nn.Module):
 
     def map(self, fn: Callable[[nn.Module], Any]) -> Any:
         """Run `fn(member)` for every member with `vmap`; results stacked on dim 0."""
-        lm = _Apply(self.__dict__["base"], fn)
+        base = self.__dict__["base"]
+        # The base is no submodule (it must not be saved), so `train()`/`eval()` reach only the
+        # skeleton: copy its modes, or `ensemble.eval()` would leave dropout on.
+        for b, m in zip(base.modules(), self.stacked.modules(), strict=True):
+            b.training = m.training
+        lm = _Apply(base, fn)
         weights = {f"model.{n}": t for n, t in self._weights().items()}
         return vmap(lambda w: functional_call(lm, w, ()), randomness="different")(weights)
 
