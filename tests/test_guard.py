@@ -67,7 +67,7 @@ def test_a_spike_rolls_back_skips_the_batch_logs_it_and_resumes_the_same(tmp_pat
         whole, rolled = _run(tmp_path / "whole", 8)
     assert len(rolled) == 1
     step, cursor, reason = rolled[0]
-    assert (step, cursor) == (6, 6) and "x its average" in reason  # micro-batch 6
+    assert (step, cursor) == (6, 6) and "its average" in reason  # micro-batch 6
     # Back to the step-4 checkpoint, the data on from micro-batch 7: 4 more steps end at 11.
     assert (whole.rollbacks, whole.step, whole.data.cursor) == (1, 8, 11)
     (record,) = caplog.records
@@ -80,7 +80,8 @@ def test_a_spike_rolls_back_skips_the_batch_logs_it_and_resumes_the_same(tmp_pat
     assert rolled_first == rolled_again == rolled
     for n, p in whole.params.items():
         assert torch.equal(resumed.params[n], p), n
-    assert (resumed.loss_avg, resumed.loss_count) == (whole.loss_avg, whole.loss_count)
+    saved = (resumed.loss_avg, resumed.loss_var, resumed.loss_count)
+    assert saved == (whole.loss_avg, whole.loss_var, whole.loss_count)
 
 
 def test_a_run_of_nonfinite_losses_rolls_back(tmp_path):
@@ -96,7 +97,9 @@ def test_errors_and_the_no_checkpoint_case(tmp_path, caplog):
     with pytest.raises(TypeError, match="GuardedState"):
         ft.guard.SpikeGuard().observe(plain, 1.0)
     bad_args = [(dict(factor=1.0), "factor"), (dict(beta=1.0), "beta"),
-                (dict(warmup=0), "warmup"), (dict(max_nonfinite=0), "max_nonfinite")]  # fmt: skip
+                (dict(warmup=0), "warmup"), (dict(max_nonfinite=0), "max_nonfinite"),
+                (dict(max_rollbacks=0), "max_rollbacks"),
+                (dict(max_rollbacks=True), "max_rollbacks")]  # fmt: skip
     for bad, match in bad_args:
         with pytest.raises(ValueError, match=match):
             ft.guard.SpikeGuard(**bad)
@@ -108,3 +111,72 @@ def test_errors_and_the_no_checkpoint_case(tmp_path, caplog):
         state = ft.guard.SpikeGuard().rollback(state, tmp_path, skip=2)
     assert (state.data.cursor, state.step, state.rollbacks) == (7, 0, 1)
     assert "no checkpoint to load" in caplog.text
+
+
+def _verdicts(guard, losses):
+    state = ft.guard.GuardedState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+    out = []
+    for loss in losses:
+        state, verdict = guard.observe(state, loss)
+        out.append(verdict.rollback)
+    return state, out
+
+
+def test_negative_and_near_zero_losses_spike_only_when_they_rise_far():
+    guard = ft.guard.SpikeGuard(factor=3.0, warmup=3, beta=0.9)
+    # Before: with a negative average every loss after warm-up was "> 3 x the average", so
+    # every step rolled back (issue 27, item 7).
+    noisy = [-1.0, -1.1, -0.9, -1.0, -1.05, -0.95, -1.2, -0.8] * 5
+    state, rolled = _verdicts(guard, noisy)
+    assert not any(rolled)
+    scale = max(abs(state.loss_avg), 3 * state.loss_var**0.5)  # the documented rule
+    assert scale == abs(state.loss_avg)
+    _, rolled = _verdicts(guard, [*noisy, state.loss_avg + 1.9 * scale])
+    assert rolled[-1] is False
+    _, rolled = _verdicts(guard, [*noisy, state.loss_avg + 2.1 * scale, -5.0])
+    assert rolled[-2:] == [True, False]  # a rise spikes; a fall never does
+    # Around zero the loss's own noise is the yardstick: 3 * (factor - 1) = 6 std.
+    around_zero = [0.01, -0.01, 0.02, -0.02, 0.0, 0.015, -0.015] * 5
+    state, rolled = _verdicts(guard, around_zero)
+    assert not any(rolled)
+    std = state.loss_var**0.5
+    assert abs(state.loss_avg) < 3 * std
+    _, rolled = _verdicts(guard, [*around_zero, state.loss_avg + 5.9 * std])
+    assert rolled[-1] is False
+    _, rolled = _verdicts(guard, [*around_zero, state.loss_avg + 6.1 * std])
+    assert rolled[-1] is True
+
+
+def test_positive_losses_keep_the_ratio_rule():
+    guard = ft.guard.SpikeGuard(factor=3.0, warmup=3)
+    steady = [2.0] * 10  # variance 0: the scale is the average
+    assert _verdicts(guard, [*steady, 5.99])[1][-1] is False
+    assert _verdicts(guard, [*steady, 6.01])[1][-1] is True
+    # A falling loss with spikes: the decisions of the rule before, `loss > factor * avg`.
+    guard = ft.guard.SpikeGuard(factor=3.0, warmup=3, beta=0.8)
+    losses = [4.0, 3.5, 3.2, 3.0, 2.9, 2.8, 11.5, 2.7, 2.6, 9.7, 2.5, 2.45, 2.4, 8.5, 2.3]
+    avg, count, before = None, 0, []
+    for loss in losses:
+        spike = avg is not None and count >= guard.warmup and loss > guard.factor * avg
+        before.append(spike)
+        if not spike:
+            avg = loss if avg is None else guard.beta * avg + (1 - guard.beta) * loss
+            count += 1
+    assert _verdicts(guard, losses)[1] == before
+    assert before.count(True) == 3
+
+
+def test_a_loss_that_keeps_spiking_stops_after_max_rollbacks(tmp_path, caplog):
+    # Every micro-batch from 6 on spikes: each rollback skips one and meets the next. Before,
+    # nothing bounded the rollbacks.
+    guard = ft.guard.SpikeGuard(factor=3.0, warmup=3, beta=0.9, max_rollbacks=3)
+    rows = _rows(set(range(12, 40)))
+    want = r"3 rollbacks done, max_rollbacks=3 reached at step 4 \(epoch 0, micro-batch 9\)"
+    log_level = caplog.at_level(logging.WARNING, logger="ftrain.extras.guard")
+    with log_level, pytest.raises(ft.guard.GuardError, match=want):
+        _run(tmp_path, 20, guard=guard, rows=rows)
+    assert [r.getMessage().split(" at step")[0] for r in caplog.records] == [
+        f"loss guard: rollback {k}" for k in (1, 2, 3)
+    ]
+    # The default cap is finite too.
+    assert ft.guard.SpikeGuard().max_rollbacks == 20
