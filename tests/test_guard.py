@@ -34,8 +34,10 @@ def _loss(scale):
     return loss_fn
 
 
-def _run(root, steps, *, scale=100.0, guard=None, stop_at=None, state=None, rows=ROWS):
-    """The README loop with the guard; returns the state and the verdicts that rolled back."""
+def _run(root, steps, *, scale=100.0, guard=None, stop_at=None, state=None, rows=ROWS,
+         shuffle=False, trained=None):  # fmt: skip
+    """The README loop with the guard; returns the state and the verdicts that rolled back.
+    `trained` collects the first token of every row an update was taken on."""
     guard = guard or ft.guard.SpikeGuard(factor=3.0, warmup=3, beta=0.9)
     if state is None:
         state = ft.guard.GuardedState.create(tiny_llama(), ft.optim.adamw(), seed=0)
@@ -44,15 +46,17 @@ def _run(root, steps, *, scale=100.0, guard=None, stop_at=None, state=None, rows
     rolled = []
     loss_fn = _loss(scale)
     while state.step < steps:
-        for micro in ft.make_batches(rows, state, batch_size=2, shuffle=False):
+        for micro in ft.make_batches(rows, state, batch_size=2, shuffle=shuffle):
             grads, stats = ft.accumulate_grads(state, micro, loss_fn)
             state, verdict = guard.observe(state, stats)
             if verdict.rollback:
                 rolled.append((state.step, state.data.cursor, verdict.reason))
                 del grads
-                state = guard.rollback(state, root, skip=len(micro))
+                state = guard.rollback(state, root, skip=micro)
                 break
             state, _ = ft.clip_and_step(state, grads, stats=stats, lr=1e-2, max_norm=1.0)
+            if trained is not None:
+                trained += [int(t) for b in micro for t in b["input_ids"][:, 0]]
             if ft.should_save(state, every=4):
                 ft.save_checkpoint(state, root)
             if state.step in (stop_at, steps):
@@ -180,3 +184,50 @@ def test_a_loss_that_keeps_spiking_stops_after_max_rollbacks(tmp_path, caplog):
     ]
     # The default cap is finite too.
     assert ft.guard.SpikeGuard().max_rollbacks == 20
+
+
+def _stream(rows, buffer=1000):
+    return ft.data.stream(ft.data.IterableRows(rows), shuffle_buffer=buffer)
+
+
+def test_the_guard_loop_on_a_stream_skips_the_spike_and_equals_a_run_without_those_rows(tmp_path):
+    # Before: after the rollback, make_batches raised "state.data.stream is the position for
+    # {cursor: 4}, but the state is at {cursor: 7}" (issue 27, item 12).
+    trained = []
+    whole, rolled = _run(tmp_path / "whole", 8, rows=_stream(ROWS), trained=trained)
+    assert [(step, cursor) for step, cursor, _ in rolled] == [(6, 6)]
+    assert (whole.rollbacks, whole.step, whole.data.cursor) == (1, 8, 11)
+    assert POISON not in trained
+    # Back to the step-4 checkpoint (rows 0-7), the stream on from micro-batch 7 (row 14): the
+    # same as a run that never had rows 8-13, and as the guard on the list of rows.
+    without, _ = _run(tmp_path / "without", 8, rows=_stream(ROWS[:8] + ROWS[14:]))
+    on_a_list, _ = _run(tmp_path / "list", 8)
+    for n, p in whole.params.items():
+        assert torch.equal(without.params[n], p), n
+        assert torch.equal(on_a_list.params[n], p), n
+    # A crash after the rollback, before the next save: the same decisions on resume.
+    _, rolled_first = _run(tmp_path / "crash", 8, rows=_stream(ROWS), stop_at=7)
+    resumed, rolled_again = _run(tmp_path / "crash", 8, rows=_stream(ROWS))
+    assert rolled_first == rolled_again == rolled
+    for n, p in whole.params.items():
+        assert torch.equal(resumed.params[n], p), n
+
+
+def test_the_guard_loop_on_a_shuffled_stream_never_trains_on_the_spike(tmp_path):
+    trained = []
+    state, rolled = _run(tmp_path, 10, rows=_stream(ROWS, buffer=8), shuffle=True,
+                         trained=trained)  # fmt: skip
+    assert [(step, cursor) for step, cursor, _ in rolled] == [(5, 5)]  # rows 12, 13 met at 5
+    assert state.step == 10 and POISON not in trained
+    assert len(trained) == 2 * (10 + 1)  # step 5 was taken twice: before and after the rollback
+
+
+def test_an_int_skip_on_a_stream_is_refused_naming_the_fix(tmp_path):
+    state = ft.guard.GuardedState.create(tiny_llama(), ft.optim.sgd())
+    micro = next(iter(ft.make_batches(_stream(ROWS), state, batch_size=2, shuffle=False)))
+    grads, stats = ft.accumulate_grads(state, micro)
+    state, _ = ft.clip_and_step(state, grads, stats=stats, lr=1e-2)
+    with pytest.raises(ValueError, match=r"skip=1 on a stream: .* Pass skip=micro"):
+        ft.guard.SpikeGuard().rollback(state, tmp_path, skip=1)
+    with pytest.raises(ValueError, match=r"skip must be the micro-batches observed"):
+        ft.guard.SpikeGuard().rollback(state, tmp_path, skip=True)

@@ -19,8 +19,8 @@ instead of rolling back forever.
             grads, stats = ft.accumulate_grads(state, micro)
             state, verdict = guard.observe(state, stats)     # reads the loss: a host sync
             if verdict.rollback:
-                state = guard.rollback(state, "runs/x", skip=len(micro))
-                break                                        # restart the data at the new cursor
+                state = guard.rollback(state, "runs/x", skip=micro)
+                break                                        # restart the data past `micro`
             state, info = ft.clip_and_step(state, grads, stats=stats, lr=lr(state.step))
 """
 
@@ -32,6 +32,7 @@ import math
 import os
 from typing import Any, NamedTuple, cast
 
+from ftrain.data import MicroBatches
 from ftrain.grads import Stats
 from ftrain.state import TrainState
 
@@ -165,28 +166,34 @@ class SpikeGuard:
         }
 
     def rollback(
-        self, state: GuardedState, root: str | os.PathLike[str], *, skip: int
+        self, state: GuardedState, root: str | os.PathLike[str], *, skip: MicroBatches | int
     ) -> GuardedState:
-        """Load the newest checkpoint under `root` and move the cursor past the `skip`
-        micro-batches that start at `state.data.cursor` (the ones just observed).
+        """Load the newest checkpoint under `root` and move the data past `skip`, the
+        micro-batches just observed (they start at `state.data.cursor`).
 
         The weights, optimizer state and counters return to the checkpoint's; the data moves
         on past the spike, so the micro-batches between the checkpoint and the spike are not
         replayed either (PaLM skipped a few hundred batches the same way). Without a checkpoint
-        the state is kept and only the `skip` micro-batches are skipped. Each rollback is
+        the state is kept and only the skipped micro-batches are skipped. Each rollback is
         logged on the `ftrain.extras.guard` logger. `state` is consumed.
 
+        Args:
+            state: the state that observed the spike (before `clip_and_step`).
+            root: the run's checkpoint directory.
+            skip: the group `make_batches` yielded (`micro`): the cursor moves past its
+                micro-batches, and a stream resumes at the position the group carries, right
+                after its last row, without reading anything again. For map-style data the
+                number of micro-batches (`len(micro)`) does as well.
+
         Raises:
-            ValueError: for `skip < 1`.
+            ValueError: for `skip < 1`, or an int `skip` on a stream (whose position after the
+                skipped micro-batches only the group knows).
             GuardError: when `max_rollbacks` rollbacks were done already (the state is then
                 not consumed).
         """
         from ftrain.checkpoint import latest_checkpoint, load_checkpoint
 
-        if not (isinstance(skip, int) and skip >= 1):
-            raise ValueError(
-                f"skip must be the number of micro-batches observed (>= 1), got {skip!r}"
-            )
+        skip, position = _skipped(state, skip)
         if state.rollbacks >= self.max_rollbacks:
             raise GuardError(
                 f"loss guard: {state.rollbacks} rollbacks done, max_rollbacks="
@@ -205,5 +212,23 @@ class SpikeGuard:
             f"resumed from {path} (step {state.step})" if path else "no checkpoint to load",
             start, start + skip,
         )  # fmt: skip
-        data = state.data.replace(cursor=start + skip)
+        data = state.data.replace(cursor=start + skip, stream=position)
         return _set(state, epoch=epoch, data=data, nonfinite_run=0, rollbacks=rollbacks)
+
+
+def _skipped(state: GuardedState, skip: MicroBatches | int) -> tuple[int, str | None]:
+    """(micro-batches to skip, the stream position after them or None), validated."""
+    if isinstance(skip, MicroBatches):
+        return len(skip), skip.position
+    if isinstance(skip, bool) or not (isinstance(skip, int) and skip >= 1):
+        raise ValueError(
+            f"skip must be the micro-batches observed (the group, or their number >= 1), got "
+            f"{skip!r}"
+        )
+    if state.data.stream is not None:
+        raise ValueError(
+            f"skip={skip} on a stream: where the stream stands after the skipped micro-batches "
+            "is known only to the group make_batches yielded. Pass skip=micro (the group just "
+            "observed) instead of skip=len(micro)"
+        )
+    return skip, None
