@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ftrain as ft
-from helpers import ragged_rows, tiny_llama
+from helpers import ragged_rows, tiny_llama, within
 
 
 def _stats(loss, tokens=10, samples=2, micro=1):
@@ -361,4 +361,7 @@ def test_checkpoint_retention_keeps_the_best_that_track_best_tracks(tmp_path):
         state = ft.track_best(state.replace(step=step), metrics)
         ft.save_checkpoint(state, tmp_path, metrics=metrics, keep_last=1, best_metric="eval_loss")
     assert state.early_stopping.best_step == 2 and state.early_stopping.patience_counter == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"step-{state.early_stopping.best_step}", "step-4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"step-{state.early_stopping.best_step}",
+        "step-4",
+    ]
