@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import math
 import re
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -230,7 +232,10 @@ def test_private_grads_clip_every_example_to_max_norm():
     assert 0.1 * (1 - 1e-4) < norm <= 0.1  # one large example: clipped to exactly max_norm
 
 
-def test_private_grads_noise_has_the_promised_scale_and_is_a_function_of_seed_and_step():
+KEY = bytes(range(32))  # a test key; a run uses secrets.token_bytes(32), kept outside the run
+
+
+def test_private_grads_noise_has_the_promised_scale_and_is_a_function_of_key_and_position():
     torch.manual_seed(0)
     model = nn.Linear(300, 300)  # 90,300 noise coordinates
 
@@ -239,7 +244,7 @@ def test_private_grads_noise_has_the_promised_scale_and_is_a_function_of_seed_an
 
     state = ft.TrainState.create(model, ft.optim.sgd(), seed=3).replace(step=5)
     batch = {"x": torch.randn(4, 300), "y": torch.randn(4, 300)}
-    kw = {"max_norm": 2.0, "expected_batch_size": 10}
+    kw = {"max_norm": 2.0, "expected_batch_size": 10, "noise_key": KEY}
     clean, _ = ft.func.private_grads(state, [batch], loss_fn, noise_multiplier=0.0, **kw)
     noisy, _ = ft.func.private_grads(state, [batch], loss_fn, noise_multiplier=1.5, **kw)
     noise = torch.cat([(noisy[n] - clean[n]).flatten() * 10 for n in clean]).double()
@@ -254,6 +259,87 @@ def test_private_grads_noise_has_the_promised_scale_and_is_a_function_of_seed_an
     )
     assert all(torch.equal(again[k], noisy[k]) for k in noisy)  # resume draws the same noise
     assert not torch.equal(later["weight"], noisy["weight"])  # each step draws anew
+    elsewhere = state.replace(data=state.data.replace(cursor=3))  # e.g. after a guard rollback
+    other_data, _ = ft.func.private_grads(elsewhere, [batch], loss_fn, noise_multiplier=1.5, **kw)
+    assert not torch.equal(other_data["weight"], noisy["weight"])  # no noise reused on new data
+    kw["noise_key"] = KEY[::-1]
+    other_key, _ = ft.func.private_grads(state, [batch], loss_fn, noise_multiplier=1.5, **kw)
+    assert not torch.equal(other_key["weight"], noisy["weight"])
+
+
+_NOISE_CHILD = """
+import hashlib, sys, torch, ftrain as ft
+torch.manual_seed(0)
+state = ft.TrainState.create(torch.nn.Linear(6, 3), ft.optim.sgd(), seed=0).replace(step=4)
+batch = {"x": torch.randn(4, 6), "y": torch.tensor([0, 1, 2, 0])}
+def loss_fn(m, b):
+    return torch.nn.functional.cross_entropy(m(b["x"]), b["y"], reduction="sum"), 4
+for key in (None, bytes(range(32))):
+    g, _ = ft.func.private_grads(state, [batch], loss_fn, max_norm=1.0, noise_multiplier=1.0,
+                                 noise_key=key)
+    print(hashlib.sha256(b"".join(t.numpy().tobytes() for t in g.values())).hexdigest())
+"""
+
+
+def test_default_noise_is_secret_per_process_and_a_key_makes_it_reproducible():
+    # Before: the noise was a pure function of (state.seed, state.step), both stored in plain
+    # text in every checkpoint, so anyone holding one could rebuild it (issue 27, item 10).
+    runs = [
+        subprocess.Popen([sys.executable, "-c", _NOISE_CHILD], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    (default_1, keyed_1), (default_2, keyed_2) = [
+        r.communicate(timeout=300)[0].split() for r in runs
+    ]
+    assert all(r.returncode == 0 for r in runs)
+    assert default_1 != default_2  # the default: a fresh secret from the OS in each process
+    assert keyed_1 == keyed_2  # the same key: the same noise in any process
+
+
+def test_the_noise_key_is_never_written_to_a_checkpoint(tmp_path):
+    key = bytes.fromhex("9f" * 8 + "a5" * 8 + "3c" * 16)
+    state = ft.TrainState.create(mlp(), ft.optim.sgd(momentum=0.9), seed=7)
+    grads, stats = ft.func.private_grads(
+        state, [data(4)], ce_loss, max_norm=0.5, noise_multiplier=1.0, noise_key=key
+    )
+    state, _ = ft.clip_and_step(state, grads, lr=0.1, stats=stats)
+    ft.save_checkpoint(state, tmp_path, metrics={"eval_loss": 1.0})
+    forms = [
+        key,
+        key.hex().encode(),
+        key.hex().upper().encode(),
+        str(int.from_bytes(key, "big")).encode(),
+        repr(key).encode(),
+    ]
+    files = [f for f in tmp_path.rglob("*") if f.is_file()]
+    assert any(f.name == "state.json" for f in files)
+    for f in files:
+        content = f.read_bytes()
+        assert not any(form in content for form in forms), f
+
+
+@pytest.mark.parametrize(
+    ("key", "error", "match"),
+    [
+        ("9f" * 32, TypeError, r"noise_key must be bytes .* got str.*bytes\.fromhex"),
+        (1.5, TypeError, r"noise_key must be bytes .* got float"),
+        (True, TypeError, r"noise_key must be bytes .* got bool"),
+        (b"short", ValueError, r"noise_key of 5 bytes is guessable"),
+        (1234, ValueError, r"noise_key must be an int >= 2\*\*64"),
+        (-(2**80), ValueError, r"noise_key must be an int >= 2\*\*64"),
+    ],
+    ids=["str", "float", "bool", "short", "small_int", "negative"],
+)
+def test_a_bad_noise_key_is_refused_without_showing_it(key, error, match):
+    state = ft.TrainState.create(mlp(), ft.optim.sgd())
+    with pytest.raises(error, match=match) as info:
+        ft.func.private_grads(state, [data(2)], ce_loss, max_norm=1.0, noise_multiplier=1.0,
+                              noise_key=key)  # fmt: skip
+    assert str(key) not in str(info.value)
+    grads, _ = ft.func.private_grads(
+        state, [data(2)], ce_loss, max_norm=1.0, noise_multiplier=1.0, noise_key=2**64 + 12345
+    )
+    assert all(torch.isfinite(g).all() for g in grads.values())  # a big enough int is a key
 
 
 def test_private_grads_validate_their_arguments():
@@ -593,7 +679,7 @@ def test_dp_sgd_loop_resumes_exactly(tmp_path):
         while state.step < until:
             for micro in ft.make_batches(rows, state, batch_size=4, accum=2):
                 grads, stats = ft.func.private_grads(
-                    state, micro, ce_loss, max_norm=0.5, noise_multiplier=1.0
+                    state, micro, ce_loss, max_norm=0.5, noise_multiplier=1.0, noise_key=KEY
                 )
                 state, _ = ft.clip_and_step(state, grads, lr=0.1, stats=stats)
                 if state.step >= until:
