@@ -58,7 +58,7 @@ def separate(data: list, k: int, epochs: int) -> list[ft.TrainState]:
     lrs, wds = hyper(k)
     states = []
     for i in range(k):
-        # seed 0 as the ensemble's one state: the same data order for every member
+        # seed=0 as the ensemble's: make_batches takes the data order from the state's seed
         state = ft.TrainState.create(mlp(i), ft.optim.adamw(weight_decay=wds[i]), seed=0)
         states.append(train(state, data, loss_fn, epochs=epochs, lr=lrs[i]))
     return states

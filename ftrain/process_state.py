@@ -30,9 +30,12 @@ Caches of pure lookups: they never change a result, so `snapshot()` leaves them 
         does). Owner: `ftrain.extras.chunked_loss`; for the life of the process (each import
         is tried once).
 
-Not here yet: `ftrain.state`'s `_SETTABLE` (settable fields per state class; goes with the
-`TrainState` rewrite) and `ftrain.data.epoch_order`'s `lru_cache` (the row order of the last 4
-epochs asked for).
+A secret, drawn once:
+
+    `dp_noise_key`  32 bytes from the OS (`secrets.token_bytes`) that key DP-SGD noise when
+        the user passes no `noise_key` (`ft.func.private_grads`), so that no checkpoint holds
+        what rebuilds the noise. Owner: `ftrain.extras.func`; drawn on first use, for the life
+        of the process, never written anywhere.
 
 Outside ftrain, ftrain changes torch.distributed's default process group (a strategy built by
 `from_env` creates it, its `close()` destroys it) and, while a `Preemption` is active, the
@@ -82,6 +85,7 @@ class ProcessState:
     optimizer_twins: _Weak[Callable[..., Any], Any] = field(default_factory=_Weak)
     compiled_steps: _Weak[Callable[..., Any], Any] = field(default_factory=_Weak)
     kernel_import_errors: dict[str, str | None] = field(default_factory=dict)
+    dp_noise_key: bytes | None = None
 
 
 STATE = ProcessState()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import math
 import re
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -230,7 +232,10 @@ def test_private_grads_clip_every_example_to_max_norm():
     assert 0.1 * (1 - 1e-4) < norm <= 0.1  # one large example: clipped to exactly max_norm
 
 
-def test_private_grads_noise_has_the_promised_scale_and_is_a_function_of_seed_and_step():
+KEY = bytes(range(32))  # a test key; a run uses secrets.token_bytes(32), kept outside the run
+
+
+def test_private_grads_noise_has_the_promised_scale_and_is_a_function_of_key_and_position():
     torch.manual_seed(0)
     model = nn.Linear(300, 300)  # 90,300 noise coordinates
 
@@ -239,7 +244,7 @@ def test_private_grads_noise_has_the_promised_scale_and_is_a_function_of_seed_an
 
     state = ft.TrainState.create(model, ft.optim.sgd(), seed=3).replace(step=5)
     batch = {"x": torch.randn(4, 300), "y": torch.randn(4, 300)}
-    kw = {"max_norm": 2.0, "expected_batch_size": 10}
+    kw = {"max_norm": 2.0, "expected_batch_size": 10, "noise_key": KEY}
     clean, _ = ft.func.private_grads(state, [batch], loss_fn, noise_multiplier=0.0, **kw)
     noisy, _ = ft.func.private_grads(state, [batch], loss_fn, noise_multiplier=1.5, **kw)
     noise = torch.cat([(noisy[n] - clean[n]).flatten() * 10 for n in clean]).double()
@@ -254,6 +259,87 @@ def test_private_grads_noise_has_the_promised_scale_and_is_a_function_of_seed_an
     )
     assert all(torch.equal(again[k], noisy[k]) for k in noisy)  # resume draws the same noise
     assert not torch.equal(later["weight"], noisy["weight"])  # each step draws anew
+    elsewhere = state.replace(data=state.data.replace(cursor=3))  # e.g. after a guard rollback
+    other_data, _ = ft.func.private_grads(elsewhere, [batch], loss_fn, noise_multiplier=1.5, **kw)
+    assert not torch.equal(other_data["weight"], noisy["weight"])  # no noise reused on new data
+    kw["noise_key"] = KEY[::-1]
+    other_key, _ = ft.func.private_grads(state, [batch], loss_fn, noise_multiplier=1.5, **kw)
+    assert not torch.equal(other_key["weight"], noisy["weight"])
+
+
+_NOISE_CHILD = """
+import hashlib, sys, torch, ftrain as ft
+torch.manual_seed(0)
+state = ft.TrainState.create(torch.nn.Linear(6, 3), ft.optim.sgd(), seed=0).replace(step=4)
+batch = {"x": torch.randn(4, 6), "y": torch.tensor([0, 1, 2, 0])}
+def loss_fn(m, b):
+    return torch.nn.functional.cross_entropy(m(b["x"]), b["y"], reduction="sum"), 4
+for key in (None, bytes(range(32))):
+    g, _ = ft.func.private_grads(state, [batch], loss_fn, max_norm=1.0, noise_multiplier=1.0,
+                                 noise_key=key)
+    print(hashlib.sha256(b"".join(t.numpy().tobytes() for t in g.values())).hexdigest())
+"""
+
+
+def test_default_noise_is_secret_per_process_and_a_key_makes_it_reproducible():
+    # Before: the noise was a pure function of (state.seed, state.step), both stored in plain
+    # text in every checkpoint, so anyone holding one could rebuild it (issue 27, item 10).
+    runs = [
+        subprocess.Popen([sys.executable, "-c", _NOISE_CHILD], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    (default_1, keyed_1), (default_2, keyed_2) = [
+        r.communicate(timeout=300)[0].split() for r in runs
+    ]
+    assert all(r.returncode == 0 for r in runs)
+    assert default_1 != default_2  # the default: a fresh secret from the OS in each process
+    assert keyed_1 == keyed_2  # the same key: the same noise in any process
+
+
+def test_the_noise_key_is_never_written_to_a_checkpoint(tmp_path):
+    key = bytes.fromhex("9f" * 8 + "a5" * 8 + "3c" * 16)
+    state = ft.TrainState.create(mlp(), ft.optim.sgd(momentum=0.9), seed=7)
+    grads, stats = ft.func.private_grads(
+        state, [data(4)], ce_loss, max_norm=0.5, noise_multiplier=1.0, noise_key=key
+    )
+    state, _ = ft.clip_and_step(state, grads, lr=0.1, stats=stats)
+    ft.save_checkpoint(state, tmp_path, metrics={"eval_loss": 1.0})
+    forms = [
+        key,
+        key.hex().encode(),
+        key.hex().upper().encode(),
+        str(int.from_bytes(key, "big")).encode(),
+        repr(key).encode(),
+    ]
+    files = [f for f in tmp_path.rglob("*") if f.is_file()]
+    assert any(f.name == "state.json" for f in files)
+    for f in files:
+        content = f.read_bytes()
+        assert not any(form in content for form in forms), f
+
+
+@pytest.mark.parametrize(
+    ("key", "error", "match"),
+    [
+        ("9f" * 32, TypeError, r"noise_key must be bytes .* got str.*bytes\.fromhex"),
+        (1.5, TypeError, r"noise_key must be bytes .* got float"),
+        (True, TypeError, r"noise_key must be bytes .* got bool"),
+        (b"short", ValueError, r"noise_key of 5 bytes is guessable"),
+        (1234, ValueError, r"noise_key must be an int >= 2\*\*64"),
+        (-(2**80), ValueError, r"noise_key must be an int >= 2\*\*64"),
+    ],
+    ids=["str", "float", "bool", "short", "small_int", "negative"],
+)
+def test_a_bad_noise_key_is_refused_without_showing_it(key, error, match):
+    state = ft.TrainState.create(mlp(), ft.optim.sgd())
+    with pytest.raises(error, match=match) as info:
+        ft.func.private_grads(state, [data(2)], ce_loss, max_norm=1.0, noise_multiplier=1.0,
+                              noise_key=key)  # fmt: skip
+    assert str(key) not in str(info.value)
+    grads, _ = ft.func.private_grads(
+        state, [data(2)], ce_loss, max_norm=1.0, noise_multiplier=1.0, noise_key=2**64 + 12345
+    )
+    assert all(torch.isfinite(g).all() for g in grads.values())  # a big enough int is a key
 
 
 def test_private_grads_validate_their_arguments():
@@ -364,8 +450,12 @@ def test_ensemble_state_checkpoints_and_resumes_exactly(tmp_path):
 def test_ensemble_errors_name_the_problem():
     with pytest.raises(ValueError, match="non-empty"):
         ft.func.Ensemble([])
-    with pytest.raises(ValueError, match="differ in parameter names or shapes"):
-        ft.func.Ensemble([nn.Linear(2, 1), nn.Linear(3, 1)])
+    with pytest.raises(
+        ValueError,
+        match=r"member 1 differs from member 0 in parameter names or "
+        r"shapes: 'weight' is \(1, 3\) in member 1, \(1, 2\) in member 0",
+    ):
+        ft.func.Ensemble([nn.Linear(2, 1), nn.Linear(3, 1)])  # fmt: skip
     with pytest.raises(ft.func.FuncError, match="BatchNorm1d in training mode"):
         ft.func.Ensemble([nn.BatchNorm1d(3) for _ in range(2)])
     with pytest.raises(ValueError, match=r"sweep of 2 optimizers.*Ensemble of 2"):
@@ -374,6 +464,77 @@ def test_ensemble_errors_name_the_problem():
         ft.func.sweep([ft.optim.sgd(), ft.optim.sgd()], lr_factors=[1.0])
     with pytest.raises(TypeError, match=r"needs an ft\.func\.Ensemble"):
         ft.func.ensemble_loss(ce_loss)(mlp(), data(2))
+
+
+class _Scaled(nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.lin, self.act = nn.Linear(3, 2), act
+
+    def forward(self, x):
+        return self.act(self.lin(x))
+
+
+def _mlp_with(act):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), act, nn.Linear(4, 2))
+
+
+@pytest.mark.parametrize(
+    "odd, match",
+    [
+        (_mlp_with(nn.Tanh()), r"in module types: '1' is Tanh in member 2, ReLU in member 0"),
+        (_mlp_with(nn.LeakyReLU(0.3)), r"in module types: '1' is LeakyReLU in member 2, ReLU"),
+        (nn.Sequential(nn.Linear(3, 4), nn.ReLU()), r"in module types: '2' is missing from "
+         r"member 2"),
+        (_mlp_with(nn.ReLU()).double(), r"in dtype: '0.weight' is torch.float64 in member 2, "
+         r"torch.float32 in member 0"),
+        (_mlp_with(nn.ReLU()).to("meta"), r"in device: '0.weight' is device\(type='meta'\) in "
+         r"member 2, device\(type='cpu'\)"),
+        (_mlp_with(nn.ReLU()).requires_grad_(False), r"in requires_grad: '0.weight' is False in "
+         r"member 2, True in member 0"),
+        (_mlp_with(nn.ReLU()).eval(), r"in module settings: '<root>.training' is False in member "
+         r"2, True in member 0"),
+    ],
+    ids=["tanh", "leaky_relu", "fewer_modules", "float64", "device", "frozen", "eval_mode"],
+)  # fmt: skip
+def test_ensemble_refuses_members_unlike_member_0_naming_the_member(odd, match):
+    # Before: Tanh/LeakyReLU members silently ran member 0's ReLU, one float64 member turned
+    # every member into float64 (issue 27, item 6).
+    members = [_mlp_with(nn.ReLU()), _mlp_with(nn.ReLU()), odd]
+    with pytest.raises(ValueError, match=r"Ensemble member 2 differs from member 0 " + match):
+        ft.func.Ensemble(members)
+
+
+def test_ensemble_compares_module_settings_and_function_attributes():
+    with pytest.raises(
+        ValueError,
+        match=r"member 1 .* settings: '1.negative_slope' is 0.2 in "
+        r"member 1, 0.01 in member 0",
+    ):
+        ft.func.Ensemble([_mlp_with(nn.LeakyReLU()), _mlp_with(nn.LeakyReLU(0.2))])  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"member 1 .* settings: '<root>.act' is "
+        r"'torch.nn.functional.silu' in member 1, 'torch.nn.functional.relu'",
+    ):
+        ft.func.Ensemble([_Scaled(F.relu), _Scaled(F.silu)])  # fmt: skip
+    with pytest.raises(ValueError, match=r"member 1 .* settings: '1.p' is 0.5 in member 1"):
+        ft.func.Ensemble([_mlp_with(nn.Dropout(0.1)), _mlp_with(nn.Dropout(0.5))])
+    # Members built alike, lambdas from one line included, are accepted and each runs its own
+    # weights.
+    alike = [_Scaled(lambda x: 2 * x) for _ in range(3)]
+    out = ft.func.Ensemble(alike)(torch.ones(1, 3))
+    for k, m in enumerate(alike):
+        torch.testing.assert_close(out[k], m(torch.ones(1, 3)))
+
+
+def test_ensemble_train_and_eval_reach_the_members():
+    ens = ft.func.Ensemble([nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5)) for _ in range(2)])
+    x = torch.ones(4, 3)
+    assert not torch.equal(ens(x), ens(x))  # dropout on in training mode
+    ens.eval()  # before: ignored, member 0's training mode ran for good
+    torch.testing.assert_close(ens(x), torch.stack([ens.member(k)(x) for k in range(2)]))
 
 
 @pytest.mark.slow
@@ -518,7 +679,7 @@ def test_dp_sgd_loop_resumes_exactly(tmp_path):
         while state.step < until:
             for micro in ft.make_batches(rows, state, batch_size=4, accum=2):
                 grads, stats = ft.func.private_grads(
-                    state, micro, ce_loss, max_norm=0.5, noise_multiplier=1.0
+                    state, micro, ce_loss, max_norm=0.5, noise_multiplier=1.0, noise_key=KEY
                 )
                 state, _ = ft.clip_and_step(state, grads, lr=0.1, stats=stats)
                 if state.step >= until:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ftrain as ft
-from helpers import ragged_rows, tiny_llama
+from helpers import ragged_rows, tiny_llama, within
 
 
 def _stats(loss, tokens=10, samples=2, micro=1):
@@ -280,6 +280,68 @@ def test_plot_cli_writes_a_png(tmp_path):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert run.returncode == 1 and "no log record" in run.stderr
+
+
+_DEEP = b'{"step": 3, "loss": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+_HUGE = b'{"step": 4, "loss": 1' + b"0" * 399 + b"}"  # 400 digits: no float holds it
+_HUGE_STEP = b'{"step": 1' + b"0" * 399 + b', "loss": 1.0}'
+_CUT = '{"step": 21, "loss": "\u00e9'.encode()[:-1]  # the last line, cut inside a character
+
+
+def _log_with(tmp_path, bad_lines):
+    """A 20-step log with `bad_lines` (bytes) after line 5, and `_CUT` as its last line."""
+    good = [
+        json.dumps({"step": s, "loss": 3 / s, "learning_rate": 1e-3, "grad_norm": 1.0}).encode()
+        for s in range(1, 21)
+    ]
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b"\n".join([*good[:5], *bad_lines, *good[5:]]) + b"\n" + _CUT)
+    return path
+
+
+@pytest.mark.parametrize("bad", [_DEEP, _HUGE, _HUGE_STEP], ids=["deep", "huge", "huge_step"])
+def test_plot_skips_and_reports_a_bad_line_and_plots_the_rest(tmp_path, capsys, bad):
+    # Before: a traceback (RecursionError, OverflowError) or "error: 'utf-8' codec can't
+    # decode" and no plot (issue 27, item 14).
+    from ftrain.extras.cli import main
+
+    path = _log_with(tmp_path, [bad])
+    with within(30, "plot"):
+        assert main(["plot", str(path), "-o", str(tmp_path / "c.png")]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("wrote ") and (tmp_path / "c.png").read_bytes().startswith(b"\x89PNG")
+    why = {_DEEP: "nested too deeply", _HUGE: "an integer of 400 digits, too large for a float",
+           _HUGE_STEP: "an integer of 400 digits, too large for a float"}[bad]  # fmt: skip
+    assert err == (
+        f"warning: skipped 2 bad line(s) of {path}: line 6 ({why}), line 22 (not UTF-8 text "
+        "(cut inside a character?))\n"
+    )
+
+
+def test_read_jsonl_reports_every_bad_line_and_keeps_the_good_ones(tmp_path, capsys):
+    cut = b'{"step": 7, "loss": [1, 2, {"a": "}'
+    others = [b"not json", b"[1, 2]", b'{"step": true, "loss": 1}', b'{"step": -1}',
+              b'{"step": 2.0}', b"", b"   ", cut]  # fmt: skip
+    path = _log_with(tmp_path, [_DEEP, _HUGE, *others])
+    bad = []
+    records = ft.logging.read_jsonl(path, on_bad_line=lambda n, why: bad.append((n, why)))
+    assert [r["step"] for r in records] == list(range(1, 21))
+    assert [n for n, _ in bad] == [6, 7, 8, 9, 10, 11, 12, 15, 31]  # blank lines are no error
+    assert bad[2][1].startswith("not JSON (") and bad[3][1] == "no integer 'step' in [0, 2**63)"
+    assert ft.logging.read_jsonl(path) == records  # silently without a callback
+    # Many bad lines: the count, the first 20 with why, and how many more.
+    from ftrain.extras.cli import main
+
+    path.write_bytes(b"\n".join([b"x"] * 25 + [b'{"step": 1, "loss": 1.0}']))
+    assert main(["plot", str(path), "-o", str(tmp_path / "d.png")]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("warning: skipped 25 bad line(s) of ") and err.count("(not JSON") == 20
+    assert err.endswith("line 20 (not JSON (Expecting value)), and 5 more\n")
+    # Nothing good: the error, and the lines skipped.
+    path.write_bytes(_DEEP)
+    assert main(["plot", str(path), "-o", str(tmp_path / "e.png")]) == 1
+    err = capsys.readouterr().err
+    assert "holds no log record" in err and "skipped 1 bad line(s)" in err
 
 
 # --- throughput ----------------------------------------------------------------------------------

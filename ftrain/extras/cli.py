@@ -125,6 +125,32 @@ def _best(good: list[tuple[int, dict[str, Any]]], metric: str, mode: str) -> int
     return min(scored)[1] if scored else None  # ties go to the older checkpoint
 
 
+def plot(path: Path, out: Path, *, metrics: Sequence[str] | None, mode: str) -> int:
+    """Plot a JSONL log; report the lines skipped (count and numbers) on stderr; 0 when the
+    PNG is written, 1 on an error."""
+    from ftrain.extras.logging import plot_metrics
+
+    bad: list[tuple[int, str]] = []
+    try:
+        written = plot_metrics(
+            path, out, metrics=metrics, mode=mode, on_bad_line=lambda n, why: bad.append((n, why))
+        )
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if bad:
+            print(_bad_lines(path, bad), file=sys.stderr)
+    print(f"wrote {written}")
+    return 0
+
+
+def _bad_lines(path: Path, bad: list[tuple[int, str]], shown: int = 20) -> str:
+    listed = ", ".join(f"line {n} ({why})" for n, why in bad[:shown])
+    more = f", and {len(bad) - shown} more" if len(bad) > shown else ""
+    return f"warning: skipped {len(bad)} bad line(s) of {path}: {listed}{more}"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ftrain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -160,15 +186,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "plot":
-        from ftrain.extras.logging import plot_metrics
-
-        try:
-            out = plot_metrics(args.metrics_file, args.out, metrics=args.metrics, mode=args.mode)
-        except (OSError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        print(f"wrote {out}")
-        return 0
+        return plot(args.metrics_file, args.out, metrics=args.metrics, mode=args.mode)
     if args.command == "inspect":
         return inspect(
             args.checkpoint, verify=not args.no_verify, metric=args.metric, mode=args.mode

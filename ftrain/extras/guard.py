@@ -1,13 +1,16 @@
 """An opt-in loss-spike guard: roll back to the newest checkpoint and skip the offending data.
 
-A spike (a loss above `factor` times its moving average) or a run of non-finite losses makes
-the guard load the newest checkpoint and move the data cursor past the micro-batches that
-caused it, as PaLM did by hand (Chowdhery et al. 2022, section 5.1: restart from a checkpoint
-before the spike and skip the batches around it). Peers only skip the update or warn.
+A spike (a loss that rises far above its moving average, for losses of either sign) or a run
+of non-finite losses makes the guard load the newest checkpoint and move the data cursor past
+the micro-batches that caused it, as PaLM did by hand (Chowdhery et al. 2022, section 5.1:
+restart from a checkpoint before the spike and skip the batches around it). Peers only skip
+the update or warn.
 
-The guard's memory (the loss average, counts) lives in `GuardedState`, a `TrainState` with
-four more plain fields that checkpoints save and restore, and every decision is a pure
-function of that state and the observed loss: a resumed run makes the same decisions.
+The guard's memory (the loss average and spread, counts) lives in `GuardedState`, a
+`TrainState` with five more plain fields that checkpoints save and restore, and every decision
+is a pure function of that state and the observed loss: a resumed run makes the same
+decisions. A run that keeps spiking stops with `GuardError` after `max_rollbacks` rollbacks
+instead of rolling back forever.
 
     guard = ft.guard.SpikeGuard(factor=3.0, warmup=20)
     state = ft.guard.GuardedState.create(model, opt, seed=0)
@@ -16,8 +19,8 @@ function of that state and the observed loss: a resumed run makes the same decis
             grads, stats = ft.accumulate_grads(state, micro)
             state, verdict = guard.observe(state, stats)     # reads the loss: a host sync
             if verdict.rollback:
-                state = guard.rollback(state, "runs/x", skip=len(micro))
-                break                                        # restart the data at the new cursor
+                state = guard.rollback(state, "runs/x", skip=micro)
+                break                                        # restart the data past `micro`
             state, info = ft.clip_and_step(state, grads, stats=stats, lr=lr(state.step))
 """
 
@@ -29,27 +32,37 @@ import math
 import os
 from typing import Any, NamedTuple, cast
 
+from ftrain.data import MicroBatches
 from ftrain.grads import Stats
 from ftrain.state import TrainState
 
-__all__ = ["GuardedState", "SpikeGuard", "Verdict"]
+__all__ = ["GuardError", "GuardedState", "SpikeGuard", "Verdict"]
 
 log = logging.getLogger("ftrain.extras.guard")
+
+
+class GuardError(RuntimeError):
+    """Raised by `SpikeGuard.rollback` when the run has rolled back `max_rollbacks` times."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class GuardedState(TrainState):
     """A `TrainState` with the guard's memory as plain values (saved in checkpoints).
 
-    `loss_avg`: bias-corrected moving average of the accepted losses (None before the first);
-    `loss_count`: losses averaged so far; `nonfinite_run`: consecutive non-finite losses;
-    `rollbacks`: rollbacks done.
+    `loss_avg`: moving average of the accepted losses (None before the first); `loss_var`:
+    their moving variance about it; `loss_count`: losses averaged so far; `nonfinite_run`:
+    consecutive non-finite losses; `rollbacks`: rollbacks done.
     """
 
     loss_avg: float | None = None
+    loss_var: float = 0.0
     loss_count: int = 0
     nonfinite_run: int = 0
     rollbacks: int = 0
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _set(state: GuardedState, **changes: Any) -> GuardedState:
@@ -67,30 +80,43 @@ class Verdict(NamedTuple):
 class SpikeGuard:
     """Detect a loss spike or a run of non-finite losses.
 
-    A finite loss is a spike when at least `warmup` losses have been averaged and
-    `loss > factor * loss_avg`. Accepted losses update `avg = beta * avg + (1 - beta) * loss`
-    (the first one sets it). Spikes and non-finite losses do not enter the average.
+    A finite loss is a spike when at least `warmup` losses have been averaged and it rises
+    above their moving average by more than `factor - 1` times the loss's scale:
+
+        loss - avg > (factor - 1) * max(|avg|, 3 * std)
+
+    where `std = sqrt(var)` is the moving standard deviation of the accepted losses. For a
+    positive average above three standard deviations (the usual training loss) this is
+    `loss > factor * avg`. It never depends on the loss's sign: only a rise is a spike, and a
+    negative or near-zero average (a log-likelihood, a DPO-style margin, a loss minus a
+    baseline) is measured against the loss's own noise, `3 * (factor - 1)` standard deviations,
+    rather than against a ratio that would call every step a spike. Accepted losses update
+    `d = loss - avg; avg = beta * avg + (1 - beta) * loss; var = beta * (var + (1 - beta) * d**2)`
+    (the first one sets `avg`, with `var = 0`). Spikes and non-finite losses enter neither.
 
     Args:
-        factor: spike threshold on the ratio to the moving average, > 1.
-        beta: decay of the moving average, in [0, 1).
+        factor: spike threshold, > 1: how many times its scale the loss must rise by, plus 1.
+        beta: decay of the moving average and variance, in [0, 1).
         warmup: accepted losses before spikes are detected, >= 1.
         max_nonfinite: consecutive non-finite losses that trigger a rollback, >= 1
             (`clip_and_step` already skips each such update on its own).
+        max_rollbacks: rollbacks allowed in the run, >= 1 (20: PaLM met about 20 spikes in a
+            whole run); `rollback` raises `GuardError` when asked for one more.
     """
 
     factor: float = 3.0
     beta: float = 0.98
     warmup: int = 20
     max_nonfinite: int = 3
+    max_rollbacks: int = 20
 
     def __post_init__(self) -> None:
         checks = [
             ("factor", self.factor, self.factor > 1, "> 1"),
             ("beta", self.beta, 0 <= self.beta < 1, "in [0, 1)"),
-            ("warmup", self.warmup, isinstance(self.warmup, int) and self.warmup >= 1, ">= 1"),
-            ("max_nonfinite", self.max_nonfinite,
-             isinstance(self.max_nonfinite, int) and self.max_nonfinite >= 1, "an int >= 1"),
+            ("warmup", self.warmup, _count(self.warmup), ">= 1"),
+            ("max_nonfinite", self.max_nonfinite, _count(self.max_nonfinite), "an int >= 1"),
+            ("max_rollbacks", self.max_rollbacks, _count(self.max_rollbacks), "an int >= 1"),
         ]  # fmt: skip
         for name, value, ok, want in checks:
             if not ok:
@@ -117,35 +143,63 @@ class SpikeGuard:
                 return state, Verdict(True, f"{run} non-finite losses in a row")
             return state, Verdict(False, "non-finite loss")
         avg = state.loss_avg
-        if avg is not None and state.loss_count >= self.warmup and loss > self.factor * avg:
-            return _set(state, nonfinite_run=0), Verdict(
-                True, f"loss {loss:.4g} > {self.factor} x its average {avg:.4g}"
-            )
-        new_avg = loss if avg is None else self.beta * avg + (1 - self.beta) * loss
-        return _set(
-            state, loss_avg=new_avg, loss_count=state.loss_count + 1, nonfinite_run=0
-        ), Verdict(False, "ok")
+        if avg is not None and state.loss_count >= self.warmup:
+            scale = max(abs(avg), 3 * math.sqrt(state.loss_var))
+            if loss - avg > (self.factor - 1) * scale:
+                return _set(state, nonfinite_run=0), Verdict(
+                    True,
+                    f"loss {loss:.4g} > its average {avg:.4g} + {self.factor - 1:g} x its "
+                    f"scale {scale:.4g}",
+                )
+        return _set(state, **self._accept(state, loss), nonfinite_run=0), Verdict(False, "ok")
+
+    def _accept(self, state: GuardedState, loss: float) -> dict[str, Any]:
+        """The average, variance and count with `loss` taken in."""
+        avg, b = state.loss_avg, self.beta
+        if avg is None:
+            return {"loss_avg": loss, "loss_var": 0.0, "loss_count": state.loss_count + 1}
+        d = loss - avg
+        return {
+            "loss_avg": b * avg + (1 - b) * loss,
+            "loss_var": b * (state.loss_var + (1 - b) * d * d),
+            "loss_count": state.loss_count + 1,
+        }
 
     def rollback(
-        self, state: GuardedState, root: str | os.PathLike[str], *, skip: int
+        self, state: GuardedState, root: str | os.PathLike[str], *, skip: MicroBatches | int
     ) -> GuardedState:
-        """Load the newest checkpoint under `root` and move the cursor past the `skip`
-        micro-batches that start at `state.data.cursor` (the ones just observed).
+        """Load the newest checkpoint under `root` and move the data past `skip`, the
+        micro-batches just observed (they start at `state.data.cursor`).
 
         The weights, optimizer state and counters return to the checkpoint's; the data moves
         on past the spike, so the micro-batches between the checkpoint and the spike are not
         replayed either (PaLM skipped a few hundred batches the same way). Without a checkpoint
-        the state is kept and only the `skip` micro-batches are skipped. Each rollback is
+        the state is kept and only the skipped micro-batches are skipped. Each rollback is
         logged on the `ftrain.extras.guard` logger. `state` is consumed.
 
+        Args:
+            state: the state that observed the spike (before `clip_and_step`).
+            root: the run's checkpoint directory.
+            skip: the group `make_batches` yielded (`micro`): the cursor moves past its
+                micro-batches, and a stream resumes at the position the group carries, right
+                after its last row, without reading anything again. For map-style data the
+                number of micro-batches (`len(micro)`) does as well.
+
         Raises:
-            ValueError: for `skip < 1`.
+            ValueError: for `skip < 1`, or an int `skip` on a stream (whose position after the
+                skipped micro-batches only the group knows).
+            GuardError: when `max_rollbacks` rollbacks were done already (the state is then
+                not consumed).
         """
         from ftrain.checkpoint import latest_checkpoint, load_checkpoint
 
-        if not (isinstance(skip, int) and skip >= 1):
-            raise ValueError(
-                f"skip must be the number of micro-batches observed (>= 1), got {skip!r}"
+        skip, position = _skipped(state, skip)
+        if state.rollbacks >= self.max_rollbacks:
+            raise GuardError(
+                f"loss guard: {state.rollbacks} rollbacks done, max_rollbacks="
+                f"{self.max_rollbacks} reached at step {state.step} (epoch {state.epoch}, "
+                f"micro-batch {state.data.cursor}): the loss keeps spiking after rolling back. "
+                "Look at the data and the learning rate, or raise SpikeGuard(max_rollbacks=...)"
             )
         epoch, start, step = state.epoch, state.data.cursor, state.step
         rollbacks = state.rollbacks + 1
@@ -158,5 +212,23 @@ class SpikeGuard:
             f"resumed from {path} (step {state.step})" if path else "no checkpoint to load",
             start, start + skip,
         )  # fmt: skip
-        data = state.data.replace(cursor=start + skip)
+        data = state.data.replace(cursor=start + skip, stream=position)
         return _set(state, epoch=epoch, data=data, nonfinite_run=0, rollbacks=rollbacks)
+
+
+def _skipped(state: GuardedState, skip: MicroBatches | int) -> tuple[int, str | None]:
+    """(micro-batches to skip, the stream position after them or None), validated."""
+    if isinstance(skip, MicroBatches):
+        return len(skip), skip.position
+    if isinstance(skip, bool) or not (isinstance(skip, int) and skip >= 1):
+        raise ValueError(
+            f"skip must be the micro-batches observed (the group, or their number >= 1), got "
+            f"{skip!r}"
+        )
+    if state.data.stream is not None:
+        raise ValueError(
+            f"skip={skip} on a stream: where the stream stands after the skipped micro-batches "
+            "is known only to the group make_batches yielded. Pass skip=micro (the group just "
+            "observed) instead of skip=len(micro)"
+        )
+    return skip, None

@@ -28,8 +28,18 @@ class Ensemble(nn.Module):
     elementwise optimizer (`ft.optim.adamw`, `sgd`) updates each member exactly as K separate
     runs would. Members with requires_grad=False parameters keep them frozen.
 
+    Only member 0's modules run (on every member's weights), so the members must be alike:
+    the same module classes at the same names, the same settings (plain attributes such as
+    `p`, `eps`, `negative_slope`, `training`; a function attribute by its qualified name), the
+    same parameter and buffer names, shapes, dtypes, devices and `requires_grad`. Hooks and
+    values captured in closures are not compared.
+
     Args:
         members: K >= 1 modules of identical structure (e.g. built with different seeds).
+
+    Raises:
+        ValueError: for no members, or a member unlike member 0, naming its index, what
+            differs and where.
 
     Example:
         >>> import torch, ftrain as ft
@@ -43,9 +53,7 @@ class Ensemble(nn.Module):
         super().__init__()
         if len(members) == 0 or not all(isinstance(m, nn.Module) for m in members):
             raise ValueError("members must be a non-empty sequence of nn.Module of one structure")
-        shapes = {tuple((n, p.shape) for n, p in m.named_parameters()) for m in members}
-        if len(shapes) != 1:
-            raise ValueError("members differ in parameter names or shapes: build them alike")
+        _check_alike(members)
         check_model(members[0])
         params, buffers = stack_module_state(list(members))
         # The skeleton holds the stacked tensors under the members' own names; the base, on the
@@ -65,7 +73,12 @@ class Ensemble(nn.Module):
 
     def map(self, fn: Callable[[nn.Module], Any]) -> Any:
         """Run `fn(member)` for every member with `vmap`; results stacked on dim 0."""
-        lm = _Apply(self.__dict__["base"], fn)
+        base = self.__dict__["base"]
+        # The base is no submodule (it must not be saved), so `train()`/`eval()` reach only the
+        # skeleton: copy its modes, or `ensemble.eval()` would leave dropout on.
+        for b, m in zip(base.modules(), self.stacked.modules(), strict=True):
+            b.training = m.training
+        lm = _Apply(base, fn)
         weights = {f"model.{n}": t for n, t in self._weights().items()}
         return vmap(lambda w: functional_call(lm, w, ()), randomness="different")(weights)
 
@@ -82,6 +95,74 @@ class Ensemble(nn.Module):
             ) else t[k].clone()  # fmt: skip
             _set(module, name, value, buffer=not isinstance(t, nn.Parameter))
         return module
+
+
+_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+def _check_alike(members: Sequence[nn.Module]) -> None:
+    """Raise `ValueError` naming the first member that differs from member 0, and how."""
+    ref = _describe(members[0])
+    for k, member in enumerate(members[1:], start=1):
+        got = _describe(member)
+        for what, want in ref.items():
+            problem = _first_difference(want, got[what], k)
+            if problem is not None:
+                raise ValueError(
+                    f"Ensemble member {k} differs from member 0 in {what}: {problem}. Every "
+                    "member runs member 0's modules, so build them alike (same classes, "
+                    "settings, dtype and device)"
+                )
+
+
+def _describe(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """What must agree across members, by category (in the order they are reported)."""
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    modules = {name or "<root>": m for name, m in model.named_modules()}
+    return {
+        "module types": {n: type(m) for n, m in modules.items()},
+        "parameter names or shapes": {n: tuple(p.shape) for n, p in model.named_parameters()},
+        "buffer names or shapes": {n: tuple(b.shape) for n, b in model.named_buffers()},
+        "dtype": {n: t.dtype for n, t in tensors.items()},
+        "device": {n: t.device for n, t in tensors.items()},
+        "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
+        "module settings": {
+            f"{n}.{a}": v for n, m in modules.items() for a, v in _settings(m).items()
+        },
+    }
+
+
+def _settings(module: nn.Module) -> dict[str, Any]:
+    # Public plain attributes (torch keeps its machinery under `_` names); a function by name,
+    # so that lambdas built by one line of an __init__ agree across members.
+    out: dict[str, Any] = {}
+    for a, v in vars(module).items():
+        if a.startswith("_"):
+            continue
+        if isinstance(v, _PLAIN) or (
+            isinstance(v, tuple) and all(isinstance(x, _PLAIN) for x in v)
+        ):
+            out[a] = v
+        elif callable(v) and not isinstance(v, nn.Module) and hasattr(v, "__qualname__"):
+            out[a] = f"{getattr(v, '__module__', '?')}.{v.__qualname__}"
+    return out
+
+
+def _first_difference(want: dict[str, Any], got: dict[str, Any], k: int) -> str | None:
+    for name in want:
+        if name not in got:
+            return f"{name!r} is missing from member {k}"
+    for name in got:
+        if name not in want:
+            return f"{name!r} is in member {k} only"
+    for name, value in want.items():
+        if got[name] != value and not (value != value and got[name] != got[name]):  # NaN
+            return f"{name!r} is {_show(got[name])} in member {k}, {_show(value)} in member 0"
+    return None
+
+
+def _show(value: Any) -> str:
+    return value.__name__ if isinstance(value, type) else repr(value)
 
 
 class _Apply(nn.Module):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
+import secrets
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -14,12 +17,12 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ftrain.grads import Stats, batch_counts
 from ftrain.losses import LossFn, default_loss
 from ftrain.rng import default_generators, dropout_seed, restored
+from ftrain.process_state import STATE
 from ftrain.state import TrainState
 
 __all__ = ["FuncError", "per_sample_grads", "private_grads"]
 
-# The noise of DP-SGD draws from its own stream, apart from every micro-batch's dropout seed.
-_NOISE_STREAM = -1
+_MIN_KEY_BYTES = 16
 
 
 class FuncError(RuntimeError):
@@ -259,17 +262,61 @@ def clip_examples(
     return {n: torch.einsum("i,i...->...", factor, g) for n, g in per_example.items()}
 
 
-def noise_like(
-    params: Mapping[str, torch.Tensor], *, std: float, seed: int, step: int
-) -> dict[str, torch.Tensor]:
-    """Gaussian noise N(0, std^2) per coordinate, a pure function of `(seed, step)`.
+def noise_key_bytes(noise_key: bytes | bytearray | int | None) -> bytes:
+    """The secret that keys DP-SGD noise: `noise_key` validated, or the process's secret.
 
-    One generator, seeded from `(seed, step)`, draws the parameters in order; so a resumed run
-    adds the same noise as the uninterrupted one.
+    Raises:
+        TypeError: for a key that is not bytes, an int or None.
+        ValueError: for a guessable key (under 16 bytes, an int below 2**64, a negative int).
+            Messages never show the key.
     """
+    if noise_key is None:  # the process's secret (ftrain/process_state.py), drawn once
+        if STATE.dp_noise_key is None:
+            STATE.dp_noise_key = secrets.token_bytes(32)
+        return STATE.dp_noise_key
+    fix = "use secrets.token_bytes(32) (or secrets.randbits(256)), kept outside the run folder"
+    if isinstance(noise_key, (bytes, bytearray)):
+        if len(noise_key) < _MIN_KEY_BYTES:
+            raise ValueError(
+                f"noise_key of {len(noise_key)} bytes is guessable, so the noise could be "
+                f"rebuilt: {fix}"
+            )
+        return bytes(noise_key)
+    if isinstance(noise_key, int) and not isinstance(noise_key, bool):
+        if noise_key < 2**64:
+            raise ValueError(
+                f"noise_key must be an int >= 2**64 (a smaller or negative one is guessable, so "
+                f"the noise could be rebuilt): {fix}"
+            )
+        return noise_key.to_bytes((noise_key.bit_length() + 7) // 8, "big")
+    raise TypeError(
+        f"noise_key must be bytes (>= {_MIN_KEY_BYTES}), an int >= 2**64, or None (a fresh "
+        f"secret per process), got {type(noise_key).__name__}: {fix}"
+        + (" (a hex string: bytes.fromhex(...))" if isinstance(noise_key, str) else "")
+    )
+
+
+def noise_seed(key: bytes, state: TrainState) -> int:
+    """The noise generator's seed for `state`'s step: HMAC-SHA256 under `key` of where the run
+    stands (seed, step, epoch, data cursor), cut to 63 bits.
+
+    Without the key nobody can compute it, though `state` is saved in plain text. The data
+    cursor is in it, so a step redone on other data (a guard rollback moves the cursor) draws
+    new noise instead of reusing the old; an exact resume is at the same cursor.
+    """
+    where = f"ftrain.dp_noise:{state.seed}:{state.step}:{state.epoch}:{state.data.cursor}"
+    digest = hmac.new(key, where.encode(), hashlib.sha256).digest()
+    return int.from_bytes(digest[:8], "big") >> 1  # torch wants a non-negative int64
+
+
+def noise_like(
+    params: Mapping[str, torch.Tensor], *, std: float, seed: int
+) -> dict[str, torch.Tensor]:
+    """Gaussian noise N(0, std^2) per coordinate, from one generator seeded with `seed` that
+    draws the parameters in order."""
     first = next(iter(params.values()))
     gen = torch.Generator(device=first.device)
-    gen.manual_seed(dropout_seed(seed, step, _NOISE_STREAM, 0))
+    gen.manual_seed(seed)
     return {
         n: torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype) * std
         for n, p in params.items()
@@ -285,14 +332,21 @@ def private_grads(
     noise_multiplier: float,
     expected_batch_size: int | None = None,
     chunk_size: int | None = None,
+    noise_key: bytes | int | None = None,
 ) -> tuple[dict[str, torch.Tensor], Stats]:
     """Return DP-SGD gradients (Abadi et al. 2016) for `clip_and_step` to apply.
 
     `g = (sum_i clip(g_i) + N(0, (noise_multiplier * max_norm)^2 I)) / B`, where `g_i` is
     example i's gradient (`per_sample_grads`), `clip` scales it to global norm at most
     `max_norm`, the sum runs over every example of every micro-batch, and B is the number of
-    examples (or `expected_batch_size`, the fixed denominator Poisson sampling needs). The
-    noise is a pure function of `(state.seed, state.step)`, so resume is exact. Apply it with
+    examples (or `expected_batch_size`, the fixed denominator Poisson sampling needs).
+
+    The noise is keyed by a secret that no state or checkpoint holds (`noise_seed`): by
+    default one drawn from the OS once per process, so a checkpoint never lets anyone rebuild
+    the noise, and a run resumed in a new process draws other noise (still private, not
+    bit-exact). Pass your own `noise_key` (`secrets.token_bytes(32)`, kept outside the run
+    folder) to resume bit-exactly: the noise is then a pure function of the key and where the
+    run stands (seed, step, epoch, data cursor). Apply it with
     `clip_and_step(state, grads, lr=..., stats=stats)` and no `max_norm` there (clipping is
     done per example here). Memory: per-example gradients of `chunk_size` examples at a time.
 
@@ -304,16 +358,20 @@ def private_grads(
         noise_multiplier: sigma; the noise std is `sigma * C`. 0 gives clipped gradients only.
         expected_batch_size: the denominator B; the number of examples if None.
         chunk_size: examples per vectorized pass; the whole micro-batch if None.
+        noise_key: the secret keying the noise: bytes (at least 16) or an int >= 2**64;
+            None draws one per process. Never saved; pass the same key after a restart.
 
     Returns:
         `(grads, stats)` like `accumulate_grads` (`stats.loss` is the mean unclipped loss).
 
     Raises:
-        ValueError: for a bad hyperparameter or an empty `micro`.
+        ValueError: for a bad hyperparameter or an empty `micro`, a guessable `noise_key`.
+        TypeError: for a `noise_key` that is not bytes, an int or None.
         FuncError: as `per_sample_grads`; for several ranks or float16 loss scaling (not
             supported).
     """
     _validate_private(max_norm, noise_multiplier, expected_batch_size)
+    key = noise_key_bytes(noise_key)
     _validate_chunk(chunk_size)
     _check_single_process(state)
     if len(micro) == 0:
@@ -335,7 +393,8 @@ def private_grads(
         tokens.append(torch.as_tensor(n_tok, device=device))
         examples += n_ex
     if noise_multiplier > 0:
-        noise = noise_like(total, std=noise_multiplier * max_norm, seed=state.seed, step=state.step)
+        seed = noise_seed(key, state)
+        noise = noise_like(total, std=noise_multiplier * max_norm, seed=seed)
         torch._foreach_add_(list(total.values()), list(noise.values()))
     denom = examples if expected_batch_size is None else expected_batch_size
     grads = {n: t / denom for n, t in total.items()}

@@ -5,27 +5,77 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = ["plot_metrics", "read_jsonl"]
 
 
-def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+BadLine = Callable[[int, str], None]
+"""Called with a skipped line's number (from 1) and why it was skipped."""
+
+# An integer literal longer than this cannot be a float (the largest double has 309 digits);
+# refusing it before int() also bounds the time a hostile line takes to parse.
+_MAX_DIGITS = 308
+_MAX_STEP = 2**63
+
+
+def read_jsonl(
+    path: str | os.PathLike[str], *, on_bad_line: BadLine | None = None
+) -> list[dict[str, Any]]:
     """Records of a JSONL log, one per (step, kind), the last written winning (resumed runs
-    append), sorted by step. Lines that are not JSON objects with a `step` are skipped."""
+    append), sorted by step.
+
+    A line that is not a JSON object with an integer `step` in [0, 2**63) is skipped and
+    reported to `on_bad_line(line_number, reason)`: a line cut short by a crash (also inside a
+    UTF-8 character), nesting too deep to parse, an integer too large for a float (over 308
+    digits). Blank lines are skipped silently. Time and memory stay linear in the file's size.
+
+    Args:
+        path: the log.
+        on_bad_line: called for each skipped line (pandas' `on_bad_lines` as a callable);
+            None skips them silently.
+    """
     latest: dict[tuple[int, bool], dict[str, Any]] = {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue  # e.g. a line cut short by a crash
-            if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            rec, why = _record(raw, first=number == 1)
+            if rec is not None:
                 is_eval = any(k.startswith("eval_") for k in rec)
                 latest[(rec["step"], is_eval)] = rec
+            elif why and on_bad_line is not None:
+                on_bad_line(number, why)
     return [latest[k] for k in sorted(latest)]
+
+
+def _record(raw: bytes, *, first: bool) -> tuple[dict[str, Any] | None, str]:
+    """(the record, "") for a good line, else (None, why); why is "" for a blank line."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None, "not UTF-8 text (cut inside a character?)"
+    text = text.removeprefix("\ufeff") if first else text
+    if not text.strip():
+        return None, ""
+    try:
+        rec = json.loads(text, parse_int=_parse_int)
+    except RecursionError:
+        return None, "nested too deeply"
+    except json.JSONDecodeError as e:
+        return None, f"not JSON ({e.msg})"
+    except ValueError as e:  # _parse_int's, or int()'s own digit limit
+        return None, str(e)
+    step = rec.get("step") if isinstance(rec, dict) else None
+    if type(step) is not int or not 0 <= step < _MAX_STEP:
+        return None, "no integer 'step' in [0, 2**63)"
+    return rec, ""
+
+
+def _parse_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > _MAX_DIGITS:
+        raise ValueError(f"an integer of {len(digits.lstrip('-'))} digits, too large for a float")
+    return int(digits)
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -39,6 +89,7 @@ def plot_metrics(
     *,
     metrics: Sequence[str] | None = None,
     mode: str = "min",
+    on_bad_line: BadLine | None = None,
 ) -> Path:
     """Draw train/eval loss, learning rate and grad norm (or the named `metrics`) against step
     into a PNG, and mark the best step.
@@ -52,6 +103,8 @@ def plot_metrics(
             the first is the one ranked for the best step (the metric you early-stop on). By
             default loss, learning rate and grad norm, with the best `eval_loss` marked.
         mode: "min" if a lower value of the ranked metric is better, "max" otherwise.
+        on_bad_line: called with the number of each line skipped and why (see `read_jsonl`);
+            the rest is plotted. `python -m ftrain plot` reports them on stderr.
 
     Returns:
         `out` as a Path.
@@ -71,7 +124,7 @@ def plot_metrics(
         import matplotlib.pyplot as plt
     except ImportError as e:  # pragma: no cover - exercised only without the extra
         raise ImportError("plotting needs matplotlib: pip install 'ftrain[plot]'") from e
-    records = read_jsonl(path)
+    records = read_jsonl(path, on_bad_line=on_bad_line)
     if not records:
         raise ValueError(f"{path} holds no log record with a 'step'")
     panels = _panels(records, metrics, path)
