@@ -16,8 +16,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ftrain.grads import Stats, batch_counts
 from ftrain.losses import LossFn, default_loss
-from ftrain.rng import default_generators, dropout_seed, restored
 from ftrain.process_state import STATE
+from ftrain.rng import default_generators, dropout_seed, restored
 from ftrain.state import TrainState
 
 __all__ = ["FuncError", "per_sample_grads", "private_grads"]
