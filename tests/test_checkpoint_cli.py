@@ -184,3 +184,23 @@ def test_plot_metrics_validates_its_arguments(tmp_path):
         ft.logging.plot_metrics(log, tmp_path / "x.png", mode="best")
     with pytest.raises(ValueError, match="metrics"):
         ft.logging.plot_metrics(log, tmp_path / "x.png", metrics="eval_accuracy")
+
+
+def test_inspect_reports_the_state_values_a_checkpoint_holds(tmp_path, capsys):
+    # The counters live in sub-states (state.data, state.early_stopping): inspect must read
+    # them under their dotted names, not print None for a renamed field.
+    state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+    state = state.replace(
+        step=7,
+        epoch=2,
+        data=state.data.replace(
+            cursor=5, tokens_seen=torch.tensor(123), samples_seen=torch.tensor(45)
+        ),
+        early_stopping=state.early_stopping.replace(best_metric=0.25, best_step=6),
+    )
+    path = ft.save_checkpoint(state, tmp_path)
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "epoch       2  (cursor 5 micro-batches)" in out, out
+    assert "seen        123 tokens, 45 samples" in out, out
+    assert "best        0.25 at step 6" in out, out

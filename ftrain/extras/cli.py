@@ -43,15 +43,16 @@ def inspect(
     note = " (checksums verified)" if verify and summed else " (no checksums checked)"
     print(f"complete    yes{note}")
     print(f"step        {_value(fields, 'step')}")
-    epoch, cursor = _value(fields, "epoch"), _value(fields, "cursor")
+    epoch, cursor = _value(fields, "epoch"), _value(fields, "data.cursor")
     print(f"epoch       {epoch}  (cursor {cursor} micro-batches)")
-    tokens, samples = _value(fields, "tokens_seen"), _value(fields, "samples_seen")
+    tokens, samples = _value(fields, "data.tokens_seen"), _value(fields, "data.samples_seen")
     print(f"seen        {tokens} tokens, {samples} samples")
     print(f"parameters  {trainable:,} trainable of {total:,}")
     for k, v in sorted(meta["metrics"].items()):
         print(f"metric      {k} = {v}")
-    if fields.get("best_metric") is not None:
-        print(f"best        {fields['best_metric']} at step {fields.get('best_step')}")
+    best = fields.get("early_stopping.best_metric")
+    if best is not None:
+        print(f"best        {best} at step {fields.get('early_stopping.best_step')}")
     layout = f", sharded into {len(meta['files'])} files" if meta.get("sharded") is True else ""
     print(f"ranks       {meta['world_size']}{layout}")
     versions = _short(meta.get("ftrain_version")), _short(meta.get("torch_version"))
