@@ -79,11 +79,13 @@ def make_batches(
     and numpy's global generator seeded from `(seed, epoch, b, rank)`, in worker processes and
     in-process alike: random augmentations are the same for any `num_workers` and on resume.
 
-    Each group is an `ft.data.MicroBatches` (a read-only sequence of batches). Iterable
-    sources (`datasets.IterableDataset`, torch `IterableDataset`, `ft.data.pack`,
-    `ft.data.mix`) are streamed; each group then carries the stream's position after it, which
-    `accumulate_grads` and `clip_and_step` keep in `state.data.stream`, so the next
-    `make_batches(data, state, ...)` resumes the stream exactly (docs/data.md).
+    Each group is an `ft.data.MicroBatches` (a read-only sequence of batches) carrying the
+    epoch's position (JSON), which `accumulate_grads` and `clip_and_step` keep in
+    `state.data.stream`, so the next `make_batches(data, state, ...)` resumes exactly or raises
+    naming what changed. Map-style data then continues from the row it reached even with
+    another `batch_size`, `accum` or world size. Iterable sources (`datasets.IterableDataset`,
+    torch `IterableDataset`, `ft.data.pack`, `ft.data.mix`) are streamed; their position is
+    where the stream stands after the group, with a digest of what it indexes (docs/data.md).
 
     Args:
         data: a `datasets.Dataset`, a map-style torch dataset, a sequence of rows, or an
@@ -116,8 +118,11 @@ def make_batches(
             `num_workers`, `prefetch_factor` without workers, `pin_memory` without CUDA, and
             a missing `strategy` under an initialised multi-rank process group (a default group
             may hold tensor-parallel ranks that must read the same rows, so it is not guessed),
-            `seed`/`epoch`/`start`/`strategy` given together with a `state`, and a stream
-            resumed at `start > 0` without the state that holds its position.
+            `seed`/`epoch`/`start`/`strategy` given together with a `state`, a stream
+            resumed at `start > 0` without the state that holds its position, and a
+            `state.data.stream` that is malformed or does not fit the data and settings (other
+            rows, seed, shuffle or lengths; a stream's other files, shards, shuffle buffer,
+            packing, mixing or global batch), naming what changed.
         TypeError: for data that is neither indexable nor iterable, or a non-integer
             `seed`/`epoch`.
 

@@ -209,9 +209,10 @@ class MicroBatches(Sequence[Batch]):
     """The `accum` micro-batches of one optimizer step, as `make_batches` yields them.
 
     A read-only sequence of collated batches (iterate, index or `len` it like a list), plus
-    `position`: for a stream, where it stands after these micro-batches (JSON), which
+    `position`: where the epoch stands after these micro-batches (JSON: a stream's position,
+    or for map-style data the row and global batch the cursor counts from), which
     `accumulate_grads` reports in `stats.position` and `clip_and_step` keeps in
-    `state.data.stream`; None for map-style data, whose position is the micro-batch count.
+    `state.data.stream`; None for groups built by hand.
     """
 
     batches: tuple[Batch, ...]
