@@ -349,7 +349,7 @@ def test_a_checkpoint_saved_at_batch_size_8_resumes_at_4_without_repeating_rows(
         ({"cursor": 1}, r"state\.data\.cursor=1 is before micro-batch 2"),
         ({"cursor": 40}, r"start=40 is beyond the epoch's 11 micro-batches"),
         ({"cursor": 40, "batch_size": 2}, r"beyond the epoch's 11 micro-batches of 4 rows"),
-        ({"stream": "[]"}, r"state\.data\.stream is not a data position"),
+        ({"stream": "[]"}, r"state\.data\.stream: malformed data position: not a JSON object"),
     ],
 )
 def test_a_resume_that_cannot_continue_the_epoch_raises_naming_the_setting(change, match):

@@ -206,7 +206,7 @@ def _validate_fields(fields: dict[str, Any], need: Any) -> None:
         try:
             check_position(stream)
         except ValueError as e:
-            need(False, f"state field 'data.stream' is malformed: {e}")
+            need(False, f"state field 'data.stream': {e}")
     scale = fields.get("scaler.scale")
     if isinstance(scale, dict):
         v = scale["value"]

@@ -98,7 +98,7 @@ def resumable(raw: str, kind: str) -> dict[str, Any]:
     try:
         pos = read_position(raw)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"state.data.stream is not a data position: {e}") from None
+        raise ValueError(f"state.data.stream: {e}") from None
     if pos["version"] == 1:
         raise ValueError(
             "state.data.stream was saved by an older ftrain (position version 1), which kept "

@@ -527,6 +527,13 @@ def _resume(start: int, raw: str | None, spec: Spec, source: Source, about: dict
             "checkpoint saved) on this stream, make_batches(data, state, ...)"
         )
     pos = P.resumable(raw, "stream")
+    _fits(pos, start, spec, about)
+    source.check(pos["src"])
+    return pos["src"]
+
+
+def _fits(pos: dict[str, Any], start: int, spec: Spec, about: dict[str, Any]) -> None:
+    """Refuse a stream position saved for another place, global batch, shuffle or data."""
     want = {"epoch": spec.epoch, "cursor": start, "seed": spec.seed}
     got = {k: pos.get(k) for k in want}
     if got != want:
@@ -535,7 +542,7 @@ def _resume(start: int, raw: str | None, spec: Spec, source: Source, about: dict
             "state whose cursor was changed without its stream position?"
         )
     rows = spec.batch_size * spec.world
-    if pos.get("rows") != rows:
+    if pos["rows"] != rows:
         raise ValueError(
             f"batch_size={spec.batch_size} x {spec.world} rank(s) = {rows} rows per global "
             f"micro-batch, but state.data.stream was saved with {pos['rows']}: keep the "
@@ -553,8 +560,6 @@ def _resume(start: int, raw: str | None, spec: Spec, source: Source, about: dict
             f"{changed}. Resume with the data and settings it was saved with, or restart the "
             "epoch: state.replace(data=state.data.replace(cursor=0, stream=None))"
         )
-    source.check(pos["src"])
-    return pos["src"]
 
 
 def stream_groups(
