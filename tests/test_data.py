@@ -1,3 +1,5 @@
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -247,3 +249,141 @@ def test_find_batch_size_recognises_a_real_allocation_failure_and_passes_other_e
     for bad in ({"start": 0}, {"start": 4, "factor": 1.0}):
         with pytest.raises(ValueError):
             ft.data.find_batch_size(state, broken, **bad)
+
+
+# --- map-style resume across changed settings (issue 26 item 6): continue exactly, or raise
+
+
+def _fresh(seed=1):
+    return ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd(), seed=seed)
+
+
+def _advance(state, groups):
+    """What clip_and_step does to state.data after each group: cursor and position."""
+    for g in groups:
+        d = state.data
+        state = state.replace(data=d.replace(cursor=d.cursor + len(g), stream=g.position))
+    return state
+
+
+def _epoch(data, state, *, batch_size, accum=1, world=1, **kw):
+    """Rows of each group over all ranks (a global micro-batch's ranks in order), and rank 0's
+    groups; every rank's groups carry the same positions."""
+    ranks = [
+        list(
+            ft.make_batches(
+                data,
+                state.replace(strategy=FakeRank(r, world)),
+                batch_size=batch_size,
+                accum=accum,
+                **kw,
+            )
+        )
+        for r in range(world)
+    ]
+    assert len({tuple(g.position for g in groups) for groups in ranks}) == 1
+    rows = [
+        [i for micro in zip(*groups, strict=True) for b in micro for i in _ids([[b]])]
+        for groups in zip(*ranks, strict=True)
+    ]
+    return rows, ranks[0]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 60),
+    before=st.tuples(st.integers(1, 5), st.integers(1, 3), st.integers(1, 3)),
+    after=st.tuples(st.integers(1, 5), st.integers(1, 3), st.integers(1, 3)),
+    first=st.integers(1, 6),
+    stops=st.lists(st.integers(0, 6), max_size=2),
+    grouped=st.booleans(),
+)
+def test_property_resuming_with_another_batch_accum_or_world_continues_the_epoch_exactly(
+    n, before, after, first, stops, grouped
+):
+    """Stop after some groups, resume with other (batch_size, accum, world) any number of
+    times: every row of the epoch order (fixed by the first position saved) is read once, in
+    order."""
+    data = _indexed(n)
+    kw = {"group_by_length": grouped}
+    (bs, accum, world), state, seen = before, _fresh(), []
+    order, _ = _epoch(data, state, batch_size=bs, accum=accum, world=world, **kw)
+    for k, settings_ in zip([first, *stops], [after, before, after], strict=False):
+        rows, groups = _epoch(data, state, batch_size=bs, accum=accum, world=world, **kw)
+        seen += [i for g in rows[:k] for i in g]
+        state = _advance(state, groups[:k])
+        bs, accum, world = settings_
+    rows, _ = _epoch(data, state, batch_size=bs, accum=accum, world=world, **kw)
+    assert seen + [i for g in rows for i in g] == [i for g in order for i in g]
+
+
+def test_a_checkpoint_saved_at_batch_size_8_resumes_at_4_without_repeating_rows(tmp_path):
+    data, seen = _indexed(40), []
+
+    def loss(model, batch):
+        seen.extend(batch["idx"].tolist())
+        return model(batch["idx"].float()[:, None]).sum(), batch["idx"].shape[0]
+
+    def steps(state, batch_size, until):
+        for micro in ft.make_batches(data, state, batch_size=batch_size):
+            grads, stats = ft.accumulate_grads(state, micro, loss)
+            state, _ = ft.clip_and_step(state, grads, stats=stats, lr=0.1)
+            if state.step == until:
+                break
+        return state
+
+    ft.save_checkpoint(steps(_fresh(), 8, 2), tmp_path)
+    state = steps(ft.load_checkpoint(ft.latest_checkpoint(tmp_path), _fresh()), 4, None)
+    assert seen == epoch_order(40, 1, 0).tolist()  # rows 8-15 once, not twice
+    assert state.data.cursor == 2 + 6  # two micro-batches of 8, then six of 4
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"data": _indexed(41)}, r"rows 40 when state\.data\.stream was saved, now 41"),
+        ({"seed": 2}, r"seed 1 when state\.data\.stream was saved, now 2"),
+        ({"shuffle": False}, r"shuffle True when state\.data\.stream was saved, now False"),
+        ({"epoch": 1}, r"epoch 0 when state\.data\.stream was saved, now 1"),
+        ({"group_by_length": True}, r"lengths digest none \(no group_by_length\) when"),
+        ({"cursor": 1}, r"state\.data\.cursor=1 is before micro-batch 2"),
+        ({"cursor": 40}, r"start=40 is beyond the epoch's 11 micro-batches"),
+        ({"cursor": 40, "batch_size": 2}, r"beyond the epoch's 11 micro-batches of 4 rows"),
+        ({"stream": "[]"}, r"state\.data\.stream: malformed data position: not a JSON object"),
+    ],
+)
+def test_a_resume_that_cannot_continue_the_epoch_raises_naming_the_setting(change, match):
+    """Two micro-batches of 2 rows, then one of 4 (the position counts from row 4, cursor 2),
+    then the change."""
+    state = _advance(_fresh(), list(ft.make_batches(_indexed(40), _fresh(), batch_size=2))[:2])
+    state = _advance(state, list(ft.make_batches(_indexed(40), state, batch_size=4))[:1])
+    assert json.loads(state.data.stream)["cursor"] == 2 and state.data.cursor == 3
+    data, batch_size = change.pop("data", _indexed(40)), change.pop("batch_size", 4)
+    moved = {k: change.pop(k) for k in ("cursor", "stream") if k in change}
+    state = state.replace(
+        seed=change.pop("seed", 1), epoch=change.pop("epoch", 0), data=state.data.replace(**moved)
+    )
+    with pytest.raises(ValueError, match=match):
+        ft.make_batches(data, state, batch_size=batch_size, **change)
+
+
+def test_group_by_length_keeps_the_saved_order_through_a_resume_and_refuses_new_lengths():
+    data = _indexed(40)
+    kw = {"group_by_length": True}
+    full = list(ft.make_batches(data, _fresh(), batch_size=2, accum=2, **kw))
+    state = _advance(_fresh(), full[:3])
+    rest = list(ft.make_batches(data, state, batch_size=3, accum=3, **kw))  # other mega-batches
+    assert _ids(full[:3]) + _ids(rest) == _ids(full)
+    with pytest.raises(ValueError, match="orders the epoch by the rows' lengths"):
+        ft.make_batches(data, state, batch_size=2, accum=2, lengths=[1] * 40, **kw)
+
+
+def test_map_positions_are_small_and_constant_while_the_global_batch_is():
+    groups = list(ft.make_batches(_indexed(40), _fresh(), batch_size=4, accum=2))
+    assert len({g.position for g in groups}) == 1 and len(groups[0].position) < 250
+    # Without a position (start=, or a state never trained on this epoch) the cursor counts
+    # micro-batches of the size asked for, as before.
+    keyword = _ids(ft.make_batches(_indexed(40), batch_size=4, seed=1, start=3))
+    state = _fresh().replace(data=_fresh().data.replace(cursor=3))
+    assert _ids(ft.make_batches(_indexed(40), state, batch_size=4)) == keyword
+    assert keyword == epoch_order(40, 1, 0).tolist()[12:]

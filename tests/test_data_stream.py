@@ -1,8 +1,11 @@
 """make_batches over streams: datasets streaming and torch IterableDatasets, exact resume from
-the JSON position kept in state.data.stream, epochs, shuffle buffer, ranks, packing, mixing."""
+the JSON position kept in state.data.stream, epochs, shuffle buffer, ranks, packing, mixing,
+and the fingerprint that refuses a resume over other data."""
 
 import json
+import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -56,7 +59,7 @@ def _micro(groups):
 
 
 def _resumed(data, group, cursor, *, seed=0, epoch=0, **kw):
-    """make_batches from a state that clip_and_step left after `group` (cursor and position)."""
+    """make_batches from the state clip_and_step left after `group` (cursor and position)."""
     state = ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd(), seed=seed)
     state = state.replace(
         epoch=epoch, data=state.data.replace(cursor=cursor, stream=group.position)
@@ -282,3 +285,176 @@ def test_pretrain_stream_example_stopped_and_resumed_equals_the_straight_run(tmp
     assert (resumed["epoch"], resumed["cursor"]) == (straight["epoch"], straight["cursor"])
     for name, p in straight["params"].items():
         assert torch.equal(resumed["params"][name], p), name
+
+
+# --- what a position indexes: a resume over other data or settings raises, naming the change
+
+
+def _write(folder, k, n=10):
+    path = folder / f"data-{k}.jsonl"
+    rows = [{"idx": 100 * k + i, "input_ids": [k + 1] * (i % 3 + 1)} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _hf(files):
+    import datasets
+
+    return datasets.load_dataset("json", data_files=files, streaming=True, split="train")
+
+
+def test_a_resume_over_changed_shard_files_raises_naming_them(tmp_path):
+    import shutil
+
+    files = [_write(tmp_path, k) for k in range(4)]
+    kw = {"batch_size": 4, "seed": 0}
+    full = list(ft.make_batches(_hf(files), **kw))
+
+    def resume(paths):
+        return list(_resumed(_hf(paths), full[2], 3, **kw))
+
+    with pytest.raises(ValueError, match=r"shard files changed: data-3\.jsonl removed"):
+        resume(files[:3])
+    with pytest.raises(ValueError, match=r"shard files changed: data-4\.jsonl added"):
+        resume([*files, _write(tmp_path, 4)])
+    with pytest.raises(ValueError, match="number of shards 4 -> 3"):
+        resume(files[:3])
+    # The same files elsewhere (another machine, another mount) are the same data.
+    (tmp_path / "moved").mkdir()
+    moved = [shutil.copy(f, tmp_path / "moved") for f in files]
+    assert _ids(resume(moved)) == _ids(full[3:])
+    with open(files[1], "a") as f:  # a shard that grew
+        f.write(json.dumps({"idx": 999, "input_ids": [1]}) + "\n")
+    with pytest.raises(ValueError, match=r"data-1.jsonl (\d+) -> (\d+) bytes") as e:
+        resume(files)
+    assert "state.data.stream was saved for other data" in str(e.value)
+
+
+def _content(groups):
+    return [{k: v.tolist() for k, v in b.items()} for g in groups for b in g]
+
+
+def _numbers(n=40):
+    return ft.data.IterableRows(
+        [{"idx": i, "input_ids": [i % 5 + 1] * (i % 3 + 1)} for i in range(n)]
+    )
+
+
+def _torch_shards(n):
+    return type("Sharded", (Tokens,), {"num_shards": n})()
+
+
+@pytest.mark.parametrize(
+    "before, after, match",
+    [
+        (lambda: ft.data.stream(_numbers(), shuffle_buffer=8),
+         lambda: ft.data.stream(_numbers(), shuffle_buffer=16), "shuffle_buffer 8 -> 16"),
+        (lambda: ft.data.pack(_numbers(), block_size=4),
+         lambda: ft.data.pack(_numbers(), block_size=8), "block_size 4 -> 8"),
+        (lambda: ft.data.pack(_numbers(), block_size=4),
+         lambda: ft.data.pack(_numbers(), block_size=4, mode="examples"),
+         "mode 'concat' -> 'examples'"),
+        (lambda: ft.data.mix([_numbers(), _numbers()], weights=[0.7, 0.3]),
+         lambda: ft.data.mix([_numbers(), _numbers()], weights=[0.5, 0.5]),
+         r"weights \[0.7, 0.3\] -> \[0.5, 0.5\]"),
+        (lambda: ft.data.mix([_numbers(), _numbers()], weights=[1, 1]),
+         lambda: ft.data.mix([_numbers(), _numbers(), _numbers()], weights=[1, 1, 1]),
+         "number of sources 2 -> 3"),
+        (lambda: ft.data.mix([_numbers(), ft.data.stream(_numbers(), shuffle_buffer=3)],
+                             weights=[1, 1]),
+         lambda: ft.data.mix([_numbers(), ft.data.stream(_numbers(), shuffle_buffer=4)],
+                             weights=[1, 1]),
+         "mixed source 1: shuffle_buffer 3 -> 4"),
+        (lambda: _torch_shards(3), lambda: _torch_shards(2), "number of shards 3 -> 2"),
+        (lambda: _numbers(), lambda: ft.data.pack(_numbers(), block_size=4),
+         "source 'shards' -> 'pack'"),
+    ],
+)  # fmt: skip
+def test_a_resume_with_other_stream_settings_raises_naming_them(before, after, match):
+    kw = {"batch_size": 3, "seed": 1}
+    full = list(ft.make_batches(before(), **kw))
+    assert _content(_resumed(before(), full[1], 2, **kw)) == _content(full[2:])  # unchanged
+    with pytest.raises(ValueError, match=match):
+        _resumed(after(), full[1], 2, **kw)
+
+
+def test_shuffle_and_old_positions_are_refused():
+    kw = {"batch_size": 3, "seed": 1}
+    group = next(iter(ft.make_batches(_numbers(), **kw)))
+    with pytest.raises(ValueError, match=r"shuffle=False, but state\.data\.stream was saved with"):
+        _resumed(_numbers(), group, 1, shuffle=False, **kw)
+    # A position from before fingerprints (version 1) says nothing about its data.
+    v1 = {
+        "version": 1,
+        "epoch": 0,
+        "cursor": 1,
+        "seed": 1,
+        "rows": 3,
+        "src": {"shard": 0, "row": 3},
+    }
+    old = ft.data.MicroBatches((), json.dumps(v1))
+    with pytest.raises(ValueError, match=r"older ftrain \(position version 1\)"):
+        _resumed(_numbers(), old, 1, **kw)
+
+
+def test_a_long_file_list_keeps_the_position_short_and_still_names_the_change(tmp_path):
+    files = [_write(tmp_path, k, n=1) for k in range(150)]
+    group = list(ft.make_batches(_hf(files), batch_size=4))[3]
+    assert len(group.position) < 500
+    with pytest.raises(ValueError, match=r"shard files changed: 150 -> 149 files"):
+        _resumed(_hf(files[:-1]), group, 4, batch_size=4)
+
+
+class ShardOnly(torch.utils.data.IterableDataset):
+    """The torch shard protocol docs/data.md describes: `shard(num_shards, index)`, no more."""
+
+    num_shards = 3
+
+    def __init__(self, index=None):
+        self.index = index
+
+    def shard(self, num_shards, index):
+        return ShardOnly(index)
+
+    def __iter__(self):
+        for k in range(3) if self.index is None else [self.index]:
+            yield from ({"idx": 10 * k + i} for i in range(10))
+
+
+def test_a_torch_dataset_with_a_two_argument_shard_streams_and_resumes():
+    kw = {"batch_size": 4, "accum": 2, "seed": 3}
+    full = list(ft.make_batches(ShardOnly(), **kw))
+    assert sorted(_flat(full)) == list(range(30))
+    assert _ids(_resumed(ShardOnly(), full[1], 4, **kw)) == _ids(full[2:])
+
+
+@pytest.mark.parametrize(
+    "weights, error, match",
+    [
+        ([math.inf, 1], ValueError, r"weights must be finite and >= 0, got inf in \[inf, 1\]"),
+        ([1, math.nan], ValueError, "weights must be finite and >= 0, got nan"),
+        ([-0.5, 1], ValueError, "weights must be finite and >= 0, got -0.5"),
+        ([0, 0.0], ValueError, r"weights must not all be 0, got \[0, 0.0\]"),
+        ([True, 1], TypeError, r"weights must be numbers, got True \(bool\)"),
+        ([np.bool_(True), 1], TypeError, "weights must be numbers, got "),
+        (["1", 1], TypeError, "weights must be numbers, got '1'"),
+        ([1.0], ValueError, r"one weight per source: 2 sources, 1 weights \[1.0\]"),
+        ("ab", TypeError, "weights must be a sequence of numbers, got 'ab'"),
+        (3, TypeError, "weights must be a sequence of numbers, got 3"),
+    ],
+)
+def test_mix_refuses_weights_that_would_silently_starve_a_source(weights, error, match):
+    with pytest.raises(error, match=match):
+        ft.data.mix([_numbers(), _numbers()], weights=weights)
+
+
+def test_mix_weights_of_any_finite_scale_and_zero_weights():
+    a = ft.data.IterableRows([{"src": 0}] * 30)
+    b = ft.data.IterableRows([{"src": 1}] * 30)
+
+    def sources(weights):
+        g = ft.make_batches(ft.data.mix([a, b], weights=weights), batch_size=10, shuffle=False)
+        return [s for group in g for x in group for s in x["src"].tolist()]
+
+    assert sources([1e308, 1e308]) == sources([1, 1]) == sources([np.float32(2), 2])
+    assert sources([1, 0]) == [0] * 30  # a zero weight leaves its source unread

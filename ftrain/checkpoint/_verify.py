@@ -31,6 +31,7 @@ from ftrain.checkpoint._io import (
     read_safetensors,
     shape_numel,
 )
+from ftrain.data import check_position
 from ftrain.state import TrainState
 
 __all__ = ["Opened", "open_checkpoint", "read_meta", "validate_meta"]
@@ -240,6 +241,12 @@ def _validate_fields(fields: dict[str, Any], need: Any) -> None:
     for name in _COUNTERS:
         v = fields.get(name)
         need(type(v) is int and v >= 0, f"state field {name!r} is missing or not an int >= 0")
+    stream = fields.get("data.stream")
+    if isinstance(stream, str):  # make_batches checks it fits the data; here, that it is one
+        try:
+            check_position(stream)
+        except ValueError as e:
+            need(False, f"state field 'data.stream': {e}")
     scale = fields.get("scaler.scale")
     if isinstance(scale, dict):
         v = scale["value"]

@@ -16,6 +16,7 @@ from ftrain.data._common import num_micro_batches as num_micro_batches
 from ftrain.data._common import run_loader as run_loader
 from ftrain.data._common import seeded as seeded
 from ftrain.data._common import weighted as weighted
+from ftrain.data._position import check_position as check_position
 from ftrain.data._stream import IterableRows as IterableRows
 from ftrain.data._stream import mix as mix
 from ftrain.data._stream import pack as pack
@@ -27,6 +28,7 @@ __all__ = [
     "MicroBatches",
     "Source",
     "ZeroWeight",
+    "check_position",
     "epoch_order",
     "find_batch_size",
     "is_out_of_memory",

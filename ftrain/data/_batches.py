@@ -8,12 +8,15 @@ rows are never read.
 from __future__ import annotations
 
 import gc
+import hashlib
+import json
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from ftrain.data import _position as P
 from ftrain.data._collate import pad_collate
 from ftrain.data._common import (
     Batch,
@@ -76,11 +79,13 @@ def make_batches(
     and numpy's global generator seeded from `(seed, epoch, b, rank)`, in worker processes and
     in-process alike: random augmentations are the same for any `num_workers` and on resume.
 
-    Each group is an `ft.data.MicroBatches` (a read-only sequence of batches). Iterable
-    sources (`datasets.IterableDataset`, torch `IterableDataset`, `ft.data.pack`,
-    `ft.data.mix`) are streamed; each group then carries the stream's position after it, which
-    `accumulate_grads` and `clip_and_step` keep in `state.data.stream`, so the next
-    `make_batches(data, state, ...)` resumes the stream exactly (docs/data.md).
+    Each group is an `ft.data.MicroBatches` (a read-only sequence of batches) carrying the
+    epoch's position (JSON), which `accumulate_grads` and `clip_and_step` keep in
+    `state.data.stream`, so the next `make_batches(data, state, ...)` resumes exactly or raises
+    naming what changed. Map-style data then continues from the row it reached even with
+    another `batch_size`, `accum` or world size. Iterable sources (`datasets.IterableDataset`,
+    torch `IterableDataset`, `ft.data.pack`, `ft.data.mix`) are streamed; their position is
+    where the stream stands after the group, with a digest of what it indexes (docs/data.md).
 
     Args:
         data: a `datasets.Dataset`, a map-style torch dataset, a sequence of rows, or an
@@ -113,8 +118,11 @@ def make_batches(
             `num_workers`, `prefetch_factor` without workers, `pin_memory` without CUDA, and
             a missing `strategy` under an initialised multi-rank process group (a default group
             may hold tensor-parallel ranks that must read the same rows, so it is not guessed),
-            `seed`/`epoch`/`start`/`strategy` given together with a `state`, and a stream
-            resumed at `start > 0` without the state that holds its position.
+            `seed`/`epoch`/`start`/`strategy` given together with a `state`, a stream
+            resumed at `start > 0` without the state that holds its position, and a
+            `state.data.stream` that is malformed or does not fit the data and settings (other
+            rows, seed, shuffle or lengths; a stream's other files, shards, shuffle buffer,
+            packing, mixing or global batch), naming what changed.
         TypeError: for data that is neither indexable nor iterable, or a non-integer
             `seed`/`epoch`.
 
@@ -134,10 +142,14 @@ def make_batches(
     spec = Spec(batch_size, accum, seed, epoch, shuffle, drop_last, collate, rank, world)
     if is_stream(data):
         return stream_groups(data, spec, start=start, position=stream_pos, loading=loading)
-    micro = _MicroBatches(
-        data, _order(data, spec, group_by_length, lengths), spec, total=_total(data, spec, start)
-    )
-    return _groups(_load(micro, range(start, len(micro)), loading), accum)
+    n = len(data)
+    if n == 0:
+        raise ValueError("data is empty: an epoch would yield nothing and the loop would never end")
+    lens = _lengths(data, lengths) if group_by_length else None
+    pos = _map_position(n, spec, start, stream_pos, lens)
+    micro = _MicroBatches(data, _order(n, spec, pos, lens), spec, pos, _total(n, spec, start, pos))
+    position = json.dumps(pos, separators=(",", ":"))
+    return _groups(_load(micro, range(start, len(micro)), loading), accum, position)
 
 
 def _where(
@@ -183,22 +195,101 @@ def _ranks(strategy: Strategy | None) -> tuple[int, int]:
     return 0, 1
 
 
-def _order(data: Any, spec: Spec, group_by_length: bool, lengths: Any) -> np.ndarray:
-    n = len(data)
-    if group_by_length:
-        lens = lengths if lengths is not None else [len(data[i]["input_ids"]) for i in range(n)]
-        # HF groups by the per-step batch (train_batch_size * accumulation), over all ranks.
-        rows = spec.batch_size * spec.world * spec.accum
-        return length_grouped_order(lens, rows, spec.seed, spec.epoch)
+def _lengths(data: Any, lengths: Sequence[int] | None) -> Sequence[int]:
+    return lengths if lengths is not None else [len(data[i]["input_ids"]) for i in range(len(data))]
+
+
+def _order(n: int, spec: Spec, pos: dict[str, Any], lens: Sequence[int] | None) -> np.ndarray:
+    if lens is not None:  # grouped by the position's mega-batch rows: kept through a resume
+        return length_grouped_order(lens, pos["group"], spec.seed, spec.epoch)
     return epoch_order(n, spec.seed, spec.epoch) if spec.shuffle else np.arange(n)
 
 
-def _total(data: Any, spec: Spec, start: int) -> int:
+def _map_position(
+    n: int, spec: Spec, start: int, raw: str | None, lens: Sequence[int] | None
+) -> dict[str, Any]:
+    """The epoch's map-style position: micro-batch `cursor` began at `row` of the epoch order,
+    and each since holds `rows` rows (ftrain/data/_position.py).
+
+    Resuming from `state.data.stream` keeps its order and continues from the row it reached,
+    with this call's global batch; without one (`start=`, or a state never trained on this
+    epoch), `start` counts micro-batches of this call's size.
+    """
+    fresh = _fresh(n, spec, lens)
+    if raw is None:
+        return fresh
+    saved = P.resumable(raw, "map")
+    _same_order(saved, fresh)
+    if start < saved["cursor"]:
+        raise ValueError(
+            f"state.data.cursor={start} is before micro-batch {saved['cursor']}, where "
+            "state.data.stream starts counting: a cursor moved back without its position?"
+        )
+    if saved["rows"] == fresh["rows"]:
+        return saved
+    # Another global batch (batch_size or rank count): go on from the row reached.
+    left = -(-(n - saved["row"]) // saved["rows"])  # micro-batches the saved epoch had left
+    if start - saved["cursor"] > left:
+        raise ValueError(
+            f"start={start} is beyond the epoch's {saved['cursor'] + left} micro-batches of "
+            f"{saved['rows']} rows that state.data.stream counts"
+        )
+    reached = min(saved["row"] + (start - saved["cursor"]) * saved["rows"], n)
+    return {**saved, "rows": fresh["rows"], "cursor": start, "row": reached}
+
+
+def _fresh(n: int, spec: Spec, lens: Sequence[int] | None) -> dict[str, Any]:
+    """The position of an epoch read from its start with this call's settings."""
+    rows = spec.batch_size * spec.world
+    group = digest = None
+    if lens is not None:  # HF groups by the per-step batch; the order depends on every length
+        group = rows * spec.accum
+        digest = hashlib.sha256(np.asarray(lens, np.int64).tobytes()).hexdigest()[:16]
+    return {
+        "version": P.VERSION,
+        "kind": "map",
+        "epoch": spec.epoch,
+        "seed": spec.seed,
+        "n": n,
+        "shuffle": spec.shuffle,
+        "group": group,
+        "lengths": digest,
+        "rows": rows,
+        "cursor": 0,
+        "row": 0,
+    }
+
+
+def _same_order(saved: dict[str, Any], fresh: dict[str, Any]) -> None:
+    """Refuse a resume whose epoch order would differ from the saved one, naming why."""
+    why = {
+        "epoch": "state.data.stream is the position of another epoch",
+        "seed": "the seed orders the epoch",
+        "n": "data has another number of rows, so the epoch is ordered differently",
+        "shuffle": "shuffle changes the epoch's order",
+        "lengths": "group_by_length orders the epoch by the rows' lengths",
+    }
+    for key, reason in why.items():
+        if saved[key] != fresh[key]:
+            label = {"n": "rows", "lengths": "lengths digest"}.get(key, key)
+            raise ValueError(
+                f"{label} {_show(saved[key])} when state.data.stream was saved, now "
+                f"{_show(fresh[key])}: {reason}, so resuming would not be exact. Resume with "
+                "the same data and settings, or restart the epoch: "
+                "state.replace(data=state.data.replace(cursor=0, stream=None))"
+            )
+
+
+def _show(value: Any) -> str:
+    return "none (no group_by_length)" if value is None else repr(value)
+
+
+def _total(n: int, spec: Spec, start: int, pos: dict[str, Any]) -> int:
     """Micro-batches in the epoch, refusing an epoch that would make the README loop spin."""
-    n = len(data)
-    if n == 0:
-        raise ValueError("data is empty: an epoch would yield nothing and the loop would never end")
-    total = num_micro_batches(n, spec.batch_size, world_size=spec.world, drop_last=spec.drop_last)
+    rest = num_micro_batches(
+        n - pos["row"], spec.batch_size, world_size=spec.world, drop_last=spec.drop_last
+    )
+    total = pos["cursor"] + rest
     if total == 0:
         raise ValueError(
             f"drop_last=True leaves no micro-batch: {n} rows < batch_size={spec.batch_size} x "
@@ -215,8 +306,11 @@ def _total(data: Any, spec: Spec, start: int) -> int:
 class _MicroBatches(torch.utils.data.Dataset[Batch]):
     """Index b -> this rank's collated micro-batch b of the epoch: what workers run."""
 
-    def __init__(self, data: Any, order: np.ndarray, spec: Spec, *, total: int) -> None:
+    def __init__(
+        self, data: Any, order: np.ndarray, spec: Spec, pos: dict[str, Any], total: int
+    ) -> None:
         self.data, self.order, self.spec, self.total = data, order, spec, total
+        self.base = pos["row"] - pos["cursor"] * spec.batch_size * spec.world
 
     def __len__(self) -> int:
         return self.total
@@ -224,7 +318,10 @@ class _MicroBatches(torch.utils.data.Dataset[Batch]):
     def __getitem__(self, b: int) -> Batch:
         s = self.spec
         rows = s.batch_size * s.world
-        part = self.order[b * rows : (b + 1) * rows]
+        # rows [b*rows, (b+1)*rows) of the epoch order, shifted where a resume changed the
+        # global batch mid-epoch (the position's row at its cursor).
+        lo = self.base + b * rows
+        part = self.order[lo : lo + rows]
         chunk = np.array_split(part, s.world)[s.rank]
         with seeded(s.seed, s.epoch, b, s.rank):
             if len(chunk):
@@ -241,15 +338,15 @@ def _load(micro: _MicroBatches, indices: range, loading: Loading) -> Iterator[Ba
     return run_loader(loading.loader(micro, sampler=indices))
 
 
-def _groups(batches: Iterator[Batch], accum: int) -> Iterator[MicroBatches]:
+def _groups(batches: Iterator[Batch], accum: int, position: str) -> Iterator[MicroBatches]:
     group: list[Batch] = []
     for batch in batches:
         group.append(batch)
         if len(group) == accum:
-            yield MicroBatches(tuple(group))
+            yield MicroBatches(tuple(group), position)
             group = []
     if group:
-        yield MicroBatches(tuple(group))
+        yield MicroBatches(tuple(group), position)
 
 
 def _validate(*, batch_size: int, accum: int, start: int, data: Any) -> None:

@@ -209,9 +209,10 @@ class MicroBatches(Sequence[Batch]):
     """The `accum` micro-batches of one optimizer step, as `make_batches` yields them.
 
     A read-only sequence of collated batches (iterate, index or `len` it like a list), plus
-    `position`: for a stream, where it stands after these micro-batches (JSON), which
+    `position`: where the epoch stands after these micro-batches (JSON: a stream's position,
+    or for map-style data the row and global batch the cursor counts from), which
     `accumulate_grads` reports in `stats.position` and `clip_and_step` keeps in
-    `state.data.stream`; None for map-style data, whose position is the micro-batch count.
+    `state.data.stream`; None for groups built by hand.
     """
 
     batches: tuple[Batch, ...]
@@ -233,10 +234,22 @@ class MicroBatches(Sequence[Batch]):
 
 class Source:
     """An iterable source `make_batches` streams: `items(epoch, pos, seed, shuffle)` yields
-    `(row, position after it)` from position `pos` (None: the epoch's start)."""
+    `(row, position after it)` from position `pos` (None: the epoch's start).
+
+    A position is JSON. `describe` says what positions index (a digest of it rides with each
+    position, so that resuming over other data raises, naming what changed), and `check`
+    refuses a position that is not this source's before anything is read.
+    """
 
     def items(self, epoch: int, pos: Pos, seed: int, shuffle: bool) -> Items:
         raise NotImplementedError
+
+    def describe(self, shuffle: bool) -> dict[str, Any]:
+        """What this source's positions index, as a JSON object; by default its type only."""
+        return {"stage": "custom", "type": f"{type(self).__module__}.{type(self).__qualname__}"}
+
+    def check(self, pos: Pos) -> None:
+        """Raise `ValueError` unless `pos` can be a position of this source; by default any."""
 
 
 def is_stream(data: Any) -> bool:

@@ -12,7 +12,10 @@ lets a checkpoint resume on another rank count with the same global batch.
 
 from __future__ import annotations
 
+import inspect
 import json
+import math
+import numbers
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
@@ -21,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ftrain.data import _position as P
 from ftrain.data._collate import pack_examples
 from ftrain.data._common import (
     Batch,
@@ -40,7 +44,6 @@ from ftrain.rng import dropout_seed
 
 __all__ = ["IterableRows", "mix", "pack", "stream", "stream_groups"]
 
-_VERSION = 1
 _WINDOW_TAG = 0x5EED_B0F
 _ROW_TAG = 0x0520_0E
 
@@ -65,11 +68,28 @@ class _Shards(Source):
         self.data, self.buffer = data, buffer
         sharded = hasattr(data, "num_shards") and hasattr(data, "shard")
         self.num_shards = int(data.num_shards) if sharded else 1
+        # datasets' shard(num_shards, index, contiguous=True) and the torch protocol
+        # docs/data.md describes, shard(num_shards, index): contiguous only where accepted.
+        takes = sharded and _takes(data.shard, "contiguous")
+        self._shard_kw = {"contiguous": True} if takes else {}
 
     def _open(self, shard: int) -> Iterable[Any]:
         if self.num_shards == 1:
             return self.data
-        return self.data.shard(num_shards=self.num_shards, index=shard, contiguous=True)
+        return self.data.shard(self.num_shards, shard, **self._shard_kw)
+
+    def describe(self, shuffle: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {"stage": "shards", "shards": self.num_shards}
+        files = P.data_files(self.data)
+        if files is not None:
+            out["files"] = files
+        if shuffle:  # the windows a resume re-derives
+            out["shuffle_buffer"] = self.buffer
+        return out
+
+    def check(self, pos: Pos) -> None:
+        if pos is not None:
+            _shard_pos(pos, self.num_shards)
 
     def items(self, epoch: int, pos: Pos, seed: int, shuffle: bool) -> Items:
         n = self.num_shards
@@ -80,8 +100,12 @@ class _Shards(Source):
             for j in range(j0, n):
                 skip = i0 if j == j0 else 0
                 rows = self._rows(order[j], skip, seed, epoch, shuffle)
+                empty = True
                 for i, row in enumerate(rows, skip):
+                    empty = False
                     yield row, {"shard": j, "row": i}
+                if empty and skip:  # a resume past the shard's end: it is shorter than it was
+                    raise _misfit(f"shard {j} of the epoch has no row {skip} (a shorter shard?)")
 
         # The position after a row is the one before the next: a shard's last row then points
         # at the next shard, so resuming there re-reads nothing.
@@ -130,13 +154,41 @@ def _seeded_reads(it: Iterator[Any], seed: int, epoch: int, shard: int) -> Itera
 _END = object()
 
 
+def _takes(fn: Any, name: str) -> bool:
+    """Whether `fn` accepts the keyword `name` (or any keyword)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: call it the documented way
+        return False
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
+
+
 def _shard_pos(pos: Pos, n: int) -> tuple[int, int]:
     if not (isinstance(pos, dict) and set(pos) == {"shard", "row"}):
-        raise ValueError(f"malformed stream position {pos!r}")
+        raise _misfit(f"a stream of shards has positions {{shard, row}}, got {_cut(pos)}")
     j, i = pos["shard"], pos["row"]
     if not (type(j) is int and type(i) is int and 0 <= j <= n and i >= 0):
-        raise ValueError(f"stream position {pos!r} does not fit a source of {n} shard(s)")
+        raise _misfit(f"{_cut(pos)} is not a position in a source of {n} shard(s)")
+    if j == n and i != 0:
+        raise _misfit(f"{_cut(pos)} is past the last of {n} shard(s)")
     return j, i
+
+
+def _misfit(what: str) -> ValueError:
+    return ValueError(f"state.data.stream does not fit this data: {what}")
+
+
+def _cut(value: Any) -> str:
+    text = json.dumps(value) if _plain(value) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _plain(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError, RecursionError):
+        return False
+    return True
 
 
 def stream(data: Any, *, shuffle_buffer: int = 1000) -> Source:
@@ -172,6 +224,25 @@ class _Pack(Source):
     def __init__(self, source: Source, block_size: int, mode: str, key: str) -> None:
         self.source, self.block_size, self.mode, self.key = source, block_size, mode, key
 
+    def describe(self, shuffle: bool) -> dict[str, Any]:
+        return {
+            "stage": "pack",
+            "block_size": self.block_size,
+            "mode": self.mode,
+            "key": self.key,
+            "of": self.source.describe(shuffle),
+        }
+
+    def check(self, pos: Pos) -> None:
+        if pos is None:
+            return
+        if not (isinstance(pos, dict) and set(pos) == {"src", "tok"}):
+            raise _misfit(f"a packed stream has positions {{src, tok}}, got {_cut(pos)}")
+        tok = pos["tok"]
+        if type(tok) is not int or tok < 0 or (tok and self.mode == "examples"):
+            raise _misfit(f"token offset {_cut(tok)} in a {self.mode!r} packing")
+        self.source.check(pos["src"])
+
     def items(self, epoch: int, pos: Pos, seed: int, shuffle: bool) -> Items:
         inner, skip = (None, 0) if pos is None else (pos["src"], pos["tok"])
         rows = self.source.items(epoch, inner, seed, shuffle)
@@ -183,6 +254,8 @@ class _Pack(Source):
         size = self.block_size
         segs: deque[list[Any]] = deque()  # [position before the row, first unused token, tokens]
         have = 0
+        if skip:  # resuming inside a row: it must still be there, and longer than the offset
+            rows = _past(rows, skip, self.key)
         for row, after in rows:
             tokens = list(row[self.key])
             if skip < len(tokens):
@@ -212,6 +285,16 @@ class _Pack(Source):
             before = after
         if kept:
             yield pack_examples(kept, self.block_size)[0], {"src": before, "tok": 0}
+
+
+def _past(rows: Items, skip: int, key: str) -> Items:
+    """`rows`, refusing a first row that the token offset `skip` lies beyond."""
+    first = next(rows, None)
+    if first is None or skip >= len(first[0][key]):
+        got = "no row" if first is None else f"a row of {len(first[0][key])} tokens"
+        raise _misfit(f"token offset {skip}, but the stream has {got} there")
+    yield first
+    yield from rows
 
 
 def _take(segs: deque[list[Any]], n: int) -> list[int]:
@@ -256,9 +339,22 @@ class _Mix(Source):
     def __init__(self, sources: list[Source], weights: list[float]) -> None:
         self.sources, self.weights = sources, weights
 
+    def describe(self, shuffle: bool) -> dict[str, Any]:
+        return {
+            "stage": "mix",
+            "weights": self.weights,
+            "sources": [s.describe(shuffle) for s in self.sources],
+        }
+
+    def check(self, pos: Pos) -> None:
+        if pos is not None:
+            _, inner = _mix_pos(pos, self.weights)
+            for s, p in zip(self.sources, inner, strict=True):
+                s.check(p)
+
     def items(self, epoch: int, pos: Pos, seed: int, shuffle: bool) -> Items:
         k = len(self.sources)
-        counts, inner = ([0] * k, [None] * k) if pos is None else _mix_pos(pos, k)
+        counts, inner = ([0] * k, [None] * k) if pos is None else _mix_pos(pos, self.weights)
         its = [
             s.items(epoch, p, seed + i, shuffle)
             for i, (s, p) in enumerate(zip(self.sources, inner, strict=True))
@@ -276,17 +372,35 @@ class _Mix(Source):
             yield nxt[0], {"counts": list(counts), "src": list(inner)}
 
 
-def _mix_pos(pos: Pos, k: int) -> tuple[list[int], list[Pos]]:
-    if not (isinstance(pos, dict) and len(pos.get("counts", ())) == k == len(pos.get("src", ()))):
-        raise ValueError(f"stream position {pos!r} does not fit a mix of {k} sources")
-    return list(pos["counts"]), list(pos["src"])
+def _mix_pos(pos: Pos, weights: list[float]) -> tuple[list[int], list[Pos]]:
+    k = len(weights)
+    ok = isinstance(pos, dict) and set(pos) == {"counts", "src"}
+    if not (ok and all(isinstance(pos[x], list) and len(pos[x]) == k for x in ("counts", "src"))):
+        raise _misfit(f"a mix of {k} sources has positions {{counts, src}} of {k}, got {_cut(pos)}")
+    counts, inner = pos["counts"], pos["src"]
+    if not all(type(c) is int and c >= 0 for c in counts):
+        raise _misfit(f"mix counts must be ints >= 0, got {_cut(counts)}")
+    if any((c == 0) != (p is None) for c, p in zip(counts, inner, strict=True)):
+        raise _misfit(f"mix counts {_cut(counts)} and source positions disagree")
+    # The rule keeps every count within about one row of its share (less than one for two
+    # sources); k rows is a bound no position it produced exceeds.
+    total = sum(counts)
+    if any(abs(c - w * total) > k for c, w in zip(counts, weights, strict=True)):
+        raise _misfit(f"mix counts {_cut(counts)} do not follow the weights {_cut(weights)}")
+    return list(counts), list(inner)
 
 
 def mix(sources: Sequence[Any], *, weights: Sequence[float]) -> Source:
     """Interleave streams so that their shares of the rows follow `weights` (e.g. 0.7/0.3).
 
     The order is deterministic (source i is taken whenever it is furthest behind its share),
-    so it is reproducible and resumable; the epoch ends when the first source runs out.
+    so it is reproducible and resumable; the epoch ends when the first source runs out. A
+    weight of 0 leaves its source unread.
+
+    Raises:
+        TypeError: for `weights` that are not numbers (`True` is not a weight).
+        ValueError: for a weight that is negative, infinite or NaN, all weights 0, or not one
+            weight per source.
 
     Example:
         >>> import ftrain as ft
@@ -296,15 +410,31 @@ def mix(sources: Sequence[Any], *, weights: Sequence[float]) -> Source:
         >>> [b["x"].tolist() for group in g for b in group]
         [[0, 1, 0, 0, 0, 1, 0, 0, 1, 0]]
     """
-    if len(sources) != len(weights) or not sources:
+    sources = list(sources)
+    return _Mix([stream(s) for s in sources], _shares(len(sources), weights))
+
+
+def _shares(k: int, weights: Sequence[float]) -> list[float]:
+    """The weights as shares summing to 1, refusing what would silently starve a source."""
+    if isinstance(weights, (str, bytes)) or not hasattr(weights, "__iter__"):
+        raise TypeError(f"weights must be a sequence of numbers, got {weights!r}")
+    ws = list(weights)
+    if len(ws) != k or k == 0:
         raise ValueError(
-            f"weights must give one weight per source: {len(sources)} sources, "
-            f"{len(weights)} weights"
+            f"weights must give one weight per source: {k} sources, {len(ws)} weights {ws!r}"
         )
-    if any(not (isinstance(w, (int, float)) and w > 0) for w in weights):
-        raise ValueError(f"weights must be numbers > 0, got {list(weights)!r}")
-    total = float(sum(weights))
-    return _Mix([stream(s) for s in sources], [w / total for w in weights])
+    for w in ws:
+        # bool is an int to Python, but True is never a share; numpy numbers are fine.
+        if isinstance(w, (bool, np.bool_)) or not isinstance(w, numbers.Real):
+            raise TypeError(f"weights must be numbers, got {w!r} ({type(w).__name__}) in {ws!r}")
+        if not (math.isfinite(w) and w >= 0):
+            raise ValueError(f"weights must be finite and >= 0, got {w!r} in {ws!r}")
+    top = max(ws)
+    if top == 0:
+        raise ValueError(f"weights must not all be 0, got {ws!r}")
+    scaled = [float(w) / float(top) for w in ws]  # by the largest first: no overflow in the sum
+    total = sum(scaled)
+    return [w / total for w in scaled]
 
 
 class IterableRows(torch.utils.data.IterableDataset[Any]):
@@ -321,8 +451,9 @@ class _MicroStream(torch.utils.data.IterableDataset[tuple[Batch, str]]):
     """This rank's micro-batches of the global stream with their positions; a worker of W
     keeps micro-batches b = worker (mod W), which DataLoader delivers round-robin, in order."""
 
-    def __init__(self, source: Source, spec: Spec, pos: Pos, start: int) -> None:
+    def __init__(self, source: Source, spec: Spec, pos: Pos, start: int, head: str) -> None:
         self.source, self.spec, self.pos, self.start = source, spec, pos, start
+        self.head = head  # the JSON object of what every position of this epoch shares
 
     def __iter__(self) -> Iterator[tuple[Batch, str]]:
         s = self.spec
@@ -352,18 +483,23 @@ class _MicroStream(torch.utils.data.IterableDataset[tuple[Batch, str]]):
             return ZeroWeight(s.collate([chunk[0][0]]))
 
     def _position(self, cursor: int, pos: Pos) -> str:
-        s = self.spec
-        return json.dumps(
-            {
-                "version": _VERSION,
-                "epoch": s.epoch,
-                "cursor": cursor,
-                "seed": s.seed,
-                "rows": s.batch_size * s.world,
-                "src": pos,
-            },
-            separators=(",", ":"),
-        )
+        src = json.dumps(pos, separators=(",", ":"))
+        return f'{self.head[:-1]},"cursor":{cursor},"src":{src}}}'
+
+
+def _head(spec: Spec, about: dict[str, Any]) -> str:
+    """What every position of the epoch shares, with a digest and a summary of the data."""
+    head = {
+        "version": P.VERSION,
+        "kind": "stream",
+        "epoch": spec.epoch,
+        "seed": spec.seed,
+        "rows": spec.batch_size * spec.world,
+        "shuffle": spec.shuffle,
+        "fp": P.digest(about),
+        "about": P.summary(about),
+    }
+    return json.dumps(head, separators=(",", ":"))
 
 
 def _claim_worker() -> tuple[int, int]:
@@ -379,8 +515,9 @@ def _claim_worker() -> tuple[int, int]:
     return info.id, info.num_workers
 
 
-def _resume(start: int, raw: str | None, spec: Spec) -> Pos:
-    """The source position to resume at micro-batch `start`, from the state's stream position."""
+def _resume(start: int, raw: str | None, spec: Spec, source: Source, about: dict[str, Any]) -> Pos:
+    """The source position to resume at micro-batch `start`, from the state's stream position,
+    checked against the data: a resume that could not be exact raises, naming what changed."""
     if start == 0:
         return None
     if raw is None:
@@ -389,9 +526,14 @@ def _resume(start: int, raw: str | None, spec: Spec) -> Pos:
             "(stats=...) keeps in state.data.stream: pass the state trained (or loaded from a "
             "checkpoint saved) on this stream, make_batches(data, state, ...)"
         )
-    pos = json.loads(raw)
-    if not isinstance(pos, dict) or pos.get("version") != _VERSION or "src" not in pos:
-        raise ValueError(f"state.data.stream is a malformed stream position: {raw[:200]!r}")
+    pos = P.resumable(raw, "stream")
+    _fits(pos, start, spec, about)
+    source.check(pos["src"])
+    return pos["src"]
+
+
+def _fits(pos: dict[str, Any], start: int, spec: Spec, about: dict[str, Any]) -> None:
+    """Refuse a stream position saved for another place, global batch, shuffle or data."""
     want = {"epoch": spec.epoch, "cursor": start, "seed": spec.seed}
     got = {k: pos.get(k) for k in want}
     if got != want:
@@ -400,20 +542,34 @@ def _resume(start: int, raw: str | None, spec: Spec) -> Pos:
             "state whose cursor was changed without its stream position?"
         )
     rows = spec.batch_size * spec.world
-    if pos.get("rows") != rows:
+    if pos["rows"] != rows:
         raise ValueError(
             f"batch_size={spec.batch_size} x {spec.world} rank(s) = {rows} rows per global "
-            f"micro-batch, but the stream position was saved with {pos.get('rows')}: keep the "
+            f"micro-batch, but state.data.stream was saved with {pos['rows']}: keep the "
             "global batch when resuming"
         )
-    return pos["src"]
+    if pos["shuffle"] != spec.shuffle:
+        raise ValueError(
+            f"shuffle={spec.shuffle}, but state.data.stream was saved with "
+            f"shuffle={pos['shuffle']}: keep it when resuming"
+        )
+    if pos["fp"] != P.digest(about):
+        changed = "; ".join(P.changes(pos["about"], about)) or "the sources changed"
+        raise ValueError(
+            f"state.data.stream was saved for other data, so resuming would not be exact: "
+            f"{changed}. Resume with the data and settings it was saved with, or restart the "
+            "epoch: state.replace(data=state.data.replace(cursor=0, stream=None))"
+        )
 
 
 def stream_groups(
     data: Any, spec: Spec, *, start: int, position: str | None, loading: Loading
 ) -> Iterator[MicroBatches]:
     """make_batches for an iterable source: groups of `accum` micro-batches with positions."""
-    micro = _MicroStream(stream(data), spec, _resume(start, position, spec), start)
+    source = stream(data)
+    about = source.describe(spec.shuffle)
+    pos = _resume(start, position, spec, source, about)
+    micro = _MicroStream(source, spec, pos, start, _head(spec, about))
     if loading.num_workers == 0 and not loading.pin_memory:
         return _grouped(iter(micro), spec.accum)
     return _grouped(run_loader(loading.loader(micro)), spec.accum)

@@ -1,0 +1,344 @@
+"""Data positions: the JSON that `state.data.stream` holds, checked before anything uses it.
+
+A position says where an epoch stands and what it indexes. Two kinds, both version 2:
+
+- `{"kind": "stream", "epoch", "seed", "cursor", "rows", "shuffle", "fp", "about", "src"}`:
+  `src` is the source's own position (shards: `{"shard", "row"}`; packing: `{"src", "tok"}`;
+  mixing: `{"counts", "src"}`), `fp` a digest of what the source indexes (files, sizes, shard
+  count, shuffle buffer, packing and mixing settings) and `about` a short readable copy of it,
+  so that a resume over other data can say what changed.
+- `{"kind": "map", "epoch", "seed", "n", "shuffle", "group", "lengths", "rows", "cursor",
+  "row"}`: micro-batch `cursor` began at `row` of the epoch order, and every micro-batch since
+  holds `rows` rows (the global batch). A resume with another global batch continues from the
+  row it reached; `group`/`lengths` pin a length-grouped order.
+
+`check_position` is the structural check a checkpoint load runs; whether a position fits the
+data is checked by `make_batches` (`ValueError` naming `state.data.stream`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from typing import Any
+
+__all__ = ["check_position", "read_position", "resumable"]
+
+VERSION = 2
+_MAX_CHARS = 1 << 20  # a position is a few hundred bytes; a mix of many sources a few KB
+_MAX_DEPTH = 64  # stages nest a few levels deep (pack(mix([pack(stream), ...])))
+_MAX_INT = 2**63  # offsets and counts: what islice, torch and numpy take
+_RESERVED = {"shard", "row", "tok", "counts"}  # keys of the built-in sources' positions
+_COMMON = {"version", "kind", "epoch", "seed", "cursor", "rows"}
+_KEYS = {
+    "stream": {*_COMMON, "shuffle", "fp", "about", "src"},
+    "map": {*_COMMON, "n", "shuffle", "group", "lengths", "row"},
+}
+
+
+def check_position(text: str) -> None:
+    """Check that `text` is a well-formed data position (`state.data.stream`), without data.
+
+    `load_checkpoint` runs it on the saved position; `make_batches` then checks that the
+    position fits the data it is given. A position saved by an older ftrain (version 1) passes
+    here so that its checkpoint loads; `make_batches` refuses to resume from it.
+
+    Raises:
+        TypeError: if `text` is not a string.
+        ValueError: naming what is malformed: not JSON, nested deeper than 64 levels, an
+            unknown version or kind, a missing or extra key, a count or offset that is not an
+            int in [0, 2**63), a non-finite number, ...
+
+    Example:
+        >>> import ftrain as ft
+        >>> ft.data.check_position('{"version": 2, "kind": "tape"}')
+        Traceback (most recent call last):
+        ...
+        ValueError: malformed data position: kind must be 'stream' or 'map', got 'tape'
+    """
+    read_position(text)
+
+
+def read_position(text: str) -> dict[str, Any]:
+    """The parsed position, checked as `check_position` documents."""
+    if not isinstance(text, str):
+        raise TypeError(f"a data position is a JSON string, got {type(text).__name__}")
+    if len(text) > _MAX_CHARS:
+        raise ValueError(f"malformed data position: {len(text)} characters (at most {_MAX_CHARS})")
+    try:
+        pos = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+    except (ValueError, RecursionError) as e:  # not JSON, NaN, 1e999, a 5000-digit int, [[[...
+        raise ValueError(f"malformed data position: not JSON ({_cut(e)})") from None
+    _need(_depth(pos) <= _MAX_DEPTH, f"nested deeper than {_MAX_DEPTH} levels")
+    _need(isinstance(pos, dict), "not a JSON object")
+    if pos.get("version") == 1 and type(pos.get("version")) is int:
+        return pos  # an older ftrain's; make_batches says why it cannot resume from it
+    _need(pos.get("version") == VERSION and type(pos["version"]) is int, "unknown version")
+    _need(pos.get("kind") in _KEYS, f"kind must be 'stream' or 'map', got {_cut(pos.get('kind'))}")
+    keys = _KEYS[pos["kind"]]
+    _need(not keys - pos.keys(), "keys missing: " + ", ".join(sorted(keys - pos.keys())))
+    _need(not pos.keys() - keys, "unknown keys: " + ", ".join(sorted(pos.keys() - keys)))
+    for name in ("epoch", "seed", "cursor"):
+        _count(pos[name], name)
+    _count(pos["rows"], "rows", low=1)
+    _need(type(pos["shuffle"]) is bool, "shuffle must be true or false")
+    if pos["kind"] == "stream":
+        _need(_is_hex(pos["fp"]), "fp must be a hex digest")
+        _need(isinstance(pos["about"], dict), "about must be a JSON object")
+        check_source_position(pos["src"])
+    else:
+        _check_map(pos)
+    return pos
+
+
+def resumable(raw: str, kind: str) -> dict[str, Any]:
+    """The position `state.data.stream` holds, checked, of `kind` ("stream" or "map")."""
+    try:
+        pos = read_position(raw)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"state.data.stream: {e}") from None
+    if pos["version"] == 1:
+        raise ValueError(
+            "state.data.stream was saved by an older ftrain (position version 1), which kept "
+            "nothing of the data it indexes, so an exact resume cannot be checked: restart the "
+            "epoch, state.replace(data=state.data.replace(cursor=0, stream=None))"
+        )
+    if pos["kind"] != kind:
+        data = {"map": "map-style data", "stream": "a stream"}
+        raise ValueError(
+            f"state.data.stream is a position in {data[pos['kind']]}, but the data is "
+            f"{data[kind]}: pass the data the state was trained on"
+        )
+    return pos
+
+
+def _check_map(pos: dict[str, Any]) -> None:
+    _count(pos["n"], "n", low=1)
+    _count(pos["row"], "row")
+    _need(pos["row"] <= pos["n"], f"row {pos['row']} is past the epoch's {pos['n']} rows")
+    _need(pos["group"] is None or (type(pos["group"]) is int and pos["group"] >= 1), "bad group")
+    _need((pos["group"] is None) == (pos["lengths"] is None), "group and lengths go together")
+    _need(pos["lengths"] is None or _is_hex(pos["lengths"]), "lengths must be a hex digest")
+
+
+def check_source_position(p: Any, depth: int = 0) -> None:
+    """The built-in sources' positions: `{"shard", "row"}`, `{"src", "tok"}` (packing) and
+    `{"counts", "src"}` (mixing), nested; other JSON is a custom `Source`'s own."""
+    _need(depth <= _MAX_DEPTH, f"nested deeper than {_MAX_DEPTH} levels")
+    if not isinstance(p, dict) or not (p.keys() & _RESERVED):
+        return
+    keys = set(p)
+    if keys == {"shard", "row"}:
+        _count(p["shard"], "shard")
+        _count(p["row"], "row")
+    elif keys == {"src", "tok"}:
+        _count(p["tok"], "tok")
+        check_source_position(p["src"], depth + 1)
+    elif keys == {"counts", "src"}:
+        counts, inner = p["counts"], p["src"]
+        ok = isinstance(counts, list) and isinstance(inner, list) and 1 <= len(counts) == len(inner)
+        _need(ok, "a mix position needs equally long, non-empty counts and src lists")
+        for c in counts:
+            _count(c, "counts")
+        for q in inner:
+            check_source_position(q, depth + 1)
+    else:
+        _need(False, f"a source position has keys {sorted(keys)}")
+
+
+def _count(value: Any, name: str, *, low: int = 0) -> None:
+    _need(
+        type(value) is int and low <= value < _MAX_INT,
+        f"{name} must be an int in [{low}, 2**63), got {_cut(value)}",
+    )
+
+
+def _need(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"malformed data position: {what}")
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of parsed JSON, without recursion."""
+    deepest, todo = 0, [(value, 0)]
+    while todo:
+        v, d = todo.pop()
+        deepest = max(deepest, d)
+        if d > _MAX_DEPTH:
+            break
+        if isinstance(v, dict):
+            todo += [(x, d + 1) for x in v.values()]
+        elif isinstance(v, list):
+            todo += [(x, d + 1) for x in v]
+    return deepest
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number")
+
+
+def _finite(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):
+        raise ValueError(f"{text[:20]} is not finite")
+    return x
+
+
+def _is_hex(value: Any) -> bool:
+    return (
+        isinstance(value, str)
+        and 8 <= len(value) <= 64
+        and all(c in "0123456789abcdef" for c in value)
+    )
+
+
+def _cut(value: Any) -> str:
+    text = str(value) if isinstance(value, BaseException) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# --- fingerprints: what a stream position indexes, and what changed since
+
+
+def digest(value: Any) -> str:
+    """A short digest of a JSON value (key order does not matter)."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+_ABOUT_CHARS = 2048  # above this, file lists are kept as a count and a digest
+
+
+def summary(description: dict[str, Any]) -> dict[str, Any]:
+    """The readable part of a description kept in the position: whole, or with its file lists
+    replaced by their count and digest when it would make the position long."""
+    if len(json.dumps(description)) <= _ABOUT_CHARS:
+        return description
+    return _short_files(description)
+
+
+def _short_files(d: Any) -> Any:
+    if isinstance(d, list):
+        return [_short_files(x) for x in d]
+    if not isinstance(d, dict):
+        return d
+    out = {k: _short_files(v) for k, v in d.items()}
+    if isinstance(d.get("files"), list):
+        out["files"] = {"n": len(d["files"]), "digest": digest(d["files"])}
+    return out
+
+
+_LABELS = {
+    "shards": "number of shards",
+    "sources": "number of sources",
+    "stage": "source",
+    "type": "source type",
+}
+
+
+def changes(old: Any, new: Any, where: str = "") -> list[str]:
+    """What differs between a saved summary and the data's: "shuffle_buffer 8 -> 16", ...
+
+    `old` comes from a file, so any JSON; `new` is a source's `describe()`.
+    """
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return [f"{where}the sources"]
+    if old.get("stage") != new.get("stage"):
+        return [f"{where}source {_cut(old.get('stage'))} -> {_cut(new.get('stage'))}"]
+    out: list[str] = []
+    for key in sorted(old.keys() | new.keys()):
+        a: Any = old.get(key)
+        b: Any = new.get(key)
+        if a == b:
+            continue
+        if key == "of":  # the source a packing stage reads
+            out += changes(a, b, where)
+        elif key == "sources" and _same_length(a, b):
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
+                out += changes(x, y, f"{where}mixed source {i}: ")
+        elif key == "sources":
+            out.append(f"{where}number of sources {_length(a)} -> {_length(b)}")
+        elif key == "files":
+            out.append(where + _file_changes(a, b))
+        else:
+            out.append(f"{where}{_LABELS.get(key, key)} {_cut(a)} -> {_cut(b)}")
+    return out
+
+
+def _same_length(a: Any, b: Any) -> bool:
+    return isinstance(a, list) and isinstance(b, list) and len(a) == len(b)
+
+
+def _length(value: Any) -> str:
+    return str(len(value)) if isinstance(value, list) else _cut(value)
+
+
+def _file_changes(old: Any, new: Any) -> str:
+    if not (_is_file_list(old) and _is_file_list(new)):
+        n_old = _cut(old.get("n")) if isinstance(old, dict) else _length(old)
+        n_new = _cut(new.get("n")) if isinstance(new, dict) else _length(new)
+        return f"shard files changed: {n_old} -> {n_new} files (too many to name them all)"
+    sizes_old, sizes_new = dict(map(tuple, old)), dict(map(tuple, new))
+    parts = [f"{name} removed" for name in sizes_old if name not in sizes_new]
+    parts += [f"{name} added" for name in sizes_new if name not in sizes_old]
+    parts += [
+        f"{name} {size} -> {sizes_new[name]} bytes"
+        for name, size in sizes_old.items()
+        if name in sizes_new and size != sizes_new[name]
+    ]
+    if not parts:
+        parts = ["their order changed"]
+    more = f", and {len(parts) - 6} more" if len(parts) > 6 else ""
+    return "shard files changed: " + ", ".join(parts[:6]) + more
+
+
+def _is_file_list(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(f, list) and len(f) == 2 and isinstance(f[0], str) for f in value
+    )
+
+
+def data_files(data: Any) -> list[list[Any]] | None:
+    """`[[name, bytes], ...]`: the files a `datasets.IterableDataset` reads, shard by shard
+    (names relative to their common folder, so that moving the data is no change; bytes None
+    when not a local file), or None when it reads none (in memory, a generator, torch).
+
+    datasets keeps them in the generator arguments of the examples iterable at the root of
+    its pipeline (`files`, or `base_files` for the text formats); not a public attribute, so
+    anything unexpected gives None.
+    """
+    ex = getattr(data, "_ex_iterable", None)
+    for _ in range(_MAX_DEPTH):  # down the chain of map/filter/shuffle wrappers
+        kwargs = getattr(ex, "kwargs", None)
+        if isinstance(kwargs, dict):
+            return _files(kwargs)
+        ex = getattr(ex, "ex_iterable", None)
+        if ex is None:
+            return None
+    return None
+
+
+def _files(kwargs: dict[str, Any]) -> list[list[Any]] | None:
+    files = kwargs.get("files", kwargs.get("base_files"))
+    if not (isinstance(files, list) and files and all(isinstance(f, str) for f in files)):
+        return None
+    parts = [f.split("/") for f in files]
+    common = 0  # folders all paths share
+    while all(len(p) > common + 1 and p[common] == parts[0][common] for p in parts):
+        common += 1
+    names = ["/".join(p[common:]) for p in parts]
+    groups = kwargs.get("row_groups_list")  # parquet after reshard(): a shard per row group
+    if isinstance(groups, list) and len(groups) == len(names):
+        names = [n if g is None else f"{n}#{list(g)}" for n, g in zip(names, groups, strict=True)]
+    return [[n, _size(f)] for n, f in zip(names, files, strict=True)]
+
+
+def _size(path: str) -> int | None:
+    if "://" in path:
+        return None
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return None
