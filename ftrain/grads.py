@@ -23,7 +23,7 @@ class Stats(NamedTuple):
     `loss` (mean per item), `num_items` (items the loss counts, e.g. label tokens),
     `num_tokens` (non-padding input tokens) and `num_samples` are device tensors; reading them
     is a host sync. `num_micro` is this step's micro-batch count, a host int. `position` is
-    the stream position after these micro-batches (JSON; None for map-style data), which
+    where the data stands after these micro-batches (JSON, `ft.data.MicroBatches.position`), which
     `clip_and_step` keeps in the state.
     """
 

@@ -212,7 +212,7 @@ class MicroBatches(Sequence[Batch]):
     `position`: where the epoch stands after these micro-batches (JSON: a stream's position,
     or for map-style data the row and global batch the cursor counts from), which
     `accumulate_grads` reports in `stats.position` and `clip_and_step` keeps in
-    `state.data.stream`; None for groups built by hand.
+    `state.data.position`; None for groups built by hand.
     """
 
     batches: tuple[Batch, ...]

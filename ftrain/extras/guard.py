@@ -212,7 +212,7 @@ class SpikeGuard:
             f"resumed from {path} (step {state.step})" if path else "no checkpoint to load",
             start, start + skip,
         )  # fmt: skip
-        data = state.data.replace(cursor=start + skip, stream=position)
+        data = state.data.replace(cursor=start + skip, position=position)
         return _set(state, epoch=epoch, data=data, nonfinite_run=0, rollbacks=rollbacks)
 
 
@@ -225,7 +225,7 @@ def _skipped(state: GuardedState, skip: MicroBatches | int) -> tuple[int, str | 
             f"skip must be the micro-batches observed (the group, or their number >= 1), got "
             f"{skip!r}"
         )
-    if state.data.stream is not None:
+    if state.data.position is not None:
         raise ValueError(
             f"skip={skip} on a stream: where the stream stands after the skipped micro-batches "
             "is known only to the group make_batches yielded. Pass skip=micro (the group just "
