@@ -32,6 +32,7 @@ import math
 import os
 from typing import Any, NamedTuple, cast
 
+from ftrain.checkpoint import latest_checkpoint, load_checkpoint
 from ftrain.data import MicroBatches
 from ftrain.grads import Stats
 from ftrain.state import TrainState
@@ -191,8 +192,6 @@ class SpikeGuard:
             GuardError: when `max_rollbacks` rollbacks were done already (the state is then
                 not consumed).
         """
-        from ftrain.checkpoint import latest_checkpoint, load_checkpoint
-
         skip, position = _skipped(state, skip)
         if state.rollbacks >= self.max_rollbacks:
             raise GuardError(
