@@ -106,7 +106,9 @@ def save_checkpoint(
         The checkpoint directory `root/step-<N>`.
 
     Raises:
-        ValueError: for bad retention arguments, or `best_metric` missing from `metrics`.
+        ValueError: for bad retention arguments, `best_metric` missing from `metrics`, or
+            ranking by a loss whose recorded function (`metrics[best_metric + "_fn"]`, as
+            `evaluate`'s `eval_loss_fn`) differs from that of a committed checkpoint in `root`.
         CheckpointError: when the checkpoint could not be written (full disk, `root` is a
             file, ...; the original error is its cause, and when that is an `OSError` the
             `CheckpointError` is one too), or a state field or metric cannot be stored.
@@ -127,6 +129,7 @@ def save_checkpoint(
             f"pass metrics={{{best_metric!r}: value}} to rank this checkpoint, or no best_metric"
         )
     wait_for_checkpoint()
+    _check_one_loss(job, metrics)  # issue 26: never rank checkpoints by two different losses
     strategy = state.strategy
     if blocking:
         return _save_together(job, state, metrics)
@@ -584,6 +587,23 @@ def _saved_metrics(path: Path) -> Mapping[str, Any]:
         return metrics if isinstance(metrics, dict) else {}
     except (OSError, ValueError, AttributeError):
         return {}
+
+
+def _check_one_loss(job: _Job, metrics: Mapping[str, Any] | None) -> None:
+    # `evaluate` names the loss behind eval_loss in eval_loss_fn: a run that changed its loss
+    # (a focal loss after cross-entropy) must not rank one against the other.
+    key = f"{job.best_metric}_fn"
+    if job.best_metric is None or key not in (metrics or {}):
+        return
+    ours = (metrics or {})[key]
+    for step, path in committed(job.root):
+        theirs = _saved_metrics(path)
+        if step != job.step and key in theirs and theirs[key] != ours:
+            raise ValueError(
+                f"best_metric={job.best_metric!r} would rank step {job.step}'s {ours!r} against "
+                f"step {step}'s {theirs[key]!r} in {str(job.root)!r}: evaluate with the loss "
+                "you train on (evaluate(state, batches, loss_fn)) and save to a new root"
+            )
 
 
 # --- background saves: at most one in flight (held in ftrain.process_state) ------------------
