@@ -143,3 +143,84 @@ def test_counting_first_counts_as_the_loss_does(monkeypatch, make):
     assert int(stats.num_items) == want
     for k, g in grads.items():
         torch.testing.assert_close(g, ref[k], rtol=1e-6, atol=5e-8, msg=k)  # as test_grads
+
+
+def _sum_over_items(outputs, labels, num_items_in_batch):
+    """The Trainer's documented exact-accumulation loss (`compute_loss_func`): a sum over label
+    tokens / the step's item count. Needed because BertForTokenClassification and T5 accept
+    `**kwargs` but ignore `num_items_in_batch` (transformers 5.23): left to the model, the
+    Trainer adds up per-micro-batch means without dividing by the accumulation steps."""
+    logits = outputs.logits
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum"
+    )
+    return loss / num_items_in_batch
+
+
+def _assert_trainer_parity(make_model, rows, collate, trainer_cls, args_cls, tmp_path):
+    """12 steps of the README loop and of the HF Trainer (batch 4, accum 2, linear schedule
+    with warmup, clipping at 0.5, same order): loss, grad norm, learning rate and parameters
+    agree at every step."""
+    from transformers import TrainerCallback
+
+    class Record(TrainerCallback):
+        def __init__(self) -> None:
+            self.logs, self.params = [], []
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if "loss" in logs:
+                self.logs.append(dict(logs))
+
+        def on_step_end(self, args, state, control, model=None, **kw):
+            self.params.append({k: v.detach().clone() for k, v in model.named_parameters()})
+
+    steps, peak = 12, 3e-3
+    args = args_cls(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        max_steps=steps, learning_rate=peak, lr_scheduler_type="linear", warmup_steps=2,
+        max_grad_norm=0.5, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+        train_sampling_strategy="sequential", disable_tqdm=True,
+    )  # fmt: skip
+    record = Record()
+    trainer = trainer_cls(
+        model=make_model(), args=args, train_dataset=rows, data_collator=collate,
+        callbacks=[record], compute_loss_func=_sum_over_items,
+    )  # fmt: skip
+    trainer.train()
+    assert len(record.logs) == len(record.params) == steps
+
+    state = ft.TrainState.create(make_model(), ft.optim.adamw(weight_decay=0.0))
+    lr = ft.schedules.from_name("linear", peak_lr=peak, warmup_steps=2, total_steps=steps)
+    batches = ft.make_batches(rows, state, batch_size=4, accum=2, shuffle=False, collate_fn=collate)
+    for micro in batches:
+        grads, stats = ft.accumulate_grads(state, micro)  # the default loss
+        hf = record.logs[state.step]
+        assert hf["learning_rate"] == pytest.approx(lr(state.step), rel=1e-12)
+        state, info = ft.clip_and_step(state, grads, stats=stats, lr=lr(state.step), max_norm=0.5)
+        assert float(stats.loss) == pytest.approx(hf["loss"], rel=1e-6), state.step
+        assert float(info.grad_norm) == pytest.approx(hf["grad_norm"], rel=1e-6), state.step
+        for k, p in state.params.items():
+            torch.testing.assert_close(p, record.params[state.step - 1][k], rtol=1e-5, atol=1e-6)
+        if state.step == steps:
+            break
+    assert state.step == steps
+    assert sum(float(r["grad_norm"]) > 0.5 for r in record.logs) > steps // 2  # clipping acts
+
+
+def test_token_classification_equals_the_trainer_step_by_step(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    rows = _tag_rows(96, seed=4)
+    _assert_trainer_parity(
+        tiny_bert_tagger, rows, ft.pad_collate(), Trainer, TrainingArguments, tmp_path
+    )
+
+
+def test_seq2seq_equals_the_seq2seq_trainer_step_by_step(tmp_path):
+    from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainer, Seq2SeqTrainingArguments
+
+    rows = reverse_rows(96, seed=4)
+    collate = DataCollatorForSeq2Seq(digit_tokenizer(), model=tiny_t5())  # decoder_input_ids too
+    _assert_trainer_parity(
+        tiny_t5, rows, collate, Seq2SeqTrainer, Seq2SeqTrainingArguments, tmp_path
+    )
