@@ -12,6 +12,7 @@ import tempfile
 import traceback
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -198,7 +199,7 @@ def _inside(modules: tuple[str, ...]) -> bool:
     package name: "transformers.masking_utils", "transformers")."""
     if not modules:
         return False
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
         if any(name == m or name.startswith(m + ".") for m in modules):
