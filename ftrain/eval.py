@@ -13,7 +13,16 @@ import torch
 from torch import nn
 
 from ftrain.data import MicroBatches, weighted
-from ftrain.losses import IGNORE_INDEX, LossFn, default_loss, model_logits, upcast
+from ftrain.losses import (
+    _CAUSAL,
+    _SEQ2SEQ,
+    IGNORE_INDEX,
+    LossFn,
+    default_loss,
+    loss_for,
+    model_logits,
+    upcast,
+)
 from ftrain.state import TrainState
 from ftrain.strategies import Strategy
 
@@ -80,7 +89,7 @@ def evaluate(
             `eval_loss` and each batch runs through the model once; giving `loss_fn` as well is
             then an error (one of them would be ignored).
         perplexity: report `eval_ppl = exp(eval_loss)`. None (default): only where it is a
-            perplexity, i.e. the default loss over token labels (a causal LM); pass True for
+            perplexity, i.e. the default loss of a causal LM or seq2seq model; pass True for
             your own per-token loss.
         strategy: overrides `state.strategy`.
 
@@ -95,7 +104,8 @@ def evaluate(
     strategy = state.strategy if strategy is None else strategy
     sums: dict[str, torch.Tensor] = {}
     scorer: Callable[..., Any] | None = None  # the function whose loss is eval_loss
-    tokens = loss_fn is None and metrics_fn is None
+    # The default loss is a per-token LM loss (a perplexity) for causal LMs and seq2seq models.
+    tokens = loss_fn is None and metrics_fn is None and loss_for(state.model) in (_CAUSAL, _SEQ2SEQ)
     with eval_mode(state.model), strategy.autocast():
         for batch in flatten_batches(batches):
             batch, weight = weighted(batch)  # a ZeroWeight stand-in runs and counts nothing
@@ -154,7 +164,6 @@ def loss_name(fn: Callable[..., Any] | None) -> str:
 
 
 def _token_labels(batch: Any) -> bool:
-    # default_loss is a causal-LM token loss (a perplexity) exactly when labels have a seq axis.
     labels = batch.get("labels") if isinstance(batch, Mapping) else None
     return isinstance(labels, torch.Tensor) and labels.dim() > 1
 

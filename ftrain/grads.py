@@ -288,7 +288,7 @@ def _inverse_count(
     counts = []
     for batch in micro:
         batch, weight = weighted(batch)
-        n = _items_before_forward(loss_fn, batch)
+        n = _items_before_forward(loss_fn, batch, state.model)
         if n is None:
             return None
         counts.append(n if weight else n * 0)

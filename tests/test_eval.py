@@ -154,7 +154,10 @@ def test_perplexity_only_where_it_is_one():
     rows, _, _ = _cls_rows(8)
     batches = lambda: ft.make_batches(rows, batch_size=4, shuffle=False)  # noqa: E731
     assert "eval_ppl" not in ft.evaluate(cls, batches(), metrics_fn=ft.classification_metrics)
-    assert "eval_ppl" not in ft.evaluate(cls, batches())  # default loss, sequence classification
+    plain = ft.losses.classification_loss()  # a plain module: the default loss asks for a loss_fn
+    assert "eval_ppl" not in ft.evaluate(cls, batches(), plain)
+    with pytest.raises(TypeError, match="loss_fn="):
+        ft.evaluate(cls, batches())
     lm = ft.TrainState.create(tiny_gpt2(), ft.optim.sgd())
     out = ft.evaluate(lm, ft.make_batches(ragged_rows(6, seed=1), batch_size=3, shuffle=False))
     assert out["eval_ppl"] == pytest.approx(np.exp(out["eval_loss"]))  # causal-LM token loss
