@@ -126,3 +126,34 @@ def test_sigterm_to_the_process_group_saves_and_the_loader_workers_end_cleanly(t
     assert len(workers) == 2
     _, alive = psutil.wait_procs(workers, timeout=10)
     assert alive == []
+
+
+def test_on_preemption_checks_every_signal_before_installing_any(monkeypatch):
+    """(SIGTERM, SIGKILL) raised a raw OSError and left the SIGTERM handler installed."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    for bad in ((signal.SIGTERM, signal.SIGKILL), (signal.SIGUSR1, signal.SIGSTOP)):
+        with pytest.raises(ValueError, match=r"signals holds SIG(KILL|STOP), which no process"):
+            ft.strategies.on_preemption(signals=bad)
+    for bad in (signal.SIGTERM, "SIGTERM", None, (signal.SIGTERM, 10), (signal.SIGTERM, None)):
+        with pytest.raises(TypeError, match="signals must"):
+            ft.strategies.on_preemption(signals=bad)  # type: ignore[arg-type]
+    assert {s: signal.getsignal(s) for s in before} == before
+    assert ft.strategies.active_preemption() is None
+
+    install = signal.signal  # the second install fails: the first is undone
+
+    def failing(s, handler):
+        if s == signal.SIGUSR1 and callable(handler) and handler not in before.values():
+            raise OSError(22, "Invalid argument")
+        return install(s, handler)
+
+    monkeypatch.setattr(signal, "signal", failing)
+    with pytest.raises(OSError):
+        ft.strategies.on_preemption(signals=(signal.SIGTERM, signal.SIGUSR1))
+    monkeypatch.undo()
+    assert {s: signal.getsignal(s) for s in before} == before
+    assert ft.strategies.active_preemption() is None
+    # A repeated signal is installed once, and close() restores what was there before.
+    with ft.strategies.on_preemption(signals=(signal.SIGUSR1, signal.SIGUSR1)) as preempt:
+        assert preempt.signals == (signal.SIGUSR1,)
+    assert signal.getsignal(signal.SIGUSR1) == before[signal.SIGUSR1]
