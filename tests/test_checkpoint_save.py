@@ -385,3 +385,18 @@ def test_tp_background_saves_are_blocking_ones(tmp_path):
     _same_checkpoints(
         tmp_path, 2, lambda: ft.TrainState.create(tiny_llama(), ft.optim.adamw(), seed=3)
     )
+
+
+def test_saving_a_consumed_state_raises_consumed_state_error_itself(tmp_path):
+    """The README promises ConsumedStateError; a blocking save wrapped it in a CheckpointError."""
+    state = _state()
+    batch = {"x": torch.ones(2, 3)}
+    grads, stats = ft.accumulate_grads(state, [batch], lambda m, b: (m(b["x"]).sum(), 2))
+    ft.clip_and_step(state, grads, stats=stats, lr=0.1)
+    for blocking in (True, False):
+        with pytest.raises(ft.ConsumedStateError, match="consumed by clip_and_step") as e:
+            ft.save_checkpoint(state, tmp_path, blocking=blocking)
+        assert not isinstance(e.value, ft.CheckpointError)
+    with pytest.raises(ft.ConsumedStateError, match="consumed by clip_and_step"):
+        ft.export_pretrained(state, tmp_path / "export")
+    assert not tmp_path.exists() or not list(tmp_path.iterdir())

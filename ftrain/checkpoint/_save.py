@@ -107,6 +107,7 @@ def save_checkpoint(
 
     Raises:
         ValueError: for bad retention arguments, or `best_metric` missing from `metrics`.
+        ConsumedStateError: if a step function consumed `state` (save the state it returned).
         CheckpointError: when the checkpoint could not be written (full disk, `root` is a
             file, ...; the original error is its cause, and when that is an `OSError` the
             `CheckpointError` is one too), or a state field or metric cannot be stored.
@@ -126,6 +127,9 @@ def save_checkpoint(
             f"best_metric={best_metric!r} is not in metrics (keys: {sorted(metrics or {})}): "
             f"pass metrics={{{best_metric!r}: value}} to rank this checkpoint, or no best_metric"
         )
+    # A consumed state raises ConsumedStateError here (naming the step function that consumed
+    # it), before any collective: every rank's loop consumed its state alike.
+    _ = state.params
     wait_for_checkpoint()
     strategy = state.strategy
     if blocking:
