@@ -8,11 +8,12 @@ Session state, set and cleared by the user's calls. `snapshot()` returns it, and
 suite fails any test that leaves it changed:
 
     `save_in_flight`  the background save (`save_checkpoint(..., blocking=False)`) whose outcome
-        nobody has reported yet: a thread. Owner: `ftrain.checkpoint`. From the background
-        save until the next `save_checkpoint`, `wait_for_checkpoint`, `latest_checkpoint` or
-        `load_checkpoint` reports it (a failed save raises there; a sharded state's
-        `strategy.close()` waits for it too), else until interpreter exit (a failed save then
-        exits with status 1). At most one.
+        nobody has reported yet: written by a thread, finished when its writer says so (an
+        Event, not `Thread.is_alive`, which an interrupted join falsifies). Owner:
+        `ftrain.checkpoint`. From the background save until the next `save_checkpoint`,
+        `wait_for_checkpoint`, `latest_checkpoint` or `load_checkpoint` reports it (a failed
+        save raises there; a sharded state's `strategy.close()` waits for it too), else until
+        interpreter exit (a failed save then exits with status 1). At most one.
     `save_lock`  makes reporting `save_in_flight` happen once when threads race. Owner:
         `ftrain.checkpoint`; for the life of the process.
     `preemption`  the `Preemption` whose signal handlers `ft.strategies.on_preemption()`

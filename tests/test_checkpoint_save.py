@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -271,6 +272,58 @@ def test_an_interrupted_wait_does_not_forget_the_save_in_flight(tmp_path, monkey
     timer.join()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-2"]
     ft.load_checkpoint(tmp_path / "step-1", _state())
+
+
+class _Interrupt(Exception):
+    """What a signal handler raises in the test below (Ctrl-C raises KeyboardInterrupt)."""
+
+
+def _raise_interrupt(signum, frame):
+    raise _Interrupt
+
+
+@pytest.mark.parametrize("outcome", ["commits", "fails"])
+def test_a_wait_interrupted_by_a_signal_handler_never_loses_the_save_in_flight(
+    tmp_path, monkeypatch, outcome
+):
+    """A real signal, not a patched join: on Python 3.11 a `Thread.join` interrupted by an
+    exception from a signal handler marks the running thread stopped, and the next save then
+    removed the running save's temporary folder (issue 27). The first save commits, or its
+    error is raised by the next save; it never vanishes."""
+    release = threading.Event()
+    real = _save.write_safetensors
+
+    def slow(tensors, path):  # the background save stays mid-write until released
+        if threading.current_thread().name == "ftrain-checkpoint":
+            release.wait(30)
+            if outcome == "fails":
+                raise OSError(28, "No space left on device")
+        real(tensors, path)
+
+    monkeypatch.setattr(_save, "write_safetensors", slow)
+    previous = signal.signal(signal.SIGALRM, _raise_interrupt)
+    try:
+        ft.save_checkpoint(_state(1), tmp_path, blocking=False)
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(_Interrupt):
+            ft.wait_for_checkpoint()  # blocks until the alarm's handler raises
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert process_state.STATE.save_in_flight is not None  # still tracked
+    timer = threading.Timer(0.5, release.set)
+    timer.start()
+    try:
+        if outcome == "fails":
+            with pytest.raises(ft.CheckpointError, match="background save of step 1 failed"):
+                ft.save_checkpoint(_state(2), tmp_path)
+            assert not any(p.name == "step-1" for p in tmp_path.iterdir())
+            return
+        ft.save_checkpoint(_state(2), tmp_path)  # waits for step 1 instead of deleting its files
+    finally:
+        timer.join()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-2"]
+    assert ft.load_checkpoint(tmp_path / "step-1", _state()).step == 1
 
 
 def test_a_failed_final_background_save_fails_the_process(tmp_path):

@@ -446,9 +446,9 @@ def _stale(p: Path) -> bool:
     if m.group(2) != _HOST:
         return time.time() - p.lstat().st_mtime > STALE_AFTER_S
     pid = int(m.group(1))
-    # This process has no save in flight when it cleans (it waited for it first).
-    if pid == os.getpid():
-        return True
+    if pid == os.getpid():  # a save of this process that could not clean up, unless one writes
+        in_flight = STATE.save_in_flight
+        return in_flight is None or not in_flight.is_alive()
     try:
         os.kill(pid, 0)  # signal 0: only asks whether the process exists
     except ProcessLookupError:
@@ -593,18 +593,38 @@ def _saved_metrics(path: Path) -> Mapping[str, Any]:
 # --- background saves: at most one in flight (held in ftrain.process_state) ------------------
 
 
-class _Background(threading.Thread):
+class _Background:
+    """A save written by a thread. Whether it finished is an Event the writer sets itself, last:
+    on Python 3.11 a `Thread.join` that a signal handler's exception (Ctrl-C) interrupts marks
+    the still-running thread stopped, so `Thread.is_alive` cannot be trusted after one."""
+
     def __init__(self, step: int, write: Callable[[], Path]) -> None:
-        super().__init__(name="ftrain-checkpoint", daemon=False)
         self.step, self.write = step, write
         self.path: Path | None = None
         self.error: BaseException | None = None
+        self._done = threading.Event()
+        # Not a daemon: the interpreter lets it finish before exiting.
+        self._thread = threading.Thread(target=self._run, name="ftrain-checkpoint", daemon=False)
 
-    def run(self) -> None:
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
         try:
             self.path = self.write()
         except BaseException as e:  # re-raised in the caller's thread
             self.error = e
+        finally:
+            self._done.set()
+
+    def is_alive(self) -> bool:
+        """Whether the write has not finished yet."""
+        return not self._done.is_set()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the write to finish (an interrupted wait leaves it running and tracked)."""
+        if self._done.wait(timeout):
+            self._thread.join()  # returns at once: the writer is past its last line
 
 
 def _start(step: int, write: Callable[[], Path]) -> None:
