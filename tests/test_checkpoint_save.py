@@ -150,6 +150,28 @@ def test_rotation_keeps_the_best_even_on_an_abandoned_branch(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-15", "step-20"]
 
 
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_save_without_best_metric_keeps_the_best_that_earlier_saves_ranked(tmp_path, blocking):
+    """A preemption save or an ad-hoc one between evaluations (no best_metric) deleted the best
+    (issue 27): rotation ranks by what the newest ranked save recorded in its state.json."""
+
+    def save(step, **kw):
+        ft.save_checkpoint(_state(step), tmp_path, keep_last=1, blocking=blocking, **kw)
+        ft.wait_for_checkpoint()
+        return sorted(int(p.name[5:]) for p in tmp_path.iterdir())
+
+    assert save(100, metrics={"loss": 0.2}, best_metric="loss") == [100]
+    assert save(200, metrics={"loss": 0.5}, best_metric="loss") == [100, 200]
+    assert save(250) == [100, 250]  # preempted: no metrics at all
+    meta = json.loads((tmp_path / "step-100" / "state.json").read_text())
+    assert meta["ranking"] == {"best_metric": "loss", "keep_best": 1, "mode": "min"}
+    assert save(300, metrics={"train_loss": 3.0}) == [100, 300]
+    assert "ranking" not in json.loads((tmp_path / "step-300" / "state.json").read_text())
+    assert save(350, metrics={"loss": 0.1}) == [350]  # recorded, so ranked: the new best
+    assert save(400, metrics={"loss": 0.3}, best_metric="loss") == [350, 400]
+    assert ft.load_checkpoint(tmp_path / "step-350", _state()).step == 350
+
+
 def test_best_metric_missing_from_metrics_raises_naming_it(tmp_path):
     with pytest.raises(ValueError, match="best_metric='eval_accuracy' is not in metrics"):
         ft.save_checkpoint(

@@ -35,6 +35,7 @@ CONFIG_FILE = "config.json"
 COMMIT_FILE = "COMMITTED"
 STEP_DIR = re.compile(r"step-(\d+)")
 TMP_PREFIX = ".tmp-"
+RANKING = "ranking"  # state.json: how a save with best_metric ranked checkpoints (rotation)
 
 MODEL_DIR = "model"  # sharded layout: one shard file per rank in each of these
 OPTIM_DIR = "optimizer"

@@ -137,7 +137,7 @@ def save_checkpoint(
     if strategy.checkpoint_sharded:  # every rank writes its own shards in the background
         _start(job.step, _write_later(job, state, metrics))
     elif strategy.process_rank == 0:  # rank 0 holds whole tensors: it writes them in the background
-        staged = _stage(L.collect(state, metrics, sharded=False), strategy, copy=True)
+        staged = _stage(job.collect(state, metrics, sharded=False), strategy, copy=True)
         _start(job.step, lambda: job.run(staged, strategy))
     return job.path
 
@@ -171,6 +171,18 @@ class _Job:
     def path(self) -> Path:
         return _step_dir(self.root, self.step)
 
+    def collect(
+        self, state: TrainState, metrics: Mapping[str, Any] | None, *, sharded: bool
+    ) -> L.Contents:
+        """The checkpoint's contents; a ranked save records its ranking in state.json, so that
+        later saves without `best_metric` (preemption, ad hoc) still keep the best."""
+        contents = L.collect(state, metrics, sharded=sharded)
+        if self.best_metric is not None:
+            contents.meta[L.RANKING] = {
+                "best_metric": self.best_metric, "keep_best": self.keep_best, "mode": self.mode
+            }  # fmt: skip
+        return contents
+
     def run(self, staged: L.Contents, strategy: Strategy) -> Path:
         """Write, seal, rotate (on the ranks that write)."""
         path = _commit(_ready(staged), self.root, checksum=self.checksum, strategy=strategy)
@@ -194,7 +206,7 @@ def _save_together(job: _Job, state: TrainState, metrics: Mapping[str, Any] | No
     error: BaseException | None = None
     try:
         if sharded or strategy.process_rank == 0:  # the ranks that write
-            contents = L.collect(state, metrics, sharded=sharded)
+            contents = job.collect(state, metrics, sharded=sharded)
             job.run(_stage(contents, strategy, copy=False), strategy)
     except BaseException as e:  # every rank must hear about it, then it is raised here
         error = e
@@ -304,7 +316,7 @@ def _write_later(
     """Stage a sharded state now (the strategy copies its shards); return the write, which
     every rank runs in the background: shards, then rank 0 seals and rotates."""
     strategy = state.strategy
-    staged = _stage(L.collect(state, metrics, sharded=True), strategy, copy=True)
+    staged = _stage(job.collect(state, metrics, sharded=True), strategy, copy=True)
     tmp = _new_tmp(job.root, job.step, strategy)
 
     def commit() -> None:  # rank 0, once every rank's shards are written
@@ -567,11 +579,15 @@ def retained(
 def _rotate(job: _Job, keep_last: int) -> None:
     # The checkpoint just written is the newest, whatever the clock says.
     found = [(s, p) for s, p in committed(job.root) if p != job.path] + [(job.step, job.path)]
-    listed = [(s, _saved_metrics(p)) for s, p in found]
+    metas = [_saved_meta(p) for _, p in found]
+    listed = [(s, _metrics(m)) for (s, _), m in zip(found, metas, strict=True)]
+    ranking = (job.best_metric, job.keep_best, job.mode)
+    if job.best_metric is None:  # keep the best as the newest ranked save ranked it
+        ranking = next(filter(None, map(_ranking, reversed(metas))), ranking)
+    best_metric, keep_best, mode = ranking
     keep = retained(
-        listed, keep_last=keep_last, keep_best=job.keep_best, best_metric=job.best_metric,
-        mode=job.mode,
-    )  # fmt: skip
+        listed, keep_last=keep_last, keep_best=keep_best, best_metric=best_metric, mode=mode
+    )
     for s, p in found:
         if s not in keep:
             # Rename to a temporary name first: a crash mid-delete leaves a directory that
@@ -581,13 +597,34 @@ def _rotate(job: _Job, keep_last: int) -> None:
             shutil.rmtree(doomed, ignore_errors=True)
 
 
-def _saved_metrics(path: Path) -> Mapping[str, Any]:
+def _saved_meta(path: Path) -> Mapping[str, Any]:
+    """A committed checkpoint's state.json, or {} if unreadable (rotation never fails on it)."""
     try:
         meta = json.loads((path / L.STATE_FILE).read_text(encoding="utf-8"))
-        metrics = meta.get("metrics", {})
-        return metrics if isinstance(metrics, dict) else {}
-    except (OSError, ValueError, AttributeError):
+        return meta if isinstance(meta, dict) else {}
+    except (OSError, ValueError):
         return {}
+
+
+def _metrics(meta: Mapping[str, Any]) -> Mapping[str, Any]:
+    metrics = meta.get("metrics", {})
+    return metrics if isinstance(metrics, dict) else {}
+
+
+def _ranking(meta: Mapping[str, Any]) -> tuple[str, int, str] | None:
+    """(best_metric, keep_best, mode) that a ranked save recorded, or None (none, or malformed)."""
+    r = meta.get(L.RANKING)
+    if not isinstance(r, dict):
+        return None
+    name, keep_best, mode = r.get("best_metric"), r.get("keep_best"), r.get("mode")
+    if (
+        isinstance(name, str)
+        and type(keep_best) is int
+        and keep_best >= 1
+        and mode in ("min", "max")
+    ):
+        return name, keep_best, mode
+    return None
 
 
 # --- background saves: at most one in flight (held in ftrain.process_state) ------------------
