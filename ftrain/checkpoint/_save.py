@@ -86,7 +86,9 @@ def save_checkpoint(
             only the one just written and the best).
         keep_best: also keep this many best by `metrics[best_metric]`; defaults to 1 when
             `best_metric` is given.
-        best_metric: the metric that ranks checkpoints; `metrics` must hold it.
+        best_metric: the metric that ranks checkpoints; `metrics` must hold it. A save without
+            it (a preemption save) still keeps the best, ranked as the newest save in `root`
+            that had one ranked (recorded in its state.json).
         mode: "min" if lower `best_metric` is better, "max" otherwise.
         checksum: record each file's SHA-256 so `load_checkpoint` can detect corruption.
         blocking: False copies the tensors and returns while a background thread writes them;
