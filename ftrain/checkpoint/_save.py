@@ -604,7 +604,7 @@ def _saved_meta(path: Path) -> Mapping[str, Any]:
     try:
         meta = json.loads((path / L.STATE_FILE).read_text(encoding="utf-8"))
         return meta if isinstance(meta, dict) else {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # a damaged or forged file: unranked
         return {}
 
 
