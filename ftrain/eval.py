@@ -80,9 +80,11 @@ def evaluate(
         metric.
 
     Raises:
+        TypeError: for an argument of the wrong type (named in the message).
         ValueError: with no batches, or when both `loss_fn` and a `metrics_fn` returning
             `"loss"` are given.
     """
+    _check_args(state, batches, loss_fn, metrics_fn, perplexity, strategy)
     strategy = state.strategy if strategy is None else strategy
     sums: dict[str, torch.Tensor] = {}
     tokens = loss_fn is None and metrics_fn is None
@@ -105,6 +107,25 @@ def evaluate(
         out["eval_ppl"] = math.exp(out["eval_loss"]) if out["eval_loss"] < 700 else math.inf
     out["eval_items"] = totals[names.index("loss")][1]
     return out
+
+
+def _check_args(
+    state: Any, batches: Any, loss_fn: Any, metrics_fn: Any, perplexity: Any, strategy: Any
+) -> None:
+    if not isinstance(state, TrainState):
+        raise TypeError(f"state must be an ft.TrainState, got {type(state).__name__}")
+    if isinstance(batches, (str, bytes, Mapping)) or not isinstance(batches, Iterable):
+        raise TypeError(
+            f"batches must be an iterable of batches (make_batches(val, batch_size=...) or a "
+            f"list), got {type(batches).__name__}"
+        )
+    for name, fn in (("loss_fn", loss_fn), ("metrics_fn", metrics_fn)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be a function (model, batch) -> ..., got {fn!r}")
+    if perplexity is not None and not isinstance(perplexity, bool):
+        raise TypeError(f"perplexity must be True, False or None, got {perplexity!r}")
+    if strategy is not None and not isinstance(strategy, Strategy):
+        raise TypeError(f"strategy must be an ft.strategies.Strategy, got {strategy!r}")
 
 
 def _batch_sums(
