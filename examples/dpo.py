@@ -108,7 +108,7 @@ def train(state: ft.TrainState, data: Any, *, steps: int, lr: float, collate: An
                 break
         else:
             state = ft.next_epoch(state)
-    return state.replace(epoch=0, data=state.data.replace(cursor=0, stream=None))
+    return state.replace(epoch=0, data=state.data.replace(cursor=0, position=None))
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -12,7 +13,16 @@ import torch
 from torch import nn
 
 from ftrain.data import MicroBatches, weighted
-from ftrain.losses import IGNORE_INDEX, LossFn, default_loss, model_logits, upcast
+from ftrain.losses import (
+    _CAUSAL,
+    _SEQ2SEQ,
+    IGNORE_INDEX,
+    LossFn,
+    default_loss,
+    loss_for,
+    model_logits,
+    upcast,
+)
 from ftrain.state import TrainState
 from ftrain.strategies import Strategy
 
@@ -23,6 +33,7 @@ __all__ = [
     "evaluate",
     "eval_mode",
     "flatten_batches",
+    "loss_name",
     "predict",
 ]
 
@@ -54,12 +65,19 @@ def evaluate(
     metrics_fn: MetricsFn | None = None,
     perplexity: bool | None = None,
     strategy: Strategy | None = None,
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Return the loss over all `batches` as sum of item losses / number of items, over ranks.
 
     This is not a mean of batch means, so it does not depend on batch size or padding. The
     model runs in eval mode without gradients and gets its previous mode back afterwards.
     Reading the totals at the end is the one host sync.
+
+    The record names the loss it computed: `eval_loss_fn` is the qualified name of the function
+    behind `eval_loss` (`loss_name`). Without `loss_fn` that is `ftrain.losses.default_loss`
+    (cross-entropy), whatever loss the model was trained on: after training with your own
+    loss, pass the same `loss_fn` here, or `eval_loss` (and everything ranked by it: `track_best`,
+    `save_checkpoint(best_metric=...)`) measures a loss you did not train on. Checkpoint
+    retention refuses to rank checkpoints whose `eval_loss_fn` differ.
 
     Args:
         state: the state to evaluate (not consumed).
@@ -71,13 +89,13 @@ def evaluate(
             `eval_loss` and each batch runs through the model once; giving `loss_fn` as well is
             then an error (one of them would be ignored).
         perplexity: report `eval_ppl = exp(eval_loss)`. None (default): only where it is a
-            perplexity, i.e. the default loss over token labels (a causal LM); pass True for
+            perplexity, i.e. the default loss of a causal LM or seq2seq model; pass True for
             your own per-token loss.
         strategy: overrides `state.strategy`.
 
     Returns:
-        `{"eval_loss", "eval_items"}`, `eval_ppl` (see `perplexity`), and `eval_<name>` per
-        metric.
+        `{"eval_loss", "eval_loss_fn", "eval_items"}`, `eval_ppl` (see `perplexity`), and
+        `eval_<name>` per metric. Every value is a float except `eval_loss_fn`, a string.
 
     Raises:
         TypeError: for an argument of the wrong type (named in the message).
@@ -87,13 +105,16 @@ def evaluate(
     _check_args(state, batches, loss_fn, metrics_fn, perplexity, strategy)
     strategy = state.strategy if strategy is None else strategy
     sums: dict[str, torch.Tensor] = {}
-    tokens = loss_fn is None and metrics_fn is None
+    scorer: Callable[..., Any] | None = None  # the function whose loss is eval_loss
+    # The default loss is a per-token LM loss (a perplexity) for causal LMs and seq2seq models.
+    tokens = loss_fn is None and metrics_fn is None and loss_for(state.model) in (_CAUSAL, _SEQ2SEQ)
     with eval_mode(state.model), strategy.autocast():
         for batch in flatten_batches(batches):
             batch, weight = weighted(batch)  # a ZeroWeight stand-in runs and counts nothing
             batch = strategy.to_device(batch)
             tokens = tokens and _token_labels(batch)
-            for name, (s, n) in _batch_sums(state.model, batch, loss_fn, metrics_fn).items():
+            parts, scorer = _batch_sums(state.model, batch, loss_fn, metrics_fn)
+            for name, (s, n) in parts.items():
                 pair = weight * torch.stack(
                     [torch.as_tensor(x, device=strategy.device).double() for x in (s, n)]
                 )
@@ -106,7 +127,7 @@ def evaluate(
     if tokens if perplexity is None else perplexity:
         out["eval_ppl"] = math.exp(out["eval_loss"]) if out["eval_loss"] < 700 else math.inf
     out["eval_items"] = totals[names.index("loss")][1]
-    return out
+    return {**out, "eval_loss_fn": loss_name(scorer)}
 
 
 def _check_args(
@@ -130,21 +151,40 @@ def _check_args(
 
 def _batch_sums(
     model: nn.Module, batch: Any, loss_fn: LossFn | None, metrics_fn: MetricsFn | None
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], Callable[..., Any]]:
     parts = dict(metrics_fn(model, batch)) if metrics_fn is not None else {}
-    if "loss" not in parts:
-        parts["loss"] = (default_loss if loss_fn is None else loss_fn)(model, batch)
-    elif loss_fn is not None:
+    if metrics_fn is None or "loss" not in parts:
+        scorer = default_loss if loss_fn is None else loss_fn
+        parts["loss"] = scorer(model, batch)
+        return parts, scorer
+    if loss_fn is not None:
         raise ValueError(
             "evaluate got loss_fn and a metrics_fn that returns 'loss' too; one would be "
             "ignored: drop loss_fn to report the metrics' loss, or return no 'loss' from "
             "metrics_fn to report loss_fn's"
         )
-    return parts
+    return parts, metrics_fn
+
+
+def loss_name(fn: Callable[..., Any] | None) -> str:
+    """The name `evaluate` records as `eval_loss_fn`: `module.qualname` of a loss function.
+
+    None is the default loss. A `functools.partial` is named by the function it wraps, and a
+    callable object by its class.
+
+    Example:
+        >>> from ftrain.eval import loss_name
+        >>> loss_name(None)
+        'ftrain.losses.default_loss'
+    """
+    fn = default_loss if fn is None else fn
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    named = fn if hasattr(fn, "__qualname__") else type(fn)
+    return f"{named.__module__}.{named.__qualname__}"
 
 
 def _token_labels(batch: Any) -> bool:
-    # default_loss is a causal-LM token loss (a perplexity) exactly when labels have a seq axis.
     labels = batch.get("labels") if isinstance(batch, Mapping) else None
     return isinstance(labels, torch.Tensor) and labels.dim() > 1
 

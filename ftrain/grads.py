@@ -23,7 +23,7 @@ class Stats(NamedTuple):
     `loss` (mean per item), `num_items` (items the loss counts, e.g. label tokens),
     `num_tokens` (non-padding input tokens) and `num_samples` are device tensors; reading them
     is a host sync. `num_micro` is this step's micro-batch count, a host int. `position` is
-    the stream position after these micro-batches (JSON; None for map-style data), which
+    where the data stands after these micro-batches (JSON, `ft.data.MicroBatches.position`), which
     `clip_and_step` keeps in the state.
     """
 
@@ -288,7 +288,7 @@ def _inverse_count(
     counts = []
     for batch in micro:
         batch, weight = weighted(batch)
-        n = _items_before_forward(loss_fn, batch)
+        n = _items_before_forward(loss_fn, batch, state.model)
         if n is None:
             return None
         counts.append(n if weight else n * 0)

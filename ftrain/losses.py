@@ -20,7 +20,10 @@ __all__ = [
     "causal_lm_loss",
     "classification_loss",
     "default_loss",
+    "loss_for",
     "model_logits",
+    "seq2seq_loss",
+    "token_classification_loss",
     "upcast",
 ]
 
@@ -136,37 +139,216 @@ def classification_loss(*, label_smoothing: float = 0.0) -> LossFn:
     return loss_fn
 
 
+def _aligned_ce(
+    logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy summed over label tokens that are not -100, logits aligned with labels."""
+    loss = F.cross_entropy(
+        upcast(logits.reshape(-1, logits.shape[-1])),
+        labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+        label_smoothing=label_smoothing,
+    )
+    return loss, (labels != IGNORE_INDEX).sum()
+
+
+def token_classification_loss(*, label_smoothing: float = 0.0) -> LossFn:
+    """Per-token cross-entropy summed over labels that are not -100, without a shift.
+
+    For `*ForTokenClassification` (NER, POS) and masked LMs: the logits at position t score
+    `labels[t]`, labels of shape (batch, seq).
+
+    Args:
+        label_smoothing: eps in [0, 1), as in `causal_lm_loss`.
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> class Tagger(torch.nn.Module):
+        ...     def forward(self, input_ids):
+        ...         return torch.zeros(*input_ids.shape, 3)
+        >>> batch = {"input_ids": torch.tensor([[4, 5, 6]]), "labels": torch.tensor([[0, 2, -100]])}
+        >>> loss, n = ft.losses.token_classification_loss()(Tagger(), batch)
+        >>> round(loss.item(), 4), int(n)    # two counted tokens: 2 * log(3)
+        (2.1972, 2)
+    """
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
+
+    def loss_fn(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if "labels" not in batch:
+            raise KeyError("token_classification_loss needs 'labels' in the batch")
+        return _aligned_ce(model_logits(model, batch), batch["labels"], label_smoothing)
+
+    return loss_fn
+
+
+def _decoder_inputs(model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+    """The decoder inputs an encoder-decoder model builds from `labels` (teacher forcing).
+
+    The model's own `prepare_decoder_input_ids_from_labels` where it has one (T5, BART, ...),
+    else labels shifted right behind `config.decoder_start_token_id`, -100 replaced by the pad
+    id: what HF models do when called with `labels` and no `decoder_input_ids`.
+
+    Raises:
+        ValueError: if the model has neither that method nor a decoder start token id.
+    """
+    base = _base_model(model)
+    prepare = getattr(base, "prepare_decoder_input_ids_from_labels", None)
+    if callable(prepare):
+        return prepare(labels=labels)
+    cfg = getattr(base, "config", None)
+    start = getattr(cfg, "decoder_start_token_id", None)
+    if start is None:
+        raise ValueError(
+            f"cannot build decoder_input_ids for {type(base).__name__}: it has no "
+            "decoder_start_token_id; put decoder_input_ids in the batch"
+        )
+    pad = getattr(cfg, "pad_token_id", None)
+    shifted = torch.cat([labels.new_full((labels.shape[0], 1), start), labels[:, :-1]], dim=1)
+    return shifted.masked_fill(shifted == IGNORE_INDEX, 0 if pad is None else pad)
+
+
+def seq2seq_loss(*, label_smoothing: float = 0.0) -> LossFn:
+    """Cross-entropy of an encoder-decoder model summed over label tokens that are not -100.
+
+    No shift: the decoder's logits at position t score `labels[t]`, as in T5 and BART. The
+    batch's `decoder_input_ids` are used when present (`DataCollatorForSeq2Seq(model=...)` puts
+    them there); otherwise they are built from the labels as the model does: its
+    `prepare_decoder_input_ids_from_labels`, else the labels shifted right behind
+    `config.decoder_start_token_id` with -100 replaced by the pad id.
+
+    Args:
+        label_smoothing: eps in [0, 1), as in `causal_lm_loss`.
+    """
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
+
+    def loss_fn(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if "labels" not in batch:
+            raise KeyError("seq2seq_loss needs 'labels' in the batch")
+        labels = batch["labels"]
+        if batch.get("decoder_input_ids") is None and batch.get("decoder_inputs_embeds") is None:
+            batch = {**batch, "decoder_input_ids": _decoder_inputs(model, labels)}
+        return _aligned_ce(model_logits(model, batch), labels, label_smoothing)
+
+    return loss_fn
+
+
 _CAUSAL = causal_lm_loss()
 _CLASSIFY = classification_loss()
+_TOKENS = token_classification_loss()
+_SEQ2SEQ = seq2seq_loss()
+
+# Wrappers around a model, looked through to find the HF model: PEFT, torch.compile, DDP,
+# Opacus' GradSampleModule.
+_WRAPPED = ("_orig_mod", "module", "_module")
 
 
-def _causal_items(batch: Any) -> torch.Tensor | None:
-    """The label tokens `causal_lm_loss` counts in `batch` (after the shift), read from the
-    labels alone; None when `batch` is not a dict with 2-D `labels`."""
+def _base_model(model: nn.Module) -> nn.Module:
+    """The model inside PEFT / torch.compile / DDP / Opacus wrappers (itself when unwrapped)."""
+    for _ in range(8):  # wrappers nest a few levels at most
+        get_base = getattr(model, "get_base_model", None)
+        inner = get_base() if callable(get_base) else None
+        for attr in _WRAPPED:
+            inner = inner if isinstance(inner, nn.Module) else getattr(model, attr, None)
+        if not isinstance(inner, nn.Module) or inner is model:
+            return model
+        model = inner
+    return model
+
+
+def _by_class(model: nn.Module) -> LossFn | None:
+    """HF's task heads by class name (what HF's own `loss_type` reads), the config for seq2seq."""
+    names = [c.__name__ for c in type(model).__mro__]
+    if any(n.endswith(("ForTokenClassification", "ForMaskedLM")) for n in names):
+        return _TOKENS
+    if any(n.endswith("ForSequenceClassification") for n in names):
+        return _CLASSIFY
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False) is True:
+        return _SEQ2SEQ
+    # Decoder-only *ForConditionalGeneration (Llava, Gemma 3, ...) shift as causal LMs do.
+    causal = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+    return _CAUSAL if any(n.endswith(causal) for n in names) else None
+
+
+def loss_for(model: nn.Module) -> LossFn:
+    """The loss `default_loss` uses for `model`, by its task head, never by the labels' shape.
+
+    | model | loss |
+    |---|---|
+    | causal LMs (`*ForCausalLM`, `*LMHeadModel`, decoder-only `*ForConditionalGeneration`) | `causal_lm_loss()`: labels shifted |
+    | encoder-decoder (`config.is_encoder_decoder`: T5, BART, ...) | `seq2seq_loss()`: no shift |
+    | `*ForTokenClassification`, `*ForMaskedLM` | `token_classification_loss()`: no shift |
+    | `*ForSequenceClassification` | `classification_loss()` (squared error when `num_labels == 1`) |
+
+    Wrappers are looked through: PEFT (`get_base_model()`), `torch.compile` (`_orig_mod`),
+    DDP (`module`), Opacus (`_module`).
+
+    Raises:
+        TypeError: for any other model, naming its class and saying to pass `loss_fn=`.
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> ft.losses.loss_for(torch.nn.Linear(2, 2))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: the default loss does not know Linear: ...
+    """  # noqa: E501
+    fn = _by_class(model)
+    base = model if fn is not None else _base_model(model)
+    fn = fn if fn is not None else _by_class(base)
+    if fn is None:
+        raise TypeError(
+            f"the default loss does not know {type(base).__name__}: it recognises HF causal "
+            "LMs, encoder-decoder, token- and sequence-classification models. Pass "
+            "loss_fn=... (e.g. ft.losses.causal_lm_loss(), or your own (model, batch) -> "
+            "(loss_sum, num_items)) to accumulate_grads / evaluate"
+        )
+    return fn
+
+
+def _label_items(batch: Any, *, shift: bool) -> torch.Tensor | None:
+    """The label tokens a token loss counts in `batch` (after the shift when `shift`), read
+    from the labels alone; None when `batch` is not a dict with 2-D `labels`."""
     labels = batch.get("labels") if isinstance(batch, Mapping) else None
     if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
         return None
-    return (labels[:, 1:] != IGNORE_INDEX).sum()
+    return ((labels[:, 1:] if shift else labels) != IGNORE_INDEX).sum()
 
 
-def _items_before_forward(loss_fn: LossFn, batch: Any) -> torch.Tensor | None:
+def _items_before_forward(
+    loss_fn: LossFn, batch: Any, model: nn.Module | None = None
+) -> torch.Tensor | None:
     """The item count `loss_fn` will report for `batch`, known without running the model
-    (the default loss on a causal-LM batch, issue 12); None when it is not known in advance."""
-    return _causal_items(batch) if loss_fn is default_loss or loss_fn is _CAUSAL else None
+    (token losses, issue 12; the default loss once `model` says which); None when it is not
+    known in advance."""
+    if loss_fn is default_loss:
+        if model is None:
+            return None
+        loss_fn = loss_for(model)
+    if loss_fn is _CAUSAL:
+        return _label_items(batch, shift=True)
+    if loss_fn is _TOKENS or loss_fn is _SEQ2SEQ:
+        return _label_items(batch, shift=False)
+    return None
 
 
 def default_loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """The loss `accumulate_grads` uses when none is given, for HF models with `labels`.
+    """The loss `accumulate_grads` and `evaluate` use when none is given: `loss_for(model)`.
 
-    Labels of shape (batch,) mean sequence classification (`classification_loss`); labels of
-    shape (batch, seq) mean a causal LM (`causal_lm_loss`, with the shift). For anything else
-    pass a `loss_fn`.
+    Decided by the model's task head, never by the labels' shape: a causal LM shifts its
+    labels, an encoder-decoder (T5, BART) and a token classifier do not, a sequence classifier
+    takes one label per row. A model `loss_for` does not recognise (any module that is not such
+    an HF model) raises a TypeError saying to pass `loss_fn=`.
 
     Raises:
         KeyError: when the batch has no `labels`.
+        TypeError: when the model is not one `loss_for` recognises.
     """
+    fn = loss_for(model)
     if not isinstance(batch, Mapping) or "labels" not in batch:
         raise KeyError(
             "the default loss needs a dict batch with 'labels'; pass loss_fn=... for other data"
         )
-    return (_CLASSIFY if batch["labels"].dim() == 1 else _CAUSAL)(model, batch)
+    return fn(model, batch)

@@ -97,6 +97,12 @@ def track_best(
     it (any strict improvement). A NaN value is never the best and counts as no improvement
     (HF starts from +-inf, and no comparison with NaN is true).
 
+    Rank by the loss you train on: `evaluate` without `loss_fn` reports the default loss
+    (its record says so: `eval_loss_fn` is `ftrain.losses.default_loss`), so after training
+    with your own loss, evaluate with it too (`evaluate(state, batches, loss_fn)`). A state
+    does not know its training loss; `save_checkpoint(best_metric=...)` refuses to rank
+    checkpoints whose recorded loss functions differ.
+
     Args:
         state: the state after the step that was evaluated.
         metrics: a dict holding `metric`, or the value itself.

@@ -8,16 +8,21 @@ Session state, set and cleared by the user's calls. `snapshot()` returns it, and
 suite fails any test that leaves it changed:
 
     `save_in_flight`  the background save (`save_checkpoint(..., blocking=False)`) whose outcome
-        nobody has reported yet: a thread. Owner: `ftrain.checkpoint`. From the background
-        save until the next `save_checkpoint`, `wait_for_checkpoint`, `latest_checkpoint` or
-        `load_checkpoint` reports it (a failed save raises there; a sharded state's
-        `strategy.close()` waits for it too), else until interpreter exit (a failed save then
-        exits with status 1). At most one.
+        nobody has reported yet: written by a thread, finished when its writer says so (an
+        Event, not `Thread.is_alive`, which an interrupted join falsifies). Owner:
+        `ftrain.checkpoint`. From the background save until the next `save_checkpoint`,
+        `wait_for_checkpoint`, `latest_checkpoint` or `load_checkpoint` reports it (a failed
+        save raises there; a sharded state's `strategy.close()` waits for it too), else until
+        interpreter exit (a failed save then exits with status 1). At most one.
     `save_lock`  makes reporting `save_in_flight` happen once when threads race. Owner:
         `ftrain.checkpoint`; for the life of the process.
     `preemption`  the `Preemption` whose signal handlers `ft.strategies.on_preemption()`
         installed. Owner: `ftrain.strategies`; from `on_preemption()` to its `close()`. At most
         one.
+    `ema_swapped`  the EMA averages (`EmaState.ema` dicts) that `ft.optim.swap_ema` swapped
+        into their models: inside the block the parameters hold the average and these dicts
+        the live weights, so `save_checkpoint` saves each where it belongs. Owner:
+        `ftrain.optim`; for the `with` block. One per swapped state.
 
 Caches of pure lookups: they never change a result, so `snapshot()` leaves them out.
 
@@ -82,6 +87,7 @@ class ProcessState:
     save_in_flight: BackgroundSave | None = None
     save_lock: threading.Lock = field(default_factory=threading.Lock)
     preemption: Closable | None = None
+    ema_swapped: list[Any] = field(default_factory=list)
     optimizer_twins: _Weak[Callable[..., Any], Any] = field(default_factory=_Weak)
     compiled_steps: _Weak[Callable[..., Any], Any] = field(default_factory=_Weak)
     kernel_import_errors: dict[str, str | None] = field(default_factory=dict)
@@ -96,6 +102,7 @@ class Snapshot(NamedTuple):
 
     save_in_flight: BackgroundSave | None
     preemption: Closable | None
+    ema_swapped: tuple[Any, ...]
 
 
 def snapshot() -> Snapshot:
@@ -104,6 +111,6 @@ def snapshot() -> Snapshot:
     Example:
         >>> from ftrain import process_state
         >>> process_state.snapshot()
-        Snapshot(save_in_flight=None, preemption=None)
+        Snapshot(save_in_flight=None, preemption=None, ema_swapped=())
     """
-    return Snapshot(STATE.save_in_flight, STATE.preemption)
+    return Snapshot(STATE.save_in_flight, STATE.preemption, tuple(STATE.ema_swapped))

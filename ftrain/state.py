@@ -80,7 +80,10 @@ class DataState(_SubState):
     """Where the training data stands, saved in every checkpoint.
 
     `cursor`: micro-batches of this epoch already consumed (global over data-parallel ranks).
-    `stream`: a stream's position after them, as JSON (None for map-style data).
+    `position`: where the data stands after them, as JSON (`ft.data.check_position` reads
+    it): for a stream its source position and fingerprint, for map-style data the row reached
+    and the settings the cursor was counted in, so a resume with another batch size continues
+    exactly or raises naming what changed. None before the first step of an epoch.
     `batch_size`: the per-rank batch size `ft.data.find_batch_size` settled on (None until
     then), kept so that a resumed run uses it again.
     `tokens_seen`, `samples_seen`: 0-dim int64 tensors on the training device, so advancing
@@ -88,7 +91,7 @@ class DataState(_SubState):
     """
 
     cursor: int = 0
-    stream: str | None = None
+    position: str | None = None
     batch_size: int | None = None
     tokens_seen: torch.Tensor = dataclasses.field(default_factory=lambda: _zero(None))
     samples_seen: torch.Tensor = dataclasses.field(default_factory=lambda: _zero(None))
@@ -132,7 +135,7 @@ class TrainState:
 
     Top-level values: `step` (optimizer updates done), `epoch`, `seed`, the `optimizer` and
     the `strategy`. Related values are grouped in small frozen sub-states: `data`
-    (`DataState`: cursor, stream position, batch size, tokens and samples seen),
+    (`DataState`: cursor, data position, batch size, tokens and samples seen),
     `early_stopping` (`EarlyStoppingState`) and `scaler` (`ScalerState`). Change one with
     `state.replace(data=state.data.replace(cursor=0))`.
 
@@ -322,5 +325,5 @@ def _cloned(obj: Any) -> dict[str, Any]:
 
 
 def next_epoch(state: TrainState) -> TrainState:
-    """Return `state` at the start of the next epoch (`epoch + 1`, cursor 0, no stream position)."""
-    return state.replace(epoch=state.epoch + 1, data=state.data.replace(cursor=0, stream=None))
+    """Return `state` at the start of the next epoch (`epoch + 1`, cursor 0, no data position)."""
+    return state.replace(epoch=state.epoch + 1, data=state.data.replace(cursor=0, position=None))

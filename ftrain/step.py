@@ -169,7 +169,7 @@ def clip_and_step(
         d = state.data
         changes["data"] = d.replace(
             cursor=d.cursor + stats.num_micro,
-            stream=stats.position,  # a stream's position after these micro-batches, or None
+            position=stats.position,  # where the data stands after these micro-batches
             tokens_seen=d.tokens_seen + stats.num_tokens,
             samples_seen=d.samples_seen + stats.num_samples,
         )

@@ -491,3 +491,21 @@ def test_a_crash_mid_rotation_leaves_no_half_checkpoint(tmp_path, monkeypatch):
     assert ft.latest_checkpoint(tmp_path).name == "step-2"
     ft.save_checkpoint(state.replace(step=3), tmp_path, keep_last=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3"]
+
+
+def test_retention_refuses_to_rank_two_different_losses(tmp_path):
+    # Issue 26: checkpoints ranked by eval_loss must all be ranked by the same loss function;
+    # evaluate records it as eval_loss_fn and save_checkpoint compares it with the committed.
+    state = ft.TrainState.create(_mlp(), ft.optim.adamw())
+    focal = {"eval_loss": 0.4, "eval_loss_fn": "mine.focal_loss"}
+    kw = {"keep_last": 1, "best_metric": "eval_loss"}
+    ft.save_checkpoint(state.replace(step=1), tmp_path, metrics=focal, **kw)
+    ft.save_checkpoint(state.replace(step=2), tmp_path, metrics={**focal, "eval_loss": 0.3}, **kw)
+    ce = {"eval_loss": 0.1, "eval_loss_fn": "ftrain.losses.default_loss"}
+    with pytest.raises(ValueError, match=r"best_metric='eval_loss'.*default_loss.*focal_loss"):
+        ft.save_checkpoint(state.replace(step=3), tmp_path, metrics=ce, **kw)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2"]  # nothing written
+    ft.save_checkpoint(state.replace(step=3), tmp_path, metrics=ce)  # not ranked: saved
+    ft.save_checkpoint(state.replace(step=4), tmp_path / "ce", metrics=ce, **kw)  # a new root
+    # Unnamed values (metrics written by hand, older checkpoints) are ranked as before.
+    ft.save_checkpoint(state.replace(step=5), tmp_path, metrics={"eval_loss": 0.2}, **kw)

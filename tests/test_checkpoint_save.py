@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -149,6 +150,28 @@ def test_rotation_keeps_the_best_even_on_an_abandoned_branch(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-15", "step-20"]
 
 
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_save_without_best_metric_keeps_the_best_that_earlier_saves_ranked(tmp_path, blocking):
+    """A preemption save or an ad-hoc one between evaluations (no best_metric) deleted the best
+    (issue 27): rotation ranks by what the newest ranked save recorded in its state.json."""
+
+    def save(step, **kw):
+        ft.save_checkpoint(_state(step), tmp_path, keep_last=1, blocking=blocking, **kw)
+        ft.wait_for_checkpoint()
+        return sorted(int(p.name[5:]) for p in tmp_path.iterdir())
+
+    assert save(100, metrics={"loss": 0.2}, best_metric="loss") == [100]
+    assert save(200, metrics={"loss": 0.5}, best_metric="loss") == [100, 200]
+    assert save(250) == [100, 250]  # preempted: no metrics at all
+    meta = json.loads((tmp_path / "step-100" / "state.json").read_text())
+    assert meta["ranking"] == {"best_metric": "loss", "keep_best": 1, "mode": "min"}
+    assert save(300, metrics={"train_loss": 3.0}) == [100, 300]
+    assert "ranking" not in json.loads((tmp_path / "step-300" / "state.json").read_text())
+    assert save(350, metrics={"loss": 0.1}) == [350]  # recorded, so ranked: the new best
+    assert save(400, metrics={"loss": 0.3}, best_metric="loss") == [350, 400]
+    assert ft.load_checkpoint(tmp_path / "step-350", _state()).step == 350
+
+
 def test_best_metric_missing_from_metrics_raises_naming_it(tmp_path):
     with pytest.raises(ValueError, match="best_metric='eval_accuracy' is not in metrics"):
         ft.save_checkpoint(
@@ -273,6 +296,58 @@ def test_an_interrupted_wait_does_not_forget_the_save_in_flight(tmp_path, monkey
     ft.load_checkpoint(tmp_path / "step-1", _state())
 
 
+class _Interrupt(Exception):
+    """What a signal handler raises in the test below (Ctrl-C raises KeyboardInterrupt)."""
+
+
+def _raise_interrupt(signum, frame):
+    raise _Interrupt
+
+
+@pytest.mark.parametrize("outcome", ["commits", "fails"])
+def test_a_wait_interrupted_by_a_signal_handler_never_loses_the_save_in_flight(
+    tmp_path, monkeypatch, outcome
+):
+    """A real signal, not a patched join: on Python 3.11 a `Thread.join` interrupted by an
+    exception from a signal handler marks the running thread stopped, and the next save then
+    removed the running save's temporary folder (issue 27). The first save commits, or its
+    error is raised by the next save; it never vanishes."""
+    release = threading.Event()
+    real = _save.write_safetensors
+
+    def slow(tensors, path):  # the background save stays mid-write until released
+        if threading.current_thread().name == "ftrain-checkpoint":
+            release.wait(30)
+            if outcome == "fails":
+                raise OSError(28, "No space left on device")
+        real(tensors, path)
+
+    monkeypatch.setattr(_save, "write_safetensors", slow)
+    previous = signal.signal(signal.SIGALRM, _raise_interrupt)
+    try:
+        ft.save_checkpoint(_state(1), tmp_path, blocking=False)
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(_Interrupt):
+            ft.wait_for_checkpoint()  # blocks until the alarm's handler raises
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert process_state.STATE.save_in_flight is not None  # still tracked
+    timer = threading.Timer(0.5, release.set)
+    timer.start()
+    try:
+        if outcome == "fails":
+            with pytest.raises(ft.CheckpointError, match="background save of step 1 failed"):
+                ft.save_checkpoint(_state(2), tmp_path)
+            assert not any(p.name == "step-1" for p in tmp_path.iterdir())
+            return
+        ft.save_checkpoint(_state(2), tmp_path)  # waits for step 1 instead of deleting its files
+    finally:
+        timer.join()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-2"]
+    assert ft.load_checkpoint(tmp_path / "step-1", _state()).step == 1
+
+
 def test_a_failed_final_background_save_fails_the_process(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("")
@@ -385,3 +460,18 @@ def test_tp_background_saves_are_blocking_ones(tmp_path):
     _same_checkpoints(
         tmp_path, 2, lambda: ft.TrainState.create(tiny_llama(), ft.optim.adamw(), seed=3)
     )
+
+
+def test_saving_a_consumed_state_raises_consumed_state_error_itself(tmp_path):
+    """The README promises ConsumedStateError; a blocking save wrapped it in a CheckpointError."""
+    state = _state()
+    batch = {"x": torch.ones(2, 3)}
+    grads, stats = ft.accumulate_grads(state, [batch], lambda m, b: (m(b["x"]).sum(), 2))
+    ft.clip_and_step(state, grads, stats=stats, lr=0.1)
+    for blocking in (True, False):
+        with pytest.raises(ft.ConsumedStateError, match="consumed by clip_and_step") as e:
+            ft.save_checkpoint(state, tmp_path, blocking=blocking)
+        assert not isinstance(e.value, ft.CheckpointError)
+    with pytest.raises(ft.ConsumedStateError, match="consumed by clip_and_step"):
+        ft.export_pretrained(state, tmp_path / "export")
+    assert not tmp_path.exists() or not list(tmp_path.iterdir())

@@ -262,7 +262,7 @@ def _advance(state, groups):
     """What clip_and_step does to state.data after each group: cursor and position."""
     for g in groups:
         d = state.data
-        state = state.replace(data=d.replace(cursor=d.cursor + len(g), stream=g.position))
+        state = state.replace(data=d.replace(cursor=d.cursor + len(g), position=g.position))
     return state
 
 
@@ -341,15 +341,15 @@ def test_a_checkpoint_saved_at_batch_size_8_resumes_at_4_without_repeating_rows(
 @pytest.mark.parametrize(
     "change, match",
     [
-        ({"data": _indexed(41)}, r"rows 40 when state\.data\.stream was saved, now 41"),
-        ({"seed": 2}, r"seed 1 when state\.data\.stream was saved, now 2"),
-        ({"shuffle": False}, r"shuffle True when state\.data\.stream was saved, now False"),
-        ({"epoch": 1}, r"epoch 0 when state\.data\.stream was saved, now 1"),
+        ({"data": _indexed(41)}, r"rows 40 when state\.data\.position was saved, now 41"),
+        ({"seed": 2}, r"seed 1 when state\.data\.position was saved, now 2"),
+        ({"shuffle": False}, r"shuffle True when state\.data\.position was saved, now False"),
+        ({"epoch": 1}, r"epoch 0 when state\.data\.position was saved, now 1"),
         ({"group_by_length": True}, r"lengths digest none \(no group_by_length\) when"),
         ({"cursor": 1}, r"state\.data\.cursor=1 is before micro-batch 2"),
         ({"cursor": 40}, r"start=40 is beyond the epoch's 11 micro-batches"),
         ({"cursor": 40, "batch_size": 2}, r"beyond the epoch's 11 micro-batches of 4 rows"),
-        ({"stream": "[]"}, r"state\.data\.stream: malformed data position: not a JSON object"),
+        ({"position": "[]"}, r"state\.data\.position: malformed data position: not a JSON object"),
     ],
 )
 def test_a_resume_that_cannot_continue_the_epoch_raises_naming_the_setting(change, match):
@@ -357,9 +357,9 @@ def test_a_resume_that_cannot_continue_the_epoch_raises_naming_the_setting(chang
     then the change."""
     state = _advance(_fresh(), list(ft.make_batches(_indexed(40), _fresh(), batch_size=2))[:2])
     state = _advance(state, list(ft.make_batches(_indexed(40), state, batch_size=4))[:1])
-    assert json.loads(state.data.stream)["cursor"] == 2 and state.data.cursor == 3
+    assert json.loads(state.data.position)["cursor"] == 2 and state.data.cursor == 3
     data, batch_size = change.pop("data", _indexed(40)), change.pop("batch_size", 4)
-    moved = {k: change.pop(k) for k in ("cursor", "stream") if k in change}
+    moved = {k: change.pop(k) for k in ("cursor", "position") if k in change}
     state = state.replace(
         seed=change.pop("seed", 1), epoch=change.pop("epoch", 0), data=state.data.replace(**moved)
     )

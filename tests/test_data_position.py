@@ -1,6 +1,6 @@
-"""Data positions (`state.data.stream`): the structural check a checkpoint load runs, and the
+"""Data positions (`state.data.position`): the structural check a checkpoint load runs, and the
 checks make_batches runs against the data. A forged position fails with `CheckpointError` at
-load or `ValueError` naming `state.data.stream` in make_batches: never a raw error from deep
+load or `ValueError` naming `state.data.position` in make_batches: never a raw error from deep
 inside, and never other data read silently."""
 
 import hashlib
@@ -51,7 +51,7 @@ POSITIONS = [g.position for g in STREAM_GROUPS[:6]] + [
 
 def _state(text, cursor):
     state = ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd(), seed=0)
-    return state.replace(data=state.data.replace(cursor=cursor, stream=text))
+    return state.replace(data=state.data.replace(cursor=cursor, position=text))
 
 
 def _cursor(text):
@@ -67,7 +67,7 @@ def _resume(text):
             for _ in ft.make_batches(data, _state(text, _cursor(text)), **KW):
                 pass
         except ValueError as e:
-            assert str(e).startswith(("state.data.stream", "start=")) or "state.data" in str(e), e
+            assert str(e).startswith(("state.data.position", "start=")) or "state.data" in str(e), e
 
 
 def _with_src(text, src):
@@ -154,7 +154,7 @@ def test_a_position_that_does_not_fit_the_data_raises_naming_it():
         ft.data.check_position(forged_text)  # well-formed: only the data can refuse it
         with pytest.raises(ValueError, match=match) as e:
             list(ft.make_batches(_source(), _state(forged_text, 3), **KW))
-        assert str(e.value).startswith("state.data.stream does not fit this data: "), e.value
+        assert str(e.value).startswith("state.data.position does not fit this data: "), e.value
     with pytest.raises(ValueError, match="is a position in map-style data, but the data is a"):
         ft.make_batches(_source(), _state(POSITIONS[-1], 1), **KW)
     with pytest.raises(ValueError, match="is a position in a stream, but the data is map-style"):
@@ -248,7 +248,7 @@ def _sha(path):
 def _forge(good, dst, text):
     shutil.copytree(good, dst)
     meta = json.loads((dst / "state.json").read_text())
-    meta["fields"]["data.stream"] = text
+    meta["fields"]["data.position"] = text
     (dst / "state.json").write_text(json.dumps(meta))
     (dst / "COMMITTED").write_text(json.dumps({"state.json": _sha(dst / "state.json")}))
 
@@ -260,13 +260,13 @@ def _template():
 @pytest.fixture(scope="module")
 def good(tmp_path_factory):
     state = _template()
-    state = state.replace(data=state.data.replace(cursor=3, stream=POSITIONS[2]))
+    state = state.replace(data=state.data.replace(cursor=3, position=POSITIONS[2]))
     return ft.save_checkpoint(state, tmp_path_factory.mktemp("good"))
 
 
 def test_a_resealed_checkpoint_with_a_forged_position_is_refused_at_load(good, tmp_path):
     loaded = ft.load_checkpoint(good, _template())
-    assert loaded.data.stream == POSITIONS[2]
+    assert loaded.data.position == POSITIONS[2]
     pos = json.loads(POSITIONS[2])
     for i, text in enumerate(
         [
@@ -278,7 +278,7 @@ def test_a_resealed_checkpoint_with_a_forged_position_is_refused_at_load(good, t
         ]
     ):
         _forge(good, tmp_path / str(i) / good.name, text)
-        with pytest.raises(ft.CheckpointError, match=r"'data\.stream': malformed data position"):
+        with pytest.raises(ft.CheckpointError, match=r"'data\.position': malformed data position"):
             ft.load_checkpoint(tmp_path / str(i) / good.name, _template())
 
 
@@ -293,7 +293,7 @@ def test_property_a_resealed_forged_position_fails_cleanly(good, text):
         try:
             state = ft.load_checkpoint(path, _template())
         except ft.CheckpointError as e:
-            assert "data.stream" in str(e)
+            assert "data.position" in str(e)
             return
-    assert state.data.stream == text
+    assert state.data.position == text
     _resume(text)

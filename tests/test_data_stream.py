@@ -1,5 +1,5 @@
 """make_batches over streams: datasets streaming and torch IterableDatasets, exact resume from
-the JSON position kept in state.data.stream, epochs, shuffle buffer, ranks, packing, mixing,
+the JSON position kept in state.data.position, epochs, shuffle buffer, ranks, packing, mixing,
 and the fingerprint that refuses a resume over other data."""
 
 import json
@@ -62,7 +62,7 @@ def _resumed(data, group, cursor, *, seed=0, epoch=0, **kw):
     """make_batches from the state clip_and_step left after `group` (cursor and position)."""
     state = ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd(), seed=seed)
     state = state.replace(
-        epoch=epoch, data=state.data.replace(cursor=cursor, stream=group.position)
+        epoch=epoch, data=state.data.replace(cursor=cursor, position=group.position)
     )
     return ft.make_batches(data, state, **kw)
 
@@ -257,9 +257,9 @@ def test_readme_loop_on_a_stream_resumes_from_a_checkpoint(hf_stream, tmp_path):
     straight = run(fresh(), 10)  # 28 rows, 4 per step: 7 steps an epoch
     run(fresh(), 10, stop=5)
     saved = json.loads((tmp_path / "step-5" / "state.json").read_text())["fields"]
-    assert json.loads(saved["data.stream"])["cursor"] == 10
+    assert json.loads(saved["data.position"])["cursor"] == 10
     loaded = ft.load_checkpoint(ft.latest_checkpoint(tmp_path), fresh())
-    assert loaded.data.cursor == 10 and loaded.data.stream == saved["data.stream"]
+    assert loaded.data.cursor == 10 and loaded.data.position == saved["data.position"]
     resumed = run(loaded, 10)
     assert (resumed.epoch, resumed.data.cursor) == (straight.epoch, straight.data.cursor)
     torch.testing.assert_close(resumed.params["weight"], straight.params["weight"])
@@ -327,7 +327,7 @@ def test_a_resume_over_changed_shard_files_raises_naming_them(tmp_path):
         f.write(json.dumps({"idx": 999, "input_ids": [1]}) + "\n")
     with pytest.raises(ValueError, match=r"data-1.jsonl (\d+) -> (\d+) bytes") as e:
         resume(files)
-    assert "state.data.stream was saved for other data" in str(e.value)
+    assert "state.data.position was saved for other data" in str(e.value)
 
 
 def _content(groups):

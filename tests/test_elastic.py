@@ -108,6 +108,20 @@ def test_the_collective_timeout_comes_from_the_argument_or_the_environment(monke
         collective_timeout(timedelta(0))
 
 
+def test_a_timeout_too_long_for_torch_is_a_clear_error(monkeypatch):
+    """inf and 1e20 raised OverflowError from timedelta (issue 27); torch overflows long before."""
+    for bad in ("inf", "1e20", "-inf", "31536001"):
+        monkeypatch.setenv("FTRAIN_COLLECTIVE_TIMEOUT", bad)
+        with pytest.raises(
+            ValueError, match=rf"FTRAIN_COLLECTIVE_TIMEOUT.*\(0, 31536000\].*{bad!r}"
+        ):
+            collective_timeout()
+    monkeypatch.setenv("FTRAIN_COLLECTIVE_TIMEOUT", "31536000")
+    assert collective_timeout() == timedelta(days=365)
+    with pytest.raises(ValueError, match=r"timeout must be a positive .* at most 365 days"):
+        collective_timeout(timedelta.max)
+
+
 def test_each_torchrun_attempt_gets_its_own_keys_in_the_agent_store(monkeypatch):
     server = torch.distributed.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5)

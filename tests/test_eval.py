@@ -154,7 +154,10 @@ def test_perplexity_only_where_it_is_one():
     rows, _, _ = _cls_rows(8)
     batches = lambda: ft.make_batches(rows, batch_size=4, shuffle=False)  # noqa: E731
     assert "eval_ppl" not in ft.evaluate(cls, batches(), metrics_fn=ft.classification_metrics)
-    assert "eval_ppl" not in ft.evaluate(cls, batches())  # default loss, sequence classification
+    plain = ft.losses.classification_loss()  # a plain module: the default loss asks for a loss_fn
+    assert "eval_ppl" not in ft.evaluate(cls, batches(), plain)
+    with pytest.raises(TypeError, match="loss_fn="):
+        ft.evaluate(cls, batches())
     lm = ft.TrainState.create(tiny_gpt2(), ft.optim.sgd())
     out = ft.evaluate(lm, ft.make_batches(ragged_rows(6, seed=1), batch_size=3, shuffle=False))
     assert out["eval_ppl"] == pytest.approx(np.exp(out["eval_loss"]))  # causal-LM token loss
@@ -231,3 +234,35 @@ def test_accuracy_over_100k_samples_runs_in_bounded_memory():
     assert res["n"] == 100_000
     assert res["acc"] == pytest.approx(res["correct"] / 100_000, abs=1e-12)
     assert res["growth_mb"] < 100, res
+
+
+def focal_loss(model, batch, gamma=2.0):
+    """A focal loss (summed, per item): what a user trains on instead of cross-entropy."""
+    logp = torch.log_softmax(model(batch["x"]).double(), -1)
+    logp = logp.gather(-1, batch["labels"][:, None]).squeeze(-1)
+    return -(((1 - logp.exp()) ** gamma) * logp).sum(), torch.tensor(len(logp))
+
+
+def test_the_record_names_the_loss_it_computed():
+    # Issue 26: after training with a focal loss, evaluate without loss_fn reports
+    # cross-entropy as eval_loss; the record now says which loss it is.
+    import functools
+
+    state = ft.TrainState.create(_classifier(), ft.optim.sgd())
+    rows, _, _ = _cls_rows(12)
+
+    def run(*args, **kw):
+        return ft.evaluate(state, ft.make_batches(rows, batch_size=5, shuffle=False), *args, **kw)
+
+    default, focal = run(), run(focal_loss)
+    assert default["eval_loss_fn"] == "ftrain.losses.default_loss"
+    assert focal["eval_loss_fn"].endswith(".focal_loss") and focal["eval_loss_fn"] != "focal_loss"
+    assert focal["eval_loss"] != pytest.approx(default["eval_loss"])
+    metrics = run(metrics_fn=ft.classification_metrics)
+    assert metrics["eval_loss_fn"] == "ftrain.eval.classification_metrics"
+    assert metrics["eval_loss"] == pytest.approx(default["eval_loss"])  # both cross-entropy
+    gamma0 = run(functools.partial(focal_loss, gamma=0.0))
+    assert gamma0["eval_loss_fn"] == focal["eval_loss_fn"]  # a partial: the wrapped function
+    accuracy_only = run(focal_loss, metrics_fn=lambda m, b: {"n": (torch.tensor(1.0), 1)})
+    assert accuracy_only["eval_loss_fn"] == focal["eval_loss_fn"]  # metrics without a loss
+    assert all(isinstance(v, float) for k, v in default.items() if k != "eval_loss_fn")

@@ -236,7 +236,7 @@ def test_counting_items_first_divides_the_loss_and_gives_the_same_gradients(monk
     state = ft.TrainState.create(model, ft.optim.sgd())
     (micro,) = list(ft.make_batches(rows, batch_size=4, accum=3, shuffle=False))
     counted = []
-    spy = lambda fn, b: counted.append(1) or ft.losses._items_before_forward(fn, b)  # noqa: E731
+    spy = lambda fn, b, m: counted.append(1) or ft.losses._items_before_forward(fn, b, m)  # noqa: E731
     monkeypatch.setattr(grads_module, "_items_before_forward", spy)
     ft.accumulate_grads(state, micro)
     assert counted == []  # a 0.02M-parameter model: dividing the gradients is cheaper

@@ -191,7 +191,7 @@ def _stream(rows, buffer=1000):
 
 
 def test_the_guard_loop_on_a_stream_skips_the_spike_and_equals_a_run_without_those_rows(tmp_path):
-    # Before: after the rollback, make_batches raised "state.data.stream is the position for
+    # Before: after the rollback, make_batches raised "state.data.position is the position for
     # {cursor: 4}, but the state is at {cursor: 7}" (issue 27, item 12).
     trained = []
     whole, rolled = _run(tmp_path / "whole", 8, rows=_stream(ROWS), trained=trained)

@@ -243,3 +243,36 @@ def test_swap_ema_evaluates_and_exports_the_average_then_restores(tmp_path):
     plain = ft.TrainState.create(tiny_llama(), ft.optim.adamw())
     with pytest.raises(TypeError, match=r"ft\.optim\.ema"), ft.optim.swap_ema(plain):
         pass
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_checkpoint_saved_inside_swap_ema_holds_the_live_weights(tmp_path, blocking):
+    """Saving inside the swap saved the average as the live weights (issue 27): a resume then
+    trained on from the average. Saved from the swapped state, or from a state made from it
+    (`replace`), a blocking or a background save (written after the block ends) holds the live
+    weights and the average, each in its place."""
+    rows = ragged_rows(16, seed=3)
+    state = ft.TrainState.create(tiny_llama(), ft.optim.ema(ft.optim.adamw(), decay=0.8))
+    state = train_steps(state, rows, 3)
+    live = {n: p.detach().clone() for n, p in state.params.items()}
+    average = {n: t.clone() for n, t in state.opt_state.ema.items()}
+    with ft.optim.swap_ema(state) as swapped:
+        ft.save_checkpoint(swapped, tmp_path / "a", blocking=blocking)
+        ft.save_checkpoint(swapped.replace(step=9), tmp_path / "b", blocking=blocking)
+    ft.wait_for_checkpoint()
+    for path in (tmp_path / "a" / "step-3", tmp_path / "b" / "step-9"):
+        fresh = ft.TrainState.create(tiny_llama(), ft.optim.ema(ft.optim.adamw(), decay=0.8))
+        loaded = ft.load_checkpoint(path, fresh)
+        for n, p in loaded.params.items():
+            assert torch.equal(p, live[n]), n
+            assert torch.equal(loaded.opt_state.ema[n], average[n]), n
+    for n, p in state.params.items():  # and the model has its live weights back
+        assert torch.equal(p, live[n]) and torch.equal(state.opt_state.ema[n], average[n]), n
+    nested = ft.optim.swap_ema(state.replace(step=9))  # would swap the live weights back
+    with ft.optim.swap_ema(state), pytest.raises(ValueError, match="already active"), nested:
+        pass
+    assert all(torch.equal(p, live[n]) for n, p in state.params.items())
+    with ft.optim.swap_ema(state), pytest.raises(ValueError, match=r"inside ft\.optim\.swap_ema"):
+        ft.load_checkpoint(tmp_path / "a" / "step-3", state)  # the swap back would undo it
+    assert all(torch.equal(p, live[n]) for n, p in state.params.items())
+    assert not state.consumed

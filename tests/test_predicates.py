@@ -104,3 +104,41 @@ def test_track_best_never_keeps_nan_as_the_best(state, mode, later):
         s.early_stopping.patience_counter,
     ) == (later[1], 4, 0)
     assert not ft.should_stop(s, patience=1)
+
+
+class _Clf(torch.nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # called as model(x=...) by default_loss
+        return super().forward(x)
+
+
+def _focal(model, batch):
+    logp = torch.log_softmax(model(batch["x"]), -1).gather(-1, batch["labels"][:, None])
+    return -(((1 - logp.exp()) ** 2) * logp).sum(), torch.tensor(logp.numel())
+
+
+def test_early_stopping_ranks_the_loss_the_record_names():
+    # Issue 26: train on a focal loss; evaluate(state, val) alone would rank cross-entropy.
+    # The record names its loss, so early stopping on the training loss is visible as such.
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 4, generator=g), torch.randint(0, 3, (64,), generator=g)
+    rows = [{"x": x[i], "labels": y[i]} for i in range(64)]
+    state = ft.TrainState.create(_Clf(4, 3), ft.optim.sgd(), seed=0)
+    records, stopped_at = [], None
+    for _ in range(40):
+        for micro in ft.make_batches(rows[:48], batch_size=16, seed=0, epoch=state.epoch):
+            grads, stats = ft.accumulate_grads(state, micro, _focal)
+            state, _ = ft.clip_and_step(state, grads, stats=stats, lr=3.0)
+        state = ft.next_epoch(state)
+        val = ft.make_batches(rows[48:], batch_size=8, shuffle=False)
+        records.append(ft.evaluate(state, val, _focal))
+        state = ft.track_best(state, records[-1])
+        if ft.should_stop(state, patience=2):
+            stopped_at = len(records)
+            break
+    assert stopped_at is not None  # the large learning rate overshoots: no improvement twice
+    assert {r["eval_loss_fn"] for r in records} == {f"{__name__}._focal"}
+    assert state.early_stopping.best_metric == min(r["eval_loss"] for r in records)
+    default = ft.evaluate(state, ft.make_batches(rows[48:], batch_size=8, shuffle=False))
+    assert default["eval_loss_fn"] == "ftrain.losses.default_loss"  # the mismatch is visible
+    assert default["eval_loss"] != pytest.approx(records[-1]["eval_loss"])

@@ -3,10 +3,15 @@ and the run continues from that checkpoint bit-equal (2 ranks: tests/test_elasti
 
 from __future__ import annotations
 
+import os
 import random
 import signal
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -90,3 +95,65 @@ def test_on_a_gpu_the_flag_is_read_one_step_late_without_a_sync():
             state, _ = ft.clip_and_step(state, grads, stats=stats, lr=0.1)
             seen.append(preempt.requested)
     assert seen == [False, True, True]
+
+
+@pytest.mark.parametrize("kind", ["stream", "map"])
+def test_sigterm_to_the_process_group_saves_and_the_loader_workers_end_cleanly(tmp_path, kind):
+    """SLURM signals the whole process group, DataLoader workers included (issue 27): the loop
+    saves the next step, leaves with status 0, and its workers end with it."""
+    script = Path(__file__).parent / "workers" / "preempt_workers_loop.py"
+    root = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(root), "100000", "2", kind],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # ends at EOF if the loop dies first
+            if line.startswith("step 2"):
+                workers = psutil.Process(proc.pid).children(recursive=True)
+                os.killpg(proc.pid, signal.SIGTERM)  # what SLURM and most schedulers do
+                break
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    saved = [int(line.split()[1]) for line in out.splitlines() if line.startswith("saved")]
+    assert len(saved) == 1 and saved[0] > 2 and f"stopped at {saved[0]}" in out
+    assert ft.latest_checkpoint(root) == root / f"step-{saved[0]}"
+    assert len(workers) == 2
+    _, alive = psutil.wait_procs(workers, timeout=10)
+    assert alive == []
+
+
+def test_on_preemption_checks_every_signal_before_installing_any(monkeypatch):
+    """(SIGTERM, SIGKILL) raised a raw OSError and left the SIGTERM handler installed."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    for bad in ((signal.SIGTERM, signal.SIGKILL), (signal.SIGUSR1, signal.SIGSTOP)):
+        with pytest.raises(ValueError, match=r"signals holds SIG(KILL|STOP), which no process"):
+            ft.strategies.on_preemption(signals=bad)
+    for bad in (signal.SIGTERM, "SIGTERM", None, (signal.SIGTERM, 10), (signal.SIGTERM, None)):
+        with pytest.raises(TypeError, match="signals must"):
+            ft.strategies.on_preemption(signals=bad)  # type: ignore[arg-type]
+    assert {s: signal.getsignal(s) for s in before} == before
+    assert ft.strategies.active_preemption() is None
+
+    install = signal.signal  # the second install fails: the first is undone
+
+    def failing(s, handler):
+        if s == signal.SIGUSR1 and callable(handler) and handler not in before.values():
+            raise OSError(22, "Invalid argument")
+        return install(s, handler)
+
+    monkeypatch.setattr(signal, "signal", failing)
+    with pytest.raises(OSError):
+        ft.strategies.on_preemption(signals=(signal.SIGTERM, signal.SIGUSR1))
+    monkeypatch.undo()
+    assert {s: signal.getsignal(s) for s in before} == before
+    assert ft.strategies.active_preemption() is None
+    # A repeated signal is installed once, and close() restores what was there before.
+    with ft.strategies.on_preemption(signals=(signal.SIGUSR1, signal.SIGUSR1)) as preempt:
+        assert preempt.signals == (signal.SIGUSR1,)
+    assert signal.getsignal(signal.SIGUSR1) == before[signal.SIGUSR1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 import ftrain as ft
 from ftrain.data import pack_examples as pack
-from ftrain.extras.sft import SFTCollator, packed_collate
+from ftrain.extras.sft import SFTCollator, TruncationCounts, TruncationWarning, packed_collate
 
 TEXT = Path(__file__).parent.parent / "examples" / "data" / "tinyshakespeare.txt"
 
@@ -55,7 +56,10 @@ def qlora_collate(tokenizer, rows, source_max_len, target_max_len, train_on_sour
 @pytest.mark.parametrize("train_on_source", [False, True])
 @pytest.mark.parametrize(("source_max_len", "target_max_len"), [(1024, 256), (12, 6), (3, 2)])
 def test_collator_equals_qlora(tok, train_on_source, source_max_len, target_max_len):
-    ours = SFTCollator(tok, source_max_len, target_max_len, train_on_source=train_on_source)(ROWS)
+    collator = SFTCollator(tok, source_max_len, target_max_len, train_on_source=train_on_source)
+    with warnings.catch_warnings():  # the cutting limits warn; test_truncation_* checks that
+        warnings.simplefilter("ignore", TruncationWarning)
+        ours = collator(ROWS)
     ref = qlora_collate(tok, ROWS, source_max_len, target_max_len, train_on_source)
     assert torch.equal(ours["input_ids"], ref["input_ids"])
     assert torch.equal(ours["labels"], ref["labels"])
@@ -64,7 +68,10 @@ def test_collator_equals_qlora(tok, train_on_source, source_max_len, target_max_
 
 def test_masking_and_truncation_boundaries(tok):
     c = SFTCollator(tok, source_max_len=5, target_max_len=4)
-    row = c.encode({"input": "First Citizen: Before we proceed", "output": " Speak, speak. " * 4})
+    with pytest.warns(TruncationWarning, match="1 of 1 prompts"):
+        row = c.encode(
+            {"input": "First Citizen: Before we proceed", "output": " Speak, speak. " * 4}
+        )
     ids, labels = row["input_ids"], row["labels"]
     assert ids[0] == tok.bos_token_id and len(ids) == 5 + 4
     assert labels[:5] == [-100] * 5 and labels[5:] == ids[5:]
@@ -78,8 +85,43 @@ def test_masking_and_truncation_boundaries(tok):
     assert batch["attention_mask"].sum(1).tolist() == [len(ids), len(short["input_ids"])]
     tok_pad_is_eos = copy.deepcopy(tok)
     tok_pad_is_eos.pad_token = tok.eos_token
-    b = SFTCollator(tok_pad_is_eos, 5, 4)([{"input": "All:", "output": " Yes"}, ROWS[0]])
+    with pytest.warns(TruncationWarning):
+        b = SFTCollator(tok_pad_is_eos, 5, 4)([{"input": "All:", "output": " Yes"}, ROWS[0]])
     assert int(b["attention_mask"][0].sum()) == len(short["input_ids"])  # EOS is not padding
+
+
+def test_truncation_is_counted_and_warned_once(tok):
+    # The case: a template longer than source_max_len keeps the template and drops the
+    # instruction and input, for every row.
+    rows = [ft.sft.alpaca({"instruction": f"Say {i}.", "output": str(i)}) for i in range(30)]
+    c = SFTCollator(tok, source_max_len=8, target_max_len=256)
+    with pytest.warns(TruncationWarning, match=r"30 of 30 prompts .*source_max_len=8") as rec:
+        c.encode_batch(rows)
+    assert len(rec) == 1 and "0 of 30 responses" in str(rec[0].message)
+    assert c.truncated == TruncationCounts(rows=30, prompts=30, responses=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per collator: a second cut batch is counted only
+        c([*rows[:4], {"input": "All:", "output": " Speak, speak. " * 99}])
+    assert c.truncated == TruncationCounts(rows=35, prompts=34, responses=1)
+    fits = SFTCollator(tok, source_max_len=1024, target_max_len=256)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fits(ROWS)
+    assert fits.truncated == TruncationCounts(rows=len(ROWS), prompts=0, responses=0)
+    cut = SFTCollator(tok, source_max_len=1024, target_max_len=2)
+    with pytest.warns(TruncationWarning, match=rf"{len(ROWS)} of {len(ROWS)} responses"):
+        cut(ROWS)
+    assert cut.truncated.responses == len(ROWS) and SFTCollator(tok) == SFTCollator(tok)
+
+
+def test_pack_examples_warns_when_it_cuts():
+    rows = [{"input_ids": [1] * n, "labels": [1] * n} for n in (3, 9, 4, 7)]
+    with pytest.warns(UserWarning, match=r"cut 2 of 4 examples longer than max_length=5"):
+        packed = pack(rows, max_length=5)
+    assert [len(r["input_ids"]) for r in packed] == [3, 5, 4, 5]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pack(rows, max_length=9)
 
 
 def test_collator_errors(tok):
@@ -117,8 +159,10 @@ def test_formatters(tok):
 
 def test_pack_boundaries(tok):
     c = SFTCollator(tok, source_max_len=64, target_max_len=64)
-    rows = c.encode_batch(ROWS * 3)
-    packed = pack(rows, max_length=56)
+    with pytest.warns(TruncationWarning, match="3 of 12 prompts"):
+        rows = c.encode_batch(ROWS * 3)
+    with pytest.warns(UserWarning, match="pack_examples cut 6 of 12 examples"):
+        packed = pack(rows, max_length=56)
     # Every token kept, in order, no example split across packed rows, none over max_length.
     assert [t for p in packed for t in p["input_ids"]] == [
         t for r in rows for t in r["input_ids"][:56]
@@ -147,7 +191,8 @@ def test_packed_rows_train_like_separate_examples(tok):
     model.resize_token_embeddings(len(tok), mean_resizing=False)
     model.config.use_cache = False  # HF detects packed rows only without a KV cache
     model.eval()
-    rows = SFTCollator(tok, 64, 64).encode_batch(ROWS)
+    with pytest.warns(TruncationWarning):
+        rows = SFTCollator(tok, 64, 64).encode_batch(ROWS)
     batch = packed_collate(tok.pad_token_id)(pack(rows, max_length=80))
     assert "attention_mask" not in batch and batch["input_ids"].shape[0] >= 2
     loss_fn = ft.losses.causal_lm_loss()

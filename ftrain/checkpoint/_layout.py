@@ -24,6 +24,7 @@ from torch import nn
 
 from ftrain.checkpoint._io import CheckpointError
 from ftrain.checkpoint._tree import Node, flatten_tree
+from ftrain.optim import live_tensors
 from ftrain.version import __version__
 
 FORMAT = "ftrain.checkpoint"
@@ -35,6 +36,7 @@ CONFIG_FILE = "config.json"
 COMMIT_FILE = "COMMITTED"
 STEP_DIR = re.compile(r"step-(\d+)")
 TMP_PREFIX = ".tmp-"
+RANKING = "ranking"  # state.json: how a save with best_metric ranked checkpoints (rotation)
 
 MODEL_DIR = "model"  # sharded layout: one shard file per rank in each of these
 OPTIM_DIR = "optimizer"
@@ -139,8 +141,9 @@ def collect(state: Any, metrics: Mapping[str, Any] | None, *, sharded: bool) -> 
     """
 
     module = state.strategy.unwrap(state.model)
-    opt_flat = flatten_tree(state.opt_state)
-    model = {n: t.detach() for n, t in model_tensors(module, dict(state.params)).items()}
+    params, opt_state = live_tensors(state)  # the live weights, inside `swap_ema` too
+    opt_flat = flatten_tree(opt_state)
+    model = {n: t.detach() for n, t in model_tensors(module, dict(params)).items()}
     optim = {p: v.detach() for p, v in opt_flat.items() if isinstance(v, torch.Tensor)}
     table = param_table(module)
     meta = {

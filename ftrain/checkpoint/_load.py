@@ -19,7 +19,7 @@ from ftrain.checkpoint._save import raise_pending_save_error
 from ftrain.checkpoint._tree import Node, describe, flatten_tree, unflatten
 from ftrain.checkpoint._tree import _children as children
 from ftrain.checkpoint._verify import Opened, field_hints, fits, open_checkpoint
-from ftrain.optim import TorchOptimizerState
+from ftrain.optim import TorchOptimizerState, ema_swapped
 from ftrain.state import TrainState
 from ftrain.strategies import SingleDevice, Strategy
 
@@ -108,6 +108,7 @@ def load_checkpoint(
     Raises:
         CheckpointMismatchError: (strict) listing every missing, unexpected or reshaped
             parameter and optimizer-state difference.
+        ValueError: inside `ft.optim.swap_ema(state)` (load before or after the block).
 
         CheckpointError: when the checkpoint is incomplete, corrupted or not a checkpoint.
 
@@ -119,6 +120,11 @@ def load_checkpoint(
     """
     _check_args(path, state, strict=strict, verify=verify)
     raise_pending_save_error()
+    if ema_swapped(state):  # the swap back would exchange what was loaded
+        raise ValueError(
+            "load_checkpoint inside ft.optim.swap_ema(state): the model holds the EMA average "
+            "until the block ends; load before or after it"
+        )
     path = Path(path)
     opened = _open_on_every_rank(path, state.strategy, verify=verify)
     meta, tensors = opened.meta, opened.tensors

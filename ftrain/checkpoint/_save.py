@@ -86,7 +86,9 @@ def save_checkpoint(
             only the one just written and the best).
         keep_best: also keep this many best by `metrics[best_metric]`; defaults to 1 when
             `best_metric` is given.
-        best_metric: the metric that ranks checkpoints; `metrics` must hold it.
+        best_metric: the metric that ranks checkpoints; `metrics` must hold it. A save without
+            it (a preemption save) still keeps the best, ranked as the newest save in `root`
+            that had one ranked (recorded in its state.json).
         mode: "min" if lower `best_metric` is better, "max" otherwise.
         checksum: record each file's SHA-256 so `load_checkpoint` can detect corruption.
         blocking: False copies the tensors and returns while a background thread writes them;
@@ -106,7 +108,10 @@ def save_checkpoint(
         The checkpoint directory `root/step-<N>`.
 
     Raises:
-        ValueError: for bad retention arguments, or `best_metric` missing from `metrics`.
+        ValueError: for bad retention arguments, `best_metric` missing from `metrics`, or
+            ranking by a loss whose recorded function (`metrics[best_metric + "_fn"]`, as
+            `evaluate`'s `eval_loss_fn`) differs from that of a committed checkpoint in `root`.
+        ConsumedStateError: if a step function consumed `state` (save the state it returned).
         CheckpointError: when the checkpoint could not be written (full disk, `root` is a
             file, ...; the original error is its cause, and when that is an `OSError` the
             `CheckpointError` is one too), or a state field or metric cannot be stored.
@@ -126,14 +131,18 @@ def save_checkpoint(
             f"best_metric={best_metric!r} is not in metrics (keys: {sorted(metrics or {})}): "
             f"pass metrics={{{best_metric!r}: value}} to rank this checkpoint, or no best_metric"
         )
+    # A consumed state raises ConsumedStateError here (naming the step function that consumed
+    # it), before any collective: every rank's loop consumed its state alike.
+    _ = state.params
     wait_for_checkpoint()
+    _check_one_loss(job, metrics)  # issue 26: never rank checkpoints by two different losses
     strategy = state.strategy
     if blocking:
         return _save_together(job, state, metrics)
     if strategy.checkpoint_sharded:  # every rank writes its own shards in the background
         _start(job.step, _write_later(job, state, metrics))
     elif strategy.process_rank == 0:  # rank 0 holds whole tensors: it writes them in the background
-        staged = _stage(L.collect(state, metrics, sharded=False), strategy, copy=True)
+        staged = _stage(job.collect(state, metrics, sharded=False), strategy, copy=True)
         _start(job.step, lambda: job.run(staged, strategy))
     return job.path
 
@@ -167,6 +176,18 @@ class _Job:
     def path(self) -> Path:
         return _step_dir(self.root, self.step)
 
+    def collect(
+        self, state: TrainState, metrics: Mapping[str, Any] | None, *, sharded: bool
+    ) -> L.Contents:
+        """The checkpoint's contents; a ranked save records its ranking in state.json, so that
+        later saves without `best_metric` (preemption, ad hoc) still keep the best."""
+        contents = L.collect(state, metrics, sharded=sharded)
+        if self.best_metric is not None:
+            contents.meta[L.RANKING] = {
+                "best_metric": self.best_metric, "keep_best": self.keep_best, "mode": self.mode
+            }  # fmt: skip
+        return contents
+
     def run(self, staged: L.Contents, strategy: Strategy) -> Path:
         """Write, seal, rotate (on the ranks that write)."""
         path = _commit(_ready(staged), self.root, checksum=self.checksum, strategy=strategy)
@@ -190,7 +211,7 @@ def _save_together(job: _Job, state: TrainState, metrics: Mapping[str, Any] | No
     error: BaseException | None = None
     try:
         if sharded or strategy.process_rank == 0:  # the ranks that write
-            contents = L.collect(state, metrics, sharded=sharded)
+            contents = job.collect(state, metrics, sharded=sharded)
             job.run(_stage(contents, strategy, copy=False), strategy)
     except BaseException as e:  # every rank must hear about it, then it is raised here
         error = e
@@ -300,7 +321,7 @@ def _write_later(
     """Stage a sharded state now (the strategy copies its shards); return the write, which
     every rank runs in the background: shards, then rank 0 seals and rotates."""
     strategy = state.strategy
-    staged = _stage(L.collect(state, metrics, sharded=True), strategy, copy=True)
+    staged = _stage(job.collect(state, metrics, sharded=True), strategy, copy=True)
     tmp = _new_tmp(job.root, job.step, strategy)
 
     def commit() -> None:  # rank 0, once every rank's shards are written
@@ -442,9 +463,9 @@ def _stale(p: Path) -> bool:
     if m.group(2) != _HOST:
         return time.time() - p.lstat().st_mtime > STALE_AFTER_S
     pid = int(m.group(1))
-    # This process has no save in flight when it cleans (it waited for it first).
-    if pid == os.getpid():
-        return True
+    if pid == os.getpid():  # a save of this process that could not clean up, unless one writes
+        in_flight = STATE.save_in_flight
+        return in_flight is None or not in_flight.is_alive()
     try:
         os.kill(pid, 0)  # signal 0: only asks whether the process exists
     except ProcessLookupError:
@@ -563,11 +584,15 @@ def retained(
 def _rotate(job: _Job, keep_last: int) -> None:
     # The checkpoint just written is the newest, whatever the clock says.
     found = [(s, p) for s, p in committed(job.root) if p != job.path] + [(job.step, job.path)]
-    listed = [(s, _saved_metrics(p)) for s, p in found]
+    metas = [_saved_meta(p) for _, p in found]
+    listed = [(s, _metrics(m)) for (s, _), m in zip(found, metas, strict=True)]
+    ranking = (job.best_metric, job.keep_best, job.mode)
+    if job.best_metric is None:  # keep the best as the newest ranked save ranked it
+        ranking = next(filter(None, map(_ranking, reversed(metas))), ranking)
+    best_metric, keep_best, mode = ranking
     keep = retained(
-        listed, keep_last=keep_last, keep_best=job.keep_best, best_metric=job.best_metric,
-        mode=job.mode,
-    )  # fmt: skip
+        listed, keep_last=keep_last, keep_best=keep_best, best_metric=best_metric, mode=mode
+    )
     for s, p in found:
         if s not in keep:
             # Rename to a temporary name first: a crash mid-delete leaves a directory that
@@ -577,30 +602,97 @@ def _rotate(job: _Job, keep_last: int) -> None:
             shutil.rmtree(doomed, ignore_errors=True)
 
 
-def _saved_metrics(path: Path) -> Mapping[str, Any]:
+def _saved_meta(path: Path) -> Mapping[str, Any]:
+    """A committed checkpoint's state.json, or {} if unreadable (rotation never fails on it)."""
     try:
         meta = json.loads((path / L.STATE_FILE).read_text(encoding="utf-8"))
-        metrics = meta.get("metrics", {})
-        return metrics if isinstance(metrics, dict) else {}
-    except (OSError, ValueError, AttributeError):
+        return meta if isinstance(meta, dict) else {}
+    except (OSError, ValueError, RecursionError):  # a damaged or forged file: unranked
         return {}
+
+
+def _saved_metrics(path: Path) -> Mapping[str, Any]:
+    """The metrics a committed checkpoint recorded ({} when unreadable: it ranks nothing)."""
+    try:
+        meta = json.loads((path / L.STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return _metrics(meta) if isinstance(meta, dict) else {}
+
+
+def _check_one_loss(job: _Job, metrics: Mapping[str, Any] | None) -> None:
+    # `evaluate` names the loss behind eval_loss in eval_loss_fn: a run that changed its loss
+    # (a focal loss after cross-entropy) must not rank one against the other.
+    key = f"{job.best_metric}_fn"
+    if job.best_metric is None or key not in (metrics or {}):
+        return
+    ours = (metrics or {})[key]
+    for step, path in committed(job.root):
+        theirs = _saved_metrics(path)
+        if step != job.step and key in theirs and theirs[key] != ours:
+            raise ValueError(
+                f"best_metric={job.best_metric!r} would rank step {job.step}'s {ours!r} against "
+                f"step {step}'s {theirs[key]!r} in {str(job.root)!r}: evaluate with the loss "
+                "you train on (evaluate(state, batches, loss_fn)) and save to a new root"
+            )
+
+
+def _metrics(meta: Mapping[str, Any]) -> Mapping[str, Any]:
+    metrics = meta.get("metrics", {})
+    return metrics if isinstance(metrics, dict) else {}
+
+
+def _ranking(meta: Mapping[str, Any]) -> tuple[str, int, str] | None:
+    """(best_metric, keep_best, mode) that a ranked save recorded, or None (none, or malformed)."""
+    r = meta.get(L.RANKING)
+    if not isinstance(r, dict):
+        return None
+    name, keep_best, mode = r.get("best_metric"), r.get("keep_best"), r.get("mode")
+    if (
+        isinstance(name, str)
+        and type(keep_best) is int
+        and keep_best >= 1
+        and mode in ("min", "max")
+    ):
+        return name, keep_best, mode
+    return None
 
 
 # --- background saves: at most one in flight (held in ftrain.process_state) ------------------
 
 
-class _Background(threading.Thread):
+class _Background:
+    """A save written by a thread. Whether it finished is an Event the writer sets itself, last:
+    on Python 3.11 a `Thread.join` that a signal handler's exception (Ctrl-C) interrupts marks
+    the still-running thread stopped, so `Thread.is_alive` cannot be trusted after one."""
+
     def __init__(self, step: int, write: Callable[[], Path]) -> None:
-        super().__init__(name="ftrain-checkpoint", daemon=False)
         self.step, self.write = step, write
         self.path: Path | None = None
         self.error: BaseException | None = None
+        self._done = threading.Event()
+        # Not a daemon: the interpreter lets it finish before exiting.
+        self._thread = threading.Thread(target=self._run, name="ftrain-checkpoint", daemon=False)
 
-    def run(self) -> None:
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
         try:
             self.path = self.write()
         except BaseException as e:  # re-raised in the caller's thread
             self.error = e
+        finally:
+            self._done.set()
+
+    def is_alive(self) -> bool:
+        """Whether the write has not finished yet."""
+        return not self._done.is_set()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the write to finish (an interrupted wait leaves it running and tracked)."""
+        if self._done.wait(timeout):
+            self._thread.join()  # returns at once: the writer is past its last line
 
 
 def _start(step: int, write: Callable[[], Path]) -> None:

@@ -241,12 +241,12 @@ def _validate_fields(fields: dict[str, Any], need: Any) -> None:
     for name in _COUNTERS:
         v = fields.get(name)
         need(type(v) is int and v >= 0, f"state field {name!r} is missing or not an int >= 0")
-    stream = fields.get("data.stream")
+    stream = fields.get("data.position")
     if isinstance(stream, str):  # make_batches checks it fits the data; here, that it is one
         try:
             check_position(stream)
         except ValueError as e:
-            need(False, f"state field 'data.stream': {e}")
+            need(False, f"state field 'data.position': {e}")
     scale = fields.get("scaler.scale")
     if isinstance(scale, dict):
         v = scale["value"]

@@ -81,7 +81,7 @@ def make_batches(
 
     Each group is an `ft.data.MicroBatches` (a read-only sequence of batches) carrying the
     epoch's position (JSON), which `accumulate_grads` and `clip_and_step` keep in
-    `state.data.stream`, so the next `make_batches(data, state, ...)` resumes exactly or raises
+    `state.data.position`, so the next `make_batches(data, state, ...)` resumes exactly or raises
     naming what changed. Map-style data then continues from the row it reached even with
     another `batch_size`, `accum` or world size. Iterable sources (`datasets.IterableDataset`,
     torch `IterableDataset`, `ft.data.pack`, `ft.data.mix`) are streamed; their position is
@@ -120,7 +120,7 @@ def make_batches(
             may hold tensor-parallel ranks that must read the same rows, so it is not guessed),
             `seed`/`epoch`/`start`/`strategy` given together with a `state`, a stream
             resumed at `start > 0` without the state that holds its position, and a
-            `state.data.stream` that is malformed or does not fit the data and settings (other
+            `state.data.position` that is malformed or does not fit the data and settings (other
             rows, seed, shuffle or lengths; a stream's other files, shards, shuffle buffer,
             packing, mixing or global batch), naming what changed.
         TypeError: for data that is neither indexable nor iterable, or a non-integer
@@ -168,7 +168,7 @@ def _where(
             "says the seed, epoch, position and strategy. Drop them, or pass no state"
         )
     d = state.data
-    return state.seed, state.epoch, d.cursor, d.stream, state.strategy
+    return state.seed, state.epoch, d.cursor, d.position, state.strategy
 
 
 def _integer(name: str, value: Any) -> int:
@@ -211,7 +211,7 @@ def _map_position(
     """The epoch's map-style position: micro-batch `cursor` began at `row` of the epoch order,
     and each since holds `rows` rows (ftrain/data/_position.py).
 
-    Resuming from `state.data.stream` keeps its order and continues from the row it reached,
+    Resuming from `state.data.position` keeps its order and continues from the row it reached,
     with this call's global batch; without one (`start=`, or a state never trained on this
     epoch), `start` counts micro-batches of this call's size.
     """
@@ -223,7 +223,7 @@ def _map_position(
     if start < saved["cursor"]:
         raise ValueError(
             f"state.data.cursor={start} is before micro-batch {saved['cursor']}, where "
-            "state.data.stream starts counting: a cursor moved back without its position?"
+            "state.data.position starts counting: a cursor moved back without its position?"
         )
     if saved["rows"] == fresh["rows"]:
         return saved
@@ -232,7 +232,7 @@ def _map_position(
     if start - saved["cursor"] > left:
         raise ValueError(
             f"start={start} is beyond the epoch's {saved['cursor'] + left} micro-batches of "
-            f"{saved['rows']} rows that state.data.stream counts"
+            f"{saved['rows']} rows that state.data.position counts"
         )
     reached = min(saved["row"] + (start - saved["cursor"]) * saved["rows"], n)
     return {**saved, "rows": fresh["rows"], "cursor": start, "row": reached}
@@ -263,7 +263,7 @@ def _fresh(n: int, spec: Spec, lens: Sequence[int] | None) -> dict[str, Any]:
 def _same_order(saved: dict[str, Any], fresh: dict[str, Any]) -> None:
     """Refuse a resume whose epoch order would differ from the saved one, naming why."""
     why = {
-        "epoch": "state.data.stream is the position of another epoch",
+        "epoch": "state.data.position is the position of another epoch",
         "seed": "the seed orders the epoch",
         "n": "data has another number of rows, so the epoch is ordered differently",
         "shuffle": "shuffle changes the epoch's order",
@@ -273,10 +273,10 @@ def _same_order(saved: dict[str, Any], fresh: dict[str, Any]) -> None:
         if saved[key] != fresh[key]:
             label = {"n": "rows", "lengths": "lengths digest"}.get(key, key)
             raise ValueError(
-                f"{label} {_show(saved[key])} when state.data.stream was saved, now "
+                f"{label} {_show(saved[key])} when state.data.position was saved, now "
                 f"{_show(fresh[key])}: {reason}, so resuming would not be exact. Resume with "
                 "the same data and settings, or restart the epoch: "
-                "state.replace(data=state.data.replace(cursor=0, stream=None))"
+                "state.replace(data=state.data.replace(cursor=0, position=None))"
             )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -94,7 +95,8 @@ def pack_examples(
     """Concatenate encoded rows, in order, into rows of at most `max_length` tokens.
 
     An example is never split across packed rows: one that does not fit in the current row
-    starts the next; one longer than `max_length` is cut to `max_length` (the end is lost).
+    starts the next; one longer than `max_length` is cut to `max_length` (the end is lost), and
+    a `UserWarning` says how many of how many examples were cut (never silently).
     `position_ids` restart at 0 for every example, which HF models read as packed sequences
     (attention stays within each example when no `attention_mask` is passed; see
     `packed_collate`), and the first label of every example is -100, so no token is predicted
@@ -112,7 +114,9 @@ def pack_examples(
         raise ValueError(f"max_length must be >= 1, got {max_length!r}")
     packed: list[dict[str, list[int]]] = []
     current: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
+    seen = cut = 0
     for row in rows:
+        seen, cut = seen + 1, cut + (len(row["input_ids"]) > max_length)
         ids, labels = list(row["input_ids"])[:max_length], list(row["labels"])[:max_length]
         if len(ids) != len(labels):
             raise ValueError("a row's input_ids and labels differ in length")
@@ -126,4 +130,11 @@ def pack_examples(
         current["position_ids"] += list(range(len(ids)))
     if current["input_ids"]:
         packed.append(current)
+    if cut:
+        warnings.warn(
+            f"pack_examples cut {cut} of {seen} examples longer than max_length={max_length} "
+            "to max_length tokens (their ends are lost); raise max_length or split them",
+            UserWarning,
+            stacklevel=2,
+        )
     return packed

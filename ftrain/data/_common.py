@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import random
+import signal
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, overload
 
@@ -13,6 +15,7 @@ import numpy as np
 import torch
 
 from ftrain.rng import dropout_seed
+from ftrain.strategies import active_preemption
 
 __all__ = [
     "MicroBatches",
@@ -178,6 +181,9 @@ class Loading(NamedTuple):
         return cls(num_workers, prefetch_factor, bool(pin_memory))
 
     def loader(self, dataset: Any, **kw: Any) -> torch.utils.data.DataLoader[Batch]:
+        """A DataLoader over `dataset` whose workers ignore the preemption signals (if any)."""
+        preemption = active_preemption()
+        signals = () if preemption is None else preemption.signals
         return torch.utils.data.DataLoader(
             dataset,
             batch_size=None,
@@ -185,8 +191,21 @@ class Loading(NamedTuple):
             num_workers=self.num_workers,
             prefetch_factor=self.prefetch_factor,
             pin_memory=self.pin_memory,
+            worker_init_fn=functools.partial(_ignore_signals, signals) if signals else None,
             **kw,
         )
+
+
+def _ignore_signals(signals: tuple[signal.Signals, ...], worker_id: int) -> None:
+    """In a DataLoader worker: ignore the signals that ask the loop to save and stop.
+
+    A scheduler signals the whole process group (SLURM, `kill -TERM -<pgid>`), workers
+    included, and torch's worker handler ends a worker on a SIGTERM its parent did not send:
+    the loop would then fail instead of saving. The loop's own process handles the signal,
+    saves, and ends its workers by closing the loader.
+    """
+    for s in signals:
+        signal.signal(s, signal.SIG_IGN)
 
 
 def _identity(batch: Batch) -> Batch:
@@ -214,7 +233,7 @@ class MicroBatches(Sequence[Batch]):
     `position`: where the epoch stands after these micro-batches (JSON: a stream's position,
     or for map-style data the row and global batch the cursor counts from), which
     `accumulate_grads` reports in `stats.position` and `clip_and_step` keeps in
-    `state.data.stream`; None for groups built by hand.
+    `state.data.position`; None for groups built by hand.
     """
 
     batches: tuple[Batch, ...]

@@ -1,4 +1,4 @@
-"""Data positions: the JSON that `state.data.stream` holds, checked before anything uses it.
+"""Data positions: the JSON that `state.data.position` holds, checked before anything uses it.
 
 A position says where an epoch stands and what it indexes. Two kinds, both version 2:
 
@@ -13,7 +13,7 @@ A position says where an epoch stands and what it indexes. Two kinds, both versi
   row it reached; `group`/`lengths` pin a length-grouped order.
 
 `check_position` is the structural check a checkpoint load runs; whether a position fits the
-data is checked by `make_batches` (`ValueError` naming `state.data.stream`).
+data is checked by `make_batches` (`ValueError` naming `state.data.position`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import hashlib
 import json
 import math
 import os
+from types import MappingProxyType
 from typing import Any
 
 __all__ = ["check_position", "read_position", "resumable"]
@@ -30,16 +31,18 @@ VERSION = 2
 _MAX_CHARS = 1 << 20  # a position is a few hundred bytes; a mix of many sources a few KB
 _MAX_DEPTH = 64  # stages nest a few levels deep (pack(mix([pack(stream), ...])))
 _MAX_INT = 2**63  # offsets and counts: what islice, torch and numpy take
-_RESERVED = {"shard", "row", "tok", "counts"}  # keys of the built-in sources' positions
-_COMMON = {"version", "kind", "epoch", "seed", "cursor", "rows"}
-_KEYS = {
-    "stream": {*_COMMON, "shuffle", "fp", "about", "src"},
-    "map": {*_COMMON, "n", "shuffle", "group", "lengths", "row"},
-}
+_RESERVED = frozenset({"shard", "row", "tok", "counts"})  # keys of the built-in sources'
+_COMMON = frozenset({"version", "kind", "epoch", "seed", "cursor", "rows"})
+_KEYS = MappingProxyType(
+    {
+        "stream": _COMMON | {"shuffle", "fp", "about", "src"},
+        "map": _COMMON | {"n", "shuffle", "group", "lengths", "row"},
+    }
+)
 
 
 def check_position(text: str) -> None:
-    """Check that `text` is a well-formed data position (`state.data.stream`), without data.
+    """Check that `text` is a well-formed data position (`state.data.position`), without data.
 
     `load_checkpoint` runs it on the saved position; `make_batches` then checks that the
     position fits the data it is given. A position saved by an older ftrain (version 1) passes
@@ -94,21 +97,21 @@ def read_position(text: str) -> dict[str, Any]:
 
 
 def resumable(raw: str, kind: str) -> dict[str, Any]:
-    """The position `state.data.stream` holds, checked, of `kind` ("stream" or "map")."""
+    """The position `state.data.position` holds, checked, of `kind` ("stream" or "map")."""
     try:
         pos = read_position(raw)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"state.data.stream: {e}") from None
+        raise ValueError(f"state.data.position: {e}") from None
     if pos["version"] == 1:
         raise ValueError(
-            "state.data.stream was saved by an older ftrain (position version 1), which kept "
+            "state.data.position was saved by an older ftrain (position version 1), which kept "
             "nothing of the data it indexes, so an exact resume cannot be checked: restart the "
-            "epoch, state.replace(data=state.data.replace(cursor=0, stream=None))"
+            "epoch, state.replace(data=state.data.replace(cursor=0, position=None))"
         )
     if pos["kind"] != kind:
         data = {"map": "map-style data", "stream": "a stream"}
         raise ValueError(
-            f"state.data.stream is a position in {data[pos['kind']]}, but the data is "
+            f"state.data.position is a position in {data[pos['kind']]}, but the data is "
             f"{data[kind]}: pass the data the state was trained on"
         )
     return pos
@@ -230,12 +233,14 @@ def _short_files(d: Any) -> Any:
     return out
 
 
-_LABELS = {
-    "shards": "number of shards",
-    "sources": "number of sources",
-    "stage": "source",
-    "type": "source type",
-}
+_LABELS = MappingProxyType(
+    {
+        "shards": "number of shards",
+        "sources": "number of sources",
+        "stage": "source",
+        "type": "source type",
+    }
+)
 
 
 def changes(old: Any, new: Any, where: str = "") -> list[str]:

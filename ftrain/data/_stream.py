@@ -175,7 +175,7 @@ def _shard_pos(pos: Pos, n: int) -> tuple[int, int]:
 
 
 def _misfit(what: str) -> ValueError:
-    return ValueError(f"state.data.stream does not fit this data: {what}")
+    return ValueError(f"state.data.position does not fit this data: {what}")
 
 
 def _cut(value: Any) -> str:
@@ -523,7 +523,7 @@ def _resume(start: int, raw: str | None, spec: Spec, source: Source, about: dict
     if raw is None:
         raise ValueError(
             f"resuming a stream at micro-batch {start} needs its position, which clip_and_step"
-            "(stats=...) keeps in state.data.stream: pass the state trained (or loaded from a "
+            "(stats=...) keeps in state.data.position: pass the state trained (or loaded from a "
             "checkpoint saved) on this stream, make_batches(data, state, ...)"
         )
     pos = P.resumable(raw, "stream")
@@ -538,27 +538,27 @@ def _fits(pos: dict[str, Any], start: int, spec: Spec, about: dict[str, Any]) ->
     got = {k: pos.get(k) for k in want}
     if got != want:
         raise ValueError(
-            f"state.data.stream is the position for {got}, but the state is at {want}: a "
+            f"state.data.position is the position for {got}, but the state is at {want}: a "
             "state whose cursor was changed without its stream position?"
         )
     rows = spec.batch_size * spec.world
     if pos["rows"] != rows:
         raise ValueError(
             f"batch_size={spec.batch_size} x {spec.world} rank(s) = {rows} rows per global "
-            f"micro-batch, but state.data.stream was saved with {pos['rows']}: keep the "
+            f"micro-batch, but state.data.position was saved with {pos['rows']}: keep the "
             "global batch when resuming"
         )
     if pos["shuffle"] != spec.shuffle:
         raise ValueError(
-            f"shuffle={spec.shuffle}, but state.data.stream was saved with "
+            f"shuffle={spec.shuffle}, but state.data.position was saved with "
             f"shuffle={pos['shuffle']}: keep it when resuming"
         )
     if pos["fp"] != P.digest(about):
         changed = "; ".join(P.changes(pos["about"], about)) or "the sources changed"
         raise ValueError(
-            f"state.data.stream was saved for other data, so resuming would not be exact: "
+            f"state.data.position was saved for other data, so resuming would not be exact: "
             f"{changed}. Resume with the data and settings it was saved with, or restart the "
-            "epoch: state.replace(data=state.data.replace(cursor=0, stream=None))"
+            "epoch: state.replace(data=state.data.replace(cursor=0, position=None))"
         )
 
 

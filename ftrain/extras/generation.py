@@ -77,10 +77,13 @@ def generate(
     """Complete every prompt with `model.generate`; yield the new tokens (and text) per batch.
 
     Each batch holds prompts: `input_ids` and, when rows are padded, `attention_mask` (other
-    keys such as `labels` are ignored). Rows are left-padded here whatever side they were
-    padded on, so `make_batches(prompts, batch_size=..., shuffle=False)` with the default collate
-    works. The model runs unwrapped from DDP, in eval mode without gradients, under the
-    strategy's autocast. With several data-parallel ranks every rank generates its own share
+    keys such as `labels` are ignored). For encoder-decoder models (T5, BART) the prompt is the
+    encoder's input and the new tokens are the decoder's output (without its start token), as
+    `Seq2SeqTrainer(predict_with_generate=True)` gives. Rows are left-padded here for
+    decoder-only models whatever side they were padded on, so
+    `make_batches(prompts, batch_size=..., shuffle=False)` with the default collate works. The
+    model runs unwrapped from DDP, in eval mode without gradients, under the strategy's
+    autocast. With several data-parallel ranks every rank generates its own share
     and, with `gather`, yields every rank's rows in rank order, which is dataset order
     (`make_batches` gives each prompt to exactly one rank; a stand-in batch adds none). Ranks
     generate in lockstep (`synced_gpus=True`, which FSDP needs: its forward passes are
@@ -116,13 +119,12 @@ def generate(
     if strategy.world_size > 1:
         kwargs.setdefault("synced_gpus", True)
     eos = _eos_ids(model, kwargs)
+    enc_dec = getattr(getattr(model, "config", None), "is_encoder_decoder", False) is True
     with eval_mode(state.model), strategy.autocast():
         for batch in flatten_batches(batches):
             batch, weight = weighted(batch)
             batch = strategy.to_device(batch)
-            ids, mask = left_pad(batch["input_ids"], batch.get("attention_mask"), pad_id=pad_id)
-            out = generate_fn(input_ids=ids, attention_mask=mask, **kwargs)
-            new = _trim(getattr(out, "sequences", out)[:, ids.shape[1] :], eos)
+            new = _trim(_new_tokens(generate_fn, batch, pad_id, enc_dec, kwargs), eos)
             if gather and strategy.world_size > 1:
                 new = strategy.gather_rows(new[: None if weight else 0])
             elif not weight:
@@ -132,6 +134,24 @@ def generate(
             if tokenizer is not None:
                 result["text"] = tokenizer.batch_decode(token_ids, skip_special_tokens=True)
             yield result
+
+
+def _new_tokens(
+    generate_fn: Any, batch: Any, pad_id: int, enc_dec: bool, kwargs: dict[str, Any]
+) -> torch.Tensor:
+    """The generated tokens of a batch of prompts, without the prompt.
+
+    Decoder-only: prompts left-padded, the output continues them. Encoder-decoder (T5, BART):
+    the prompt is the encoder's input (padding either side, masked), the output is the
+    decoder's, which starts with the decoder start token."""
+    if enc_dec:
+        ids, mask = batch["input_ids"], batch.get("attention_mask")
+        mask = torch.ones_like(ids) if mask is None else mask
+        out = generate_fn(input_ids=ids, attention_mask=mask, **kwargs)
+        return getattr(out, "sequences", out)[:, 1:]
+    ids, mask = left_pad(batch["input_ids"], batch.get("attention_mask"), pad_id=pad_id)
+    out = generate_fn(input_ids=ids, attention_mask=mask, **kwargs)
+    return getattr(out, "sequences", out)[:, ids.shape[1] :]
 
 
 def _pad_id(model: nn.Module, tokenizer: Any) -> int:

@@ -32,6 +32,7 @@ import math
 import os
 from typing import Any, NamedTuple, cast
 
+from ftrain.checkpoint import latest_checkpoint, load_checkpoint
 from ftrain.data import MicroBatches
 from ftrain.grads import Stats
 from ftrain.state import TrainState
@@ -191,8 +192,6 @@ class SpikeGuard:
             GuardError: when `max_rollbacks` rollbacks were done already (the state is then
                 not consumed).
         """
-        from ftrain.checkpoint import latest_checkpoint, load_checkpoint
-
         skip, position = _skipped(state, skip)
         if state.rollbacks >= self.max_rollbacks:
             raise GuardError(
@@ -212,7 +211,7 @@ class SpikeGuard:
             f"resumed from {path} (step {state.step})" if path else "no checkpoint to load",
             start, start + skip,
         )  # fmt: skip
-        data = state.data.replace(cursor=start + skip, stream=position)
+        data = state.data.replace(cursor=start + skip, position=position)
         return _set(state, epoch=epoch, data=data, nonfinite_run=0, rollbacks=rollbacks)
 
 
@@ -225,7 +224,7 @@ def _skipped(state: GuardedState, skip: MicroBatches | int) -> tuple[int, str | 
             f"skip must be the micro-batches observed (the group, or their number >= 1), got "
             f"{skip!r}"
         )
-    if state.data.stream is not None:
+    if state.data.position is not None:
         raise ValueError(
             f"skip={skip} on a stream: where the stream stands after the skipped micro-batches "
             "is known only to the group make_batches yielded. Pass skip=micro (the group just "

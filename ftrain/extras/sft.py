@@ -16,9 +16,10 @@ whose `position_ids` restart at every example; HF models then attend within each
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -28,6 +29,8 @@ from ftrain.losses import IGNORE_INDEX
 __all__ = [
     "ALPACA_PROMPT_DICT",
     "SFTCollator",
+    "TruncationCounts",
+    "TruncationWarning",
     "alpaca",
     "chat",
     "input_output",
@@ -99,6 +102,24 @@ def chat(tokenizer: Any) -> Callable[[Mapping[str, Any]], Row]:
     return format_chat
 
 
+class TruncationWarning(UserWarning):
+    """Issued once per `SFTCollator` when it first cuts a prompt or a response."""
+
+
+class TruncationCounts(NamedTuple):
+    """How many rows an `SFTCollator` encoded, and how many it cut at each limit."""
+
+    rows: int = 0
+    prompts: int = 0  # `[BOS] + prompt` longer than `source_max_len`
+    responses: int = 0  # `response + [EOS]` longer than `target_max_len`
+
+
+@dataclasses.dataclass
+class _Tally:  # the collator's running counts (a frozen dataclass can hold a mutable field)
+    counts: TruncationCounts = dataclasses.field(default_factory=TruncationCounts)
+    warned: bool = False
+
+
 @dataclasses.dataclass(frozen=True)
 class SFTCollator:
     """Tokenize and pad `{input, output}` rows for causal-LM fine-tuning (qlora.py's collator).
@@ -110,6 +131,13 @@ class SFTCollator:
     them: `input_ids` with the tokenizer's pad token, `labels` with -100, and an
     `attention_mask` from the real lengths (qlora.py compares ids with the pad id, which is
     wrong when pad and EOS share an id).
+
+    Truncation is counted, never silent: `truncated` holds the running counts of rows encoded
+    and of prompts and responses cut, and the first call that cuts anything issues a
+    `TruncationWarning` saying how many of how many and at which limit (once per collator;
+    `warnings.simplefilter("error", ft.sft.TruncationWarning)` makes it an error). The counts
+    are this process's: a collator run by `make_batches(num_workers=N)` counts in the worker
+    processes, so encode the dataset upfront (`encode_batch`) to count it all in one place.
 
     Args:
         tokenizer: an HF tokenizer with a pad token.
@@ -128,12 +156,20 @@ class SFTCollator:
     add_bos: bool = True
     add_eos: bool = True
     pad_to_multiple_of: int | None = None
+    _tally: _Tally = dataclasses.field(
+        default_factory=_Tally, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if self.source_max_len < 1 or self.target_max_len < 1:
             raise ValueError("source_max_len and target_max_len must be >= 1")
         if self.tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer needs a pad token (e.g. tokenizer.pad_token = ...)")
+
+    @property
+    def truncated(self) -> TruncationCounts:
+        """Rows encoded so far, and how many prompts and responses were cut (`TruncationCounts`)."""
+        return self._tally.counts
 
     def encode(self, row: Mapping[str, str]) -> dict[str, list[int]]:
         """One `{input, output}` row as unpadded `{input_ids, labels}`."""
@@ -149,13 +185,33 @@ class SFTCollator:
         answers = tok([r["output"] for r in rows], add_special_tokens=False)["input_ids"]
         bos = [tok.bos_token_id] if self.add_bos and tok.bos_token_id is not None else []
         eos = [tok.eos_token_id] if self.add_eos and tok.eos_token_id is not None else []
-        out = []
+        out, cut_prompts, cut_responses = [], 0, 0
         for p, a in zip(prompts, answers, strict=True):
-            source = (bos + list(p))[: self.source_max_len]
-            target = (list(a) + eos)[: self.target_max_len]
+            source, target = bos + list(p), list(a) + eos
+            cut_prompts += len(source) > self.source_max_len
+            cut_responses += len(target) > self.target_max_len
+            source, target = source[: self.source_max_len], target[: self.target_max_len]
             labels = source if self.train_on_source else [IGNORE_INDEX] * len(source)
             out.append({"input_ids": source + target, "labels": labels + target})
+        self._count(len(out), cut_prompts, cut_responses)
         return out
+
+    def _count(self, rows: int, prompts: int, responses: int) -> None:
+        tally, old = self._tally, self._tally.counts
+        tally.counts = TruncationCounts(
+            old.rows + rows, old.prompts + prompts, old.responses + responses
+        )
+        if (prompts or responses) and not tally.warned:
+            tally.warned = True
+            warnings.warn(
+                f"SFTCollator cut the ends of {prompts} of {rows} prompts ([BOS] + input) to "
+                f"source_max_len={self.source_max_len} and of {responses} of {rows} responses "
+                f"(output + [EOS]) to target_max_len={self.target_max_len}; raise the limits or "
+                "shorten the rows. collator.truncated keeps the running counts; this warning "
+                "is issued once per collator",
+                TruncationWarning,
+                stacklevel=3,
+            )
 
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         if not rows:

@@ -15,6 +15,8 @@ from ftrain.optim._base import sgd as sgd
 from ftrain.optim._ema import EmaState as EmaState
 from ftrain.optim._ema import ema as ema
 from ftrain.optim._ema import ema_decay as ema_decay
+from ftrain.optim._ema import ema_swapped as ema_swapped
+from ftrain.optim._ema import live_tensors as live_tensors
 from ftrain.optim._ema import swap_ema as swap_ema
 from ftrain.optim._muon import MuonState as MuonState
 from ftrain.optim._muon import muon as muon
@@ -49,9 +51,11 @@ __all__ = [
     "decay_mask",
     "ema",
     "ema_decay",
+    "ema_swapped",
     "from_torch",
     "from_torchopt",
     "layerwise_lr_decay",
+    "live_tensors",
     "muon",
     "partition",
     "scale",

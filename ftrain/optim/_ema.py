@@ -3,23 +3,26 @@
 The average lives in the optimizer state (keyed by parameter name), so checkpoints save and
 restore it with everything else, and sharded (FSDP) parameters get sharded averages.
 `swap_ema(state)` puts the average into the model for evaluation or export and restores the
-live weights afterwards.
+live weights afterwards; `live_tensors(state)` says where each is meanwhile (checkpoints save
+the live weights, inside the block too).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from ftrain.optim._base import Grads, Optimizer, Params, _check, _local
+from ftrain.process_state import STATE
 
 if TYPE_CHECKING:
     from ftrain.state import TrainState
 
-__all__ = ["EmaState", "ema", "ema_decay", "swap_ema"]
+__all__ = ["EmaState", "ema", "ema_decay", "ema_swapped", "live_tensors", "swap_ema"]
 
 
 class EmaState(NamedTuple):
@@ -126,12 +129,15 @@ def swap_ema(state: TrainState) -> Iterator[TrainState]:
     """Put the EMA weights into the model for the block, then the live weights back.
 
     Inside, `ft.evaluate(state, ...)` evaluates and `ft.export_pretrained(state, dir)` exports
-    the averaged model. The swap is local to each rank (every DDP rank holds the same average;
-    under FSDP each rank swaps its own shards), needs no communication and only one
-    parameter-sized buffer at a time. The live weights come back even when the block raises.
+    the averaged model, while `ft.save_checkpoint(state, ...)` still saves the live weights and
+    the average (a resume trains on from the live weights). The swap is local to each rank
+    (every DDP rank holds the same average; under FSDP each rank swaps its own shards), needs no
+    communication and only one parameter-sized buffer at a time. The live weights come back
+    even when the block raises.
 
     Raises:
         TypeError: when the state's optimizer is not wrapped in `ft.optim.ema`.
+        ValueError: inside another `swap_ema` of the same state (it would swap back).
 
     Example:
         >>> import torch, ftrain as ft
@@ -140,13 +146,65 @@ def swap_ema(state: TrainState) -> Iterator[TrainState]:
         ...     pass  # evaluate or export here
     """
     average = _find(state.opt_state).ema
+    if _swapped(average):
+        raise ValueError(
+            "swap_ema(state) is already active for this state: the model holds the average "
+            "until that block ends; a nested swap would put the live weights back"
+        )
     local = state.strategy.local_view  # this rank's shards (FSDP), whole tensors otherwise
     pairs = [(local(state.params[n]), local(average[n])) for n in average]
     _swap(pairs)
+    STATE.ema_swapped.append(average)
     try:
         yield state
     finally:
-        _swap(pairs)
+        try:
+            _swap(pairs)
+        finally:
+            STATE.ema_swapped[:] = [a for a in STATE.ema_swapped if a is not average]
+
+
+def _swapped(average: dict[str, torch.Tensor]) -> bool:
+    return any(a is average for a in STATE.ema_swapped)
+
+
+def ema_swapped(state: TrainState) -> bool:
+    """Whether `state`'s model holds its EMA average: inside `swap_ema` of it (or of a state
+    sharing its tensors).
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> state = ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.ema(ft.optim.sgd()))
+        >>> with ft.optim.swap_ema(state):
+        ...     inside = ft.optim.ema_swapped(state)
+        >>> inside, ft.optim.ema_swapped(state)
+        (True, False)
+    """
+    opt_state = state.opt_state
+    return isinstance(opt_state, EmaState) and _swapped(opt_state.ema)
+
+
+def live_tensors(state: TrainState) -> tuple[Mapping[str, torch.Tensor], Any]:
+    """The state's `(params, opt_state)` as they are outside `swap_ema`, without copying.
+
+    Inside `swap_ema(state)` the parameters hold the average and the `EmaState` the live
+    weights: this returns, by name, the tensors that hold the live weights, and an `EmaState`
+    whose averages are the tensors that hold them. Outside a swap (or without `ema`) it returns
+    `(state.params, state.opt_state)`. Checkpoints save what it returns.
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> state = ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.ema(ft.optim.sgd()))
+        >>> with ft.optim.swap_ema(state):
+        ...     params, opt_state = ft.optim.live_tensors(state)
+        >>> params["weight"] is state.opt_state.ema["weight"]
+        True
+    """
+    params, opt_state = state.params, state.opt_state
+    if not ema_swapped(state):
+        return params, opt_state
+    live = MappingProxyType({**params, **opt_state.ema})
+    return live, EmaState(opt_state.inner, {n: params[n] for n in opt_state.ema})
 
 
 def _swap(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

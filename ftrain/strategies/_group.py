@@ -41,13 +41,25 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
+# torch counts a timeout in milliseconds (int64) and adds it to the clock: far beyond this it
+# overflows (timedelta.max failed to connect "after -5833720368547758ms"). A year is ample.
+MAX_TIMEOUT_S = 365 * 24 * 3600
+
+
 def collective_timeout(timeout: timedelta | None = None) -> timedelta:
     """How long a collective may wait for a peer: `timeout`, else FTRAIN_COLLECTIVE_TIMEOUT
     (seconds), else 10 minutes. A dead peer then ends the survivors instead of hanging them
-    (gloo's own default is 30 minutes; an elastic restart waits for every survivor to exit)."""
+    (gloo's own default is 30 minutes; an elastic restart waits for every survivor to exit).
+
+    Raises:
+        ValueError: unless the timeout is a number of seconds in (0, 31536000] (one year).
+    """
     if timeout is not None:
-        if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
-            raise ValueError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
+        if not isinstance(timeout, timedelta) or not 0 < timeout.total_seconds() <= MAX_TIMEOUT_S:
+            raise ValueError(
+                f"timeout must be a positive datetime.timedelta of at most 365 days, got "
+                f"{timeout!r}"
+            )
         return timeout
     raw = os.environ.get(TIMEOUT_ENV)
     if raw is None:
@@ -56,8 +68,11 @@ def collective_timeout(timeout: timedelta | None = None) -> timedelta:
         seconds = float(raw)
     except ValueError:
         seconds = -1.0
-    if not seconds > 0:
-        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}")
+    if not 0 < seconds <= MAX_TIMEOUT_S:  # also refuses nan and inf
+        raise ValueError(
+            f"{TIMEOUT_ENV} must be a number of seconds in (0, {MAX_TIMEOUT_S}] (at most a "
+            f"year), got {raw!r}"
+        )
     return timedelta(seconds=seconds)
 
 

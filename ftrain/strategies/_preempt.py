@@ -125,9 +125,11 @@ def on_preemption(
         The `Preemption`, whose `requested` the loop reads.
 
     Raises:
-        ValueError: if `signals` is empty, a handler is already active, or this is not the
-            main thread.
-        TypeError: for an entry that is not a signal.
+        ValueError: if `signals` is empty or holds SIGKILL or SIGSTOP (which cannot be caught),
+            a handler is already active, or this is not the main thread.
+        TypeError: if `signals` is not an iterable of `signal.Signals`.
+
+    Every signal is checked before any handler is installed; on an error none stays installed.
 
     Example:
         >>> import os, signal, torch, ftrain as ft
@@ -142,12 +144,7 @@ def on_preemption(
         (True, True)
         >>> preempt.close()
     """
-    sigs = tuple(signals)
-    if not sigs:
-        raise ValueError("signals is empty: pass e.g. (signal.SIGTERM, signal.SIGUSR1)")
-    for s in sigs:
-        if not isinstance(s, signal.Signals):
-            raise TypeError(f"signals must hold signal.Signals members, got {s!r}")
+    sigs = _checked(signals)
     if STATE.preemption is not None:
         raise ValueError(
             f"{STATE.preemption!r} is already active: close() it before installing another"
@@ -155,10 +152,41 @@ def on_preemption(
     if threading.current_thread() is not threading.main_thread():
         raise ValueError("on_preemption must be called in the main thread (signal handlers)")
     handler = Preemption(sigs)
-    for s in sigs:
-        handler._previous[s] = signal.signal(s, handler._handle)
+    try:
+        for s in sigs:
+            handler._previous[s] = signal.signal(s, handler._handle)
+    except BaseException:
+        handler.close()  # all or nothing: a half-installed handler would outlive the error
+        raise
     STATE.preemption = handler
     return handler
+
+
+# The kernel delivers these without asking the process: no handler can be installed.
+_UNCATCHABLE = frozenset({signal.SIGKILL, signal.SIGSTOP})
+
+
+def _checked(signals: Iterable[signal.Signals]) -> tuple[signal.Signals, ...]:
+    """`signals` as a tuple without repeats, once every entry is a signal a handler can catch."""
+    if isinstance(signals, (str, bytes)) or not isinstance(signals, Iterable):
+        raise TypeError(
+            f"signals must be an iterable of signal.Signals, e.g. (signal.SIGTERM,), got "
+            f"{signals!r}"
+        )
+    sigs = tuple(dict.fromkeys(signals))  # a repeat would record our own handler as previous
+    if not sigs:
+        raise ValueError("signals is empty: pass e.g. (signal.SIGTERM, signal.SIGUSR1)")
+    for s in sigs:
+        if not isinstance(s, signal.Signals):
+            raise TypeError(f"signals must hold signal.Signals members, got {s!r}")
+    uncatchable = [s.name for s in sigs if s in _UNCATCHABLE]
+    if uncatchable:
+        raise ValueError(
+            f"signals holds {', '.join(uncatchable)}, which no process can catch: a scheduler "
+            "sends it to kill, after the catchable warning (SIGTERM, SIGUSR1) that "
+            "on_preemption handles; drop it from signals"
+        )
+    return sigs
 
 
 def active() -> Preemption | None:

@@ -103,3 +103,67 @@ def within(seconds: float, what: str = "the block"):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def tiny_t5(seed: int = 0, vocab_size: int = 16):
+    """A 2-layer T5 (pad 0 = decoder start, eos 1), no dropout."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    cfg = T5Config(
+        vocab_size=vocab_size,
+        d_model=16,
+        d_kv=4,
+        d_ff=32,
+        num_layers=2,
+        num_heads=2,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    return T5ForConditionalGeneration(cfg)
+
+
+def tiny_bert_tagger(seed: int = 0, num_labels: int = 5):
+    """A 2-layer BertForTokenClassification over 61 ids (pad 0), no dropout."""
+    from transformers import BertConfig, BertForTokenClassification
+
+    torch.manual_seed(seed)
+    cfg = BertConfig(
+        vocab_size=61,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=num_labels,
+        pad_token_id=0,
+    )
+    return BertForTokenClassification(cfg)
+
+
+def digit_tokenizer():
+    """A word-level tokenizer over "<pad>"=0, "</s>"=1, "<unk>"=2 and digits 0..9 (ids 3..12),
+    built offline (for the HF collators, which pad through a tokenizer)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{str(d): d + 3 for d in range(10)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def reverse_rows(n: int, seed: int = 0, *, lo: int = 2, hi: int = 7):
+    """Seq2seq rows: a digit string (ids 3..12) and its reverse then eos (1) as labels."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        ids = [rng.randrange(3, 13) for _ in range(rng.randrange(lo, hi))]
+        rows.append({"input_ids": ids, "labels": [*ids[::-1], 1]})
+    return rows

@@ -1,0 +1,226 @@
+"""The default loss decides by the model (issue 26): causal LMs shift, encoder-decoder and
+token-classification models do not, anything else is told to pass loss_fn=."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ftrain as ft
+from helpers import (
+    digit_tokenizer,
+    ragged_rows,
+    reverse_rows,
+    tiny_bert_tagger,
+    tiny_llama,
+    tiny_t5,
+)
+
+L = ft.losses
+
+
+def _tag_rows(n, seed=0):
+    """Token-classification rows: random ids, a tag per token, the first token's tag -100."""
+    rows = ragged_rows(n, seed=seed, mask_prompt=False)
+    return [
+        {"input_ids": r["input_ids"], "labels": [-100] + [t % 5 for t in r["input_ids"][1:]]}
+        for r in rows
+    ]
+
+
+def _seq2seq_batch(model, rows):
+    from transformers import DataCollatorForSeq2Seq
+
+    return DataCollatorForSeq2Seq(digit_tokenizer(), model=model)(rows)
+
+
+def test_loss_for_decides_by_the_model_not_the_labels():
+    from transformers import BartConfig, BartForConditionalGeneration, BertForSequenceClassification
+
+    bart = BartForConditionalGeneration(
+        BartConfig(vocab_size=16, d_model=16, encoder_layers=1, decoder_layers=1,
+                   encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                   decoder_ffn_dim=32, max_position_embeddings=32)
+    )  # fmt: skip
+    seq_cls = BertForSequenceClassification(tiny_bert_tagger().config)
+    assert L.loss_for(tiny_llama()) is L._CAUSAL
+    assert L.loss_for(tiny_t5()) is L._SEQ2SEQ
+    assert L.loss_for(bart) is L._SEQ2SEQ
+    assert L.loss_for(tiny_bert_tagger()) is L._TOKENS
+    assert L.loss_for(seq_cls) is L._CLASSIFY
+
+
+def test_loss_for_looks_through_wrappers():
+    from peft import LoraConfig, get_peft_model
+
+    t5 = tiny_t5()
+    assert L.loss_for(torch.compile(t5)) is L._SEQ2SEQ  # compiles nothing until called
+    assert L.loss_for(torch.nn.DataParallel(tiny_bert_tagger())) is L._TOKENS  # DDP's .module
+    lora = get_peft_model(tiny_t5(), LoraConfig(r=2, target_modules=["q", "v"]))
+    assert L.loss_for(lora) is L._SEQ2SEQ
+
+
+class _Plain(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def test_a_plain_module_is_told_to_pass_loss_fn():
+    state = ft.TrainState.create(_Plain(), ft.optim.sgd())
+    batch = {"x": torch.randn(4, 3), "labels": torch.tensor([0, 1, 0, 1])}
+    # Before: torch's "forward() got an unexpected keyword argument 'input_ids'"-style errors.
+    with pytest.raises(TypeError, match=r"does not know _Plain.*loss_fn="):
+        ft.accumulate_grads(state, [batch])
+    _, stats = ft.accumulate_grads(state, [batch], ft.losses.classification_loss())
+    assert int(stats.num_items) == 4
+
+
+def test_token_classification_does_not_shift():
+    model = tiny_bert_tagger().double()
+    batch = ft.pad_collate()(_tag_rows(6))
+    loss, n = L.default_loss(model, batch)
+    labels = batch["labels"]
+    assert int(n) == int((labels != -100).sum())  # every tag counts, none lost to a shift
+    hf = model(**batch).loss  # HF's own mean over the same tokens
+    torch.testing.assert_close(loss / n, hf, rtol=1e-12, atol=0)
+    torch.testing.assert_close(L.token_classification_loss()(model, batch)[0], loss)
+
+
+@pytest.mark.parametrize("with_decoder_inputs", [True, False])
+def test_seq2seq_does_not_shift_and_builds_decoder_inputs(with_decoder_inputs):
+    model = tiny_t5().double()
+    batch = _seq2seq_batch(model, reverse_rows(5))
+    if not with_decoder_inputs:
+        del batch["decoder_input_ids"]  # built from the labels, as the model would
+    loss, n = L.default_loss(model, batch)
+    assert int(n) == int((batch["labels"] != -100).sum())
+    hf = model(**batch).loss  # T5 computes the mean over labels != -100 itself
+    torch.testing.assert_close(loss / n, hf, rtol=1e-12, atol=0)
+
+
+def test_seq2seq_without_prepare_method_shifts_behind_the_start_token():
+    model = tiny_t5().double()
+    batch = _seq2seq_batch(model, reverse_rows(4, seed=3))
+    want = batch.pop("decoder_input_ids")
+
+    class NoPrepare(type(model)):
+        prepare_decoder_input_ids_from_labels = None
+
+    model.__class__ = NoPrepare
+    assert torch.equal(L._decoder_inputs(model, batch["labels"]), want)
+    model.config.decoder_start_token_id = None
+    with pytest.raises(ValueError, match="decoder_input_ids"):
+        L.default_loss(model, batch)
+
+
+@pytest.mark.parametrize("make", [tiny_t5, tiny_bert_tagger, tiny_llama])
+def test_counting_first_counts_as_the_loss_does(monkeypatch, make):
+    """The count-first path (large models) counts unshifted labels for T5 and taggers, shifted
+    ones for causal LMs; gradients equal the divide-after path's."""
+    import ftrain.grads as grads_module
+
+    model = make().double()
+    if make is tiny_t5:
+        rows = reverse_rows(8, seed=2)
+        micro = [_seq2seq_batch(model, rows[i : i + 4]) for i in (0, 4)]
+    else:
+        rows = _tag_rows(8, seed=2) if make is tiny_bert_tagger else ragged_rows(8, seed=2)
+        (micro,) = list(ft.make_batches(rows, batch_size=4, accum=2, shuffle=False))
+    state = ft.TrainState.create(model, ft.optim.sgd())
+    ref, ref_stats = ft.accumulate_grads(state, micro)
+    ref = {k: g.clone() for k, g in ref.items()}
+    shift = 1 if make is tiny_llama else 0
+    want = sum(int((b["labels"][:, shift:] != -100).sum()) for b in micro)
+    assert int(ref_stats.num_items) == want
+    monkeypatch.setattr(grads_module, "COUNT_FIRST_NUMEL", 1)
+    n = L._items_before_forward(ft.losses.default_loss, micro[0], model)
+    assert int(n) == int((micro[0]["labels"][:, shift:] != -100).sum())
+    grads, stats = ft.accumulate_grads(state, micro)
+    assert int(stats.num_items) == want
+    for k, g in grads.items():
+        torch.testing.assert_close(g, ref[k], rtol=1e-6, atol=5e-8, msg=k)  # as test_grads
+
+
+def _sum_over_items(outputs, labels, num_items_in_batch):
+    """The Trainer's documented exact-accumulation loss (`compute_loss_func`): a sum over label
+    tokens / the step's item count. Needed because BertForTokenClassification and T5 accept
+    `**kwargs` but ignore `num_items_in_batch` (transformers 5.23): left to the model, the
+    Trainer adds up per-micro-batch means without dividing by the accumulation steps."""
+    logits = outputs.logits
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum"
+    )
+    return loss / num_items_in_batch
+
+
+def _assert_trainer_parity(make_model, rows, collate, trainer_cls, args_cls, tmp_path):
+    """12 steps of the README loop and of the HF Trainer (batch 4, accum 2, linear schedule
+    with warmup, clipping at 0.5, same order): loss, grad norm, learning rate and parameters
+    agree at every step."""
+    from transformers import TrainerCallback
+
+    class Record(TrainerCallback):
+        def __init__(self) -> None:
+            self.logs, self.params = [], []
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if "loss" in logs:
+                self.logs.append(dict(logs))
+
+        def on_step_end(self, args, state, control, model=None, **kw):
+            self.params.append({k: v.detach().clone() for k, v in model.named_parameters()})
+
+    steps, peak = 12, 3e-3
+    args = args_cls(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        max_steps=steps, learning_rate=peak, lr_scheduler_type="linear", warmup_steps=2,
+        max_grad_norm=0.5, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+        train_sampling_strategy="sequential", disable_tqdm=True,
+    )  # fmt: skip
+    record = Record()
+    trainer = trainer_cls(
+        model=make_model(), args=args, train_dataset=rows, data_collator=collate,
+        callbacks=[record], compute_loss_func=_sum_over_items,
+    )  # fmt: skip
+    trainer.train()
+    assert len(record.logs) == len(record.params) == steps
+
+    state = ft.TrainState.create(make_model(), ft.optim.adamw(weight_decay=0.0))
+    lr = ft.schedules.from_name("linear", peak_lr=peak, warmup_steps=2, total_steps=steps)
+    batches = ft.make_batches(rows, state, batch_size=4, accum=2, shuffle=False, collate_fn=collate)
+    for micro in batches:
+        grads, stats = ft.accumulate_grads(state, micro)  # the default loss
+        hf = record.logs[state.step]
+        assert hf["learning_rate"] == pytest.approx(lr(state.step), rel=1e-12)
+        state, info = ft.clip_and_step(state, grads, stats=stats, lr=lr(state.step), max_norm=0.5)
+        assert float(stats.loss) == pytest.approx(hf["loss"], rel=1e-6), state.step
+        assert float(info.grad_norm) == pytest.approx(hf["grad_norm"], rel=1e-6), state.step
+        for k, p in state.params.items():
+            torch.testing.assert_close(p, record.params[state.step - 1][k], rtol=1e-5, atol=1e-6)
+        if state.step == steps:
+            break
+    assert state.step == steps
+    assert sum(float(r["grad_norm"]) > 0.5 for r in record.logs) > steps // 2  # clipping acts
+
+
+def test_token_classification_equals_the_trainer_step_by_step(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    rows = _tag_rows(96, seed=4)
+    _assert_trainer_parity(
+        tiny_bert_tagger, rows, ft.pad_collate(), Trainer, TrainingArguments, tmp_path
+    )
+
+
+def test_seq2seq_equals_the_seq2seq_trainer_step_by_step(tmp_path):
+    from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainer, Seq2SeqTrainingArguments
+
+    rows = reverse_rows(96, seed=4)
+    collate = DataCollatorForSeq2Seq(digit_tokenizer(), model=tiny_t5())  # decoder_input_ids too
+    _assert_trainer_parity(
+        tiny_t5, rows, collate, Seq2SeqTrainer, Seq2SeqTrainingArguments, tmp_path
+    )
