@@ -433,7 +433,7 @@ def dump(state: ft.TrainState, root: Path, args: argparse.Namespace) -> None:
         "step": state.step,
         "epoch": state.epoch,
         "cursor": state.data.cursor,
-        "stream": state.data.stream,
+        "position": state.data.position,
         "tokens_seen": int(state.data.tokens_seen),
         "samples_seen": int(state.data.samples_seen),
         "scale": None if state.scaler.scale is None else float(state.scaler.scale),
