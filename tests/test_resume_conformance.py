@@ -47,7 +47,7 @@ class Case(NamedTuple):
     optimizer: str = "adamw"  # adamw, sgd, muon, partition, from_torch
     data: str = "map"  # map: 30 rows, 2.25 epochs; stream: 2 sharded streams mixed and packed
     workers: int = 0  # make_batches(num_workers=...)
-    features: tuple[str, ...] = ()  # ema, fp16, guard, dp, mlflow
+    features: tuple[str, ...] = ()  # ema, save-in-swap, fp16, guard, dp, mlflow
     known: tuple[tuple[str, str], ...] = ()  # (phase, diagnosis) of a known resume bug
 
     def xfail(self, phase: str) -> str | None:
@@ -77,6 +77,7 @@ CASES = (
     Case("partition", optimizer="partition"),          # AdamW + SGD groups, an lr factor
     Case("from_torch", optimizer="from_torch"),        # torch.optim.RMSprop, centered, momentum
     Case("ema", features=("ema",)),                    # ema(adamw); evaluations in swap_ema
+    Case("ema-save-in-swap", features=("ema", "save-in-swap")),  # saves in swap_ema too
     Case("fp16", features=("fp16",)),                  # loss scale that backs off and grows
     Case("map-2-workers", workers=2),                  # background loading, dropout
     Case("stream", data="stream"),                     # shards, shuffle buffer, mix, pack

@@ -4,7 +4,7 @@ over one piece of resumable state, which can SIGKILL itself at a chosen point.
 Usage:
 
     python tests/workers/conformance_loop.py ROOT --optimizer adamw --data map --workers 0 \\
-        [--feature ema|fp16|guard|dp|mlflow ...] [--saves blocking|background] \\
+        [--feature ema|save-in-swap|fp16|guard|dp|mlflow ...] [--saves blocking|background] \\
         [--kill PHASE:STEP:K]
 
 Run it once to the end for the reference, and again after a kill with the same arguments less
@@ -31,6 +31,7 @@ trained on, per evaluation, per save with the number of file-system operations i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import os
@@ -352,7 +353,8 @@ def main(argv: list[str] | None = None) -> None:
             if ft.should_eval(state, every=EVAL_EVERY, total_steps=TOTAL):
                 evaluate(state, val, loss_fn, args, logger)
             if ft.should_save(state, every=SAVE_EVERY, total_steps=TOTAL):
-                save(state, ckpts, args)
+                with swapped(state, args):  # the average in the model while it saves
+                    save(state, ckpts, args)
             if state.step >= TOTAL:
                 break
         else:
@@ -361,6 +363,12 @@ def main(argv: list[str] | None = None) -> None:
     if sink is not None:
         sink.close()
     dump(state, root, args)
+
+
+def swapped(state: ft.TrainState, args: argparse.Namespace) -> Any:
+    if "save-in-swap" in args.feature:
+        return ft.optim.swap_ema(state)
+    return contextlib.nullcontext()
 
 
 def evaluate(state: ft.TrainState, val: Any, loss_fn: Any, args: Any, logger: Any) -> None:
