@@ -98,9 +98,11 @@ def evaluate(
         `eval_<name>` per metric. Every value is a float except `eval_loss_fn`, a string.
 
     Raises:
+        TypeError: for an argument of the wrong type (named in the message).
         ValueError: with no batches, or when both `loss_fn` and a `metrics_fn` returning
             `"loss"` are given.
     """
+    _check_args(state, batches, loss_fn, metrics_fn, perplexity, strategy)
     strategy = state.strategy if strategy is None else strategy
     sums: dict[str, torch.Tensor] = {}
     scorer: Callable[..., Any] | None = None  # the function whose loss is eval_loss
@@ -126,6 +128,25 @@ def evaluate(
         out["eval_ppl"] = math.exp(out["eval_loss"]) if out["eval_loss"] < 700 else math.inf
     out["eval_items"] = totals[names.index("loss")][1]
     return {**out, "eval_loss_fn": loss_name(scorer)}
+
+
+def _check_args(
+    state: Any, batches: Any, loss_fn: Any, metrics_fn: Any, perplexity: Any, strategy: Any
+) -> None:
+    if not isinstance(state, TrainState):
+        raise TypeError(f"state must be an ft.TrainState, got {type(state).__name__}")
+    if isinstance(batches, (str, bytes, Mapping)) or not isinstance(batches, Iterable):
+        raise TypeError(
+            f"batches must be an iterable of batches (make_batches(val, batch_size=...) or a "
+            f"list), got {type(batches).__name__}"
+        )
+    for name, fn in (("loss_fn", loss_fn), ("metrics_fn", metrics_fn)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be a function (model, batch) -> ..., got {fn!r}")
+    if perplexity is not None and not isinstance(perplexity, bool):
+        raise TypeError(f"perplexity must be True, False or None, got {perplexity!r}")
+    if strategy is not None and not isinstance(strategy, Strategy):
+        raise TypeError(f"strategy must be an ft.strategies.Strategy, got {strategy!r}")
 
 
 def _batch_sums(

@@ -90,7 +90,7 @@ class Precision:
             return value
         if value is None:
             return cls()
-        if value not in _NAMES:
+        if not isinstance(value, str) or value not in _NAMES:
             raise ValueError(
                 f"precision must be one of {sorted(_NAMES)} or a Precision, got {value!r}"
             )

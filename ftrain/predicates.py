@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
+
+import torch
 
 from ftrain.state import TrainState
 from ftrain.strategies import active_preemption
 
 __all__ = ["should_eval", "should_log", "should_save", "should_stop", "track_best"]
+
+
+def _check_state(state: Any) -> None:
+    if not isinstance(state, TrainState):
+        raise TypeError(f"state must be an ft.TrainState, got {type(state).__name__}")
 
 
 def _check_total(total_steps: int | None) -> None:
@@ -47,7 +55,10 @@ def should_log(
         >>> [ft.should_log(s.replace(step=k), every=2) for k in range(5)]
         [False, False, True, False, True]
     """
+    _check_state(state)
     n = _interval(every, total_steps)
+    if not isinstance(first, bool):
+        raise TypeError(f"first must be True or False, got {first!r}")
     return (state.step > 0 and state.step % n == 0) or (first and state.step == 1)
 
 
@@ -98,15 +109,32 @@ def track_best(
         metric: which entry of `metrics`.
         mode: "min" or "max".
         threshold: minimum absolute improvement that resets the patience counter.
+
+    Raises:
+        TypeError: for a `state` that is not a `TrainState`, a `metric` that is not a str, or
+            a value that is not a number.
+        ValueError: for a bad `mode` or `threshold`.
+        KeyError: when `metrics` does not hold `metric`.
     """
+    _check_state(state)
     if mode not in ("min", "max"):
         raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+    if not isinstance(metric, str):
+        raise TypeError(f"metric must be a str (a key of metrics), got {metric!r}")
+    if not (_real(threshold) and math.isfinite(threshold) and threshold >= 0):
+        raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
     if isinstance(metrics, Mapping):
         if metric not in metrics:
             raise KeyError(f"metric {metric!r} not in metrics (have {sorted(metrics)})")
-        value = float(metrics[metric])
+        value = metrics[metric]
     else:
-        value = float(metrics)
+        value = metrics
+    if not (_real(value) or (isinstance(value, torch.Tensor) and value.numel() == 1)):
+        raise TypeError(
+            f"metrics must be a number or a dict holding metric={metric!r} as a number, "
+            f"got {value!r}"
+        )
+    value = float(value)
     es = state.early_stopping
     if math.isnan(value):  # HF never stores NaN as the best: it is no improvement
         return _stopping(state, patience_counter=es.patience_counter + 1)
@@ -121,6 +149,11 @@ def track_best(
     if better:
         return _stopping(state, best_metric=value, best_step=state.step, patience_counter=counter)
     return _stopping(state, patience_counter=counter)
+
+
+def _real(value: Any) -> bool:
+    # numpy scalars are Real too; True is not a metric.
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _stopping(state: TrainState, **changes: Any) -> TrainState:
@@ -140,6 +173,7 @@ def should_stop(state: TrainState, *, patience: int) -> bool:
         >>> stops
         [False, False, False, True]
     """
-    if not isinstance(patience, int) or patience < 1:
+    _check_state(state)
+    if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
         raise ValueError(f"patience must be an int >= 1, got {patience!r}")
     return state.early_stopping.patience_counter >= patience

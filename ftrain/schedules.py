@@ -46,6 +46,8 @@ class _Sched:
     kwargs: dict[str, Any]
 
     def __call__(self, step: int) -> float:
+        if isinstance(step, bool) or not hasattr(step, "__index__"):
+            raise TypeError(f"step must be an int (updates done, state.step), got {step!r}")
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         return self.peak_lr * self.factor(step, **self.kwargs)
@@ -176,8 +178,7 @@ def _f_wsd(
 def _check_common(
     peak_lr: float, warmup_steps: int, total_steps: int | None, *, needs_total: str = ""
 ) -> None:
-    if not (isinstance(peak_lr, (int, float)) and math.isfinite(peak_lr) and peak_lr >= 0):
-        raise ValueError(f"peak_lr must be a finite number >= 0, got {peak_lr!r}")
+    _check_nonnegative(peak_lr=peak_lr)
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
         hint = " (a ratio of total_steps goes to ft.schedules.from_name)"
         raise ValueError(
@@ -191,16 +192,20 @@ def _check_common(
         raise ValueError(f"total_steps must be an int >= 1, got {total_steps!r}")
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)  # True is not 1.0
+
+
 def _check_nonnegative(**values: float) -> None:
     for name, value in values.items():
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+        if not (_is_number(value) and math.isfinite(value) and value >= 0):
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
-def _check_steps(**values: int) -> None:
+def _check_steps(low: int = 0, **values: int) -> None:
     for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 
 def constant(peak_lr: float) -> Schedule:
@@ -247,6 +252,7 @@ def warmup_cosine(
         [0.0, 1.0, 0.5, 0.0]
     """
     _check_common(peak_lr, warmup_steps, total_steps, needs_total="warmup_cosine")
+    _check_nonnegative(num_cycles=num_cycles)
     return _Sched(
         "warmup_cosine",
         peak_lr,
@@ -261,6 +267,7 @@ def warmup_cosine_restarts(
     """Warmup, then `num_cycles` hard-restarted cosine decays; 0 from `total_steps` on
     (HF "cosine_with_restarts")."""
     _check_common(peak_lr, warmup_steps, total_steps, needs_total="warmup_cosine_restarts")
+    _check_steps(1, num_cycles=num_cycles)
     return _Sched(
         "warmup_cosine_restarts",
         peak_lr,
@@ -314,8 +321,7 @@ def warmup_inverse_sqrt(
     to `warmup_steps or 10_000` (HF "inverse_sqrt")."""
     _check_common(peak_lr, warmup_steps, None)
     timescale = (warmup_steps or 10_000) if timescale is None else timescale
-    if timescale <= 0:
-        raise ValueError(f"timescale must be > 0, got {timescale!r}")
+    _check_steps(1, timescale=timescale)
     return _Sched(
         "warmup_inverse_sqrt",
         peak_lr,
@@ -348,6 +354,7 @@ def cosine_with_min_lr(
     """Like `warmup_cosine` but decaying to `min_lr` (or `min_lr_rate * peak_lr`)
     (HF "cosine_with_min_lr")."""
     _check_common(peak_lr, warmup_steps, total_steps, needs_total="cosine_with_min_lr")
+    _check_nonnegative(num_cycles=num_cycles)
     rate = _min_rate(peak_lr, min_lr, min_lr_rate)
     return _Sched(
         "cosine_with_min_lr",
@@ -375,7 +382,12 @@ def cosine_warmup_with_min_lr(
     """HF "cosine_warmup_with_min_lr": warmup starts at `(step + 1) / warmup` (or at
     `warmup_lr_rate`), and the cosine is one step ahead of `cosine_with_min_lr`."""
     _check_common(peak_lr, warmup_steps, total_steps, needs_total="cosine_warmup_with_min_lr")
+    _check_nonnegative(num_cycles=num_cycles)
     rate = _min_rate(peak_lr, min_lr, min_lr_rate)
+    if warmup_lr_rate is not None and not (_is_number(warmup_lr_rate) and 0 <= warmup_lr_rate <= 1):
+        raise ValueError(
+            f"warmup_lr_rate must be None or a number in [0, 1], got {warmup_lr_rate!r}"
+        )
     return _Sched(
         "cosine_warmup_with_min_lr",
         peak_lr,
@@ -417,7 +429,8 @@ def warmup_stable_decay(
                 f"({num_decay_steps}): no room for the phases"
             )
     _check_steps(num_stable_steps=num_stable_steps)
-    if not (isinstance(min_lr_ratio, (int, float)) and 0 <= min_lr_ratio <= 1):
+    _check_nonnegative(num_cycles=num_cycles)
+    if not (_is_number(min_lr_ratio) and 0 <= min_lr_ratio <= 1):
         raise ValueError(f"min_lr_ratio must be a number in [0, 1], got {min_lr_ratio!r}")
     for name, kind in (("warmup_type", warmup_type), ("decay_type", decay_type)):
         if kind not in _SHAPES:
@@ -482,8 +495,11 @@ _BY_NAME: Mapping[str, tuple[Callable[..., Schedule], bool, tuple[str, ...]]] = 
 
 def _warmup_from_ratio(where: str, warmup_steps: float, total_steps: int | None) -> int:
     # transformers 5 (TrainingArguments.get_warmup_steps): a float < 1 is a ratio, rounded up.
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, float)):
-        raise ValueError(f"{where}: warmup_steps must be an int >= 0 or a float ratio in [0, 1)")
+    if not (_is_number(warmup_steps) and math.isfinite(warmup_steps)):
+        raise ValueError(
+            f"{where}: warmup_steps must be an int >= 0 or a float ratio in [0, 1), "
+            f"got {warmup_steps!r}"
+        )
     if isinstance(warmup_steps, int) or warmup_steps >= 1:
         if warmup_steps < 0 or not float(warmup_steps).is_integer():
             raise ValueError(
@@ -537,9 +553,9 @@ def _by_name(
     hf_kwargs: dict[str, Any],
 ) -> Schedule:
     # `where` is the call the user wrote (from_name or schedule_lr), for the error messages.
-    if name not in _BY_NAME:
+    if not isinstance(name, str) or name not in _BY_NAME:
         hint = " (use ft.schedules.Plateau)" if name == "reduce_lr_on_plateau" else ""
-        raise ValueError(f"unknown schedule {name!r}{hint}; known: {sorted(_BY_NAME)}")
+        raise ValueError(f"unknown schedule name={name!r}{hint}; known: {sorted(_BY_NAME)}")
     build, needs_total, known = _BY_NAME[name]
     for key in hf_kwargs:
         if key not in known:
@@ -619,8 +635,10 @@ class Plateau:
             raise ValueError(f"mode must be 'min' or 'max', got {self.mode!r}")
         if self.threshold_mode not in ("rel", "abs"):
             raise ValueError(f"threshold_mode must be 'rel' or 'abs', got {self.threshold_mode!r}")
-        if not 0.0 < self.factor < 1.0:
-            raise ValueError(f"factor must be in (0, 1), got {self.factor!r}")
+        if not (_is_number(self.factor) and 0.0 < self.factor < 1.0):
+            raise ValueError(f"factor must be a number in (0, 1), got {self.factor!r}")
+        _check_steps(patience=self.patience, cooldown=self.cooldown)
+        _check_nonnegative(threshold=self.threshold, min_lr=self.min_lr, eps=self.eps)
 
     def init(self, lr: float) -> PlateauState:
         """The state before any evaluation, at learning rate `lr`."""

@@ -118,6 +118,7 @@ def load_checkpoint(
     keep `batch_size * ranks` the same across the change for the data order to continue
     exactly.
     """
+    _check_args(path, state, strict=strict, verify=verify)
     raise_pending_save_error()
     if ema_swapped(state):  # the swap back would exchange what was loaded
         raise ValueError(
@@ -165,6 +166,22 @@ def load_checkpoint(
         copy = strategy.copy_whole
         opt_state = unflatten(state.opt_state, opt_values, copy) if opt_values else state.opt_state
     return state.consume("load_checkpoint", opt_state=opt_state, **fields)
+
+
+def _check_args(path: Any, state: Any, **flags: Any) -> None:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"path must be a checkpoint directory (str or Path, e.g. from latest_checkpoint), "
+            f"got {type(path).__name__}"
+        )
+    if not isinstance(state, TrainState):
+        raise TypeError(
+            f"state must be the ft.TrainState to load into (TrainState.create(...)), got "
+            f"{type(state).__name__}"
+        )
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
 def read_model_tensors(opened: Opened) -> dict[str, torch.Tensor]:

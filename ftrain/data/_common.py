@@ -172,8 +172,10 @@ class Loading(NamedTuple):
                     f"prefetch_factor={prefetch_factor!r} needs num_workers > 0 (the loop's "
                     "own process loads one micro-batch at a time); drop it or add workers"
                 )
-            if not isinstance(prefetch_factor, int) or prefetch_factor < 1:
+            if type(prefetch_factor) is not int or prefetch_factor < 1:
                 raise ValueError(f"prefetch_factor must be an int >= 1, got {prefetch_factor!r}")
+        if not isinstance(pin_memory, bool):
+            raise TypeError(f"pin_memory must be True or False, got {pin_memory!r}")
         if pin_memory and not torch.cuda.is_available():
             raise ValueError("pin_memory=True needs a CUDA device; pass pin_memory=False on CPU")
         return cls(num_workers, prefetch_factor, bool(pin_memory))

@@ -7,6 +7,7 @@ state, and `found_inf` lets a step skip itself on the device without a host sync
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, NamedTuple, Protocol
 
@@ -100,12 +101,38 @@ def _check(name: str, value: float, ok: bool, want: str) -> None:
         raise ValueError(f"{name} must be {want}, got {value!r}")
 
 
+def _number(name: str, value: Any, ok: Callable[[float], bool], want: str = "") -> None:
+    """Refuse a hyperparameter that is not a finite Python number satisfying `ok` (`want`
+    says which: "in [0, 1)").
+
+    `True` is not 1 here, and a string or tensor would otherwise fail deep inside a kernel.
+    """
+    want = f" {want}" if want else ""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number{want}, got {value!r} ({type(value).__name__})")
+    if not (math.isfinite(value) and ok(value)):
+        raise ValueError(f"{name} must be a finite number{want}, got {value!r}")
+
+
+def _flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+
+
 def _masker(mask: Mask) -> Callable[[str], bool]:
     if mask is None:
         return lambda name: True
     if callable(mask):
         return mask
+    # A mapping would be taken for its keys, whatever its values say: refused.
+    if isinstance(mask, (str, bytes, Mapping)) or not isinstance(mask, Collection):
+        raise TypeError(
+            f"mask must be None, a function name -> bool or a collection of parameter names, "
+            f"got {mask!r}; e.g. mask=ft.optim.decay_mask(model)"
+        )
     names = frozenset(mask)
+    if not all(isinstance(n, str) for n in names):
+        raise TypeError(f"mask must hold parameter names (strings), got {sorted(map(repr, names))}")
     return names.__contains__
 
 
@@ -142,6 +169,7 @@ def _adam(
     maximize: bool,
 ) -> Optimizer:
     _validate_adam(betas, eps, weight_decay)
+    _flag("maximize", maximize)
     b1, b2 = betas
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
     groups = _Groups(_masker(mask))
@@ -205,9 +233,9 @@ def _validate_adam(betas: tuple[float, float], eps: float, weight_decay: float) 
     if not (isinstance(betas, tuple) and len(betas) == 2):
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
     for i, b in enumerate(betas):
-        _check(f"betas[{i}]", b, 0.0 <= b < 1.0, "in [0, 1)")
-    _check("eps", eps, eps >= 0.0, ">= 0")
-    _check("weight_decay", weight_decay, weight_decay >= 0.0, ">= 0")
+        _number(f"betas[{i}]", b, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
+    _number("eps", eps, lambda v: v >= 0.0, ">= 0")
+    _number("weight_decay", weight_decay, lambda v: v >= 0.0, ">= 0")
 
 
 def adamw(
@@ -281,9 +309,11 @@ def sgd(
         mask: names (or a predicate) that get weight decay; all when None.
         maximize: ascend instead of descend.
     """
-    _check("momentum", momentum, momentum >= 0.0, ">= 0")
-    _check("dampening", dampening, dampening >= 0.0, ">= 0")
-    _check("weight_decay", weight_decay, weight_decay >= 0.0, ">= 0")
+    _number("momentum", momentum, lambda v: v >= 0.0, ">= 0")
+    _number("dampening", dampening, lambda v: v >= 0.0, ">= 0")
+    _number("weight_decay", weight_decay, lambda v: v >= 0.0, ">= 0")
+    _flag("nesterov", nesterov)
+    _flag("maximize", maximize)
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError(
             f"nesterov=True needs momentum > 0 and dampening == 0, got momentum={momentum}, "

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from ftrain.optim._base import Grads, Optimizer, Params, _check
+from ftrain.optim._base import Grads, Optimizer, Params, _check, _flag, _number
 from ftrain.strategies import gather_whole, local_part, local_view
 
 __all__ = ["MuonState", "muon"]
@@ -86,14 +86,18 @@ def muon(
     Raises:
         ValueError: for a bad hyperparameter, or at `init` for a parameter that is not 2-D.
     """
-    _check("momentum", momentum, 0.0 <= momentum < 1.0, "in [0, 1)")
-    _check("weight_decay", weight_decay, weight_decay >= 0.0, ">= 0")
-    _check("ns_steps", ns_steps, isinstance(ns_steps, int) and 0 < ns_steps < 100, "in [1, 99]")
-    _check("eps", eps, eps > 0, "> 0")
+    _number("momentum", momentum, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
+    _number("weight_decay", weight_decay, lambda v: v >= 0.0, ">= 0")
+    ok_steps = type(ns_steps) is int and 0 < ns_steps < 100
+    _check("ns_steps", ns_steps, ok_steps, "an int in [1, 99]")
+    _number("eps", eps, lambda v: v > 0, "> 0")
+    _flag("nesterov", nesterov)
     if adjust_lr not in ("original", "match_rms_adamw"):
         raise ValueError(f"adjust_lr must be 'original' or 'match_rms_adamw', got {adjust_lr!r}")
-    if len(ns_coefficients) != 3:
+    if not (isinstance(ns_coefficients, (tuple, list)) and len(ns_coefficients) == 3):
         raise ValueError(f"ns_coefficients must be (a, b, c), got {ns_coefficients!r}")
+    for name, c in zip("abc", ns_coefficients, strict=True):
+        _number(f"ns_coefficients ({name})", c, lambda v: True)
 
     def init(params: Params) -> MuonState:
         bad = {n: tuple(p.shape) for n, p in params.items() if p.dim() != 2}

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ftrain.optim._base import Grads, Optimizer, Params
+from ftrain.optim._base import Grads, Optimizer, Params, _number
 
 __all__ = ["PartitionState", "layerwise_lr_decay", "partition"]
 
@@ -46,8 +46,11 @@ def _labeler(labels: Labels) -> Callable[[str], str]:
 
 
 def _validate(optimizers: Mapping[str, Optimizer], lr_factors: Mapping[str, float]) -> None:
+    for name, value in (("optimizers", optimizers), ("lr_factors", lr_factors)):
+        if not isinstance(value, Mapping):
+            raise TypeError(f"{name} must be a mapping label -> value, got {value!r}")
     if not optimizers:
-        raise ValueError("partition needs at least one {label: optimizer} entry")
+        raise ValueError("optimizers is empty: partition needs at least one {label: optimizer}")
     for label, opt in optimizers.items():
         if not isinstance(label, str) or "/" in label:
             raise ValueError(f"partition labels must be strings without '/', got {label!r}")
@@ -61,8 +64,7 @@ def _validate(optimizers: Mapping[str, Optimizer], lr_factors: Mapping[str, floa
             raise ValueError(
                 f"lr_factors has label {label!r} that is not in optimizers {sorted(optimizers)}"
             )
-        if not (isinstance(f, (int, float)) and f >= 0):
-            raise ValueError(f"lr_factors[{label!r}] must be a number >= 0, got {f!r}")
+        _number(f"lr_factors[{label!r}]", f, lambda v: v >= 0, ">= 0")
 
 
 def partition(
@@ -99,8 +101,9 @@ def partition(
         >>> p["w"].tolist(), p["b"].tolist()
         ([0.5, 0.5], [1.0, 1.0])
     """
-    factors = dict(lr_factors or {})
+    factors = {} if lr_factors is None else lr_factors
     _validate(optimizers, factors)
+    factors = dict(factors)
     label_of = _labeler(labels)
     split_cache: dict[tuple[str, ...], dict[str, list[str]]] = {}
 

@@ -168,6 +168,16 @@ def default_device() -> torch.device:
     )
 
 
+def _device(device: Any) -> torch.device:
+    """`torch.device(device)`, with torch's errors for a bad one named as the argument."""
+    if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
+        raise TypeError(f"device must be a str, a torch.device or an int, got {device!r}")
+    try:
+        return torch.device(device)
+    except (RuntimeError, ValueError) as e:  # "gpu", "", "cuda:x", an index without CUDA
+        raise ValueError(f"device={device!r} is not a device here ({e}); e.g. 'cpu'") from e
+
+
 class SingleDevice:
     """One process, one device: the default strategy.
 
@@ -190,7 +200,7 @@ class SingleDevice:
     def __init__(
         self, device: str | torch.device | None = None, *, precision: str | Precision | None = None
     ) -> None:
-        self.device = torch.device(device) if device is not None else default_device()
+        self.device = _device(device) if device is not None else default_device()
         self.precision = Precision.of(precision)
 
     def __repr__(self) -> str:
