@@ -183,8 +183,7 @@ def accumulate_grads(
     Raises:
         ValueError: if `micro` is empty.
     """
-    if len(micro) == 0:
-        raise ValueError("micro is empty: pass the list of micro-batches yielded by make_batches")
+    _check_args(state, micro, loss_fn, strategy)
     strategy = state.strategy if strategy is None else strategy
     model, params = state.model, state.params
     if not model.training:
@@ -217,6 +216,22 @@ def accumulate_grads(
         position=micro.position if isinstance(micro, MicroBatches) else None,
     )
     return grads, stats
+
+
+def _check_args(state: Any, micro: Any, loss_fn: Any, strategy: Any) -> None:
+    if not isinstance(state, TrainState):
+        raise TypeError(f"state must be a TrainState, got {type(state).__name__}")
+    if isinstance(micro, (Mapping, str, bytes, torch.Tensor)) or not isinstance(micro, Sequence):
+        raise TypeError(
+            f"micro must be the micro-batches of one step (what make_batches yields, or a list "
+            f"of batches), got {type(micro).__name__}; wrap a single batch: [batch]"
+        )
+    if len(micro) == 0:
+        raise ValueError("micro is empty: pass the list of micro-batches yielded by make_batches")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable (model, batch) or None, got {loss_fn!r}")
+    if strategy is not None and not isinstance(strategy, Strategy):
+        raise TypeError(f"strategy must be an ft.strategies.Strategy, got {strategy!r}")
 
 
 def _forward_backward(

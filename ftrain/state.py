@@ -187,6 +187,8 @@ class TrainState:
             )
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {seed!r}")
+        if strategy is not None and not isinstance(strategy, Strategy):
+            raise TypeError(f"strategy must be an ft.strategies.Strategy, got {strategy!r}")
         strategy = SingleDevice() if strategy is None else strategy
         model = strategy.setup(model)
         params = _trainable(strategy.unwrap(model))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -25,15 +25,31 @@ class StepInfo(NamedTuple):
     lr: float
 
 
-def _validate(lr: float, max_norm: float | None, compile: bool) -> None:
-    if isinstance(lr, torch.Tensor) or not isinstance(lr, (int, float)):
+def _validate(lr: float, max_norm: float | None, compile: bool, **flags: bool) -> None:
+    if isinstance(lr, (bool, torch.Tensor)) or not isinstance(lr, (int, float)):
         raise TypeError(f"lr must be a Python number (e.g. schedule(state.step)), got {lr!r}")
     if not (math.isfinite(lr) and lr >= 0):
         raise ValueError(f"lr must be finite and >= 0, got {lr!r}")
-    if max_norm is not None and not (isinstance(max_norm, (int, float)) and max_norm > 0):
+    if max_norm is not None and (
+        isinstance(max_norm, bool) or not (isinstance(max_norm, (int, float)) and max_norm > 0)
+    ):
         raise ValueError(f"max_norm must be a number > 0 or None, got {max_norm!r}")
-    if not isinstance(compile, bool):
-        raise TypeError(f"compile must be True or False, got {compile!r}")
+    for name, flag in {"compile": compile, **flags}.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
+
+
+def _check_types(state: Any, grads: Any, stats: Any) -> None:
+    if not isinstance(state, TrainState):
+        raise TypeError(f"state must be a TrainState, got {type(state).__name__}")
+    if not isinstance(grads, Mapping):
+        raise TypeError(
+            f"grads must be the mapping accumulate_grads returned, got {type(grads).__name__}"
+        )
+    if stats is not None and not isinstance(stats, Stats):
+        raise TypeError(
+            f"stats must be the Stats accumulate_grads returned or None, got {type(stats).__name__}"
+        )
 
 
 def _check_grads(grads: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> None:
@@ -126,7 +142,8 @@ def clip_and_step(
             device does not match its parameter (checked on the host, no sync).
         ConsumedStateError: if `state` or `grads` was already consumed.
     """
-    _validate(lr, max_norm, compile)
+    _validate(lr, max_norm, compile, skip_nonfinite=skip_nonfinite, donate=donate)
+    _check_types(state, grads, stats)
     if isinstance(grads, Grads):
         grads.check()
     if not donate:

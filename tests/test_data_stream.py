@@ -381,7 +381,9 @@ def test_a_resume_with_other_stream_settings_raises_naming_them(before, after, m
 def test_shuffle_and_old_positions_are_refused():
     kw = {"batch_size": 3, "seed": 1}
     group = next(iter(ft.make_batches(_numbers(), **kw)))
-    with pytest.raises(ValueError, match=r"shuffle=False, but state\.data\.stream was saved with"):
+    with pytest.raises(
+        ValueError, match=r"shuffle=False, but state\.data\.position was saved with"
+    ):
         _resumed(_numbers(), group, 1, shuffle=False, **kw)
     # A position from before fingerprints (version 1) says nothing about its data.
     v1 = {

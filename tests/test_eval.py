@@ -87,7 +87,8 @@ def test_eval_mode_without_grad_then_the_previous_mode(training):
 def _classifier(n_in=16, n_cls=5):
     torch.manual_seed(0)
 
-    class Clf(torch.nn.Module):
+    # Named like an HF head: the default loss recognises a sequence classifier by its class.
+    class ClfForSequenceClassification(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.lin = torch.nn.Linear(n_in, n_cls)
@@ -97,7 +98,7 @@ def _classifier(n_in=16, n_cls=5):
             self.calls += 1
             return self.lin(x)
 
-    return Clf()
+    return ClfForSequenceClassification()
 
 
 def _cls_rows(n, n_in=16, n_cls=5, seed=0):
@@ -154,10 +155,11 @@ def test_perplexity_only_where_it_is_one():
     rows, _, _ = _cls_rows(8)
     batches = lambda: ft.make_batches(rows, batch_size=4, shuffle=False)  # noqa: E731
     assert "eval_ppl" not in ft.evaluate(cls, batches(), metrics_fn=ft.classification_metrics)
-    plain = ft.losses.classification_loss()  # a plain module: the default loss asks for a loss_fn
-    assert "eval_ppl" not in ft.evaluate(cls, batches(), plain)
-    with pytest.raises(TypeError, match="loss_fn="):
-        ft.evaluate(cls, batches())
+    assert "eval_ppl" not in ft.evaluate(cls, batches(), ft.losses.classification_loss())
+    assert "eval_ppl" not in ft.evaluate(cls, batches())  # the default: classification_loss
+    plain = ft.TrainState.create(torch.nn.Linear(16, 5), ft.optim.sgd())
+    with pytest.raises(TypeError, match="loss_fn="):  # a plain module: asked for a loss_fn
+        ft.evaluate(plain, batches())
     lm = ft.TrainState.create(tiny_gpt2(), ft.optim.sgd())
     out = ft.evaluate(lm, ft.make_batches(ragged_rows(6, seed=1), batch_size=3, shuffle=False))
     assert out["eval_ppl"] == pytest.approx(np.exp(out["eval_loss"]))  # causal-LM token loss

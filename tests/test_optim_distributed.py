@@ -59,6 +59,15 @@ def test_fsdp_muon_partition_and_ema_equal_one_process(tmp_path):
     assert json.loads((tmp_path / "fsdp.json").read_text())["restored"]
     live, average, back = W.train_recipe()
     assert back
+    hidden = {n for n in live if live[n].dim() == 2 and ".layers." in n}  # recipe()'s Muon group
     for n in live:
-        torch.testing.assert_close(got[f"live/{n}"], live[n], rtol=1e-4, atol=1e-5, msg=n)
-        torch.testing.assert_close(got[f"ema/{n}"], average[n], rtol=1e-4, atol=1e-5, msg=n)
+        # Muon's Newton-Schulz runs in bfloat16 (as torch.optim.Muon) and its quintic map
+        # amplifies small singular directions ~3.4x per iteration: the FSDP gradient, summed
+        # in another order than one process's (last-bit float32 differences), comes out up to
+        # 4.7e-4 apart after 3 steps at lr 1e-2 (measured: 4 of 14 matrices, median 5e-5); a
+        # misplaced or missing shard would be off by whole updates (lr-sized). AdamW's
+        # parameters are held to float32 precision.
+        tol = {"rtol": 0.0, "atol": 2e-3} if n in hidden else {"rtol": 1e-4, "atol": 1e-5}
+        torch.testing.assert_close(got[f"live/{n}"], live[n], msg=n, **tol)
+        torch.testing.assert_close(got[f"ema/{n}"], average[n], msg=n, **tol)
+    assert hidden and len(hidden) < len(live)

@@ -106,7 +106,7 @@ def test_track_best_never_keeps_nan_as_the_best(state, mode, later):
     assert not ft.should_stop(s, patience=1)
 
 
-class _Clf(torch.nn.Linear):
+class _ClfForSequenceClassification(torch.nn.Linear):  # an HF-style head, by name
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # called as model(x=...) by default_loss
         return super().forward(x)
 
@@ -123,7 +123,7 @@ def test_early_stopping_ranks_the_loss_the_record_names():
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(64, 4, generator=g), torch.randint(0, 3, (64,), generator=g)
     rows = [{"x": x[i], "labels": y[i]} for i in range(64)]
-    state = ft.TrainState.create(_Clf(4, 3), ft.optim.sgd(), seed=0)
+    state = ft.TrainState.create(_ClfForSequenceClassification(4, 3), ft.optim.sgd(), seed=0)
     records, stopped_at = [], None
     for _ in range(40):
         for micro in ft.make_batches(rows[:48], batch_size=16, seed=0, epoch=state.epoch):

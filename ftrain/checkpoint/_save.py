@@ -125,6 +125,7 @@ def save_checkpoint(
         >>> ft.latest_checkpoint(root).name
         'step-0'
     """
+    _check_save_args(state, root, metrics, best_metric, checksum=checksum, blocking=blocking)
     job = _Job(Path(root), state.step, keep_last, keep_best, best_metric, mode, checksum)
     if best_metric is not None and best_metric not in (metrics or {}):
         raise ValueError(
@@ -537,6 +538,33 @@ def step_dirs(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     return sorted((int(m.group(1)), p) for m, p in found if m is not None)
 
 
+def _check_root(root: Any) -> None:
+    if not isinstance(root, (str, os.PathLike)):
+        raise TypeError(f"root must be a path (str or os.PathLike), got {type(root).__name__}")
+
+
+def _check_save_args(state: Any, root: Any, metrics: Any, best_metric: Any, **flags: Any) -> None:
+    """The arguments of `save_checkpoint`, checked before anything is staged or waited for."""
+    if not isinstance(state, TrainState):
+        raise TypeError(f"state must be a TrainState, got {type(state).__name__}")
+    _check_root(root)
+    if metrics is not None:
+        if not isinstance(metrics, Mapping):
+            raise TypeError(f"metrics must be a mapping name -> number, got {metrics!r}")
+        for k, v in metrics.items():
+            ok = isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool)
+            if not (isinstance(k, str) and (ok or (isinstance(v, str) and k.endswith("_fn")))):
+                raise TypeError(
+                    f"metrics must map names to numbers (a 0-dim tensor is fine; a str only "
+                    f"under a '..._fn' name, as evaluate's eval_loss_fn), got {k!r}: {v!r}"
+                )
+    if best_metric is not None and not isinstance(best_metric, str):
+        raise TypeError(f"best_metric must be a metrics key (str) or None, got {best_metric!r}")
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
+
+
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     """Return the most recently committed checkpoint under `root`, or None.
 
@@ -551,6 +579,7 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
         True
     """
     raise_pending_save_error()
+    _check_root(root)
     found = committed(Path(root))
     return found[-1][1] if found else None
 

@@ -11,7 +11,7 @@ import gc
 import hashlib
 import json
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,10 +34,8 @@ from ftrain.data._common import (
     seeded,
 )
 from ftrain.data._stream import stream_groups
+from ftrain.state import TrainState
 from ftrain.strategies import Strategy
-
-if TYPE_CHECKING:
-    from ftrain.state import TrainState
 
 __all__ = ["find_batch_size", "is_out_of_memory", "make_batches"]
 
@@ -133,6 +131,7 @@ def make_batches(
         >>> [[b["input_ids"].shape[0] for b in g] for g in groups]
         [[2, 2], [1]]
     """
+    _check_kinds(state, strategy, collate_fn, shuffle, drop_last, group_by_length)
     where = _where(state, seed=seed, epoch=epoch, start=start, strategy=strategy)
     seed, epoch, start, stream_pos, strategy = where
     _validate(batch_size=batch_size, accum=accum, start=start, data=data)
@@ -150,6 +149,23 @@ def make_batches(
     micro = _MicroBatches(data, _order(n, spec, pos, lens), spec, pos, _total(n, spec, start, pos))
     position = json.dumps(pos, separators=(",", ":"))
     return _groups(_load(micro, range(start, len(micro)), loading), accum, position)
+
+
+def _check_kinds(
+    state: Any, strategy: Any, collate_fn: Any, shuffle: Any, drop_last: Any, grouped: Any
+) -> None:
+    if state is not None and not isinstance(state, TrainState):
+        raise TypeError(f"state must be a TrainState or None, got {type(state).__name__}")
+    if strategy is not None and not isinstance(strategy, Strategy):
+        raise TypeError(f"strategy must be an ft.strategies.Strategy, got {strategy!r}")
+    if collate_fn is not None and not callable(collate_fn):
+        raise TypeError(
+            f"collate_fn must be callable (a list of rows -> a batch), got {collate_fn!r}"
+        )
+    flags = {"shuffle": shuffle, "drop_last": drop_last, "group_by_length": grouped}
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
 
 
 def _where(

@@ -17,7 +17,7 @@ import json
 import math
 import numbers
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import islice
 from typing import Any
 
@@ -332,6 +332,8 @@ def pack(data: Any, *, block_size: int, mode: str = "concat", key: str = "input_
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
     if mode not in ("concat", "examples"):
         raise ValueError(f"mode must be 'concat' or 'examples', got {mode!r}")
+    if not isinstance(key, str):
+        raise TypeError(f"key must be the name of the token column (a str), got {key!r}")
     return _Pack(stream(data), block_size, mode, key)
 
 
@@ -410,6 +412,8 @@ def mix(sources: Sequence[Any], *, weights: Sequence[float]) -> Source:
         >>> [b["x"].tolist() for group in g for b in group]
         [[0, 1, 0, 0, 0, 1, 0, 0, 1, 0]]
     """
+    if isinstance(sources, (str, bytes, Mapping)) or not isinstance(sources, Sequence):
+        raise TypeError(f"sources must be a list of data sources, got {type(sources).__name__}")
     sources = list(sources)
     return _Mix([stream(s) for s in sources], _shares(len(sources), weights))
 

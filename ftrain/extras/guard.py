@@ -32,7 +32,7 @@ import math
 import os
 from typing import Any, NamedTuple, cast
 
-from ftrain.checkpoint import latest_checkpoint, load_checkpoint
+from ftrain.checkpoint import latest_checkpoint, load_checkpoint, wait_for_checkpoint
 from ftrain.data import MicroBatches
 from ftrain.grads import Stats
 from ftrain.state import TrainState
@@ -202,6 +202,7 @@ class SpikeGuard:
             )
         epoch, start, step = state.epoch, state.data.cursor, state.step
         rollbacks = state.rollbacks + 1
+        wait_for_checkpoint()  # a background save in flight may be the newest checkpoint
         path = latest_checkpoint(root)
         if path is not None:
             state = cast(GuardedState, load_checkpoint(path, state))  # keeps the class

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from ftrain.optim._base import Grads, Optimizer, Params, _check, _local
+from ftrain.optim._base import Grads, Optimizer, Params, _local, _number
 from ftrain.process_state import STATE
 
 if TYPE_CHECKING:
@@ -81,10 +81,15 @@ def ema(
         (-1.0, -0.5)
     """
     if not isinstance(optimizer, Optimizer):
-        raise TypeError(f"ema wraps an ft.optim.Optimizer, got {type(optimizer).__name__}")
-    _check("decay", decay, 0.0 <= decay < 1.0, "in [0, 1)")
-    _check("gamma", gamma, gamma > 0, "> 0")
-    _check("power", power, power > 0, "> 0")
+        raise TypeError(
+            f"optimizer must be an ft.optim.Optimizer (ema wraps one), got "
+            f"{type(optimizer).__name__}"
+        )
+    _number("decay", decay, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
+    _number("gamma", gamma, lambda v: v > 0, "> 0")
+    _number("power", power, lambda v: v > 0, "> 0")
+    if not isinstance(warmup, bool):
+        raise TypeError(f"warmup must be True or False, got {warmup!r}")
 
     def init(params: Params) -> EmaState:
         average = {n: p.detach().clone() for n, p in params.items()}

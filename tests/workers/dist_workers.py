@@ -54,7 +54,7 @@ def equivalence(
 
         kind, count = kind.removesuffix("+count"), grads_module._items_before_forward
         grads_module.COUNT_FIRST_NUMEL = 1
-        grads_module._items_before_forward = lambda fn, b: counted.append(1) or count(fn, b)
+        grads_module._items_before_forward = lambda fn, b, m: counted.append(1) or count(fn, b, m)
     if kind == "hsdp":  # 2 replicas of a 1-rank shard group: a 2-D mesh
         strategy = ft.strategies.from_env("fsdp", replicate=2)
         assert strategy._kwargs["mesh"].mesh_dim_names == ("replicate", "shard")
