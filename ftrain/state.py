@@ -25,6 +25,7 @@ __all__ = [
     "ScalerState",
     "TrainState",
     "next_epoch",
+    "plain_values",
     "snapshot",
 ]
 
@@ -323,6 +324,37 @@ def _cloned(obj: Any) -> dict[str, Any]:
             out[f.name] = v.clone()
         elif dataclasses.is_dataclass(v) and not isinstance(v, type):
             out[f.name] = dataclasses.replace(v, **_cloned(v))
+    return out
+
+
+def plain_values(state: TrainState) -> dict[str, Any]:
+    """The state's values by dotted name, sub-states walked: `step`, `data.cursor`,
+    `early_stopping.best_metric`, `scaler.scale`, ... (a subclass's fields too); the tensors,
+    the optimizer and the strategy are left out. What a checkpoint's `state.json` holds.
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> from ftrain.state import plain_values
+        >>> s = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+        >>> plain_values(s)["data.cursor"], "optimizer" in plain_values(s)
+        (0, False)
+    """
+    return _walk(state, "")
+
+
+_NOT_PLAIN = frozenset({"tensors_", "optimizer", "strategy"})
+
+
+def _walk(obj: Any, prefix: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        if f.name in _NOT_PLAIN:
+            continue
+        v = getattr(obj, f.name)
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            out.update(_walk(v, f"{prefix}{f.name}."))
+        else:
+            out[prefix + f.name] = v
     return out
 
 

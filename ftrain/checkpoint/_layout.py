@@ -25,6 +25,7 @@ from torch import nn
 from ftrain.checkpoint._io import CheckpointError
 from ftrain.checkpoint._tree import Node, flatten_tree
 from ftrain.optim import live_tensors
+from ftrain.state import plain_values
 from ftrain.version import __version__
 
 FORMAT = "ftrain.checkpoint"
@@ -69,21 +70,9 @@ def fingerprint(table: list[list[Any]]) -> str:
     return hashlib.sha256(json.dumps(table).encode()).hexdigest()[:16]
 
 
-def leaves(obj: Any, prefix: str = "") -> dict[str, Any]:
-    """The state's plain values by dotted name: `step`, `data.cursor`, `scaler.scale`, ...
-
-    Sub-states (dataclass values, e.g. `state.data`) are walked; `NOT_PLAIN` fields skipped.
-    """
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(obj):
-        if f.name in NOT_PLAIN:
-            continue
-        v = getattr(obj, f.name)
-        if dataclasses.is_dataclass(v) and not isinstance(v, type):
-            out.update(leaves(v, f"{prefix}{f.name}."))
-        else:
-            out[prefix + f.name] = v
-    return out
+def leaves(state: Any) -> dict[str, Any]:
+    """The state's plain values by dotted name (`ftrain.state.plain_values`)."""
+    return plain_values(state)
 
 
 def with_leaves(state: Any, values: Mapping[str, Any]) -> dict[str, Any]:

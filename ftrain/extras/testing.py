@@ -6,7 +6,6 @@ works in pytest, unittest or a script. docs/testing.md shows them on a training 
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import tempfile
 import traceback
@@ -24,7 +23,7 @@ from ftrain.checkpoint import flatten_tree, latest_checkpoint, load_checkpoint, 
 from ftrain.data import Collate, make_batches
 from ftrain.grads import accumulate_grads
 from ftrain.losses import LossFn
-from ftrain.state import TrainState, snapshot
+from ftrain.state import TrainState, plain_values, snapshot
 
 __all__ = [
     "assert_accumulation_exact",
@@ -115,21 +114,7 @@ def _state_tensors(state: TrainState) -> dict[str, Any]:
     held = state.tensors_  # read even when consumed: the check is about values, not donation
     out: dict[str, Any] = {f"model/{k}": v for k, v in held.model.state_dict().items()}
     out.update({f"opt_state/{k}": v for k, v in flatten_tree(held.opt_state).items()})
-    out.update(_values(state, ""))
-    return out
-
-
-def _values(obj: Any, prefix: str) -> dict[str, Any]:
-    """The plain values and counters of a state by dotted name (`step`, `data.cursor`, ...)."""
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(obj):
-        if f.name in ("tensors_", "optimizer", "strategy"):
-            continue
-        v = getattr(obj, f.name)
-        if dataclasses.is_dataclass(v) and not isinstance(v, type):
-            out.update(_values(v, f"{prefix}{f.name}."))
-        else:
-            out[prefix + f.name] = v
+    out.update(plain_values(state))
     return out
 
 
