@@ -231,3 +231,15 @@ def test_an_int_skip_on_a_stream_is_refused_naming_the_fix(tmp_path):
         ft.guard.SpikeGuard().rollback(state, tmp_path, skip=1)
     with pytest.raises(ValueError, match=r"skip must be the micro-batches observed"):
         ft.guard.SpikeGuard().rollback(state, tmp_path, skip=True)
+
+
+def test_an_int_skip_works_on_map_style_data_that_carries_a_position():
+    # Map-style groups carry a position too (the row reached); an int skip is refused only on
+    # a stream, where only the group knows where the data stands after it.
+    state = ft.guard.GuardedState.create(torch.nn.Linear(1, 1), ft.optim.sgd())
+    rows = [{"x": [float(i)]} for i in range(8)]
+    micro = next(iter(ft.make_batches(rows, state, batch_size=2, accum=2)))
+    assert micro.position is not None and '"kind":"map"' in micro.position
+    moved = state.replace(data=state.data.replace(cursor=2, position=micro.position))
+    guard = ft.guard.SpikeGuard(factor=3.0, warmup=1)
+    assert guard.rollback(moved, "/nonexistent-root-for-this-test", skip=2).data.cursor == 4

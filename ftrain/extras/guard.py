@@ -27,6 +27,7 @@ instead of rolling back forever.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -225,10 +226,18 @@ def _skipped(state: GuardedState, skip: MicroBatches | int) -> tuple[int, str | 
             f"skip must be the micro-batches observed (the group, or their number >= 1), got "
             f"{skip!r}"
         )
-    if state.data.position is not None:
+    if _on_stream(state):
         raise ValueError(
             f"skip={skip} on a stream: where the stream stands after the skipped micro-batches "
             "is known only to the group make_batches yielded. Pass skip=micro (the group just "
             "observed) instead of skip=len(micro)"
         )
     return skip, None
+
+
+def _on_stream(state: GuardedState) -> bool:
+    """Whether the state's data position is a stream's (map-style data has one too)."""
+    try:
+        return json.loads(state.data.position or "{}").get("kind") == "stream"
+    except (ValueError, AttributeError):
+        return False
