@@ -79,7 +79,7 @@ def read_position(text: str) -> dict[str, Any]:
     if pos.get("version") == 1 and type(pos.get("version")) is int:
         return pos  # an older ftrain's; make_batches says why it cannot resume from it
     _need(pos.get("version") == VERSION and type(pos["version"]) is int, "unknown version")
-    kind = pos.get("kind")
+    kind = pos.get("kind")  # a list or dict here would be unhashable for the lookup
     _need(
         isinstance(kind, str) and kind in _KEYS, f"kind must be 'stream' or 'map', got {_cut(kind)}"
     )
