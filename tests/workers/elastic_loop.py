@@ -19,6 +19,7 @@ import random
 import signal
 import sys
 import threading
+import time
 
 import torch
 from torch import nn
@@ -63,6 +64,11 @@ def train(
                 threading.Timer(delay, os.kill, (os.getpid(), how)).start()
             if root is not None:
                 ft.save_checkpoint(state, root, keep_last=2)
+            if state.step == kill_at:
+                # The signal lands within 30 ms, inside or right after this save: never train
+                # on past it, or on a fast machine an attempt would get further than planned
+                # and the job would run out of steps before its last planned kill.
+                time.sleep(120)
             if state.step >= total:
                 break
         else:
