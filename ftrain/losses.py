@@ -98,16 +98,9 @@ def causal_lm_loss(*, label_smoothing: float = 0.0) -> LossFn:
     def loss_fn(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if "labels" not in batch:
             raise KeyError("causal_lm_loss needs 'labels' in the batch (use input_ids as labels)")
+        # Position t predicts labels[t + 1]: drop the last logit and the first label.
         logits = model_logits(model, batch)[:, :-1]
-        labels = batch["labels"][:, 1:]
-        loss = F.cross_entropy(
-            upcast(logits.reshape(-1, logits.shape[-1])),
-            labels.reshape(-1),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
-            label_smoothing=label_smoothing,
-        )
-        return loss, (labels != IGNORE_INDEX).sum()
+        return _aligned_ce(logits, batch["labels"][:, 1:], label_smoothing)
 
     return loss_fn
 
