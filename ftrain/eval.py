@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -20,6 +19,7 @@ from ftrain.losses import (
     LossFn,
     default_loss,
     loss_for,
+    loss_name,
     model_logits,
     upcast,
 )
@@ -72,22 +72,27 @@ def evaluate(
     model runs in eval mode without gradients and gets its previous mode back afterwards.
     Reading the totals at the end is the one host sync.
 
-    The record names the loss it computed: `eval_loss_fn` is the qualified name of the function
-    behind `eval_loss` (`loss_name`). Without `loss_fn` that is `ftrain.losses.default_loss`
-    (cross-entropy), whatever loss the model was trained on: after training with your own
-    loss, pass the same `loss_fn` here, or `eval_loss` (and everything ranked by it: `track_best`,
-    `save_checkpoint(best_metric=...)`) measures a loss you did not train on. Checkpoint
-    retention refuses to rank checkpoints whose `eval_loss_fn` differ.
+    `eval_loss` is the loss the state trains on: without `loss_fn`, `state.loss_fn` (declared
+    at `TrainState.create(..., loss_fn=...)`, or the loss the last `clip_and_step` applied),
+    the default loss only when the state has none. So after training with a focal loss,
+    `evaluate(state, batches)` reports the focal loss, and `track_best` and
+    `save_checkpoint(best_metric=...)` rank by it. The record names the loss it computed:
+    `eval_loss_fn` is the qualified name of the function behind `eval_loss` (`loss_name`);
+    `track_best` refuses a record whose loss is not the state's, and checkpoint retention
+    refuses to rank checkpoints whose `eval_loss_fn` differ.
 
     Args:
         state: the state to evaluate (not consumed).
         batches: e.g. `make_batches(val, batch_size=16, shuffle=False)`.
-        loss_fn: `(model, batch) -> (loss_sum, num_items)`; `default_loss` if None.
+        loss_fn: `(model, batch) -> (loss_sum, num_items)`; if None, `state.loss_fn`, else
+            `default_loss`.
         metrics_fn: `(model, batch) -> {name: (sum, count)}`; each metric is reported as its
             global sum / count (accuracy: `(correct, n)`), in bounded memory. When it returns
             `"loss"` too (from the same forward pass, e.g. `classification_metrics`), that is
-            `eval_loss` and each batch runs through the model once; giving `loss_fn` as well is
-            then an error (one of them would be ignored).
+            `eval_loss` and each batch runs through the model once, unless the state trains on
+            a loss of its own (`state.loss_fn` other than the default loss): then `eval_loss`
+            is that loss and the metrics' loss is reported as `eval_metrics_loss`. Giving
+            `loss_fn` as well is an error (one of them would be ignored).
         perplexity: report `eval_ppl = exp(eval_loss)`. None (default): only where it is a
             perplexity, i.e. the default loss of a causal LM or seq2seq model; pass True for
             your own per-token loss.
@@ -104,16 +109,22 @@ def evaluate(
     """
     _check_args(state, batches, loss_fn, metrics_fn, perplexity, strategy)
     strategy = state.strategy if strategy is None else strategy
+    own = None if loss_fn is not None or state.loss_fn is default_loss else state.loss_fn
     sums: dict[str, torch.Tensor] = {}
     scorer: Callable[..., Any] | None = None  # the function whose loss is eval_loss
     # The default loss is a per-token LM loss (a perplexity) for causal LMs and seq2seq models.
-    tokens = loss_fn is None and metrics_fn is None and loss_for(state.model) in (_CAUSAL, _SEQ2SEQ)
+    tokens = (
+        loss_fn is None
+        and own is None
+        and metrics_fn is None
+        and loss_for(state.model) in (_CAUSAL, _SEQ2SEQ)
+    )
     with eval_mode(state.model), strategy.autocast():
         for batch in flatten_batches(batches):
             batch, weight = weighted(batch)  # a ZeroWeight stand-in runs and counts nothing
             batch = strategy.to_device(batch)
             tokens = tokens and _token_labels(batch)
-            parts, scorer = _batch_sums(state.model, batch, loss_fn, metrics_fn)
+            parts, scorer = _batch_sums(state.model, batch, loss_fn, metrics_fn, own)
             for name, (s, n) in parts.items():
                 pair = weight * torch.stack(
                     [torch.as_tensor(x, device=strategy.device).double() for x in (s, n)]
@@ -150,11 +161,19 @@ def _check_args(
 
 
 def _batch_sums(
-    model: nn.Module, batch: Any, loss_fn: LossFn | None, metrics_fn: MetricsFn | None
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn | None,
+    metrics_fn: MetricsFn | None,
+    own: LossFn | None,
 ) -> tuple[dict[str, Any], Callable[..., Any]]:
+    """One batch's (sum, count) per reported name, and the function behind "loss". `own` is
+    the state's training loss when it is not the default one (and no `loss_fn` was given)."""
     parts = dict(metrics_fn(model, batch)) if metrics_fn is not None else {}
+    if own is not None and "loss" in parts:  # the training loss is eval_loss; keep theirs too
+        parts["metrics_loss"] = parts.pop("loss")
     if metrics_fn is None or "loss" not in parts:
-        scorer = default_loss if loss_fn is None else loss_fn
+        scorer = loss_fn if loss_fn is not None else own if own is not None else default_loss
         parts["loss"] = scorer(model, batch)
         return parts, scorer
     if loss_fn is not None:
@@ -164,24 +183,6 @@ def _batch_sums(
             "metrics_fn to report loss_fn's"
         )
     return parts, metrics_fn
-
-
-def loss_name(fn: Callable[..., Any] | None) -> str:
-    """The name `evaluate` records as `eval_loss_fn`: `module.qualname` of a loss function.
-
-    None is the default loss. A `functools.partial` is named by the function it wraps, and a
-    callable object by its class.
-
-    Example:
-        >>> from ftrain.eval import loss_name
-        >>> loss_name(None)
-        'ftrain.losses.default_loss'
-    """
-    fn = default_loss if fn is None else fn
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    named = fn if hasattr(fn, "__qualname__") else type(fn)
-    return f"{named.__module__}.{named.__qualname__}"
 
 
 def _token_labels(batch: Any) -> bool:
@@ -216,10 +217,13 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
 def classification_metrics(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
     """A `metrics_fn` for classifiers: summed cross-entropy and accuracy from one forward pass.
 
-    Labels of -100 are ignored. `evaluate(state, batches, metrics_fn=ft.classification_metrics)`
-    reports `eval_loss` and `eval_accuracy`.
+    One label per row (sequence classification) or per token (token classification: logits
+    `(batch, seq, classes)`, labels `(batch, seq)`, no shift). Labels of -100 are ignored.
+    `evaluate(state, batches, metrics_fn=ft.classification_metrics)` reports `eval_loss` and
+    `eval_accuracy`.
     """
     logits, labels = upcast(model_logits(model, batch)), batch["labels"]
+    logits, labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)  # token labels too
     keep = labels != IGNORE_INDEX
     loss = torch.nn.functional.cross_entropy(
         logits, labels, ignore_index=IGNORE_INDEX, reduction="sum"

@@ -24,7 +24,8 @@ class Stats(NamedTuple):
     `num_tokens` (non-padding input tokens) and `num_samples` are device tensors; reading them
     is a host sync. `num_micro` is this step's micro-batch count, a host int. `position` is
     where the data stands after these micro-batches (JSON, `ft.data.MicroBatches.position`), which
-    `clip_and_step` keeps in the state.
+    `clip_and_step` keeps in the state. `loss_fn` is the loss these gradients are of, which
+    `clip_and_step` records as `state.loss_fn` (so `evaluate` reports that loss by default).
     """
 
     loss: torch.Tensor
@@ -33,6 +34,7 @@ class Stats(NamedTuple):
     num_samples: torch.Tensor
     num_micro: int
     position: str | None = None
+    loss_fn: LossFn | None = None
 
 
 class Grads(dict[str, torch.Tensor]):
@@ -173,7 +175,8 @@ def accumulate_grads(
     Args:
         state: the current state (not consumed).
         micro: the micro-batches of one optimizer step, as yielded by `make_batches`.
-        loss_fn: `(model, batch) -> (loss_sum, num_items)`; `ft.losses.default_loss` if None.
+        loss_fn: `(model, batch) -> (loss_sum, num_items)`; if None, `state.loss_fn`, else
+            `ft.losses.default_loss`.
         strategy: overrides `state.strategy`.
 
     Returns:
@@ -190,10 +193,10 @@ def accumulate_grads(
         model.train()
     for p in params.values():
         p.grad = None
+    if loss_fn is None:
+        loss_fn = default_loss if state.loss_fn is None else state.loss_fn
     # float16 training scales the loss up so small gradients survive backward (ft.precision).
-    counts, divided = _forward_backward(
-        state, micro, default_loss if loss_fn is None else loss_fn, strategy
-    )
+    counts, divided = _forward_backward(state, micro, loss_fn, strategy)
     loss_total, num_items_t, _, _ = counts.unbind()
     grads = Grads((n, p.grad) for n, p in params.items() if p.grad is not None)
     if grads and not divided:
@@ -214,6 +217,7 @@ def accumulate_grads(
         num_samples=num_samples,
         num_micro=len(micro),
         position=micro.position if isinstance(micro, MicroBatches) else None,
+        loss_fn=loss_fn,
     )
     return grads, stats
 

@@ -7,12 +7,17 @@ exact with ragged padding (the 2024 HF gradient-accumulation bug came from avera
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+import inspect
+import warnings
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ftrain.process_state import STATE
 
 __all__ = [
     "IGNORE_INDEX",
@@ -21,6 +26,8 @@ __all__ = [
     "classification_loss",
     "default_loss",
     "loss_for",
+    "loss_name",
+    "model_inputs",
     "model_logits",
     "seq2seq_loss",
     "token_classification_loss",
@@ -52,12 +59,78 @@ def upcast(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
-def model_logits(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
-    """Run `model` on a dict batch without its `labels` and return the logits.
+def model_inputs(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments `model` gets from a dict batch: all but `labels` and the keys its
+    `forward` does not name.
 
-    The batch's other keys are the keyword arguments. The output's `.logits` (HF models), else
-    its first element when it is a tuple, else the output itself. Labels stay out so that an HF
-    model does not compute a (mean) loss of its own.
+    What the Trainer's `remove_unused_columns=True` does: dataset columns the model does not
+    take (a raw `text`, an `id`) stay out of the call, and a `UserWarning` names them (once per
+    place and set of keys, Python's default warning filter). The batch itself keeps them, so a
+    `loss_fn` of your own can read them; call this to run the model from it. The names come from
+    the innermost model's `forward` (through PEFT, `torch.compile`, DDP and Opacus wrappers, as
+    `loss_for`); a `forward` that names no parameter (`**kwargs` only) takes every key.
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> class Lm(torch.nn.Module):
+        ...     def forward(self, input_ids, attention_mask=None):
+        ...         return input_ids
+        >>> batch = {"input_ids": torch.tensor([[1]]), "labels": torch.tensor([[1]]), "id": ["a"]}
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as seen:
+        ...     warnings.simplefilter("always")
+        ...     sorted(ft.losses.model_inputs(Lm(), batch))
+        ['input_ids']
+        >>> str(seen[0].message)  # doctest: +ELLIPSIS
+        "the model's forward (Lm) takes no 'id': left out of its inputs..."
+    """
+    names, required = _forward_names(model)
+    inputs = {k: v for k, v in batch.items() if k != "labels" and (names is None or k in names)}
+    if not required <= inputs.keys():
+        missing = ", ".join(repr(k) for k in sorted(required - inputs.keys()))
+        raise TypeError(
+            f"the model's forward ({type(_base_model(model)).__name__}) needs {missing}, which "
+            f"the batch does not hold (it has {', '.join(map(repr, batch))}); name the batch's "
+            "keys after the forward's arguments, or pass loss_fn=... that calls the model"
+        )
+    if len(inputs) + ("labels" in batch) != len(batch):
+        dropped = ", ".join(repr(k) for k in batch if k != "labels" and k not in inputs)
+        warnings.warn(
+            f"the model's forward ({type(_base_model(model)).__name__}) takes no {dropped}: left "
+            "out of its inputs, as the Trainer's remove_unused_columns does (the batch keeps "
+            "them for a loss_fn of your own; drop them from the data to silence this)",
+            UserWarning,
+            stacklevel=3,
+        )
+    return inputs
+
+
+_Params = tuple[frozenset[str] | None, frozenset[str]]
+
+
+def _forward_names(model: nn.Module) -> _Params:
+    """The parameter names of the innermost model's `forward` (None: `**kwargs` only) and
+    those of them without a default."""
+    memo = STATE.forward_inputs
+    try:
+        return memo[model]
+    except KeyError:
+        pass
+    params = inspect.signature(_base_model(model).forward).parameters.values()
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    named = [p for p in params if p.kind in kinds]
+    required = frozenset(p.name for p in named if p.default is inspect.Parameter.empty)
+    memo[model] = found = (frozenset(p.name for p in named) or None, required - {"labels"})
+    return found
+
+
+def model_logits(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+    """Run `model` on a dict batch and return the logits.
+
+    The keyword arguments are `model_inputs(model, batch)`: the batch without its `labels` (so
+    that an HF model does not compute a mean loss of its own) and without keys the model's
+    `forward` does not name. The output's `.logits` (HF models), else its first element when it
+    is a tuple, else the output itself.
 
     Example:
         >>> import torch, ftrain as ft
@@ -68,8 +141,7 @@ def model_logits(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
         >>> ft.losses.model_logits(Lm(), batch).shape
         torch.Size([1, 3, 5])
     """
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    out = model(**inputs)
+    out = model(**model_inputs(model, batch))
     return out.logits if hasattr(out, "logits") else out[0] if isinstance(out, tuple) else out
 
 
@@ -345,3 +417,21 @@ def default_loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tens
             "the default loss needs a dict batch with 'labels'; pass loss_fn=... for other data"
         )
     return fn(model, batch)
+
+
+def loss_name(fn: Callable[..., Any] | None) -> str:
+    """The name `evaluate` records as `eval_loss_fn`: `module.qualname` of a loss function.
+
+    None is the default loss. A `functools.partial` is named by the function it wraps, and a
+    callable object by its class.
+
+    Example:
+        >>> from ftrain.losses import loss_name
+        >>> loss_name(None)
+        'ftrain.losses.default_loss'
+    """
+    fn = default_loss if fn is None else fn
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    named = fn if hasattr(fn, "__qualname__") else type(fn)
+    return f"{named.__module__}.{named.__qualname__}"

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ftrain.losses import loss_name
 from ftrain.state import TrainState
 from ftrain.strategies import active_preemption
 
@@ -97,10 +98,10 @@ def track_best(
     it (any strict improvement). A NaN value is never the best and counts as no improvement
     (HF starts from +-inf, and no comparison with NaN is true).
 
-    Rank by the loss you train on: `evaluate` without `loss_fn` reports the default loss
-    (its record says so: `eval_loss_fn` is `ftrain.losses.default_loss`), so after training
-    with your own loss, evaluate with it too (`evaluate(state, batches, loss_fn)`). A state
-    does not know its training loss; `save_checkpoint(best_metric=...)` refuses to rank
+    Ranked by the loss the state trains on: `evaluate(state, batches)` reports
+    `state.loss_fn` as `eval_loss`, and a record of `evaluate` whose loss is another one
+    (its `eval_loss_fn` is not the state's, e.g. `evaluate(..., loss_fn=other)`) is refused
+    when ranking by `eval_loss`; `save_checkpoint(best_metric=...)` refuses to rank
     checkpoints whose recorded loss functions differ.
 
     Args:
@@ -115,6 +116,8 @@ def track_best(
             a value that is not a number.
         ValueError: for a bad `mode` or `threshold`.
         KeyError: when `metrics` does not hold `metric`.
+        ValueError: when ranking by `eval_loss` a record whose `eval_loss_fn` is not the loss
+            the state trains on (`state.loss_fn`).
     """
     _check_state(state)
     if mode not in ("min", "max"):
@@ -127,6 +130,7 @@ def track_best(
         if metric not in metrics:
             raise KeyError(f"metric {metric!r} not in metrics (have {sorted(metrics)})")
         value = metrics[metric]
+        _check_loss(state, metrics, metric)
     else:
         value = metrics
     if not (_real(value) or (isinstance(value, torch.Tensor) and value.numel() == 1)):
@@ -149,6 +153,21 @@ def track_best(
     if better:
         return _stopping(state, best_metric=value, best_step=state.step, patience_counter=counter)
     return _stopping(state, patience_counter=counter)
+
+
+def _check_loss(state: TrainState, metrics: Mapping[str, Any], metric: str) -> None:
+    """Refuse to rank by an `eval_loss` computed with another loss than the training one."""
+    recorded = metrics.get("eval_loss_fn")
+    if metric != "eval_loss" or recorded is None or state.loss_fn is None:
+        return
+    trained = loss_name(state.loss_fn)
+    if recorded != trained:
+        raise ValueError(
+            f"track_best: metrics' eval_loss is {recorded} (eval_loss_fn) but the state trains "
+            f"on {trained} (state.loss_fn): ranking checkpoints by it picks by a loss you do "
+            "not train on. Evaluate with the training loss (evaluate(state, batches) uses it), "
+            "or rank by another key (metric=...)"
+        )
 
 
 def _real(value: Any) -> bool:

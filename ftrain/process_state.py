@@ -31,6 +31,9 @@ Caches of pure lookups: they never change a result, so `snapshot()` leaves them 
         Weak keys: an entry goes with its optimizer.
     `compiled_steps`  an optimizer's `update` function -> its `torch.compile`d step. Owner:
         `clip_and_step(compile=True)`. Weak keys: an entry goes with its optimizer.
+    `forward_inputs`  a model -> the keyword arguments its (innermost) `forward` names (None
+        when it takes any: `**kwargs` only) and those it requires. Owner: `ftrain.losses`
+        (`model_inputs`). Weak keys: an entry goes with its model.
     `kernel_import_errors`  a fused-loss kernel -> why its library does not import (None: it
         does). Owner: `ftrain.extras.chunked_loss`; for the life of the process (each import
         is tried once).
@@ -90,6 +93,9 @@ class ProcessState:
     ema_swapped: list[Any] = field(default_factory=list)
     optimizer_twins: _Weak[Callable[..., Any], Any] = field(default_factory=_Weak)
     compiled_steps: _Weak[Callable[..., Any], Any] = field(default_factory=_Weak)
+    forward_inputs: _Weak[Any, tuple[frozenset[str] | None, frozenset[str]]] = field(
+        default_factory=_Weak
+    )
     kernel_import_errors: dict[str, str | None] = field(default_factory=dict)
     dp_noise_key: bytes | None = None
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -134,9 +134,11 @@ class TrainState:
     view of the trainable ones. Step functions update tensors in place and *consume* their
     input state: reading a consumed state's tensors raises `ConsumedStateError`.
 
-    Top-level values: `step` (optimizer updates done), `epoch`, `seed`, the `optimizer` and
-    the `strategy`. Related values are grouped in small frozen sub-states: `data`
-    (`DataState`: cursor, data position, batch size, tokens and samples seen),
+    Top-level values: `step` (optimizer updates done), `epoch`, `seed`, the `optimizer`, the
+    `strategy` and `loss_fn`, the loss the state trains on (declared at `create`, else the one
+    the last `clip_and_step` applied; None before: the default loss), which `accumulate_grads`
+    and `evaluate` use when they get none. Related values are grouped in small frozen
+    sub-states: `data` (`DataState`: cursor, data position, batch size, tokens and samples seen),
     `early_stopping` (`EarlyStoppingState`) and `scaler` (`ScalerState`). Change one with
     `state.replace(data=state.data.replace(cursor=0))`.
 
@@ -156,6 +158,7 @@ class TrainState:
     data: DataState = DataState()
     early_stopping: EarlyStoppingState = EarlyStoppingState()
     scaler: ScalerState = ScalerState()
+    loss_fn: Callable[..., Any] | None = None
 
     @classmethod
     def create(
@@ -165,6 +168,7 @@ class TrainState:
         *,
         seed: int = 0,
         strategy: Strategy | None = None,
+        loss_fn: Callable[..., Any] | None = None,
     ) -> TrainState:
         """Set up `model` with `strategy` and initialise the optimizer state.
 
@@ -174,9 +178,14 @@ class TrainState:
             optimizer: an `ft.optim.Optimizer`.
             seed: drives data order and dropout; resume is exact without saving RNG state.
             strategy: device/distribution strategy, `SingleDevice()` by default.
+            loss_fn: the loss this state trains on, `(model, batch) -> (loss_sum, num_items)`:
+                `accumulate_grads` and `evaluate` use it when they get no `loss_fn`, so the
+                evaluation reports (and `track_best` ranks by) the training loss. None: the
+                default loss (`ft.losses.loss_for(model)`), until a step applies another.
 
         Raises:
-            TypeError: if `model` is not an `nn.Module` or `optimizer` not an `Optimizer`.
+            TypeError: if `model` is not an `nn.Module`, `optimizer` not an `Optimizer` or
+                `loss_fn` not callable.
             ValueError: if the model has no trainable parameter.
         """
         if not isinstance(model, nn.Module):
@@ -190,6 +199,8 @@ class TrainState:
             raise TypeError(f"seed must be an int, got {seed!r}")
         if strategy is not None and not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be an ft.strategies.Strategy, got {strategy!r}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn must be a function (model, batch) -> ..., got {loss_fn!r}")
         strategy = SingleDevice() if strategy is None else strategy
         model = strategy.setup(model)
         params = _trainable(strategy.unwrap(model))
@@ -211,6 +222,7 @@ class TrainState:
             seed=seed,
             data=DataState(tokens_seen=_zero(device), samples_seen=_zero(device)),
             scaler=scaler,
+            loss_fn=loss_fn,
         )
 
     # Tensor-holding values are reached through properties so that a consumed state fails.
@@ -330,7 +342,8 @@ def _cloned(obj: Any) -> dict[str, Any]:
 def plain_values(state: TrainState) -> dict[str, Any]:
     """The state's values by dotted name, sub-states walked: `step`, `data.cursor`,
     `early_stopping.best_metric`, `scaler.scale`, ... (a subclass's fields too); the tensors,
-    the optimizer and the strategy are left out. What a checkpoint's `state.json` holds.
+    the optimizer, the strategy and the loss function are left out. What a checkpoint's
+    `state.json` holds.
 
     Example:
         >>> import torch, ftrain as ft
@@ -342,7 +355,7 @@ def plain_values(state: TrainState) -> dict[str, Any]:
     return _walk(state, "")
 
 
-_NOT_PLAIN = frozenset({"tensors_", "optimizer", "strategy"})
+_NOT_PLAIN = frozenset({"tensors_", "optimizer", "strategy", "loss_fn"})
 
 
 def _walk(obj: Any, prefix: str) -> dict[str, Any]:

@@ -122,7 +122,8 @@ def clip_and_step(
             of yours is left as it is.
         lr: learning rate of this update, e.g. `schedule(state.step)`.
         max_norm: clip threshold; None measures the norm without clipping.
-        stats: the `Stats` of this step, to advance the data counters.
+        stats: the `Stats` of this step, to advance the data counters and record the loss
+            it trained on (`state.loss_fn`).
         skip_nonfinite: skip the update when the gradient norm is inf or NaN (always on with
             loss scaling).
         donate: update in place and consume `state` and `grads`; False snapshots the state
@@ -190,6 +191,8 @@ def clip_and_step(
             tokens_seen=d.tokens_seen + stats.num_tokens,
             samples_seen=d.samples_seen + stats.num_samples,
         )
+        if stats.loss_fn is not None and stats.loss_fn is not state.loss_fn:
+            changes["loss_fn"] = stats.loss_fn  # what evaluate reports by default from now on
     skipped = skip if skip is not None else torch.zeros((), dtype=torch.bool, device=norm.device)
     return state.consume("clip_and_step", **changes), StepInfo(
         grad_norm=norm, skipped=skipped, lr=float(lr)

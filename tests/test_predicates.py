@@ -139,6 +139,14 @@ def test_early_stopping_ranks_the_loss_the_record_names():
     assert stopped_at is not None  # the large learning rate overshoots: no improvement twice
     assert {r["eval_loss_fn"] for r in records} == {f"{__name__}._focal"}
     assert state.early_stopping.best_metric == min(r["eval_loss"] for r in records)
-    default = ft.evaluate(state, ft.make_batches(rows[48:], batch_size=8, shuffle=False))
-    assert default["eval_loss_fn"] == "ftrain.losses.default_loss"  # the mismatch is visible
+    # Without loss_fn, evaluate reports the loss the state trained on (state.loss_fn) ...
+    again = ft.evaluate(state, ft.make_batches(rows[48:], batch_size=8, shuffle=False))
+    assert again["eval_loss_fn"] == f"{__name__}._focal"
+    assert again["eval_loss"] == records[-1]["eval_loss"]
+    # ... and an evaluation with another loss is refused when ranked by eval_loss.
+    default = ft.evaluate(
+        state, ft.make_batches(rows[48:], batch_size=8, shuffle=False), ft.losses.default_loss
+    )
     assert default["eval_loss"] != pytest.approx(records[-1]["eval_loss"])
+    with pytest.raises(ValueError, match="trains on"):
+        ft.track_best(state, default)

@@ -29,8 +29,9 @@ def pad_collate(
     Sequence fields are padded to the longest row: `input_ids` with `pad_id`, `labels` with
     `label_pad_id`, `attention_mask` (created from the row lengths when missing, unless
     `attention_mask=False`) with 0, and any other sequence (e.g. `position_ids`) with 0.
-    Scalars (e.g. a class `label`) are stacked. Rows that are not dicts use torch's default
-    collate.
+    Scalars (e.g. a class `label`) are stacked. Fields that hold text (or None) stay lists of
+    their values: the model never gets them (`ft.losses.model_inputs`), a `loss_fn` of your own
+    can read them. Rows that are not dicts use torch's default collate.
 
     Args:
         pad_id: padding token id for `input_ids`.
@@ -60,17 +61,48 @@ def pad_collate(
             return torch.utils.data.default_collate(rows)
         out: dict[str, Any] = {}
         for key in rows[0]:
-            values = [torch.as_tensor(r[key]) for r in rows]
-            if values[0].dim() == 0:
-                out[key] = torch.stack(values)
-                continue
-            out[key] = _pad(values, pads.get(key, 0), padding_side, pad_to_multiple_of)
+            out[key] = _column(rows, key, pads.get(key, 0), padding_side, pad_to_multiple_of)
         if attention_mask and "input_ids" in out and "attention_mask" not in out:
             masks = [torch.ones(len(r["input_ids"]), dtype=torch.long) for r in rows]
             out["attention_mask"] = _pad(masks, 0, padding_side, pad_to_multiple_of)
         return out
 
     return collate
+
+
+def _column(rows: list[Any], key: str, pad: int, side: str, multiple: int | None) -> Any:
+    """One field of the rows as a batch: stacked scalars, padded sequences, or, for text and
+    other values that are not numbers (a raw `text`, a string `id`), the list of values."""
+    try:
+        raw = [r[key] for r in rows]
+    except (KeyError, TypeError):
+        lacking = next(i for i, r in enumerate(rows) if not isinstance(r, Mapping) or key not in r)
+        raise KeyError(
+            f"collate: row {lacking} of the batch has no field {key!r} (row 0 has "
+            f"{', '.join(map(repr, rows[0]))}); every row needs the same fields"
+        ) from None
+    if any(_is_text(v) for v in raw):
+        return raw  # kept for a loss_fn of your own; the model never sees it (model_inputs)
+    try:
+        values = [torch.as_tensor(v) for v in raw]
+        if values[0].dim() == 0:
+            return torch.stack(values)
+        return _pad(values, pad, side, multiple)
+    except (TypeError, ValueError, RuntimeError) as e:
+        kinds = sorted({type(v).__name__ for v in raw})
+        raise TypeError(
+            f"collate: cannot make a tensor of field {key!r} ({'/'.join(kinds)} values): {e}. "
+            "Remove the field from the data (dataset.remove_columns), or pass collate_fn="
+        ) from e
+
+
+def _is_text(value: Any) -> bool:
+    """A string, bytes or None, or a list of them (a field no tensor can hold)."""
+    if value is None or isinstance(value, (str, bytes)):
+        return True
+    if isinstance(value, (list, tuple)) and value:
+        return _is_text(value[0])
+    return False
 
 
 def _pad(values: list[torch.Tensor], pad: int, side: str, multiple: int | None) -> torch.Tensor:
