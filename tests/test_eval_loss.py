@@ -134,3 +134,14 @@ def test_early_stopping_and_retention_rank_by_the_training_loss(tmp_path):
     assert best in kept and 6 in kept and len(kept) <= 2
     meta = json.loads((tmp_path / f"step-{best}" / "state.json").read_text())
     assert "focal" in json.dumps(meta)
+
+
+def test_per_sample_grads_use_the_declared_loss_too():
+    declared = ft.TrainState.create(tiny_bert_tagger(), ft.optim.adamw(), loss_fn=focal)
+    batch = ft.data.pad_collate()(TRAIN[:3])
+    got = ft.func.per_sample_grads(declared, batch, chunk_size=1)  # HF masks: no vmap
+    want = ft.func.per_sample_grads(declared, batch, loss_fn=focal, chunk_size=1)
+    other = ft.func.per_sample_grads(declared, batch, loss_fn=ft.losses.default_loss, chunk_size=1)
+    assert any(not torch.equal(got[n], other[n]) for n in got)  # focal, not cross-entropy
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)

@@ -78,7 +78,8 @@ def assert_accumulation_exact(
     Args:
         state: a state of the model under test.
         data: rows, as `make_batches` accepts them; at least `batch_size * accum`.
-        loss_fn: `(model, batch) -> (loss_sum, num_items)`; `ft.losses.default_loss` if None.
+        loss_fn: `(model, batch) -> (loss_sum, num_items)`; if None, `state.loss_fn`, else
+            `ft.losses.default_loss`.
         batch_size: rows per micro-batch.
         accum: micro-batches (at least 2 for the check to mean anything).
         collate_fn: your collate; `make_batches`' default if None.

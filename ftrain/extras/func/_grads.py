@@ -66,7 +66,9 @@ def _example_fn(state: TrainState, loss_fn: LossFn | None, *, vectorize: bool) -
     """
     model = state.strategy.unwrap(state.model)
     check_model(model)
-    lm = _LossModule(model, default_loss if loss_fn is None else loss_fn)
+    if loss_fn is None:  # as accumulate_grads: the state's loss, else the default one
+        loss_fn = default_loss if state.loss_fn is None else state.loss_fn
+    lm = _LossModule(model, loss_fn)
 
     def loss(params: dict[str, torch.Tensor], batch: Any) -> Any:
         loss_sum, n = functional_call(lm, params, (batch,))
@@ -165,7 +167,8 @@ def per_sample_grads(
     Args:
         state: the current state (not consumed).
         batch: one micro-batch; every leaf a tensor with a leading example dimension.
-        loss_fn: `(model, batch) -> (loss_sum, num_items)`; `ft.losses.default_loss` if None.
+        loss_fn: `(model, batch) -> (loss_sum, num_items)`; if None, `state.loss_fn`, else
+            `ft.losses.default_loss`.
         chunk_size: vectorize over at most this many examples at once (bounds the memory of
             the intermediate activations and gradients); all at once if None. 1 runs one
             example at a time without `vmap`: slower, but data-dependent control flow works
@@ -353,7 +356,8 @@ def private_grads(
     Args:
         state: the current state (not consumed).
         micro: the micro-batches of one optimizer step.
-        loss_fn: `(model, batch) -> (loss_sum, num_items)`; `ft.losses.default_loss` if None.
+        loss_fn: `(model, batch) -> (loss_sum, num_items)`; if None, `state.loss_fn`, else
+            `ft.losses.default_loss`.
         max_norm: per-example clipping threshold C.
         noise_multiplier: sigma; the noise std is `sigma * C`. 0 gives clipped gradients only.
         expected_batch_size: the denominator B; the number of examples if None.
