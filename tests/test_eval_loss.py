@@ -145,3 +145,23 @@ def test_per_sample_grads_use_the_declared_loss_too():
     assert any(not torch.equal(got[n], other[n]) for n in got)  # focal, not cross-entropy
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
+
+
+def test_private_grads_record_the_loss_and_the_data_position_as_accumulate_grads():
+    """DP-SGD steps keep the state's data position (so a resume continues exactly) and its
+    training loss (so evaluate reports it)."""
+    rows = [{"x": [float(i), 1.0], "labels": [float(i % 2)]} for i in range(16)]
+
+    def mse(model, batch):
+        return ((model(batch["x"]) - batch["labels"]) ** 2).sum(), batch["x"].shape[0]
+
+    def run(grads_fn):
+        state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd(), seed=0)
+        group = next(iter(ft.make_batches(rows, state, batch_size=4, accum=2)))
+        grads, stats = grads_fn(state, group)
+        state, _ = ft.clip_and_step(state, grads, stats=stats, lr=0.1)
+        return state
+
+    dp = run(lambda s, g: ft.func.private_grads(s, g, mse, max_norm=1.0, noise_multiplier=0.0))
+    plain = run(lambda s, g: ft.accumulate_grads(s, g, mse))
+    assert dp.loss_fn is mse and dp.data.position == plain.data.position is not None

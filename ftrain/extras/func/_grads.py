@@ -14,6 +14,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ftrain.data import MicroBatches
 from ftrain.grads import Stats, batch_counts
 from ftrain.losses import LossFn, default_loss
 from ftrain.process_state import STATE
@@ -58,6 +59,14 @@ def check_model(model: nn.Module) -> None:
             )
 
 
+def _resolved(state: TrainState, loss_fn: LossFn | None) -> LossFn:
+    """The loss to use, as `accumulate_grads` picks it: the given one, else the state's, else
+    the default loss."""
+    if loss_fn is not None:
+        return loss_fn
+    return default_loss if state.loss_fn is None else state.loss_fn
+
+
 def _example_fn(state: TrainState, loss_fn: LossFn | None, *, vectorize: bool) -> Any:
     """`f(params, examples) -> (grads, (loss_sums, num_items))`, each with a leading example dim.
 
@@ -66,9 +75,7 @@ def _example_fn(state: TrainState, loss_fn: LossFn | None, *, vectorize: bool) -
     """
     model = state.strategy.unwrap(state.model)
     check_model(model)
-    if loss_fn is None:  # as accumulate_grads: the state's loss, else the default one
-        loss_fn = default_loss if state.loss_fn is None else state.loss_fn
-    lm = _LossModule(model, loss_fn)
+    lm = _LossModule(model, _resolved(state, loss_fn))
 
     def loss(params: dict[str, torch.Tensor], batch: Any) -> Any:
         loss_sum, n = functional_call(lm, params, (batch,))
@@ -409,5 +416,7 @@ def private_grads(
         num_tokens=torch.stack(tokens).sum().long(),
         num_samples=torch.tensor(examples, device=device),
         num_micro=len(micro),
+        position=micro.position if isinstance(micro, MicroBatches) else None,
+        loss_fn=_resolved(state, loss_fn),
     )
     return grads, stats
