@@ -44,7 +44,10 @@ def make_prompts(n: int, seed: int) -> list[dict[str, Any]]:
 
 def correct(prompts: Sequence[list[int]], completions: Sequence[list[int]]) -> list[float]:
     """1 when the completion starts with the digit of a + b."""
-    return [float(bool(c) and c[0] == p[0] + p[2] - ZERO) for p, c in zip(prompts, completions)]
+    return [
+        float(bool(c) and c[0] == p[0] + p[2] - ZERO)
+        for p, c in zip(prompts, completions, strict=True)
+    ]
 
 
 def formatted(prompts: Sequence[list[int]], completions: Sequence[list[int]]) -> list[float]:
@@ -57,42 +60,82 @@ REWARDS: tuple[Callable[..., list[float]], ...] = (correct, formatted)
 
 def score(rollout: ft.rl.Rollout) -> torch.Tensor:
     """The summed rewards of each completion (prompt and completion tokens, padding dropped)."""
-    prompts = [ids[m.bool()].tolist() for ids, m in zip(rollout.prompt_ids, rollout.prompt_mask)]
-    done = [ids[m.bool()].tolist() for ids, m in zip(rollout.completion_ids, rollout.completion_mask)]  # fmt: skip
+    prompts = [
+        ids[m.bool()].tolist()
+        for ids, m in zip(rollout.prompt_ids, rollout.prompt_mask, strict=True)
+    ]
+    done = [
+        ids[m.bool()].tolist()
+        for ids, m in zip(rollout.completion_ids, rollout.completion_mask, strict=True)
+    ]
     per_fn = [fn(prompts, done) for fn in REWARDS]
-    return torch.tensor([sum(r) for r in zip(*per_fn)])
+    return torch.tensor([sum(r) for r in zip(*per_fn, strict=True)])
 
 
 def build_model(seed: int) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=16, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-                         pad_token_id=PAD, eos_token_id=EOS, bos_token_id=EOS)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=16,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=EOS,
+    )
     model = LlamaForCausalLM(config)
     model.generation_config.pad_token_id, model.generation_config.eos_token_id = PAD, EOS
     return model
 
 
-def train(state: ft.TrainState, prompts: list[dict[str, Any]], *, reference: Any, args: Any,
-          on_rollout: Callable[..., None] | None = None) -> ft.TrainState:  # fmt: skip
+def train(
+    state: ft.TrainState,
+    prompts: list[dict[str, Any]],
+    *,
+    reference: Any,
+    args: Any,
+    on_rollout: Callable[..., None] | None = None,
+) -> ft.TrainState:
     """The README loop: sample -> score -> advantages -> accumulate_grads -> clip_and_step."""
     G, steps = args.generations, args.steps
-    loss_fn = ft.rl.policy_loss(loss_type=args.loss_type, beta=args.beta, epsilon=0.2,
-                                epsilon_high=0.28, max_completion_length=MAX_NEW_TOKENS)  # fmt: skip
+    loss_fn = ft.rl.policy_loss(
+        loss_type=args.loss_type,
+        beta=args.beta,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        max_completion_length=MAX_NEW_TOKENS,
+    )
     while state.step < steps:
         for micro in ft.make_batches(prompts, state, batch_size=args.prompts, accum=1):
-            rollouts = [ft.rl.sample(state, p, index=p["index"], num_generations=G,
-                                     max_new_tokens=MAX_NEW_TOKENS, temperature=1.0)
-                        for p in micro]  # fmt: skip
+            rollouts = [
+                ft.rl.sample(
+                    state,
+                    p,
+                    index=p["index"],
+                    num_generations=G,
+                    max_new_tokens=MAX_NEW_TOKENS,
+                    temperature=1.0,
+                )
+                for p in micro
+            ]
             rewards = [score(r) for r in rollouts]
             advantages = [ft.rl.group_advantages(r, G) for r in rewards]
             batches = ft.rl.rollout_batches(rollouts, advantages, micro, reference=reference)
             if on_rollout is not None:
                 on_rollout(state, rollouts, rewards)
-            for i in range(args.iterations):  # later updates reuse the rollouts: count the data once
+            # later updates reuse the rollouts: the data is counted once
+            for i in range(args.iterations):
                 grads, stats = ft.accumulate_grads(state, batches, loss_fn)
-                state, info = ft.clip_and_step(state, grads, lr=args.lr, max_norm=1.0,
-                                               stats=stats if i == args.iterations - 1 else None)  # fmt: skip
+                state, _ = ft.clip_and_step(
+                    state,
+                    grads,
+                    lr=args.lr,
+                    max_norm=1.0,
+                    stats=stats if i == args.iterations - 1 else None,
+                )
             if args.root and ft.should_save(state, every=args.iterations * args.save_every):
                 ft.save_checkpoint(state, args.root, keep_last=2)
             if state.step >= steps:
@@ -104,8 +147,8 @@ def train(state: ft.TrainState, prompts: list[dict[str, Any]], *, reference: Any
 
 def main(argv: list[str] | None = None) -> list[float]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=120, help="optimizer updates")
-    p.add_argument("--prompts", type=int, default=16, help="prompts per rollout batch")
+    p.add_argument("--steps", type=int, default=200, help="optimizer updates")
+    p.add_argument("--prompts", type=int, default=32, help="prompts per rollout batch")
     p.add_argument("--generations", type=int, default=8, help="completions per prompt (G)")
     p.add_argument("--iterations", type=int, default=2, help="updates per rollout batch")
     p.add_argument("--loss-type", default="dapo", choices=["grpo", "bnpo", "dr_grpo", "dapo"])

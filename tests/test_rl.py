@@ -45,8 +45,15 @@ def test_greedy_sampling_equals_hf_generate():
     prompts, stopping at the stop token (two rows do, one runs to the end; padding after it),
     every generation of a prompt alike."""
     state = _state()
-    r = ft.rl.sample(state, _prompts(), index=[0, 1, 2], num_generations=2, max_new_tokens=8,
-                     top_k=1, stop_token_ids=[4])  # fmt: skip
+    r = ft.rl.sample(
+        state,
+        _prompts(),
+        index=[0, 1, 2],
+        num_generations=2,
+        max_new_tokens=8,
+        top_k=1,
+        stop_token_ids=[4],
+    )
     with torch.no_grad():
         out = state.model.generate(**_prompts(), do_sample=False, max_new_tokens=8, eos_token_id=4)
     want = out[:, W.PROMPTS.shape[1] :]
@@ -70,8 +77,9 @@ def test_warp_logits_equals_hf_warpers():
         want = TemperatureLogitsWarper(t)(None, logits.clone())
         want = TopKLogitsWarper(k)(None, want) if k else want
         want = TopPLogitsWarper(p)(None, want) if p < 1 else want
-        torch.testing.assert_close(ft.rl.warp_logits(logits, temperature=t, top_k=k, top_p=p),
-                                   want, rtol=0, atol=0)  # fmt: skip
+        torch.testing.assert_close(
+            ft.rl.warp_logits(logits, temperature=t, top_k=k, top_p=p), want, rtol=0, atol=0
+        )
 
 
 def test_a_completion_samples_the_same_whatever_its_batch_and_only_its_seed_counts():
@@ -86,7 +94,9 @@ def test_a_completion_samples_the_same_whatever_its_batch_and_only_its_seed_coun
     assert torch.equal(full.completion_index, torch.arange(12))
     again = ft.rl.sample(state, _prompts(), index=[0, 1, 2], num_generations=4, **kw)
     assert torch.equal(again.completion_ids, full.completion_ids)
-    later = ft.rl.sample(state.replace(step=1), _prompts(), index=[0, 1, 2], num_generations=4, **kw)
+    later = ft.rl.sample(
+        state.replace(step=1), _prompts(), index=[0, 1, 2], num_generations=4, **kw
+    )
     assert not torch.equal(later.completion_ids[:, :3], full.completion_ids[:, :3])
     # the sampling log-probs are the model's, recomputed in one forward (TRL's old log-probs)
     batch = ft.rl.rollout_batches([full], [torch.zeros(12)])[0]
@@ -94,7 +104,7 @@ def test_a_completion_samples_the_same_whatever_its_batch_and_only_its_seed_coun
         logps = ft.rl.token_logps(state.model, batch)
     torch.testing.assert_close(logps * full.completion_mask, full.logps, rtol=0, atol=1e-10)
     # masks: 1 up to and including the stop token (6), padding (0) after it
-    for ids, m in zip(full.completion_ids, full.completion_mask):
+    for ids, m in zip(full.completion_ids, full.completion_mask, strict=True):
         n = int(m.sum())
         assert (ids[n:] == 0).all() and (n == len(ids) or ids[n - 1] == 6)
 
@@ -114,8 +124,13 @@ def test_sampling_draws_from_the_warped_distribution():
 
 def test_sampling_and_losses_refuse_bad_arguments():
     state = _state()
-    for bad in [dict(temperature=0.0), dict(top_k=0), dict(top_p=1.5), dict(max_new_tokens=0),
-                dict(num_generations=0)]:  # fmt: skip
+    for bad in [
+        dict(temperature=0.0),
+        dict(top_k=0),
+        dict(top_p=1.5),
+        dict(max_new_tokens=0),
+        dict(num_generations=0),
+    ]:
         kw = dict(index=[0, 1, 2], max_new_tokens=4) | bad
         with pytest.raises(ValueError, match=next(iter(bad))):
             ft.rl.sample(state, _prompts(), **kw)
@@ -150,8 +165,9 @@ def trl():
     return types.SimpleNamespace(GRPOTrainer=grpo_trainer.GRPOTrainer, nanstd=utils.nanstd)
 
 
-REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 2.0, 2.0, 2.0, 0.3, float("nan"), 0.9, 0.1],
-                       dtype=torch.float64)  # fmt: skip
+REWARDS = torch.tensor(
+    [1.0, 0.0, 0.5, 0.5, 2.0, 2.0, 2.0, 2.0, 0.3, float("nan"), 0.9, 0.1], dtype=torch.float64
+)
 
 
 @pytest.mark.slow  # importing TRL takes ~10 s of CPU
@@ -172,8 +188,9 @@ def test_advantages_equal_trl(trl):
     want = r - baselines
     torch.testing.assert_close(ft.rl.rloo_advantages(r, G), torch.nan_to_num(want, nan=0.0))
     normed = (want - torch.nanmean(want)) / (trl.nanstd(want) + 1e-4)
-    torch.testing.assert_close(ft.rl.rloo_advantages(r, G, normalize=True),
-                               torch.nan_to_num(normed, nan=0.0))  # fmt: skip
+    torch.testing.assert_close(
+        ft.rl.rloo_advantages(r, G, normalize=True), torch.nan_to_num(normed, nan=0.0)
+    )
 
 
 def _trl_self(trl, model, logps_of, *, loss_type, beta, eps, eps_high, delta, ga, max_len):
@@ -186,29 +203,47 @@ def _trl_self(trl, model, logps_of, *, loss_type, beta, eps, eps_high, delta, ga
 
     nothing = lambda x, **kw: x  # noqa: E731 (one process: gather and reduce are identities)
     return types.SimpleNamespace(
-        _get_per_token_logps_and_entropies=per_token, aux_loss_enabled=False,
-        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token",
-        beta=beta, loss_type=loss_type, epsilon_low=eps, epsilon_high=eps_high, use_vllm=False,
-        model=model, current_gradient_accumulation_steps=ga, max_completion_length=max_len,
+        _get_per_token_logps_and_entropies=per_token,
+        aux_loss_enabled=False,
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        importance_sampling_level="token",
+        beta=beta,
+        loss_type=loss_type,
+        epsilon_low=eps,
+        epsilon_high=eps_high,
+        use_vllm=False,
+        model=model,
+        current_gradient_accumulation_steps=ga,
+        max_completion_length=max_len,
         accelerator=types.SimpleNamespace(num_processes=1, gather=nothing, reduce=nothing),
-        args=types.SimpleNamespace(use_bias_correction_kl=True, delta=delta, steps_per_generation=ga),
-        _entropy_bonus_enabled=False, _metrics=collections.defaultdict(lambda: collections.defaultdict(list)),
-    )  # fmt: skip
+        args=types.SimpleNamespace(
+            use_bias_correction_kl=True, delta=delta, steps_per_generation=ga
+        ),
+        _entropy_bonus_enabled=False,
+        _metrics=collections.defaultdict(lambda: collections.defaultdict(list)),
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 def test_policy_loss_equals_trl_compute_loss(trl, loss_type):
-    """Two micro-batches of 6 completions, of unequal lengths (one optimizer step, TRL's gradient accumulation
-    of 2), old and reference log-probs off the current ones so that both clip sides and the KL
-    act: the loss and every gradient equal TRL's `_compute_loss` summed over the micro-batches."""
+    """Two micro-batches of 6 completions of unequal lengths (one optimizer step, TRL's
+    gradient accumulation of 2), old and reference log-probs off the current ones so that both
+    clip sides and the KL act: the loss and every gradient equal TRL's `_compute_loss` summed
+    over the micro-batches."""
     state = _state()
     gen = torch.Generator().manual_seed(1)
     micro = []
     for i, rows in enumerate([[0, 1, 2], [2, 0, 1]]):  # equal rows (TRL: per-device batch)
         prompts = W.PROMPTS[rows]
-        r = ft.rl.sample(state, _prompts(prompts), index=[10 * i + j for j in range(len(rows))],
-                         num_generations=2, max_new_tokens=6)  # fmt: skip
+        r = ft.rl.sample(
+            state,
+            _prompts(prompts),
+            index=[10 * i + j for j in range(len(rows))],
+            num_generations=2,
+            max_new_tokens=6,
+        )
         adv = torch.randn(len(rows) * 2, generator=gen, dtype=torch.float64)
         b = dict(ft.rl.rollout_batches([r], [adv])[0])
         with torch.no_grad():
@@ -225,13 +260,28 @@ def test_policy_loss_equals_trl_compute_loss(trl, loss_type):
     total = torch.zeros((), dtype=torch.float64)
     num_items = sum(b["completion_mask"].sum() for b in micro)
     for b in micro:
-        fake = _trl_self(trl, model, lambda ids, b=b: ft.rl.token_logps(model, b),
-                         loss_type=loss_type, beta=0.04, eps=0.2, eps_high=0.28, delta=1.15,
-                         ga=2, max_len=6)  # fmt: skip
-        inputs = {"prompt_ids": b["prompt_ids"], "prompt_mask": b["prompt_mask"],
-                  "completion_ids": b["completion_ids"], "completion_mask": b["completion_mask"],
-                  "advantages": b["advantages"], "old_per_token_logps": b["old_logps"],
-                  "ref_per_token_logps": b["ref_logps"], "num_items_in_batch": num_items}  # fmt: skip
+        fake = _trl_self(
+            trl,
+            model,
+            lambda ids, b=b: ft.rl.token_logps(model, b),
+            loss_type=loss_type,
+            beta=0.04,
+            eps=0.2,
+            eps_high=0.28,
+            delta=1.15,
+            ga=2,
+            max_len=6,
+        )
+        inputs = {
+            "prompt_ids": b["prompt_ids"],
+            "prompt_mask": b["prompt_mask"],
+            "completion_ids": b["completion_ids"],
+            "completion_mask": b["completion_mask"],
+            "advantages": b["advantages"],
+            "old_per_token_logps": b["old_logps"],
+            "ref_per_token_logps": b["ref_logps"],
+            "num_items_in_batch": num_items,
+        }
         loss = trl.GRPOTrainer._compute_loss(fake, model, inputs)
         loss.backward()
         total = total + loss.detach()
@@ -243,7 +293,12 @@ def test_policy_loss_equals_trl_compute_loss(trl, loss_type):
         torch.testing.assert_close(ours[name], p.grad, rtol=0, atol=1e-6 * scale, msg=name)
     # the inputs reach both clip sides: ratios below 1 - 0.2 and above 1 + 0.28
     with torch.no_grad():
-        ratios = torch.cat([(ft.rl.token_logps(model, b) - b["old_logps"]).exp()[b["completion_mask"].bool()] for b in micro])  # fmt: skip
+        ratios = torch.cat(
+            [
+                (ft.rl.token_logps(model, b) - b["old_logps"]).exp()[b["completion_mask"].bool()]
+                for b in micro
+            ]
+        )
     assert (ratios < 0.8).any() and (ratios > 1.28).any()
 
 
@@ -251,7 +306,9 @@ def test_policy_loss_equals_trl_compute_loss(trl, loss_type):
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("grpo_addition", REPO / "examples" / "grpo_addition.py")  # fmt: skip
+    spec = importlib.util.spec_from_file_location(
+        "grpo_addition", REPO / "examples" / "grpo_addition.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -264,7 +321,7 @@ def test_example_loop_learns_to_add(one_thread, tmp_path):
     reward of the last 3 batches is clearly above the first 3 (about 0.08 -> 0.4; the full
     run's curve is in docs/post_training.md)."""
     log = tmp_path / "metrics.jsonl"
-    curve = _example().main(["--steps", "30", "--log", str(log)])
+    curve = _example().main(["--steps", "30", "--prompts", "16", "--log", str(log)])
     assert len(curve) == 15
     assert sum(curve[-3:]) / 3 > sum(curve[:3]) / 3 + 0.15, curve
     lines = [json.loads(x) for x in log.read_text().splitlines()]
@@ -279,8 +336,7 @@ def _spawn_bounded(fn, *args, timeout=150):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.start_processes(fn, args=(2, port, *args), nprocs=2, start_method="spawn",
-                             join=False)  # fmt: skip
+    ctx = mp.start_processes(fn, args=(2, port, *args), nprocs=2, start_method="spawn", join=False)
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
@@ -316,12 +372,17 @@ TIMEOUT = 120  # seconds per worker process; one takes 4-9 s on a busy 2-core ma
 def _run(root: Path, kill: str | None = None) -> int | None:
     cmd = [sys.executable, str(REPO / "tests" / "workers" / "rl_resume.py"), str(root)]
     cmd += ["--kill", kill] if kill else []
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(REPO), str(REPO / "tests" / "workers"), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(REPO), str(REPO / "tests" / "workers"), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
     root.mkdir(parents=True, exist_ok=True)
     with open(root / "worker.log", "ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         try:
             return proc.wait(TIMEOUT)
         except subprocess.TimeoutExpired:

@@ -27,14 +27,24 @@ import ftrain as ft
 from helpers import opt_state_tensors
 
 REPO = Path(__file__).resolve().parents[2]
-_SPEC = importlib.util.spec_from_file_location("grpo_addition", REPO / "examples" / "grpo_addition.py")
+_SPEC = importlib.util.spec_from_file_location(
+    "grpo_addition", REPO / "examples" / "grpo_addition.py"
+)
 assert _SPEC is not None and _SPEC.loader is not None
 example = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(example)
 
 STEPS, ITERATIONS = 8, 2
-ARGS = SimpleNamespace(steps=STEPS, prompts=4, generations=4, iterations=ITERATIONS,
-                       loss_type="dapo", beta=0.04, lr=3e-3, save_every=1)  # fmt: skip
+ARGS = SimpleNamespace(
+    steps=STEPS,
+    prompts=4,
+    generations=4,
+    iterations=ITERATIONS,
+    loss_type="dapo",
+    beta=0.04,
+    lr=3e-3,
+    save_every=1,
+)
 
 
 def kill_hook(kill: str):
@@ -64,17 +74,20 @@ def main() -> None:
     state = ft.TrainState.create(model, ft.optim.adamw(weight_decay=0.0), seed=0)
     if (ckpt := ft.latest_checkpoint(a.root / "ckpt")) is not None:
         state = ft.load_checkpoint(ckpt, state)
-    trace = open(a.root / "trace.jsonl", "a")
+    trace = open(a.root / "trace.jsonl", "a")  # noqa: SIM115 (open until the process ends)
 
     def record(state, rollouts, rewards):
         ids = [r.completion_ids.tolist() for r in rollouts]
-        trace.write(json.dumps({"step": state.step, "ids": ids,
-                                "rewards": [r.tolist() for r in rewards]}) + "\n")  # fmt: skip
+        trace.write(
+            json.dumps({"step": state.step, "ids": ids, "rewards": [r.tolist() for r in rewards]})
+            + "\n"
+        )
         trace.flush()
 
     args = SimpleNamespace(**vars(ARGS), root=str(a.root / "ckpt"))
-    state = example.train(state, example.make_prompts(64, 0), reference=reference, args=args,
-                          on_rollout=record)  # fmt: skip
+    state = example.train(
+        state, example.make_prompts(64, 0), reference=reference, args=args, on_rollout=record
+    )
     tensors = {f"param/{k}": v.detach() for k, v in state.params.items()}
     tensors |= {f"opt/{k}": v for k, v in opt_state_tensors(state.opt_state).items()}
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(a.root / "final.safetensors"))

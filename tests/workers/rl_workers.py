@@ -31,7 +31,7 @@ def model() -> torch.nn.Module:
 
 def reward(completion_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Plain Python on the host: the share of even tokens in each completion."""
-    rows = [ids[m.bool()].tolist() for ids, m in zip(completion_ids, mask)]
+    rows = [ids[m.bool()].tolist() for ids, m in zip(completion_ids, mask, strict=True)]
     return torch.tensor([sum(t % 2 == 0 for t in r) / len(r) for r in rows], dtype=torch.float64)
 
 
@@ -39,8 +39,9 @@ def run(strategy: ft.strategies.Strategy | None) -> dict:
     """Sample this rank's completions, score, group, update twice; what the step produced."""
     rank, world = (0, 1) if strategy is None else (strategy.rank, strategy.world_size)
     ref = model().eval().requires_grad_(False)
-    state = ft.TrainState.create(model(), ft.optim.adamw(), seed=3,
-                                 strategy=strategy or ft.strategies.SingleDevice())  # fmt: skip
+    state = ft.TrainState.create(
+        model(), ft.optim.adamw(), seed=3, strategy=strategy or ft.strategies.SingleDevice()
+    )
     if world == 1:
         prompts, index, g = PROMPTS, [0, 1, 2], G
     else:  # my completions' numbers, each from its own prompt row
@@ -58,15 +59,22 @@ def run(strategy: ft.strategies.Strategy | None) -> dict:
         state, _ = ft.clip_and_step(state, grads, stats=stats, lr=1e-2, max_norm=1.0)
     width = rollout.completion_ids.shape[1]
     ids = torch.nn.functional.pad(rollout.completion_ids, (0, MAX_NEW - width), value=-1)
-    return {"ids": ids.tolist(), "rewards": rewards.tolist(), "advantages": adv.tolist(),
-            "params": {k: v.detach().clone() for k, v in state.params.items()}}  # fmt: skip
+    return {
+        "ids": ids.tolist(),
+        "rewards": rewards.tolist(),
+        "advantages": adv.tolist(),
+        "params": {k: v.detach().clone() for k, v in state.params.items()},
+    }
 
 
 def dp(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-        WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-    )  # fmt: skip
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)
     got = run(ft.strategies.from_env("ddp"))
     save_file(got.pop("params"), str(Path(out, f"params-{rank}.safetensors")))

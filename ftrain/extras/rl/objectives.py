@@ -233,14 +233,19 @@ def policy_loss(
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-    if loss_type == "dr_grpo" and not (isinstance(max_completion_length, int) and max_completion_length >= 1):
-        raise ValueError(f"loss_type='dr_grpo' needs max_completion_length= (an int >= 1), got {max_completion_length!r}")  # fmt: skip
+    if loss_type == "dr_grpo" and not (
+        isinstance(max_completion_length, int) and max_completion_length >= 1
+    ):
+        raise ValueError(
+            "loss_type='dr_grpo' needs max_completion_length= (an int >= 1), "
+            f"got {max_completion_length!r}"
+        )
     for name, value, low in (("beta", beta, 0.0), ("epsilon", epsilon, 0.0)):
         if not (isinstance(value, (int, float)) and value >= low):
             raise ValueError(f"{name} must be a number >= {low}, got {value!r}")
-    for name, value in (("epsilon_high", epsilon_high), ("delta", delta)):
-        if value is not None and not (isinstance(value, (int, float)) and value > 0):
-            raise ValueError(f"{name} must be a number > 0 or None, got {value!r}")
+    for name, maybe in (("epsilon_high", epsilon_high), ("delta", delta)):
+        if maybe is not None and not (isinstance(maybe, (int, float)) and maybe > 0):
+            raise ValueError(f"{name} must be a number > 0 or None, got {maybe!r}")
     if not (isinstance(temperature, (int, float)) and temperature > 0):
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
 
@@ -248,15 +253,24 @@ def policy_loss(
         logps = token_logps(model, batch, temperature=temperature)
         old = batch.get("old_logps")
         old = logps.detach() if old is None else old
-        per_token = clipped_objective(logps, old, batch["advantages"], epsilon=epsilon,
-                                      epsilon_high=epsilon_high, delta=delta)  # fmt: skip
+        per_token = clipped_objective(
+            logps, old, batch["advantages"], epsilon=epsilon, epsilon_high=epsilon_high, delta=delta
+        )
         if beta != 0.0:
             if "ref_logps" not in batch:
-                raise KeyError("policy_loss with beta > 0 needs ref_logps in the batch: "
-                               "rollout_batches(..., reference=ref_model)")  # fmt: skip
+                raise KeyError(
+                    "policy_loss with beta > 0 needs ref_logps in the batch: "
+                    "rollout_batches(..., reference=ref_model)"
+                )
             kl = kl_k3(logps, batch["ref_logps"])
-            per_token = per_token + beta * (kl * torch.exp(logps - old) if bias_correction_kl else kl)
-        return reduce_loss(per_token, batch["completion_mask"], loss_type=loss_type,
-                           max_completion_length=max_completion_length)  # fmt: skip
+            per_token = per_token + beta * (
+                kl * torch.exp(logps - old) if bias_correction_kl else kl
+            )
+        return reduce_loss(
+            per_token,
+            batch["completion_mask"],
+            loss_type=loss_type,
+            max_completion_length=max_completion_length,
+        )
 
     return loss_fn

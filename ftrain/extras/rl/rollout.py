@@ -125,8 +125,10 @@ def _pad_id(model: nn.Module, pad_token_id: int | None) -> int:
     if pad_token_id is None:
         pad_token_id = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
     if pad_token_id is None:
-        raise ValueError("sample needs a pad token id: pass pad_token_id=... or set it in the "
-                         "model's generation_config")  # fmt: skip
+        raise ValueError(
+            "sample needs a pad token id: pass pad_token_id=... or set it in the "
+            "model's generation_config"
+        )
     return int(pad_token_id)
 
 
@@ -187,9 +189,18 @@ def sample(
     ids, mask = strategy.to_device(left_pad(ids, mask, pad_id=pad_id))
     u = _uniforms(state.seed, state.step, completions, max_new_tokens).to(ids.device)
     with eval_mode(state.model), torch.no_grad(), strategy.autocast():
-        tokens, logps = _decode(model, ids, mask, u, num_generations, strategy,
-                                warp=dict(top_k=top_k, top_p=top_p), temperature=temperature,
-                                stop=stop, pad_id=pad_id)  # fmt: skip
+        tokens, logps = _decode(
+            model,
+            ids,
+            mask,
+            u,
+            num_generations,
+            strategy,
+            warp=dict(top_k=top_k, top_p=top_p),
+            temperature=temperature,
+            stop=stop,
+            pad_id=pad_id,
+        )
     is_stop = torch.isin(tokens, torch.tensor(stop, device=tokens.device, dtype=tokens.dtype))
     before = is_stop.long().cumsum(1) - is_stop.long()  # stop tokens strictly before t
     completion_mask = (before == 0).long()
@@ -220,8 +231,9 @@ def _decode(
     """The decode loop: one prefill of the distinct prompts, their cache repeated `g` times,
     then one forward per new token for all rows."""
     pos = (mask.long().cumsum(-1) - 1).clamp(min=0)  # HF's position ids for left padding
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                logits_to_keep=1)  # fmt: skip
+    out = model(
+        input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1
+    )
     cache, logits = out.past_key_values, out.logits[:, -1]
     if g > 1:
         cache.batch_repeat_interleave(g)
@@ -243,8 +255,13 @@ def _decode(
         if t == u.shape[1] - 1 or int(remaining) == 0:  # host sync per token, as HF's generate
             break
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
-        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos,
-                    past_key_values=cache, use_cache=True)  # fmt: skip
+        out = model(
+            input_ids=token[:, None],
+            attention_mask=mask,
+            position_ids=next_pos,
+            past_key_values=cache,
+            use_cache=True,
+        )
         cache, logits, next_pos = out.past_key_values, out.logits[:, -1], next_pos + 1
     return torch.stack(tokens, 1), torch.stack(logps, 1)
 
@@ -310,11 +327,16 @@ def rollout_batches(
     out = []
     for r, adv in zip(rollouts, advantages, strict=True):
         keep = r.completion_mask * (~r.truncated)[:, None] if mask_truncated else r.completion_mask
-        batch = {"prompt_ids": r.prompt_ids, "prompt_mask": r.prompt_mask,
-                 "completion_ids": r.completion_ids, "completion_mask": keep,
-                 "advantages": adv.to(r.logps), "old_logps": r.logps,
-                 # for Stats' token count: prompt and completion tokens
-                 "attention_mask": torch.cat([r.prompt_mask, keep], 1)}  # fmt: skip
+        batch = {
+            "prompt_ids": r.prompt_ids,
+            "prompt_mask": r.prompt_mask,
+            "completion_ids": r.completion_ids,
+            "completion_mask": keep,
+            "advantages": adv.to(r.logps),
+            "old_logps": r.logps,
+            # for Stats' token count: prompt and completion tokens
+            "attention_mask": torch.cat([r.prompt_mask, keep], 1),
+        }
         if reference is not None:
             with eval_mode(reference), torch.no_grad():
                 batch["ref_logps"] = token_logps(reference, batch, temperature=temperature)
