@@ -79,7 +79,7 @@ def main() -> None:
     tokens = {"hf": hf(), "ft": ours()}  # warm-up, and the token counts
     assert tokens["hf"] == tokens["ft"] == PROMPTS * G * NEW, tokens
     for r in range(a.rounds):
-        for name in (("hf", "ft") if r % 2 == 0 else ("ft", "hf")):
+        for name in ("hf", "ft") if r % 2 == 0 else ("ft", "hf"):
             fn = hf if name == "hf" else ours
             _sync(a.device)
             t0 = time.perf_counter()

@@ -164,7 +164,9 @@ def sample(
         index: one global number per prompt.
         num_generations: completions per prompt (TRL's `num_generations`).
         max_new_tokens: TRL's `max_completion_length`.
-        temperature, top_k, top_p: as in HF `generate` (`top_k=1` is greedy decoding).
+        temperature: divides the logits, as in HF `generate`.
+        top_k: keep the k most likely tokens (`top_k=1` is greedy decoding); None keeps all.
+        top_p: keep the smallest set of tokens with probability at least `top_p` (nucleus).
         stop_token_ids: ends a completion (kept in it); default the model's eos token(s).
         pad_token_id: fills rows after their stop token; default the model's.
         strategy: overrides `state.strategy`.
