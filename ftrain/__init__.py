@@ -55,6 +55,7 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers and IDEs
     from ftrain.extras import logging as logging
     from ftrain.extras import lora as lora
     from ftrain.extras import preference as preference
+    from ftrain.extras import rl as rl
     from ftrain.extras import sft as sft
     from ftrain.extras import testing as testing
     from ftrain.extras.chunked_loss import chunked_causal_lm_loss as chunked_causal_lm_loss
@@ -72,6 +73,7 @@ _LAZY: Mapping[str, tuple[str, str | None]] = MappingProxyType(
         "logging": ("ftrain.extras.logging", None),
         "lora": ("ftrain.extras.lora", None),
         "preference": ("ftrain.extras.preference", None),
+        "rl": ("ftrain.extras.rl", None),
         "sft": ("ftrain.extras.sft", None),
         "testing": ("ftrain.extras.testing", None),
         "chunked_causal_lm_loss": ("ftrain.extras.chunked_loss", "chunked_causal_lm_loss"),
@@ -146,6 +148,7 @@ __all__ = [
     "logging",
     "lora",
     "preference",
+    "rl",
     "sft",
     "testing",
 ]

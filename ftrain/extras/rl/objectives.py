@@ -1,0 +1,276 @@
+"""Advantages and the clipped policy loss of GRPO and its family, as TRL 1.16 computes them.
+
+Sources: `GRPOTrainer._generate_and_score_completions` (advantages, `scale_rewards`),
+`GRPOTrainer._compute_loss` (ratio, clipping, k3 KL, `loss_type` normalisations),
+`RLOOTrainer._generate_and_score_completions` (leave-one-out baseline). Every function here is
+checked against TRL's own code in tests/test_rl.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ftrain.extras.rl.rollout import token_logps
+from ftrain.losses import LossFn
+from ftrain.strategies import Strategy
+
+__all__ = [
+    "clipped_objective",
+    "group_advantages",
+    "kl_k3",
+    "policy_loss",
+    "reduce_loss",
+    "rloo_advantages",
+]
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SCALES = ("group", "batch", "none")
+
+
+def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Bessel-corrected standard deviation ignoring NaNs (TRL's `nanstd`); NaN below 2 values."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    var = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
+    var = var * torch.where(count > 1, count / (count - 1), torch.nan)
+    return var.sqrt().squeeze(dim) if dim is not None else var.sqrt().squeeze()
+
+
+def _grouped(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    if not (isinstance(num_generations, int) and num_generations >= 1):
+        raise ValueError(f"num_generations must be an int >= 1, got {num_generations!r}")
+    if rewards.dim() != 1 or rewards.shape[0] % num_generations:
+        raise ValueError(
+            f"rewards must be 1-D with a multiple of num_generations={num_generations} rows "
+            f"(all completions of each prompt, over all ranks), got shape {tuple(rewards.shape)}"
+        )
+    return rewards.view(-1, num_generations)
+
+
+def _global(rewards: torch.Tensor, strategy: Strategy | None) -> tuple[torch.Tensor, int]:
+    """Every rank's rewards in rank order, and where this rank's start (host sync)."""
+    if strategy is None or strategy.world_size == 1:
+        return rewards, 0
+    counts = strategy.gather_rows(torch.tensor([rewards.shape[0]], device=rewards.device))
+    start = int(counts[: strategy.rank].sum())
+    return strategy.gather_rows(rewards), start
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    num_generations: int,
+    *,
+    scale: str = "group",
+    strategy: Strategy | None = None,
+) -> torch.Tensor:
+    """GRPO's advantages: each reward minus its group's mean, divided by the std plus 1e-4.
+
+    `A_i = (r_i - mean_group(r)) / (std + 1e-4)` where std is the group's (`scale="group"`,
+    GRPO), the whole batch's (`"batch"`), or absent (`"none"`: Dr. GRPO, `A_i = r_i -
+    mean_group(r)`); std is Bessel-corrected. Rows `k*G .. k*G+G-1` form a group. NaN rewards
+    (unscorable completions) stay out of the means and get advantage 0. With a `strategy` of
+    several ranks, `rewards` are this rank's rows, in rank order of the global batch: they are
+    gathered, groups formed over all of them (a prompt's completions may lie on different
+    ranks) and this rank's advantages returned.
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> ft.rl.group_advantages(torch.tensor([1.0, 0.0, 2.0, 2.0]), 2, scale="none")
+        tensor([0.5000, -0.5000, 0.0000, 0.0000])
+    """
+    if scale not in SCALES:
+        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
+    local = rewards.shape[0]
+    rewards, start = _global(rewards, strategy)
+    grouped = _grouped(rewards, num_generations)
+    adv = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)).view(-1)
+    if scale == "group":
+        std = torch.zeros_like(grouped[:, 0]) if num_generations == 1 else _nanstd(grouped, 1)
+        adv = adv / (std.repeat_interleave(num_generations) + 1e-4)
+    elif scale == "batch":
+        adv = adv / ((_nanstd(rewards) if rewards.numel() > 1 else 0.0) + 1e-4)
+    return torch.nan_to_num(adv, nan=0.0)[start : start + local]
+
+
+def rloo_advantages(
+    rewards: torch.Tensor,
+    num_generations: int,
+    *,
+    normalize: bool = False,
+    strategy: Strategy | None = None,
+) -> torch.Tensor:
+    """RLOO's advantages: each reward minus the mean of the other rewards of its group.
+
+    `A_i = r_i - (sum_group(r) - r_i) / (n - 1)` with n the group's scorable (non-NaN) count;
+    `normalize` then standardises over the batch (`(A - mean) / (std + 1e-4)`, TRL's
+    `normalize_advantages`). Groups, NaN rewards and `strategy` as in `group_advantages`. TRL's
+    RLOO subtracts `beta * sum_t (old_logp - ref_logp)` from the rewards first: do that on
+    `rewards` before calling.
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> ft.rl.rloo_advantages(torch.tensor([3.0, 0.0, 0.0]), 3)
+        tensor([ 3.0000, -1.5000, -1.5000])
+    """
+    local = rewards.shape[0]
+    rewards, start = _global(rewards, strategy)
+    grouped = _grouped(rewards, num_generations)
+    if num_generations == 1:
+        return torch.zeros_like(rewards)[start : start + local]
+    n = (~torch.isnan(grouped)).sum(1, keepdim=True)
+    baseline = (torch.nansum(grouped, 1, keepdim=True) - grouped) / (n - 1)
+    adv = (grouped - baseline).view(-1)
+    if normalize:
+        adv = (adv - torch.nanmean(adv)) / (_nanstd(adv) + 1e-4)
+    return torch.nan_to_num(adv, nan=0.0)[start : start + local]
+
+
+def kl_k3(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(policy || reference) per token, always >= 0:
+    `exp(ref - logp) - (ref - logp) - 1`.
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> ft.rl.kl_k3(torch.tensor([-1.0]), torch.tensor([-1.0]))
+        tensor([0.])
+    """
+    d = ref_logps - logps
+    return torch.exp(d) - d - 1
+
+
+def clipped_objective(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+) -> torch.Tensor:
+    """PPO's clipped surrogate per token, negated to a loss, with asymmetric clipping (DAPO).
+
+    `rho = exp(logp - old_logp)`; loss `= -min(rho' * A, clip(rho, 1 - eps_low, 1 + eps_high)
+    * A)` with `rho' = min(rho, delta)` when `delta` is given (TRL's two-sided clipping),
+    `eps_high = epsilon_high or epsilon`. `advantages` has one value per row (or per token).
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> lp, old = torch.log(torch.tensor([[1.5]])), torch.zeros(1, 1)
+        >>> ft.rl.clipped_objective(lp, old, torch.tensor([1.0]))   # clipped at 1.2
+        tensor([[-1.2000]])
+    """
+    high = epsilon if epsilon_high is None else epsilon_high
+    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    coef = torch.exp(logps - old_logps)
+    clipped = torch.clamp(coef, 1 - epsilon, 1 + high)
+    if delta is not None:
+        coef = torch.clamp(coef, max=delta)
+    return -torch.min(coef * adv, clipped * adv)
+
+
+def reduce_loss(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    loss_type: str,
+    max_completion_length: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(loss_sum, num_items)` of one micro-batch for `accumulate_grads`, which divides the
+    summed losses by the summed items over all micro-batches and ranks:
+
+    - `grpo`: sum over rows of each row's token mean; items = rows (mean of sequence means);
+    - `bnpo`: the micro-batch's token mean; items = 1 (mean over micro-batches and ranks);
+    - `dr_grpo`: token sum / `max_completion_length`; items = rows;
+    - `dapo`: token sum; items = tokens (the step's global token mean).
+
+    Each equals TRL's loss of the same name over the micro-batches of one optimizer step
+    (`dapo`: when one generation batch makes one optimizer step, see docs/post_training.md).
+    """
+    m = mask.to(per_token.dtype)
+    total = (per_token * m).sum()
+    rows = torch.tensor(per_token.shape[0], device=per_token.device)
+    if loss_type == "grpo":
+        return ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).sum(), rows
+    if loss_type == "bnpo":
+        return total / m.sum().clamp(min=1.0), torch.ones((), device=per_token.device)
+    if loss_type == "dr_grpo":
+        if max_completion_length is None:
+            raise ValueError("loss_type='dr_grpo' needs max_completion_length=")
+        return total / max_completion_length, rows
+    if loss_type == "dapo":
+        return total, m.sum()
+    raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+
+
+def policy_loss(
+    *,
+    loss_type: str = "dapo",
+    beta: float = 0.0,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+    temperature: float = 1.0,
+    max_completion_length: int | None = None,
+    bias_correction_kl: bool = True,
+) -> LossFn:
+    """GRPO's loss as an ftrain `loss_fn(model, batch) -> (loss_sum, num_items)`.
+
+    Per token: `clipped_objective(logp, old_logp, A) + beta * kl_k3(logp, ref_logp)`, the KL
+    multiplied by `rho = exp(logp - old_logp)` with `bias_correction_kl` (TRL's
+    `use_bias_correction_kl`, on by default); reduced by `reduce_loss(loss_type)`. `logp` is
+    `token_logps(model, batch, temperature=temperature)`. The batch is what `rollout_batches`
+    builds: prompt and completion ids and masks, `advantages`, `old_logps` (absent: the
+    current log-probs detached, ratio 1, as TRL when `num_iterations=1`) and, with `beta > 0`,
+    `ref_logps`. Defaults are `GRPOConfig`'s.
+
+    Raises:
+        ValueError: for an unknown `loss_type`, `dr_grpo` without `max_completion_length`, or
+            a bad `beta`, `epsilon`, `epsilon_high`, `delta`, `temperature`.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    if loss_type == "dr_grpo" and not (
+        isinstance(max_completion_length, int) and max_completion_length >= 1
+    ):
+        raise ValueError(
+            "loss_type='dr_grpo' needs max_completion_length= (an int >= 1), "
+            f"got {max_completion_length!r}"
+        )
+    for name, value, low in (("beta", beta, 0.0), ("epsilon", epsilon, 0.0)):
+        if not (isinstance(value, (int, float)) and value >= low):
+            raise ValueError(f"{name} must be a number >= {low}, got {value!r}")
+    for name, maybe in (("epsilon_high", epsilon_high), ("delta", delta)):
+        if maybe is not None and not (isinstance(maybe, (int, float)) and maybe > 0):
+            raise ValueError(f"{name} must be a number > 0 or None, got {maybe!r}")
+    if not (isinstance(temperature, (int, float)) and temperature > 0):
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+
+    def loss_fn(model: nn.Module, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        logps = token_logps(model, batch, temperature=temperature)
+        old = batch.get("old_logps")
+        old = logps.detach() if old is None else old
+        per_token = clipped_objective(
+            logps, old, batch["advantages"], epsilon=epsilon, epsilon_high=epsilon_high, delta=delta
+        )
+        if beta != 0.0:
+            if "ref_logps" not in batch:
+                raise KeyError(
+                    "policy_loss with beta > 0 needs ref_logps in the batch: "
+                    "rollout_batches(..., reference=ref_model)"
+                )
+            kl = kl_k3(logps, batch["ref_logps"])
+            per_token = per_token + beta * (
+                kl * torch.exp(logps - old) if bias_correction_kl else kl
+            )
+        return reduce_loss(
+            per_token,
+            batch["completion_mask"],
+            loss_type=loss_type,
+            max_completion_length=max_completion_length,
+        )
+
+    return loss_fn

@@ -1,0 +1,346 @@
+"""Rollouts: `G` sampled completions per prompt with a KV cache, and per-token log-probs.
+
+`sample` decodes with the model's own KV cache, one token per forward for the whole batch
+(left-padded prompts, each prompt's cache copied `G` times after one prefill). Each completion
+draws its tokens by inverse-CDF sampling from uniforms of its own `torch.Generator`, seeded by
+`sample_seed(seed, step, completion number)`: what a completion samples depends neither on
+the batch it is in nor on the rank that samples it, so a resumed run and a data-parallel run
+sample what one uninterrupted process samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ftrain.data import MicroBatches
+from ftrain.eval import eval_mode
+from ftrain.extras.generation import left_pad
+from ftrain.losses import upcast
+from ftrain.rng import dropout_seed
+from ftrain.state import TrainState
+from ftrain.strategies import Strategy
+
+__all__ = ["Rollout", "rollout_batches", "sample", "sample_seed", "token_logps", "warp_logits"]
+
+_SALT = 0x5A3C_91E7  # keeps sampling seeds apart from dropout seeds of the same numbers
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """Completions of a batch of prompts, `N = prompts x G` rows, generation g of prompt i in
+    row `i * G + g`.
+
+    `prompt_ids`/`prompt_mask`: each prompt left-padded, repeated `G` times. `completion_ids`:
+    the sampled tokens, `pad_token_id` after a row's stop token; `completion_mask`: 1 up to and
+    including the first stop token (TRL's `completion_mask`); `logps`: the sampling policy's
+    log-prob of each sampled token, `log_softmax(logits / temperature)` before top-k/top-p (the
+    convention of TRL's `old_per_token_logps`), 0 where the mask is 0; `truncated`: rows that
+    hit `max_new_tokens` before a stop token (mask them for TRL's
+    `mask_truncated_completions`); `completion_index`: each row's completion number, which
+    seeded it.
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    logps: torch.Tensor
+    truncated: torch.Tensor
+    completion_index: torch.Tensor
+
+
+def sample_seed(seed: int, step: int, completion: int) -> int:
+    """The seed of one completion's generator: a pure function of its position in the run.
+
+    Example:
+        >>> import ftrain as ft
+        >>> ft.rl.sample_seed(0, 3, 7) == ft.rl.sample_seed(0, 3, 7) != ft.rl.sample_seed(0, 4, 7)
+        True
+    """
+    return dropout_seed(seed ^ _SALT, step, completion, 0)
+
+
+def warp_logits(
+    logits: torch.Tensor, *, temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0
+) -> torch.Tensor:
+    """Logits divided by `temperature`, then top-k and top-p (nucleus) filtered to -inf, in the
+    order and with the tie rules of HF's `TemperatureLogitsWarper`, `TopKLogitsWarper` and
+    `TopPLogitsWarper` (at least one token kept)."""
+    scores = logits / temperature if temperature != 1.0 else logits
+    if top_k is not None and top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k)[0][..., -1, None]
+        scores = scores.masked_fill(scores < kth, -float("inf"))
+    if top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=False)
+        cum = sorted_scores.softmax(-1).cumsum(-1)
+        drop = cum <= 1 - top_p
+        drop[..., -1:] = False
+        scores = scores.masked_fill(drop.scatter(-1, order, drop), -float("inf"))
+    return scores
+
+
+def _check_sampling(temperature: float, top_k: int | None, top_p: float, max_new: int) -> None:
+    if not (isinstance(temperature, (int, float)) and temperature > 0):
+        raise ValueError(f"temperature must be > 0 (top_k=1 samples greedily), got {temperature!r}")
+    if top_k is not None and not (isinstance(top_k, int) and top_k >= 1):
+        raise ValueError(f"top_k must be an int >= 1 or None (no top-k), got {top_k!r}")
+    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if not (isinstance(max_new, int) and max_new >= 1):
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new!r}")
+
+
+def _uniforms(seed: int, step: int, completions: list[int], n: int) -> torch.Tensor:
+    """(rows, n) uniforms in [0, 1), row r from the generator of completion `completions[r]`."""
+    out = torch.empty(len(completions), n)
+    for r, c in enumerate(completions):
+        out[r] = torch.rand(n, generator=torch.Generator().manual_seed(sample_seed(seed, step, c)))
+    return out
+
+
+def _draw(scaled: torch.Tensor, warped: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Inverse-CDF sampling: the first token whose cumulative probability exceeds u (a token
+    of probability 0 owns an empty interval, so is never drawn); and its log-prob."""
+    cdf = warped.softmax(-1).cumsum(-1)
+    token = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    token = token.clamp(max=scaled.shape[-1] - 1)
+    logp = scaled.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
+    return token, logp
+
+
+def _stop_ids(model: nn.Module, stop_token_ids: Sequence[int] | int | None) -> list[int]:
+    if stop_token_ids is None:
+        stop_token_ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if stop_token_ids is None:
+        return []
+    return [stop_token_ids] if isinstance(stop_token_ids, int) else list(stop_token_ids)
+
+
+def _pad_id(model: nn.Module, pad_token_id: int | None) -> int:
+    if pad_token_id is None:
+        pad_token_id = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
+    if pad_token_id is None:
+        raise ValueError(
+            "sample needs a pad token id: pass pad_token_id=... or set it in the "
+            "model's generation_config"
+        )
+    return int(pad_token_id)
+
+
+def sample(
+    state: TrainState,
+    prompts: Mapping[str, Any],
+    *,
+    index: Sequence[int] | torch.Tensor,
+    num_generations: int = 1,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    stop_token_ids: Sequence[int] | int | None = None,
+    pad_token_id: int | None = None,
+    strategy: Strategy | None = None,
+) -> Rollout:
+    """Sample `num_generations` completions of each prompt with the state's model.
+
+    Completion g of prompt i is completion number `index[i] * num_generations + g` and samples
+    from the generator seeded by `sample_seed(state.seed, state.step, that number)`: give
+    `index` as the prompts' global positions (e.g. their dataset row numbers) and the same
+    completions come out whatever batch or rank samples them, and again after a resume.
+    Sampling `G` rows of one prompt with `num_generations=1` and `index=[i*G, ..., i*G+G-1]`
+    gives the same rows as `num_generations=G, index=[i]`. Decoding stops when every row has
+    produced a stop token or after `max_new_tokens`; the model runs unwrapped, in eval mode,
+    without gradients, under the strategy's autocast. With several ranks every rank decodes
+    until all are done (one all-reduce per token), so FSDP's collective forwards line up.
+
+    Args:
+        state: whose model, `seed` and `step` sample (not consumed).
+        prompts: `input_ids` and optionally `attention_mask`, padded on either side.
+        index: one global number per prompt.
+        num_generations: completions per prompt (TRL's `num_generations`).
+        max_new_tokens: TRL's `max_completion_length`.
+        temperature: divides the logits, as in HF `generate`.
+        top_k: keep the k most likely tokens (`top_k=1` is greedy decoding); None keeps all.
+        top_p: keep the smallest set of tokens with probability at least `top_p` (nucleus).
+        stop_token_ids: ends a completion (kept in it); default the model's eos token(s).
+        pad_token_id: fills rows after their stop token; default the model's.
+        strategy: overrides `state.strategy`.
+
+    Returns:
+        a `Rollout`.
+
+    Raises:
+        ValueError: for a bad sampling argument, an `index` of the wrong length, no pad id.
+    """
+    _check_sampling(temperature, top_k, top_p, max_new_tokens)
+    if not (isinstance(num_generations, int) and num_generations >= 1):
+        raise ValueError(f"num_generations must be an int >= 1, got {num_generations!r}")
+    strategy = state.strategy if strategy is None else strategy
+    model = strategy.unwrap(state.model)
+    ids, mask = prompts["input_ids"], prompts.get("attention_mask")
+    idx = [int(i) for i in (index.tolist() if isinstance(index, torch.Tensor) else index)]
+    if len(idx) != ids.shape[0]:
+        raise ValueError(f"index has {len(idx)} numbers for {ids.shape[0]} prompts")
+    completions = [i * num_generations + g for i in idx for g in range(num_generations)]
+    pad_id, stop = _pad_id(model, pad_token_id), _stop_ids(model, stop_token_ids)
+    ids, mask = strategy.to_device(left_pad(ids, mask, pad_id=pad_id))
+    u = _uniforms(state.seed, state.step, completions, max_new_tokens).to(ids.device)
+    with eval_mode(state.model), torch.no_grad(), strategy.autocast():
+        tokens, logps = _decode(
+            model,
+            ids,
+            mask,
+            u,
+            num_generations,
+            strategy,
+            warp=dict(top_k=top_k, top_p=top_p),
+            temperature=temperature,
+            stop=stop,
+            pad_id=pad_id,
+        )
+    is_stop = torch.isin(tokens, torch.tensor(stop, device=tokens.device, dtype=tokens.dtype))
+    before = is_stop.long().cumsum(1) - is_stop.long()  # stop tokens strictly before t
+    completion_mask = (before == 0).long()
+    return Rollout(
+        prompt_ids=ids.repeat_interleave(num_generations, 0),
+        prompt_mask=mask.repeat_interleave(num_generations, 0),
+        completion_ids=tokens,
+        completion_mask=completion_mask,
+        logps=logps * completion_mask,
+        truncated=~is_stop.any(1),
+        completion_index=torch.tensor(completions, device=ids.device),
+    )
+
+
+def _decode(
+    model: nn.Module,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    u: torch.Tensor,
+    g: int,
+    strategy: Strategy,
+    *,
+    warp: dict[str, Any],
+    temperature: float,
+    stop: list[int],
+    pad_id: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode loop: one prefill of the distinct prompts, their cache repeated `g` times,
+    then one forward per new token for all rows."""
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)  # HF's position ids for left padding
+    out = model(
+        input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1
+    )
+    cache, logits = out.past_key_values, out.logits[:, -1]
+    if g > 1:
+        cache.batch_repeat_interleave(g)
+        logits, mask, pos = (t.repeat_interleave(g, 0) for t in (logits, mask, pos))
+    stop_t = torch.tensor(stop, device=ids.device, dtype=ids.dtype)
+    done = torch.zeros(mask.shape[0], dtype=torch.bool, device=ids.device)
+    next_pos = pos[:, -1:] + 1
+    tokens, logps = [], []
+    for t in range(u.shape[1]):
+        scaled = upcast(logits) / temperature
+        token, logp = _draw(scaled, warp_logits(scaled, **warp), u[:, t])
+        token = token.masked_fill(done, pad_id)
+        tokens.append(token)
+        logps.append(logp)
+        done = done | torch.isin(token, stop_t)
+        remaining = (~done).sum()
+        if strategy.world_size > 1:
+            remaining = strategy.all_reduce_sum(remaining)
+        if t == u.shape[1] - 1 or int(remaining) == 0:  # host sync per token, as HF's generate
+            break
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+        out = model(
+            input_ids=token[:, None],
+            attention_mask=mask,
+            position_ids=next_pos,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        cache, logits, next_pos = out.past_key_values, out.logits[:, -1], next_pos + 1
+    return torch.stack(tokens, 1), torch.stack(logps, 1)
+
+
+def token_logps(
+    model: nn.Module,
+    batch: Mapping[str, torch.Tensor],
+    *,
+    temperature: float = 1.0,
+    chunk_rows: int = 8,
+) -> torch.Tensor:
+    """Per-token log-probs of `batch["completion_ids"]` after `batch["prompt_ids"]` under
+    `model`: `log_softmax(logits / temperature)` at each completion token, shape `(N, T)`.
+
+    The forward sees the prompt and completion with their masks and HF's position ids for left
+    padding (what `sample` decoded with), and computes logits for the completion positions only
+    (`logits_to_keep`). Log-probs are `logit - logsumexp(logits)` over `chunk_rows` rows at a
+    time: without gradients (reference and old log-probs) no full-vocabulary float32
+    log-softmax of the batch exists at once.
+    """
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    width = batch["completion_ids"].shape[1]
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=width + 1)
+    logits = getattr(out, "logits", out)[:, :-1]
+    target = batch["completion_ids"]
+    parts = []
+    for lo in range(0, logits.shape[0], chunk_rows):
+        chunk = upcast(logits[lo : lo + chunk_rows]) / temperature
+        picked = chunk.gather(-1, target[lo : lo + chunk_rows, :, None]).squeeze(-1)
+        parts.append(picked - chunk.logsumexp(-1))
+    return torch.cat(parts)
+
+
+def rollout_batches(
+    rollouts: Sequence[Rollout],
+    advantages: Sequence[torch.Tensor],
+    prompts: MicroBatches | None = None,
+    *,
+    reference: nn.Module | None = None,
+    temperature: float = 1.0,
+    mask_truncated: bool = False,
+) -> MicroBatches:
+    """One micro-batch per rollout for `accumulate_grads(state, micro, ft.rl.policy_loss(...))`.
+
+    Each holds the rollout's prompt and completion tensors, its `advantages` (one per row),
+    `old_logps` (the sampling policy's, `Rollout.logps`) and, with a `reference` model,
+    `ref_logps` computed here without gradients. `prompts` (the `make_batches` group the
+    rollouts were sampled from, one rollout per micro-batch) gives the data position that
+    `clip_and_step` records, so `len` and position match the prompts consumed.
+
+    Args:
+        mask_truncated: zero the mask of truncated completions (TRL's
+            `mask_truncated_completions`).
+    """
+    if len(rollouts) != len(advantages) or (prompts is not None and len(prompts) != len(rollouts)):
+        raise ValueError(
+            f"rollout_batches needs one advantages tensor (and prompt micro-batch) per rollout, "
+            f"got {len(rollouts)} rollouts, {len(advantages)} advantages"
+            + ("" if prompts is None else f", {len(prompts)} prompt micro-batches")
+        )
+    out = []
+    for r, adv in zip(rollouts, advantages, strict=True):
+        keep = r.completion_mask * (~r.truncated)[:, None] if mask_truncated else r.completion_mask
+        batch = {
+            "prompt_ids": r.prompt_ids,
+            "prompt_mask": r.prompt_mask,
+            "completion_ids": r.completion_ids,
+            "completion_mask": keep,
+            "advantages": adv.to(r.logps),
+            "old_logps": r.logps,
+            # for Stats' token count: prompt and completion tokens
+            "attention_mask": torch.cat([r.prompt_mask, keep], 1),
+        }
+        if reference is not None:
+            with eval_mode(reference), torch.no_grad():
+                batch["ref_logps"] = token_logps(reference, batch, temperature=temperature)
+        out.append(batch)
+    return MicroBatches(tuple(out), None if prompts is None else prompts.position)
