@@ -1,0 +1,145 @@
+"""What reporting checkpoints to Ray Train costs a training step: async upload vs no Ray.
+
+    python bench/bench_ray.py [--rounds 5] [--steps 200] [--every 20]
+
+The README loop on one CPU process (one intra-op thread), a ~2.1M-parameter MLP, batch 64:
+`--steps` steps, a checkpoint every `--every` steps, in two ways, alternating round by round:
+
+  plain  the loop in this process, `ft.save_checkpoint(state, root)` (blocking);
+  ray    the same loop in a 1-worker `TorchTrainer` (Ray's worker process, its training
+         thread), `ft.extras.ray.save_and_report(state, staging)`: the same blocking save,
+         then `ray.train.report` with `checkpoint_upload_mode=ASYNC` (Ray copies it to its
+         storage in a background thread and deletes the staged copy).
+
+Both use `SingleDevice` (one worker needs no process group), so the difference is Ray: the
+report (a barrier through Ray's synchronisation actor), the background upload and the worker's
+surroundings. The time is measured inside the loop, around all `--steps` steps including the
+saves (not Ray's start-up); reported: medians over rounds of the time per step, and the median
+of the per-round ratios ray / plain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import ftrain as ft
+
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+
+
+def build() -> ft.TrainState:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 1024), nn.GELU(),
+                          nn.Linear(1024, 16))  # fmt: skip
+    return ft.TrainState.create(model, ft.optim.adamw(), strategy=ft.strategies.SingleDevice())
+
+
+def rows() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4096, 256, generator=g)
+    return [{"x": x[i], "y": torch.tensor(i % 16)} for i in range(len(x))]
+
+
+def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    loss = nn.functional.cross_entropy(model(batch["x"]), batch["y"], reduction="sum")
+    return loss, torch.tensor(len(batch["y"]))
+
+
+def timed_loop(steps: int, every: int, save: Any) -> float:
+    """Seconds per step of the README loop, saves included."""
+    torch.set_num_threads(1)
+    state, data = build(), rows()
+    start = time.perf_counter()
+    while state.step < steps:
+        for micro in ft.make_batches(data, state, batch_size=32, accum=2):
+            grads, stats = ft.accumulate_grads(state, micro, loss_fn)
+            state, _ = ft.clip_and_step(state, grads, stats=stats, lr=1e-3, max_norm=1.0)
+            if ft.should_save(state, every=every, total_steps=steps):
+                save(state)
+            if state.step >= steps:
+                break
+        else:
+            state = ft.next_epoch(state)
+    return (time.perf_counter() - start) / steps
+
+
+def ray_loop(config: dict[str, Any]) -> None:
+    import ray.train
+
+    from ftrain.extras import ray as ray_ft
+
+    def save(state: ft.TrainState) -> None:
+        ray_ft.save_and_report(state, config["staging"], upload="async")
+
+    seconds = timed_loop(config["steps"], config["every"], save)
+    ray.train.report({"seconds_per_step": seconds})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--every", type=int, default=20)
+    args = parser.parse_args()
+
+    import ray
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from ftrain.extras import ray as ray_ft
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-ray-"))
+    here = str(Path(__file__).resolve().parent)
+    path = os.pathsep.join([here, str(Path(here).parent), os.environ.get("PYTHONPATH", "")])
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})  # fmt: skip
+    plain, with_ray = [], []
+    try:
+        for r in range(args.rounds):
+            order = ("plain", "ray") if r % 2 == 0 else ("ray", "plain")
+            for kind in order:
+                if kind == "plain":
+                    root = tmp / f"plain-{r}"
+                    save = functools.partial(ft.save_checkpoint, root=root)
+                    plain.append(timed_loop(args.steps, args.every, save))
+                    continue
+                trainer = TorchTrainer(
+                    ray_loop,
+                    train_loop_config={
+                        "steps": args.steps,
+                        "every": args.every,
+                        "staging": str(tmp / f"staging-{r}"),
+                    },
+                    scaling_config=ray.train.ScalingConfig(num_workers=1),
+                    run_config=ray.train.RunConfig(
+                        storage_path=str(tmp / "storage"),
+                        name=f"round-{r}",
+                        checkpoint_config=ray_ft.checkpoint_config(keep_last=2),
+                    ),
+                )
+                with_ray.append(trainer.fit().metrics["seconds_per_step"])
+            print(f"round {r}: plain {plain[-1] * 1e3:.1f} ms/step, ray {with_ray[-1] * 1e3:.1f} "
+                  f"ms/step", flush=True)  # fmt: skip
+    finally:
+        ray.shutdown()
+    ratios = [b / a for a, b in zip(plain, with_ray, strict=True)]
+    print(f"plain: median {statistics.median(plain) * 1e3:.2f} ms/step")
+    print(f"ray (async upload every {args.every} steps): median "
+          f"{statistics.median(with_ray) * 1e3:.2f} ms/step")  # fmt: skip
+    print(f"ratio ray/plain: median {statistics.median(ratios):.3f} "
+          f"(rounds: {', '.join(f'{x:.3f}' for x in ratios)})")  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())
