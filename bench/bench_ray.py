@@ -1,27 +1,29 @@
 """What reporting checkpoints to Ray Train costs a training step: async upload vs no Ray.
 
-    python bench/bench_ray.py [--rounds 5] [--steps 200] [--every 20]
+    python bench/bench_ray.py [--rounds 7] [--steps 400] [--every 20]
 
-The README loop on one CPU process (one intra-op thread), a ~2.1M-parameter MLP, batch 64:
-`--steps` steps, a checkpoint every `--every` steps, in two ways, alternating round by round:
+The README loop on one CPU process (one intra-op thread), a ~1.3M-parameter MLP, batch 64:
+`--steps` steps, a checkpoint every `--every` steps. Each round runs, in an order that
+alternates between rounds:
 
-  plain  the loop in this process, `ft.save_checkpoint(state, root)` (blocking);
-  ray    the same loop in a 1-worker `TorchTrainer` (Ray's worker process, its training
-         thread), `ft.extras.ray.save_and_report(state, staging)`: the same blocking save,
-         then `ray.train.report` with `checkpoint_upload_mode=ASYNC` (Ray copies it to its
-         storage in a background thread and deletes the staged copy).
+  plain   the loop in this process (no Ray), `ft.save_checkpoint(state, root)` (blocking);
+  ray     in a 1-worker `TorchTrainer` (Ray's worker process, its training thread), twice, in
+          alternating order: `save`: the same `ft.save_checkpoint`, nothing reported; and
+          `report`: `ft.extras.ray.save_and_report(state, staging)`, the same blocking save,
+          then `ray.train.report` with `checkpoint_upload_mode=ASYNC` (Ray copies it to its
+          storage in a background thread, then deletes the staged copy).
 
-Both use `SingleDevice` (one worker needs no process group), so the difference is Ray: the
-report (a barrier through Ray's synchronisation actor), the background upload and the worker's
-surroundings. The time is measured inside the loop, around all `--steps` steps including the
-saves (not Ray's start-up); reported: medians over rounds of the time per step, and the median
-of the per-round ratios ray / plain.
+All use `SingleDevice` (one worker needs no process group). Timed inside the loop, around all
+steps including the saves (not Ray's start-up, nor building the model). Reported: medians over
+rounds of the time per step, and medians of the per-round ratios: report / plain (all of
+Ray's cost) and report / save (the reporting alone, in the same worker).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import statistics
 import sys
@@ -75,21 +77,24 @@ def timed_loop(steps: int, every: int, save: Any) -> float:
 
 
 def ray_loop(config: dict[str, Any]) -> None:
-    import ray.train
-
     from ftrain.extras import ray as ray_ft
 
-    def save(state: ft.TrainState) -> None:
+    def report(state: ft.TrainState) -> None:
         ray_ft.save_and_report(state, config["staging"], upload="async")
 
-    seconds = timed_loop(config["steps"], config["every"], save)
-    ray.train.report({"seconds_per_step": seconds})
+    def save(state: ft.TrainState) -> None:
+        ft.save_checkpoint(state, config["root"])
+
+    kinds = {"report": report, "save": save}
+    order = ("report", "save") if config["round"] % 2 == 0 else ("save", "report")
+    seconds = {k: timed_loop(config["steps"], config["every"], kinds[k]) for k in order}
+    Path(config["out"]).write_text(json.dumps(seconds))  # read by the driver
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--every", type=int, default=20)
     args = parser.parse_args()
 
@@ -104,7 +109,8 @@ def main() -> None:
     path = os.pathsep.join([here, str(Path(here).parent), os.environ.get("PYTHONPATH", "")])
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})  # fmt: skip
-    plain, with_ray = [], []
+    plain: list[float] = []
+    with_ray: list[dict[str, float]] = []
     try:
         for r in range(args.rounds):
             order = ("plain", "ray") if r % 2 == 0 else ("ray", "plain")
@@ -120,6 +126,9 @@ def main() -> None:
                         "steps": args.steps,
                         "every": args.every,
                         "staging": str(tmp / f"staging-{r}"),
+                        "out": str(tmp / f"seconds-{r}"),
+                        "root": str(tmp / f"worker-{r}"),
+                        "round": r,
                     },
                     scaling_config=ray.train.ScalingConfig(num_workers=1),
                     run_config=ray.train.RunConfig(
@@ -128,17 +137,24 @@ def main() -> None:
                         checkpoint_config=ray_ft.checkpoint_config(keep_last=2),
                     ),
                 )
-                with_ray.append(trainer.fit().metrics["seconds_per_step"])
-            print(f"round {r}: plain {plain[-1] * 1e3:.1f} ms/step, ray {with_ray[-1] * 1e3:.1f} "
-                  f"ms/step", flush=True)  # fmt: skip
+                trainer.fit()
+                with_ray.append(json.loads((tmp / f"seconds-{r}").read_text()))
+            ray_r = with_ray[-1]
+            print(f"round {r}: plain {plain[-1] * 1e3:.1f} ms/step, ray: save "
+                  f"{ray_r['save'] * 1e3:.1f}, report {ray_r['report'] * 1e3:.1f} ms/step",
+                  flush=True)  # fmt: skip
     finally:
         ray.shutdown()
-    ratios = [b / a for a, b in zip(plain, with_ray, strict=True)]
-    print(f"plain: median {statistics.median(plain) * 1e3:.2f} ms/step")
-    print(f"ray (async upload every {args.every} steps): median "
-          f"{statistics.median(with_ray) * 1e3:.2f} ms/step")  # fmt: skip
-    print(f"ratio ray/plain: median {statistics.median(ratios):.3f} "
-          f"(rounds: {', '.join(f'{x:.3f}' for x in ratios)})")  # fmt: skip
+    report = [x["report"] for x in with_ray]
+    save = [x["save"] for x in with_ray]
+    print(f"plain (no Ray):          median {statistics.median(plain) * 1e3:.2f} ms/step")
+    print(f"ray, save only:          median {statistics.median(save) * 1e3:.2f} ms/step")
+    print(f"ray, save_and_report:    median {statistics.median(report) * 1e3:.2f} ms/step "
+          f"(async upload every {args.every} steps)")  # fmt: skip
+    for name, num, den in (("report / plain", report, plain), ("report / save", report, save)):
+        ratios = [b / a for a, b in zip(den, num, strict=True)]
+        print(f"ratio {name}: median {statistics.median(ratios):.3f} "
+              f"(rounds: {', '.join(f'{x:.3f}' for x in ratios)})")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -193,8 +193,7 @@ def save_and_report(
     stage = Path(root) / f"{STAGING_PREFIX}{state.step}"
     path = ft.save_checkpoint(state, stage, metrics=numbers)
     strategy = state.strategy
-    seen = torch.tensor(float(ft.latest_checkpoint(stage) != path), device=strategy.device)
-    if float(strategy.sum_over_processes(seen)) > 0:  # host sync: saving is the place
+    if strategy.checkpoint_sharded and _unseen_anywhere(stage, path, strategy):
         raise RuntimeError(
             f"a rank cannot see the committed checkpoint {path}: a sharded checkpoint is written "
             f"by every rank into one folder, so root={str(root)!r} must be shared by every "
@@ -217,11 +216,23 @@ def save_and_report(
     return path
 
 
+def _unseen_anywhere(stage: Path, path: Path, strategy: ft.strategies.Strategy) -> bool:
+    """Collective: whether some rank cannot see the committed checkpoint `path`."""
+    unseen = torch.tensor(float(ft.latest_checkpoint(stage) != path), device=strategy.device)
+    return float(strategy.sum_over_processes(unseen)) > 0  # host sync: saving is the place
+
+
 def wait_for_reports(timeout_s: float | None = None) -> None:
     """Block until Ray has uploaded and registered every checkpoint reported so far.
 
     Call it on every rank before leaving on a preemption: a group restarted afterwards then
     resumes from the preemption's checkpoint, not an older one still in flight.
+
+    Args:
+        timeout_s: how long to wait at most (None: as long as it takes).
+
+    Raises:
+        RuntimeError: outside a Ray Train worker.
     """
     train = require_ray()
     _in_worker(train, "wait_for_reports")
@@ -238,6 +249,10 @@ def restore(state: TrainState, *, strict: bool = True) -> TrainState:
     number of workers: ftrain's checkpoints load on any). The folder is read where it lies on
     a local or mounted storage path; from remote storage Ray downloads it first. Sharded (FSDP)
     checkpoints load like whole ones; `load_checkpoint` verifies the commit marker and checksums.
+
+    Args:
+        state: a freshly built state (same model and optimizer) to load into.
+        strict: as `ft.load_checkpoint`'s.
 
     Raises:
         RuntimeError: outside a Ray Train worker.
