@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -67,6 +68,7 @@ def ray_run(tmp_path_factory) -> Path:
         stray = processes_under(temp_dir)
         for pid in stray:
             os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(temp_dir, ignore_errors=True)  # Ray's session: logs, sockets
     assert proc.returncode == 0, log[-6000:]
     assert stray == [], f"Ray processes outlived ray.shutdown(): {stray}"
     return out
@@ -264,3 +266,45 @@ def test_run_in_main_thread_returns_the_result_and_raises_the_error():
         time.sleep(1.5)  # in C: the main thread runs no Python code meanwhile
         t.join()
         raise thread_error["e"]
+
+
+@pytest.fixture
+def fake_worker(monkeypatch):
+    """ray.train as a worker sees it, with `report` recording its calls (no cluster)."""
+    import ray.train
+
+    reports = []
+    monkeypatch.setattr(ray.train, "get_context", lambda: type("C", (), {"get_world_rank": int}))
+    monkeypatch.setattr(ray.train, "report", lambda metrics, **kw: reports.append((metrics, kw)))
+    return reports
+
+
+def test_save_and_report_reports_a_committed_checkpoint_for_async_upload(tmp_path, fake_worker):
+    import ray.train
+
+    state = build()
+    path = ray_ft.save_and_report(state, tmp_path, metrics={"loss": torch.tensor(1.5)})
+    assert path == tmp_path / "report-0" / "step-0" and ft.latest_checkpoint(path.parent) == path
+    ((metrics, kw),) = fake_worker
+    assert metrics == {"loss": 1.5, "step": 0}  # numbers: Ray refuses tensors
+    assert kw["checkpoint"].path == str(path) and kw["checkpoint_dir_name"] == "step-0"
+    assert kw["checkpoint_upload_mode"] == ray.train.CheckpointUploadMode.ASYNC
+    assert kw["delete_local_checkpoint_after_upload"] is True  # Ray owns what it uploaded
+    assert ft.checkpoint.read_meta(path)["metrics"] == {"loss": 1.5}
+    shutil.rmtree(path)  # what Ray does once the upload is done
+    ray_ft.save_and_report(state.replace(step=1), tmp_path, upload="sync")
+    assert fake_worker[1][1]["checkpoint_upload_mode"] == ray.train.CheckpointUploadMode.SYNC
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report-1"]  # the emptied one went
+
+
+def test_a_sharded_checkpoint_some_rank_cannot_see_is_refused_before_ray_hears_of_it(
+    tmp_path, fake_worker, monkeypatch
+):
+    class Sharded(ft.strategies.SingleDevice):
+        checkpoint_sharded = True  # every rank writes shards into one folder
+
+    state = build(Sharded("cpu"))
+    monkeypatch.setattr(ft, "latest_checkpoint", lambda root: None)  # a node-local root
+    with pytest.raises(RuntimeError, match=r"root=.* must be shared by every worker"):
+        ray_ft.save_and_report(state, tmp_path)
+    assert fake_worker == []
