@@ -126,8 +126,8 @@ def test_sigterm_to_one_worker_makes_every_rank_save_the_same_step_and_ray_resum
 
 @pytest.mark.slow
 def test_a_new_fit_with_one_worker_continues_the_two_workers_sharded_checkpoint(ray_run):
-    """fit 2 has 1 worker where fit 1 had 2: it restores Ray's sharded step-HALF and continues
-    exactly as one process continues from that checkpoint."""
+    """fit 2 has 1 DDP worker where fit 1 had 2 FSDP ones: it restores Ray's sharded step-HALF
+    and continues exactly as one process continues from that checkpoint."""
     results = json.loads((ray_run / "results.json").read_text())
     assert events(ray_run, "fit2") == [f"rank 0/1: start at step {HALF}",
                                        f"rank 0/1: steps {HALF}..{TOTAL}"]  # fmt: skip

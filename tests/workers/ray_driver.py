@@ -4,13 +4,13 @@ Usage: python tests/workers/ray_driver.py OUT TEMP_DIR
 OUT receives Ray's storage, the staging folder, events.log (one line per worker event) and
 results.json. Ray's own processes live under TEMP_DIR (keep it short: Unix sockets).
 
-One run (examples/cluster/train_ray.py's trainer, the README loop of examples/cluster/train.py)
-with FSDP, so that every checkpoint Ray moves is sharded:
-  fit 1  2 workers to step HALF, a checkpoint reported every step: in the first attempt rank 1
-         gets SIGTERM after step PREEMPT (every rank saves the same step, Ray restarts the
-         group); in the next, rank 0 SIGKILLs itself during the save of step KILL (Ray restarts
-         the group again).
-  fit 2  the same run (storage and name) with 1 worker continues to TOTAL from Ray's checkpoint.
+One run (examples/cluster/train_ray.py's trainer, the README loop of examples/cluster/train.py):
+  fit 1  2 workers, FSDP (sharded checkpoints), to step HALF, a checkpoint reported every step:
+         in the first attempt rank 1 gets SIGTERM after step PREEMPT (every rank saves the same
+         step, Ray restarts the group); in the next, rank 0 SIGKILLs itself during the save of
+         step KILL (Ray restarts the group again).
+  fit 2  the same run (storage and name) with 1 worker, DDP, continues to TOTAL from Ray's
+         sharded checkpoint.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def main(out: Path, temp_dir: str) -> None:
         results["fit1"] = {"checkpoint": first.checkpoint.path, "seconds": time.monotonic() - t}
         t = time.monotonic()
         log = Log(events, "fit2")
-        second = trainer(storage, "run", workers=1, strategy="fsdp", steps=TOTAL, save_every=1,
+        second = trainer(storage, "run", workers=1, strategy="ddp", steps=TOTAL, save_every=1,
                          keep_last=None, max_failures=0, staging=staging,
                          log=log).fit()  # fmt: skip
         results["fit2"] = {"checkpoint": second.checkpoint.path, "seconds": time.monotonic() - t}
