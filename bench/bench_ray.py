@@ -25,6 +25,7 @@ import argparse
 import functools
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -36,9 +37,6 @@ import torch
 from torch import nn
 
 import ftrain as ft
-
-os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
-
 
 def build() -> ft.TrainState:
     torch.manual_seed(0)
@@ -98,6 +96,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=20)
     args = parser.parse_args()
 
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")  # as the tests
     import ray
     import ray.train
     from ray.train.torch import TorchTrainer
@@ -145,6 +144,7 @@ def main() -> None:
                   flush=True)  # fmt: skip
     finally:
         ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
     report = [x["report"] for x in with_ray]
     save = [x["save"] for x in with_ray]
     print(f"plain (no Ray):          median {statistics.median(plain) * 1e3:.2f} ms/step")
