@@ -38,6 +38,7 @@ from torch import nn
 
 import ftrain as ft
 
+
 def build() -> ft.TrainState:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 1024), nn.GELU(),
