@@ -1,0 +1,388 @@
+"""Ray Train: run the README loop inside `TorchTrainer`, report checkpoints, resume, preempt.
+
+Ray Train starts one worker per rank and initialises torch.distributed in each before it calls
+`train_loop_per_worker`, so `ft.strategies.from_env("ddp" | "fsdp")` (or `DDP()`, `FSDP()`)
+joins Ray's group as it joins torchrun's; only the checkpoint calls change:
+
+    def train_loop_per_worker(config):
+        with ft.strategies.from_env("ddp") as strategy:           # Ray's process group
+            state = ft.extras.ray.restore(build(strategy))        # ray.train.get_checkpoint()
+            ...  # the README loop
+                if ft.should_save(state, every=100, total_steps=total):
+                    ft.extras.ray.save_and_report(state, "/local/scratch/run", metrics=...)
+
+Retention has one owner, Ray: `checkpoint_config(keep_last=..., keep_best=...)` says it in
+ftrain's words and builds the `ray.train.CheckpointConfig`; ftrain rotates nothing it reports.
+See docs/strategies.md ("Ray Train") for the storage layout and the choices Ray forces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+import ftrain as ft
+from ftrain.state import TrainState
+
+__all__ = [
+    "RayPreemption",
+    "checkpoint_config",
+    "on_preemption",
+    "require_ray",
+    "restore",
+    "run_in_main_thread",
+    "save_and_report",
+    "wait_for_reports",
+]
+
+# What ftrain uses of Ray Train; releases without it (or with Train V2 switched off by
+# RAY_TRAIN_V2_ENABLED=0) cannot work, and `require_ray` says so before anything starts.
+_NEEDED = ("CheckpointUploadMode", "CheckpointConsistencyMode", "get_all_reported_checkpoints")
+TESTED_RAY = "2.60.0"
+STAGING_PREFIX = "report-"
+
+
+def require_ray() -> Any:
+    """Import `ray.train` and check that it is a Ray Train that ftrain can work with.
+
+    Returns:
+        The `ray.train` module.
+
+    Raises:
+        ImportError: when Ray is not installed (`pip install "ftrain[ray]"`), or is a release
+            without Ray Train V2's checkpoint upload modes (before 2.50, or V2 switched off by
+            RAY_TRAIN_V2_ENABLED=0); the message names the version found.
+    """
+    try:
+        import ray
+        import ray.train
+    except ImportError as e:
+        raise ImportError(
+            f'ftrain.extras.ray needs Ray Train: pip install "ftrain[ray]" (tested with ray '
+            f"{TESTED_RAY}); importing it failed: {e}"
+        ) from e
+    missing = [name for name in _NEEDED if not hasattr(ray.train, name)]
+    if missing:
+        v2 = os.environ.get("RAY_TRAIN_V2_ENABLED", "unset")
+        raise ImportError(
+            f"ftrain.extras.ray needs Ray Train V2 (ray >= 2.50 with RAY_TRAIN_V2_ENABLED unset "
+            f"or 1; tested with {TESTED_RAY}): ray {ray.__version__} with "
+            f"RAY_TRAIN_V2_ENABLED={v2} lacks ray.train.{', ray.train.'.join(missing)}. "
+            f'Upgrade with pip install "ftrain[ray]" and leave Train V2 on'
+        )
+    return ray.train
+
+
+def checkpoint_config(
+    *,
+    keep_last: int | None = None,
+    keep_best: int | None = None,
+    best_metric: str | None = None,
+    mode: Literal["min", "max"] = "min",
+) -> Any:
+    """Ray's `CheckpointConfig` for ftrain's retention terms: Ray owns retention.
+
+    `save_and_report` never rotates, so what `save_checkpoint(keep_last=..., keep_best=...)`
+    would keep is kept by Ray in its storage. Ray always keeps the newest checkpoint and keeps
+    `num_to_keep` by one rule, so:
+
+    - `keep_last=N` alone: the N newest (`num_to_keep=N`; 0 keeps the newest, as in ftrain);
+    - `best_metric` with `keep_best=K` (default 1) and `keep_last` of 0, 1 or None: the newest
+      and the K best by `metrics[best_metric]` (`checkpoint_score_attribute`); with
+      `keep_last=None` nothing is deleted, as in ftrain;
+    - nothing: every checkpoint stays.
+
+    Args:
+        keep_last: the number of newest checkpoints to keep, or None for all.
+        keep_best: how many best checkpoints to keep (needs `best_metric`).
+        best_metric: the metric that ranks checkpoints; pass it in `save_and_report`'s
+            `metrics` at every save.
+        mode: "min" if a lower `best_metric` is better.
+
+    Returns:
+        A `ray.train.CheckpointConfig` for `RunConfig(checkpoint_config=...)`.
+
+    Raises:
+        ValueError: for a value ftrain's `save_checkpoint` refuses too, or for `keep_last >= 2`
+            together with `best_metric` (the N newest *and* the K best), which Ray cannot keep.
+
+    Example:
+        >>> from ftrain.extras.ray import checkpoint_config
+        >>> c = checkpoint_config(keep_best=2, best_metric="eval_loss", keep_last=1)
+        >>> c.num_to_keep, c.checkpoint_score_attribute, c.checkpoint_score_order
+        (2, 'eval_loss', 'min')
+    """
+    if keep_last is not None and (type(keep_last) is not int or keep_last < 0):
+        raise ValueError(f"keep_last must be an int >= 0 or None, got {keep_last!r}")
+    if keep_best is not None and (type(keep_best) is not int or keep_best < 1):
+        raise ValueError(f"keep_best must be an int >= 1 or None, got {keep_best!r}")
+    if keep_best is not None and best_metric is None:
+        raise ValueError("keep_best needs best_metric, the metrics key that ranks checkpoints")
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+    if best_metric is not None and keep_last is not None and keep_last >= 2:
+        raise ValueError(
+            f"keep_last={keep_last} with best_metric={best_metric!r}: Ray's CheckpointConfig "
+            "keeps num_to_keep checkpoints by one rule (the newest, or the best by one score) "
+            "besides the newest, so it cannot keep both the N newest and the K best; pass "
+            "keep_last=1 (the newest and the best) or drop best_metric"
+        )
+    train = require_ray()
+    if best_metric is None:
+        return train.CheckpointConfig(num_to_keep=None if keep_last is None else max(keep_last, 1))
+    return train.CheckpointConfig(
+        num_to_keep=None if keep_last is None else (keep_best or 1),
+        checkpoint_score_attribute=best_metric,
+        checkpoint_score_order=mode,
+    )
+
+
+def save_and_report(
+    state: TrainState,
+    root: str | os.PathLike[str],
+    *,
+    metrics: Mapping[str, Any] | None = None,
+    upload: Literal["async", "sync"] = "async",
+) -> Path:
+    """Save a committed checkpoint of `state` and report it to Ray Train (every rank calls it).
+
+    The checkpoint is written blocking into `root/report-<step>/step-<step>` (a folder of its
+    own, so that Ray deleting an uploaded copy never races with ftrain listing `root`); then
+    `ray.train.report` hands it to Ray under the name `step-<step>`: with `upload="async"`
+    Ray copies it to its storage in a background thread while training goes on, and deletes
+    the local copy once uploaded; `"sync"` returns after the copy. Ray registers a checkpoint
+    (`ray.train.get_checkpoint` returns it to a restarted group) only after the upload ended,
+    so a restart never sees a half-copied one, and Ray's storage is an ftrain run folder:
+    `ft.latest_checkpoint(storage_path / name)` finds the newest step there too.
+
+    Only rank 0 reports the checkpoint; a sharded (FSDP) checkpoint is one folder that every
+    rank wrote its shards into, so `root` must be a folder every worker sees (one node, or a
+    shared filesystem): this raises on every rank when one cannot see the committed checkpoint.
+    Retention is Ray's (`checkpoint_config`); this never rotates.
+
+    Args:
+        state: the state to save (not consumed).
+        root: a local staging folder for the checkpoints before Ray uploads them.
+        metrics: numbers recorded in the checkpoint and reported to Ray (rank 0's are kept
+            with the checkpoint; `CheckpointConfig.checkpoint_score_attribute` ranks by them);
+            0-dim tensors are read as numbers here (a host sync, at the save).
+        upload: "async" or "sync" (Ray's `CheckpointUploadMode`).
+
+    Returns:
+        The local checkpoint folder (gone once an async upload finished).
+
+    Raises:
+        ValueError: for another `upload`.
+        RuntimeError: outside a Ray Train worker, or when a rank cannot see the checkpoint.
+    """
+    if upload not in ("async", "sync"):
+        raise ValueError(f"upload must be 'async' or 'sync', got {upload!r}")
+    train = require_ray()
+    _in_worker(train, "save_and_report")
+    numbers = {
+        k: v.item() if isinstance(v, torch.Tensor) else v for k, v in (metrics or {}).items()
+    }
+    stage = Path(root) / f"{STAGING_PREFIX}{state.step}"
+    path = ft.save_checkpoint(state, stage, metrics=numbers)
+    strategy = state.strategy
+    if strategy.checkpoint_sharded and _unseen_anywhere(stage, path, strategy):
+        raise RuntimeError(
+            f"a rank cannot see the committed checkpoint {path}: a sharded checkpoint is written "
+            f"by every rank into one folder, so root={str(root)!r} must be shared by every "
+            "worker (one node, or a shared filesystem)"
+        )
+    mode = (
+        train.CheckpointUploadMode.ASYNC if upload == "async" else train.CheckpointUploadMode.SYNC
+    )
+    checkpoint = train.Checkpoint.from_directory(str(path)) if strategy.process_rank == 0 else None
+    report = {**numbers, "step": state.step}
+    train.report(
+        report,
+        checkpoint=checkpoint,
+        checkpoint_dir_name=path.name,
+        checkpoint_upload_mode=mode,
+        delete_local_checkpoint_after_upload=True,
+    )
+    if strategy.process_rank == 0:
+        _remove_empty_stages(Path(root), keep=stage)
+    return path
+
+
+def _unseen_anywhere(stage: Path, path: Path, strategy: ft.strategies.Strategy) -> bool:
+    """Collective: whether some rank cannot see the committed checkpoint `path`."""
+    unseen = torch.tensor(float(ft.latest_checkpoint(stage) != path), device=strategy.device)
+    return float(strategy.sum_over_processes(unseen)) > 0  # host sync: saving is the place
+
+
+def wait_for_reports(timeout_s: float | None = None) -> None:
+    """Block until Ray has uploaded and registered every checkpoint reported so far.
+
+    Call it on every rank before leaving on a preemption: a group restarted afterwards then
+    resumes from the preemption's checkpoint, not an older one still in flight.
+
+    Args:
+        timeout_s: how long to wait at most (None: as long as it takes).
+
+    Raises:
+        RuntimeError: outside a Ray Train worker.
+    """
+    train = require_ray()
+    _in_worker(train, "wait_for_reports")
+    train.get_all_reported_checkpoints(
+        consistency_mode=train.CheckpointConsistencyMode.COMMITTED, timeout_s=timeout_s
+    )
+
+
+def restore(state: TrainState, *, strict: bool = True) -> TrainState:
+    """`state` loaded from Ray's newest registered checkpoint, or `state` itself if none.
+
+    `ray.train.get_checkpoint()` is what a restarted worker group resumes from (after a lost
+    worker, or a new `fit` on the same `RunConfig(storage_path, name)`, which may have another
+    number of workers: ftrain's checkpoints load on any). The folder is read where it lies on
+    a local or mounted storage path; from remote storage Ray downloads it first. Sharded (FSDP)
+    checkpoints load like whole ones; `load_checkpoint` verifies the commit marker and checksums.
+
+    Args:
+        state: a freshly built state (same model and optimizer) to load into.
+        strict: as `ft.load_checkpoint`'s.
+
+    Raises:
+        RuntimeError: outside a Ray Train worker.
+        CheckpointError: if Ray's checkpoint is not a committed ftrain checkpoint.
+    """
+    train = require_ray()
+    _in_worker(train, "restore")
+    checkpoint = train.get_checkpoint()
+    if checkpoint is None:
+        return state
+    with checkpoint.as_directory() as directory:
+        return ft.load_checkpoint(directory, state, strict=strict)
+
+
+def _in_worker(train: Any, name: str) -> None:
+    try:
+        train.get_context().get_world_rank()
+    except Exception as e:  # Ray raises its own error outside a worker
+        raise RuntimeError(
+            f"ftrain.extras.ray.{name} runs inside TorchTrainer's train_loop_per_worker (a Ray "
+            f"Train worker); here there is none ({type(e).__name__}: {e})"
+        ) from e
+
+
+def _remove_empty_stages(root: Path, *, keep: Path) -> None:
+    """Remove the staging folders that Ray emptied (their checkpoint is uploaded)."""
+    for p in root.glob(f"{STAGING_PREFIX}*"):
+        if p != keep:
+            with contextlib.suppress(OSError):  # not empty: its upload is still running
+                p.rmdir()
+
+
+# --- preemption ---------------------------------------------------------------------------------
+
+
+def run_in_main_thread(fn: Callable[[], Any], *, timeout_s: float = 60.0) -> Any:
+    """Run `fn` in the process's main thread and return its result (or raise its error).
+
+    Signal handlers belong to the main thread, and Ray Train runs `train_loop_per_worker` in a
+    thread of its own. CPython's `Py_AddPendingCall` queues `fn` for the main thread, which runs
+    it the next time it runs Python code (a Ray worker's main thread answers the controller's
+    health check every `RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`, 2 s by default). In the main
+    thread `fn` just runs.
+
+    Raises:
+        TimeoutError: if the main thread did not run Python code within `timeout_s`.
+    """
+    if threading.current_thread() is threading.main_thread():
+        return fn()
+    done = threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def call(_: Any) -> int:
+        try:
+            outcome["value"] = fn()
+        except BaseException as e:  # re-raised in the caller's thread
+            outcome["error"] = e
+        done.set()
+        return 0
+
+    callback = _PENDING_CALL(call)  # referenced until it ran (below)
+    if ctypes.pythonapi.Py_AddPendingCall(callback, None) != 0:
+        raise RuntimeError("CPython's queue of pending calls is full; try again")
+    if not done.wait(timeout_s):
+        # The call stays queued and runs whenever the main thread runs Python code again:
+        # its callback must outlive this frame, so it is kept (one small object, on error).
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(callback))
+        raise TimeoutError(
+            f"the main thread ran no Python code for {timeout_s} s, so it could not run "
+            f"{getattr(fn, '__name__', fn)!r} (signal handlers are installed there)"
+        )
+    del callback
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+_PENDING_CALL = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+
+
+class RayPreemption(contextlib.AbstractContextManager["RayPreemption"]):
+    """`ft.strategies.on_preemption()`'s flag, installed from Ray's training thread.
+
+    `requested` is the core `Preemption`'s: true on every rank at the same step once some rank
+    was signalled (the vote rides on `accumulate_grads`' all-reduce). `close()` (or leaving the
+    `with` block) restores the previous handlers, Ray's own SIGTERM handler included.
+    """
+
+    def __init__(self, inner: ft.strategies.Preemption) -> None:
+        self.inner = inner
+
+    def __repr__(self) -> str:
+        return f"RayPreemption({self.inner!r})"
+
+    @property
+    def requested(self) -> bool:
+        return self.inner.requested
+
+    @property
+    def received(self) -> bool:
+        return self.inner.received
+
+    def close(self) -> None:
+        run_in_main_thread(self.inner.close)
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def on_preemption(
+    signals: Iterable[signal.Signals] = (signal.SIGTERM,), *, timeout_s: float = 60.0
+) -> RayPreemption:
+    """`ft.strategies.on_preemption(signals)` for a Ray Train worker: SIGTERM becomes the flag.
+
+    A Ray worker's SIGTERM handler exits the process at once; while this is active the signal
+    instead sets ftrain's preemption flag, which every rank learns at the same step, so that all
+    save that step (`should_save` is True) and leave the loop. Leave then by raising (Ray
+    restarts the group under `FailureConfig(max_failures=...)`, from the checkpoint just
+    reported: call `wait_for_reports()` first) or by returning (Ray counts the run finished).
+
+    Ray's own notice of a node being drained (`ray.train.get_preemption_info()`, polled every
+    few seconds) is separate: read it at the same step on every rank (it is a barrier) and save.
+
+    Args:
+        signals: the signals that mean "this worker is about to be killed".
+        timeout_s: how long to wait for the main thread to install the handlers.
+
+    Raises:
+        ValueError, TypeError: as `ft.strategies.on_preemption`.
+        TimeoutError: see `run_in_main_thread`.
+    """
+    inner = run_in_main_thread(lambda: ft.strategies.on_preemption(signals), timeout_s=timeout_s)
+    return RayPreemption(inner)

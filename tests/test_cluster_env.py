@@ -1,0 +1,206 @@
+"""SLURM and Kubernetes by their environment (issue 28): srun's variables become torch's, a
+requeued job resumes in the same run folder, the recipes in examples/cluster/ run as written."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import ftrain as ft
+from cluster_launch import (
+    ROOT,
+    base_env,
+    data_position,
+    env_ranks,
+    free_port,
+    load_example,
+    run_all,
+)
+from ftrain.extras.cluster import expand_hostlist, export_launcher_env, slurm_env
+from helpers import opt_state_tensors
+
+build = load_example("train").build
+
+STEPS = 40
+WORKERS = Path(__file__).parent / "workers"
+SRUN = {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "777",
+        "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_RESTART_COUNT": "2"}  # fmt: skip
+
+
+def test_host_lists_expand_as_scontrol_show_hostnames():
+    assert expand_hostlist("gpu[07-08,11],login1") == ["gpu07", "gpu08", "gpu11", "login1"]
+    assert expand_hostlist("a[1-2]-ib[5,7]") == ["a1-ib5", "a1-ib7", "a2-ib5", "a2-ib7"]
+    assert expand_hostlist("node[098-101]") == ["node098", "node099", "node100", "node101"]
+    for bad in ("", "a[1-", "a[3-1]", "a]", "a,,b", "a[x]"):
+        with pytest.raises(ValueError, match="not a SLURM host list"):
+            expand_hostlist(bad)
+
+
+def test_srun_variables_become_torchs_with_a_port_per_attempt():
+    env = slurm_env(SRUN)
+    assert env == {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "gpu07",
+                   "MASTER_PORT": str(20000 + 777 + 2)}  # fmt: skip
+    requeued = slurm_env({**SRUN, "SLURM_RESTART_COUNT": "3"})
+    assert requeued["MASTER_PORT"] != env["MASTER_PORT"]  # never the killed attempt's sockets
+    step = slurm_env({**SRUN, "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "cpu[3-4]"})
+    assert (step["WORLD_SIZE"], step["MASTER_ADDR"]) == ("2", "cpu3")  # the step's, not the job's
+    own = slurm_env({**SRUN, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"})
+    assert (own["MASTER_ADDR"], own["MASTER_PORT"]) == ("10.0.0.1", "1234")
+
+
+def test_missing_srun_variables_are_named():
+    broken = {k: v for k, v in SRUN.items() if k not in ("SLURM_PROCID", "SLURM_JOB_NODELIST")}
+    match = r"SLURM_PROCID, SLURM_JOB_NODELIST, SLURM_RESTART_COUNT unset or not a number"
+    with pytest.raises(ValueError, match=match):
+        slurm_env({**broken, "SLURM_RESTART_COUNT": "x", "SLURM_PROCID": ""})
+
+
+def test_export_launcher_env_leaves_a_launchers_variables_alone():
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1", **SRUN}
+    env = dict(torchrun)
+    assert export_launcher_env(env) == "launcher" and env == torchrun  # srun ... torchrun
+    env = dict(SRUN)
+    assert export_launcher_env(env) == "slurm" and env["RANK"] == "1"
+    env = {"PATH": "/bin"}
+    assert export_launcher_env(env) == "none" and env == {"PATH": "/bin"}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> ft.TrainState:
+    """examples/cluster/train.py on 2 ranks without faults."""
+    root = tmp_path_factory.mktemp("reference")
+    env_ranks(root, "--steps", str(STEPS), "--save-every", str(STEPS))
+    return ft.load_checkpoint(ft.latest_checkpoint(root), build())
+
+
+def assert_bit_equal(root: Path, reference: ft.TrainState) -> None:
+    path = ft.latest_checkpoint(root)
+    assert path is not None and path.name == f"step-{STEPS}"
+    ended = ft.load_checkpoint(path, build())
+    assert data_position(ended) == data_position(reference)  # the data order continues alike
+    for n, p in reference.params.items():
+        assert torch.equal(ended.params[n], p), n
+    theirs = opt_state_tensors(reference.opt_state)
+    for n, t in opt_state_tensors(ended.opt_state).items():
+        assert torch.equal(t, theirs[n]), n
+
+
+def fake_slurm(tmp: Path) -> Path:
+    """A bin folder with `srun` (tests/workers/cluster_srun.py) and `scontrol` (logs its args)."""
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir()
+    scripts = {
+        "srun": f'exec {shlex.quote(sys.executable)} {WORKERS / "cluster_srun.py"} "$@"\n',
+        "scontrol": f'echo "$@" >> {tmp / "scontrol.log"}\n',
+        "python": f'exec {shlex.quote(sys.executable)} "$@"\n',
+    }
+    for name, body in scripts.items():
+        (bin_dir / name).write_text("#!/bin/sh\n" + body)
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    return bin_dir
+
+
+def slurm_job(tmp: Path, attempt: int, job_id: int, **extra: str) -> dict[str, str]:
+    """What sbatch sets for the batch script of one attempt of a 2-task job on this machine."""
+    path = f"{tmp / 'bin'}{os.pathsep}{os.environ['PATH']}"
+    return base_env(SLURM_JOB_ID=str(job_id), SLURM_NTASKS="2", SLURM_JOB_NODELIST="localhost",
+                    SLURM_RESTART_COUNT=str(attempt), PATH=path, **extra)  # fmt: skip
+
+
+def a_job_id() -> int:
+    """A job id whose attempts 0 and 1 get free ports (slurm_env: 20000 + id + attempt)."""
+    while True:
+        port = free_port()
+        if 20000 <= port < 39999:
+            return port - 20000
+
+
+@pytest.mark.slow
+def test_the_sbatch_recipe_saves_on_sigusr1_requeues_and_resumes_bit_equal(tmp_path, reference):
+    """examples/cluster/slurm.sbatch as written, with srun and scontrol stand-ins: SIGUSR1 (the
+    time limit's warning) reaches both tasks, they save the same step and exit 75, the script
+    requeues the job; the requeued attempt (same job id and run folder) ends bit-equal."""
+    sbatch = ROOT / "examples" / "cluster" / "slurm.sbatch"
+    header = re.findall(r"^#SBATCH (\S+)", sbatch.read_text(), re.M)
+    assert "--requeue" in header and any(re.fullmatch(r"--signal=USR1@\d+", h) for h in header)
+    fake_slurm(tmp_path)
+    run, job = tmp_path / "run", a_job_id()
+    first = slurm_job(
+        tmp_path, 0, job, RUN_DIR=str(run), FAKE_SLURM_SIGNAL_WHEN=str(run / "step-4")
+    )
+    cmd = ["bash", str(sbatch), "--steps", str(STEPS), "--save-every", "4"]
+    ((code, out, err),) = run_all([cmd], [first], timeout=90)
+    assert code == 0, err[-3000:]
+    ends = set(re.findall(r"rank [01]/2 \(slurm\): steps 0\.\.(\d+) preempted", out))
+    assert len(ends) == 1, out + err[-2000:]  # both ranks, one step
+    (saved,) = ends
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", str(job)]
+    assert ft.latest_checkpoint(run) == run / f"step-{saved}"
+    ((code, out, err),) = run_all([cmd], [slurm_job(tmp_path, 1, job, RUN_DIR=str(run))], 90)
+    assert code == 0, err[-3000:]
+    assert out.count(f"(slurm): steps {saved}..{STEPS}\n") == 2, out
+    assert_bit_equal(run, reference)
+
+
+@pytest.mark.slow
+def test_a_requeued_srun_job_resumes_the_newest_committed_checkpoint_after_a_sigkill(
+    tmp_path, reference
+):
+    """Rank 1 is SIGKILLed during the save of step 9 (a node lost mid-write); srun kills the
+    other task; the requeued attempt resumes from the newest *committed* checkpoint (never the
+    half-written one), finishes, and ends bit-equal to the run without faults."""
+    fake_slurm(tmp_path)
+    run, job = tmp_path / "run", a_job_id()
+    cmd = ["srun", "--kill-on-bad-exit=1", sys.executable, str(WORKERS / "cluster_victim.py"),
+           str(run), "--steps", str(STEPS), "--save-every", "1", "--keep-last", "3"]  # fmt: skip
+    env = slurm_job(tmp_path, 0, job, VICTIM_STEP="9", VICTIM_RANK="1")
+    ((code, _, err),) = run_all([cmd], [env], timeout=90)
+    assert code in (128 + 9, 137), err[-3000:]  # the victim's SIGKILL
+    newest = ft.latest_checkpoint(run)
+    assert newest is not None and int(newest.name[5:]) in (8, 9)
+    committed_before = sorted(p.name for p in run.glob("step-*"))
+    ((code, out, err),) = run_all([cmd], [slurm_job(tmp_path, 1, job)], timeout=90)
+    assert code == 0, err[-3000:]
+    assert out.count(f"(slurm): steps {newest.name[5:]}..{STEPS}\n") == 2, out
+    assert committed_before and not list(run.glob(".tmp-*"))  # the dead save's leftovers went
+    assert_bit_equal(run, reference)
+
+
+@pytest.mark.slow
+def test_the_pytorchjob_manifest_runs_as_its_pods_would(tmp_path, reference):
+    """examples/cluster/pytorchjob.yaml: each replica's command with the variables the training
+    operator sets in its pod (MASTER_*, WORLD_SIZE, RANK, and PET_* for torchrun), the run
+    folder mounted at /mnt/run; ends bit-equal to the same 2 ranks started by hand."""
+    job = yaml.safe_load((ROOT / "examples" / "cluster" / "pytorchjob.yaml").read_text())
+    assert job["kind"] == "PyTorchJob"
+    replicas = job["spec"]["pytorchReplicaSpecs"]
+    assert list(replicas) == ["Master", "Worker"]
+    run, port, commands, envs = tmp_path / "run", str(free_port()), [], []
+    for rank, spec in enumerate(replicas.values()):
+        pod = spec["template"]["spec"]
+        assert spec["restartPolicy"] == "OnFailure" and pod["terminationGracePeriodSeconds"] > 0
+        (container,) = pod["containers"]
+        assert {"name": "run", "mountPath": "/mnt/run"} in container["volumeMounts"]
+        (volume,) = pod["volumes"]
+        assert "persistentVolumeClaim" in volume  # the run folder outlives the pods
+        command = [c.replace("/mnt/run", str(run)) for c in container["command"]]
+        assert command[0] == "torchrun"
+        commands.append([sys.executable, "-m", "torch.distributed.run", *command[1:],
+                         "--steps", str(STEPS), "--save-every", "8"])  # fmt: skip
+        operator = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2",
+                    "RANK": str(rank), "PET_NNODES": "2", "PET_NODE_RANK": str(rank),
+                    "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": port}  # fmt: skip
+        envs.append(base_env(**{e["name"]: e["value"] for e in container["env"]}, **operator))
+    outs = run_all(commands, envs, timeout=120)
+    for code, _, err in outs:
+        assert code == 0, err[-3000:]
+    assert f"(launcher): steps 0..{STEPS}" in "".join(out for _, out, _ in outs)
+    assert_bit_equal(run, reference)
