@@ -475,3 +475,23 @@ def test_saving_a_consumed_state_raises_consumed_state_error_itself(tmp_path):
     with pytest.raises(ft.ConsumedStateError, match="consumed by clip_and_step"):
         ft.export_pretrained(state, tmp_path / "export")
     assert not tmp_path.exists() or not list(tmp_path.iterdir())
+
+
+def test_a_commit_survives_another_writer_rotating_the_newest_checkpoint_away(
+    tmp_path, monkeypatch
+):
+    """The newest committed checkpoint may vanish between listing and reading its marker (another
+    writer's rotation in a shared root): the save still commits, ordered after the rest."""
+    import shutil
+
+    from ftrain.checkpoint import _save
+
+    state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+    ft.save_checkpoint(state.replace(step=1), tmp_path)
+    ft.save_checkpoint(state.replace(step=2), tmp_path)
+    listed = _save.committed(tmp_path)
+    shutil.rmtree(tmp_path / "step-2")
+    monkeypatch.setattr(_save, "committed", lambda root: listed)  # listed before the delete
+    ft.save_checkpoint(state.replace(step=3), tmp_path)
+    monkeypatch.undo()
+    assert ft.latest_checkpoint(tmp_path) == tmp_path / "step-3"

@@ -369,9 +369,14 @@ def _seal(tmp: Path, root: Path, staged: L.Contents, files: list[str], *, checks
 def _after_every_commit(marker: Path, root: Path) -> None:
     """Give the marker a time after every other commit's in `root`: commit order is then
     strict even when the clock is coarse (ms) or went back."""
-    last = [(p / L.COMMIT_FILE).stat().st_mtime_ns for _, p in committed(root)[-1:]]
-    if last and marker.stat().st_mtime_ns <= last[0]:
-        os.utime(marker, ns=(last[0] + 1, last[0] + 1))
+    for _, path in reversed(committed(root)):
+        try:
+            last = (path / L.COMMIT_FILE).stat().st_mtime_ns
+        except FileNotFoundError:  # rotated away by another writer meanwhile: the next one
+            continue
+        if marker.stat().st_mtime_ns <= last:
+            os.utime(marker, ns=(last + 1, last + 1))
+        return
 
 
 def _all_ok(ok: bool, strategy: Strategy) -> bool:
