@@ -41,6 +41,7 @@ import argparse
 import cProfile
 import json
 import pstats
+import queue
 import resource
 import statistics
 import subprocess
@@ -259,9 +260,12 @@ class HFTurns:
     """The HF Trainer in a thread, held by a callback after every optimizer step.
 
     `step(micro, k)` lets it run one step and waits for it; the micro-batches come from the
-    Trainer's own data loader (the same pre-collated batches, in order). `close()` lets it run
-    to `max_steps` and joins it. `times` holds each step's time, from the end of the previous
-    turn (when the callback released it) to the end of this step (`on_step_end`).
+    Trainer's own data loader (the same pre-collated batches, in order). While it is held, the
+    thread runs the functions given to `call`: the other loops' steps run there too, so that
+    every loop's tensor ops come from one thread (one OpenMP team: two teams on two cores
+    spin against each other and skew the times). `close()` lets it run to `max_steps` and
+    joins it. `times` holds each step's time, from the end of the previous turn (when the
+    callback let it go) to the end of this step (`on_step_end`).
     """
 
     def __init__(self, model: torch.nn.Module, data: list[Any], total_steps: int) -> None:
@@ -269,16 +273,20 @@ class HFTurns:
         from transformers.trainer_callback import PrinterCallback
 
         turns = self
-        self.go, self.done = threading.Semaphore(0), threading.Semaphore(0)
+        self.jobs: queue.Queue[Callable[[], Any] | None] = queue.Queue()
+        self.results: queue.Queue[tuple[bool, Any]] = queue.Queue()
         self.times: list[float] = []
-        self.error: BaseException | None = None
         self._t0 = 0.0
 
         class Hold(TrainerCallback):
             def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
                 turns.times.append(time.perf_counter() - turns._t0)
-                turns.done.release()
-                turns.go.acquire()
+                turns.results.put((True, None))  # this step is done
+                while (job := turns.jobs.get()) is not None:  # None: run the next step
+                    try:
+                        turns.results.put((True, job()))
+                    except BaseException as e:  # re-raised by `call`
+                        turns.results.put((False, e))
                 turns._t0 = time.perf_counter()
 
         class Micro(torch.utils.data.IterableDataset):
@@ -326,24 +334,32 @@ class HFTurns:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 self.trainer.train()
-        except BaseException as e:  # re-raised in the main thread
-            self.error = e
-        finally:
-            self.done.release()
+            self.results.put((True, None))  # the end of the run
+        except BaseException as e:
+            self.results.put((False, e))
+
+    def _result(self) -> Any:
+        ok, value = self.results.get(timeout=900)
+        if not ok:
+            raise RuntimeError("the HF Trainer's thread failed") from value
+        return value
 
     def step(self, micro: list[Any], k: int) -> None:
-        if not self._started:
+        if self._started:
+            self.jobs.put(None)
+        else:
             self._started = True
             self.thread.start()
-        else:
-            self.go.release()
-        self.done.acquire()
-        if self.error is not None:
-            raise RuntimeError("the HF Trainer failed") from self.error
+        self._result()
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` in the Trainer's thread while it is held (after its first step)."""
+        self.jobs.put(fn)
+        return self._result()
 
     def close(self) -> None:
-        if self._started:
-            self.go.release()
+        if self._started and self.thread.is_alive():
+            self.jobs.put(None)
             self.thread.join(timeout=600)
         self._tmp.cleanup()
 
@@ -414,10 +430,22 @@ def time_regime(
     model, data = _to_device(model, data[:steps])
     total = steps * (rounds + 1)
     made = {name: make_loop(name, copy.deepcopy(model), data, total) for name in loops}
-    steps_of = {name: (m.step if isinstance(m, HFTurns) else m) for name, m in made.items()}
+    hf = made.get("hf")
+    assert hf is None or isinstance(hf, HFTurns)
+
+    def run(name: str, batches: list[Any], offset: int) -> list[float]:
+        if name == "hf":  # its own step times, not the hand-over
+            assert hf is not None
+            return [(hf.step(m, offset + i), hf.times[-1])[1] for i, m in enumerate(batches)]
+        step = made[name]
+        if hf is None:
+            return _block(step, batches, offset)
+        return hf.call(lambda: _block(step, batches, offset))  # in the Trainer's thread
+
     try:
-        for step in steps_of.values():  # warm-up block (allocator, first-step state init)
-            _block(step, data, 0)
+        order = sorted(loops, key=lambda n: n != "hf")  # the Trainer's thread starts first
+        for name in order:  # warm-up block (allocator, first-step state init)
+            run(name, data, 0)
         per_round: dict[str, list[list[float]]] = {name: [] for name in loops}
         for r in range(rounds):
             for name in loops:
@@ -425,14 +453,10 @@ def time_regime(
             for i, micro in enumerate(data):
                 shift = (r * steps + i) % len(loops)  # rotate who goes first
                 for name in loops[shift:] + loops[:shift]:
-                    t = _block(steps_of[name], [micro], steps * (r + 1) + i)[0]
-                    if isinstance(made[name], HFTurns):
-                        t = made[name].times[-1]  # its own step, not the hand-over
-                    per_round[name][-1].append(t)
+                    per_round[name][-1] += run(name, [micro], steps * (r + 1) + i)
     finally:
-        for m in made.values():
-            if isinstance(m, HFTurns):
-                m.close()
+        if hf is not None:
+            hf.close()
     med = {n: statistics.median(t for rnd in rs for t in rnd) for n, rs in per_round.items()}
     spread = {}
     for n, rs in per_round.items():
