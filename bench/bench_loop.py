@@ -498,7 +498,7 @@ def _peak_rss_bytes() -> int:
 def memory_child(regime: str, loop: str) -> None:
     model, data, _ = build(regime)
     model, data = _to_device(model, data)
-    data = data[:3]  # the peak comes with the first steps (gradients, optimizer state)
+    data = data[:2]  # the peak comes with the first steps (gradients, optimizer state)
     cuda = DEVICE.type == "cuda"
     with torch.no_grad():  # lazy imports of the forward and the losses: not the loop's memory
         model(**data[0][0])
