@@ -1,8 +1,9 @@
-"""GPU: the README loop vs a raw loop at bf16 on a ~110M-parameter Llama; MFU; checkpoint stall.
+"""GPU: the README loop vs a raw loop and vs nanoGPT; MFU; the checkpoint stall.
 
-    python bench/bench_gpu.py [--rounds 5] [--peak-tflops 989]
+    python bench/bench_gpu.py [--rounds 5] [--peak-tflops 989]      # the Llama suite
+    python bench/bench_gpu.py --nanogpt ~/nanoGPT                   # the main example vs nanoGPT
 
-Needs CUDA (exits with a message otherwise). Both loops train their own copy of one Llama
+The Llama suite needs CUDA. Both loops train their own copy of one Llama
 (768 hidden, 12 layers, 12 heads, tied 32k embedding: ~110M parameters) on the same data with
 bf16 autocast, AdamW (fused, wd 0.1), accumulation 2, clip 1.0: the raw loop with
 `torch.autocast` and `torch.optim.AdamW(fused=True)`, ftrain with
@@ -11,6 +12,20 @@ Step times are medians of interleaved blocks; peak memory is `max_memory_allocat
 over the set-up baseline, each loop alone in a fresh subprocess. MFU uses HF's 6 * N FLOPs per
 token over the peak given (989 TFLOP/s: H100/H200 dense bf16). The checkpoint stall is how long
 `save_checkpoint(blocking=False)` holds the loop up, against a step's time.
+
+`--nanogpt PATH` (a nanoGPT checkout; nothing is downloaded) runs the main example's model
+(`CharGPT` of examples/shakespeare_char.py: nanoGPT's GPT as an HF model) at GPT-2-124M shapes
+(12 layers, 12 heads, 768 wide, block 1024, vocabulary 50304) with `torch.compile` and bf16
+autocast in the README loop, and nanoGPT's own `train.py` at the same shapes, batch,
+accumulation, optimizer (fused AdamW, betas (0.9, 0.95), wd 0.1, clip 1.0) and data (random
+tokens in a `train.bin` written here, read by both the way nanoGPT's `get_batch` reads it), one
+process after the other, alternating, `--rounds` times. Both read the loss on the host every
+iteration (nanoGPT's `--log_interval=1`); the first `--warmup` iterations (compilation) are
+dropped. Reported: median ms per iteration, tokens/s and MFU for both, MFU by nanoGPT's own
+formula (6 N + 12 L H Q T FLOPs per token, N without the position embedding) over
+`--peak-tflops` (nanoGPT's own printout assumes an A100's 312). nanoGPT's files are linked into
+a temporary folder that holds the data, so the checkout is not written to. The shapes, device,
+precision and compilation are flags, so a CPU test runs it all at tiny shapes.
 """
 
 from __future__ import annotations
@@ -18,12 +33,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -130,13 +147,181 @@ def checkpoint_stall(loop: dict, data: list[Any], step_s: float, saves: int = 3)
     }
 
 
+# --- the main example's GPT vs nanoGPT's train.py (--nanogpt) ----------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+ITER_LINE = re.compile(r"^iter (\d+): loss [0-9.naif]+, time ([0-9.]+)ms", re.MULTILINE)
+
+
+def write_tokens(directory: Path, vocab: int, n: int = 1 << 20) -> None:
+    """`train.bin`/`val.bin`: uint16 random tokens, the format nanoGPT's prepare scripts write."""
+    import numpy as np
+
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for name in ("train", "val"):
+        rng.integers(0, vocab, size=n, dtype=np.uint16).tofile(directory / f"{name}.bin")
+
+
+def get_batch(data_dir: Path, block: int, batch: int, device: torch.device) -> list[torch.Tensor]:
+    """nanoGPT's `get_batch("train")`: random windows of a fresh memmap, pinned, non-blocking."""
+    import numpy as np
+
+    data = np.memmap(data_dir / "train.bin", dtype=np.uint16, mode="r")
+    ix = torch.randint(len(data) - block, (batch,))
+    x = torch.stack([torch.from_numpy(data[i : i + block].astype(np.int64)) for i in ix])
+    y = torch.stack([torch.from_numpy(data[i + 1 : i + 1 + block].astype(np.int64)) for i in ix])
+    if device.type == "cuda":
+        return [t.pin_memory().to(device, non_blocking=True) for t in (x, y)]
+    return [x.to(device), y.to(device)]
+
+
+def flops_per_token(n_params: int, layers: int, heads: int, width: int, block: int) -> float:
+    """nanoGPT's `estimate_mfu` numerator per token: 6 N + 12 L H Q T."""
+    return 6 * n_params + 12 * layers * heads * (width // heads) * block
+
+
+def ftrain_worker(a: argparse.Namespace) -> None:
+    """The README loop on the example's CharGPT; prints one JSON line of per-iteration times."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from shakespeare_char import CharGPT, CharGPTConfig, next_char_loss
+
+    device = torch.device(a.device)
+    torch.manual_seed(1337)
+    torch.backends.cuda.matmul.allow_tf32 = True  # as nanoGPT's train.py
+    torch.backends.cudnn.allow_tf32 = True
+    config = CharGPTConfig(
+        vocab_size=a.vocab, block_size=a.block_size, n_layer=a.n_layer, n_head=a.n_head,
+        n_embd=a.n_embd,
+    )  # fmt: skip
+    model = CharGPT(config).to(device)
+    optimizer = ft.optim.adamw(betas=(0.9, 0.95), weight_decay=0.1, mask=ft.optim.decay_mask(model))
+    strategy = ft.strategies.SingleDevice(device, precision=a.precision)
+    state = ft.TrainState.create(
+        torch.compile(model) if a.compile else model, optimizer, strategy=strategy
+    )
+    lr = ft.schedules.warmup_cosine(peak_lr=6e-4, warmup_steps=10, total_steps=a.iters)
+    data_dir = Path(a.data)
+    times, last = [], time.perf_counter()
+    grads = stats = None
+    while state.step < a.iters:
+        micro = [get_batch(data_dir, a.block_size, a.batch_size, device) for _ in range(a.accum)]
+        grads, stats = ft.accumulate_grads(state, micro, next_char_loss)
+        state, _ = ft.clip_and_step(state, grads, stats=stats, lr=lr(state.step), max_norm=1.0)
+        if ft.should_log(state, every=1):  # nanoGPT --log_interval=1: a host read per iteration
+            loss = float(stats.loss)
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+    del grads
+    n = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
+    print(json.dumps({"times": times, "loss": loss, "n_params": n}))
+
+
+def nanogpt_cmd(a: argparse.Namespace, run_dir: Path) -> list[str]:
+    """nanoGPT's train.py at the same shapes and batch; evaluation only at iteration 0."""
+    dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[a.precision]
+    return [
+        sys.executable, str(run_dir / "train.py"), f"--out_dir={run_dir / 'out'}",
+        "--dataset=bench", f"--device={a.device}", f"--dtype={dtype}", f"--compile={a.compile}",
+        f"--n_layer={a.n_layer}", f"--n_head={a.n_head}", f"--n_embd={a.n_embd}",
+        f"--block_size={a.block_size}", f"--batch_size={a.batch_size}",
+        f"--gradient_accumulation_steps={a.accum}", f"--max_iters={a.iters}",
+        f"--lr_decay_iters={a.iters}", "--warmup_iters=10", "--learning_rate=6e-4",
+        "--weight_decay=0.1", "--beta2=0.95", "--grad_clip=1.0", "--dropout=0.0",
+        "--bias=False", f"--eval_interval={10 * a.iters + 1}", "--eval_iters=1",
+        "--log_interval=1", "--always_save_checkpoint=False", "--wandb_log=False",
+        "--init_from=scratch",
+    ]  # fmt: skip
+
+
+def versus_nanogpt(a: argparse.Namespace) -> None:
+    checkout = Path(a.nanogpt).expanduser().resolve()
+    for name in ("train.py", "configurator.py"):
+        if not (checkout / name).is_file():
+            raise SystemExit(f"--nanogpt {checkout}: no {name} there (a nanoGPT checkout?)")
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp)
+        for f in checkout.glob("*.py"):  # train.py, model.py, configurator.py, ...
+            (run_dir / f.name).symlink_to(f)
+        data_dir = run_dir / "data" / "bench"
+        write_tokens(data_dir, a.vocab)
+        worker = [sys.executable, __file__, "--worker-ftrain", str(data_dir)] + [
+            f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
+            if k in WORKER_ARGS
+        ]  # fmt: skip
+        worker += ["--compile"] if a.compile else []
+        runs: dict[str, list[float]] = {"ftrain": [], "nanogpt": []}
+        n_params = 0
+        for r in range(a.rounds):
+            for side in ("ftrain", "nanogpt") if r % 2 == 0 else ("nanogpt", "ftrain"):
+                cmd = worker if side == "ftrain" else nanogpt_cmd(a, run_dir)
+                out = subprocess.run(
+                    cmd, cwd=run_dir, capture_output=True, text=True, timeout=a.timeout
+                )
+                if out.returncode:
+                    raise SystemExit(f"{side} failed ({out.returncode}):\n{out.stderr[-3000:]}")
+                if side == "ftrain":
+                    result = json.loads(out.stdout.strip().splitlines()[-1])
+                    times, n_params = result["times"], result["n_params"]
+                else:
+                    times = [float(ms) / 1e3 for _, ms in ITER_LINE.findall(out.stdout)]
+                    times = times[1:]  # nanoGPT's iteration 0 times its first evaluation too
+                if len(times) <= a.warmup:
+                    raise SystemExit(f"{side}: {len(times)} iterations, --warmup {a.warmup}")
+                runs[side] += times[a.warmup :]
+    tokens = a.batch_size * a.accum * a.block_size
+    fpt = flops_per_token(n_params, a.n_layer, a.n_head, a.n_embd, a.block_size)
+    device = torch.cuda.get_device_name() if a.device == "cuda" else a.device
+    print(f"{device}, torch {torch.__version__}, GPT {n_params / 1e6:.1f}M non-embedding params, "
+          f"{a.n_layer} layers x {a.n_head} heads x {a.n_embd}, block {a.block_size}, batch "
+          f"{a.batch_size} x accum {a.accum}, {a.precision}, compile={a.compile}, "
+          f"{a.rounds} rounds x {a.iters - a.warmup} timed iterations")  # fmt: skip
+    print("| run | ms/iter | tokens/s | MFU | time ratio |\n|---|---|---|---|---|")
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    for side, t in med.items():
+        mfu = fpt * tokens / t / (a.peak_tflops * 1e12)
+        print(f"| {side} | {t * 1e3:.1f} | {tokens / t:,.0f} | {mfu:.3f} | "
+              f"{t / med['nanogpt']:.3f} |")  # fmt: skip
+
+
+WORKER_ARGS = ("device", "precision", "n_layer", "n_head", "n_embd", "block_size", "vocab",
+               "batch_size", "accum", "iters")  # fmt: skip
+
+
+def nanogpt_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nanogpt", help="a nanoGPT checkout: compare the main example's GPT with it")
+    p.add_argument("--worker-ftrain", metavar="DATA", help=argparse.SUPPRESS)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--n-layer", type=int, default=12)
+    p.add_argument("--n-head", type=int, default=12)
+    p.add_argument("--n-embd", type=int, default=768)
+    p.add_argument("--block-size", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--batch-size", type=int, default=12, help="nanoGPT's train_gpt2.py: 12")
+    p.add_argument("--accum", type=int, default=4, help="gradient accumulation steps")
+    p.add_argument("--iters", type=int, default=40, help="iterations per run")
+    p.add_argument("--warmup", type=int, default=10, help="first iterations not timed")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--memory-rounds", type=int, default=2)
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--memory-child", choices=["raw", "ftrain"], help=argparse.SUPPRESS)
+    nanogpt_args(p)
     args = p.parse_args()
+    if args.worker_ftrain:
+        args.data = args.worker_ftrain
+        ftrain_worker(args)
+        return
+    if args.nanogpt:
+        versus_nanogpt(args)
+        return
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu.py needs a CUDA device")
     if args.memory_child:

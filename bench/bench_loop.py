@@ -1,36 +1,96 @@
-"""ftrain loop vs a raw PyTorch loop (fused AdamW), interleaved in one run, three regimes.
+"""The README loop vs raw PyTorch loops and the peers, interleaved in one run, three regimes.
 
-    python bench/bench_loop.py                 # all regimes, writes nothing, prints a table
-    python bench/bench_loop.py --regime tiny --rounds 3
+    python bench/bench_loop.py                          # the whole table (~5 min on 2 idle cores)
+    python bench/bench_loop.py --regime mlp --rounds 9  # one regime
+    python bench/bench_loop.py --profile                # where a small step's time goes
 
-The ftrain loop is the README loop (`grads` stays bound across iterations, every 10th step logs
-`float(stats.loss)` and `float(info.grad_norm)`); the raw loop logs the same two numbers.
-Step time: both loops train their own copy of the same model on the same pre-collated data with
-the same hyper-parameters (accumulation 2, clip 1.0, warmup-cosine lr, AdamW wd 0.1). The loops
-take turns step by step (order alternating) so that machine noise hits both; the ratio is of
-per-step medians over the rounds.
-Peak memory: each loop runs alone in a fresh subprocess and reports its peak RSS growth over the
-set-up baseline (CUDA: max allocated), interleaved the same way.
+Loops, each training its own copy of the same model on the same pre-collated micro-batches
+(accumulation 2, clip 1.0, AdamW lr warmup-cosine, weight decay 0.1, fused kernels; every 10th
+step reads the loss and the gradient norm on the host):
+
+- `raw`: the loop most people write: `zero_grad(set_to_none=True)`, per micro-batch
+  `loss = model(**b).loss / accum; loss.backward()`, `clip_grad_norm_`, `opt.step()` with
+  `torch.optim.AdamW(fused=True)` (ftrain runs the same `_fused_adamw_` kernel).
+- `exact`: the same with exact token-weighted accumulation, as the HF Trainer does it: count the
+  step's label tokens first, `model(**b, num_items_in_batch=n).loss` (a sum divided by n).
+- `ftrain`: the README loop as README.md writes it: `grads, stats` bound across iterations,
+  `clip_and_step(..., stats=stats, lr=lr(state.step), max_norm=1.0)`, `should_log` (reads
+  `float(stats.loss)` and `float(info.grad_norm)`), `should_eval` and `should_save` asked every
+  step (with cadences this run never reaches: their work is not the loop's), the `break` test.
+- `fabric`: Lightning Fabric (`fabric.setup`, `no_backward_sync`, `fabric.backward`,
+  `fabric.clip_gradients`), the same fused AdamW. Needs `pip install -e ".[bench]"`.
+- `hf`: the HF Trainer (`optim="adamw_torch_fused"`, the same schedule, accumulation and clip),
+  run in a thread that a callback holds after each step, so that it takes its turn like the
+  others; its step time runs from the end of its previous turn to the end of this step.
+
+Regimes: `mlp` (a 2-layer MLP language model, ~1 ms a step: per-step overhead dominates; its
+`.loss` is transformers' `ForCausalLMLoss`, what every HF causal LM computes), `embedding`
+(GPT-2 with a 50k x 576 embedding, 33M parameters: the optimizer dominates), `llama` (4 layers,
+256 wide, sequence 128: compute dominates). `tiny` (a 1-layer GPT-2) is kept for the other
+bench scripts.
+
+Step time: the loops take turns step by step, in an order that rotates, so that load changes on
+a shared machine hit all of them; per loop the median over all steps of all rounds, and the
+spread of the per-round medians. Peak memory: each loop alone in a fresh process, peak RSS growth
+over the set-up baseline (CUDA: max allocated), median over the memory rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
+import queue
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
-from collections.abc import Callable
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from transformers.loss.loss_utils import ForCausalLMLoss
+from transformers.modeling_outputs import CausalLMOutput
 
 import ftrain as ft
 
 ACCUM, CLIP, WD, LOG_EVERY = 2, 1.0, 0.1, 10
 LOGGED: list[tuple[float, float]] = []  # what the loops log, so that the reads happen
+LOOPS = ("raw", "exact", "ftrain", "fabric", "hf")
+REGIMES = ("mlp", "embedding", "llama")
+
+Step = Callable[[list[Any], int], None]
+
+
+class MLPForCausalLM(torch.nn.Module):
+    """A 2-layer MLP language model with an HF causal LM's interface: `model(input_ids,
+    attention_mask=None, labels=None, **kwargs)` returns `.logits` and, given labels, `.loss` from
+    transformers' `ForCausalLMLoss` (`num_items_in_batch` makes it a sum over that count)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, hidden: int = 64) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.fc1 = torch.nn.Linear(dim, hidden)
+        self.fc2 = torch.nn.Linear(hidden, vocab)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        logits = self.fc2(F.gelu(self.fc1(self.embed(input_ids))))
+        loss = None if labels is None else ForCausalLMLoss(logits, labels, self.vocab, **kwargs)
+        return CausalLMOutput(loss=loss, logits=logits)
 
 
 def build(regime: str) -> tuple[torch.nn.Module, list[list[dict[str, torch.Tensor]]], int]:
@@ -38,37 +98,20 @@ def build(regime: str) -> tuple[torch.nn.Module, list[list[dict[str, torch.Tenso
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    if regime == "tiny":  # per-step overhead dominates
-        model: torch.nn.Module = GPT2LMHeadModel(
-            GPT2Config(
-                vocab_size=128,
-                n_positions=32,
-                n_embd=32,
-                n_layer=1,
-                n_head=2,
-                resid_pdrop=0.0,
-                embd_pdrop=0.0,
-                attn_pdrop=0.0,
-                bos_token_id=0,
-                eos_token_id=0,
-            )
-        )
+    gpt2 = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    gpt2 |= {"bos_token_id": 0, "eos_token_id": 0}
+    if regime == "mlp":  # per-step overhead dominates
+        model: torch.nn.Module = MLPForCausalLM()
+        bs, seq, vocab, steps = 4, 16, 64, 100
+    elif regime == "tiny":  # a 1-layer GPT-2 (bench_compile.py, bench_compiled_step.py)
+        config = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=1, n_head=2, **gpt2)
+        model = GPT2LMHeadModel(config)
         bs, seq, vocab, steps = 4, 16, 128, 100
-    elif regime == "embedding":  # ~30M parameters, mostly embeddings: the optimizer dominates
-        model = GPT2LMHeadModel(
-            GPT2Config(
-                vocab_size=50_000,
-                n_positions=32,
-                n_embd=576,
-                n_layer=1,
-                n_head=4,
-                resid_pdrop=0.0,
-                embd_pdrop=0.0,
-                attn_pdrop=0.0,
-                bos_token_id=0,
-                eos_token_id=0,
-            )
+    elif regime == "embedding":  # ~33M parameters, mostly embeddings: the optimizer dominates
+        config = GPT2Config(
+            vocab_size=50_000, n_positions=32, n_embd=576, n_layer=1, n_head=4, **gpt2
         )
+        model = GPT2LMHeadModel(config)
         bs, seq, vocab, steps = 2, 16, 50_000, 8
     elif regime == "llama":  # compute dominates
         model = LlamaForCausalLM(
@@ -96,9 +139,12 @@ def build(regime: str) -> tuple[torch.nn.Module, list[list[dict[str, torch.Tenso
     return model, data, steps
 
 
-def raw_loop(
-    model: torch.nn.Module, total: int, compiled_step: bool = False
-) -> Callable[[list[Any], int], None]:
+def _log(k: int, loss: torch.Tensor, norm: torch.Tensor) -> None:
+    if (k + 1) % LOG_EVERY == 0:
+        LOGGED.append((float(loss), float(norm)))
+
+
+def raw_loop(model: torch.nn.Module, total: int, compiled_step: bool = False) -> Step:
     """The loop people write by hand, logging every LOG_EVERY steps like the README loop.
     `compiled_step`: torch's compiled-optimizer recipe instead of fused AdamW (a foreach AdamW
     with a tensor lr, its `step` under `torch.compile`; bench_compiled_step.py)."""
@@ -124,34 +170,198 @@ def raw_loop(
             else:
                 group["lr"] = lr(k)
         opt_step()
-        if (k + 1) % LOG_EVERY == 0:
-            LOGGED.append((float(loss_sum), float(norm)))
+        _log(k, loss_sum, norm)
+
+    return step
+
+
+def exact_loop(model: torch.nn.Module, total: int) -> Step:
+    """The raw loop with exact token-weighted accumulation (the HF Trainer's way): the step's
+    label tokens counted first, each loss a sum divided by that count."""
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=WD, fused=True)
+    lr = ft.schedules.warmup_cosine(1e-3, 10, total)
+
+    def step(micro: list[Any], k: int) -> None:
+        opt.zero_grad(set_to_none=True)
+        n = sum((b["labels"][:, 1:] != -100).sum() for b in micro)
+        loss_sum = 0.0
+        for batch in micro:
+            loss = model(**batch, num_items_in_batch=n).loss
+            loss.backward()
+            loss_sum += loss.detach()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        for group in opt.param_groups:
+            group["lr"] = lr(k)
+        opt.step()
+        _log(k, loss_sum, norm)
 
     return step
 
 
 def ftrain_loop(
     model: torch.nn.Module, total: int, strategy: Any = None, compile: bool = False
-) -> Callable[[list[Any], int], None]:
-    """The README loop's body. `grads` lives across iterations as in the README, where it stays
-    bound until the next `accumulate_grads` returns: held in `loop`, not scoped to one call.
+) -> Step:
+    """The README loop's body as README.md writes it. `grads` and `stats` live across
+    iterations (held in `loop`, as the README's loop variables stay bound until reassigned);
+    `should_eval`/`should_save` are asked every step with cadences past this run.
     `compile` is `clip_and_step`'s (bench_compiled_step.py)."""
     state = ft.TrainState.create(model, ft.optim.adamw(weight_decay=WD), strategy=strategy)
     lr = ft.schedules.warmup_cosine(1e-3, 10, total)
-    loop: dict[str, Any] = {"state": state, "grads": None}
+    loop: dict[str, Any] = {"state": state, "grads": None, "stats": None}
     extra = {"compile": True} if compile else {}  # so that trees without it run this bench too
+    never = 10 * total + 1  # evaluation and checkpoints are not the loop's overhead
 
     def step(micro: list[Any], k: int) -> None:
         state = loop["state"]
-        loop["grads"], stats = ft.accumulate_grads(state, micro)
+        loop["grads"], loop["stats"] = ft.accumulate_grads(state, micro)
         state, info = ft.clip_and_step(
-            state, loop["grads"], stats=stats, lr=lr(state.step), max_norm=CLIP, **extra
+            state, loop["grads"], stats=loop["stats"], lr=lr(state.step), max_norm=CLIP, **extra
         )
         loop["state"] = state
         if ft.should_log(state, every=LOG_EVERY):
-            LOGGED.append((float(stats.loss), float(info.grad_norm)))
+            LOGGED.append((float(loop["stats"].loss), float(info.grad_norm)))
+        if ft.should_eval(state, every=never, total_steps=10 * total):
+            raise AssertionError("the benchmark never evaluates")
+        if ft.should_save(state, every=never, total_steps=10 * total):
+            raise AssertionError("the benchmark never saves")
+        if state.step >= 10 * total:
+            raise AssertionError("the benchmark never reaches total_steps")
 
     return step
+
+
+def fabric_loop(model: torch.nn.Module, total: int) -> Step:
+    """Lightning Fabric's documented loop with gradient accumulation and clipping."""
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator=DEVICE.type, devices=1, precision="32-true")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=WD, fused=True)
+    module, opt = fabric.setup(model, opt)
+    lr = ft.schedules.warmup_cosine(1e-3, 10, total)
+
+    def step(micro: list[Any], k: int) -> None:
+        loss_sum = 0.0
+        for i, batch in enumerate(micro):
+            with fabric.no_backward_sync(module, enabled=i < len(micro) - 1):
+                loss = module(**batch).loss / len(micro)
+                fabric.backward(loss)
+            loss_sum += loss.detach()
+        norm = fabric.clip_gradients(module, opt, max_norm=CLIP)
+        for group in opt.param_groups:
+            group["lr"] = lr(k)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _log(k, loss_sum, norm)
+
+    return step
+
+
+class HFTurns:
+    """The HF Trainer in a thread, held by a callback after every optimizer step.
+
+    `step(micro, k)` lets it run one step and waits for it; the micro-batches come from the
+    Trainer's own data loader (the same pre-collated batches, in order). While it is held, the
+    thread runs the functions given to `call`: the other loops' steps run there too, so that
+    every loop's tensor ops come from one thread (one OpenMP team: two teams on two cores
+    spin against each other and skew the times). `close()` lets it run to `max_steps` and
+    joins it. `times` holds each step's time, from the end of the previous turn (when the
+    callback let it go) to the end of this step (`on_step_end`).
+    """
+
+    def __init__(self, model: torch.nn.Module, data: list[Any], total_steps: int) -> None:
+        from transformers import Trainer, TrainerCallback, TrainingArguments
+        from transformers.trainer_callback import PrinterCallback
+
+        turns = self
+        self.jobs: queue.Queue[Callable[[], Any] | None] = queue.Queue()
+        self.results: queue.Queue[tuple[bool, Any]] = queue.Queue()
+        self.times: list[float] = []
+        self._t0 = 0.0
+
+        class Hold(TrainerCallback):
+            def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+                turns.times.append(time.perf_counter() - turns._t0)
+                turns.results.put((True, None))  # this step is done
+                while (job := turns.jobs.get()) is not None:  # None: run the next step
+                    try:
+                        turns.results.put((True, job()))
+                    except BaseException as e:  # re-raised by `call`
+                        turns.results.put((False, e))
+                turns._t0 = time.perf_counter()
+
+        class Micro(torch.utils.data.IterableDataset):
+            def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+                while True:
+                    for micro in data:
+                        yield from micro
+
+        self._tmp = tempfile.TemporaryDirectory()
+        args = TrainingArguments(
+            output_dir=self._tmp.name,
+            per_device_train_batch_size=1,
+            gradient_accumulation_steps=ACCUM,
+            max_steps=total_steps,
+            learning_rate=1e-3,
+            lr_scheduler_type="cosine",
+            warmup_steps=10,
+            weight_decay=WD,
+            max_grad_norm=CLIP,
+            optim="adamw_torch_fused",
+            logging_steps=LOG_EVERY,
+            save_strategy="no",
+            report_to=[],
+            disable_tqdm=True,
+            use_cpu=DEVICE.type == "cpu",
+            dataloader_num_workers=0,
+            seed=0,
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.trainer = Trainer(
+                model=model,
+                args=args,
+                train_dataset=Micro(),
+                data_collator=lambda rows: rows[0],  # each row is a collated micro-batch
+                callbacks=[Hold()],
+            )
+        self.trainer.remove_callback(PrinterCallback)  # its log lines, not the loop's work
+        self.thread = threading.Thread(target=self._train, daemon=True)
+        self._started = False
+
+    def _train(self) -> None:
+        try:
+            self._t0 = time.perf_counter()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self.trainer.train()
+            self.results.put((True, None))  # the end of the run
+        except BaseException as e:
+            self.results.put((False, e))
+
+    def _result(self) -> Any:
+        ok, value = self.results.get(timeout=900)
+        if not ok:
+            raise RuntimeError("the HF Trainer's thread failed") from value
+        return value
+
+    def step(self, micro: list[Any], k: int) -> None:
+        if self._started:
+            self.jobs.put(None)
+        else:
+            self._started = True
+            self.thread.start()
+        self._result()
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` in the Trainer's thread while it is held (after its first step)."""
+        self.jobs.put(fn)
+        return self._result()
+
+    def close(self) -> None:
+        if self._started and self.thread.is_alive():
+            self.jobs.put(None)
+            self.thread.join(timeout=600)
+        self._tmp.cleanup()
 
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -166,7 +376,7 @@ def _to_device(model: torch.nn.Module, data: list[Any]) -> tuple[torch.nn.Module
     return model.to(DEVICE), [[{k: v.to(DEVICE) for k, v in b.items()} for b in m] for m in data]
 
 
-def _block(step: Callable[[list[Any], int], None], data: list[Any], offset: int) -> list[float]:
+def _block(step: Step, data: list[Any], offset: int) -> list[float]:
     times = []
     for i, micro in enumerate(data):
         _sync()
@@ -177,33 +387,87 @@ def _block(step: Callable[[list[Any], int], None], data: list[Any], offset: int)
     return times
 
 
-def time_regime(regime: str, rounds: int) -> dict[str, float]:
+def make_loop(name: str, model: torch.nn.Module, data: list[Any], total: int) -> Any:
+    """A loop by name: a `Step` function, or an `HFTurns` for the HF Trainer."""
+    if name == "raw":
+        return raw_loop(model, total)
+    if name == "exact":
+        return exact_loop(model, total)
+    if name == "ftrain":
+        return ftrain_loop(model, total)
+    if name == "fabric":
+        return fabric_loop(model, total)
+    if name == "hf":
+        return HFTurns(model, data, total)
+    raise ValueError(f"unknown loop {name!r}")
+
+
+def available(loops: list[str]) -> list[str]:
+    """The loops whose packages are installed (the peers come with `.[bench]`)."""
+    out = []
+    for name in loops:
+        try:
+            if name == "fabric":
+                import lightning.fabric  # noqa: F401
+            if name == "hf":
+                import transformers.trainer  # noqa: F401
+        except ImportError:
+            print(f"skipping {name}: not installed (pip install -e '.[bench]')", file=sys.stderr)
+            continue
+        out.append(name)
+    return out
+
+
+def time_regime(
+    regime: str, rounds: int, loops: list[str], steps: int | None = None
+) -> dict[str, Any]:
+    """Median step time of each loop, the loops taking turns step by step; `steps` per round
+    (the regime's own when None)."""
     import copy
 
-    model, data, steps = build(regime)
-    model, data = _to_device(model, data)
+    model, data, n = build(regime)
+    steps = n if steps is None else min(steps, n)
+    model, data = _to_device(model, data[:steps])
     total = steps * (rounds + 1)
-    loops = {
-        "raw": raw_loop(copy.deepcopy(model), total),
-        "ftrain": ftrain_loop(copy.deepcopy(model), total),
-    }
-    for step in loops.values():  # warm-up block (allocator, first-step state init)
-        _block(step, data, 0)
-    # The loops take turns step by step, order alternating: on a shared machine the load changes
-    # within a block of steps, and block-interleaved medians swung by up to 1.2x.
-    per_step: dict[str, list[float]] = {name: [] for name in loops}
-    for r in range(rounds):
-        for i, micro in enumerate(data):
-            order = list(loops) if (r * steps + i) % 2 == 0 else list(reversed(loops))
-            for name in order:
-                per_step[name] += _block(loops[name], [micro], steps * (r + 1) + i)
-    med = {name: statistics.median(ts) for name, ts in per_step.items()}
-    n_params = sum(p.numel() for p in model.parameters())
+    made = {name: make_loop(name, copy.deepcopy(model), data, total) for name in loops}
+    hf = made.get("hf")
+    assert hf is None or isinstance(hf, HFTurns)
+
+    def run(name: str, batches: list[Any], offset: int) -> list[float]:
+        if name == "hf":  # its own step times, not the hand-over
+            assert hf is not None
+            return [(hf.step(m, offset + i), hf.times[-1])[1] for i, m in enumerate(batches)]
+        step = made[name]
+        if hf is None:
+            return _block(step, batches, offset)
+        return hf.call(lambda: _block(step, batches, offset))  # in the Trainer's thread
+
+    try:
+        order = sorted(loops, key=lambda n: n != "hf")  # the Trainer's thread starts first
+        for name in order:  # warm-up block (allocator, first-step state init)
+            run(name, data, 0)
+        per_round: dict[str, list[list[float]]] = {name: [] for name in loops}
+        for r in range(rounds):
+            for name in loops:
+                per_round[name].append([])
+            for i, micro in enumerate(data):
+                shift = (r * steps + i) % len(loops)  # rotate who goes first
+                for name in loops[shift:] + loops[:shift]:
+                    per_round[name][-1] += run(name, [micro], steps * (r + 1) + i)
+    finally:
+        if hf is not None:
+            hf.close()
+    med = {n: statistics.median(t for rnd in rs for t in rnd) for n, rs in per_round.items()}
+    spread = {}
+    for n, rs in per_round.items():
+        raw = per_round["raw"]
+        ratios = [statistics.median(a) / statistics.median(b) for a, b in zip(rs, raw, strict=True)]
+        spread[n] = (min(ratios), max(ratios))
     return {
-        "params_m": n_params / 1e6,
-        "raw_ms": med["raw"] * 1e3,
-        "ftrain_ms": med["ftrain"] * 1e3,
-        "time_ratio": med["ftrain"] / med["raw"],
+        "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+        "ms": {n: v * 1e3 for n, v in med.items()},
+        "ratio": {n: v / med["raw"] for n, v in med.items()},
+        "round_ratio_range": spread,
     }
 
 
@@ -212,70 +476,130 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS, so that the peak measures
+    the loop, not imports and set-up before it (Linux >= 4.0); False where that is refused."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def memory_child(regime: str, loop: str) -> None:
-    model, data, steps = build(regime)
+    model, data, _ = build(regime)
     model, data = _to_device(model, data)
+    data = data[:2]  # the peak comes with the first steps (gradients, optimizer state)
     cuda = DEVICE.type == "cuda"
+    with torch.no_grad():  # lazy imports of the forward and the losses: not the loop's memory
+        model(**data[0][0])
+        ft.losses.default_loss(model, data[0][0])
+    made = make_loop(loop, model, data, 2 * len(data))
+    step = made.step if isinstance(made, HFTurns) else made
     if cuda:
+        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    step = (raw_loop if loop == "raw" else ftrain_loop)(model, steps * 2)
+    elif not _reset_peak_rss():
+        raise SystemExit("cannot reset the peak RSS (/proc/self/clear_refs): no memory figures")
     base = torch.cuda.memory_allocated() if cuda else _rss_bytes()
     _block(step, data, 0)
-    _block(step, data, steps)
-    peak = (
-        torch.cuda.max_memory_allocated()
-        if cuda
-        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    )
+    _block(step, data, len(data))
+    peak = torch.cuda.max_memory_allocated() if cuda else _peak_rss_bytes()
+    if isinstance(made, HFTurns):
+        made.close()
     print(json.dumps({"peak_growth_mb": (peak - base) / 2**20}))
 
 
-def memory_regime(regime: str, rounds: int) -> dict[str, float]:
-    growth: dict[str, list[float]] = {"raw": [], "ftrain": []}
+def memory_regime(regime: str, rounds: int, loops: list[str]) -> dict[str, float]:
+    growth: dict[str, list[float]] = {n: [] for n in loops}
     for r in range(rounds):
-        for loop in ["raw", "ftrain"] if r % 2 == 0 else ["ftrain", "raw"]:
+        shift = r % len(loops)
+        for loop in loops[shift:] + loops[:shift]:
             out = subprocess.run(
                 [sys.executable, __file__, "--memory-child", regime, loop],
                 check=True,
                 capture_output=True,
                 text=True,
+                timeout=900,
             ).stdout
             growth[loop].append(json.loads(out.strip().splitlines()[-1])["peak_growth_mb"])
-    raw, ours = statistics.median(growth["raw"]), statistics.median(growth["ftrain"])
-    return {"raw_peak_mb": raw, "ftrain_peak_mb": ours, "mem_ratio": ours / raw}
+    return {n: statistics.median(v) for n, v in growth.items()}
+
+
+def profile(regime: str, steps: int) -> None:
+    """Per-step counts of top-level aten ops (torch.profiler) and of Python function calls
+    (cProfile) for `raw` and `ftrain`, and each loop's median step time alone."""
+    import copy
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    model, data, n = build(regime)
+    model, data = _to_device(model, data)
+    for name in ("raw", "exact", "ftrain"):
+        step = make_loop(name, copy.deepcopy(model), data, 10 * steps)
+        _block(step, data, 0)
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            _block(step, data[:10], n)
+        top = Counter(e.name for e in prof.events() if e.cpu_parent is None)
+        ops = sum(top.values()) / 10
+        pr = cProfile.Profile()
+        pr.enable()
+        _block(step, data[:10], n + 10)
+        pr.disable()
+        calls = pstats.Stats(pr).total_calls / 10  # type: ignore[attr-defined]
+        times = [t for _ in range(max(1, steps // n)) for t in _block(step, data, n)]
+        print(f"{name}: {ops:.1f} top-level aten ops/step, {calls:.0f} Python calls/step, "
+              f"{statistics.median(times) * 1e6:.0f} us/step alone")  # fmt: skip
+        print("   " + ", ".join(f"{k} {v / 10:g}" for k, v in top.most_common(40)))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--regime", choices=["tiny", "embedding", "llama", "all"], default="all")
-    p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--memory-rounds", type=int, default=2)
+    p.add_argument("--regime", choices=[*REGIMES, "tiny", "all"], default="all")
+    p.add_argument("--loops", default=",".join(LOOPS), help="comma-separated: " + ",".join(LOOPS))
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--memory-rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, help="steps per round (default: the regime's)")
+    p.add_argument("--profile", action="store_true", help="op and call counts (mlp regime)")
     p.add_argument("--memory-child", nargs=2, metavar=("REGIME", "LOOP"), help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.memory_child:
+    warnings.filterwarnings("ignore")  # peers' notices on a CPU machine
+    if args.memory_child:  # its last stdout line is the result (peers print banners)
         memory_child(*args.memory_child)
         return
-    regimes = ["tiny", "embedding", "llama"] if args.regime == "all" else [args.regime]
-    print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"{'cuda' if torch.cuda.is_available() else 'cpu'}"
-    )
-    print(
-        "| regime | params (M) | raw ms/step | ftrain ms/step | time ratio | raw peak MB | "
-        "ftrain peak MB | memory ratio |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
+    if args.profile:
+        profile("mlp" if args.regime == "all" else args.regime, 300)
+        return
+    loops = [x for x in args.loops.split(",") if x]
+    unknown = set(loops) - set(LOOPS)
+    if unknown or "raw" not in loops:
+        p.error(f"--loops takes names from {','.join(LOOPS)} and must include raw")
+    loops = available(loops)
+    regimes = list(REGIMES) if args.regime == "all" else [args.regime]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {DEVICE.type}, "
+          f"{args.rounds} rounds, {args.memory_rounds} memory rounds")  # fmt: skip
+    print("| regime | params (M) | loop | ms/step | time ratio (round range) | peak MB | "
+          "memory ratio |\n|---|---|---|---|---|---|---|")  # fmt: skip
     for regime in regimes:
-        t = time_regime(regime, args.rounds)
-        m = memory_regime(regime, args.memory_rounds)
-        print(
-            f"| {regime} | {t['params_m']:.2f} | {t['raw_ms']:.2f} | {t['ftrain_ms']:.2f} | "
-            f"{t['time_ratio']:.3f} | {m['raw_peak_mb']:.1f} | {m['ftrain_peak_mb']:.1f} | "
-            f"{m['mem_ratio']:.3f} |",
-            flush=True,
-        )
+        t = time_regime(regime, args.rounds, loops, args.steps)
+        m = memory_regime(regime, args.memory_rounds, loops) if args.memory_rounds else {}
+        for n in loops:
+            lo, hi = t["round_ratio_range"][n]
+            mem = f"{m[n]:.1f} | {m[n] / m['raw']:.3f}" if m else "- | -"
+            print(f"| {regime} | {t['params_m']:.2f} | {n} | {t['ms'][n]:.2f} | "
+                  f"**{t['ratio'][n]:.3f}** ({lo:.3f}-{hi:.3f}) | {mem} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ftrain.data import MicroBatches, weighted
-from ftrain.losses import LossFn, _items_before_forward, default_loss
+from ftrain.losses import LossFn, _items_before_forward, default_loss, loss_for
 from ftrain.rng import default_generators, dropout_seed, restored
 from ftrain.state import TrainState, _Lease
 from ftrain.strategies import Strategy, active_preemption
@@ -209,7 +209,7 @@ def accumulate_grads(
         scale = state.scaler.scale
         torch._foreach_div_(list(grads.values()), norm if scale is None else norm * scale)
     # The mean over zero items is undefined: NaN, and clip_and_step skips such a step.
-    num_items, num_tokens, num_samples = counts[1:].long().unbind()  # one cast for three
+    _, num_items, num_tokens, num_samples = counts.long().unbind()  # one cast for three
     stats = Stats(
         loss=(loss_total / num_items_t).float(),
         num_items=num_items,
@@ -242,15 +242,19 @@ def _forward_backward(
     state: TrainState, micro: Sequence[Any], loss_fn: LossFn, strategy: Strategy
 ) -> tuple[torch.Tensor, bool]:
     """Backward over every micro-batch; returns the global float64 (loss, items, tokens,
-    samples) sums, and whether the losses were already divided by the item count. Per
-    micro-batch only the loss itself runs on the device: counts known on the host stay host
-    ints, and the device ones are summed once at the end (issue 12: per-step small-tensor work
-    was a tenth of a small model's step)."""
+    samples) sums, and whether the losses were already divided by the item count.
+
+    Per micro-batch the device values (the loss, a device item count, an attention mask's
+    token count) are added into one float64 vector by one `_foreach_add_` (exact far beyond
+    2**24); counts known on the host stay host ints until the end. Each small device op is a
+    few microseconds of a small model's step (issues 12 and 30).
+    """
     model, device, scale = state.model, strategy.device, state.scaler.scale
     inv = _inverse_count(state, micro, loss_fn, strategy) if scale is None else None
-    losses: list[torch.Tensor] = []
-    items: list[torch.Tensor] = []
-    masked: list[torch.Tensor] = []  # attention-mask token counts (device)
+    if loss_fn is default_loss:
+        loss_fn = _default_for(model)
+    sums = torch.zeros(4, dtype=torch.float64, device=device)
+    loss_acc, items_acc, tokens_acc, samples_acc = sums.unbind()  # views: adds land in `sums`
     host_items = host_tokens = samples = 0
     last = len(micro) - 1
     gens = default_generators(device)
@@ -273,20 +277,45 @@ def _forward_backward(
                     (loss_sum if scale is None else loss_sum * scale).backward()
             if not weight:
                 continue
-            losses.append(loss_sum.detach())
+            into, values = [loss_acc], [_scalar(loss_sum.detach())]
             # (Compare device types: "cuda" and "cuda:0" name one device here.)
             if isinstance(num_items, torch.Tensor) and num_items.device.type == device.type:
-                items.append(num_items)
+                into.append(items_acc)
+                values.append(_scalar(num_items))
             else:  # a Python number, or a CPU tensor (reading it is no device sync)
                 host_items += int(num_items)
             n_tok, n_samples = batch_counts(batch)
             if isinstance(n_tok, torch.Tensor):
-                masked.append(n_tok)
+                into.append(tokens_acc)
+                values.append(_scalar(n_tok))
             else:
                 host_tokens += n_tok
             samples += n_samples
-    totals = _totals(losses, items, masked, (host_items, host_tokens, samples), device)
-    return _reduce(totals, strategy), inv is not None
+            torch._foreach_add_(into, values)
+    if host_items or host_tokens:
+        # A non-blocking host-to-device copy is no sync (a no-op on the CPU).
+        host = torch.tensor([0.0, host_items, host_tokens, samples], dtype=torch.float64)
+        sums.add_(host.to(device, non_blocking=True))
+    elif samples:
+        samples_acc.add_(samples)
+    return _reduce(sums, strategy), inv is not None
+
+
+def _scalar(t: torch.Tensor) -> torch.Tensor:
+    return t if t.ndim == 0 else t.reshape(())
+
+
+def _default_for(model: torch.nn.Module) -> LossFn:
+    """`default_loss` with the model's loss looked up once per step, not per micro-batch
+    (`loss_for` scans the class hierarchy's names: microseconds a small step notices)."""
+    fn = loss_for(model)
+
+    def loss_fn(model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if type(batch) is dict and "labels" in batch:
+            return fn(model, batch)
+        return default_loss(model, batch)  # any other batch: the full checks and their errors
+
+    return loss_fn
 
 
 # Dividing the gradients by the item count after backward is one pass over them; counting the
@@ -339,27 +368,3 @@ def _reduce(totals: torch.Tensor, strategy: Strategy) -> torch.Tensor:
     if preempt is not None:
         preempt.observe(strategy.sum_over_processes(preempt.local_flag(totals.device))[0])
     return strategy.all_reduce_sum(totals)
-
-
-def _totals(
-    losses: list[torch.Tensor],
-    items: list[torch.Tensor],
-    masked: list[torch.Tensor],
-    host: tuple[int, int, int],
-    device: torch.device,
-) -> torch.Tensor:
-    """[loss, items, tokens, samples] as one float64 device vector (exact far beyond 2**24),
-    in a handful of ops whatever the number of micro-batches: one stack of a (4, k) table
-    padded with zeros, one row sum, plus the host counts."""
-    k = max(len(losses), 1)  # each counted micro-batch adds at most one entry per row
-    zero = torch.zeros((), dtype=torch.float64, device=device)
-    flat = [
-        t if t.ndim == 0 else t.reshape(())
-        for row in (losses, items, masked)
-        for t in (*row, *[zero] * (k - len(row)))
-    ]
-    flat += [zero] * k  # the samples row: host counts only
-    table = torch.stack(flat, out=torch.empty(4 * k, dtype=torch.float64, device=device))
-    # A non-blocking host-to-device copy is no sync (a no-op on the CPU).
-    extra = torch.tensor([0.0, *host], dtype=torch.float64).to(device, non_blocking=True)
-    return table.view(4, k).sum(1) + extra

@@ -35,6 +35,7 @@ __all__ = [
 ]
 
 IGNORE_INDEX = -100
+_SUM = 2  # the `reduction` code of aten's losses for "sum"
 
 
 class LossFn(Protocol):
@@ -208,12 +209,15 @@ def _aligned_ce(
     logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy summed over label tokens that are not -100, logits aligned with labels."""
+    flat, target = upcast(logits.reshape(-1, logits.shape[-1])), labels.reshape(-1)
+    if label_smoothing == 0.0 and target.numel() < 2**24:
+        # F.cross_entropy's own kernels (log_softmax, nll_loss); nll_loss's total weight is the
+        # count of targets that are not -100: no separate count (issue 30). Exact below 2**24.
+        log_p = F.log_softmax(flat, 1)
+        loss, count = torch.ops.aten.nll_loss_forward(log_p, target, None, _SUM, IGNORE_INDEX)
+        return loss, count.long()
     loss = F.cross_entropy(
-        upcast(logits.reshape(-1, logits.shape[-1])),
-        labels.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-        label_smoothing=label_smoothing,
+        flat, target, ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=label_smoothing
     )
     return loss, (labels != IGNORE_INDEX).sum()
 

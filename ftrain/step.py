@@ -34,7 +34,9 @@ def _validate(lr: float, max_norm: float | None, compile: bool, **flags: bool) -
         isinstance(max_norm, bool) or not (isinstance(max_norm, (int, float)) and max_norm > 0)
     ):
         raise ValueError(f"max_norm must be a number > 0 or None, got {max_norm!r}")
-    for name, flag in {"compile": compile, **flags}.items():
+    if not isinstance(compile, bool):
+        raise TypeError(f"compile must be True or False, got {compile!r}")
+    for name, flag in flags.items():
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be True or False, got {flag!r}")
 
@@ -168,8 +170,12 @@ def clip_and_step(
             )  # fmt: skip
             opt_state = state.opt_state
         else:
-            norm, overflow = _eager_norm_and_clip(state, grads, max_norm, check_finite)
-            skip = skip_flag(overflow, num_items)
+            norm = _eager_norm_and_clip(state, grads, max_norm)
+            if scaling is not None:  # the loss scale's rule reads the overflow on its own
+                overflow = ~torch.isfinite(norm)
+                skip = skip_flag(overflow, num_items)
+            else:
+                overflow, skip = None, _skip(norm, num_items, check_finite)
             found_inf = None if skip is None else skip.float()  # the fused kernels' form
             opt_state = state.optimizer.update(
                 grads, state.opt_state, params, lr=float(lr), step=state.step, found_inf=found_inf
@@ -185,11 +191,17 @@ def clip_and_step(
         changes["scaler"] = ScalerState(scale=scale, growth_tracker=growth)
     if stats is not None:
         d = state.data
+        seen, step_counts = [d.tokens_seen, d.samples_seen], [stats.num_tokens, stats.num_samples]
+        if all(isinstance(t, torch.Tensor) for t in step_counts):
+            # Both counters in one (out-of-place) call: the old state keeps its tensors.
+            tokens, samples = torch._foreach_add(seen, step_counts)
+        else:  # a Stats of your own with host numbers
+            tokens, samples = (a + b for a, b in zip(seen, step_counts, strict=True))
         changes["data"] = d.replace(
             cursor=d.cursor + stats.num_micro,
             position=stats.position,  # where the data stands after these micro-batches
-            tokens_seen=d.tokens_seen + stats.num_tokens,
-            samples_seen=d.samples_seen + stats.num_samples,
+            tokens_seen=tokens,
+            samples_seen=samples,
         )
         if stats.loss_fn is not None and stats.loss_fn is not state.loss_fn:
             changes["loss_fn"] = stats.loss_fn  # what evaluate reports by default from now on
@@ -200,12 +212,26 @@ def clip_and_step(
 
 
 def _eager_norm_and_clip(
-    state: TrainState, grads: Mapping[str, torch.Tensor], max_norm: float | None, check: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The pre-clip norm and the overflow flag (when `check`); clips `grads` in place."""
+    state: TrainState, grads: Mapping[str, torch.Tensor], max_norm: float | None
+) -> torch.Tensor:
+    """The pre-clip norm; clips `grads` in place."""
     g = list(grads.values())
     norm = state.strategy.grad_norm(g)
-    overflow = (~torch.isfinite(norm)) if check else None
     if max_norm is not None and g:
         torch._foreach_mul_(g, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-    return norm, overflow
+    return norm
+
+
+def _skip(
+    norm: torch.Tensor, num_items: torch.Tensor | None, check_finite: bool
+) -> torch.Tensor | None:
+    """`skip_flag(~isfinite(norm), num_items)` in fewer, cheaper device ops (issue 30).
+
+    `norm * 0` is 0 for a finite norm and NaN for inf or NaN; dividing it by the item count
+    makes it NaN for a step that counted nothing too (0 / 0). `isfinite` alone is a composite
+    of several kernels.
+    """
+    if not check_finite:
+        return None if num_items is None else num_items == 0
+    zero = norm * 0
+    return (zero if num_items is None else zero / num_items).isnan()

@@ -224,3 +224,30 @@ def test_seq2seq_equals_the_seq2seq_trainer_step_by_step(tmp_path):
     _assert_trainer_parity(
         tiny_t5, rows, collate, Seq2SeqTrainer, Seq2SeqTrainingArguments, tmp_path
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("ignored", [0.0, 0.4, 1.0])
+def test_token_losses_take_the_count_from_the_cross_entropy_kernel(dtype, ignored):
+    """Issue 30: the count is nll_loss's total weight, not a separate pass over the labels. The
+    loss, its gradient and the count equal F.cross_entropy and (labels != -100).sum() exactly."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 7, 11, generator=g).to(dtype).requires_grad_()
+    labels = torch.randint(0, 11, (3, 7), generator=g)
+    labels[torch.rand(3, 7, generator=g) < ignored] = -100
+
+    class Fixed(torch.nn.Module):
+        def forward(self, input_ids):
+            return logits
+
+    batch = {"input_ids": labels.clamp(min=0), "labels": labels}
+    for loss_fn, shift in ((L.causal_lm_loss(), 1), (L.token_classification_loss(), 0)):
+        loss, n = loss_fn(Fixed(), batch)
+        (grad,) = torch.autograd.grad(loss, logits)
+        flat = L.upcast(logits[:, : logits.shape[1] - shift]).reshape(-1, 11)
+        want = torch.nn.functional.cross_entropy(
+            flat, labels[:, shift:].reshape(-1), ignore_index=-100, reduction="sum"
+        )
+        (want_grad,) = torch.autograd.grad(want, logits)
+        assert torch.equal(loss, want) and torch.equal(grad, want_grad)
+        assert n.dtype == torch.int64 and int(n) == int((labels[:, shift:] != -100).sum())

@@ -348,8 +348,11 @@ def local_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in grads:
         groups.setdefault((g.device, g.dtype), []).append(g)
-    first = grads[0].device
-    norms = [n.to(first) for group in groups.values() for n in torch._foreach_norm(group, 2.0)]
+    if len(groups) == 1:  # one device and dtype: no per-tensor move (a dispatch each)
+        norms = list(torch._foreach_norm(next(iter(groups.values())), 2.0))
+    else:
+        first = grads[0].device
+        norms = [n.to(first) for group in groups.values() for n in torch._foreach_norm(group, 2.0)]
     return torch.linalg.vector_norm(torch.stack(norms), 2.0)
 
 

@@ -1,0 +1,71 @@
+"""The benchmark scripts run (tiny shapes, CPU), so that they cannot rot; they measure, these
+tests only check that each loop ran and reported (speed is never asserted in tests)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+STUB = ROOT / "tests" / "workers" / "nanogpt_stub"  # nanoGPT's interface, a bigram model
+TINY = [
+    "--device=cpu", "--precision=fp32", "--no-compile", "--n-layer=1", "--n-head=2",
+    "--n-embd=16", "--block-size=16", "--vocab=64", "--batch-size=2", "--accum=2",
+]  # fmt: skip
+
+
+def _bench(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), *args],
+        capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,
+    )  # fmt: skip
+
+
+def _rows(out: str) -> dict[str, list[str]]:
+    rows = [ln.strip("|").split("|") for ln in out.splitlines() if ln.startswith("| ")]
+    return {r[0].strip(): [c.strip() for c in r[1:]] for r in rows}
+
+
+@pytest.mark.slow
+def test_bench_gpu_compares_the_example_model_with_nanogpt_at_tiny_shapes():
+    out = _bench("bench_gpu.py", f"--nanogpt={STUB}", *TINY, "--iters=5", "--warmup=2",
+                 "--rounds=1")  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = _rows(out.stdout)
+    assert set(rows) >= {"ftrain", "nanogpt"}, out.stdout
+    for side in ("ftrain", "nanogpt"):
+        ms, tokens_s, mfu, _ = rows[side]
+        assert float(ms) > 0 and float(tokens_s.replace(",", "")) > 0 and float(mfu) >= 0
+    assert rows["nanogpt"][3] == "1.000"
+    assert "1 layers x 2 heads x 16, block 16, batch 2 x accum 2" in out.stdout
+
+
+def test_bench_gpu_names_what_a_nanogpt_folder_lacks(tmp_path):
+    (tmp_path / "train.py").write_text("")
+    out = _bench("bench_gpu.py", f"--nanogpt={tmp_path}", *TINY, timeout=120)
+    assert out.returncode != 0 and "no configurator.py there" in out.stderr
+
+
+@pytest.mark.slow
+def test_bench_loop_runs_every_loop_and_its_memory_child():
+    out = _bench("bench_loop.py", "--regime=mlp", "--rounds=1", "--steps=3", "--memory-rounds=0")
+    assert out.returncode == 0, out.stderr[-3000:]
+    loops = {r[2] for r in (ln.split(" | ") for ln in out.stdout.splitlines()) if len(r) > 3}
+    expected = {"raw", "exact", "ftrain", "hf"}
+    try:
+        import lightning.fabric  # noqa: F401  (the bench extra; CI may not have it)
+
+        expected.add("fabric")
+    except ImportError:
+        assert "skipping fabric" in out.stderr
+    assert loops >= expected, out.stdout
+    assert re.search(r"\| mlp \| [0-9.]+ \| raw \| [0-9.]+ \| \*\*1\.000\*\*", out.stdout)
+    child = _bench("bench_loop.py", "--memory-child", "mlp", "ftrain")
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert float(re.findall(r'"peak_growth_mb": ([0-9.e+-]+)', child.stdout)[-1]) >= 0
