@@ -178,7 +178,9 @@ def test_a_requeued_srun_job_resumes_the_newest_committed_checkpoint_after_a_sig
 def test_the_pytorchjob_manifest_runs_as_its_pods_would(tmp_path, reference):
     """examples/cluster/pytorchjob.yaml: each replica's command with the variables the training
     operator sets in its pod (MASTER_*, WORLD_SIZE, RANK, and PET_* for torchrun), the run
-    folder mounted at /mnt/run; ends bit-equal to the same 2 ranks started by hand."""
+    folder mounted at /mnt/run. The Worker pod is evicted (SIGTERM to its whole pod) after the
+    first checkpoint: both ranks save the same step and fail, restartPolicy OnFailure starts both
+    pods again on the same volume, and the run ends bit-equal to the same 2 ranks by hand."""
     job = yaml.safe_load((ROOT / "examples" / "cluster" / "pytorchjob.yaml").read_text())
     assert job["kind"] == "PyTorchJob"
     replicas = job["spec"]["pytorchReplicaSpecs"]
@@ -199,8 +201,15 @@ def test_the_pytorchjob_manifest_runs_as_its_pods_would(tmp_path, reference):
                     "RANK": str(rank), "PET_NNODES": "2", "PET_NODE_RANK": str(rank),
                     "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": port}  # fmt: skip
         envs.append(base_env(**{e["name"]: e["value"] for e in container["env"]}, **operator))
+    outs = run_all(commands, envs, timeout=120, evict=(run / "step-8", 1))
+    assert all(code != 0 for code, _, _ in outs), outs  # OnFailure restarts both pods
+    ends = set(re.findall(r"rank [01]/2 \(launcher\): steps 0\.\.(\d+) preempted", outs[0][1]
+                          + outs[1][1]))  # fmt: skip
+    assert len(ends) == 1, [err[-2000:] for _, _, err in outs]  # both ranks, one step
+    (saved,) = ends
+    assert ft.latest_checkpoint(run) == run / f"step-{saved}"
     outs = run_all(commands, envs, timeout=120)
     for code, _, err in outs:
         assert code == 0, err[-3000:]
-    assert f"(launcher): steps 0..{STEPS}" in "".join(out for _, out, _ in outs)
+    assert "".join(out for _, out, _ in outs).count(f"(launcher): steps {saved}..{STEPS}\n") == 2
     assert_bit_equal(run, reference)

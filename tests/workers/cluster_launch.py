@@ -8,6 +8,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -39,10 +41,15 @@ def base_env(**extra: str) -> dict[str, str]:
 
 
 def run_all(
-    commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]], timeout: float
+    commands: Sequence[Sequence[str]],
+    envs: Sequence[Mapping[str, str]],
+    timeout: float,
+    *,
+    evict: tuple[Path, int] | None = None,
 ) -> list[tuple[int, str, str]]:
     """Run every command (its env beside it) at once; wait for all, killing every one's session
-    on a timeout. Returns (returncode, stdout, stderr) per command."""
+    on a timeout. Returns (returncode, stdout, stderr) per command. `evict=(path, i)`: once
+    `path` exists, SIGTERM command i's whole session, as Kubernetes evicts a pod."""
     procs = [
         subprocess.Popen(
             list(c),
@@ -56,6 +63,10 @@ def run_all(
         for c, e in zip(commands, envs, strict=True)
     ]
     outs = []
+    if evict is not None:
+        threading.Thread(
+            target=_evict, args=(procs[evict[1]], evict[0], timeout), daemon=True
+        ).start()
     try:
         for p in procs:
             out, err = p.communicate(timeout=timeout)
@@ -66,6 +77,14 @@ def run_all(
                 os.killpg(p.pid, signal.SIGKILL)
                 p.communicate()
     return outs
+
+
+def _evict(proc: subprocess.Popen[str], path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
 
 
 def env_ranks(run_dir: Path, *args: str, world: int = 2, timeout: float = 90) -> list[str]:
