@@ -79,8 +79,8 @@ def group_advantages(
 
     Example:
         >>> import torch, ftrain as ft
-        >>> ft.rl.group_advantages(torch.tensor([1.0, 0.0, 2.0, 2.0]), 2, scale="none")
-        tensor([0.5000, -0.5000, 0.0000, 0.0000])
+        >>> ft.rl.group_advantages(torch.tensor([1.0, 0.0, 2.0, 2.0]), 2, scale="none").tolist()
+        [0.5, -0.5, 0.0, 0.0]
     """
     if scale not in SCALES:
         raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
