@@ -14,6 +14,7 @@ from ftrain.checkpoint._load import CheckpointMismatchError as CheckpointMismatc
 from ftrain.checkpoint._load import CheckpointMismatchWarning as CheckpointMismatchWarning
 from ftrain.checkpoint._load import load_checkpoint as load_checkpoint
 from ftrain.checkpoint._load import read_model_tensors as read_model_tensors
+from ftrain.checkpoint._save import check_retention as check_retention
 from ftrain.checkpoint._save import latest_checkpoint as latest_checkpoint
 from ftrain.checkpoint._save import raise_pending_save_error as raise_pending_save_error
 from ftrain.checkpoint._save import retained as retained
@@ -30,6 +31,7 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointMismatchWarning",
     "Opened",
+    "check_retention",
     "flatten_tree",
     "latest_checkpoint",
     "load_checkpoint",

@@ -148,6 +148,30 @@ def save_checkpoint(
     return job.path
 
 
+def check_retention(keep_last: Any, keep_best: Any, best_metric: Any, mode: Any) -> None:
+    """Raise a `ValueError` naming the first retention argument `save_checkpoint` refuses:
+    `keep_last` (an int >= 0 or None), `keep_best` (an int >= 1 or None, only with
+    `best_metric`), `mode` ("min" or "max"). For integrations that hand retention to another
+    owner (`ftrain.extras.ray.checkpoint_config`) and must refuse what ftrain refuses.
+
+    Example:
+        >>> from ftrain.checkpoint import check_retention
+        >>> check_retention(3, None, None, "min")
+        >>> check_retention(None, 2, None, "min")
+        Traceback (most recent call last):
+        ...
+        ValueError: keep_best needs best_metric, the metrics key that ranks checkpoints
+    """
+    if keep_last is not None and (type(keep_last) is not int or keep_last < 0):
+        raise ValueError(f"keep_last must be an int >= 0 or None, got {keep_last!r}")
+    if keep_best is not None and (type(keep_best) is not int or keep_best < 1):
+        raise ValueError(f"keep_best must be an int >= 1 or None, got {keep_best!r}")
+    if keep_best is not None and best_metric is None:
+        raise ValueError("keep_best needs best_metric, the metrics key that ranks checkpoints")
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+
+
 @dataclass
 class _Job:
     """Where a save goes and what rotation keeps afterwards."""
@@ -161,15 +185,8 @@ class _Job:
     checksum: bool
 
     def __post_init__(self) -> None:
-        keep_last, keep_best, best_metric = self.keep_last, self.keep_best, self.best_metric
-        if keep_last is not None and (type(keep_last) is not int or keep_last < 0):
-            raise ValueError(f"keep_last must be an int >= 0 or None, got {keep_last!r}")
-        if keep_best is not None and (type(keep_best) is not int or keep_best < 1):
-            raise ValueError(f"keep_best must be an int >= 1 or None, got {keep_best!r}")
-        if keep_best is not None and best_metric is None:
-            raise ValueError("keep_best needs best_metric, the metrics key that ranks checkpoints")
-        if self.mode not in ("min", "max"):
-            raise ValueError(f"mode must be 'min' or 'max', got {self.mode!r}")
+        keep_best, best_metric = self.keep_best, self.best_metric
+        check_retention(self.keep_last, keep_best, best_metric, self.mode)
         if best_metric is not None and keep_best is None:
             self.keep_best = 1
 

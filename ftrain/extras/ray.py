@@ -120,14 +120,7 @@ def checkpoint_config(
         >>> c.num_to_keep, c.checkpoint_score_attribute, c.checkpoint_score_order
         (2, 'eval_loss', 'min')
     """
-    if keep_last is not None and (type(keep_last) is not int or keep_last < 0):
-        raise ValueError(f"keep_last must be an int >= 0 or None, got {keep_last!r}")
-    if keep_best is not None and (type(keep_best) is not int or keep_best < 1):
-        raise ValueError(f"keep_best must be an int >= 1 or None, got {keep_best!r}")
-    if keep_best is not None and best_metric is None:
-        raise ValueError("keep_best needs best_metric, the metrics key that ranks checkpoints")
-    if mode not in ("min", "max"):
-        raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+    ft.checkpoint.check_retention(keep_last, keep_best, best_metric, mode)
     if best_metric is not None and keep_last is not None and keep_last >= 2:
         raise ValueError(
             f"keep_last={keep_last} with best_metric={best_metric!r}: Ray's CheckpointConfig "
