@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ftrain.losses import loss_name
+from ftrain.losses import default_loss, loss_name
 from ftrain.state import TrainState
 from ftrain.strategies import active_preemption
 
@@ -117,7 +117,7 @@ def track_best(
         ValueError: for a bad `mode` or `threshold`.
         KeyError: when `metrics` does not hold `metric`.
         ValueError: when ranking by `eval_loss` a record whose `eval_loss_fn` is not the loss
-            the state trains on (`state.loss_fn`).
+            the state trains on (`state.loss_fn`, when that is a loss of your own).
     """
     _check_state(state)
     if mode not in ("min", "max"):
@@ -158,7 +158,9 @@ def track_best(
 def _check_loss(state: TrainState, metrics: Mapping[str, Any], metric: str) -> None:
     """Refuse to rank by an `eval_loss` computed with another loss than the training one."""
     recorded = metrics.get("eval_loss_fn")
-    if metric != "eval_loss" or recorded is None or state.loss_fn is None:
+    # A state on the default loss may rank any evaluation: a metrics_fn's own loss (e.g.
+    # classification_metrics' cross-entropy) is the default loss under another name.
+    if metric != "eval_loss" or recorded is None or state.loss_fn in (None, default_loss):
         return
     trained = loss_name(state.loss_fn)
     if recorded != trained:

@@ -165,3 +165,13 @@ def test_private_grads_record_the_loss_and_the_data_position_as_accumulate_grads
     dp = run(lambda s, g: ft.func.private_grads(s, g, mse, max_norm=1.0, noise_multiplier=0.0))
     plain = run(lambda s, g: ft.accumulate_grads(s, g, mse))
     assert dp.loss_fn is mse and dp.data.position == plain.data.position is not None
+
+
+def test_a_default_loss_run_ranks_classification_metrics_eval_loss():
+    """The everyday case stays open: trained on the default loss, evaluated with
+    classification_metrics (its cross-entropy is the default loss), ranked by eval_loss."""
+    state = _train(ft.TrainState.create(tiny_bert_tagger(), ft.optim.adamw()), 1)
+    assert state.loss_fn is ft.losses.default_loss
+    record = ft.evaluate(state, _val(), metrics_fn=ft.classification_metrics)
+    state = ft.track_best(state, record)
+    assert state.early_stopping.best_metric == record["eval_loss"]
