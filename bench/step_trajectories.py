@@ -28,6 +28,14 @@ import ftrain as ft
 torch.set_num_threads(1)
 
 
+def _gpt2(vocab_size: int) -> GPT2LMHeadModel:
+    """A 1-layer, 32-wide GPT-2 (initialised from torch's global generator, in call order)."""
+    return GPT2LMHeadModel(
+        GPT2Config(vocab_size=vocab_size, n_positions=32, n_embd=32, n_layer=1, n_head=2,
+                   bos_token_id=0, eos_token_id=0)
+    )  # fmt: skip
+
+
 class MLPForCausalLM(torch.nn.Module):
     def __init__(self, vocab=64, dim=32, hidden=64):
         super().__init__()
@@ -145,17 +153,7 @@ def configs():
         loss_fn=lambda m, b: (m(b).pow(2).sum(), torch.tensor(b.shape[0])),
         max_norm=1.0,
     )
-    gpt = GPT2LMHeadModel(
-        GPT2Config(
-            vocab_size=128,
-            n_positions=32,
-            n_embd=32,
-            n_layer=1,
-            n_head=2,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-    )
+    gpt = _gpt2(128)
     yield run("gpt2-dropout-ragged", gpt, lm_batches(128, 8, 2, 4, 16, True, g), max_norm=1.0)
     big = GPT2LMHeadModel(
         GPT2Config(
@@ -171,17 +169,7 @@ def configs():
     yield run(
         "gpt2-countfirst", big, lm_batches(20000, 4, 2, 2, 16, True, g, empty_step=2), max_norm=1.0
     )
-    small = GPT2LMHeadModel(
-        GPT2Config(
-            vocab_size=128,
-            n_positions=32,
-            n_embd=32,
-            n_layer=1,
-            n_head=2,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-    )
+    small = _gpt2(128)
     yield run(
         "gpt2-fp16",
         small,
@@ -189,17 +177,7 @@ def configs():
         strategy=ft.strategies.SingleDevice("cpu", precision="fp16"),
         max_norm=1.0,
     )
-    small = GPT2LMHeadModel(
-        GPT2Config(
-            vocab_size=128,
-            n_positions=32,
-            n_embd=32,
-            n_layer=1,
-            n_head=2,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-    )
+    small = _gpt2(128)
     yield run(
         "gpt2-bf16",
         small,
