@@ -236,7 +236,9 @@ def _decode(
     out = model(
         input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1
     )
-    cache, logits = out.past_key_values, out.logits[:, -1]
+    # transformers 5.24 renamed the KV cache `past_key_values` -> `cache` (output and keyword).
+    key = "cache" if "cache" in out else "past_key_values"
+    cache, logits = out[key], out.logits[:, -1]
     if g > 1:
         cache.batch_repeat_interleave(g)
         logits, mask, pos = (t.repeat_interleave(g, 0) for t in (logits, mask, pos))
@@ -261,10 +263,10 @@ def _decode(
             input_ids=token[:, None],
             attention_mask=mask,
             position_ids=next_pos,
-            past_key_values=cache,
             use_cache=True,
+            **{key: cache},
         )
-        cache, logits, next_pos = out.past_key_values, out.logits[:, -1], next_pos + 1
+        cache, logits, next_pos = out[key], out.logits[:, -1], next_pos + 1
     return torch.stack(tokens, 1), torch.stack(logps, 1)
 
 
