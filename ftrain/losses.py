@@ -169,13 +169,20 @@ def causal_lm_loss(*, label_smoothing: float = 0.0) -> LossFn:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
 
     def loss_fn(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if "labels" not in batch:
-            raise KeyError("causal_lm_loss needs 'labels' in the batch (use input_ids as labels)")
-        # Position t predicts labels[t + 1]: drop the last logit and the first label.
-        logits = model_logits(model, batch)[:, :-1]
-        return _aligned_ce(logits, batch["labels"][:, 1:], label_smoothing)
+        return _aligned_ce(*_causal_pair(model, batch), label_smoothing)
 
     return loss_fn
+
+
+def _causal_pair(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, targets) of a causal LM batch: the labels shifted left, -100 at the end."""
+    if "labels" not in batch:
+        raise KeyError("causal_lm_loss needs 'labels' in the batch (use input_ids as labels)")
+    # Position t predicts labels[t + 1]. Shift the labels, not the logits (as HF's
+    # ForCausalLMLoss does): a slice of the logits is copied for the loss, and its gradient
+    # again in the backward; the last position's target is -100 and its gradient exactly 0.
+    # (One pad op: the negative pad drops the first label, the positive one appends -100.)
+    return model_logits(model, batch), F.pad(batch["labels"], (-1, 1), value=IGNORE_INDEX)
 
 
 def classification_loss(*, label_smoothing: float = 0.0) -> LossFn:
@@ -208,14 +215,23 @@ def classification_loss(*, label_smoothing: float = 0.0) -> LossFn:
 def _aligned_ce(
     logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cross-entropy summed over label tokens that are not -100, logits aligned with labels."""
+    """Cross-entropy summed over label tokens that are not -100, logits aligned with labels;
+    the count as int64."""
+    loss, count = _ce_sum(logits, labels, label_smoothing)
+    return loss, count.long()
+
+
+def _ce_sum(
+    logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_aligned_ce` with the count in the loss's dtype where it is exact (no cast op)."""
     flat, target = upcast(logits.reshape(-1, logits.shape[-1])), labels.reshape(-1)
     if label_smoothing == 0.0 and target.numel() < 2**24:
         # F.cross_entropy's own kernels (log_softmax, nll_loss); nll_loss's total weight is the
         # count of targets that are not -100: no separate count (issue 30). Exact below 2**24.
         log_p = F.log_softmax(flat, 1)
         loss, count = torch.ops.aten.nll_loss_forward(log_p, target, None, _SUM, IGNORE_INDEX)
-        return loss, count.long()
+        return loss, count
     loss = F.cross_entropy(
         flat, target, ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=label_smoothing
     )
@@ -245,11 +261,15 @@ def token_classification_loss(*, label_smoothing: float = 0.0) -> LossFn:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
 
     def loss_fn(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if "labels" not in batch:
-            raise KeyError("token_classification_loss needs 'labels' in the batch")
-        return _aligned_ce(model_logits(model, batch), batch["labels"], label_smoothing)
+        return _aligned_ce(*_token_pair(model, batch), label_smoothing)
 
     return loss_fn
+
+
+def _token_pair(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if "labels" not in batch:
+        raise KeyError("token_classification_loss needs 'labels' in the batch")
+    return model_logits(model, batch), batch["labels"]
 
 
 def _decoder_inputs(model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
@@ -294,14 +314,18 @@ def seq2seq_loss(*, label_smoothing: float = 0.0) -> LossFn:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
 
     def loss_fn(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if "labels" not in batch:
-            raise KeyError("seq2seq_loss needs 'labels' in the batch")
-        labels = batch["labels"]
-        if batch.get("decoder_input_ids") is None and batch.get("decoder_inputs_embeds") is None:
-            batch = {**batch, "decoder_input_ids": _decoder_inputs(model, labels)}
-        return _aligned_ce(model_logits(model, batch), labels, label_smoothing)
+        return _aligned_ce(*_seq2seq_pair(model, batch), label_smoothing)
 
     return loss_fn
+
+
+def _seq2seq_pair(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if "labels" not in batch:
+        raise KeyError("seq2seq_loss needs 'labels' in the batch")
+    labels = batch["labels"]
+    if batch.get("decoder_input_ids") is None and batch.get("decoder_inputs_embeds") is None:
+        batch = {**batch, "decoder_input_ids": _decoder_inputs(model, labels)}
+    return model_logits(model, batch), labels
 
 
 _CAUSAL = causal_lm_loss()
@@ -386,6 +410,51 @@ def _label_items(batch: Any, *, shift: bool) -> torch.Tensor | None:
     return ((labels[:, 1:] if shift else labels) != IGNORE_INDEX).sum()
 
 
+def _causal_sum(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    return _ce_sum(*_causal_pair(model, batch))
+
+
+def _token_sum(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    return _ce_sum(*_token_pair(model, batch))
+
+
+def _seq2seq_sum(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    return _ce_sum(*_seq2seq_pair(model, batch))
+
+
+def _defaults(model: nn.Module) -> tuple[LossFn, LossFn]:
+    """(`loss_for(model)`, the loss `accumulate_grads` runs under the default loss), looked up
+    once per model (`loss_for` scans the class hierarchy's names: microseconds that a small
+    step notices, issue 30).
+
+    The second is `loss_for(model)` for dict batches with labels, its item count left in the
+    loss's dtype for the token losses (the sums `accumulate_grads` keeps need no cast then);
+    any other batch goes through `default_loss` and its errors.
+
+    Raises:
+        TypeError: as `loss_for`.
+    """
+    memo = STATE.default_losses
+    found: tuple[LossFn, LossFn] | None = memo.get(model)
+    if found is not None:
+        return found
+    fn = loss_for(model)
+    counted = (
+        _causal_sum if fn is _CAUSAL
+        else _token_sum if fn is _TOKENS
+        else _seq2seq_sum if fn is _SEQ2SEQ
+        else fn
+    )  # fmt: skip
+
+    def step_loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if type(batch) is dict and "labels" in batch:
+            return counted(model, batch)
+        return default_loss(model, batch)
+
+    memo[model] = (fn, step_loss)
+    return fn, step_loss
+
+
 def _items_before_forward(
     loss_fn: LossFn, batch: Any, model: nn.Module | None = None
 ) -> torch.Tensor | None:
@@ -395,7 +464,7 @@ def _items_before_forward(
     if loss_fn is default_loss:
         if model is None:
             return None
-        loss_fn = loss_for(model)
+        loss_fn = _defaults(model)[0]
     if loss_fn is _CAUSAL:
         return _label_items(batch, shift=True)
     if loss_fn is _TOKENS or loss_fn is _SEQ2SEQ:

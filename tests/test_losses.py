@@ -230,7 +230,10 @@ def test_seq2seq_equals_the_seq2seq_trainer_step_by_step(tmp_path):
 @pytest.mark.parametrize("ignored", [0.0, 0.4, 1.0])
 def test_token_losses_take_the_count_from_the_cross_entropy_kernel(dtype, ignored):
     """Issue 30: the count is nll_loss's total weight, not a separate pass over the labels. The
-    loss, its gradient and the count equal F.cross_entropy and (labels != -100).sum() exactly."""
+    loss, its gradient and the count equal F.cross_entropy and (labels != -100).sum() exactly.
+    The causal loss shifts the labels (HF's ForCausalLMLoss layout: -100 after the last
+    token), not the logits: its gradient is bit for bit that of the sliced logits, and its
+    loss that sum added in another order."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 7, 11, generator=g).to(dtype).requires_grad_()
     labels = torch.randint(0, 11, (3, 7), generator=g)
@@ -241,13 +244,47 @@ def test_token_losses_take_the_count_from_the_cross_entropy_kernel(dtype, ignore
             return logits
 
     batch = {"input_ids": labels.clamp(min=0), "labels": labels}
+    shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
     for loss_fn, shift in ((L.causal_lm_loss(), 1), (L.token_classification_loss(), 0)):
         loss, n = loss_fn(Fixed(), batch)
         (grad,) = torch.autograd.grad(loss, logits)
-        flat = L.upcast(logits[:, : logits.shape[1] - shift]).reshape(-1, 11)
+        target = shifted if shift else labels
         want = torch.nn.functional.cross_entropy(
-            flat, labels[:, shift:].reshape(-1), ignore_index=-100, reduction="sum"
+            L.upcast(logits).reshape(-1, 11), target.reshape(-1), ignore_index=-100, reduction="sum"
         )
         (want_grad,) = torch.autograd.grad(want, logits)
         assert torch.equal(loss, want) and torch.equal(grad, want_grad)
         assert n.dtype == torch.int64 and int(n) == int((labels[:, shift:] != -100).sum())
+        sliced = torch.nn.functional.cross_entropy(
+            L.upcast(logits[:, : logits.shape[1] - shift]).reshape(-1, 11),
+            labels[:, shift:].reshape(-1),
+            ignore_index=-100,
+            reduction="sum",
+        )
+        (sliced_grad,) = torch.autograd.grad(sliced, logits)
+        assert torch.equal(grad, sliced_grad)
+        torch.testing.assert_close(loss, sliced, rtol=1e-6, atol=1e-6)
+
+
+def test_causal_lm_loss_equals_transformers_for_causal_lm_loss():
+    """The causal loss is transformers' ForCausalLMLoss (what every HF causal LM computes) as a
+    sum, bit for bit, and its gradient too."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 9, 13, generator=g).requires_grad_()
+    labels = torch.randint(0, 13, (2, 9), generator=g)
+    labels[0, :3] = -100  # a masked prompt
+    batch = {"input_ids": labels.clamp(min=0), "labels": labels}
+
+    class Fixed(torch.nn.Module):
+        def forward(self, input_ids):
+            return logits
+
+    loss, n = L.causal_lm_loss()(Fixed(), batch)
+    (grad,) = torch.autograd.grad(loss, logits)
+    one = torch.tensor(1)  # num_items_in_batch: HF sums, then divides by it
+    hf = ForCausalLMLoss(logits, labels, 13, num_items_in_batch=one)
+    (hf_grad,) = torch.autograd.grad(hf, logits)
+    assert torch.equal(loss, hf) and torch.equal(grad, hf_grad)
+    assert int(n) == int((labels[:, 1:] != -100).sum())
