@@ -7,10 +7,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
-from ftrain.data import MicroBatches, weighted
-from ftrain.losses import LossFn, _items_before_forward, default_loss, loss_for
-from ftrain.rng import default_generators, dropout_seed, restored
+from ftrain.data import MicroBatches, ZeroWeight, weighted
+from ftrain.losses import LossFn, _defaults, _items_before_forward, default_loss
+from ftrain.rng import default_generators, dropout_seeds
 from ftrain.state import TrainState, _Lease
 from ftrain.strategies import Strategy, active_preemption
 
@@ -196,22 +197,25 @@ def accumulate_grads(
     if loss_fn is None:
         loss_fn = default_loss if state.loss_fn is None else state.loss_fn
     # float16 training scales the loss up so small gradients survive backward (ft.precision).
-    counts, divided = _forward_backward(state, micro, loss_fn, strategy)
-    loss_total, num_items_t, _, _ = counts.unbind()
+    sums, divided = _forward_backward(state, micro, loss_fn, strategy)
+    # One cast for the three counts; their views are the Stats' counts (each 0-dim op or view
+    # is thousands of instructions: a small step notices every one, issue 30).
+    _, num_items, num_tokens, num_samples = sums.long().unbind()
     grads = Grads((n, p.grad) for n, p in params.items() if p.grad is not None)
     if grads and not divided:
         # Backends that average over ranks (DDP) have multiplied by grad_reduce_factor; undo it,
         # and the loss scale. A step without items keeps its (zero) gradient as it is. (No
-        # multiply by a factor of 1: each 0-dim op is a few microseconds of a small step.)
-        norm = num_items_t.clamp(min=1.0)
-        if strategy.grad_reduce_factor != 1:
-            norm = norm * strategy.grad_reduce_factor
-        scale = state.scaler.scale
-        torch._foreach_div_(list(grads.values()), norm if scale is None else norm * scale)
+        # multiply by a factor of 1.) The count is exact in int64, products with it float64.
+        norm = num_items.clamp_min(1)
+        factor, scale = strategy.grad_reduce_factor, state.scaler.scale
+        if factor != 1 or scale is not None:
+            norm = norm.double()
+            norm = norm if factor == 1 else norm * factor
+            norm = norm if scale is None else norm * scale
+        torch._foreach_div_(list(grads.values()), norm)
     # The mean over zero items is undefined: NaN, and clip_and_step skips such a step.
-    _, num_items, num_tokens, num_samples = counts.long().unbind()  # one cast for three
     stats = Stats(
-        loss=(loss_total / num_items_t).float(),
+        loss=(sums[0] / sums[1]).float(),
         num_items=num_items,
         num_tokens=num_tokens,
         num_samples=num_samples,
@@ -244,28 +248,31 @@ def _forward_backward(
     """Backward over every micro-batch; returns the global float64 (loss, items, tokens,
     samples) sums, and whether the losses were already divided by the item count.
 
-    Per micro-batch the device values (the loss, a device item count, an attention mask's
-    token count) are added into one float64 vector by one `_foreach_add_` (exact far beyond
-    2**24); counts known on the host stay host ints until the end. Each small device op is a
-    few microseconds of a small model's step (issues 12 and 30).
+    Each micro-batch's device values (its loss, a device item count, an attention mask's token
+    count) are kept as they come and summed once after the last backward, in float64 (exact far
+    beyond 2**24); counts known on the host stay host ints. Each small device op and Python
+    call is microseconds of a small model's step (issues 12 and 30).
     """
     model, device, scale = state.model, strategy.device, state.scaler.scale
     inv = _inverse_count(state, micro, loss_fn, strategy) if scale is None else None
     if loss_fn is default_loss:
-        loss_fn = _default_for(model)
-    sums = torch.zeros(4, dtype=torch.float64, device=device)
-    loss_acc, items_acc, tokens_acc, samples_acc = sums.unbind()  # views: adds land in `sums`
-    host_items = host_tokens = samples = 0
+        loss_fn = _defaults(model)[1]
+    values: list[torch.Tensor] = []  # per counted micro-batch: loss, then the device counts
+    slots: list[tuple[int, ...]] = []  # which of (loss, items, tokens) each one's values are
+    host = [0, 0, 0, 0]  # items, tokens and samples known on the host (slots 1-3)
     last = len(micro) - 1
+    seeds = dropout_seeds(state.seed, state.step, strategy.rank, len(micro))
     gens = default_generators(device)
-    with restored(gens):
+    saved = [g.get_state() for g in gens]  # the caller's random stream, put back below
+    try:
         for i, batch in enumerate(micro):
             # A ZeroWeight stand-in runs so that this rank joins the collectives, and counts 0.
-            batch, weight = weighted(batch)
-            batch = strategy.to_device(batch)
-            seed = dropout_seed(state.seed, state.step, i, strategy.rank)
+            weight = type(batch) is not ZeroWeight
+            batch = strategy.to_device(batch if weight else batch.batch)
+            # (Seeding the generators directly, not torch.manual_seed, avoids its lazy-CUDA
+            # bookkeeping, which captures a stack trace per call: 0.1 ms a micro-batch.)
             for g in gens:
-                g.manual_seed(seed)
+                g.manual_seed(seeds[i])
             with strategy.grad_sync(model, final=i == last):
                 with strategy.autocast():
                     loss_sum, num_items = loss_fn(model, batch)
@@ -275,47 +282,86 @@ def _forward_backward(
                     (loss_sum * inv).backward()
                 else:
                     (loss_sum if scale is None else loss_sum * scale).backward()
-            if not weight:
-                continue
-            into, values = [loss_acc], [_scalar(loss_sum.detach())]
-            # (Compare device types: "cuda" and "cuda:0" name one device here.)
-            if isinstance(num_items, torch.Tensor) and num_items.device.type == device.type:
-                into.append(items_acc)
-                values.append(_scalar(num_items))
-            else:  # a Python number, or a CPU tensor (reading it is no device sync)
-                host_items += int(num_items)
-            n_tok, n_samples = batch_counts(batch)
-            if isinstance(n_tok, torch.Tensor):
-                into.append(tokens_acc)
-                values.append(_scalar(n_tok))
-            else:
-                host_tokens += n_tok
-            samples += n_samples
-            torch._foreach_add_(into, values)
-    if host_items or host_tokens:
-        # A non-blocking host-to-device copy is no sync (a no-op on the CPU).
-        host = torch.tensor([0.0, host_items, host_tokens, samples], dtype=torch.float64)
-        sums.add_(host.to(device, non_blocking=True))
-    elif samples:
-        samples_acc.add_(samples)
-    return _reduce(sums, strategy), inv is not None
+            if weight:
+                slots.append(_keep(values, host, loss_sum, num_items, batch, device))
+    finally:
+        for g, s in zip(gens, saved, strict=True):
+            g.set_state(s)
+    with torch.no_grad():
+        totals = _totals(values, slots, host, device)
+    return _reduce(totals, strategy), inv is not None
 
 
-def _scalar(t: torch.Tensor) -> torch.Tensor:
-    return t if t.ndim == 0 else t.reshape(())
+def _keep(
+    values: list[torch.Tensor],
+    host: list[int],
+    loss_sum: torch.Tensor,
+    num_items: Any,
+    batch: Any,
+    device: torch.device,
+) -> tuple[int, ...]:
+    """Keep one micro-batch's loss and counts: device ones in `values`, host ones added into
+    `host`; returns the slots (0 loss, 1 items, 2 tokens) it put in `values`."""
+    values.append(loss_sum if loss_sum.ndim == 0 else loss_sum.reshape(()))  # (no detach:
+    # they are stacked under no_grad) Compare device types: "cuda" and "cuda:0" name one device.
+    if isinstance(num_items, torch.Tensor) and num_items.device.type == device.type:
+        values.append(num_items if num_items.ndim == 0 else num_items.reshape(()))
+        slot: tuple[int, ...] = (0, 1)
+    else:  # a Python number, or a CPU tensor (reading it is no device sync)
+        host[1] += int(num_items)
+        slot = (0,)
+    if type(batch) is dict and "attention_mask" in batch:
+        mask, dtype = batch["attention_mask"], loss_sum.dtype
+        # The mask's sum in the loss's dtype where that is exact: it stacks without a cast.
+        if dtype == torch.float64 or (dtype == torch.float32 and mask.numel() < 2**24):
+            values.append(mask.sum(dtype=dtype))
+            host[3] += mask.shape[0]
+            return (*slot, 2)
+    n_tok, n_samples = batch_counts(batch)
+    if isinstance(n_tok, torch.Tensor):
+        values.append(n_tok if n_tok.ndim == 0 else n_tok.reshape(()))
+        slot += (2,)
+    else:
+        host[2] += n_tok
+    host[3] += n_samples
+    return slot
 
 
-def _default_for(model: torch.nn.Module) -> LossFn:
-    """`default_loss` with the model's loss looked up once per step, not per micro-batch
-    (`loss_for` scans the class hierarchy's names: microseconds a small step notices)."""
-    fn = loss_for(model)
+def _totals(
+    values: list[torch.Tensor], slots: list[tuple[int, ...]], host: list[int], device: torch.device
+) -> torch.Tensor:
+    """The float64 (loss, items, tokens, samples) sums of the kept values and host counts.
 
-    def loss_fn(model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if type(batch) is dict and "labels" in batch:
-            return fn(model, batch)
-        return default_loss(model, batch)  # any other batch: the full checks and their errors
+    One stack and one sum when every micro-batch kept the same leading slots (always, unless a
+    loss gives device counts for some micro-batches and host ones for others), then the host
+    counts appended: three to five ops a step.
+    """
+    pattern = slots[0] if slots else ()
+    if not slots or any(s != pattern for s in slots) or pattern != tuple(range(len(pattern))):
+        return _totals_each(values, slots, host, device)
+    dtype = values[0].dtype
+    if dtype.is_floating_point and all(v.dtype == dtype for v in values):
+        stacked = torch.stack(values)
+    else:  # integer counts: float64 holds them exactly (a float32 stack would not)
+        stacked = torch.stack([v.to(torch.float64) for v in values])
+    sums = stacked.view(len(slots), len(pattern)).sum(0, dtype=torch.float64)
+    for slot in range(len(pattern), 4):
+        sums = F.pad(sums, (0, 1), value=host[slot])
+    return sums
 
-    return loss_fn
+
+def _totals_each(
+    values: list[torch.Tensor], slots: list[tuple[int, ...]], host: list[int], device: torch.device
+) -> torch.Tensor:
+    """`_totals` one value at a time (no micro-batch counted, or a loss whose counts are on
+    the device for some micro-batches and on the host for others)."""
+    # A non-blocking host-to-device copy is no sync (a no-op on the CPU).
+    sums = torch.tensor(host, dtype=torch.float64).to(device, non_blocking=True)
+    left = iter(values)
+    for pattern in slots:
+        for slot in pattern:
+            sums[slot] += next(left).to(torch.float64)
+    return sums
 
 
 # Dividing the gradients by the item count after backward is one pass over them; counting the

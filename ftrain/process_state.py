@@ -34,6 +34,9 @@ Caches of pure lookups: they never change a result, so `snapshot()` leaves them 
     `forward_inputs`  a model -> the keyword arguments its (innermost) `forward` names (None
         when it takes any: `**kwargs` only) and those it requires. Owner: `ftrain.losses`
         (`model_inputs`). Weak keys: an entry goes with its model.
+    `default_losses`  a model -> `loss_for(model)` and the loss `accumulate_grads` runs for it
+        under the default loss (the same, its item count left in the loss's dtype). Owner:
+        `ftrain.losses`. Weak keys: an entry goes with its model.
     `kernel_import_errors`  a fused-loss kernel -> why its library does not import (None: it
         does). Owner: `ftrain.extras.chunked_loss`; for the life of the process (each import
         is tried once).
@@ -96,6 +99,7 @@ class ProcessState:
     forward_inputs: _Weak[Any, tuple[frozenset[str] | None, frozenset[str]]] = field(
         default_factory=_Weak
     )
+    default_losses: _Weak[Any, tuple[Any, Any]] = field(default_factory=_Weak)
     kernel_import_errors: dict[str, str | None] = field(default_factory=dict)
     dp_noise_key: bytes | None = None
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["default_generators", "dropout_seed", "restored"]
+__all__ = ["default_generators", "dropout_seed", "dropout_seeds", "restored"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -25,10 +25,29 @@ def dropout_seed(seed: int, step: int, micro: int, rank: int) -> int:
     Because dropout masks depend only on `(seed, step, micro, rank)`, a resumed run draws the
     same masks as the uninterrupted one without saving any RNG state.
     """
-    h = 0
-    for part in (seed, step, micro, rank):
-        h = _splitmix64(h ^ (part & _MASK64))
-    return h >> 1  # torch.manual_seed wants a non-negative int64
+    return _micro_seed(_step_part(seed, step), micro, rank)
+
+
+def dropout_seeds(seed: int, step: int, rank: int, count: int) -> list[int]:
+    """`[dropout_seed(seed, step, i, rank) for i in range(count)]`, the `(seed, step)` part
+    hashed once.
+
+    Example:
+        >>> from ftrain.rng import dropout_seed, dropout_seeds
+        >>> dropout_seeds(0, 5, 1, 3)[2] == dropout_seed(0, 5, 2, 1)
+        True
+    """
+    h = _step_part(seed, step)
+    return [_micro_seed(h, i, rank) for i in range(count)]
+
+
+def _step_part(seed: int, step: int) -> int:
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64))
+
+
+def _micro_seed(h: int, micro: int, rank: int) -> int:
+    # >> 1: torch.manual_seed wants a non-negative int64.
+    return _splitmix64(_splitmix64(h ^ (micro & _MASK64)) ^ (rank & _MASK64)) >> 1
 
 
 def default_generators(device: torch.device) -> list[torch.Generator]:

@@ -248,3 +248,37 @@ def test_counting_items_first_divides_the_loss_and_gives_the_same_gradients(monk
         torch.testing.assert_close(g, ref[n], rtol=1e-6, atol=5e-8, msg=n)
     torch.testing.assert_close(stats.loss.double(), ref_loss, rtol=1e-6, atol=0)
     assert int(stats.num_items) == sum(sum(t != -100 for t in r["labels"][1:]) for r in rows)
+
+
+def test_counts_sum_exactly_whatever_their_dtype_and_place():
+    """Issue 30: the per-micro-batch values are stacked once after the last backward. Integer
+    counts above 2**24 (a float32 stack would round them) sum exactly; a loss whose counts are
+    device tensors for one micro-batch and host numbers for another, or a step that counts
+    nothing at all, gives the same stats as adding them up by hand."""
+    model = torch.nn.Linear(3, 1).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    state = ft.TrainState.create(model, ft.optim.sgd())
+    big = 2**24 + 1
+
+    def huge(m, batch):
+        return m(batch).sum(), torch.tensor(big)
+
+    _, stats = ft.accumulate_grads(state, [x, x, x], huge)
+    assert int(stats.num_items) == 3 * big and stats.num_items.dtype == torch.int64
+
+    def mixed(m, batch):  # a device count, then a host one
+        n = batch.shape[0]
+        return m(batch).sum(), (torch.tensor(n) if n == 4 else n)
+
+    grads, stats = ft.accumulate_grads(state, [x, x[:3]], mixed)
+    model.zero_grad()
+    (model(torch.cat([x, x[:3]])).sum() / 7).backward()
+    torch.testing.assert_close(grads["weight"], model.weight.grad)
+    assert (int(stats.num_items), int(stats.num_samples), int(stats.num_tokens)) == (7, 7, 7)
+    want = (model(x).sum() + model(x[:3]).sum()).detach() / 7
+    torch.testing.assert_close(stats.loss.double(), want, rtol=1e-6, atol=0)
+
+    grads, stats = ft.accumulate_grads(state, [ft.data.ZeroWeight(x)], huge)
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in grads.values())
+    assert (int(stats.num_items), int(stats.num_tokens), int(stats.num_samples)) == (0, 0, 0)
+    assert torch.isnan(stats.loss) and not stats.loss.requires_grad
