@@ -29,6 +29,9 @@ def _check_total(total_steps: int | None) -> None:
 
 
 def _interval(every: int | float, total_steps: int | None) -> int:
+    total_ok = total_steps is None or (type(total_steps) is int and total_steps >= 1)
+    if type(every) is int and every >= 1 and total_ok:
+        return every  # the common case
     _check_total(total_steps)
     if isinstance(every, bool) or not isinstance(every, (int, float)):
         raise TypeError(f"every must be an int or a float in (0, 1), got {every!r}")
@@ -56,18 +59,24 @@ def should_log(
         >>> [ft.should_log(s.replace(step=k), every=2) for k in range(5)]
         [False, False, True, False, True]
     """
+    return _due(state, every, total_steps, first)
+
+
+def _due(state: TrainState, every: int | float, total_steps: int | None, first: bool) -> bool:
+    """`should_log`, its arguments checked once (the three predicates run every step)."""
     _check_state(state)
     n = _interval(every, total_steps)
     if not isinstance(first, bool):
         raise TypeError(f"first must be True or False, got {first!r}")
-    return (state.step > 0 and state.step % n == 0) or (first and state.step == 1)
+    step = state.step
+    return (step > 0 and step % n == 0) or (first and step == 1)
 
 
 def should_eval(
     state: TrainState, *, every: int | float, total_steps: int | None = None, first: bool = False
 ) -> bool:
     """Like `should_log`, and also true at `total_steps` (so the final model is evaluated)."""
-    return should_log(state, every=every, total_steps=total_steps, first=first) or (
+    return _due(state, every, total_steps, first) or (
         total_steps is not None and state.step == total_steps
     )
 
@@ -77,10 +86,10 @@ def should_save(
 ) -> bool:
     """Like `should_log`, and also true at `total_steps` (so the final model is saved), and
     once every rank agreed on a preemption signal (`ft.strategies.on_preemption`)."""
+    if should_eval(state, every=every, total_steps=total_steps, first=first):
+        return True
     preempt = active_preemption()
-    return should_eval(state, every=every, total_steps=total_steps, first=first) or (
-        preempt is not None and preempt.requested
-    )
+    return preempt is not None and preempt.requested
 
 
 def track_best(

@@ -218,7 +218,10 @@ def _eager_norm_and_clip(
     g = list(grads.values())
     norm = state.strategy.grad_norm(g)
     if max_norm is not None and g:
-        torch._foreach_mul_(g, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        # clip_grad_norm_'s coefficient, clamp(max_norm / (norm + 1e-6), max=1), op for op
+        # (its `/` is a reciprocal and a multiply), in place on the temporary.
+        coef = (norm + 1e-6).reciprocal_().mul_(max_norm).clamp_(max=1.0)
+        torch._foreach_mul_(g, coef)
     return norm
 
 
@@ -228,10 +231,13 @@ def _skip(
     """`skip_flag(~isfinite(norm), num_items)` in fewer, cheaper device ops (issue 30).
 
     `norm * 0` is 0 for a finite norm and NaN for inf or NaN; dividing it by the item count
-    makes it NaN for a step that counted nothing too (0 / 0). `isfinite` alone is a composite
-    of several kernels.
+    makes it NaN for a step that counted nothing too (0 / 0). `addcdiv` adds that to the
+    norm in one op: `norm + 0 * norm / items` is NaN exactly when the step is skipped.
+    `isfinite` alone is a composite of several kernels.
     """
     if not check_finite:
         return None if num_items is None else num_items == 0
+    if isinstance(num_items, torch.Tensor):
+        return torch.addcdiv(norm, norm, num_items, value=0).isnan()
     zero = norm * 0
     return (zero if num_items is None else zero / num_items).isnan()

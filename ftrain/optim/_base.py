@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from ftrain.optim import _traceable
-from ftrain.strategies import local_view
+from ftrain.strategies import local_views
 
 __all__ = [
     "AdamState",
@@ -91,9 +91,9 @@ def _local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """This process's parts of `tensors` (shards under FSDP), the tensors themselves otherwise.
 
     The fused kernels update them in place, which updates the sharded parameters. `update` has
-    no strategy at hand, so `ft.strategies.local_view` answers the placement question.
+    no strategy at hand, so `ft.strategies.local_views` answers the placement question.
     """
-    return [local_view(t) for t in tensors]
+    return local_views(tensors)
 
 
 def _check(name: str, value: float, ok: bool, want: str) -> None:

@@ -11,6 +11,7 @@ from ftrain.strategies._placement import gather_whole as gather_whole
 from ftrain.strategies._placement import is_distributed as is_distributed
 from ftrain.strategies._placement import local_part as local_part
 from ftrain.strategies._placement import local_view as local_view
+from ftrain.strategies._placement import local_views as local_views
 from ftrain.strategies._preempt import Preemption as Preemption
 from ftrain.strategies._preempt import active as active_preemption
 from ftrain.strategies._preempt import on_preemption as on_preemption
@@ -30,6 +31,7 @@ __all__ = [
     "is_distributed",
     "local_part",
     "local_view",
+    "local_views",
     "local_grad_norm",
     "on_preemption",
 ]

@@ -304,6 +304,10 @@ def uncompiled(model: nn.Module) -> nn.Module:
 
 def move_to(batch: Any, device: torch.device) -> Any:
     """Move every tensor in a nested dict/list/tuple to `device` (non-blocking)."""
+    if type(batch) is dict and all(
+        type(v) is torch.Tensor and v.device == device for v in batch.values()
+    ):
+        return batch  # the common case, already there: no copy of the dict (issue 30)
     if isinstance(batch, torch.Tensor):
         return batch if batch.device == device else batch.to(device, non_blocking=True)
     if isinstance(batch, Mapping):

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["gather_whole", "is_distributed", "local_part", "local_view"]
+__all__ = ["gather_whole", "is_distributed", "local_part", "local_view", "local_views"]
 
 
 def is_distributed(tensor: object) -> bool:
@@ -41,7 +41,20 @@ def local_view(tensor: torch.Tensor) -> torch.Tensor:
         >>> ft.strategies.local_view(t) is t
         True
     """
+    if type(tensor) in _PLAIN:
+        return tensor  # no attribute lookup for a plain tensor
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def local_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`[local_view(t) for t in tensors]`; the list itself when every tensor is plain (one
+    type check each: optimizers ask for all their tensors every step, issue 30)."""
+    if _PLAIN.issuperset(map(type, tensors)):
+        return tensors
+    return [local_view(t) for t in tensors]
+
+
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})  # the types that are never distributed
 
 
 def gather_whole(local: torch.Tensor, *, like: torch.Tensor) -> torch.Tensor:
