@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from _collections_abc import dict_items, dict_keys, dict_values
 from collections.abc import Iterator, Mapping, Sequence
+from operator import attrgetter
 from typing import Any, NamedTuple
 
 import torch
@@ -201,7 +202,7 @@ def accumulate_grads(
     # One cast for the three counts; their views are the Stats' counts (each 0-dim op or view
     # is thousands of instructions: a small step notices every one, issue 30).
     _, num_items, num_tokens, num_samples = sums.long().unbind()
-    grads = Grads((n, p.grad) for n, p in params.items() if p.grad is not None)
+    grads = Grads({n: p.grad for n, p in params.items() if p.grad is not None})
     if grads and not divided:
         # Backends that average over ranks (DDP) have multiplied by grad_reduce_factor; undo it,
         # and the loss scale. A step without items keeps its (zero) gradient as it is. (No
@@ -327,6 +328,10 @@ def _keep(
     return slot
 
 
+_LEADING = ((), (0,), (0, 1), (0, 1, 2))  # slot patterns that the host counts can follow
+_DTYPE = attrgetter("dtype")
+
+
 def _totals(
     values: list[torch.Tensor], slots: list[tuple[int, ...]], host: list[int], device: torch.device
 ) -> torch.Tensor:
@@ -337,10 +342,10 @@ def _totals(
     counts appended: three to five ops a step.
     """
     pattern = slots[0] if slots else ()
-    if not slots or any(s != pattern for s in slots) or pattern != tuple(range(len(pattern))):
+    if not slots or slots.count(pattern) != len(slots) or pattern != _LEADING[len(pattern)]:
         return _totals_each(values, slots, host, device)
-    dtype = values[0].dtype
-    if dtype.is_floating_point and all(v.dtype == dtype for v in values):
+    dtypes = set(map(_DTYPE, values))
+    if len(dtypes) == 1 and values[0].dtype.is_floating_point:
         stacked = torch.stack(values)
     else:  # integer counts: float64 holds them exactly (a float32 stack would not)
         stacked = torch.stack([v.to(torch.float64) for v in values])

@@ -38,7 +38,9 @@ def dropout_seeds(seed: int, step: int, rank: int, count: int) -> list[int]:
         True
     """
     h = _step_part(seed, step)
-    return [_micro_seed(h, i, rank) for i in range(count)]
+    rank &= _MASK64
+    mix = _splitmix64
+    return [mix(mix(h ^ i) ^ rank) >> 1 for i in range(count)]  # _micro_seed, inlined
 
 
 def _step_part(seed: int, step: int) -> int:

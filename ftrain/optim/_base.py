@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Mapping
+from operator import itemgetter
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -85,6 +86,12 @@ class ChainState(NamedTuple):
 
     transforms: tuple[Any, ...]
     inner: Any
+
+
+def _take(mapping: Mapping[str, Any], names: list[str]) -> list[Any]:
+    """`[mapping[n] for n in names]`, in one C call (a fused step asks four times a group)."""
+    got = itemgetter(*names)(mapping)
+    return list(got) if len(names) > 1 else [got]
 
 
 def _local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -201,10 +208,10 @@ def _adam(
         count = state.steps.add_(1)
         for decay, names in groups(grads, params):
             kernel(
-                _local([params[n] for n in names]),
-                _local([grads[n] for n in names]),
-                _local([state.mu[n] for n in names]),
-                _local([state.nu[n] for n in names]),
+                _local(_take(params, names)),
+                _local(_take(grads, names)),
+                _local(_take(state.mu, names)),
+                _local(_take(state.nu, names)),
                 [],
                 [count] * len(names),
                 lr=lr,
@@ -337,9 +344,9 @@ def sgd(
     ) -> SGDState:
         for decay, names in groups(grads, params):
             torch._fused_sgd_(
-                _local([params[n] for n in names]),
-                _local([grads[n] for n in names]),
-                _local([state.momentum[n] for n in names]) if momentum else [],
+                _local(_take(params, names)),
+                _local(_take(grads, names)),
+                _local(_take(state.momentum, names)) if momentum else [],
                 weight_decay=weight_decay if decay else 0.0,
                 momentum=momentum,
                 lr=lr,

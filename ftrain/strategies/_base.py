@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Mapping, Sequence
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -302,10 +303,18 @@ def uncompiled(model: nn.Module) -> nn.Module:
     return inner if isinstance(inner, nn.Module) else model
 
 
+# Attribute readers for C-level checks over many tensors (a Python loop is microseconds a step).
+_TENSOR = frozenset({torch.Tensor})
+_DEVICE = attrgetter("device")
+_PLACE = attrgetter("device", "dtype")
+
+
 def move_to(batch: Any, device: torch.device) -> Any:
     """Move every tensor in a nested dict/list/tuple to `device` (non-blocking)."""
-    if type(batch) is dict and all(
-        type(v) is torch.Tensor and v.device == device for v in batch.values()
+    if (
+        type(batch) is dict
+        and _TENSOR.issuperset(map(type, batch.values()))
+        and all(map(device.__eq__, map(_DEVICE, batch.values())))
     ):
         return batch  # the common case, already there: no copy of the dict (issue 30)
     if isinstance(batch, torch.Tensor):
@@ -349,12 +358,12 @@ def local_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """L2 norm over all `grads`, computed like `torch.nn.utils.clip_grad_norm_` (no host sync)."""
     if not grads:
         return torch.zeros(())
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for g in grads:
-        groups.setdefault((g.device, g.dtype), []).append(g)
-    if len(groups) == 1:  # one device and dtype: no per-tensor move (a dispatch each)
-        norms = list(torch._foreach_norm(next(iter(groups.values())), 2.0))
+    if len(set(map(_PLACE, grads))) == 1:  # one device and dtype: no per-tensor move
+        norms = list(torch._foreach_norm(list(grads), 2.0))
     else:
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for g in grads:
+            groups.setdefault((g.device, g.dtype), []).append(g)
         first = grads[0].device
         norms = [n.to(first) for group in groups.values() for n in torch._foreach_norm(group, 2.0)]
     return torch.linalg.vector_norm(torch.stack(norms), 2.0)
