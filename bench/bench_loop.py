@@ -29,10 +29,18 @@ Regimes: `mlp` (a 2-layer MLP language model, ~1 ms a step: per-step overhead do
 256 wide, sequence 128: compute dominates). `tiny` (a 1-layer GPT-2) is kept for the other
 bench scripts.
 
-Step time: the loops take turns step by step, in an order that rotates, so that load changes on
-a shared machine hit all of them; per loop the median over all steps of all rounds, and the
-spread of the per-round medians. Peak memory: each loop alone in a fresh process, peak RSS growth
-over the set-up baseline (CUDA: max allocated), median over the memory rounds.
+Step time: the loops take turns, `--block` consecutive steps at a time (20, or a whole round
+where a round is shorter), in an order that rotates, so that load changes on a shared machine
+hit all of them; per loop the median over all steps of all rounds, and the spread of the
+per-round medians. A loop runs its steps back to back, as in a training process (the first
+step of a turn, cold, is one sample in 20). Taking turns after every single step (`--block 1`)
+leaves each loop's code and memory cold from the other loops' steps, which penalises the loop
+whose code the others share least: ftrain's, next to four loops on torch.optim and HF's loss
+(`--loops raw,ftrain,ftrain` penalises the raw loop instead), and it mixes five allocators'
+states (+10-35% on ftrain's 33M-parameter steps, which run within 2% of raw's alone).
+bench/RESULTS.md gives both schedules.
+Peak memory: each loop alone in a fresh process, peak RSS growth over the set-up baseline
+(CUDA: max allocated), median over the memory rounds.
 """
 
 from __future__ import annotations
@@ -402,6 +410,17 @@ def make_loop(name: str, model: torch.nn.Module, data: list[Any], total: int) ->
     raise ValueError(f"unknown loop {name!r}")
 
 
+def _kind(name: str) -> str:
+    """The loop a name runs: "ftrain#2" is a second, independent ftrain loop."""
+    return name.split("#")[0]
+
+
+def numbered(loops: list[str]) -> list[str]:
+    """Names for the loops, a repeated one numbered: raw, ftrain, ftrain#2."""
+    return [n if loops[:i].count(n) == 0 else f"{n}#{loops[:i].count(n) + 1}"
+            for i, n in enumerate(loops)]  # fmt: skip
+
+
 def available(loops: list[str]) -> list[str]:
     """The loops whose packages are installed (the peers come with `.[bench]`)."""
     out = []
@@ -419,17 +438,20 @@ def available(loops: list[str]) -> list[str]:
 
 
 def time_regime(
-    regime: str, rounds: int, loops: list[str], steps: int | None = None
+    regime: str, rounds: int, loops: list[str], steps: int | None = None, block: int = 20
 ) -> dict[str, Any]:
     """Median step time of each loop, the loops taking turns step by step; `steps` per round
     (the regime's own when None)."""
     import copy
 
+    if block < 1:
+        raise ValueError(f"block must be >= 1, got {block}")
     model, data, n = build(regime)
     steps = n if steps is None else min(steps, n)
+    block = min(block, steps)
     model, data = _to_device(model, data[:steps])
     total = steps * (rounds + 1)
-    made = {name: make_loop(name, copy.deepcopy(model), data, total) for name in loops}
+    made = {name: make_loop(_kind(name), copy.deepcopy(model), data, total) for name in loops}
     hf = made.get("hf")
     assert hf is None or isinstance(hf, HFTurns)
 
@@ -450,10 +472,10 @@ def time_regime(
         for r in range(rounds):
             for name in loops:
                 per_round[name].append([])
-            for i, micro in enumerate(data):
-                shift = (r * steps + i) % len(loops)  # rotate who goes first
+            for turn, i in enumerate(range(0, steps, block)):
+                shift = (r * steps + turn) % len(loops)  # rotate who goes first
                 for name in loops[shift:] + loops[:shift]:
-                    per_round[name][-1] += run(name, [micro], steps * (r + 1) + i)
+                    per_round[name][-1] += run(name, data[i : i + block], steps * (r + 1) + i)
     finally:
         if hf is not None:
             hf.close()
@@ -568,10 +590,17 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--regime", choices=[*REGIMES, "tiny", "all"], default="all")
-    p.add_argument("--loops", default=",".join(LOOPS), help="comma-separated: " + ",".join(LOOPS))
+    p.add_argument(
+        "--loops",
+        default=",".join(LOOPS),
+        help="comma-separated: " + ",".join(LOOPS) + " (a repeated name runs a second copy)",
+    )
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--memory-rounds", type=int, default=3)
     p.add_argument("--steps", type=int, help="steps per round (default: the regime's)")
+    p.add_argument(
+        "--block", type=int, default=20, help="steps a loop runs per turn (at most a round)"
+    )
     p.add_argument("--profile", action="store_true", help="op and call counts (mlp regime)")
     p.add_argument("--memory-child", nargs=2, metavar=("REGIME", "LOOP"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -584,20 +613,25 @@ def main() -> None:
         return
     loops = [x for x in args.loops.split(",") if x]
     unknown = set(loops) - set(LOOPS)
-    if unknown or "raw" not in loops:
-        p.error(f"--loops takes names from {','.join(LOOPS)} and must include raw")
-    loops = available(loops)
+    if unknown or "raw" not in loops or loops.count("hf") > 1:
+        p.error(
+            f"--loops takes names from {','.join(LOOPS)} (repeat one to run independent copies "
+            "of it; hf at most once) and must include raw"
+        )
+    loops = numbered(available(loops))
     regimes = list(REGIMES) if args.regime == "all" else [args.regime]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {DEVICE.type}, "
           f"{args.rounds} rounds, {args.memory_rounds} memory rounds")  # fmt: skip
     print("| regime | params (M) | loop | ms/step | time ratio (round range) | peak MB | "
           "memory ratio |\n|---|---|---|---|---|---|---|")  # fmt: skip
     for regime in regimes:
-        t = time_regime(regime, args.rounds, loops, args.steps)
-        m = memory_regime(regime, args.memory_rounds, loops) if args.memory_rounds else {}
+        t = time_regime(regime, args.rounds, loops, args.steps, args.block)
+        once = [n for n in loops if n == _kind(n)]  # a copy's memory is the same loop's
+        m = memory_regime(regime, args.memory_rounds, once) if args.memory_rounds else {}
         for n in loops:
             lo, hi = t["round_ratio_range"][n]
-            mem = f"{m[n]:.1f} | {m[n] / m['raw']:.3f}" if m else "- | -"
+            k = _kind(n)
+            mem = f"{m[k]:.1f} | {m[k] / m['raw']:.3f}" if m else "- | -"
             print(f"| {regime} | {t['params_m']:.2f} | {n} | {t['ms'][n]:.2f} | "
                   f"**{t['ratio'][n]:.3f}** ({lo:.3f}-{hi:.3f}) | {mem} |", flush=True)  # fmt: skip
 
