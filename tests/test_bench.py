@@ -54,10 +54,12 @@ def test_bench_gpu_names_what_a_nanogpt_folder_lacks(tmp_path):
 
 @pytest.mark.slow
 def test_bench_loop_runs_every_loop_and_its_memory_child():
-    out = _bench("bench_loop.py", "--regime=mlp", "--rounds=1", "--steps=3", "--memory-rounds=0")
+    every = "--loops=raw,exact,ftrain,fabric,hf,ftrain"  # a repeated loop runs a second copy
+    out = _bench("bench_loop.py", "--regime=mlp", "--rounds=1", "--steps=3", "--memory-rounds=0",
+                 "--block=2", every)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     loops = {r[2] for r in (ln.split(" | ") for ln in out.stdout.splitlines()) if len(r) > 3}
-    expected = {"raw", "exact", "ftrain", "hf"}
+    expected = {"raw", "exact", "ftrain", "hf", "ftrain#2"}
     try:
         import lightning.fabric  # noqa: F401  (the bench extra; CI may not have it)
 
@@ -69,3 +71,12 @@ def test_bench_loop_runs_every_loop_and_its_memory_child():
     child = _bench("bench_loop.py", "--memory-child", "mlp", "ftrain")
     assert child.returncode == 0, child.stderr[-3000:]
     assert float(re.findall(r'"peak_growth_mb": ([0-9.e+-]+)', child.stdout)[-1]) >= 0
+
+
+@pytest.mark.slow
+def test_count_step_counts_the_python_opcodes_of_a_step():
+    out = _bench("count_step.py", "opcodes", "ftrain")
+    assert out.returncode == 0, out.stderr[-3000:]
+    total = re.search(r"ftrain: (\d+) Python opcodes a step", out.stdout)
+    assert total and int(total.group(1)) > 1000, out.stdout
+    assert "ftrain/grads.py:" in out.stdout  # the functions are named
