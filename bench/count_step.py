@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import bench_loop  # noqa: E402
+import bench_loop
 
 
 def _steps(loop: str) -> tuple[Any, list[Any]]:
@@ -67,7 +67,8 @@ def instructions(loop: str, steps: int = 300) -> None:
 
     def instrument(on: bool) -> None:
         arg = "--instr=on" if on else "--instr=off"
-        subprocess.run(["callgrind_control", arg, str(os.getpid())], check=True, capture_output=True)
+        cmd = ["callgrind_control", arg, str(os.getpid())]
+        subprocess.run(cmd, check=True, capture_output=True)
 
     instrument(True)
     for k in range(steps):
