@@ -8,9 +8,10 @@
 Step time on a shared 2-core machine moves by a few percent from run to run; these counts do
 not (the instruction count varies by ~0.1% with string hashing). `opcodes` traces every bytecode
 (`sys.settrace`, opcode events) over 20 steps of the mlp regime after 20 warm-up steps.
-`instructions` runs 300 steps with callgrind's instrumentation switched on around them
-(`callgrind_control`), so valgrind's "Collected" line is the machine instructions of 300 steps
-(divide by 300; the switch itself is ~0.5M). Neither says what the instructions cost: cache
+`instructions` runs 300 steps (`--steps`) with callgrind's instrumentation switched on around
+them (`callgrind_control`), so valgrind's "Collected" line is the machine instructions of those
+steps (divide by their number; the switch itself is ~0.5M). `--regime` picks bench_loop.py's
+model (mlp by default). Neither says what the instructions cost: cache
 misses are not counted, and the two loops' costs per instruction differ (bench/RESULTS.md).
 """
 
@@ -32,17 +33,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench_loop
 
 
-def _steps(loop: str) -> tuple[Any, list[Any]]:
+def _steps(loop: str, regime: str) -> tuple[Any, list[Any]]:
     torch.set_num_threads(1)
-    model, data, _ = bench_loop.build("mlp")
+    model, data, _ = bench_loop.build(regime)
     step = bench_loop.make_loop(loop, copy.deepcopy(model), data, 10**6)
     for i, micro in enumerate(data[:20]):  # warm-up: first-step state, caches, lazy imports
         step(micro, i)
     return step, data
 
 
-def opcodes(loop: str, steps: int = 20, top: int = 25) -> None:
-    step, data = _steps(loop)
+def opcodes(loop: str, regime: str, steps: int = 20, top: int = 25) -> None:
+    step, data = _steps(loop, regime)
     counts: collections.Counter[str] = collections.Counter()
 
     def tracer(frame: FrameType, event: str, arg: Any) -> Any:
@@ -62,8 +63,8 @@ def opcodes(loop: str, steps: int = 20, top: int = 25) -> None:
         print(f"{n / steps:8.1f}  {name}")
 
 
-def instructions(loop: str, steps: int = 300) -> None:
-    step, data = _steps(loop)
+def instructions(loop: str, regime: str, steps: int = 300) -> None:
+    step, data = _steps(loop, regime)
 
     def instrument(on: bool) -> None:
         arg = "--instr=on" if on else "--instr=off"
@@ -83,8 +84,13 @@ def main() -> None:
     )
     p.add_argument("what", choices=["opcodes", "instructions"])
     p.add_argument("loop", choices=["raw", "exact", "ftrain"])
+    p.add_argument("--regime", choices=bench_loop.REGIMES, default="mlp")
+    p.add_argument(
+        "--steps", type=int, help="steps counted (default: 20 traced, 300 under valgrind)"
+    )
     args = p.parse_args()
-    (opcodes if args.what == "opcodes" else instructions)(args.loop)
+    count = opcodes if args.what == "opcodes" else instructions
+    count(args.loop, args.regime, *([args.steps] if args.steps else []))
 
 
 if __name__ == "__main__":
