@@ -358,7 +358,15 @@ def local_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """L2 norm over all `grads`, computed like `torch.nn.utils.clip_grad_norm_` (no host sync)."""
     if not grads:
         return torch.zeros(())
-    if len(set(map(_PLACE, grads))) == 1:  # one device and dtype: no per-tensor move
+    # One device and dtype: no per-tensor move. The check maps a C attribute reader over the
+    # tensors (a Python loop is microseconds a step), which dynamo cannot trace: compiled
+    # steps (`clip_and_step(compile=True)`) take the comprehension.
+    places = (
+        {(g.device, g.dtype) for g in grads}
+        if torch.compiler.is_compiling()
+        else set(map(_PLACE, grads))
+    )
+    if len(places) == 1:
         norms = list(torch._foreach_norm(list(grads), 2.0))
     else:
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
