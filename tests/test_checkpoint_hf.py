@@ -154,18 +154,22 @@ def test_cli_export_writes_an_hf_model(tmp_path):
     )
 
 
-def test_cli_export_needs_a_base_for_frozen_parameters(tmp_path):
+def test_cli_export_needs_a_base_for_frozen_parameters(tmp_path, capsys):
+    """The CLI's `main` in this process (`python -m ftrain` itself runs in the tests above)."""
     from transformers import AutoModelForCausalLM
+
+    from ftrain.extras.cli import main
 
     model = tiny_llama()
     model.model.embed_tokens.weight.requires_grad_(False)
     state = train(ft.TrainState.create(model, ft.optim.adamw()), 2)
     path = ft.save_checkpoint(state, tmp_path / "run")
-    run = cli("export", path, "--to", tmp_path / "hf")
-    assert run.returncode == 1 and "--base" in run.stderr and not (tmp_path / "hf").exists()
-    tiny_llama().save_pretrained(tmp_path / "base")
-    run = cli("export", path, "--to", tmp_path / "hf", "--base", tmp_path / "base")
-    assert run.returncode == 0, run.stderr
+    hf, base = str(tmp_path / "hf"), str(tmp_path / "base")
+    assert main(["export", str(path), "--to", hf]) == 1
+    assert "--base" in capsys.readouterr().err and not (tmp_path / "hf").exists()
+    tiny_llama().save_pretrained(base)
+    code = main(["export", str(path), "--to", hf, "--base", base])
+    assert code == 0, capsys.readouterr().err
     assert torch.equal(
         logits(AutoModelForCausalLM.from_pretrained(tmp_path / "hf")), logits(state.model)
     )

@@ -63,8 +63,7 @@ def test_non_final_micro_batches_do_not_reduce_gradients(tmp_path, kind):
     (counted at torch.distributed.reduce_scatter_single, one per sharded module) run in the
     final micro-batch only."""
     worker, name = (W.ddp_traffic, "calls") if kind == "ddp" else (W.fsdp_traffic, "fsdp-calls")
-    spawn(worker, str(tmp_path), False)
-    spawn(worker, str(tmp_path), True)
+    spawn(worker, str(tmp_path))  # both settings, one after the other
     per_step = json.loads((tmp_path / f"{name}-False.json").read_text())
     every = json.loads((tmp_path / f"{name}-True.json").read_text())
     assert per_step >= 2 and per_step % 2 == 0  # 2 steps, the same collectives each step
@@ -89,8 +88,11 @@ def test_checkpoints_move_between_two_ranks_and_one(tmp_path, kind):
         return W.train(state, steps=steps, batch_size=4)[0]
 
     reference = single()
-    two_then_one = tmp_path / "a"
-    spawn(W.resume, str(two_then_one), save_at, steps, kind)  # trains, saves at 3 with 2 ranks
+    two_then_one, one_then_two = tmp_path / "a", tmp_path / "b"
+    single(one_then_two)  # one process saves at 3
+    # Two ranks train and save at 3 in `a`, then resume `b` at 3 (one launch: the imports
+    # and the group's start-up cost more than the training).
+    spawn(W.resume, [str(two_then_one), str(one_then_two)], save_at, steps, kind)
     ckpt = two_then_one / "step-3"
     assert ft.checkpoint.read_meta(ckpt)["world_size"] == 2
     files = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file())
@@ -104,9 +106,6 @@ def test_checkpoints_move_between_two_ranks_and_one(tmp_path, kind):
         shards = ["model.safetensors", "optimizer.safetensors"]
     assert files == sorted(["COMMITTED", "config.json", "state.json", *shards])
     resumed = single(two_then_one)  # one process resumes it
-    one_then_two = tmp_path / "b"
-    single(one_then_two)  # one process saves at 3
-    spawn(W.resume, str(one_then_two), save_at, steps, kind)  # two ranks resume it
     if kind == "fsdp":
         _hostile_shards(ckpt, tmp_path / "hostile")
         _cli_on_shards(ckpt, tmp_path / "exported")

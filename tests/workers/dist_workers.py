@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 import ftrain as ft
 from helpers import ragged_rows, tiny_llama
@@ -80,49 +81,60 @@ def _save_params(params: dict, path: Path) -> None:
     save_file({n: p.detach().contiguous() for n, p in params.items()}, str(path))
 
 
-def ddp_traffic(rank: int, world: int, port: int, out: str, sync_every_micro: bool) -> None:
-    """Count DDP's gradient all-reduces (one per bucket) over 2 steps of 4 micro-batches."""
+def ddp_traffic(rank: int, world: int, port: int, out: str) -> None:
+    """Count DDP's gradient all-reduces (one per bucket) over 2 steps of 4 micro-batches, with
+    and without `sync_every_micro`: two strategies, one after the other, in one process group
+    (joined here, so each strategy's `close()` leaves it for the next: one launch, not two)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     _env(rank, world, port)
-    strategy = ft.strategies.from_env(sync_every_micro=sync_every_micro)
-    state = ft.TrainState.create(tiny_llama(), ft.optim.sgd(), seed=3, strategy=strategy)
-    calls = []
+    dist.init_process_group("gloo")
+    for sync_every_micro in (False, True):
+        strategy = ft.strategies.from_env(sync_every_micro=sync_every_micro)
+        state = ft.TrainState.create(tiny_llama(), ft.optim.sgd(), seed=3, strategy=strategy)
+        calls = []
 
-    def counting(group, bucket):
-        calls.append(1)
-        return allreduce_hook(group, bucket)
+        def counting(group, bucket, calls=calls):
+            calls.append(1)
+            return allreduce_hook(group, bucket)
 
-    state.model.register_comm_hook(None, counting)
-    state, _ = train(state, steps=2, batch_size=1, accum=4)
-    if rank == 0:
-        (Path(out) / f"calls-{sync_every_micro}.json").write_text(json.dumps(len(calls)))
-    state.strategy.close()  # leaves the group together, the model released first
+        state.model.register_comm_hook(None, counting)
+        state, _ = train(state, steps=2, batch_size=1, accum=4)
+        if rank == 0:
+            (Path(out) / f"calls-{sync_every_micro}.json").write_text(json.dumps(len(calls)))
+        state.strategy.close()  # the model released first; the group stays (not its own)
+        del state
+    dist.destroy_process_group()
 
 
-def resume(
-    rank: int, world: int, port: int, root: str, save_at: int, steps: int, kind: str
-) -> None:
-    """With `kind` (DDP or FSDP): resume from `root` if it holds a checkpoint, else train and
-    save at `save_at`; then continue to `steps`. Rank 0 writes the final (gathered) params."""
+def resume(rank: int, world: int, port: int, roots: list[str], save_at: int, steps: int,
+           kind: str) -> None:  # fmt: skip
+    """For each folder of `roots`, with `kind` (DDP or FSDP): resume from it if it holds a
+    checkpoint, else train and save at `save_at`; then continue to `steps`. Rank 0 writes the
+    final (gathered) params. One process group for all the folders (one launch)."""
     _env(rank, world, port)
-    state = ft.TrainState.create(
-        tiny_llama(dropout=0.0), ft.optim.adamw(), seed=3, strategy=ft.strategies.from_env(kind)
-    )
-    if (ckpt := ft.latest_checkpoint(root)) is not None:
-        state = ft.load_checkpoint(ckpt, state)
-    else:
-        state, _ = train(state, steps=save_at, batch_size=2)
-        ft.save_checkpoint(state, root)
-    state, _ = train(state, steps=steps, batch_size=2)
-    full = {n: getattr(p, "full_tensor", p.detach)().detach() for n, p in state.params.items()}
-    if rank == 0:
-        _save_params(full, Path(root) / f"final-{world}.safetensors")
-    state.strategy.close()  # leaves the group together, the model released first
+    dist.init_process_group("gloo")
+    for root in roots:
+        state = ft.TrainState.create(
+            tiny_llama(dropout=0.0), ft.optim.adamw(), seed=3, strategy=ft.strategies.from_env(kind)
+        )
+        if (ckpt := ft.latest_checkpoint(root)) is not None:
+            state = ft.load_checkpoint(ckpt, state)
+        else:
+            state, _ = train(state, steps=save_at, batch_size=2)
+            ft.save_checkpoint(state, root)
+        state, _ = train(state, steps=steps, batch_size=2)
+        full = {n: getattr(p, "full_tensor", p.detach)().detach() for n, p in state.params.items()}
+        if rank == 0:
+            _save_params(full, Path(root) / f"final-{world}.safetensors")
+        state.strategy.close()  # the model released first; the group stays (not its own)
+        del state
+    dist.destroy_process_group()
 
 
-def fsdp_traffic(rank: int, world: int, port: int, out: str, sync_every_micro: bool) -> None:
-    """Count FSDP2's gradient reduce-scatters over 2 steps of 4 micro-batches."""
+def fsdp_traffic(rank: int, world: int, port: int, out: str) -> None:
+    """Count FSDP2's gradient reduce-scatters over 2 steps of 4 micro-batches, with and without
+    `sync_every_micro` (two strategies in one process group, as in `ddp_traffic`)."""
     _env(rank, world, port)
     calls = []
 
@@ -137,12 +149,17 @@ def fsdp_traffic(rank: int, world: int, port: int, out: str, sync_every_micro: b
     for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
         if hasattr(torch.distributed, name):
             setattr(torch.distributed, name, counting(getattr(torch.distributed, name)))
-    strategy = ft.strategies.from_env("fsdp", sync_every_micro=sync_every_micro)
-    state = ft.TrainState.create(tiny_llama(), ft.optim.sgd(), seed=3, strategy=strategy)
-    state, _ = train(state, steps=2, batch_size=1, accum=4)
-    if rank == 0:
-        (Path(out) / f"fsdp-calls-{sync_every_micro}.json").write_text(json.dumps(len(calls)))
-    state.strategy.close()  # leaves the group together, the model released first
+    dist.init_process_group("gloo")
+    for sync_every_micro in (False, True):
+        calls.clear()
+        strategy = ft.strategies.from_env("fsdp", sync_every_micro=sync_every_micro)
+        state = ft.TrainState.create(tiny_llama(), ft.optim.sgd(), seed=3, strategy=strategy)
+        state, _ = train(state, steps=2, batch_size=1, accum=4)
+        if rank == 0:
+            (Path(out) / f"fsdp-calls-{sync_every_micro}.json").write_text(json.dumps(len(calls)))
+        state.strategy.close()
+        del state
+    dist.destroy_process_group()
 
 
 def fsdp_save_failures(rank: int, world: int, port: int, out: str) -> None:
