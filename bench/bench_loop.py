@@ -3,6 +3,7 @@
     python bench/bench_loop.py                          # the whole table (~5 min on 2 idle cores)
     python bench/bench_loop.py --regime mlp --rounds 9  # one regime
     python bench/bench_loop.py --profile                # where a small step's time goes
+    python bench/bench_loop.py --regime embedding --alone 3   # each loop alone, fresh processes
 
 Loops, each training its own copy of the same model on the same pre-collated micro-batches
 (accumulation 2, clip 1.0, AdamW lr warmup-cosine, weight decay 0.1, fused kernels; every 10th
@@ -39,6 +40,10 @@ whose code the others share least: ftrain's, next to four loops on torch.optim a
 (`--loops raw,ftrain,ftrain` penalises the raw loop instead), and it mixes five allocators'
 states (+10-35% on ftrain's 33M-parameter steps, which run within 2% of raw's alone).
 bench/RESULTS.md gives both schedules.
+`--alone R` runs each loop alone in a fresh process instead, the loops alternating, R times,
+and adds minor page faults and kernel time a step: on CPU the 33M-parameter regime is bound by
+page faults (PyTorch's CPU allocator returns large blocks to the OS, every step faults them in
+again: ~175k faults and most of the step's CPU time in the kernel, for every loop).
 Peak memory: each loop alone in a fresh process, peak RSS growth over the set-up baseline
 (CUDA: max allocated), median over the memory rounds.
 """
@@ -557,9 +562,66 @@ def memory_regime(regime: str, rounds: int, loops: list[str]) -> dict[str, float
     return {n: statistics.median(v) for n, v in growth.items()}
 
 
-def profile(regime: str, steps: int) -> None:
+ALONE_ROUNDS = {"mlp": 30, "embedding": 3, "llama": 6, "tiny": 3}  # ~3 s of steps each
+
+
+def alone_child(regime: str, loop: str, steps: int | None = None) -> None:
+    """One loop alone in this process: a warm-up round, then `ALONE_ROUNDS` rounds (a fixed
+    count: the Trainer runs to its max_steps before it ends), or one round of `steps` steps;
+    median ms a step, minor page faults and system (kernel) CPU time a step (`getrusage`)."""
+    model, data, n = build(regime)
+    model, data = _to_device(model, data)
+    rounds = ALONE_ROUNDS[regime]
+    if steps:
+        data, rounds = data[:steps], 1
+        n = len(data)
+    made = make_loop(loop, model, data, (rounds + 1) * n)
+    step = made.step if isinstance(made, HFTurns) else made
+    _block(step, data, 0)
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    times = [t for r in range(rounds) for t in _block(step, data, (r + 1) * n)]
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    if isinstance(made, HFTurns):
+        made.close()
+    k = len(times)
+    print(json.dumps({
+        "ms": statistics.median(times) * 1e3,
+        "faults": (after.ru_minflt - before.ru_minflt) / k,
+        "sys_ms": (after.ru_stime - before.ru_stime) / k * 1e3,
+    }))  # fmt: skip
+
+
+def alone(regime: str, rounds: int, loops: list[str], steps: int | None = None) -> None:
+    """Each loop alone in a fresh process, the loops alternating, `rounds` times: nothing
+    shared with another loop (caches, allocator, memory placement), where the main table
+    interleaves them in one process. Prints median ms a step over the processes, the ratio to
+    raw's (and the range of the rounds' ratios, each against raw's process of that round),
+    minor page faults and kernel time a step."""
+    got: dict[str, list[dict[str, float]]] = {n: [] for n in loops}
+    for r in range(rounds):
+        shift = r % len(loops)
+        for loop in loops[shift:] + loops[:shift]:
+            more = [f"--steps={steps}"] if steps else []
+            out = subprocess.run(
+                [sys.executable, __file__, "--alone-child", regime, loop, *more],
+                check=True, capture_output=True, text=True, timeout=1800,
+            ).stdout  # fmt: skip
+            got[loop].append(json.loads(out.strip().splitlines()[-1]))
+    med = {n: {f: statistics.median(x[f] for x in v) for f in v[0]} for n, v in got.items()}
+    print("| regime | loop | ms/step alone | time ratio (round range) | minor faults/step | "
+          "sys ms/step |\n|---|---|---|---|---|---|")  # fmt: skip
+    for n, m in med.items():
+        per = [a["ms"] / b["ms"] for a, b in zip(got[n], got["raw"], strict=True)]
+        print(f"| {regime} | {n} | {m['ms']:.2f} | **{m['ms'] / med['raw']['ms']:.3f}** "
+              f"({min(per):.3f}-{max(per):.3f}) | {m['faults']:.0f} | {m['sys_ms']:.1f} |",
+              flush=True)  # fmt: skip
+
+
+def profile(regime: str, steps: int, loops: list[str]) -> None:
     """Per-step counts of top-level aten ops (torch.profiler) and of Python function calls
-    (cProfile) for `raw` and `ftrain`, and each loop's median step time alone."""
+    (cProfile) for `loops` (raw, exact and ftrain from `--loops`, in its order), the ops with
+    the most self CPU time, and each loop's median step time alone (`steps` steps; `--steps`
+    sets it, 300 by default), one loop after the other in this process."""
     import copy
 
     from torch.profiler import ProfilerActivity
@@ -567,22 +629,26 @@ def profile(regime: str, steps: int) -> None:
 
     model, data, n = build(regime)
     model, data = _to_device(model, data)
-    for name in ("raw", "exact", "ftrain"):
+    k = len(data[:10])  # steps profiled
+    for name in loops:
         step = make_loop(name, copy.deepcopy(model), data, 10 * steps)
         _block(step, data, 0)
         with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-            _block(step, data[:10], n)
+            _block(step, data[:k], n)
         top = Counter(e.name for e in prof.events() if e.cpu_parent is None)
-        ops = sum(top.values()) / 10
+        ops = sum(top.values()) / k
         pr = cProfile.Profile()
         pr.enable()
-        _block(step, data[:10], n + 10)
+        _block(step, data[:k], n + k)
         pr.disable()
-        calls = pstats.Stats(pr).total_calls / 10  # type: ignore[attr-defined]
+        calls = pstats.Stats(pr).total_calls / k  # type: ignore[attr-defined]
         times = [t for _ in range(max(1, steps // n)) for t in _block(step, data, n)]
         print(f"{name}: {ops:.1f} top-level aten ops/step, {calls:.0f} Python calls/step, "
               f"{statistics.median(times) * 1e6:.0f} us/step alone")  # fmt: skip
-        print("   " + ", ".join(f"{k} {v / 10:g}" for k, v in top.most_common(40)))
+        print("   " + ", ".join(f"{op} {v / k:g}" for op, v in top.most_common(40)))
+        own = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:8]
+        print("   self CPU us/step: " + ", ".join(
+            f"{e.key} {e.self_cpu_time_total / k:.0f}" for e in own))  # fmt: skip
 
 
 def main() -> None:
@@ -601,15 +667,28 @@ def main() -> None:
     p.add_argument(
         "--block", type=int, default=20, help="steps a loop runs per turn (at most a round)"
     )
-    p.add_argument("--profile", action="store_true", help="op and call counts (mlp regime)")
+    p.add_argument(
+        "--profile", action="store_true", help="op counts and times (mlp unless --regime)"
+    )
     p.add_argument("--memory-child", nargs=2, metavar=("REGIME", "LOOP"), help=argparse.SUPPRESS)
+    p.add_argument(
+        "--alone",
+        type=int,
+        metavar="ROUNDS",
+        help="each loop alone in fresh processes, ROUNDS times",
+    )
+    p.add_argument("--alone-child", nargs=2, metavar=("REGIME", "LOOP"), help=argparse.SUPPRESS)
     args = p.parse_args()
     warnings.filterwarnings("ignore")  # peers' notices on a CPU machine
     if args.memory_child:  # its last stdout line is the result (peers print banners)
         memory_child(*args.memory_child)
         return
+    if args.alone_child:  # its last stdout line is the result
+        alone_child(*args.alone_child, steps=args.steps)
+        return
     if args.profile:
-        profile("mlp" if args.regime == "all" else args.regime, 300)
+        order = [x for x in args.loops.split(",") if x in ("raw", "exact", "ftrain")]
+        profile("mlp" if args.regime == "all" else args.regime, args.steps or 300, order)
         return
     loops = [x for x in args.loops.split(",") if x]
     unknown = set(loops) - set(LOOPS)
@@ -620,6 +699,10 @@ def main() -> None:
         )
     loops = numbered(available(loops))
     regimes = list(REGIMES) if args.regime == "all" else [args.regime]
+    if args.alone:
+        for regime in regimes:
+            alone(regime, args.alone, [n for n in loops if n == _kind(n)], args.steps)
+        return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {DEVICE.type}, "
           f"{args.rounds} rounds, {args.memory_rounds} memory rounds")  # fmt: skip
     print("| regime | params (M) | loop | ms/step | time ratio (round range) | peak MB | "

@@ -71,6 +71,10 @@ def test_bench_loop_runs_every_loop_and_its_memory_child():
     child = _bench("bench_loop.py", "--memory-child", "mlp", "ftrain")
     assert child.returncode == 0, child.stderr[-3000:]
     assert float(re.findall(r'"peak_growth_mb": ([0-9.e+-]+)', child.stdout)[-1]) >= 0
+    alone = _bench("bench_loop.py", "--regime=mlp", "--alone=1", "--loops=raw", "--steps=2")
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    row = next(r for r in _rows(alone.stdout).values() if r[0] == "raw")  # regime | loop | ...
+    assert float(row[1]) > 0 and row[2].startswith("**1.000**") and float(row[3]) >= 0, row
 
 
 @pytest.mark.slow
