@@ -7,6 +7,10 @@ tree, record with the new one, compare.
     PYTHONPATH=. python bench/step_trajectories.py dump /tmp/new.pt
     python bench/step_trajectories.py compare /tmp/old.pt /tmp/new.pt   # exit 1 on a difference
 
+Against a tree older than 2026-11-26 (b795846 and before), `stats.loss` of the causal LM
+configurations differs in the last bit: `causal_lm_loss` now shifts the labels, not the
+logits, and sums the same terms in another order. Everything else compares equal.
+
 Each configuration trains a few steps and records every stats field, every gradient, the norm,
 the skip flag, the data counters, the final parameters and optimizer state, and the caller's
 RNG stream: a 2-layer MLP LM with dropout (accumulation 1, 2, 3, ragged padding and masked
