@@ -206,13 +206,12 @@ def accumulate_grads(
     if grads and not divided:
         # Backends that average over ranks (DDP) have multiplied by grad_reduce_factor; undo it,
         # and the loss scale. A step without items keeps its (zero) gradient as it is. (No
-        # multiply by a factor of 1.) The count is exact in int64, products with it float64.
-        norm = num_items.clamp_min(1)
+        # multiply by a factor of 1.) The divisor is the float64 sum, not the int64 count: a
+        # weighted loss may count fractional items.
+        norm = sums[1].clamp_min(1)
         factor, scale = strategy.grad_reduce_factor, state.scaler.scale
-        if factor != 1 or scale is not None:
-            norm = norm.double()
-            norm = norm if factor == 1 else norm * factor
-            norm = norm if scale is None else norm * scale
+        norm = norm if factor == 1 else norm * factor
+        norm = norm if scale is None else norm * scale
         torch._foreach_div_(list(grads.values()), norm)
     # The mean over zero items is undefined: NaN, and clip_and_step skips such a step.
     stats = Stats(
@@ -285,6 +284,7 @@ def _forward_backward(
                     (loss_sum if scale is None else loss_sum * scale).backward()
             if weight:
                 slots.append(_keep(values, host, loss_sum, num_items, batch, device))
+            del loss_sum, num_items  # this micro-batch's graph goes before the next forward
     finally:
         for g, s in zip(gens, saved, strict=True):
             g.set_state(s)
@@ -303,8 +303,10 @@ def _keep(
 ) -> tuple[int, ...]:
     """Keep one micro-batch's loss and counts: device ones in `values`, host ones added into
     `host`; returns the slots (0 loss, 1 items, 2 tokens) it put in `values`."""
-    values.append(loss_sum if loss_sum.ndim == 0 else loss_sum.reshape(()))  # (no detach:
-    # they are stacked under no_grad) Compare device types: "cuda" and "cuda:0" name one device.
+    # Detached: a kept loss would keep its micro-batch's graph, and whatever custom autograd
+    # functions hold on their ctx (bitsandbytes' 8-bit matmul keeps its input), until the step
+    # ends. Compare device types below: "cuda" and "cuda:0" name one device.
+    values.append((loss_sum if loss_sum.ndim == 0 else loss_sum.reshape(())).detach())
     if isinstance(num_items, torch.Tensor) and num_items.device.type == device.type:
         values.append(num_items if num_items.ndim == 0 else num_items.reshape(()))
         slot: tuple[int, ...] = (0, 1)
@@ -337,9 +339,10 @@ def _totals(
 ) -> torch.Tensor:
     """The float64 (loss, items, tokens, samples) sums of the kept values and host counts.
 
-    One stack and one sum when every micro-batch kept the same leading slots (always, unless a
-    loss gives device counts for some micro-batches and host ones for others), then the host
-    counts appended: three to five ops a step.
+    One stack and one sum when every micro-batch kept the same leading slots (the default and
+    built-in losses: loss, device item count, mask tokens), then the host counts appended:
+    three to five ops a step. Other patterns (a loss counting on the host with a mask in the
+    batch, or counting on the device for some micro-batches only) go value by value.
     """
     pattern = slots[0] if slots else ()
     if not slots or slots.count(pattern) != len(slots) or pattern != _LEADING[len(pattern)]:

@@ -182,7 +182,10 @@ def _causal_pair(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tens
     # ForCausalLMLoss does): a slice of the logits is copied for the loss, and its gradient
     # again in the backward; the last position's target is -100 and its gradient exactly 0.
     # (One pad op: the negative pad drops the first label, the positive one appends -100.)
-    return model_logits(model, batch), F.pad(batch["labels"], (-1, 1), value=IGNORE_INDEX)
+    labels = batch["labels"]
+    if labels.shape[-1] == 0:  # nothing to shift (and pad cannot drop from nothing)
+        return model_logits(model, batch), labels
+    return model_logits(model, batch), F.pad(labels, (-1, 1), value=IGNORE_INDEX)
 
 
 def classification_loss(*, label_smoothing: float = 0.0) -> LossFn:

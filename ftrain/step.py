@@ -246,7 +246,9 @@ def _skip(
     """
     if not check_finite:
         return None if num_items is None else num_items == 0
-    if isinstance(num_items, torch.Tensor):
+    if isinstance(num_items, torch.Tensor) and num_items.device == norm.device:
         return torch.addcdiv(norm, norm, num_items, value=0).isnan()
+    # A count on another device (a CPU count with CUDA gradients, or no gradient at all and so
+    # a CPU norm): a ternary op refuses the mix, a division takes a CPU 0-dim operand.
     zero = norm * 0
     return (zero if num_items is None else zero / num_items).isnan()

@@ -1,5 +1,8 @@
+import weakref
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 import ftrain as ft
 from ftrain.data import pad_collate
@@ -282,3 +285,66 @@ def test_counts_sum_exactly_whatever_their_dtype_and_place():
     assert all(torch.equal(g, torch.zeros_like(g)) for g in grads.values())
     assert (int(stats.num_items), int(stats.num_tokens), int(stats.num_samples)) == (0, 0, 0)
     assert torch.isnan(stats.loss) and not stats.loss.requires_grad
+
+
+def test_weighted_fractional_counts_divide_by_the_exact_sum():
+    """A loss may count weighted items (2.5 of them): the gradient is the sum over that
+    weight, not over its integer part (Stats' counts are int64, the divisor is not)."""
+    model = torch.nn.Linear(3, 1).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    state = ft.TrainState.create(model, ft.optim.sgd())
+
+    def weighted(m, batch):
+        return m(batch).sum(), torch.tensor(1.25, dtype=torch.float64)
+
+    grads, stats = ft.accumulate_grads(state, [x, x], weighted)
+    model.zero_grad()
+    (model(torch.cat([x, x])).sum() / 2.5).backward()
+    torch.testing.assert_close(grads["weight"], model.weight.grad, rtol=1e-12, atol=0)
+    want = 2 * model(x).sum().detach() / 2.5
+    torch.testing.assert_close(stats.loss.double(), want, rtol=1e-6, atol=0)
+
+
+def test_a_loss_that_pops_keys_leaves_the_batches_as_they_were():
+    """`labels = batch.pop("labels")`, as in a Trainer's compute_loss: the micro-batches the
+    caller holds (re-read next epoch) keep their keys."""
+    model = torch.nn.Linear(3, 2)
+    batch = {"x": torch.randn(4, 3), "labels": torch.tensor([0, 1, 1, 0])}
+    state = ft.TrainState.create(model, ft.optim.sgd())
+
+    def popping(m, b):
+        labels = b.pop("labels")
+        return F.cross_entropy(m(b["x"]), labels, reduction="sum"), labels.numel()
+
+    for _ in range(2):
+        ft.accumulate_grads(state, [batch], popping)
+    assert set(batch) == {"x", "labels"}
+
+
+def test_a_micro_batch_graph_is_freed_before_the_next_forward():
+    """What a custom autograd function keeps on its ctx (bitsandbytes' 8-bit matmul keeps its
+    input) lives as long as the micro-batch's graph: it must be gone when the next
+    micro-batch runs, not kept to the end of the step with the loss."""
+    alive: list[weakref.ref] = []
+    seen: list[bool] = []
+
+    class Keep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.kept = x.detach().clone()  # held on the ctx, not saved for backward
+            alive.append(weakref.ref(ctx.kept))
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    model = torch.nn.Linear(3, 1)
+
+    def loss(m, batch):
+        seen.append(all(ref() is None for ref in alive))  # earlier micro-batches' ctx gone
+        return Keep.apply(m(batch)).sum(), batch.shape[0]
+
+    state = ft.TrainState.create(model, ft.optim.sgd())
+    ft.accumulate_grads(state, [torch.randn(2, 3) for _ in range(3)], loss)
+    assert seen == [True, True, True]

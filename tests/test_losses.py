@@ -288,3 +288,7 @@ def test_causal_lm_loss_equals_transformers_for_causal_lm_loss():
     (hf_grad,) = torch.autograd.grad(hf, logits)
     assert torch.equal(loss, hf) and torch.equal(grad, hf_grad)
     assert int(n) == int((labels[:, 1:] != -100).sum())
+    empty = torch.zeros(2, 0, dtype=torch.long)  # no position: nothing to shift, nothing counted
+    logits = torch.zeros(2, 0, 13, requires_grad=True)
+    loss, n = L.causal_lm_loss()(Fixed(), {"input_ids": empty, "labels": empty})
+    assert float(loss.detach()) == 0 and int(n) == 0

@@ -316,7 +316,7 @@ def move_to(batch: Any, device: torch.device) -> Any:
         and _TENSOR.issuperset(map(type, batch.values()))
         and all(map(device.__eq__, map(_DEVICE, batch.values())))
     ):
-        return batch  # the common case, already there: no copy of the dict (issue 30)
+        return dict(batch)  # already there: no tensor copied (a loss may pop keys: new dict)
     if isinstance(batch, torch.Tensor):
         return batch if batch.device == device else batch.to(device, non_blocking=True)
     if isinstance(batch, Mapping):
