@@ -594,7 +594,8 @@ def alone_child(regime: str, loop: str, steps: int | None = None) -> None:
 def alone(regime: str, rounds: int, loops: list[str], steps: int | None = None) -> None:
     """Each loop alone in a fresh process, the loops alternating, `rounds` times: nothing
     shared with another loop (caches, allocator, memory placement), where the main table
-    interleaves them in one process. Prints median ms a step over the processes, the ratio to
+    interleaves them in one process (a repeated name, `raw#2`, is a control: the same loop in
+    other processes). Prints median ms a step over the processes, the ratio to
     raw's (and the range of the rounds' ratios, each against raw's process of that round),
     minor page faults and kernel time a step."""
     got: dict[str, list[dict[str, float]]] = {n: [] for n in loops}
@@ -603,7 +604,7 @@ def alone(regime: str, rounds: int, loops: list[str], steps: int | None = None) 
         for loop in loops[shift:] + loops[:shift]:
             more = [f"--steps={steps}"] if steps else []
             out = subprocess.run(
-                [sys.executable, __file__, "--alone-child", regime, loop, *more],
+                [sys.executable, __file__, "--alone-child", regime, _kind(loop), *more],
                 check=True, capture_output=True, text=True, timeout=1800,
             ).stdout  # fmt: skip
             got[loop].append(json.loads(out.strip().splitlines()[-1]))
@@ -701,7 +702,7 @@ def main() -> None:
     regimes = list(REGIMES) if args.regime == "all" else [args.regime]
     if args.alone:
         for regime in regimes:
-            alone(regime, args.alone, [n for n in loops if n == _kind(n)], args.steps)
+            alone(regime, args.alone, loops, args.steps)
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {DEVICE.type}, "
           f"{args.rounds} rounds, {args.memory_rounds} memory rounds")  # fmt: skip
