@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -56,8 +57,18 @@ def test_bench_gpu_names_what_a_nanogpt_folder_lacks(tmp_path):
 @pytest.mark.slow
 def test_bench_loop_runs_every_loop_and_its_memory_child():
     every = "--loops=raw,exact,ftrain,fabric,hf,ftrain"  # a repeated loop runs a second copy
-    out = _bench("bench_loop.py", "--regime=mlp", "--rounds=1", "--steps=3", "--memory-rounds=0",
-                 "--block=2", every)  # fmt: skip
+    # The memory child and --alone's child run next to the main run (one thread each: mostly
+    # imports, which the two cores of a CI machine do in parallel).
+    with ThreadPoolExecutor(2) as pool:
+        children = pool.submit(
+            lambda: [
+                _bench("bench_loop.py", "--memory-child", "mlp", "ftrain"),
+                _bench("bench_loop.py", "--alone-child", "mlp", "ftrain", "--steps=2"),
+            ]
+        )
+        out = _bench("bench_loop.py", "--regime=mlp", "--rounds=1", "--steps=3",
+                     "--memory-rounds=0", "--block=2", every)  # fmt: skip
+        child, alone = children.result()
     assert out.returncode == 0, out.stderr[-3000:]
     loops = {r[2] for r in (ln.split(" | ") for ln in out.stdout.splitlines()) if len(r) > 3}
     expected = {"raw", "exact", "ftrain", "hf", "ftrain#2"}
@@ -69,10 +80,8 @@ def test_bench_loop_runs_every_loop_and_its_memory_child():
         assert "skipping fabric" in out.stderr
     assert loops >= expected, out.stdout
     assert re.search(r"\| mlp \| [0-9.]+ \| raw \| [0-9.]+ \| \*\*1\.000\*\*", out.stdout)
-    child = _bench("bench_loop.py", "--memory-child", "mlp", "ftrain")
     assert child.returncode == 0, child.stderr[-3000:]
     assert float(re.findall(r'"peak_growth_mb": ([0-9.e+-]+)', child.stdout)[-1]) >= 0
-    alone = _bench("bench_loop.py", "--alone-child", "mlp", "ftrain", "--steps=2")  # --alone's
     assert alone.returncode == 0, alone.stderr[-3000:]
     got = json.loads(alone.stdout.strip().splitlines()[-1])
     assert got["ms"] > 0 and got["faults"] >= 0 and got["sys_ms"] >= 0, got
