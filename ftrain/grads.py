@@ -259,7 +259,7 @@ def _forward_backward(
         loss_fn = _defaults(model)[1]
     values: list[torch.Tensor] = []  # per counted micro-batch: loss, then the device counts
     slots: list[tuple[int, ...]] = []  # which of (loss, items, tokens) each one's values are
-    host = [0, 0, 0, 0]  # items, tokens and samples known on the host (slots 1-3)
+    host: list[Any] = [0, 0, 0, 0]  # items, tokens, samples known on the host (slots 1-3)
     last = len(micro) - 1
     seeds = dropout_seeds(state.seed, state.step, strategy.rank, len(micro))
     gens = default_generators(device)
@@ -295,7 +295,7 @@ def _forward_backward(
 
 def _keep(
     values: list[torch.Tensor],
-    host: list[int],
+    host: list[Any],
     loss_sum: torch.Tensor,
     num_items: Any,
     batch: Any,
@@ -310,8 +310,9 @@ def _keep(
     if isinstance(num_items, torch.Tensor) and num_items.device.type == device.type:
         values.append(num_items if num_items.ndim == 0 else num_items.reshape(()))
         slot: tuple[int, ...] = (0, 1)
-    else:  # a Python number, or a CPU tensor (reading it is no device sync)
-        host[1] += int(num_items)
+    else:  # a Python number, or a CPU tensor (reading it is no device sync); a weighted
+        # count may be fractional, as on the device: not truncated
+        host[1] += num_items.item() if isinstance(num_items, torch.Tensor) else num_items
         slot = (0,)
     if type(batch) is dict and "attention_mask" in batch:
         mask, dtype = batch["attention_mask"], loss_sum.dtype

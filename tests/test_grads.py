@@ -304,6 +304,12 @@ def test_weighted_fractional_counts_divide_by_the_exact_sum():
     want = 2 * model(x).sum().detach() / 2.5
     torch.testing.assert_close(stats.loss.double(), want, rtol=1e-6, atol=0)
 
+    def on_host(m, batch):  # the same count as a Python float
+        return m(batch).sum(), 1.25
+
+    host_grads, _ = ft.accumulate_grads(state, [x, x], on_host)
+    torch.testing.assert_close(host_grads["weight"], model.weight.grad, rtol=1e-12, atol=0)
+
 
 def test_a_loss_that_pops_keys_leaves_the_batches_as_they_were():
     """`labels = batch.pop("labels")`, as in a Trainer's compute_loss: the micro-batches the

@@ -313,6 +313,7 @@ def move_to(batch: Any, device: torch.device) -> Any:
     """Move every tensor in a nested dict/list/tuple to `device` (non-blocking)."""
     if (
         type(batch) is dict
+        and type(device) is torch.device  # (a str's __eq__ would answer NotImplemented: truthy)
         and _TENSOR.issuperset(map(type, batch.values()))
         and all(map(device.__eq__, map(_DEVICE, batch.values())))
     ):
