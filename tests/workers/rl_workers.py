@@ -76,8 +76,8 @@ def dp(rank: int, world: int, port: int, out: str) -> None:
         LOCAL_RANK=str(rank),
     )
     torch.set_num_threads(1)
-    got = run(ft.strategies.from_env("ddp"))
+    strategy = ft.strategies.from_env("ddp")
+    got = run(strategy)
     save_file(got.pop("params"), str(Path(out, f"params-{rank}.safetensors")))
     Path(out, f"rl-{rank}.json").write_text(json.dumps(got))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    strategy.close()  # releases the DDP model before the group goes
