@@ -10,17 +10,16 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors import SafetensorError
 
 import ftrain as ft
 from ftrain import process_state
 from ftrain.checkpoint import _save
+from launch import exit_codes, run_ranks
 
 SEAM = (
     "to_host",
@@ -366,25 +365,10 @@ def test_a_failed_final_background_save_fails_the_process(tmp_path):
 # --- DDP: a failed commit raises on every rank ------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_ddp_rank_0_failing_a_blocking_save_raises_on_every_rank(tmp_path):
     import ckpt_save_workers as W
 
-    ctx = mp.start_processes(
-        W.ddp_save_failure, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=False,
-        start_method="spawn",
-    )  # fmt: skip
-    deadline = time.monotonic() + 180  # bounded: the workers' collectives time out at 60 s
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the 2-process save did not finish in time")
+    run_ranks(W.ddp_save_failure, str(tmp_path), timeout=180)  # collectives time out at 60 s
     outcomes = [json.loads((tmp_path / f"outcome-{r}.json").read_text()) for r in (0, 1)]
     assert outcomes == [["CheckpointError", True, "step-1"]] * 2
 
@@ -394,17 +378,7 @@ def test_ddp_rank_0_failing_a_blocking_save_raises_on_every_rank(tmp_path):
 
 def _launch_two(worker, out: Path, seconds: float = 240) -> list[int | None]:
     """Run `worker` on 2 spawned ranks until both exit by themselves; their exit codes."""
-    ctx = mp.start_processes(
-        worker, args=(2, _free_port(), str(out)), nprocs=2, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + seconds  # bounded: the workers' collectives time out at 60 s
-    while any(p.is_alive() for p in ctx.processes):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"{worker.__name__} did not finish in time")
-        time.sleep(0.2)
-    return [p.exitcode for p in ctx.processes]
+    return exit_codes(worker, str(out), timeout=seconds)  # collectives time out at 60 s
 
 
 @pytest.mark.slow

@@ -10,12 +10,12 @@ import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 import dist_workers as W
 import ftrain as ft
 from helpers import tiny_llama
+from launch import run_ranks
 
 
 def free_port() -> int:
@@ -25,17 +25,9 @@ def free_port() -> int:
 
 
 def spawn(fn, *args, world=2, timeout=240.0):
-    """Run `fn` in `world` spawned ranks; a hang fails the test after `timeout` s (CI never
-    hangs), an error in a rank raises here."""
-    ctx = mp.start_processes(
-        fn, args=(world, free_port(), *args), nprocs=world, start_method="spawn", join=False
-    )
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-        if time.monotonic() >= deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"{fn.__name__} did not finish within {timeout:.0f} s")
+    """Run `fn` in `world` ranks; a hang fails the test after `timeout` s (CI never hangs), an
+    error in a rank raises here."""
+    run_ranks(fn, *args, world=world, timeout=timeout)
 
 
 @pytest.mark.parametrize(("kind", "accum"), [("ddp", 1), ("ddp", 2), ("ddp+count", 2)])
@@ -124,7 +116,6 @@ def test_a_failing_rank_ends_the_other_with_a_clear_error(mode):
     import re
     import subprocess
     import sys
-    import time
     from pathlib import Path
 
     script = Path(__file__).parent / "workers" / "dist_fail.py"

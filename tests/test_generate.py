@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import json
 import math
-import socket
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import ftrain as ft
 import generate_workers as W
 from helpers import tiny_llama
+from launch import run_ranks
 
 
 def _tokenizer():
@@ -80,17 +78,7 @@ def test_left_pad_keeps_tokens_in_order():
 
 def _spawn_bounded(fn, *args, timeout=150):
     """2 spawned ranks; killed (and the test failed) past `timeout` seconds, never hanging."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.start_processes(fn, args=(2, port, *args), nprocs=2, start_method="spawn",
-                             join=False)  # fmt: skip
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"2-rank generate did not finish in {timeout} s")
+    run_ranks(fn, *args, timeout=timeout)
 
 
 @pytest.mark.slow

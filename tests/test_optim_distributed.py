@@ -1,34 +1,17 @@
 """Two processes (DDP, gloo, time-bounded) equal one: the chunked LM loss, DPO and EMA swaps."""
 
 import json
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 import optim_workers as W
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from launch import run_ranks
 
 
 def _spawn_bounded(fn, *args, world=2, timeout=240):
-    ctx = mp.start_processes(fn, args=(world, _free_port(), *args), nprocs=world,
-                             start_method="spawn", join=False)  # fmt: skip
-    try:
-        for _ in range(timeout):
-            if ctx.join(timeout=1):
-                return
-        pytest.fail(f"the {world}-process run did not finish within {timeout} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
+    run_ranks(fn, *args, world=world, timeout=timeout)
 
 
 @pytest.mark.slow

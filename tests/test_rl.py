@@ -11,20 +11,18 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 import types
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 import ftrain as ft
 import rl_workers as W
+from launch import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -333,16 +331,7 @@ def test_example_loop_learns_to_add(one_thread, tmp_path):
 
 def _spawn_bounded(fn, *args, timeout=150):
     """2 spawned ranks; killed (and the test failed) past `timeout` seconds, never hanging."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.start_processes(fn, args=(2, port, *args), nprocs=2, start_method="spawn", join=False)
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"2-rank GRPO step did not finish in {timeout} s")
+    run_ranks(fn, *args, timeout=timeout)
 
 
 @pytest.mark.slow

@@ -5,35 +5,22 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 import ftrain as ft
 import tp_workers as W
 from helpers import tiny_llama
+from launch import run_ranks
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}  # float32: the ranks sum in another order
 
 
 def spawn_within(fn, out, *, world, seconds=240):
     """Run `fn(rank, world, port, out)` in `world` processes; kill them all past `seconds`."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.start_processes(
-        fn, args=(world, port, str(out)), nprocs=world, start_method="spawn", join=False
-    )
-    deadline = time.monotonic() + seconds
-    while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"{fn.__name__} took more than {seconds} s")
+    run_ranks(fn, str(out), world=world, timeout=seconds)
 
 
 def reference(steps=W.STEPS):
