@@ -44,13 +44,16 @@ bench/RESULTS.md gives both schedules.
 and adds minor page faults and kernel time a step: on CPU the 33M-parameter regime is bound by
 page faults (PyTorch's CPU allocator returns large blocks to the OS, every step faults them in
 again: ~175k faults and most of the step's CPU time in the kernel, for every loop).
-Peak memory: each loop alone in a fresh process, peak RSS growth over the set-up baseline
-(CUDA: max allocated), median over the memory rounds.
+Peak memory: each loop alone in a fresh process, peak RSS growth (CUDA: max allocated) from
+before the loop is made to the end of its first steps, so that the optimizer state counts for
+every loop (ftrain allocates it when the TrainState is created, torch.optim at its first step);
+the model, the data and the imports are the baseline. Median over the memory rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import cProfile
 import json
 import pstats
@@ -447,8 +450,6 @@ def time_regime(
 ) -> dict[str, Any]:
     """Median step time of each loop, the loops taking turns step by step; `steps` per round
     (the regime's own when None)."""
-    import copy
-
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
     model, data, n = build(regime)
@@ -530,14 +531,21 @@ def memory_child(regime: str, loop: str) -> None:
     with torch.no_grad():  # lazy imports of the forward and the losses: not the loop's memory
         model(**data[0][0])
         ft.losses.default_loss(model, data[0][0])
-    made = make_loop(loop, model, data, 2 * len(data))
-    step = made.step if isinstance(made, HFTurns) else made
+    if loop == "hf":  # imports are not the loop's memory
+        import accelerate  # noqa: F401
+        import transformers.trainer  # noqa: F401
+    elif loop == "fabric":
+        import lightning.fabric  # noqa: F401
+    # From before the loop is made: ftrain allocates the optimizer state when the
+    # TrainState is created, torch.optim at the first step; both are the loop's memory.
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     elif not _reset_peak_rss():
         raise SystemExit("cannot reset the peak RSS (/proc/self/clear_refs): no memory figures")
     base = torch.cuda.memory_allocated() if cuda else _rss_bytes()
+    made = make_loop(loop, model, data, 2 * len(data))
+    step = made.step if isinstance(made, HFTurns) else made
     _block(step, data, 0)
     _block(step, data, len(data))
     peak = torch.cuda.max_memory_allocated() if cuda else _peak_rss_bytes()
@@ -623,8 +631,6 @@ def profile(regime: str, steps: int, loops: list[str]) -> None:
     (cProfile) for `loops` (raw, exact and ftrain from `--loops`, in its order), the ops with
     the most self CPU time, and each loop's median step time alone (`steps` steps; `--steps`
     sets it, 300 by default), one loop after the other in this process."""
-    import copy
-
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
