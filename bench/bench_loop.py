@@ -4,6 +4,7 @@
     python bench/bench_loop.py --regime mlp --rounds 9  # one regime
     python bench/bench_loop.py --profile                # where a small step's time goes
     python bench/bench_loop.py --regime embedding --alone 3   # each loop alone, fresh processes
+    python bench/bench_loop.py --cache-malloc           # malloc keeps freed memory (no faults)
 
 Loops, each training its own copy of the same model on the same pre-collated micro-batches
 (accumulation 2, clip 1.0, AdamW lr warmup-cosine, weight decay 0.1, fused kernels; every 10th
@@ -44,6 +45,9 @@ bench/RESULTS.md gives both schedules.
 and adds minor page faults and kernel time a step: on CPU the 33M-parameter regime is bound by
 page faults (PyTorch's CPU allocator returns large blocks to the OS, every step faults them in
 again: ~175k faults and most of the step's CPU time in the kernel, for every loop).
+`--cache-malloc` runs the timing with glibc's malloc keeping freed memory, as CUDA's caching
+allocator does on a GPU: the faults go, the step halves, and what is left is the optimizer and
+the model, which is what that regime is meant to measure.
 Peak memory: each loop alone in a fresh process, peak RSS growth (CUDA: max allocated) from
 before the loop is made to the end of its first steps, so that the optimizer state counts for
 every loop (ftrain allocates it when the TrainState is created, torch.optim at its first step);
@@ -56,6 +60,7 @@ import argparse
 import copy
 import cProfile
 import json
+import os
 import pstats
 import queue
 import resource
@@ -70,12 +75,30 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-from transformers.loss.loss_utils import ForCausalLMLoss
-from transformers.modeling_outputs import CausalLMOutput
+# glibc malloc keeping what the process frees (`--cache-malloc`): one arena (a thread's own arena
+# cannot hold a block above 64 MB without mmap), no mmap'd blocks, no trimming of the heap's top.
+CACHE_MALLOC = {
+    "MALLOC_ARENA_MAX": "1",
+    "MALLOC_MMAP_MAX_": "0",
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 40),
+}
 
-import ftrain as ft
+
+def _malloc_caches() -> bool:
+    return all(os.environ.get(k) == v for k, v in CACHE_MALLOC.items())
+
+
+if __name__ == "__main__" and "--cache-malloc" in sys.argv and not _malloc_caches():
+    # glibc reads its tunables at start-up: run this command again with them (before torch).
+    os.execve(sys.executable, [sys.executable, __file__, *sys.argv[1:]],
+              {**os.environ, **CACHE_MALLOC})  # fmt: skip
+
+import torch  # noqa: E402  (after the --cache-malloc restart)
+import torch.nn.functional as F  # noqa: E402  (after the --cache-malloc restart)
+from transformers.loss.loss_utils import ForCausalLMLoss  # noqa: E402  (after the --cache-malloc restart)
+from transformers.modeling_outputs import CausalLMOutput  # noqa: E402  (after the --cache-malloc restart)
+
+import ftrain as ft  # noqa: E402  (after the --cache-malloc restart)
 
 ACCUM, CLIP, WD, LOG_EVERY = 2, 1.0, 0.1, 10
 LOGGED: list[tuple[float, float]] = []  # what the loops log, so that the reads happen
@@ -556,11 +579,13 @@ def memory_child(regime: str, loop: str) -> None:
 
 def memory_regime(regime: str, rounds: int, loops: list[str]) -> dict[str, float]:
     growth: dict[str, list[float]] = {n: [] for n in loops}
+    env = {k: v for k, v in os.environ.items() if k not in CACHE_MALLOC}  # the default malloc
     for r in range(rounds):
         shift = r % len(loops)
         for loop in loops[shift:] + loops[:shift]:
             out = subprocess.run(
                 [sys.executable, __file__, "--memory-child", regime, loop],
+                env=env,
                 check=True,
                 capture_output=True,
                 text=True,
@@ -685,7 +710,16 @@ def main() -> None:
         help="each loop alone in fresh processes, ROUNDS times",
     )
     p.add_argument("--alone-child", nargs=2, metavar=("REGIME", "LOOP"), help=argparse.SUPPRESS)
+    p.add_argument(
+        "--cache-malloc",
+        action="store_true",
+        help="glibc's malloc keeps freed memory (one arena, no mmap, no trim), as CUDA's caching "
+        "allocator does: the steps stop faulting pages in (CPU; the memory rounds still run "
+        "with the default allocator)",
+    )
     args = p.parse_args()
+    if args.cache_malloc and not _malloc_caches():
+        raise SystemExit("--cache-malloc: the restart with glibc's tunables did not take")
     warnings.filterwarnings("ignore")  # peers' notices on a CPU machine
     if args.memory_child:  # its last stdout line is the result (peers print banners)
         memory_child(*args.memory_child)
@@ -710,8 +744,9 @@ def main() -> None:
         for regime in regimes:
             alone(regime, args.alone, loops, args.steps)
         return
+    cached = ", malloc caching (--cache-malloc)" if _malloc_caches() else ""
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {DEVICE.type}, "
-          f"{args.rounds} rounds, {args.memory_rounds} memory rounds")  # fmt: skip
+          f"{args.rounds} rounds, {args.memory_rounds} memory rounds{cached}")  # fmt: skip
     print("| regime | params (M) | loop | ms/step | time ratio (round range) | peak MB | "
           "memory ratio |\n|---|---|---|---|---|---|---|")  # fmt: skip
     for regime in regimes:

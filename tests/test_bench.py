@@ -67,7 +67,7 @@ def test_bench_loop_runs_every_loop_and_its_memory_child():
             ]
         )
         out = _bench("bench_loop.py", "--regime=mlp", "--rounds=1", "--steps=3",
-                     "--memory-rounds=0", "--block=2", every)  # fmt: skip
+                     "--memory-rounds=0", "--block=2", "--cache-malloc", every)  # fmt: skip
         child, alone = children.result()
     assert out.returncode == 0, out.stderr[-3000:]
     loops = {r[2] for r in (ln.split(" | ") for ln in out.stdout.splitlines()) if len(r) > 3}
@@ -80,6 +80,7 @@ def test_bench_loop_runs_every_loop_and_its_memory_child():
         assert "skipping fabric" in out.stderr
     assert loops >= expected, out.stdout
     assert re.search(r"\| mlp \| [0-9.]+ \| raw \| [0-9.]+ \| \*\*1\.000\*\*", out.stdout)
+    assert "malloc caching (--cache-malloc)" in out.stdout  # restarted with glibc's tunables
     assert child.returncode == 0, child.stderr[-3000:]
     assert float(re.findall(r'"peak_growth_mb": ([0-9.e+-]+)', child.stdout)[-1]) >= 0
     assert alone.returncode == 0, alone.stderr[-3000:]
