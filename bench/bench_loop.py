@@ -90,7 +90,8 @@ def _malloc_caches() -> bool:
 
 if __name__ == "__main__" and "--cache-malloc" in sys.argv and not _malloc_caches():
     # glibc reads its tunables at start-up: run this command again with them (before torch).
-    os.execve(sys.executable, [sys.executable, __file__, *sys.argv[1:]],
+    # sys.orig_argv keeps the interpreter's own flags (-X, -W, -u).
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]],
               {**os.environ, **CACHE_MALLOC})  # fmt: skip
 
 import torch  # noqa: E402  (after the --cache-malloc restart)
@@ -642,6 +643,8 @@ def alone(regime: str, rounds: int, loops: list[str], steps: int | None = None) 
             ).stdout  # fmt: skip
             got[loop].append(json.loads(out.strip().splitlines()[-1]))
     med = {n: {f: statistics.median(x[f] for x in v) for f in v[0]} for n, v in got.items()}
+    if _malloc_caches():
+        print("malloc caching (--cache-malloc)")
     print("| regime | loop | ms/step alone | time ratio (round range) | minor faults/step | "
           "sys ms/step |\n|---|---|---|---|---|---|")  # fmt: skip
     for n, m in med.items():
@@ -684,9 +687,10 @@ def profile(regime: str, steps: int, loops: list[str]) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(  # no abbreviations: --cache-malloc is looked for before torch
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )  # fmt: skip
     p.add_argument("--regime", choices=[*REGIMES, "tiny", "all"], default="all")
     p.add_argument(
         "--loops",

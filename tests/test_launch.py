@@ -4,6 +4,7 @@ process each (forked from the fork server, not this one)."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -26,10 +27,33 @@ def test_a_hanging_launch_is_killed_at_its_timeout():
     assert time.monotonic() - start < 30
 
 
-def test_exit_codes_and_the_ranks_environment_is_the_collection_time_one(tmp_path, monkeypatch):
+def test_exit_codes_and_what_the_ranks_printed_reaches_the_test(capsys):
     assert launch.exit_codes(launch.sleeps, 0.0) == [0, 0]
-    codes = launch.exit_codes(launch.raises_on_rank_1, "x")
+    codes = launch.exit_codes(launch.raises_on_rank_1, "x-3")
     assert codes[0] == 0 and codes[1] == 1
-    monkeypatch.setenv("FTRAIN_TEST_LEAK", "1")  # a test's own setting: no later rank sees it
-    launch.run_ranks(launch.writes_env, str(tmp_path), "FTRAIN_TEST_LEAK")
-    assert [(tmp_path / f"env-{r}").read_text() for r in (0, 1)] == ["<unset>"] * 2
+    assert "rank 1 says x-3" in capsys.readouterr().out  # shown when a test fails
+
+
+def test_a_rank_runs_the_exit_handlers_and_had_the_worker_modules_preloaded(tmp_path):
+    launch.run_ranks(launch.registers_exit_handler, str(tmp_path))
+    assert [(tmp_path / f"exited-{r}").read_text() for r in (0, 1)] == ["ran", "ran"]
+    launch.run_ranks(launch.imported_modules, str(tmp_path))
+    modules = set((tmp_path / "modules-0").read_text().split())
+    assert {"ftrain", "transformers.models.llama.modeling_llama", "dist_workers"} <= modules
+
+
+def test_the_server_starts_with_the_collection_time_environment(monkeypatch):
+    """A variable set by a test (after collection) does not reach the server, and so no rank;
+    the test's own environment and output are back afterwards. (Checked on the start-up
+    itself, without starting a second server.)"""
+    seen = {}
+    monkeypatch.setattr(launch, "_LOG", [])
+    monkeypatch.setattr(launch.forkserver, "ensure_running", lambda: seen.update(os.environ))
+    monkeypatch.setenv("FTRAIN_TEST_LEAK", "1")
+    log = launch._server_log()
+    try:
+        assert "FTRAIN_TEST_LEAK" not in seen and seen["PYTHONPATH"] == launch._ENV["PYTHONPATH"]
+        assert os.environ["FTRAIN_TEST_LEAK"] == "1"
+        print("after")  # fd 1 is the test's again
+    finally:
+        log.unlink()
