@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import socket
 import time
 
 import pytest
@@ -15,13 +14,7 @@ from safetensors.torch import load_file
 import dist_workers as W
 import ftrain as ft
 from helpers import tiny_llama
-from launch import run_ranks
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from launch import free_port, run_ranks
 
 
 def spawn(fn, *args, world=2, timeout=240.0):

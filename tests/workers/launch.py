@@ -20,7 +20,6 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import os
-import socket
 import sys
 import tempfile
 import threading
@@ -33,6 +32,8 @@ from typing import Any
 import pytest
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
+
+from cluster_launch import free_port
 
 PRELOAD = [
     "torch",
@@ -53,12 +54,6 @@ _ENV["PYTHONPATH"] = os.pathsep.join(
     [str(_HERE), str(_HERE.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
 )
 _LOG: list[Path] = []  # the server's output, once started
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _server_log() -> Path:
