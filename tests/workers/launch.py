@@ -40,6 +40,7 @@ PRELOAD = [
     "torch.distributed",
     "ftrain",
     "transformers.models.llama.modeling_llama",
+    "launch",  # this module: each rank runs `_rank` from it (and it imports pytest)
     "helpers",
     "dist_workers",
     "ckpt_save_workers",
