@@ -31,14 +31,17 @@ Regimes: `mlp` (a 2-layer MLP language model, ~1 ms a step: per-step overhead do
 256 wide, sequence 128: compute dominates). `tiny` (a 1-layer GPT-2) is kept for the other
 bench scripts.
 
-Step time: the loops take turns, `--block` consecutive steps at a time (20, or a whole round
-where a round is shorter), in an order that rotates, so that load changes on a shared machine
-hit all of them; per loop the median over all steps of all rounds, and the spread of the
-per-round medians. A loop runs its steps back to back, as in a training process (the first
-step of a turn, cold, is one sample in 20). Taking turns after every single step (`--block 1`)
-leaves each loop's code and memory cold from the other loops' steps, which penalises the loop
-whose code the others share least: ftrain's, next to four loops on torch.optim and HF's loss
-(`--loops raw,ftrain,ftrain` penalises the raw loop instead), and it mixes five allocators'
+Step time: the loops take turns, `--block` consecutive steps at a time (20, or a whole round where
+a round is shorter), in an order that rotates, so that load changes on a shared machine hit all of
+them; per loop the median over all steps of all rounds, and the spread of the per-round medians.
+The paired ratio is the median over turns of the loop's turn median over the raw loop's in the same
+rotation: load that drifts over seconds cancels in each pair, so it moves less from run to run than
+the pooled ratio (a second raw loop, `--loops raw,...,raw`, reads 0.99-1.02 paired where it read
+0.97-1.08 pooled on the session VM). A loop runs its steps back to back, as in a training process
+(the first step of a turn, cold, is one sample in 20). Taking turns after every single step
+(`--block 1`) leaves each loop's code and memory cold from the other loops' steps, which penalises
+the loop whose code the others share least: ftrain's, next to four loops on torch.optim and HF's
+loss (`--loops raw,ftrain,ftrain` penalises the raw loop instead), and it mixes five allocators'
 states (+10-35% on ftrain's 33M-parameter steps, which run within 2% of raw's alone).
 bench/RESULTS.md gives both schedules.
 `--alone R` runs each loop alone in a fresh process instead, the loops alternating, R times,
@@ -499,13 +502,16 @@ def time_regime(
         for name in order:  # warm-up block (allocator, first-step state init)
             run(name, data, 0)
         per_round: dict[str, list[list[float]]] = {name: [] for name in loops}
+        per_turn: dict[str, list[float]] = {name: [] for name in loops}  # each turn's median
         for r in range(rounds):
             for name in loops:
                 per_round[name].append([])
             for turn, i in enumerate(range(0, steps, block)):
                 shift = (r * steps + turn) % len(loops)  # rotate who goes first
                 for name in loops[shift:] + loops[:shift]:
-                    per_round[name][-1] += run(name, data[i : i + block], steps * (r + 1) + i)
+                    times = run(name, data[i : i + block], steps * (r + 1) + i)
+                    per_round[name][-1] += times
+                    per_turn[name].append(statistics.median(times))
     finally:
         if hf is not None:
             hf.close()
@@ -515,10 +521,15 @@ def time_regime(
         raw = per_round["raw"]
         ratios = [statistics.median(a) / statistics.median(b) for a, b in zip(rs, raw, strict=True)]
         spread[n] = (min(ratios), max(ratios))
+    paired = {
+        n: statistics.median(a / b for a, b in zip(ts, per_turn["raw"], strict=True))
+        for n, ts in per_turn.items()
+    }
     return {
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
         "ms": {n: v * 1e3 for n, v in med.items()},
         "ratio": {n: v / med["raw"] for n, v in med.items()},
+        "paired": paired,
         "round_ratio_range": spread,
     }
 
@@ -751,8 +762,8 @@ def main() -> None:
     cached = ", malloc caching (--cache-malloc)" if _malloc_caches() else ""
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {DEVICE.type}, "
           f"{args.rounds} rounds, {args.memory_rounds} memory rounds{cached}")  # fmt: skip
-    print("| regime | params (M) | loop | ms/step | time ratio (round range) | peak MB | "
-          "memory ratio |\n|---|---|---|---|---|---|---|")  # fmt: skip
+    print("| regime | params (M) | loop | ms/step | time ratio (round range) | paired ratio | "
+          "peak MB | memory ratio |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
     for regime in regimes:
         t = time_regime(regime, args.rounds, loops, args.steps, args.block)
         once = [n for n in loops if n == _kind(n)]  # a copy's memory is the same loop's
@@ -762,7 +773,8 @@ def main() -> None:
             k = _kind(n)
             mem = f"{m[k]:.1f} | {m[k] / m['raw']:.3f}" if m else "- | -"
             print(f"| {regime} | {t['params_m']:.2f} | {n} | {t['ms'][n]:.2f} | "
-                  f"**{t['ratio'][n]:.3f}** ({lo:.3f}-{hi:.3f}) | {mem} |", flush=True)  # fmt: skip
+                  f"**{t['ratio'][n]:.3f}** ({lo:.3f}-{hi:.3f}) | {t['paired'][n]:.3f} | "
+                  f"{mem} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
