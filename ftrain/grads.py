@@ -202,21 +202,20 @@ def accumulate_grads(
     # One cast for the three counts; their views are the Stats' counts (each 0-dim op or view
     # is thousands of instructions: a small step notices every one, issue 30).
     _, num_items, num_tokens, num_samples = sums.long().unbind()
-    loss_sum, items = sums.unbind()[:2]  # one op for both views (two selects are two)
     grads = Grads({n: p.grad for n, p in params.items() if p.grad is not None})
     if grads and not divided:
         # Backends that average over ranks (DDP) have multiplied by grad_reduce_factor; undo it,
         # and the loss scale. A step without items keeps its (zero) gradient as it is. (No
         # multiply by a factor of 1.) The divisor is the float64 sum, not the int64 count: a
         # weighted loss may count fractional items.
-        norm = items.clamp_min(1)
+        norm = sums[1].clamp_min(1)
         factor, scale = strategy.grad_reduce_factor, state.scaler.scale
         norm = norm if factor == 1 else norm * factor
         norm = norm if scale is None else norm * scale
         torch._foreach_div_(list(grads.values()), norm)
     # The mean over zero items is undefined: NaN, and clip_and_step skips such a step.
     stats = Stats(
-        loss=(loss_sum / items).float(),
+        loss=(sums[0] / sums[1]).float(),
         num_items=num_items,
         num_tokens=num_tokens,
         num_samples=num_samples,
