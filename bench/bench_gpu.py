@@ -154,13 +154,19 @@ ITER_LINE = re.compile(r"^iter (\d+): loss [0-9.naif]+, time ([0-9.]+)ms", re.MU
 
 
 def write_tokens(directory: Path, vocab: int, n: int = 1 << 20) -> None:
-    """`train.bin`/`val.bin`: uint16 random tokens, the format nanoGPT's prepare scripts write."""
+    """`train.bin`/`val.bin`: uint16 random tokens, the format nanoGPT's prepare scripts write,
+    and `meta.pkl` with the vocabulary size, from which nanoGPT's train.py sizes its model
+    (without one it takes 50304 whatever `--vocab` says, and the two models would differ)."""
+    import pickle  # nanoGPT's own format for meta.pkl; written here, never read by ftrain
+
     import numpy as np
 
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     for name in ("train", "val"):
         rng.integers(0, vocab, size=n, dtype=np.uint16).tofile(directory / f"{name}.bin")
+    with open(directory / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": vocab}, f)
 
 
 def get_batch(data_dir: Path, block: int, batch: int, device: torch.device) -> list[torch.Tensor]:
@@ -265,6 +271,13 @@ def versus_nanogpt(a: argparse.Namespace) -> None:
                     result = json.loads(out.stdout.strip().splitlines()[-1])
                     times, n_params = result["times"], result["n_params"]
                 else:
+                    vocab = re.search(r"^found vocab_size = (\d+)", out.stdout, re.MULTILINE)
+                    if vocab is None or int(vocab.group(1)) != a.vocab:
+                        raise SystemExit(
+                            f"nanoGPT did not size its model to --vocab {a.vocab} from "
+                            f"data/bench/meta.pkl (its output: {out.stdout[:500]!r}): the two "
+                            "models would differ"
+                        )
                     times = [float(ms) / 1e3 for _, ms in ITER_LINE.findall(out.stdout)]
                     times = times[1:]  # nanoGPT's iteration 0 times its first evaluation too
                 if len(times) <= a.warmup:

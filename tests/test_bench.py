@@ -35,10 +35,16 @@ def _rows(out: str) -> dict[str, list[str]]:
 
 
 @pytest.mark.slow
-def test_bench_gpu_compares_the_example_model_with_nanogpt_at_tiny_shapes():
-    out = _bench("bench_gpu.py", f"--nanogpt={STUB}", *TINY, "--iters=5", "--warmup=2",
-                 "--rounds=1")  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
+def test_bench_gpu_compares_the_example_model_with_nanogpt_at_tiny_shapes(tmp_path):
+    # Through scripts/gpu_check.sh, the one command a session lent a GPU runs (its nanoGPT part).
+    out = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(STUB), *TINY, "--iters=5",
+         "--warmup=2", "--rounds=1"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PARTS": "nanogpt", "OUT": str(tmp_path)},
+    )  # fmt: skip
+    assert out.returncode == 0 and "== 0 part(s) failed" in out.stdout, out.stdout[-3000:]
+    assert (tmp_path / "nanogpt.txt").read_text() in out.stdout  # its output kept in $OUT
     rows = _rows(out.stdout)
     assert set(rows) >= {"ftrain", "nanogpt"}, out.stdout
     for side in ("ftrain", "nanogpt"):
@@ -46,6 +52,20 @@ def test_bench_gpu_compares_the_example_model_with_nanogpt_at_tiny_shapes():
         assert float(ms) > 0 and float(tokens_s.replace(",", "")) > 0 and float(mfu) >= 0
     assert rows["nanogpt"][3] == "1.000"
     assert "1 layers x 2 heads x 16, block 16, batch 2 x accum 2" in out.stdout
+
+
+@pytest.mark.slow
+def test_bench_gpu_refuses_a_nanogpt_that_ignores_the_vocabulary_size(tmp_path):
+    """nanoGPT sizes its model from data/<dataset>/meta.pkl (else 50304): one that does not
+    read it would train another model than ftrain's, so the comparison stops."""
+    for f in STUB.glob("*.py"):
+        (tmp_path / f.name).write_text(f.read_text())
+    train = tmp_path / "train.py"
+    train.write_text(train.read_text().replace("if os.path.exists(meta_path):", "if False:"))
+    out = _bench("bench_gpu.py", f"--nanogpt={tmp_path}", *TINY, "--iters=3", "--warmup=1",
+                 "--rounds=1")  # fmt: skip
+    assert out.returncode != 0
+    assert "nanoGPT did not size its model to --vocab 64" in out.stderr, out.stderr[-2000:]
 
 
 def test_bench_gpu_names_what_a_nanogpt_folder_lacks(tmp_path):

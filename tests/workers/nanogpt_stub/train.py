@@ -1,8 +1,10 @@
 """A stand-in for nanoGPT's train.py, for bench/bench_gpu.py's CPU test: nanoGPT's globals and
 command line (configurator.py, read from the working directory), its data files
-(data/<dataset>/train.bin, uint16) and its per-iteration line; the model is a bigram table."""
+(data/<dataset>/train.bin, uint16; meta.pkl's vocab_size), its vocabulary and per-iteration
+lines; the model is a bigram table."""
 
 import os
+import pickle
 import time
 
 import numpy as np
@@ -42,8 +44,15 @@ compile = True
 if __name__ == "__main__":
     with open("configurator.py") as f:  # nanoGPT reads it from the working directory
         exec(f.read())
-    data = np.memmap(os.path.join("data", dataset, "train.bin"), dtype=np.uint16, mode="r")
-    table = torch.nn.Embedding(50304, 16)
+    data_dir = os.path.join("data", dataset)
+    data = np.memmap(os.path.join(data_dir, "train.bin"), dtype=np.uint16, mode="r")
+    vocab_size = 50304  # nanoGPT's default, unless the dataset's meta.pkl names one
+    meta_path = os.path.join(data_dir, "meta.pkl")
+    if os.path.exists(meta_path):
+        with open(meta_path, "rb") as f:
+            vocab_size = pickle.load(f)["vocab_size"]  # nanoGPT's own format
+        print(f"found vocab_size = {vocab_size} (inside {meta_path})")
+    table = torch.nn.Embedding(vocab_size, 16)
     opt = torch.optim.AdamW(table.parameters(), lr=learning_rate, betas=(beta1, beta2))
     t0 = time.time()
     for iter_num in range(max_iters + 1):
