@@ -36,7 +36,7 @@ a round is shorter), in an order that rotates, so that load changes on a shared 
 them; per loop the median over all steps of all rounds, and the spread of the per-round medians.
 The paired ratio is the median over turns of the loop's turn median over the raw loop's in the same
 rotation: load that drifts over seconds cancels in each pair, so it moves less from run to run than
-the pooled ratio (a second raw loop, `--loops raw,...,raw`, reads 0.99-1.02 paired where it read
+the pooled ratio (a second raw loop, `--loops raw,...,raw`, reads 0.99-1.03 paired where it read
 0.97-1.08 pooled on the session VM). A loop runs its steps back to back, as in a training process
 (the first step of a turn, cold, is one sample in 20). Taking turns after every single step
 (`--block 1`) leaves each loop's code and memory cold from the other loops' steps, which penalises
