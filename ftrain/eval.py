@@ -17,6 +17,8 @@ from ftrain.losses import (
     _SEQ2SEQ,
     IGNORE_INDEX,
     LossFn,
+    _base_model,
+    _defaults,
     default_loss,
     loss_for,
     loss_name,
@@ -221,8 +223,20 @@ def classification_metrics(model: nn.Module, batch: Mapping[str, Any]) -> dict[s
     `(batch, seq, classes)`, labels `(batch, seq)`, no shift). Labels of -100 are ignored.
     `evaluate(state, batches, metrics_fn=ft.classification_metrics)` reports `eval_loss` and
     `eval_accuracy`.
+
+    Raises:
+        ValueError: for a causal LM or an encoder-decoder (labels shifted or fed to a decoder:
+            scored unshifted, the loss would be wrong), and for regression or multi-label
+            batches (float labels, one output).
     """
+    _check_classifier(model)
     logits, labels = upcast(model_logits(model, batch)), batch["labels"]
+    if logits.shape[-1] == 1 or labels.is_floating_point() or labels.dtype == torch.bool:
+        raise ValueError(
+            "classification_metrics needs integer class labels and a head of several classes; "
+            f"got logits {tuple(logits.shape)} and {labels.dtype} labels (regression or "
+            "multi-label): pass a metrics_fn of your own"
+        )
     logits, labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)  # token labels too
     keep = labels != IGNORE_INDEX
     loss = torch.nn.functional.cross_entropy(
@@ -231,6 +245,22 @@ def classification_metrics(model: nn.Module, batch: Mapping[str, Any]) -> dict[s
     correct = ((logits.argmax(-1) == labels) & keep).sum()
     n = keep.sum()
     return {"loss": (loss, n), "accuracy": (correct, n)}
+
+
+def _check_classifier(model: nn.Module) -> None:
+    """Refuse a model whose loss shifts its labels or runs a decoder on them (causal LMs,
+    encoder-decoders): scored unshifted, its `eval_loss` would be silently wrong."""
+    try:
+        fn = _defaults(model)[0]  # looked up once per model
+    except TypeError:  # a module of your own: its logits are taken as they come
+        return
+    if fn is _CAUSAL or fn is _SEQ2SEQ:
+        raise ValueError(
+            f"classification_metrics scores logits[t] against labels[t], unshifted, but "
+            f"{type(_base_model(model)).__name__} is a causal LM or an encoder-decoder (its "
+            "labels are shifted, or feed its decoder): use evaluate's default loss, or a "
+            "metrics_fn of your own"
+        )
 
 
 def _default_outputs(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:

@@ -142,8 +142,43 @@ def model_logits(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
         >>> ft.losses.model_logits(Lm(), batch).shape
         torch.Size([1, 3, 5])
     """
-    out = model(**model_inputs(model, batch))
+    return _logits_of(_call(model, batch))
+
+
+def _call(model: nn.Module, batch: Mapping[str, Any]) -> Any:
+    """`model(**model_inputs(model, batch))`, with `use_cache=False` where the forward takes
+    `use_cache` and the batch does not set it: a loss needs no key/value cache, and HF models
+    given one build a plain causal mask, so packed rows (`position_ids` restarting, no attention
+    mask) attended across their examples."""
+    inputs = model_inputs(model, batch)
+    names = _forward_names(model)[0]
+    if names is not None and "use_cache" in names and "use_cache" not in inputs:
+        inputs["use_cache"] = False
+    return model(**inputs)
+
+
+def _logits_of(out: Any) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out[0] if isinstance(out, tuple) else out
+
+
+# The router losses HF's mixture-of-experts models add to their `.loss` when
+# `config.output_router_logits` is set (Mixtral, Qwen-MoE, ...; Switch Transformers).
+_AUX = ("aux_loss", "encoder_aux_loss", "decoder_aux_loss", "encoder_z_loss", "decoder_z_loss")
+
+
+def _loss_logits(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+    """The logits for a built-in loss; raises where the model also returned a router loss that
+    its own `.loss` would add, which a loss of logits and labels would silently leave out."""
+    out = _call(model, batch)
+    aux = [a for a in _AUX if getattr(out, a, None) is not None]
+    if aux:
+        raise ValueError(
+            f"{type(_base_model(model)).__name__} returned {', '.join(aux)} (its config sets "
+            "output_router_logits): its own loss adds router_aux_loss_coef times that, which "
+            "ftrain's built-in losses do not; set config.output_router_logits = False to train "
+            "without it, or pass loss_fn=... that adds it to the sum"
+        )
+    return _logits_of(out)
 
 
 def causal_lm_loss(*, label_smoothing: float = 0.0) -> LossFn:
@@ -184,35 +219,90 @@ def _causal_pair(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tens
     # (One pad op: the negative pad drops the first label, the positive one appends -100.)
     labels = batch["labels"]
     if labels.shape[-1] == 0:  # nothing to shift (and pad cannot drop from nothing)
-        return model_logits(model, batch), labels
-    return model_logits(model, batch), F.pad(labels, (-1, 1), value=IGNORE_INDEX)
+        return _loss_logits(model, batch), labels
+    return _loss_logits(model, batch), F.pad(labels, (-1, 1), value=IGNORE_INDEX)
 
 
 def classification_loss(*, label_smoothing: float = 0.0) -> LossFn:
-    """Cross-entropy summed over samples (or squared error when the model has one output).
+    """The loss of a sequence classifier by HF's `problem_type`, summed, with its item count.
+
+    As `*ForSequenceClassification` decides (`config.problem_type`, else inferred the same way):
+    squared error for regression (one output, or `problem_type="regression"`), counted per
+    target value; binary cross-entropy with logits for `"multi_label_classification"` (float or
+    bool multi-hot labels with several outputs), counted per label; cross-entropy over integer
+    class labels otherwise, -100 ignored, counted per labelled row. Each equals the model's own
+    `.loss` on one batch (a mean) as sum / count.
 
     Args:
-        label_smoothing: eps in [0, 1), as in `causal_lm_loss`.
+        label_smoothing: eps in [0, 1), as in `causal_lm_loss`; single-label classification
+            only (a regression or multi-label batch with it raises).
+
+    Raises:
+        ValueError: float labels for a single-label head, labels whose shape does not match the
+            outputs for regression or multi-label, or `label_smoothing` on those.
     """
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
 
     def loss_fn(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = model_logits(model, batch)
+        logits = _loss_logits(model, batch)
         labels = batch["labels"]
-        if logits.shape[-1] == 1:  # regression head, as HF's num_labels == 1
-            loss = F.mse_loss(upcast(logits.squeeze(-1)), labels.to(logits.dtype), reduction="sum")
-            return loss, torch.tensor(labels.numel(), device=labels.device)
-        loss = F.cross_entropy(
-            upcast(logits),
-            labels,
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
-            label_smoothing=label_smoothing,
-        )
-        return loss, (labels != IGNORE_INDEX).sum()
+        kind = _problem_type(model, logits, labels)
+        if kind == "single_label_classification":
+            if labels.is_floating_point():
+                raise ValueError(
+                    f"float labels {labels.dtype} for a single-label classifier: class indices "
+                    "are integers; for multi-hot labels set config.problem_type = "
+                    "'multi_label_classification', for targets 'regression'"
+                )
+            loss = F.cross_entropy(
+                upcast(logits).reshape(-1, logits.shape[-1]),
+                labels.reshape(-1),
+                ignore_index=IGNORE_INDEX,
+                reduction="sum",
+                label_smoothing=label_smoothing,
+            )
+            return loss, (labels != IGNORE_INDEX).sum()
+        if label_smoothing:
+            raise ValueError(
+                f"label_smoothing={label_smoothing} applies to single-label classification; "
+                f"this batch is {kind} (config.problem_type, or one output: regression)"
+            )
+        pred = upcast(logits)
+        squeeze = logits.shape[-1] == 1 and kind == "regression"  # HF squeezes both
+        if labels.numel() != pred.numel() if squeeze else labels.shape != pred.shape:
+            raise ValueError(
+                f"{kind}: labels of shape {tuple(labels.shape)} do not match the model's "
+                f"outputs {tuple(pred.shape)}"
+            )
+        if squeeze:
+            pred, labels = pred.reshape(-1), labels.reshape(-1)
+        target = labels.to(pred.dtype)
+        if kind == "regression":
+            loss = F.mse_loss(pred, target, reduction="sum")
+        else:
+            loss = F.binary_cross_entropy_with_logits(pred, target, reduction="sum")
+        return loss, torch.tensor(target.numel(), device=target.device)
 
     return loss_fn
+
+
+_PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
+
+
+def _problem_type(model: nn.Module, logits: torch.Tensor, labels: torch.Tensor) -> str:
+    """`config.problem_type`, else what `*ForSequenceClassification.forward` infers: one
+    output is regression, integer labels single-label, anything else multi-label."""
+    kind = getattr(getattr(_base_model(model), "config", None), "problem_type", None)
+    if kind is not None:
+        if kind not in _PROBLEM_TYPES:
+            raise ValueError(f"config.problem_type {kind!r} is none of {_PROBLEM_TYPES}")
+        return str(kind)
+    if logits.shape[-1] == 1:
+        return "regression"
+    if labels.is_floating_point() or labels.dtype == torch.bool:
+        return "multi_label_classification"
+    return "single_label_classification"
 
 
 def _aligned_ce(
@@ -272,7 +362,7 @@ def token_classification_loss(*, label_smoothing: float = 0.0) -> LossFn:
 def _token_pair(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     if "labels" not in batch:
         raise KeyError("token_classification_loss needs 'labels' in the batch")
-    return model_logits(model, batch), batch["labels"]
+    return _loss_logits(model, batch), batch["labels"]
 
 
 def _decoder_inputs(model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
@@ -328,7 +418,7 @@ def _seq2seq_pair(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Ten
     labels = batch["labels"]
     if batch.get("decoder_input_ids") is None and batch.get("decoder_inputs_embeds") is None:
         batch = {**batch, "decoder_input_ids": _decoder_inputs(model, labels)}
-    return model_logits(model, batch), labels
+    return _loss_logits(model, batch), labels
 
 
 _CAUSAL = causal_lm_loss()
@@ -354,15 +444,25 @@ def _base_model(model: nn.Module) -> nn.Module:
     return model
 
 
+_UNSHIFTED = ("ForTokenClassification", "ForMaskedLM", "WithLMHeadModel", "XLNetLMHeadModel")
+_SEQ2SEQ_HEADS = ("ForConditionalGeneration", "EncoderDecoderModel")
+
+
 def _by_class(model: nn.Module) -> LossFn | None:
     """HF's task heads by class name (what HF's own `loss_type` reads), the config for seq2seq."""
     names = [c.__name__ for c in type(model).__mro__]
-    if any(n.endswith(("ForTokenClassification", "ForMaskedLM")) for n in names):
+    # XLM's and Flaubert's masked-LM heads (`*WithLMHeadModel`) and XLNet's permutation LM
+    # score labels[t] at position t, unshifted, like `*ForMaskedLM`.
+    if any(n.endswith(_UNSHIFTED) for n in names):
         return _TOKENS
     if any(n.endswith("ForSequenceClassification") for n in names):
         return _CLASSIFY
+    if any(n.endswith("ForQuestionAnswering") for n in names):
+        return None  # span starts and ends: not a token loss
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False) is True:
-        return _SEQ2SEQ
+        # An LM head (T5, BART, Whisper, ... and EncoderDecoderModel); a bare BartModel or
+        # T5Model has none.
+        return _SEQ2SEQ if any(n.endswith(_SEQ2SEQ_HEADS) for n in names) else None
     # Decoder-only *ForConditionalGeneration (Llava, Gemma 3, ...) shift as causal LMs do.
     causal = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
     return _CAUSAL if any(n.endswith(causal) for n in names) else None
@@ -374,15 +474,16 @@ def loss_for(model: nn.Module) -> LossFn:
     | model | loss |
     |---|---|
     | causal LMs (`*ForCausalLM`, `*LMHeadModel`, decoder-only `*ForConditionalGeneration`) | `causal_lm_loss()`: labels shifted |
-    | encoder-decoder (`config.is_encoder_decoder`: T5, BART, ...) | `seq2seq_loss()`: no shift |
-    | `*ForTokenClassification`, `*ForMaskedLM` | `token_classification_loss()`: no shift |
-    | `*ForSequenceClassification` | `classification_loss()` (squared error when `num_labels == 1`) |
+    | encoder-decoder LM heads (`config.is_encoder_decoder`, `*ForConditionalGeneration` or `*EncoderDecoderModel`: T5, BART, ...) | `seq2seq_loss()`: no shift |
+    | `*ForTokenClassification`, `*ForMaskedLM`, `*WithLMHeadModel` (XLM, Flaubert), `XLNetLMHeadModel` | `token_classification_loss()`: no shift |
+    | `*ForSequenceClassification` | `classification_loss()`, by `config.problem_type` |
 
     Wrappers are looked through: PEFT (`get_base_model()`), `torch.compile` (`_orig_mod`),
     DDP (`module`), Opacus (`_module`).
 
     Raises:
-        TypeError: for any other model, naming its class and saying to pass `loss_fn=`.
+        TypeError: for any other model (question answering, a bare `BartModel`, your own
+            module), naming its class and saying to pass `loss_fn=`.
 
     Example:
         >>> import torch, ftrain as ft

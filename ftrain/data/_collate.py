@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -109,7 +110,10 @@ def _pad(values: list[torch.Tensor], pad: int, side: str, multiple: int | None) 
     length = max(v.shape[0] for v in values)
     if multiple:
         length = -(-length // multiple) * multiple
-    out = values[0].new_full((len(values), length, *values[0].shape[1:]), pad)
+    # The rows' common dtype, as torch.stack gives scalars: row 0's alone truncated a later
+    # row's floats (labels [1, 0] then [0.5, 1.5] became [0, 1]).
+    dtype = functools.reduce(torch.promote_types, (v.dtype for v in values))
+    out = values[0].new_full((len(values), length, *values[0].shape[1:]), pad, dtype=dtype)
     for i, v in enumerate(values):
         if side == "right":
             out[i, : v.shape[0]] = v
@@ -149,9 +153,12 @@ def pack_examples(
     seen = cut = 0
     for row in rows:
         seen, cut = seen + 1, cut + (len(row["input_ids"]) > max_length)
+        if len(row["input_ids"]) != len(row["labels"]):  # before the cut, which hides it
+            raise ValueError(
+                f"row {seen - 1}: input_ids ({len(row['input_ids'])} tokens) and labels "
+                f"({len(row['labels'])}) differ in length"
+            )
         ids, labels = list(row["input_ids"])[:max_length], list(row["labels"])[:max_length]
-        if len(ids) != len(labels):
-            raise ValueError("a row's input_ids and labels differ in length")
         if not ids:
             continue
         if len(current["input_ids"]) + len(ids) > max_length:

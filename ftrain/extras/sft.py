@@ -6,7 +6,7 @@ qlora.py's `DataCollatorForCausalLM` does: BOS + prompt truncated to `source_max
 EOS truncated to `target_max_len`, prompt tokens labelled -100 unless `train_on_source`.
 `ft.data.pack_examples` concatenates tokenized rows into rows of at most `max_length` tokens
 whose `position_ids` restart at every example; HF models then attend within each example only
-(with `model.config.use_cache = False`; see `packed_collate`).
+(the built-in losses call the model with `use_cache=False`; see `packed_collate`).
 
     >>> import ftrain as ft
     >>> ft.sft.alpaca({"instruction": "Add 2 and 3.", "output": "5"})["output"]
@@ -144,8 +144,9 @@ class SFTCollator:
         source_max_len: most prompt tokens kept (BOS included).
         target_max_len: most response tokens kept (EOS included).
         train_on_source: also train on the prompt tokens.
-        add_bos: start with the tokenizer's BOS (when it has one).
-        add_eos: end the response with EOS.
+        add_bos: start with the tokenizer's BOS (when it has one); a prompt that already
+            starts with it (a chat template's) raises: pass False then.
+        add_eos: end the response with EOS (a tokenizer without one raises: pass False).
         pad_to_multiple_of: round padded lengths up to a multiple of this.
     """
 
@@ -165,6 +166,11 @@ class SFTCollator:
             raise ValueError("source_max_len and target_max_len must be >= 1")
         if self.tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer needs a pad token (e.g. tokenizer.pad_token = ...)")
+        if self.add_eos and self.tokenizer.eos_token_id is None:
+            raise ValueError(
+                "add_eos=True, but the tokenizer has no EOS token: the model would never learn "
+                "to stop; set tokenizer.eos_token, or pass add_eos=False"
+            )
 
     @property
     def truncated(self) -> TruncationCounts:
@@ -186,7 +192,12 @@ class SFTCollator:
         bos = [tok.bos_token_id] if self.add_bos and tok.bos_token_id is not None else []
         eos = [tok.eos_token_id] if self.add_eos and tok.eos_token_id is not None else []
         out, cut_prompts, cut_responses = [], 0, 0
-        for p, a in zip(prompts, answers, strict=True):
+        for i, (p, a) in enumerate(zip(prompts, answers, strict=True)):
+            if bos and p[:1] == bos:
+                raise ValueError(
+                    f"row {i}: the prompt already starts with BOS (a chat template writes it): "
+                    "pass add_bos=False, or the row would start with two"
+                )
             source, target = bos + list(p), list(a) + eos
             cut_prompts += len(source) > self.source_max_len
             cut_responses += len(target) > self.target_max_len
@@ -229,9 +240,11 @@ def packed_collate(pad_id: int, pad_to_multiple_of: int | None = None) -> Callab
     with 0, and pass no `attention_mask`, so that HF models find the example boundaries in
     `position_ids` and attend within each example only (padding tokens attend to themselves).
 
-    HF looks for packed sequences only when no KV cache is in use: set
-    `model.config.use_cache = False` for training (qlora.py does too). With the cache on, the
-    examples of a packed row attend to each other.
+    HF looks for packed sequences only when no KV cache is in use. ftrain's built-in losses
+    (`ft.losses`, the default loss, `evaluate`) call the model with `use_cache=False`; a
+    `loss_fn` of your own that calls the model itself must pass it too (or set
+    `model.config.use_cache = False`, as qlora.py does): with the cache on, the examples of a
+    packed row attend to each other.
     """
 
     return pad_collate(pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of, attention_mask=False)

@@ -1,0 +1,205 @@
+"""The default losses against each HF task head's own `.loss`, and what they refuse: multi-label
+and multi-output regression classifiers, masked-LM heads named `*WithLMHeadModel` and XLNet,
+question answering and bare encoder-decoders, mixture-of-experts router losses, packed rows of
+a model that caches; `classification_metrics` on a model it cannot score; collation and packing
+of odd rows; the SFT collator's BOS and EOS."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import ftrain as ft
+from helpers import digit_tokenizer
+
+
+def _bert_classifier(**config):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                     intermediate_size=16, **config)  # fmt: skip
+    return BertForSequenceClassification(cfg).eval()
+
+
+IDS = torch.randint(0, 50, (4, 6), generator=torch.Generator().manual_seed(1))
+MULTI_HOT = torch.tensor([[1.0, 0, 1], [0, 0, 1], [1, 1, 0], [0, 0, 0]])
+
+
+@pytest.mark.parametrize(
+    "config, labels",
+    [
+        ({"num_labels": 3, "problem_type": "multi_label_classification"}, MULTI_HOT),
+        ({"num_labels": 3}, MULTI_HOT),  # float labels, several outputs: multi-label, as HF infers
+        ({"num_labels": 3}, MULTI_HOT.bool()),  # bool multi-hot labels too
+        ({"num_labels": 2, "problem_type": "regression"}, torch.randn(4, 2)),
+        ({"num_labels": 1}, torch.randn(4)),
+        ({"num_labels": 1}, torch.randn(4, 1)),  # HF squeezes both: no (4, 4) broadcast
+        ({"num_labels": 3}, torch.tensor([0, 2, 1, -100])),
+    ],
+)
+def test_the_sequence_classifier_loss_is_the_models_own_for_every_problem_type(config, labels):
+    model = _bert_classifier(**config)
+    batch = {"input_ids": IDS, "labels": labels}
+    with torch.no_grad():
+        loss_sum, n = ft.losses.default_loss(model, batch)
+        hf_labels = labels.float() if labels.dtype == torch.bool else labels
+        expected = model(input_ids=IDS, labels=hf_labels).loss
+    torch.testing.assert_close(loss_sum / n, expected)
+
+
+def test_a_classification_loss_refuses_what_its_problem_type_cannot_mean():
+    single = _bert_classifier(num_labels=3, problem_type="single_label_classification")
+    with pytest.raises(ValueError, match=r"float labels .* for a single-label classifier"):
+        ft.losses.default_loss(single, {"input_ids": IDS, "labels": MULTI_HOT})
+    multi = _bert_classifier(num_labels=3, problem_type="multi_label_classification")
+    with pytest.raises(ValueError, match=r"labels of shape \(4, 2\) do not match"):
+        ft.losses.default_loss(multi, {"input_ids": IDS, "labels": MULTI_HOT[:, :2]})
+    regression = _bert_classifier(num_labels=1)
+    smoothed = ft.losses.classification_loss(label_smoothing=0.1)
+    with pytest.raises(ValueError, match=r"label_smoothing=0\.1 applies to single-label"):
+        smoothed(regression, {"input_ids": IDS, "labels": torch.randn(4)})
+    with pytest.raises(ValueError, match=r"regression: labels of shape \(4, 2\)"):
+        ft.losses.default_loss(regression, {"input_ids": IDS, "labels": torch.randn(4, 2)})
+
+
+def _xlm():
+    from transformers import XLMConfig, XLMWithLMHeadModel
+
+    torch.manual_seed(0)
+    return XLMWithLMHeadModel(XLMConfig(vocab_size=50, emb_dim=16, n_layers=1, n_heads=2))
+
+
+def _xlnet():
+    from transformers import XLNetConfig, XLNetLMHeadModel
+
+    torch.manual_seed(0)
+    return XLNetLMHeadModel(XLNetConfig(vocab_size=50, d_model=16, n_layer=1, n_head=2, d_inner=16))
+
+
+@pytest.mark.parametrize("make", [_xlm, _xlnet], ids=["XLMWithLMHeadModel", "XLNetLMHeadModel"])
+def test_lm_heads_that_score_labels_unshifted_get_the_unshifted_loss(make):
+    """Their names end like a causal LM's (`LMHeadModel`), their loss is a masked LM's."""
+    model = make().eval()
+    labels = IDS.clone()
+    labels[:, :2] = -100
+    batch = {"input_ids": IDS, "labels": labels}
+    assert ft.losses.loss_for(model) is ft.losses.loss_for(_bert_token_model())
+    with torch.no_grad():
+        loss_sum, n = ft.losses.default_loss(model, batch)
+        torch.testing.assert_close(loss_sum / n, model(**batch).loss)
+
+
+def _bert_token_model():
+    from helpers import tiny_bert_tagger
+
+    return tiny_bert_tagger()
+
+
+def _bart(cls_name: str):
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.BartConfig(
+        vocab_size=50, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=16, decoder_ffn_dim=16,
+    )  # fmt: skip
+    return getattr(transformers, cls_name)(cfg)
+
+
+@pytest.mark.parametrize("cls_name", ["BartForQuestionAnswering", "BartModel"])
+def test_question_answering_and_bare_encoder_decoders_have_no_default_loss(cls_name):
+    with pytest.raises(TypeError, match=f"the default loss does not know {cls_name}.*loss_fn="):
+        ft.losses.loss_for(_bart(cls_name))
+    assert ft.losses.loss_for(_bart("BartForConditionalGeneration")) is not None
+
+
+def _mixtral(router_logits: bool):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MixtralConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
+        num_experts_per_tok=1, output_router_logits=router_logits, router_aux_loss_coef=0.5,
+    )  # fmt: skip
+    return MixtralForCausalLM(cfg)
+
+
+def test_a_router_loss_the_default_loss_would_leave_out_raises():
+    batch = {"input_ids": IDS, "labels": IDS}
+    with pytest.raises(ValueError, match=r"returned aux_loss \(its config sets output_router"):
+        ft.losses.default_loss(_mixtral(router_logits=True), batch)
+    model = _mixtral(router_logits=False).eval()  # the default: no router loss to leave out
+    with torch.no_grad():
+        loss_sum, n = ft.losses.default_loss(model, batch)
+        torch.testing.assert_close(loss_sum / n, model(**batch).loss)
+
+
+def test_packed_rows_stay_apart_in_a_model_whose_config_caches():
+    """HF models given a key/value cache build a plain causal mask: packed rows (position_ids
+    restarting, no attention mask) attended across examples while config.use_cache was True."""
+    from helpers import tiny_llama
+
+    model = tiny_llama().eval()
+    assert model.config.use_cache  # the model's default
+    rows = [{"input_ids": [5, 6, 7, 8], "labels": [5, 6, 7, 8]},
+            {"input_ids": [9, 10, 11], "labels": [9, 10, 11]}]  # fmt: skip
+    packed = ft.sft.packed_collate(pad_id=0)(ft.data.pack_examples(rows, max_length=16))
+    loss = ft.losses.causal_lm_loss()
+    with torch.no_grad():
+        together, n = loss(model, packed)
+        alone = [loss(model, ft.pad_collate(pad_id=0)([r])) for r in rows]
+    assert int(n) == sum(int(k) for _, k in alone) == 5
+    torch.testing.assert_close(together, sum(s for s, _ in alone))
+
+
+def test_classification_metrics_refuses_models_whose_labels_it_would_score_unshifted():
+    from helpers import tiny_llama
+
+    batch = {"input_ids": IDS % 50, "labels": IDS % 50}
+    with pytest.raises(ValueError, match=r"classification_metrics scores logits.*LlamaForCausalLM"):
+        ft.classification_metrics(tiny_llama(), batch)
+    with pytest.raises(ValueError, match="BartForConditionalGeneration is a causal LM or an enc"):
+        ft.classification_metrics(_bart("BartForConditionalGeneration"), batch)
+    with pytest.raises(ValueError, match="needs integer class labels"):
+        ft.classification_metrics(
+            _bert_classifier(num_labels=1), {"input_ids": IDS, "labels": torch.randn(4)}
+        )
+    got = ft.classification_metrics(
+        _bert_classifier(num_labels=3), {"input_ids": IDS, "labels": torch.tensor([0, 1, 2, -100])}
+    )
+    assert int(got["accuracy"][1]) == 3  # -100 not counted
+
+
+def test_pad_collate_keeps_a_later_rows_floats():
+    batch = ft.pad_collate(pad_id=0)([{"labels": [1, 0]}, {"labels": [0.5, 1.5]}, {"labels": [2]}])
+    assert batch["labels"].dtype == torch.float32
+    torch.testing.assert_close(batch["labels"], torch.tensor([[1, 0], [0.5, 1.5], [2, -100]]))
+
+
+def test_pack_examples_refuses_rows_whose_lengths_differ_even_when_both_are_cut():
+    row = {"input_ids": list(range(12)), "labels": list(range(20))}
+    with pytest.raises(ValueError, match=r"row 0: input_ids \(12 tokens\) and labels \(20\)"):
+        ft.data.pack_examples([row], max_length=10)
+
+
+def test_the_sft_collator_refuses_a_missing_eos_and_a_second_bos():
+    tok = digit_tokenizer()
+    row = {"input": "1 2", "output": "3"}
+    assert ft.sft.SFTCollator(tok).encode(row)["input_ids"][-1] == tok.eos_token_id
+    no_eos = digit_tokenizer()
+    no_eos.eos_token = None
+    with pytest.raises(ValueError, match="add_eos=True, but the tokenizer has no EOS"):
+        ft.sft.SFTCollator(no_eos)
+    ft.sft.SFTCollator(no_eos, add_eos=False)  # said so: fine
+    with_bos = digit_tokenizer()
+    with_bos.bos_token = "</s>"  # a chat template would write it at the prompt's start
+    with pytest.raises(ValueError, match="row 1: the prompt already starts with BOS"):
+        ft.sft.SFTCollator(with_bos).encode_batch([row, {"input": "</s> 1", "output": "2"}])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = ft.sft.SFTCollator(with_bos, add_bos=False).encode({"input": "</s> 1", "output": "2"})
+    assert got["input_ids"][:2] == [with_bos.bos_token_id, 4]
