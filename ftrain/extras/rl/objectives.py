@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ftrain.extras.rl.rollout import token_logps
+from ftrain.extras.rl.rollout import _is_finite, _is_int, token_logps
 from ftrain.losses import LossFn
 from ftrain.strategies import Strategy
 
@@ -40,10 +40,27 @@ def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     return var.sqrt().squeeze(dim) if dim is not None else var.sqrt().squeeze()
 
 
+def _check_rewards(rewards: torch.Tensor, num_generations: int) -> None:
+    """This rank's rewards, before any collective: every rank raises alike on its own rows."""
+    if not (_is_int(num_generations) and num_generations >= 2):
+        raise ValueError(
+            f"num_generations must be an int >= 2 (with one completion per prompt every "
+            f"advantage is 0 and nothing is learned), got {num_generations!r}"
+        )
+    if not (isinstance(rewards, torch.Tensor) and rewards.is_floating_point()):
+        what = rewards.dtype if isinstance(rewards, torch.Tensor) else type(rewards).__name__
+        raise ValueError(f"rewards must be a floating-point tensor, got {what}")
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D, got shape {tuple(rewards.shape)}")
+    inf = torch.isinf(rewards).nonzero().view(-1)
+    if inf.numel():
+        raise ValueError(
+            f"rewards hold inf at rows {inf.tolist()}: mark an unscorable completion with NaN"
+        )
+
+
 def _grouped(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
-    if not (isinstance(num_generations, int) and num_generations >= 1):
-        raise ValueError(f"num_generations must be an int >= 1, got {num_generations!r}")
-    if rewards.dim() != 1 or rewards.shape[0] % num_generations:
+    if rewards.shape[0] % num_generations:
         raise ValueError(
             f"rewards must be 1-D with a multiple of num_generations={num_generations} rows "
             f"(all completions of each prompt, over all ranks), got shape {tuple(rewards.shape)}"
@@ -77,6 +94,11 @@ def group_advantages(
     gathered, groups formed over all of them (a prompt's completions may lie on different
     ranks) and this rank's advantages returned.
 
+    Raises:
+        ValueError: for `num_generations < 2` (every advantage would be 0), rewards that are
+            not a 1-D floating tensor of a multiple of `num_generations` rows, an inf reward
+            (NaN marks an unscorable completion), an unknown `scale`.
+
     Example:
         >>> import torch, ftrain as ft
         >>> ft.rl.group_advantages(torch.tensor([1.0, 0.0, 2.0, 2.0]), 2, scale="none").tolist()
@@ -84,15 +106,15 @@ def group_advantages(
     """
     if scale not in SCALES:
         raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
+    _check_rewards(rewards, num_generations)
     local = rewards.shape[0]
     rewards, start = _global(rewards, strategy)
     grouped = _grouped(rewards, num_generations)
     adv = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)).view(-1)
     if scale == "group":
-        std = torch.zeros_like(grouped[:, 0]) if num_generations == 1 else _nanstd(grouped, 1)
-        adv = adv / (std.repeat_interleave(num_generations) + 1e-4)
+        adv = adv / (_nanstd(grouped, 1).repeat_interleave(num_generations) + 1e-4)
     elif scale == "batch":
-        adv = adv / ((_nanstd(rewards) if rewards.numel() > 1 else 0.0) + 1e-4)
+        adv = adv / (_nanstd(rewards) + 1e-4)
     return torch.nan_to_num(adv, nan=0.0)[start : start + local]
 
 
@@ -111,16 +133,20 @@ def rloo_advantages(
     RLOO subtracts `beta * sum_t (old_logp - ref_logp)` from the rewards first: do that on
     `rewards` before calling.
 
+    Raises:
+        ValueError: as `group_advantages`, and for a `normalize` that is not a bool.
+
     Example:
         >>> import torch, ftrain as ft
         >>> ft.rl.rloo_advantages(torch.tensor([3.0, 0.0, 0.0]), 3)
         tensor([ 3.0000, -1.5000, -1.5000])
     """
+    if not isinstance(normalize, bool):
+        raise ValueError(f"normalize must be a bool, got {normalize!r}")
+    _check_rewards(rewards, num_generations)
     local = rewards.shape[0]
     rewards, start = _global(rewards, strategy)
     grouped = _grouped(rewards, num_generations)
-    if num_generations == 1:
-        return torch.zeros_like(rewards)[start : start + local]
     n = (~torch.isnan(grouped)).sum(1, keepdim=True)
     baseline = (torch.nansum(grouped, 1, keepdim=True) - grouped) / (n - 1)
     adv = (grouped - baseline).view(-1)
@@ -142,6 +168,18 @@ def kl_k3(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
+def _check_clip(epsilon: float, epsilon_high: float | None, delta: float | None) -> None:
+    if not (_is_finite(epsilon) and epsilon >= 0):
+        raise ValueError(f"epsilon must be a finite number >= 0, got {epsilon!r}")
+    if epsilon_high is not None and not (_is_finite(epsilon_high) and epsilon_high >= 0):
+        raise ValueError(f"epsilon_high must be a finite number >= 0 or None, got {epsilon_high!r}")
+    if delta is not None and not (_is_finite(delta) and delta > 1):
+        raise ValueError(
+            f"delta must be a finite number > 1 or None (it caps the ratio; at <= 1 it "
+            f"clips even an unchanged policy), got {delta!r}"
+        )
+
+
 def clipped_objective(
     logps: torch.Tensor,
     old_logps: torch.Tensor,
@@ -157,12 +195,17 @@ def clipped_objective(
     * A)` with `rho' = min(rho, delta)` when `delta` is given (TRL's two-sided clipping),
     `eps_high = epsilon_high or epsilon`. `advantages` has one value per row (or per token).
 
+    Raises:
+        ValueError: for an `epsilon` or `epsilon_high` that is not a finite number >= 0, a
+            `delta` that is not a finite number > 1 (TRL recommends `delta > 1 + epsilon`).
+
     Example:
         >>> import torch, ftrain as ft
         >>> lp, old = torch.log(torch.tensor([[1.5]])), torch.zeros(1, 1)
         >>> ft.rl.clipped_objective(lp, old, torch.tensor([1.0]))   # clipped at 1.2
         tensor([[-1.2000]])
     """
+    _check_clip(epsilon, epsilon_high, delta)
     high = epsilon if epsilon_high is None else epsilon_high
     adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
     coef = torch.exp(logps - old_logps)
@@ -170,6 +213,14 @@ def clipped_objective(
     if delta is not None:
         coef = torch.clamp(coef, max=delta)
     return -torch.min(coef * adv, clipped * adv)
+
+
+def _check_max_len(max_completion_length: int | None) -> None:
+    if not (_is_int(max_completion_length) and max_completion_length >= 1):  # type: ignore[operator]
+        raise ValueError(
+            "loss_type='dr_grpo' needs max_completion_length= (an int >= 1), "
+            f"got {max_completion_length!r}"
+        )
 
 
 def reduce_loss(
@@ -189,7 +240,22 @@ def reduce_loss(
 
     Each equals TRL's loss of the same name over the micro-batches of one optimizer step
     (`dapo`: when one generation batch makes one optimizer step, see docs/post_training.md).
+
+    Raises:
+        ValueError: for an unknown `loss_type`; with `dr_grpo`, a `max_completion_length`
+            that is not an int >= 1 or is less than the completions' width.
     """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    if loss_type == "dr_grpo":
+        _check_max_len(max_completion_length)
+        assert max_completion_length is not None
+        if per_token.shape[-1] > max_completion_length:
+            raise ValueError(
+                f"loss_type='dr_grpo': completions are {per_token.shape[-1]} tokens wide, more "
+                f"than max_completion_length={max_completion_length}; pass the max_new_tokens "
+                "the rollouts were sampled with"
+            )
     m = mask.to(per_token.dtype)
     total = (per_token * m).sum()
     rows = torch.tensor(per_token.shape[0], device=per_token.device)
@@ -198,12 +264,9 @@ def reduce_loss(
     if loss_type == "bnpo":
         return total / m.sum().clamp(min=1.0), torch.ones((), device=per_token.device)
     if loss_type == "dr_grpo":
-        if max_completion_length is None:
-            raise ValueError("loss_type='dr_grpo' needs max_completion_length=")
+        assert max_completion_length is not None
         return total / max_completion_length, rows
-    if loss_type == "dapo":
-        return total, m.sum()
-    raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    return total, m.sum()  # dapo
 
 
 def policy_loss(
@@ -228,26 +291,23 @@ def policy_loss(
     `ref_logps`. Defaults are `GRPOConfig`'s.
 
     Raises:
-        ValueError: for an unknown `loss_type`, `dr_grpo` without `max_completion_length`, or
-            a bad `beta`, `epsilon`, `epsilon_high`, `delta`, `temperature`.
+        ValueError: for an unknown `loss_type`, `dr_grpo` without `max_completion_length` (or,
+            when the loss runs, with completions wider than it), a `beta`, `epsilon` or
+            `epsilon_high` that is not a finite number >= 0, a `delta` that is not a finite
+            number > 1, a `temperature` that is not a finite number > 0, a
+            `bias_correction_kl` that is not a bool.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-    if loss_type == "dr_grpo" and not (
-        isinstance(max_completion_length, int) and max_completion_length >= 1
-    ):
-        raise ValueError(
-            "loss_type='dr_grpo' needs max_completion_length= (an int >= 1), "
-            f"got {max_completion_length!r}"
-        )
-    for name, value, low in (("beta", beta, 0.0), ("epsilon", epsilon, 0.0)):
-        if not (isinstance(value, (int, float)) and value >= low):
-            raise ValueError(f"{name} must be a number >= {low}, got {value!r}")
-    for name, maybe in (("epsilon_high", epsilon_high), ("delta", delta)):
-        if maybe is not None and not (isinstance(maybe, (int, float)) and maybe > 0):
-            raise ValueError(f"{name} must be a number > 0 or None, got {maybe!r}")
-    if not (isinstance(temperature, (int, float)) and temperature > 0):
-        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    if loss_type == "dr_grpo":
+        _check_max_len(max_completion_length)
+    if not (_is_finite(beta) and beta >= 0):
+        raise ValueError(f"beta must be a finite number >= 0, got {beta!r}")
+    _check_clip(epsilon, epsilon_high, delta)
+    if not (_is_finite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if not isinstance(bias_correction_kl, bool):
+        raise ValueError(f"bias_correction_kl must be a bool, got {bias_correction_kl!r}")
 
     def loss_fn(model: nn.Module, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         logps = token_logps(model, batch, temperature=temperature)

@@ -10,6 +10,8 @@ sample what one uninterrupted process samples.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -70,7 +72,13 @@ def warp_logits(
 ) -> torch.Tensor:
     """Logits divided by `temperature`, then top-k and top-p (nucleus) filtered to -inf, in the
     order and with the tie rules of HF's `TemperatureLogitsWarper`, `TopKLogitsWarper` and
-    `TopPLogitsWarper` (at least one token kept)."""
+    `TopPLogitsWarper` (at least one token kept).
+
+    Raises:
+        ValueError: for a `temperature` that is not a finite number > 0, a `top_k` that is not
+            an int >= 1 or None, a `top_p` outside (0, 1].
+    """
+    _check_warp(temperature, top_k, top_p)
     scores = logits / temperature if temperature != 1.0 else logits
     if top_k is not None and top_k < scores.shape[-1]:
         kth = torch.topk(scores, top_k)[0][..., -1, None]
@@ -84,15 +92,84 @@ def warp_logits(
     return scores
 
 
-def _check_sampling(temperature: float, top_k: int | None, top_p: float, max_new: int) -> None:
-    if not (isinstance(temperature, (int, float)) and temperature > 0):
-        raise ValueError(f"temperature must be > 0 (top_k=1 samples greedily), got {temperature!r}")
-    if top_k is not None and not (isinstance(top_k, int) and top_k >= 1):
+def _is_int(x: Any) -> bool:
+    """An integer that is not a bool (True would pass `isinstance(x, int)`)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_finite(x: Any) -> bool:
+    """A finite real number that is not a bool."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check_warp(temperature: float, top_k: int | None, top_p: float) -> None:
+    if not (_is_finite(temperature) and temperature > 0):
+        raise ValueError(
+            f"temperature must be a finite number > 0 (top_k=1 samples greedily), "
+            f"got {temperature!r}"
+        )
+    if top_k is not None and not (_is_int(top_k) and top_k >= 1):
         raise ValueError(f"top_k must be an int >= 1 or None (no top-k), got {top_k!r}")
-    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    if not (isinstance(max_new, int) and max_new >= 1):
+    if not (_is_finite(top_p) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
+
+
+def _check_sampling(temperature: float, top_k: int | None, top_p: float, max_new: int) -> None:
+    _check_warp(temperature, top_k, top_p)
+    if not (_is_int(max_new) and max_new >= 1):
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new!r}")
+
+
+def _check_index(index: Sequence[int] | torch.Tensor, prompts: int) -> list[int]:
+    """The prompts' numbers as distinct non-negative Python ints, or a ValueError naming index."""
+    if isinstance(index, torch.Tensor):
+        if index.dim() != 1 or index.dtype == torch.bool or index.is_floating_point():
+            raise ValueError(
+                f"index must be a 1-D integer tensor or a sequence of ints, got a tensor of "
+                f"dtype {index.dtype} and shape {tuple(index.shape)}"
+            )
+        values: list[Any] = index.tolist()
+    else:
+        values = list(index)
+        if not all(_is_int(i) for i in values):
+            bad = next(i for i in values if not _is_int(i))
+            raise ValueError(f"index must hold ints, got {bad!r} in {values!r}")
+    idx = [int(i) for i in values]
+    if len(idx) != prompts:
+        raise ValueError(f"index has {len(idx)} numbers for {prompts} prompts")
+    if any(i < 0 for i in idx):
+        raise ValueError(f"index must hold numbers >= 0, got {idx!r}")
+    if len(set(idx)) != len(idx):
+        dup = sorted({i for i in idx if idx.count(i) > 1})
+        raise ValueError(
+            f"index must hold distinct numbers (equal numbers sample equal completions), "
+            f"got {dup} more than once"
+        )
+    return idx
+
+
+def _check_prompts(ids: Any, mask: Any) -> None:
+    if not (isinstance(ids, torch.Tensor) and ids.dim() == 2):
+        shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise ValueError(f"prompts['input_ids'] must be a 2-D tensor, got {shape}")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != ids.shape):
+        shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(
+            f"prompts['attention_mask'] must have the shape of input_ids {tuple(ids.shape)}, "
+            f"got {shape}"
+        )
+    if ids.shape[1] == 0:
+        raise ValueError(
+            f"prompts are zero-length (input_ids of shape {tuple(ids.shape)}): sample needs "
+            "at least one prompt token per row"
+        )
+    if mask is not None:
+        empty = (mask.sum(1) == 0).nonzero().view(-1).tolist()
+        if empty:
+            raise ValueError(
+                f"prompt rows {empty} are all padding (attention_mask sums to 0): sample needs "
+                "at least one prompt token per row"
+            )
 
 
 def _uniforms(seed: int, step: int, completions: list[int], n: int) -> torch.Tensor:
@@ -175,17 +252,19 @@ def sample(
         a `Rollout`.
 
     Raises:
-        ValueError: for a bad sampling argument, an `index` of the wrong length, no pad id.
+        ValueError: for a bad sampling argument; an `index` of the wrong length, not of
+            ints, negative or with repeats; an `attention_mask` of another shape than
+            `input_ids`; zero-length prompts or prompt rows that are all padding; no pad id;
+            logits that are not finite (NaN or inf) at a sampled token.
     """
     _check_sampling(temperature, top_k, top_p, max_new_tokens)
-    if not (isinstance(num_generations, int) and num_generations >= 1):
+    if not (_is_int(num_generations) and num_generations >= 1):
         raise ValueError(f"num_generations must be an int >= 1, got {num_generations!r}")
     strategy = state.strategy if strategy is None else strategy
     model = strategy.unwrap(state.model)
     ids, mask = prompts["input_ids"], prompts.get("attention_mask")
-    idx = [int(i) for i in (index.tolist() if isinstance(index, torch.Tensor) else index)]
-    if len(idx) != ids.shape[0]:
-        raise ValueError(f"index has {len(idx)} numbers for {ids.shape[0]} prompts")
+    _check_prompts(ids, mask)
+    idx = _check_index(index, ids.shape[0])
     completions = [i * num_generations + g for i in idx for g in range(num_generations)]
     pad_id, stop = _pad_id(model, pad_token_id), _stop_ids(model, stop_token_ids)
     ids, mask = strategy.to_device(left_pad(ids, mask, pad_id=pad_id))
@@ -206,6 +285,14 @@ def sample(
     is_stop = torch.isin(tokens, torch.tensor(stop, device=tokens.device, dtype=tokens.dtype))
     before = is_stop.long().cumsum(1) - is_stop.long()  # stop tokens strictly before t
     completion_mask = (before == 0).long()
+    # one check (one host sync) per call: a sampled token's log-prob is finite unless the
+    # model's logits held NaN or inf (tokens of probability 0 are never drawn)
+    bad = (~torch.isfinite(logps) & completion_mask.bool()).any(1)
+    if bool(bad.any()):
+        raise ValueError(
+            f"the model's output (logits) is not finite (NaN or inf) while sampling rows "
+            f"{bad.nonzero().view(-1).tolist()}: check the model's weights and dtype"
+        )
     return Rollout(
         prompt_ids=ids.repeat_interleave(num_generations, 0),
         prompt_mask=mask.repeat_interleave(num_generations, 0),
@@ -319,9 +406,17 @@ def rollout_batches(
     `clip_and_step` records, so `len` and position match the prompts consumed.
 
     Args:
+        advantages: per rollout, shape `(N,)` (one per row) or `(N, T)` (one per completion
+            token), finite.
         mask_truncated: zero the mask of truncated completions (TRL's
             `mask_truncated_completions`).
+
+    Raises:
+        ValueError: for counts that differ, `advantages` of another shape or not finite, a
+            `mask_truncated` that is not a bool.
     """
+    if not isinstance(mask_truncated, bool):
+        raise ValueError(f"mask_truncated must be a bool, got {mask_truncated!r}")
     if len(rollouts) != len(advantages) or (prompts is not None and len(prompts) != len(rollouts)):
         raise ValueError(
             f"rollout_batches needs one advantages tensor (and prompt micro-batch) per rollout, "
@@ -329,7 +424,19 @@ def rollout_batches(
             + ("" if prompts is None else f", {len(prompts)} prompt micro-batches")
         )
     out = []
-    for r, adv in zip(rollouts, advantages, strict=True):
+    for k, (r, adv) in enumerate(zip(rollouts, advantages, strict=True)):
+        n, t = r.completion_ids.shape
+        if not isinstance(adv, torch.Tensor) or tuple(adv.shape) not in ((n,), (n, t)):
+            shape = tuple(adv.shape) if isinstance(adv, torch.Tensor) else type(adv).__name__
+            raise ValueError(
+                f"advantages[{k}] must have shape ({n},) (one per row) or ({n}, {t}) (one per "
+                f"completion token) for rollout {k} of {n} rows and {t} tokens, got {shape}"
+            )
+        if not bool(torch.isfinite(adv).all()):
+            raise ValueError(
+                f"advantages[{k}] holds NaN or inf (group_advantages gives unscorable "
+                "completions 0)"
+            )
         keep = r.completion_mask * (~r.truncated)[:, None] if mask_truncated else r.completion_mask
         batch = {
             "prompt_ids": r.prompt_ids,

@@ -1,0 +1,236 @@
+"""ft.rl refuses inputs it would otherwise use silently wrong: each test asserts the error type
+and a phrase of ftrain's own message (never a backend's)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ftrain as ft
+import rl_workers as W
+
+
+def _state(model=None):
+    return ft.TrainState.create(model or W.model(), ft.optim.adamw(), seed=0)
+
+
+def _prompts(ids=W.PROMPTS):
+    return {"input_ids": ids, "attention_mask": (ids != 0).long()}
+
+
+@pytest.fixture(scope="module")
+def state():
+    return _state()
+
+
+# --- sample ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("width", [4, 6])
+def test_sample_refuses_attention_mask_of_another_shape(state, width):
+    """A narrower mask used to drop the prompts' last tokens; a wider one hit an IndexError."""
+    ids = torch.tensor([[5, 9, 14, 20, 33], [7, 3, 22, 8, 40]])
+    bad = {"input_ids": ids, "attention_mask": torch.ones(2, width, dtype=torch.long)}
+    with pytest.raises(ValueError, match=rf"attention_mask.*\(2, 5\), got \(2, {width}\)"):
+        ft.rl.sample(state, bad, index=[0, 1], max_new_tokens=2)
+
+
+def test_sample_refuses_empty_prompts(state):
+    ids = torch.tensor([[0, 0, 0, 0, 0], [7, 3, 22, 8, 40], [0, 0, 0, 0, 0]])
+    with pytest.raises(ValueError, match=r"prompt rows \[0, 2\] are all padding"):
+        ft.rl.sample(state, _prompts(ids), index=[0, 1, 2], max_new_tokens=2)
+    zero = {"input_ids": torch.zeros(2, 0, dtype=torch.long)}
+    with pytest.raises(ValueError, match="prompts are zero-length"):
+        ft.rl.sample(state, zero, index=[0, 1], max_new_tokens=2)
+
+
+@pytest.mark.parametrize(
+    "index, phrase",
+    [
+        (torch.tensor([0.9, 1.5, 2.7]), "index must be a 1-D integer tensor"),
+        ([0.0, 1.0, 2.0], "index must hold ints"),
+        ([True, False, 2], "index must hold ints"),
+        ([-1, 0, 1], "index must hold numbers >= 0"),
+        ([3, 3, 4], r"index must hold distinct numbers .* \[3\] more than once"),
+        (torch.tensor([1, 1, 2]), "index must hold distinct numbers"),
+    ],
+)
+def test_sample_refuses_bad_index(state, index, phrase):
+    with pytest.raises(ValueError, match=phrase):
+        ft.rl.sample(state, _prompts(), index=index, max_new_tokens=2)
+
+
+def test_sample_accepts_integer_index_and_one_generation(state):
+    """int64 tensors and Python ints both work; num_generations=1 stays allowed (a
+    data-parallel rank samples single completions of a group that spans ranks)."""
+    a = ft.rl.sample(state, _prompts(), index=torch.tensor([4, 5, 6]), max_new_tokens=2)
+    b = ft.rl.sample(state, _prompts(), index=[4, 5, 6], num_generations=1, max_new_tokens=2)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert a.completion_index.tolist() == [4, 5, 6]
+
+
+def test_sample_refuses_nonfinite_logits():
+    model = W.model()
+    with torch.no_grad():
+        model.lm_head.weight.fill_(float("nan"))
+    with pytest.raises(ValueError, match=r"model's output \(logits\) is not finite"):
+        ft.rl.sample(_state(model), _prompts(), index=[0, 1, 2], max_new_tokens=3)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(temperature=float("inf")),
+        dict(temperature=float("nan")),
+        dict(temperature=True),
+        dict(top_k=True),
+        dict(top_p=float("nan")),
+        dict(max_new_tokens=True),
+        dict(num_generations=True),
+    ],
+)
+def test_sample_refuses_loose_arguments(state, bad):
+    kw = dict(index=[0, 1, 2], max_new_tokens=2) | bad
+    with pytest.raises(ValueError, match=f"{next(iter(bad))} must be"):
+        ft.rl.sample(state, _prompts(), **kw)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(temperature=0.0),
+        dict(temperature=-1.0),
+        dict(temperature=float("inf")),
+        dict(top_p=0.0),
+        dict(top_p=-0.5),
+        dict(top_p=1.5),
+        dict(top_k=0),
+        dict(top_k=-2),
+    ],
+)
+def test_warp_logits_validates_like_sample(bad):
+    with pytest.raises(ValueError, match=f"{next(iter(bad))} must be"):
+        ft.rl.warp_logits(torch.tensor([[2.0, 1.0, 0.0, -1.0]]), **bad)
+
+
+# --- advantages --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [float("inf"), -float("inf")])
+def test_advantages_refuse_inf_rewards(value):
+    rewards = torch.tensor([1.0, value, 0.0, 1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match=r"rewards hold inf at rows \[1\]"):
+        ft.rl.group_advantages(rewards, 2)
+    with pytest.raises(ValueError, match=r"rewards hold inf at rows \[1\]"):
+        ft.rl.rloo_advantages(rewards, 3)
+
+
+def test_advantages_keep_nan_as_unscorable():
+    r = torch.tensor([float("nan"), float("nan"), 0.0, 1.0])
+    torch.testing.assert_close(
+        ft.rl.group_advantages(r, 2, scale="none"), torch.tensor([0.0, 0.0, -0.5, 0.5])
+    )
+
+
+@pytest.mark.parametrize("g", [1, 0, True])
+def test_advantages_refuse_fewer_than_two_generations(g):
+    rewards = torch.tensor([1.0, 0.0, 0.5])
+    for fn in (ft.rl.group_advantages, ft.rl.rloo_advantages):
+        with pytest.raises(ValueError, match="num_generations must be an int >= 2"):
+            fn(rewards, g)
+
+
+def test_advantages_refuse_bad_rewards_and_flags():
+    with pytest.raises(ValueError, match="rewards must be a floating-point tensor"):
+        ft.rl.group_advantages(torch.tensor([1, 0, 1, 1]), 2)
+    with pytest.raises(ValueError, match="rewards must be 1-D"):
+        ft.rl.rloo_advantages(torch.ones(4, 1), 2)
+    with pytest.raises(ValueError, match="normalize must be a bool"):
+        ft.rl.rloo_advantages(torch.tensor([1.0, 2.0]), 2, normalize="yes")
+
+
+# --- rollout_batches ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def rollout(state):
+    return ft.rl.sample(state, _prompts(), index=[0, 1, 2], num_generations=2, max_new_tokens=4)
+
+
+def test_rollout_batches_refuses_advantages_of_another_shape(rollout):
+    n, t = rollout.completion_ids.shape
+    for adv in (
+        torch.ones(1),
+        torch.tensor(1.0),
+        torch.ones(n, 1),
+        torch.ones(1, t),
+        torch.ones(2 * n),
+    ):
+        with pytest.raises(ValueError, match=rf"advantages\[0\] must have shape \({n},\)"):
+            ft.rl.rollout_batches([rollout], [adv])
+    for value in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"advantages\[0\] holds NaN or inf"):
+            ft.rl.rollout_batches([rollout], [torch.full((n,), value)])
+    with pytest.raises(ValueError, match="mask_truncated must be a bool"):
+        ft.rl.rollout_batches([rollout], [torch.zeros(n)], mask_truncated=1)
+    # the two accepted shapes
+    assert ft.rl.rollout_batches([rollout], [torch.zeros(n)])[0]["advantages"].shape == (n,)
+    assert ft.rl.rollout_batches([rollout], [torch.zeros(n, t)])[0]["advantages"].shape == (n, t)
+
+
+# --- losses ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad, phrase",
+    [
+        (dict(temperature=float("inf")), "temperature must be a finite number > 0"),
+        (dict(beta=float("inf")), "beta must be a finite number >= 0"),
+        (dict(beta=float("nan")), "beta must be a finite number >= 0"),
+        (dict(epsilon=True), "epsilon must be a finite number >= 0"),
+        (dict(epsilon=float("inf")), "epsilon must be a finite number >= 0"),
+        (dict(epsilon_high=-0.1), "epsilon_high must be a finite number >= 0"),
+        (dict(delta=0.5), "delta must be a finite number > 1"),
+        (dict(delta=1.0), "delta must be a finite number > 1"),
+        (dict(bias_correction_kl="no"), "bias_correction_kl must be a bool"),
+        (dict(loss_type="dr_grpo", max_completion_length=True), "max_completion_length"),
+    ],
+)
+def test_policy_loss_refuses_loose_arguments(bad, phrase):
+    with pytest.raises(ValueError, match=phrase):
+        ft.rl.policy_loss(**bad)
+
+
+def test_dr_grpo_refuses_completions_wider_than_max_length(state):
+    r = ft.rl.sample(
+        state, _prompts(), index=[0, 1, 2], num_generations=2, max_new_tokens=6, stop_token_ids=[]
+    )
+    micro = ft.rl.rollout_batches([r], [torch.ones(6, dtype=torch.float64)])
+    loss_fn = ft.rl.policy_loss(loss_type="dr_grpo", max_completion_length=2)
+    with pytest.raises(ValueError, match="completions are 6 tokens wide, more than"):
+        ft.accumulate_grads(state, micro, loss_fn)
+    ft.accumulate_grads(
+        state, micro, ft.rl.policy_loss(loss_type="dr_grpo", max_completion_length=6)
+    )
+
+
+@pytest.mark.parametrize("length", [0, -6, 2.5, None])
+def test_reduce_loss_validates_max_completion_length(length):
+    per_token, mask = torch.ones(2, 3), torch.ones(2, 3)
+    with pytest.raises(ValueError, match="needs max_completion_length"):
+        ft.rl.reduce_loss(per_token, mask, loss_type="dr_grpo", max_completion_length=length)
+    with pytest.raises(ValueError, match="loss_type must be one of"):
+        ft.rl.reduce_loss(per_token, mask, loss_type="ppo")
+
+
+@pytest.mark.parametrize(
+    "bad, phrase",
+    [
+        (dict(epsilon=-0.5), "epsilon must be a finite number >= 0"),
+        (dict(epsilon_high=float("nan")), "epsilon_high must be a finite number >= 0"),
+        (dict(delta=0.9), "delta must be a finite number > 1"),
+    ],
+)
+def test_clipped_objective_validates_like_policy_loss(bad, phrase):
+    with pytest.raises(ValueError, match=phrase):
+        ft.rl.clipped_objective(torch.zeros(1, 1), torch.zeros(1, 1), torch.tensor([1.0]), **bad)
