@@ -39,17 +39,22 @@ def test_host_lists_expand_as_scontrol_show_hostnames():
     assert expand_hostlist("gpu[07-08,11],login1") == ["gpu07", "gpu08", "gpu11", "login1"]
     assert expand_hostlist("a[1-2]-ib[5,7]") == ["a1-ib5", "a1-ib7", "a2-ib5", "a2-ib7"]
     assert expand_hostlist("node[098-101]") == ["node098", "node099", "node100", "node101"]
-    for bad in ("", "a[1-", "a[3-1]", "a]", "a,,b", "a[x]"):
+    for bad in ("", "a[1-", "a[3-1]", "a]", "a,,b", "a[x]", "a[3-]", "a[]", "[1-2]"):
         with pytest.raises(ValueError, match="not a SLURM host list"):
             expand_hostlist(bad)
 
 
 def test_srun_variables_become_torchs_with_a_port_per_attempt():
     env = slurm_env(SRUN)
-    assert env == {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "gpu07",
-                   "MASTER_PORT": str(20000 + 777 + 2)}  # fmt: skip
+    port = env.pop("MASTER_PORT")
+    assert env == {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "gpu07"}
+    assert 20000 <= int(port) < 40000
+    assert slurm_env({**SRUN, "SLURM_PROCID": "3", "SLURM_LOCALID": "3"})["MASTER_PORT"] == port
     requeued = slurm_env({**SRUN, "SLURM_RESTART_COUNT": "3"})
-    assert requeued["MASTER_PORT"] != env["MASTER_PORT"]  # never the killed attempt's sockets
+    assert requeued["MASTER_PORT"] != port  # never the killed attempt's sockets
+    # job 778's second attempt is not job 777's third (job + attempt gave both 20779)
+    neighbour = slurm_env({**SRUN, "SLURM_JOB_ID": "778", "SLURM_RESTART_COUNT": "1"})
+    assert neighbour["MASTER_PORT"] != port
     step = slurm_env({**SRUN, "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "cpu[3-4]"})
     assert (step["WORLD_SIZE"], step["MASTER_ADDR"]) == ("2", "cpu3")  # the step's, not the job's
     own = slurm_env({**SRUN, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"})
@@ -61,6 +66,49 @@ def test_missing_srun_variables_are_named():
     match = r"SLURM_PROCID, SLURM_JOB_NODELIST, SLURM_RESTART_COUNT unset or not a number"
     with pytest.raises(ValueError, match=match):
         slurm_env({**broken, "SLURM_RESTART_COUNT": "x", "SLURM_PROCID": ""})
+
+
+def test_srun_variables_that_cannot_describe_this_task_are_named():
+    with pytest.raises(ValueError, match="SLURM_PROCID=4 is outside SLURM_NTASKS=4"):
+        slurm_env({**SRUN, "SLURM_PROCID": "4"})
+    with pytest.raises(ValueError, match="SLURM_PROCID=1 is outside SLURM_STEP_NUM_TASKS=1"):
+        slurm_env({**SRUN, "SLURM_STEP_NUM_TASKS": "1"})
+    with pytest.raises(ValueError, match="SLURM_STEP_NUM_TASKS unset or not a number"):
+        slurm_env({**SRUN, "SLURM_STEP_NUM_TASKS": "2(x2)"})  # the variable read is named
+
+
+def test_export_launcher_env_refuses_variables_that_contradict_slurms():
+    for preset in ({"RANK": "0", "WORLD_SIZE": "8"}, {"LOCAL_RANK": "0"}):
+        with pytest.raises(ValueError, match="differing from what this srun task's SLURM"):
+            export_launcher_env({**SRUN, **preset})
+    env = {**SRUN, "MASTER_ADDR": "10.0.0.1", "RANK": "1"}  # agreeing ones are kept
+    assert export_launcher_env(env) == "slurm" and env["MASTER_ADDR"] == "10.0.0.1"
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "4"}, "call ftrain.extras.cluster.export"),
+        ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0 in the environment: a world has at least 1"),
+        ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' in the environment is not an integer"),
+        ({"WORLD_SIZE": "1", "RANK": "3"}, "RANK=3 in the environment is outside WORLD_SIZE=1"),
+    ],
+)
+def test_from_env_refuses_an_environment_that_would_train_each_process_alone(
+    monkeypatch, env, message
+):
+    """Under `srun -n4 python train.py` without export_launcher_env, every task was a
+    SingleDevice run of its own, all writing one run folder."""
+    for k in ("WORLD_SIZE", "RANK", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ft.strategies.from_env("ddp")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")  # a one-task step is one process
+    for k in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(k, raising=False)
+    assert isinstance(ft.strategies.from_env("ddp"), ft.strategies.SingleDevice)
 
 
 def test_export_launcher_env_leaves_a_launchers_variables_alone():

@@ -7,8 +7,10 @@
 RUN_DIR is the run folder every rank and every attempt shares (a shared filesystem, a
 PersistentVolumeClaim): the run resumes from its newest committed checkpoint, saves every
 `--save-every` steps and when SIGTERM / SIGUSR1 warns that the job is about to be killed (every
-rank saves the same step), then exits with 75 (EX_TEMPFAIL) so that the scheduler's script
-requeues it. The model and data are tiny and generated: swap in yours.
+rank saves the same step), then touches RUN_DIR/.preempted and exits with 75 (EX_TEMPFAIL) so
+that the scheduler's script requeues it (slurm.sbatch reads the marker: srun may report 137
+when it ends the step at the first task's 75). The model and data are tiny and generated: swap
+in yours.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -102,7 +105,10 @@ def main(
             f"rank {strategy.rank}/{strategy.world_size} ({launcher}): steps {start}..{state.step}"
         )
         print(line + (" preempted" if state.step < args.steps else ""), flush=True)
-        return PREEMPTED if state.step < args.steps else 0
+        if state.step < args.steps:  # every rank, before any exits: the marker is there
+            (Path(args.run_dir) / ".preempted").touch()  # whichever task srun sees end first
+            return PREEMPTED
+        return 0
 
 
 if __name__ == "__main__":

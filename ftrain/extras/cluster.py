@@ -42,7 +42,7 @@ def expand_hostlist(hostlist: str) -> list[str]:
         raise ValueError(f"not a SLURM host list: {hostlist!r}")
     hosts: list[str] = []
     for item in _split_outside_brackets(hostlist):
-        if not item or "]" in item.split("[")[0]:
+        if not item or item.startswith("[") or "]" in item.split("[")[0]:
             raise ValueError(f"not a SLURM host list: {hostlist!r}")
         hosts.extend(_expand_one(item, hostlist))
     return hosts
@@ -63,12 +63,14 @@ def _split_outside_brackets(text: str) -> list[str]:
 def _expand_one(item: str, whole: str) -> list[str]:
     m = re.fullmatch(r"([^\[]*)\[([^\]]+)\](.*)", item)
     if m is None:
+        if "[" in item:  # "a[]"
+            raise ValueError(f"not a SLURM host list: {whole!r}")
         return [item]
     prefix, ranges, rest = m.groups()
     out: list[str] = []
     for part in ranges.split(","):
-        lo, _, hi = part.partition("-")
-        if not lo.isdigit() or (hi and (not hi.isdigit() or int(hi) < int(lo))):
+        lo, dash, hi = part.partition("-")
+        if not lo.isdigit() or (dash and (not hi.isdigit() or int(hi) < int(lo))):
             raise ValueError(f"not a SLURM host list: {whole!r} (range {part!r})")
         width = len(lo)
         for n in range(int(lo), int(hi or lo) + 1):
@@ -81,25 +83,27 @@ def slurm_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
 
     RANK = SLURM_PROCID, WORLD_SIZE = SLURM_STEP_NUM_TASKS (else SLURM_NTASKS), LOCAL_RANK =
     SLURM_LOCALID, MASTER_ADDR = the first host of SLURM_STEP_NODELIST (else
-    SLURM_JOB_NODELIST), MASTER_PORT = `20000 + (SLURM_JOB_ID + SLURM_RESTART_COUNT) % 20000`
-    unless MASTER_PORT is set: every task computes the same port, and a requeued attempt gets
-    another one than the attempt it replaces (whose sockets may linger). MASTER_ADDR, when set,
-    is kept too.
+    SLURM_JOB_NODELIST), MASTER_PORT = 20000 + a hash of (SLURM_JOB_ID, SLURM_RESTART_COUNT)
+    modulo 20000 unless MASTER_PORT is set: every task computes the same port, a requeued
+    attempt gets another one than the attempt it replaces (whose sockets may linger), and
+    neighbouring job ids do not collide. MASTER_ADDR, when set, is kept too.
 
     Raises:
-        ValueError: naming the SLURM variables that are missing or not numbers.
+        ValueError: naming the SLURM variables that are missing or not numbers, or a
+            SLURM_PROCID outside the step's task count.
 
     Example:
         >>> env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1",
         ...        "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "4242"}
         >>> slurm_env(env)["MASTER_ADDR"], slurm_env(env)["MASTER_PORT"]
-        ('gpu07', '24242')
+        ('gpu07', '35321')
     """
     env = os.environ if environ is None else environ
     needed = ["SLURM_PROCID", "SLURM_LOCALID", "SLURM_JOB_ID"]
     missing = [k for k in needed if not env.get(k, "").isdigit()]
-    world = env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", ""))
-    missing += [] if world.isdigit() else ["SLURM_NTASKS"]
+    world_var = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
+    world = env.get(world_var, "")
+    missing += [] if world.isdigit() else [world_var]
     nodes = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST"))
     missing += [] if nodes or "MASTER_ADDR" in env else ["SLURM_JOB_NODELIST"]
     restart = env.get("SLURM_RESTART_COUNT", "0")
@@ -109,7 +113,14 @@ def slurm_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
             f"not an srun task: {', '.join(missing)} unset or not a number (srun sets them for "
             "each task it starts; run the script with srun, or with torchrun)"
         )
-    port = PORT_BASE + (int(env["SLURM_JOB_ID"]) + int(restart)) % PORT_SPAN
+    if not 0 <= int(env["SLURM_PROCID"]) < int(world):
+        raise ValueError(
+            f"SLURM_PROCID={env['SLURM_PROCID']} is outside {world_var}={world}: not a task of "
+            "this step"
+        )
+    # Job and attempt hashed together: consecutive job ids (an array on one head node) and
+    # their requeued attempts do not land on one port, as job + attempt did (1000+1 = 1001+0).
+    port = PORT_BASE + _mix(int(env["SLURM_JOB_ID"]), int(restart)) % PORT_SPAN
     return {
         "RANK": env["SLURM_PROCID"],
         "WORLD_SIZE": world,
@@ -117,6 +128,13 @@ def slurm_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
         "MASTER_ADDR": env.get("MASTER_ADDR") or expand_hostlist(nodes or "")[0],
         "MASTER_PORT": env.get("MASTER_PORT") or str(port),
     }
+
+
+def _mix(job: int, attempt: int) -> int:
+    """A fixed hash of (job, attempt): the same in every task, another for the next attempt."""
+    x = (job * 0x9E3779B97F4A7C15 + attempt * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x ^= x >> 31
+    return (x * 0x94D049BB133111EB & (2**64 - 1)) >> 29
 
 
 def export_launcher_env(environ: MutableMapping[str, str] | None = None) -> str:
@@ -129,11 +147,24 @@ def export_launcher_env(environ: MutableMapping[str, str] | None = None) -> str:
 
     Args:
         environ: the environment to read and change (default `os.environ`).
+
+    Raises:
+        ValueError: as `slurm_env`; when some of the four (or LOCAL_RANK) are set already and
+            differ from what SLURM's say (a RANK exported in the batch script would have made
+            every task that rank).
     """
     env = os.environ if environ is None else environ
     if all(k in env for k in _LAUNCHER):
         return "launcher"
     if "SLURM_PROCID" not in env or "SLURM_JOB_ID" not in env:
         return "none"
-    env.update(slurm_env(env))
+    derived = slurm_env(env)
+    clash = [f"{k}={env[k]} (SLURM: {v})" for k, v in derived.items() if k in env and env[k] != v]
+    if clash:
+        raise ValueError(
+            f"{', '.join(clash)} already set, differing from what this srun task's SLURM "
+            "variables say: unset them in the batch script (or set all four for a launcher "
+            "of your own)"
+        )
+    env.update(derived)
     return "slurm"

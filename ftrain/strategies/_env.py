@@ -48,12 +48,15 @@ def from_env(
             process) and are accepted; any other keyword raises rather than being dropped.
 
     Raises:
-        ValueError: for an unknown `kind` or a non-positive timeout.
+        ValueError: for an unknown `kind` or a non-positive timeout; WORLD_SIZE or RANK that
+            are not integers, a world below 1 or a rank outside it; a srun step of several
+            tasks without WORLD_SIZE (each would train alone: call
+            `ftrain.extras.cluster.export_launcher_env()` first).
         TypeError: for a keyword `SingleDevice` cannot honour in a one-process run.
     """
     if kind not in _KINDS:
         raise ValueError(f"kind must be 'ddp', 'fsdp' or 'tp', got {kind!r}")
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not dist.is_initialized():
+    if _world_size() <= 1 and not dist.is_initialized():
         return _single(kind, kwargs)
     owns = join_group(f"from_env({kind!r})", timeout=timeout)
     try:
@@ -64,6 +67,40 @@ def from_env(
         raise
     strategy.owns_group = owns  # close() destroys the group only if from_env created it
     return strategy
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} in the environment is not an integer") from None
+
+
+def _world_size() -> int:
+    """WORLD_SIZE as the launcher set it (1 when unset), checked against RANK and srun's step.
+
+    A srun step of several tasks without RANK/WORLD_SIZE (no `export_launcher_env()`, or a
+    script never written for SLURM) would run every task as a one-process training of its own,
+    all writing to the same run folder: that raises.
+    """
+    world = _env_int("WORLD_SIZE", 1)
+    if world < 1:
+        raise ValueError(f"WORLD_SIZE={world} in the environment: a world has at least 1 process")
+    rank = _env_int("RANK", 0)
+    if not 0 <= rank < world:
+        raise ValueError(f"RANK={rank} in the environment is outside WORLD_SIZE={world}")
+    tasks = _env_int("SLURM_STEP_NUM_TASKS", 1) if "SLURM_PROCID" in os.environ else 1
+    if world == 1 and "WORLD_SIZE" not in os.environ and tasks > 1:
+        raise ValueError(
+            f"this is task {os.environ['SLURM_PROCID']} of a srun step of "
+            f"SLURM_STEP_NUM_TASKS={tasks}, but WORLD_SIZE is unset: each task would train "
+            "alone; call ftrain.extras.cluster.export_launcher_env() first (it sets RANK, "
+            "WORLD_SIZE, MASTER_ADDR/PORT from SLURM's variables), or run one task"
+        )
+    return world
 
 
 _KINDS: Mapping[str, type[DDP | FSDP | TP]] = MappingProxyType({"ddp": DDP, "fsdp": FSDP, "tp": TP})

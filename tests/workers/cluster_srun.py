@@ -5,10 +5,10 @@
 Starts SLURM_NTASKS tasks of COMMAND with the variables srun sets for each task (SLURM_PROCID,
 SLURM_LOCALID, SLURM_NODEID, SLURM_STEP_ID, SLURM_STEP_NUM_TASKS, SLURM_STEP_NODELIST); the
 job's own (SLURM_JOB_ID, SLURM_JOB_NODELIST, SLURM_RESTART_COUNT, ...) come from the caller.
-With --kill-on-bad-exit=1 a task that fails (a signal, or an exit status other than 0 and 75)
-gets the others SIGKILLed. FAKE_SLURM_SIGNAL_WHEN=PATH: once PATH exists, SIGUSR1 goes to every
-task, as `--signal=USR1@T` makes slurmd do T seconds before the time limit. Exits with the
-largest task status (128 + N for a signal N).
+With --kill-on-bad-exit=1 a task that exits with any status but 0 (75 included, as srun(1) says)
+or is killed by a signal gets the others SIGKILLed. FAKE_SLURM_SIGNAL_WHEN=PATH: once PATH
+exists, SIGUSR1 goes to every task, as `--signal=USR1@T` makes slurmd do T seconds before the
+time limit. Exits with the largest task status (128 + N for a signal N).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def main(argv: list[str]) -> int:
         for i, t in enumerate(tasks):
             if i not in codes and t.poll() is not None:
                 codes[i] = t.returncode if t.returncode >= 0 else 128 - t.returncode
-                if kill_on_bad_exit and codes[i] not in (0, 75):
+                if kill_on_bad_exit and codes[i] != 0:
                     for other in tasks:
                         if other.poll() is None:
                             other.send_signal(signal.SIGKILL)
