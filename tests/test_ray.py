@@ -251,13 +251,14 @@ def test_run_in_main_thread_returns_the_result_and_raises_the_error():
 
     with pytest.raises(KeyError, match="in the main thread"):
         _in_a_thread(lambda: ray_ft.run_in_main_thread(boom))
+    ran = []
     with pytest.raises(TimeoutError, match=r"ran no Python code for 0\.2 s"):
         thread_error = {}
 
         def waits():
             time.sleep(0.3)  # the main thread is in its sleep by now
             try:
-                ray_ft.run_in_main_thread(lambda: None, timeout_s=0.2)
+                ray_ft.run_in_main_thread(lambda: ran.append(1), timeout_s=0.2)
             except TimeoutError as e:
                 thread_error["e"] = e
 
@@ -266,6 +267,9 @@ def test_run_in_main_thread_returns_the_result_and_raises_the_error():
         time.sleep(1.5)  # in C: the main thread runs no Python code meanwhile
         t.join()
         raise thread_error["e"]
+    for _ in range(100_000):  # Python code in the main thread: the queued call comes due
+        pass
+    assert ran == []  # the caller was told it failed: the late call did nothing
 
 
 @pytest.fixture

@@ -291,14 +291,21 @@ def run_in_main_thread(fn: Callable[[], Any], *, timeout_s: float = 60.0) -> Any
     thread `fn` just runs.
 
     Raises:
-        TimeoutError: if the main thread did not run Python code within `timeout_s`.
+        TimeoutError: if the main thread did not run Python code within `timeout_s`; the call
+            then never runs (it stays queued, and does nothing when it comes due), so a failed
+            `on_preemption` installs no handler later behind the caller's back.
     """
     if threading.current_thread() is threading.main_thread():
         return fn()
-    done = threading.Event()
+    done, lock = threading.Event(), threading.Lock()
     outcome: dict[str, Any] = {}
+    phase = ["queued"]  # -> "started" (the main thread took it) or "cancelled" (timed out)
 
     def call(_: Any) -> int:
+        with lock:
+            if phase[0] == "cancelled":  # the caller was told it failed: do nothing late
+                return 0
+            phase[0] = "started"
         try:
             outcome["value"] = fn()
         except BaseException as e:  # re-raised in the caller's thread
@@ -310,13 +317,20 @@ def run_in_main_thread(fn: Callable[[], Any], *, timeout_s: float = 60.0) -> Any
     if ctypes.pythonapi.Py_AddPendingCall(callback, None) != 0:
         raise RuntimeError("CPython's queue of pending calls is full; try again")
     if not done.wait(timeout_s):
-        # The call stays queued and runs whenever the main thread runs Python code again:
-        # its callback must outlive this frame, so it is kept (one small object, on error).
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(callback))
-        raise TimeoutError(
-            f"the main thread ran no Python code for {timeout_s} s, so it could not run "
-            f"{getattr(fn, '__name__', fn)!r} (signal handlers are installed there)"
-        )
+        with lock:
+            late = phase[0] == "started"  # the main thread took it just now: wait for it
+            phase[0] = "started" if late else "cancelled"
+        if late:
+            done.wait()
+        else:
+            # Still queued: it runs whenever the main thread runs Python code again, and then
+            # does nothing (cancelled); its callback must outlive this frame, so it is kept
+            # (one small object, on error).
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(callback))
+            raise TimeoutError(
+                f"the main thread ran no Python code for {timeout_s} s, so it could not run "
+                f"{getattr(fn, '__name__', fn)!r} (signal handlers are installed there)"
+            )
     del callback
     if "error" in outcome:
         raise outcome["error"]
