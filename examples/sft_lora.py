@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     while state.step < stop:
         for micro in ft.make_batches(
             train, state, batch_size=args.batch_size, accum=args.accum, collate_fn=collate,
-            group_by_length=args.group_by_length, lengths=lengths,
+            group_by_length=args.group_by_length,
+            lengths=lengths if args.group_by_length else None,
         ):  # fmt: skip
             grads, stats = ft.accumulate_grads(state, micro)
             state, _ = ft.clip_and_step(state, grads, stats=stats, lr=lr(state.step), max_norm=0.3)

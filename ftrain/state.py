@@ -208,7 +208,8 @@ class TrainState:
         Raises:
             TypeError: if `model` is not an `nn.Module`, `optimizer` not an `Optimizer` or
                 `loss_fn` not callable.
-            ValueError: if the model has no trainable parameter.
+            ValueError: if the model has no trainable parameter, or `seed` is outside
+                [0, 2**63).
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -219,6 +220,8 @@ class TrainState:
             )
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {seed!r}")
+        if not 0 <= seed < 2**63:  # what a data position holds, and no two seeds collide
+            raise ValueError(f"seed must be in [0, 2**63), got {seed}")
         if strategy is not None and not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be an ft.strategies.Strategy, got {strategy!r}")
         if loss_fn is not None and not callable(loss_fn):

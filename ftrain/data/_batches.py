@@ -102,7 +102,7 @@ def make_batches(
         collate_fn: turns a list of rows into a batch; `pad_collate()` by default.
         group_by_length: order like HF's `LengthGroupedSampler` (mega-batches of rows of similar
             length); lengths come from `lengths` or each row's `input_ids`.
-        lengths: row lengths for `group_by_length`, to avoid reading every row.
+        lengths: row lengths for `group_by_length` (one per row), to avoid reading every row.
         num_workers: background processes that fetch and collate micro-batches (torch
             `DataLoader`'s meaning); 0 loads in the loop's process. The output is the same.
         prefetch_factor: micro-batches loaded in advance by each worker (torch's meaning: 2
@@ -120,7 +120,11 @@ def make_batches(
             resumed at `start > 0` without the state that holds its position, and a
             `state.data.position` that is malformed or does not fit the data and settings (other
             rows, seed, shuffle or lengths; a stream's other files, shards, shuffle buffer,
-            packing, mixing or global batch), naming what changed.
+            packing, mixing or global batch), naming what changed. Also for a `seed` outside
+            [0, 2**63); `lengths` without `group_by_length`, of another length than `data`,
+            or on a stream; `group_by_length` on a stream or with `shuffle=False`; and a
+            `datasets` stream whose pipeline reading shard by shard would change (`take`/`skip`
+            over several shards, `interleave_datasets`) or that shuffles without a seed.
         TypeError: for data that is neither indexable nor iterable, or a non-integer
             `seed`/`epoch`.
 
@@ -132,6 +136,7 @@ def make_batches(
         [[2, 2], [1]]
     """
     _check_kinds(state, strategy, collate_fn, shuffle, drop_last, group_by_length)
+    _check_grouping(data, shuffle, group_by_length, lengths)
     where = _where(state, seed=seed, epoch=epoch, start=start, strategy=strategy)
     seed, epoch, start, stream_pos, strategy = where
     _validate(batch_size=batch_size, accum=accum, start=start, data=data)
@@ -168,6 +173,27 @@ def _check_kinds(
             raise TypeError(f"{name} must be True or False, got {flag!r}")
 
 
+def _check_grouping(data: Any, shuffle: bool, grouped: bool, lengths: Any) -> None:
+    """Refuse length-grouping arguments that would be accepted and then ignored."""
+    if is_stream(data) and (grouped or lengths is not None):
+        given = "group_by_length=True" if grouped else "lengths="
+        raise ValueError(
+            f"{given} on a stream: a stream is read in its shards' order, so it cannot be "
+            "ordered by length. Drop group_by_length/lengths, or pass a map-style dataset"
+        )
+    if lengths is not None and not grouped:
+        raise ValueError(
+            "lengths= without group_by_length=True: lengths only order a length-grouped "
+            "epoch. Pass group_by_length=True, or drop lengths"
+        )
+    if grouped and not shuffle:
+        raise ValueError(
+            "group_by_length=True with shuffle=False: the length-grouped order is a random "
+            "one (HF's LengthGroupedSampler), drawn from the seed. Pass shuffle=True, or sort "
+            "the rows by length yourself and pass shuffle=False without group_by_length"
+        )
+
+
 def _where(
     state: TrainState | None, **given: Any
 ) -> tuple[int, int, int, str | None, Strategy | None]:
@@ -194,6 +220,8 @@ def _integer(name: str, value: Any) -> int:
     out = int(value.__index__())
     if name == "epoch" and out < 0:
         raise ValueError(f"epoch must be >= 0, got {out}")
+    if name == "seed" and not 0 <= out < 2**63:  # what a position holds; 2**64 would be 0
+        raise ValueError(f"seed must be in [0, 2**63), got {out}")
     return out
 
 
@@ -212,7 +240,14 @@ def _ranks(strategy: Strategy | None) -> tuple[int, int]:
 
 
 def _lengths(data: Any, lengths: Sequence[int] | None) -> Sequence[int]:
-    return lengths if lengths is not None else [len(data[i]["input_ids"]) for i in range(len(data))]
+    if lengths is None:
+        return [len(data[i]["input_ids"]) for i in range(len(data))]
+    if not hasattr(lengths, "__len__") or len(lengths) != len(data):
+        got = len(lengths) if hasattr(lengths, "__len__") else type(lengths).__name__
+        raise ValueError(
+            f"lengths must give one length per row of data: {len(data)} rows, lengths has {got}"
+        )
+    return lengths
 
 
 def _order(n: int, spec: Spec, pos: dict[str, Any], lens: Sequence[int] | None) -> np.ndarray:

@@ -63,6 +63,14 @@ def pad_collate(
         out: dict[str, Any] = {}
         for key in rows[0]:
             out[key] = _column(rows, key, pads.get(key, 0), padding_side, pad_to_multiple_of)
+        for i, row in enumerate(rows):  # a field row 0 lacks would be dropped unseen
+            extra = [k for k in row if k not in out] if isinstance(row, Mapping) else []
+            if extra:
+                raise KeyError(
+                    f"collate: row {i} of the batch has field {extra[0]!r}, which row 0 has "
+                    f"not (row 0 has {', '.join(map(repr, rows[0]))}); every row needs the "
+                    "same fields"
+                )
         if attention_mask and "input_ids" in out and "attention_mask" not in out:
             masks = [torch.ones(len(r["input_ids"]), dtype=torch.long) for r in rows]
             out["attention_mask"] = _pad(masks, 0, padding_side, pad_to_multiple_of)

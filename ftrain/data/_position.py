@@ -124,6 +124,13 @@ def _check_map(pos: dict[str, Any]) -> None:
     _count(pos["n"], "n", low=1)
     _count(pos["row"], "row")
     _need(pos["row"] <= pos["n"], f"row {pos['row']} is past the epoch's {pos['n']} rows")
+    # Every position make_batches makes starts at (cursor 0, row 0), and a resume with another
+    # global batch moves both forward together (or neither, resuming where it was saved).
+    _need(
+        (pos["cursor"] == 0) == (pos["row"] == 0),
+        f"cursor {pos['cursor']} with row {pos['row']}: micro-batch 0 starts at row 0, and "
+        "only it does",
+    )
     _need(pos["group"] is None or (type(pos["group"]) is int and pos["group"] >= 1), "bad group")
     _need((pos["group"] is None) == (pos["lengths"] is None), "group and lengths go together")
     _need(pos["lengths"] is None or _is_hex(pos["lengths"]), "lengths must be a hex digest")

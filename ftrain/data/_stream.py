@@ -72,6 +72,7 @@ class _Shards(Source):
         # docs/data.md describes, shard(num_shards, index): contiguous only where accepted.
         takes = sharded and _takes(data.shard, "contiguous")
         self._shard_kw = {"contiguous": True} if takes else {}
+        self._stages = _hf_stages(data, self.num_shards)
 
     def _open(self, shard: int) -> Iterable[Any]:
         if self.num_shards == 1:
@@ -83,6 +84,8 @@ class _Shards(Source):
         files = P.data_files(self.data)
         if files is not None:
             out["files"] = files
+        if self._stages:  # a datasets pipeline's take/skip/seeded shuffle: they pick the rows
+            out["pipeline"] = self._stages
         if shuffle:  # the windows a resume re-derives
             out["shuffle_buffer"] = self.buffer
         return out
@@ -138,6 +141,91 @@ class _Shards(Source):
             lo = skip - w * k if w == first else 0
             for t in perm[lo:]:
                 yield window[t]
+
+
+def _hf_stages(data: Any, num_shards: int) -> list[dict[str, Any]]:
+    """The stages of a `datasets.IterableDataset` pipeline that decide which rows come out,
+    for the fingerprint; refuses those that reading shard by shard would change or that are
+    not reproducible in another process.
+
+    `make_batches` reads shard j as `ds.shard(n, j, contiguous=True)`: row-by-row stages
+    (map, filter, concatenate_datasets) give the same rows, but take/skip would apply per
+    shard and interleave_datasets would cycle within each shard's sources. The stages are
+    datasets' examples iterables (not a public API): matched by class name, as
+    `_position.data_files` reads them.
+    """
+    out: list[dict[str, Any]] = []
+    todo = [getattr(data, "_ex_iterable", None)]
+    for _ in range(4 * P._MAX_DEPTH):  # down the chain, into every source of a concatenation
+        if not todo:
+            break
+        ex = todo.pop()
+        if ex is None:
+            continue
+        names = {c.__name__ for c in type(ex).__mro__}
+        if "CyclingMultiSourcesExamplesIterable" in names:
+            raise ValueError(
+                "data interleaves several sources (datasets.interleave_datasets), which "
+                "make_batches cannot read shard by shard (rows would be lost or repeated): "
+                "interleave streams with ft.data.mix([...], weights=...) instead, or pass a "
+                "map-style dataset"
+            )
+        for stage in ("Take", "Skip"):
+            if f"{stage}ExamplesIterable" in names:
+                n = getattr(ex, "n", None)
+                if num_shards > 1:
+                    raise ValueError(
+                        f"data has a {stage.lower()}({n}) stage (ds.{stage.lower()}), which "
+                        f"make_batches cannot read shard by shard: it reads each of the "
+                        f"{num_shards} shards with ds.shard(...), so {stage.lower()} would "
+                        f"pick other rows. Apply it to the data files instead (data_files=...), "
+                        "or pass a map-style dataset (load without streaming=True, then "
+                        "Dataset.select)"
+                    )
+                out.append({stage.lower(): n})
+        if "BufferShuffledExamplesIterable" in names:
+            out.append(_hf_shuffle(ex))
+        todo.append(getattr(ex, "ex_iterable", None))
+        todo += list(getattr(ex, "ex_iterables", None) or [])[::-1]
+    return out[::-1]  # from the files up
+
+
+def _hf_shuffle(ex: Any) -> dict[str, Any]:
+    """A datasets buffer shuffle's settings; refused without a seed (one per process)."""
+    buffer = getattr(ex, "buffer_size", None)
+    gen: Any = getattr(ex, "generator", None)
+    seq = getattr(getattr(gen, "bit_generator", None), "seed_seq", None)
+    entropy = getattr(seq, "entropy", None)
+    # Without a seed, numpy draws 128 random bits of entropy in each process: an int seed of
+    # 2**64 or more is taken for one of those.
+    if entropy is None or (isinstance(entropy, int) and entropy >= 2**64):
+        raise ValueError(
+            f"data has ds.shuffle(buffer_size={buffer}) without a seed: datasets draws a new "
+            "seed in every process, so a resume would lose or repeat rows. Shuffle with "
+            "make_batches(shuffle=True) (the buffer is ft.data.stream(ds, shuffle_buffer=...)), "
+            "or give the shuffle a seed: ds.shuffle(seed=..., buffer_size=...)"
+        )
+    state = P.digest(_jsonable(gen.bit_generator.state))
+    out: dict[str, Any] = {"shuffle_buffer": buffer, "seed": _jsonable(entropy)}
+    try:
+        fresh = P.digest(_jsonable(type(gen.bit_generator)(entropy).state))
+    except (TypeError, ValueError):
+        fresh = None
+    if state != fresh:  # a generator= already drawn from: its state says where it stands
+        out["generator"] = state
+    return out
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
 
 
 def _seeded_reads(it: Iterator[Any], seed: int, epoch: int, shard: int) -> Iterator[Any]:
@@ -257,6 +345,12 @@ class _Pack(Source):
         if skip:  # resuming inside a row: it must still be there, and longer than the offset
             rows = _past(rows, skip, self.key)
         for row, after in rows:
+            if "labels" in row:  # concat makes labels = input_ids: a prompt mask would be lost
+                raise ValueError(
+                    'pack(mode="concat") on rows with labels: its blocks take labels = '
+                    "input_ids, so the rows' labels (a prompt mask) would be lost. Use "
+                    'mode="examples", which keeps them, or remove the labels column'
+                )
             tokens = list(row[self.key])
             if skip < len(tokens):
                 segs.append([before, skip, tokens[skip:]])

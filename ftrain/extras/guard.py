@@ -185,7 +185,9 @@ class SpikeGuard:
             skip: the group `make_batches` yielded (`micro`): the cursor moves past its
                 micro-batches, and a stream resumes at the position the group carries, right
                 after its last row, without reading anything again. For map-style data the
-                number of micro-batches (`len(micro)`) does as well.
+                number of micro-batches (`len(micro)`) does as well: the state's map position
+                is kept, so the data resumes at the row after the skipped micro-batches even
+                when the batch size changed earlier in the epoch.
 
         Raises:
             ValueError: for `skip < 1`, or an int `skip` on a stream (whose position after the
@@ -232,12 +234,20 @@ def _skipped(state: GuardedState, skip: MicroBatches | int) -> tuple[int, str | 
             "is known only to the group make_batches yielded. Pass skip=micro (the group just "
             "observed) instead of skip=len(micro)"
         )
-    return skip, None
+    # Map-style data: the position counts micro-batches from its cursor at its global batch,
+    # the size of the micro-batches just observed, so it stays valid at cursor start + skip
+    # (without it, a run resumed at another batch size would recount from row 0).
+    return skip, state.data.position if _kind(state) == "map" else None
 
 
 def _on_stream(state: GuardedState) -> bool:
     """Whether the state's data position is a stream's (map-style data has one too)."""
+    return _kind(state) == "stream"
+
+
+def _kind(state: GuardedState) -> Any:
+    """The kind of the state's data position ("map", "stream"), or None."""
     try:
-        return json.loads(state.data.position or "{}").get("kind") == "stream"
+        return json.loads(state.data.position or "{}").get("kind")
     except (ValueError, AttributeError):
-        return False
+        return None
