@@ -260,7 +260,8 @@ def versus_nanogpt(a: argparse.Namespace) -> None:
         runs: dict[str, list[float]] = {"ftrain": [], "nanogpt": []}
         n_params = 0
         for r in range(a.rounds):
-            for side in ("ftrain", "nanogpt") if r % 2 == 0 else ("nanogpt", "ftrain"):
+            # nanoGPT first: a checkout it cannot run with (its vocabulary) stops before ours
+            for side in ("nanogpt", "ftrain") if r % 2 == 0 else ("ftrain", "nanogpt"):
                 cmd = worker if side == "ftrain" else nanogpt_cmd(a, run_dir)
                 out = subprocess.run(
                     cmd, cwd=run_dir, capture_output=True, text=True, timeout=a.timeout
