@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -130,8 +131,9 @@ def model_logits(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
 
     The keyword arguments are `model_inputs(model, batch)`: the batch without its `labels` (so
     that an HF model does not compute a mean loss of its own) and without keys the model's
-    `forward` does not name. The output's `.logits` (HF models), else its first element when it
-    is a tuple, else the output itself.
+    `forward` does not name, plus `use_cache=False` where the forward takes `use_cache` and the
+    batch does not set it (no key/value cache; packed rows stay apart). The output's `.logits`
+    (HF models), else its first element when it is a tuple, else the output itself.
 
     Example:
         >>> import torch, ftrain as ft
@@ -172,11 +174,16 @@ def _loss_logits(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
     out = _call(model, batch)
     aux = [a for a in _AUX if getattr(out, a, None) is not None]
     if aux:
+        why = (
+            "the batch asks for output_router_logits"
+            if batch.get("output_router_logits")
+            else "its config sets output_router_logits"
+        )
         raise ValueError(
-            f"{type(_base_model(model)).__name__} returned {', '.join(aux)} (its config sets "
-            "output_router_logits): its own loss adds router_aux_loss_coef times that, which "
-            "ftrain's built-in losses do not; set config.output_router_logits = False to train "
-            "without it, or pass loss_fn=... that adds it to the sum"
+            f"{type(_base_model(model)).__name__} returned {', '.join(aux)} ({why}): its own "
+            "loss adds router_aux_loss_coef times that, which ftrain's built-in losses do not; "
+            "turn output_router_logits off to train without it, or pass loss_fn=... that adds "
+            "it to the sum"
         )
     return _logits_of(out)
 
@@ -288,12 +295,23 @@ def classification_loss(*, label_smoothing: float = 0.0) -> LossFn:
 
 
 _PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
+_CONFIGS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def _config(model: nn.Module) -> Any:
+    """The innermost model's `config` (None without one), looked up once per model: looking
+    through the wrappers is several failed attribute lookups, microseconds a micro-batch."""
+    try:
+        return _CONFIGS[model]
+    except KeyError:
+        found = _CONFIGS[model] = getattr(_base_model(model), "config", None)
+        return found
 
 
 def _problem_type(model: nn.Module, logits: torch.Tensor, labels: torch.Tensor) -> str:
     """`config.problem_type`, else what `*ForSequenceClassification.forward` infers: one
     output is regression, integer labels single-label, anything else multi-label."""
-    kind = getattr(getattr(_base_model(model), "config", None), "problem_type", None)
+    kind = getattr(_config(model), "problem_type", None)
     if kind is not None:
         if kind not in _PROBLEM_TYPES:
             raise ValueError(f"config.problem_type {kind!r} is none of {_PROBLEM_TYPES}")
@@ -445,7 +463,6 @@ def _base_model(model: nn.Module) -> nn.Module:
 
 
 _UNSHIFTED = ("ForTokenClassification", "ForMaskedLM", "WithLMHeadModel", "XLNetLMHeadModel")
-_SEQ2SEQ_HEADS = ("ForConditionalGeneration", "EncoderDecoderModel")
 
 
 def _by_class(model: nn.Module) -> LossFn | None:
@@ -460,9 +477,10 @@ def _by_class(model: nn.Module) -> LossFn | None:
     if any(n.endswith("ForQuestionAnswering") for n in names):
         return None  # span starts and ends: not a token loss
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False) is True:
-        # An LM head (T5, BART, Whisper, ... and EncoderDecoderModel); a bare BartModel or
-        # T5Model has none.
-        return _SEQ2SEQ if any(n.endswith(_SEQ2SEQ_HEADS) for n in names) else None
+        # With an LM head (T5, BART, Marian's MTModel, Whisper, EncoderDecoderModel); a bare
+        # BartModel or T5Model has none.
+        heads = getattr(model, "get_output_embeddings", None)
+        return _SEQ2SEQ if callable(heads) and heads() is not None else None
     # Decoder-only *ForConditionalGeneration (Llava, Gemma 3, ...) shift as causal LMs do.
     causal = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
     return _CAUSAL if any(n.endswith(causal) for n in names) else None
@@ -474,7 +492,7 @@ def loss_for(model: nn.Module) -> LossFn:
     | model | loss |
     |---|---|
     | causal LMs (`*ForCausalLM`, `*LMHeadModel`, decoder-only `*ForConditionalGeneration`) | `causal_lm_loss()`: labels shifted |
-    | encoder-decoder LM heads (`config.is_encoder_decoder`, `*ForConditionalGeneration` or `*EncoderDecoderModel`: T5, BART, ...) | `seq2seq_loss()`: no shift |
+    | encoder-decoder LM heads (`config.is_encoder_decoder` with output embeddings: T5, BART, Marian, ...) | `seq2seq_loss()`: no shift |
     | `*ForTokenClassification`, `*ForMaskedLM`, `*WithLMHeadModel` (XLM, Flaubert), `XLNetLMHeadModel` | `token_classification_loss()`: no shift |
     | `*ForSequenceClassification` | `classification_loss()`, by `config.problem_type` |
 

@@ -78,11 +78,13 @@ def test_srun_variables_that_cannot_describe_this_task_are_named():
 
 
 def test_export_launcher_env_refuses_variables_that_contradict_slurms():
-    for preset in ({"RANK": "0", "WORLD_SIZE": "8"}, {"LOCAL_RANK": "0"}):
+    for preset in ({"RANK": "0", "WORLD_SIZE": "8"}, {"WORLD_SIZE": "2"}):
         with pytest.raises(ValueError, match="differing from what this srun task's SLURM"):
             export_launcher_env({**SRUN, **preset})
     env = {**SRUN, "MASTER_ADDR": "10.0.0.1", "RANK": "1"}  # agreeing ones are kept
     assert export_launcher_env(env) == "slurm" and env["MASTER_ADDR"] == "10.0.0.1"
+    env = {**SRUN, "LOCAL_RANK": "0"}  # --gpus-per-task=1: one GPU visible, kept
+    assert export_launcher_env(env) == "slurm" and env["LOCAL_RANK"] == "0"
 
 
 @pytest.mark.parametrize(
@@ -109,6 +111,26 @@ def test_from_env_refuses_an_environment_that_would_train_each_process_alone(
     for k in ("WORLD_SIZE", "RANK"):
         monkeypatch.delenv(k, raising=False)
     assert isinstance(ft.strategies.from_env("ddp"), ft.strategies.SingleDevice)
+
+
+def test_from_env_takes_a_group_made_by_hand_in_a_srun_step(monkeypatch):
+    """dist.init_process_group(rank=SLURM_PROCID, world_size=...) by hand, no WORLD_SIZE in
+    the environment: the group is what counts, not the refusal for lone tasks."""
+    import torch.distributed as dist
+
+    for k in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        with ft.strategies.from_env("ddp") as strategy:
+            assert isinstance(strategy, ft.strategies.DDP) and strategy.world_size == 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_export_launcher_env_leaves_a_launchers_variables_alone():

@@ -99,9 +99,13 @@ def test_lengths_of_another_length_than_the_data_raise_naming_lengths(n):
         ft.make_batches(ROWS, batch_size=4, group_by_length=True, lengths=[3] * n)
 
 
-def test_lengths_without_group_by_length_raise():
-    with pytest.raises(ValueError, match=r"lengths= without group_by_length=True"):
-        ft.make_batches(ROWS, batch_size=4, lengths=[1] * 20)
+def test_lengths_without_group_by_length_change_nothing():
+    """They only feed grouping: passed unconditionally with grouping behind a flag is fine."""
+    plain = [b for (b,) in ft.make_batches(ROWS, batch_size=4, seed=3)]
+    given = [b for (b,) in ft.make_batches(ROWS, batch_size=4, seed=3, lengths=[1] * 20)]
+    assert len(plain) == len(given) and all(
+        torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(plain, given, strict=True)
+    )
 
 
 def test_group_by_length_with_shuffle_false_raises():

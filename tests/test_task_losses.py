@@ -113,7 +113,20 @@ def _bart(cls_name: str):
 def test_question_answering_and_bare_encoder_decoders_have_no_default_loss(cls_name):
     with pytest.raises(TypeError, match=f"the default loss does not know {cls_name}.*loss_fn="):
         ft.losses.loss_for(_bart(cls_name))
-    assert ft.losses.loss_for(_bart("BartForConditionalGeneration")) is not None
+    seq2seq = ft.losses.loss_for(_bart("BartForConditionalGeneration"))
+    assert ft.losses.loss_for(_marian()) is seq2seq  # an LM head without the usual name
+
+
+def _marian():
+    from transformers import MarianConfig, MarianMTModel
+
+    torch.manual_seed(0)
+    cfg = MarianConfig(
+        vocab_size=50, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=16, decoder_ffn_dim=16, pad_token_id=0,
+        decoder_start_token_id=0,
+    )  # fmt: skip
+    return MarianMTModel(cfg)
 
 
 def _mixtral(router_logits: bool):

@@ -105,8 +105,9 @@ def main(
             f"rank {strategy.rank}/{strategy.world_size} ({launcher}): steps {start}..{state.step}"
         )
         print(line + (" preempted" if state.step < args.steps else ""), flush=True)
-        if state.step < args.steps:  # every rank, before any exits: the marker is there
-            (Path(args.run_dir) / ".preempted").touch()  # whichever task srun sees end first
+        if state.step < args.steps:  # every rank touches the marker before any rank exits
+            (Path(args.run_dir) / ".preempted").touch()  # (srun may kill the rest at once)
+            strategy.barrier()
             return PREEMPTED
         return 0
 

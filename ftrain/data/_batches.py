@@ -121,8 +121,8 @@ def make_batches(
             `state.data.position` that is malformed or does not fit the data and settings (other
             rows, seed, shuffle or lengths; a stream's other files, shards, shuffle buffer,
             packing, mixing or global batch), naming what changed. Also for a `seed` outside
-            [0, 2**63); `lengths` without `group_by_length`, of another length than `data`,
-            or on a stream; `group_by_length` on a stream or with `shuffle=False`; and a
+            [0, 2**63); `lengths` of another length than `data` (checked when grouping), or
+            on a stream; `group_by_length` on a stream or with `shuffle=False`; and a
             `datasets` stream whose pipeline reading shard by shard would change (`take`/`skip`
             over several shards, `interleave_datasets`) or that shuffles without a seed.
         TypeError: for data that is neither indexable nor iterable, or a non-integer
@@ -180,11 +180,6 @@ def _check_grouping(data: Any, shuffle: bool, grouped: bool, lengths: Any) -> No
         raise ValueError(
             f"{given} on a stream: a stream is read in its shards' order, so it cannot be "
             "ordered by length. Drop group_by_length/lengths, or pass a map-style dataset"
-        )
-    if lengths is not None and not grouped:
-        raise ValueError(
-            "lengths= without group_by_length=True: lengths only order a length-grouped "
-            "epoch. Pass group_by_length=True, or drop lengths"
         )
     if grouped and not shuffle:
         raise ValueError(

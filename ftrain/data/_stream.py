@@ -163,7 +163,7 @@ def _hf_stages(data: Any, num_shards: int) -> list[dict[str, Any]]:
         if ex is None:
             continue
         names = {c.__name__ for c in type(ex).__mro__}
-        if "CyclingMultiSourcesExamplesIterable" in names:
+        if "CyclingMultiSourcesExamplesIterable" in names and num_shards > 1:
             raise ValueError(
                 "data interleaves several sources (datasets.interleave_datasets), which "
                 "make_batches cannot read shard by shard (rows would be lost or repeated): "
@@ -187,6 +187,13 @@ def _hf_stages(data: Any, num_shards: int) -> list[dict[str, Any]]:
             out.append(_hf_shuffle(ex))
         todo.append(getattr(ex, "ex_iterable", None))
         todo += list(getattr(ex, "ex_iterables", None) or [])[::-1]
+    else:
+        if any(t is not None for t in todo):
+            raise ValueError(
+                f"data's datasets pipeline has more than {4 * P._MAX_DEPTH} stages: too deep "
+                "to check for take/skip/interleave stages; flatten it (e.g. fewer "
+                "concatenated sources)"
+            )
     return out[::-1]  # from the files up
 
 
@@ -345,7 +352,8 @@ class _Pack(Source):
         if skip:  # resuming inside a row: it must still be there, and longer than the offset
             rows = _past(rows, skip, self.key)
         for row, after in rows:
-            if "labels" in row:  # concat makes labels = input_ids: a prompt mask would be lost
+            if "labels" in row and list(row["labels"]) != list(row[self.key]):
+                # concat makes labels = input_ids: a prompt mask would be lost
                 raise ValueError(
                     'pack(mode="concat") on rows with labels: its blocks take labels = '
                     "input_ids, so the rows' labels (a prompt mask) would be lost. Use "

@@ -149,9 +149,9 @@ def export_launcher_env(environ: MutableMapping[str, str] | None = None) -> str:
         environ: the environment to read and change (default `os.environ`).
 
     Raises:
-        ValueError: as `slurm_env`; when some of the four (or LOCAL_RANK) are set already and
-            differ from what SLURM's say (a RANK exported in the batch script would have made
-            every task that rank).
+        ValueError: as `slurm_env`; when some of the four are set already and differ from
+            what SLURM's say (a RANK exported in the batch script would have made every task
+            that rank). A LOCAL_RANK set already is kept (e.g. 0 with `--gpus-per-task=1`).
     """
     env = os.environ if environ is None else environ
     if all(k in env for k in _LAUNCHER):
@@ -159,12 +159,18 @@ def export_launcher_env(environ: MutableMapping[str, str] | None = None) -> str:
     if "SLURM_PROCID" not in env or "SLURM_JOB_ID" not in env:
         return "none"
     derived = slurm_env(env)
-    clash = [f"{k}={env[k]} (SLURM: {v})" for k, v in derived.items() if k in env and env[k] != v]
+    # LOCAL_RANK may differ: with --gpus-per-task=1 each task sees one GPU, and LOCAL_RANK=0
+    # set in the batch script is how to say so.
+    clash = [
+        f"{k}={env[k]} (SLURM: {v})"
+        for k, v in derived.items()
+        if k in env and env[k] != v and k != "LOCAL_RANK"
+    ]
     if clash:
         raise ValueError(
             f"{', '.join(clash)} already set, differing from what this srun task's SLURM "
             "variables say: unset them in the batch script (or set all four for a launcher "
             "of your own)"
         )
-    env.update(derived)
+    env.update({k: v for k, v in derived.items() if not (k == "LOCAL_RANK" and k in env)})
     return "slurm"

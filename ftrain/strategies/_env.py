@@ -56,7 +56,7 @@ def from_env(
     """
     if kind not in _KINDS:
         raise ValueError(f"kind must be 'ddp', 'fsdp' or 'tp', got {kind!r}")
-    if _world_size() <= 1 and not dist.is_initialized():
+    if not dist.is_initialized() and _world_size() <= 1:  # a group made by hand is taken
         return _single(kind, kwargs)
     owns = join_group(f"from_env({kind!r})", timeout=timeout)
     try:
@@ -98,7 +98,8 @@ def _world_size() -> int:
             f"this is task {os.environ['SLURM_PROCID']} of a srun step of "
             f"SLURM_STEP_NUM_TASKS={tasks}, but WORLD_SIZE is unset: each task would train "
             "alone; call ftrain.extras.cluster.export_launcher_env() first (it sets RANK, "
-            "WORLD_SIZE, MASTER_ADDR/PORT from SLURM's variables), or run one task"
+            "WORLD_SIZE, MASTER_ADDR/PORT from SLURM's variables), or set WORLD_SIZE=1 if "
+            "independent one-process runs are what you mean"
         )
     return world
 
