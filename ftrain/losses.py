@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -295,16 +294,16 @@ def classification_loss(*, label_smoothing: float = 0.0) -> LossFn:
 
 
 _PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
-_CONFIGS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
 
 def _config(model: nn.Module) -> Any:
     """The innermost model's `config` (None without one), looked up once per model: looking
     through the wrappers is several failed attribute lookups, microseconds a micro-batch."""
+    memo = STATE.model_configs
     try:
-        return _CONFIGS[model]
+        return memo[model]
     except KeyError:
-        found = _CONFIGS[model] = getattr(_base_model(model), "config", None)
+        found = memo[model] = getattr(_base_model(model), "config", None)
         return found
 
 

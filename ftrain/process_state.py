@@ -37,6 +37,8 @@ Caches of pure lookups: they never change a result, so `snapshot()` leaves them 
     `default_losses`  a model -> `loss_for(model)` and the loss `accumulate_grads` runs for it
         under the default loss (the same, its item count left in the loss's dtype). Owner:
         `ftrain.losses`. Weak keys: an entry goes with its model.
+    `model_configs`  a model -> its innermost model's `config` (None without one), looked up
+        through the wrappers once. Owner: `ftrain.losses` (`classification_loss`). Weak keys.
     `kernel_import_errors`  a fused-loss kernel -> why its library does not import (None: it
         does). Owner: `ftrain.extras.chunked_loss`; for the life of the process (each import
         is tried once).
@@ -100,6 +102,7 @@ class ProcessState:
         default_factory=_Weak
     )
     default_losses: _Weak[Any, tuple[Any, Any]] = field(default_factory=_Weak)
+    model_configs: _Weak[Any, Any] = field(default_factory=_Weak)
     kernel_import_errors: dict[str, str | None] = field(default_factory=dict)
     dp_noise_key: bytes | None = None
 
