@@ -234,3 +234,15 @@ def test_reduce_loss_validates_max_completion_length(length):
 def test_clipped_objective_validates_like_policy_loss(bad, phrase):
     with pytest.raises(ValueError, match=phrase):
         ft.rl.clipped_objective(torch.zeros(1, 1), torch.zeros(1, 1), torch.tensor([1.0]), **bad)
+
+
+def test_an_inf_reward_on_one_rank_raises_on_every_rank(tmp_path):
+    """Checked after the gather: the ranks without the inf raise too, none waits."""
+    import rl_workers
+    from launch import run_ranks
+
+    run_ranks(rl_workers.inf_on_one_rank, str(tmp_path), timeout=120)
+    for name in ("group_advantages", "rloo_advantages"):
+        for rank in (0, 1):
+            text = (tmp_path / f"{name}-{rank}.txt").read_text()
+            assert "rewards hold inf at rows [6] of the global batch" in text, (name, rank)

@@ -81,3 +81,17 @@ def dp(rank: int, world: int, port: int, out: str) -> None:
     save_file(got.pop("params"), str(Path(out, f"params-{rank}.safetensors")))
     Path(out, f"rl-{rank}.json").write_text(json.dumps(got))
     strategy.close()  # releases the DDP model before the group goes
+
+
+def inf_on_one_rank(rank: int, world: int, port: int, out: str) -> None:
+    """Only rank 1 holds an inf reward: both ranks must raise ftrain's error (none may wait in
+    the gather for the other)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # fmt: skip
+    with ft.strategies.from_env("ddp") as strategy:
+        rewards = torch.tensor([1.0, 2.0, float("inf") if rank == 1 else 3.0, 0.0])
+        for advantages in (ft.rl.group_advantages, ft.rl.rloo_advantages):
+            try:
+                advantages(rewards, 2, strategy=strategy)
+            except ValueError as e:
+                Path(out, f"{advantages.__name__}-{rank}.txt").write_text(str(e))

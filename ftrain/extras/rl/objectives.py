@@ -41,7 +41,7 @@ def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
 
 
 def _check_rewards(rewards: torch.Tensor, num_generations: int) -> None:
-    """This rank's rewards, before any collective: every rank raises alike on its own rows."""
+    """The arguments and this rank's rewards' type, before any collective."""
     if not (_is_int(num_generations) and num_generations >= 2):
         raise ValueError(
             f"num_generations must be an int >= 2 (with one completion per prompt every "
@@ -52,10 +52,16 @@ def _check_rewards(rewards: torch.Tensor, num_generations: int) -> None:
         raise ValueError(f"rewards must be a floating-point tensor, got {what}")
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D, got shape {tuple(rewards.shape)}")
+
+
+def _check_finite(rewards: torch.Tensor) -> None:
+    """After the gather: every rank sees every rank's rewards and raises alike (a check of this
+    rank's rows alone would leave the others waiting in the collective)."""
     inf = torch.isinf(rewards).nonzero().view(-1)
     if inf.numel():
         raise ValueError(
-            f"rewards hold inf at rows {inf.tolist()}: mark an unscorable completion with NaN"
+            f"rewards hold inf at rows {inf.tolist()} of the global batch: mark an unscorable "
+            "completion with NaN"
         )
 
 
@@ -109,6 +115,7 @@ def group_advantages(
     _check_rewards(rewards, num_generations)
     local = rewards.shape[0]
     rewards, start = _global(rewards, strategy)
+    _check_finite(rewards)
     grouped = _grouped(rewards, num_generations)
     adv = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)).view(-1)
     if scale == "group":
@@ -146,6 +153,7 @@ def rloo_advantages(
     _check_rewards(rewards, num_generations)
     local = rewards.shape[0]
     rewards, start = _global(rewards, strategy)
+    _check_finite(rewards)
     grouped = _grouped(rewards, num_generations)
     n = (~torch.isnan(grouped)).sum(1, keepdim=True)
     baseline = (torch.nansum(grouped, 1, keepdim=True) - grouped) / (n - 1)
