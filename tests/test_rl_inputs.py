@@ -178,6 +178,61 @@ def test_rollout_batches_refuses_advantages_of_another_shape(rollout):
     assert ft.rl.rollout_batches([rollout], [torch.zeros(n, t)])[0]["advantages"].shape == (n, t)
 
 
+def test_temperature_follows_the_rollout(state):
+    """A rollout sampled at T=0.7 used to train (policy_loss's default 1.0) and to score the
+    reference (rollout_batches' default 1.0) at T=1: a ratio of the new policy at 1.0 over the
+    old at 0.7, not 1 at the first iteration, and a KL between two temperatures."""
+    r = ft.rl.sample(
+        state, _prompts(), index=[0, 1, 2], num_generations=2, max_new_tokens=4, temperature=0.7
+    )
+    assert r.temperature == 0.7
+    n = r.completion_ids.shape[0]
+    ref = W.model()
+    (batch,) = ft.rl.rollout_batches([r], [torch.zeros(n)], reference=ref)
+    assert batch["temperature"] == 0.7
+    with torch.no_grad():
+        want = ft.rl.token_logps(ref, batch, temperature=0.7)
+        now = ft.rl.token_logps(state.model, batch, temperature=0.7)
+    assert torch.equal(batch["ref_logps"], want)
+    # the first iteration's ratio is 1 at the rollout's temperature: the policy's log-probs
+    # equal the sampling ones on the mask
+    mask = batch["completion_mask"].bool()
+    torch.testing.assert_close(now[mask], batch["old_logps"][mask], rtol=0, atol=1e-5)
+    # policy_loss without a temperature trains at the batch's; equal to the explicit one
+    loss_fn = ft.rl.policy_loss(beta=0.1)
+    got = loss_fn(state.model, batch)
+    same = ft.rl.policy_loss(beta=0.1, temperature=0.7)(state.model, batch)
+    assert torch.equal(got[0], same[0])
+    with pytest.raises(ValueError, match=r"policy_loss\(temperature=1.0\) differs from the batch"):
+        ft.rl.policy_loss(temperature=1.0)(state.model, batch)
+    with pytest.raises(ValueError, match=r"rollout_batches\(temperature=1.0\) differs from rollout 0"):
+        ft.rl.rollout_batches([r], [torch.zeros(n)], reference=ref, temperature=1.0)
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
+        ft.rl.rollout_batches([r], [torch.zeros(n)], temperature=0.0)
+    # the matching value is accepted; a hand-built batch without one trains at 1.0
+    ft.rl.rollout_batches([r], [torch.zeros(n)], reference=ref, temperature=0.7)
+    plain = {k: v for k, v in batch.items() if k != "temperature"}
+    torch.testing.assert_close(
+        ft.rl.policy_loss(beta=0.1)(state.model, plain)[0],
+        ft.rl.policy_loss(beta=0.1, temperature=1.0)(state.model, plain)[0],
+        rtol=0, atol=0,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="the batch's temperature must be a finite number > 0"):
+        ft.rl.policy_loss()(state.model, {**batch, "temperature": -1.0})
+
+
+def test_temperature_reaches_accumulate_grads(state):
+    """The batch's float passes the strategy's to_device and the token counts."""
+    r = ft.rl.sample(
+        state, _prompts(), index=[0, 1, 2], num_generations=2, max_new_tokens=4, temperature=0.5
+    )
+    micro = ft.rl.rollout_batches([r], [torch.linspace(-1, 1, r.completion_ids.shape[0])])
+    grads, stats = ft.accumulate_grads(state, micro, ft.rl.policy_loss())
+    assert grads and bool(torch.isfinite(stats.loss))
+    with pytest.raises(ValueError, match="differs from the batch's temperature 0.5"):
+        ft.accumulate_grads(state, micro, ft.rl.policy_loss(temperature=1.0))
+
+
 # --- losses ------------------------------------------------------------------------------------
 
 

@@ -284,7 +284,7 @@ def policy_loss(
     epsilon: float = 0.2,
     epsilon_high: float | None = None,
     delta: float | None = None,
-    temperature: float = 1.0,
+    temperature: float | None = None,
     max_completion_length: int | None = None,
     bias_correction_kl: bool = True,
 ) -> LossFn:
@@ -293,7 +293,9 @@ def policy_loss(
     Per token: `clipped_objective(logp, old_logp, A) + beta * kl_k3(logp, ref_logp)`, the KL
     multiplied by `rho = exp(logp - old_logp)` with `bias_correction_kl` (TRL's
     `use_bias_correction_kl`, on by default); reduced by `reduce_loss(loss_type)`. `logp` is
-    `token_logps(model, batch, temperature=temperature)`. The batch is what `rollout_batches`
+    `token_logps(model, batch, temperature=...)` at the batch's `temperature` (the rollout's,
+    which `rollout_batches` puts there; 1.0 in a batch without one); a `temperature` given here
+    must equal the batch's. The batch is what `rollout_batches`
     builds: prompt and completion ids and masks, `advantages`, `old_logps` (absent: the
     current log-probs detached, ratio 1, as TRL when `num_iterations=1`) and, with `beta > 0`,
     `ref_logps`. Defaults are `GRPOConfig`'s.
@@ -302,8 +304,8 @@ def policy_loss(
         ValueError: for an unknown `loss_type`, `dr_grpo` without `max_completion_length` (or,
             when the loss runs, with completions wider than it), a `beta`, `epsilon` or
             `epsilon_high` that is not a finite number >= 0, a `delta` that is not a finite
-            number > 1, a `temperature` that is not a finite number > 0, a
-            `bias_correction_kl` that is not a bool.
+            number > 1, a `temperature` that is not a finite number > 0 (or, when the loss
+            runs, differs from the batch's), a `bias_correction_kl` that is not a bool.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
@@ -312,13 +314,13 @@ def policy_loss(
     if not (_is_finite(beta) and beta >= 0):
         raise ValueError(f"beta must be a finite number >= 0, got {beta!r}")
     _check_clip(epsilon, epsilon_high, delta)
-    if not (_is_finite(temperature) and temperature > 0):
+    if temperature is not None and not (_is_finite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     if not isinstance(bias_correction_kl, bool):
         raise ValueError(f"bias_correction_kl must be a bool, got {bias_correction_kl!r}")
 
     def loss_fn(model: nn.Module, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        logps = token_logps(model, batch, temperature=temperature)
+        logps = token_logps(model, batch, temperature=_temperature(batch, temperature))
         old = batch.get("old_logps")
         old = logps.detach() if old is None else old
         per_token = clipped_objective(
@@ -342,3 +344,20 @@ def policy_loss(
         )
 
     return loss_fn
+
+
+def _temperature(batch: Mapping[str, Any], given: float | None) -> float:
+    """The temperature of a batch's log-probs: the batch's (its rollout's), which one given to
+    `policy_loss` must equal; 1.0 when neither says."""
+    own = batch.get("temperature")
+    if own is not None and not (_is_finite(own) and own > 0):
+        raise ValueError(f"the batch's temperature must be a finite number > 0, got {own!r}")
+    if given is None:
+        return 1.0 if own is None else float(own)
+    if own is not None and float(own) != given:
+        raise ValueError(
+            f"policy_loss(temperature={given!r}) differs from the batch's temperature {own!r}, "
+            "the one its rollout was sampled and its old_logps computed at: the ratio would "
+            "compare two distributions; leave temperature=None (the batch's)"
+        )
+    return given

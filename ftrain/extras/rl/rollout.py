@@ -44,7 +44,8 @@ class Rollout:
     convention of TRL's `old_per_token_logps`), 0 where the mask is 0; `truncated`: rows that
     hit `max_new_tokens` before a stop token (mask them for TRL's
     `mask_truncated_completions`); `completion_index`: each row's completion number, which
-    seeded it.
+    seeded it; `temperature`: the one `logps` are at, which `rollout_batches` passes on so
+    that `policy_loss` and the reference's log-probs use the same (TRL's one `temperature`).
     """
 
     prompt_ids: torch.Tensor
@@ -54,6 +55,7 @@ class Rollout:
     logps: torch.Tensor
     truncated: torch.Tensor
     completion_index: torch.Tensor
+    temperature: float = 1.0
 
 
 def sample_seed(seed: int, step: int, completion: int) -> int:
@@ -301,6 +303,7 @@ def sample(
         logps=logps * completion_mask,
         truncated=~is_stop.any(1),
         completion_index=torch.tensor(completions, device=ids.device),
+        temperature=float(temperature),
     )
 
 
@@ -394,27 +397,34 @@ def rollout_batches(
     prompts: MicroBatches | None = None,
     *,
     reference: nn.Module | None = None,
-    temperature: float = 1.0,
+    temperature: float | None = None,
     mask_truncated: bool = False,
 ) -> MicroBatches:
     """One micro-batch per rollout for `accumulate_grads(state, micro, ft.rl.policy_loss(...))`.
 
     Each holds the rollout's prompt and completion tensors, its `advantages` (one per row),
     `old_logps` (the sampling policy's, `Rollout.logps`) and, with a `reference` model,
-    `ref_logps` computed here without gradients. `prompts` (the `make_batches` group the
-    rollouts were sampled from, one rollout per micro-batch) gives the data position that
-    `clip_and_step` records, so `len` and position match the prompts consumed.
+    `ref_logps` computed here without gradients, and `temperature` (the rollout's, a float)
+    for `policy_loss`. `prompts` (the `make_batches` group the rollouts were sampled from, one
+    rollout per micro-batch) gives the data position that `clip_and_step` records, so `len`
+    and position match the prompts consumed.
 
     Args:
         advantages: per rollout, shape `(N,)` (one per row) or `(N, T)` (one per completion
             token), finite.
+        temperature: of the reference's log-probs; None (the default) takes each rollout's
+            `temperature`, the one it was sampled and its `logps` computed at. Another value
+            raises: old, reference and new log-probs at different temperatures make a ratio
+            and a KL of two different distributions.
         mask_truncated: zero the mask of truncated completions (TRL's
             `mask_truncated_completions`).
 
     Raises:
         ValueError: for counts that differ, `advantages` of another shape or not finite, a
-            `mask_truncated` that is not a bool.
+            `mask_truncated` that is not a bool, a `temperature` other than a rollout's.
     """
+    if temperature is not None:
+        _check_warp(temperature, None, 1.0)
     if not isinstance(mask_truncated, bool):
         raise ValueError(f"mask_truncated must be a bool, got {mask_truncated!r}")
     if len(rollouts) != len(advantages) or (prompts is not None and len(prompts) != len(rollouts)):
@@ -437,6 +447,13 @@ def rollout_batches(
                 f"advantages[{k}] holds NaN or inf (group_advantages gives unscorable "
                 "completions 0)"
             )
+        if temperature is not None and temperature != r.temperature:
+            raise ValueError(
+                f"rollout_batches(temperature={temperature!r}) differs from rollout {k}'s "
+                f"temperature {r.temperature!r}, the one it was sampled and its logps computed "
+                "at: leave temperature=None (the rollout's), or sample at the temperature you "
+                "train at"
+            )
         keep = r.completion_mask * (~r.truncated)[:, None] if mask_truncated else r.completion_mask
         batch = {
             "prompt_ids": r.prompt_ids,
@@ -445,11 +462,12 @@ def rollout_batches(
             "completion_mask": keep,
             "advantages": adv.to(r.logps),
             "old_logps": r.logps,
+            "temperature": r.temperature,  # policy_loss's, unless it is given one (then equal)
             # for Stats' token count: prompt and completion tokens
             "attention_mask": torch.cat([r.prompt_mask, keep], 1),
         }
         if reference is not None:
             with eval_mode(reference), torch.no_grad():
-                batch["ref_logps"] = token_logps(reference, batch, temperature=temperature)
+                batch["ref_logps"] = token_logps(reference, batch, temperature=r.temperature)
         out.append(batch)
     return MicroBatches(tuple(out), None if prompts is None else prompts.position)
