@@ -43,6 +43,13 @@ Caches of pure lookups: they never change a result, so `snapshot()` leaves them 
         does). Owner: `ftrain.extras.chunked_loss`; for the life of the process (each import
         is tried once).
 
+A record, kept for a later call:
+
+    `ray_reported`  the folder name of the last checkpoint `ftrain.extras.ray.save_and_report`
+        reported from this process, which `wait_for_reports(timeout_s=...)` checks that Ray
+        registered (Ray returns quietly when its wait times out). Owner: `ftrain.extras.ray`;
+        for the life of the worker process (a restarted worker starts without one).
+
 A secret, drawn once:
 
     `dp_noise_key`  32 bytes from the OS (`secrets.token_bytes`) that key DP-SGD noise when
@@ -105,6 +112,7 @@ class ProcessState:
     model_configs: _Weak[Any, Any] = field(default_factory=_Weak)
     kernel_import_errors: dict[str, str | None] = field(default_factory=dict)
     dp_noise_key: bytes | None = None
+    ray_reported: str | None = None
 
 
 STATE = ProcessState()

@@ -277,7 +277,10 @@ def fake_worker(monkeypatch):
     """ray.train as a worker sees it, with `report` recording its calls (no cluster)."""
     import ray.train
 
+    from ftrain.process_state import STATE
+
     reports = []
+    monkeypatch.setattr(STATE, "ray_reported", None)  # this process reported nothing yet
     monkeypatch.setattr(ray.train, "get_context", lambda: type("C", (), {"get_world_rank": int}))
     monkeypatch.setattr(ray.train, "report", lambda metrics, **kw: reports.append((metrics, kw)))
     return reports
@@ -312,3 +315,36 @@ def test_a_sharded_checkpoint_some_rank_cannot_see_is_refused_before_ray_hears_o
     with pytest.raises(RuntimeError, match=r"root=.* must be shared by every worker"):
         ray_ft.save_and_report(state, tmp_path)
     assert fake_worker == []
+
+
+def test_wait_for_reports_raises_when_ray_times_out_before_registering(tmp_path, fake_worker):
+    """Ray's wait returns the checkpoints registered so far when its timeout passes; a
+    preempted worker leaving then would restart from an older checkpoint, so this raises."""
+    import ray.train
+
+    def registered(*names):
+        def get_all(consistency_mode, timeout_s):
+            assert consistency_mode == ray.train.CheckpointConsistencyMode.COMMITTED
+            made = [ray.train.Checkpoint(f"/storage/run/{n}") for n in names]
+            return [type("Reported", (), {"checkpoint": c}) for c in made]
+
+        return get_all
+
+    state = build()
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(ray.train, "get_all_reported_checkpoints", registered())
+        ray_ft.wait_for_reports(timeout_s=5)  # nothing reported from here: nothing to wait for
+        ray_ft.save_and_report(state.replace(step=3), tmp_path)
+        with pytest.raises(TimeoutError, match=r"not registered checkpoint 'step-3'.*timeout_s=5"):
+            ray_ft.wait_for_reports(timeout_s=5)
+        mp.setattr(ray.train, "get_all_reported_checkpoints", registered("step-1"))
+        with pytest.raises(TimeoutError, match="'step-3'"):
+            ray_ft.wait_for_reports(timeout_s=5)
+        mp.setattr(ray.train, "get_all_reported_checkpoints", registered("step-1", "step-3"))
+        ray_ft.wait_for_reports(timeout_s=5)
+        for bad in (0, -1.0, float("nan"), True, "5"):
+            with pytest.raises(ValueError, match="timeout_s must be a number > 0 or None"):
+                ray_ft.wait_for_reports(timeout_s=bad)
+    finally:
+        mp.undo()

@@ -30,6 +30,7 @@ from typing import Any, Literal
 import torch
 
 import ftrain as ft
+from ftrain.process_state import STATE
 from ftrain.state import TrainState
 
 __all__ = [
@@ -204,6 +205,7 @@ def save_and_report(
         checkpoint_upload_mode=mode,
         delete_local_checkpoint_after_upload=True,
     )
+    STATE.ray_reported = path.name  # every rank: wait_for_reports checks it was registered
     if strategy.process_rank == 0:
         _remove_empty_stages(Path(root), keep=stage)
     return path
@@ -222,16 +224,34 @@ def wait_for_reports(timeout_s: float | None = None) -> None:
     resumes from the preemption's checkpoint, not an older one still in flight.
 
     Args:
-        timeout_s: how long to wait at most (None: as long as it takes).
+        timeout_s: how long to wait at most (None: as long as it takes), a number > 0.
 
     Raises:
         RuntimeError: outside a Ray Train worker.
+        TimeoutError: when Ray has not registered the last checkpoint `save_and_report`
+            reported from this process within `timeout_s` (Ray's own wait returns quietly
+            then, with the checkpoints registered so far).
+        ValueError: for a `timeout_s` that is not a number > 0 or None.
     """
+    if timeout_s is not None and (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, (int, float))
+        or not timeout_s > 0  # NaN fails too
+    ):
+        raise ValueError(f"timeout_s must be a number > 0 or None, got {timeout_s!r}")
     train = require_ray()
     _in_worker(train, "wait_for_reports")
-    train.get_all_reported_checkpoints(
+    registered = train.get_all_reported_checkpoints(
         consistency_mode=train.CheckpointConsistencyMode.COMMITTED, timeout_s=timeout_s
     )
+    last = STATE.ray_reported
+    # Ray keeps the latest checkpoint whatever its retention: absent means not registered yet.
+    if last is not None and last not in {Path(r.checkpoint.path).name for r in registered}:
+        raise TimeoutError(
+            f"wait_for_reports: Ray has not registered checkpoint {last!r} (the last one "
+            f"save_and_report reported) within timeout_s={timeout_s}: its upload is still in "
+            "flight; a group restarted now would resume from an older checkpoint"
+        )
 
 
 def restore(state: TrainState, *, strict: bool = True) -> TrainState:
