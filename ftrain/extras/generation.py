@@ -8,6 +8,7 @@ position, accuracy per subject, and `mean_over_subjects` for the mean of those a
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -50,8 +51,17 @@ def left_pad(
     return ids, mask
 
 
+def _setting(model: nn.Module, kwargs: Mapping[str, Any], name: str) -> Any:
+    """A generation setting as HF resolves it: the keyword, else the `generation_config` passed
+    (its unset fields fall back to the model's), else the model's `generation_config`."""
+    if name in kwargs:
+        return kwargs[name]
+    value = getattr(kwargs.get("generation_config"), name, None)
+    return getattr(model.generation_config, name, None) if value is None else value
+
+
 def _eos_ids(model: nn.Module, kwargs: Mapping[str, Any]) -> list[int]:
-    eos = kwargs.get("eos_token_id", getattr(model.generation_config, "eos_token_id", None))
+    eos = _setting(model, kwargs, "eos_token_id")
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
@@ -96,7 +106,9 @@ def generate(
         gather: gather every rank's rows (a collective); False yields this rank's only.
         strategy: overrides `state.strategy`.
         **generate_kwargs: for `model.generate`, e.g. `max_new_tokens=32, do_sample=False`.
-            `pad_token_id` defaults to the model's, else the tokenizer's.
+            `pad_token_id` defaults to the model's, else the tokenizer's. A `generation_config`
+            passed here counts as HF counts it (its `eos_token_id` ends the rows, its
+            `pad_token_id` pads them; unset ones fall back to the model's); it is not changed.
 
     Yields:
         `{"token_ids": [[int, ...], ...]}` per batch, the new tokens of each prompt up to and
@@ -115,7 +127,8 @@ def generate(
     if taken := sorted(set(_OWN) & set(generate_kwargs)):
         raise TypeError(f"generate takes the prompts from the batches, not from {taken}")
     kwargs = dict(generate_kwargs)
-    pad_id = kwargs.setdefault("pad_token_id", _pad_id(model, tokenizer))
+    pad_id = _pad_id(model, kwargs, tokenizer)
+    _set_pad(kwargs, pad_id)
     if strategy.world_size > 1:
         kwargs.setdefault("synced_gpus", True)
     eos = _eos_ids(model, kwargs)
@@ -154,8 +167,19 @@ def _new_tokens(
     return getattr(out, "sequences", out)[:, ids.shape[1] :]
 
 
-def _pad_id(model: nn.Module, tokenizer: Any) -> int:
-    pad = getattr(model.generation_config, "pad_token_id", None)
+def _set_pad(kwargs: dict[str, Any], pad_id: int) -> None:
+    """Give `generate` the pad id: as a keyword, or inside a passed `generation_config` (a copy;
+    HF deprecates a keyword beside a config)."""
+    config = kwargs.get("generation_config")
+    if "pad_token_id" in kwargs or config is None:
+        kwargs.setdefault("pad_token_id", pad_id)
+    elif config.pad_token_id is None:
+        kwargs["generation_config"] = config = copy.deepcopy(config)
+        config.pad_token_id = pad_id
+
+
+def _pad_id(model: nn.Module, kwargs: Mapping[str, Any], tokenizer: Any) -> int:
+    pad = _setting(model, kwargs, "pad_token_id")
     if pad is None and tokenizer is not None:
         pad = tokenizer.pad_token_id
     if pad is None:
@@ -202,6 +226,11 @@ def multiple_choice_metrics(
         ref = labels[rows, pos]
         if not torch.isin(ref[answered], choices).all():  # a host sync, outside the step path
             raise ValueError(f"an answer token is not one of choice_ids={list(choice_ids)}")
+        if (answered & (pos == 0)).any():  # a host sync too; index -1 would wrap around
+            raise ValueError(
+                "an answer token (the row's first label) is at position 0, where no logit "
+                "predicts it: put at least one prompt token before the answer"
+            )
         pred = choices[logits[rows, pos - 1][:, choices].argmax(-1)]
         correct = (pred == ref) & answered
         loss = F.cross_entropy(

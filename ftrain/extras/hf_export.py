@@ -91,10 +91,38 @@ def _merged(module: nn.Module, *, sharded: bool) -> nn.Module:
         )
     if sharded:
         raise ValueError("merge=True is not supported for sharded (FSDP) states")
+    _refuse_tied_merges(module)
     import copy
 
     with torch.no_grad():
         return copy.deepcopy(module).merge_and_unload()  # type: ignore[operator]
+
+
+def _refuse_tied_merges(module: nn.Module) -> None:
+    """Raise if an adapter would be merged into a weight that another layer shares.
+
+    A tied embedding and output layer share one tensor; an adapter on one of them changes only
+    that layer in training, but merged into the shared tensor it changes both (the exported
+    logits differed from the trained model's by 33 on a tiny tied Llama).
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    names: dict[int, list[str]] = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    for name, layer in module.named_modules():
+        weight = getattr(layer.get_base_layer(), "weight", None) if isinstance(
+            layer, BaseTunerLayer
+        ) else None  # fmt: skip
+        others = [n for n in names.get(id(weight), []) if not n.startswith(f"{name}.")]
+        if weight is not None and others:
+            raise ValueError(
+                f"merge=True would merge the adapter of {name!r} into a weight tied to "
+                f"{others[0]!r}, changing that layer too: the merged model would not compute "
+                "what was trained. Export the adapter (merge=False) and load it with "
+                "PeftModel.from_pretrained, or untie the weights before training "
+                "(tie_word_embeddings=False)"
+            )
 
 
 def _save_module(

@@ -11,6 +11,7 @@ and in checkpoints; `export_pretrained(state, dir)` writes the adapter that
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Literal
 
@@ -70,8 +71,11 @@ def apply(
         **lora_kwargs: passed to `peft.LoraConfig`.
 
     Raises:
+        ValueError: for `r` not an int >= 1, `alpha` not a finite number > 0 (`alpha=0` scales
+            every adapter by 0: nothing would ever train), or `dropout` outside [0, 1).
         ImportError: without peft (`pip install 'ftrain[hf]'`).
     """
+    _check_hyperparameters(r, alpha, dropout)
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as e:  # pragma: no cover - peft is part of the hf extra
@@ -86,6 +90,23 @@ def apply(
         **lora_kwargs,
     )
     return get_peft_model(model, config)
+
+
+def _check_hyperparameters(r: Any, alpha: Any, dropout: Any) -> None:
+    # peft accepts alpha=0 (adapters scaled by 0: no gradient ever reaches them) and turns a
+    # negative or NaN dropout into no dropout; a bool is no number here (True is not 1).
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    if not (isinstance(r, int) and not isinstance(r, bool) and r >= 1):
+        raise ValueError(f"r (the LoRA rank) must be an int >= 1, got {r!r}")
+    if not (number(alpha) and alpha > 0):
+        raise ValueError(
+            f"alpha must be a finite number > 0 (the adapters are scaled by alpha / r), got "
+            f"{alpha!r}"
+        )
+    if not (number(dropout) and 0 <= dropout < 1):
+        raise ValueError(f"dropout must be a number in [0, 1), got {dropout!r}")
 
 
 def is_quantized(model: nn.Module) -> bool:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
 
-from ftrain.extras.func._grads import check_model
+from ftrain.extras.func._common import check_model, check_number, is_number
 from ftrain.losses import LossFn
 from ftrain.optim import Optimizer
 
@@ -59,12 +59,15 @@ class Ensemble(nn.Module):
         # The skeleton holds the stacked tensors under the members' own names; the base, on the
         # meta device (no memory), is the function `functional_call` runs per member.
         self.stacked = copy.deepcopy(members[0])
-        for name, p in self.stacked.named_parameters():
-            _set(self.stacked, name, nn.Parameter(params[name].detach(), p.requires_grad))
+        for name, p in list(self.stacked.named_parameters()):  # listed before any is replaced
+            stacked = nn.Parameter(params[name].detach(), p.requires_grad)
+            for alias in _aliases(self.stacked, name):
+                _set(self.stacked, alias, stacked)
         for name in buffers:
-            _set(self.stacked, name, buffers[name], buffer=True)
+            for alias in _aliases(self.stacked, name, buffers=True):
+                _set(self.stacked, alias, buffers[name], buffer=True)
         self.num_members = len(members)
-        self.__dict__["base"] = copy.deepcopy(members[0]).to("meta")
+        self.__dict__["base"] = _meta_copy(members[0])
 
     def _weights(self) -> dict[str, torch.Tensor]:
         named: dict[str, torch.Tensor] = dict(self.stacked.named_parameters())
@@ -87,13 +90,13 @@ class Ensemble(nn.Module):
         return self.map(lambda member: member(*args, **kwargs))
 
     def member(self, k: int) -> nn.Module:
-        """An independent copy of member `k` as a plain module."""
+        """An independent copy of member `k` as a plain module (tied weights stay tied)."""
         module = copy.deepcopy(self.stacked)
         for name, t in self._weights().items():
-            value = nn.Parameter(t[k].detach().clone(), t.requires_grad) if isinstance(
-                t, nn.Parameter
-            ) else t[k].clone()  # fmt: skip
-            _set(module, name, value, buffer=not isinstance(t, nn.Parameter))
+            param = isinstance(t, nn.Parameter)
+            value = nn.Parameter(t[k].detach().clone(), t.requires_grad) if param else t[k].clone()
+            for alias in _aliases(module, name, buffers=not param):
+                _set(module, alias, value, buffer=not param)
         return module
 
 
@@ -174,6 +177,31 @@ class _Apply(nn.Module):
         return self.fn(self.model)
 
 
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of `module` on the meta device with its tied weights still tied.
+
+    `.to("meta")` gives every module its own new tensor, so an output layer tied to the
+    embedding would keep a meta tensor that `functional_call` does not replace (it ties the
+    names it is given to the names the module shares): the forward read uninitialized memory.
+    """
+    base = copy.deepcopy(module).to("meta")
+    for buffers, named in ((False, module.named_parameters), (True, module.named_buffers)):
+        for name, _ in named():
+            shared = base.get_buffer(name) if buffers else base.get_parameter(name)
+            for alias in _aliases(module, name, buffers=buffers):
+                _set(base, alias, shared, buffer=buffers)
+    return base
+
+
+def _aliases(root: nn.Module, name: str, *, buffers: bool = False) -> list[str]:
+    """Every name under which `root` holds the tensor named `name`: a tied weight (an embedding
+    and its output layer) has several, and each must get the stacked tensor, or the skeleton
+    would keep member 0's own tensor under the others (unstacked, untied and trainable)."""
+    named = root.named_buffers if buffers else root.named_parameters
+    target = dict(named())[name]
+    return [n for n, t in named(remove_duplicate=False) if t is target]
+
+
 def _set(root: nn.Module, name: str, value: torch.Tensor, *, buffer: bool = False) -> None:
     owner, _, leaf = name.rpartition(".")
     module = root.get_submodule(owner)
@@ -214,8 +242,7 @@ def clip_members(grads: Mapping[str, torch.Tensor], max_norm: float) -> torch.Te
     Returns:
         The members' pre-clip norms, shape `(K,)` (a device tensor).
     """
-    if not (isinstance(max_norm, (int, float)) and max_norm > 0):
-        raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}")
+    check_number("max_norm", max_norm, positive=True)
     g = list(grads.values())
     norms = torch.stack([t.flatten(1).norm(dim=1) for t in g], dim=1).norm(dim=1)
     factor = (max_norm / (norms + 1e-6)).clamp(max=1.0)
@@ -250,9 +277,10 @@ def sweep(
     k = len(optimizers)
     if k == 0 or not all(isinstance(o, Optimizer) for o in optimizers):
         raise TypeError("optimizers must be a non-empty sequence of ft.optim.Optimizer")
-    factors = [1.0] * k if lr_factors is None else [float(f) for f in lr_factors]
-    if len(factors) != k or any(not f >= 0 for f in factors):
-        raise ValueError(f"lr_factors must be {k} numbers >= 0, got {lr_factors!r}")
+    given = [1.0] * k if lr_factors is None else list(lr_factors)
+    if len(given) != k or not all(is_number(f) and f >= 0 for f in given):  # no bool, inf, NaN
+        raise ValueError(f"lr_factors must be {k} finite numbers >= 0, got {lr_factors!r}")
+    factors = [float(f) for f in given]
 
     def init(params: Mapping[str, torch.Tensor]) -> tuple[Any, ...]:
         _check_members(params, k)

@@ -4,59 +4,32 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import math
 import secrets
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ftrain.data import MicroBatches
+from ftrain.extras.func._common import (
+    FuncError,
+    _LossModule,
+    check_int,
+    check_model,
+    check_number,
+)
+from ftrain.extras.func._ensemble import Ensemble
 from ftrain.grads import Stats, batch_counts
 from ftrain.losses import LossFn, default_loss
 from ftrain.process_state import STATE
 from ftrain.rng import default_generators, dropout_seed, restored
 from ftrain.state import TrainState
 
-__all__ = ["FuncError", "per_sample_grads", "private_grads"]
+__all__ = ["FuncError", "check_model", "per_sample_grads", "private_grads"]
 
 _MIN_KEY_BYTES = 16
-
-
-class FuncError(RuntimeError):
-    """A model or loss that `torch.func` cannot transform over examples (see docs/research.md)."""
-
-
-class _LossModule(nn.Module):
-    """`loss_fn(model, batch)` as a module, so `functional_call` swaps the model's parameters for
-    the whole loss, whatever submodules or attributes the loss reaches."""
-
-    def __init__(self, model: nn.Module, loss_fn: LossFn) -> None:
-        super().__init__()
-        self.model = model
-        self.loss_fn = loss_fn
-
-    def forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.loss_fn(self.model, batch)
-
-
-def check_model(model: nn.Module) -> None:
-    """Raise `FuncError` for modules whose per-example gradients are not defined.
-
-    Batch norm in training mode normalises with the statistics of the whole batch (so one
-    example's loss depends on the others) and writes running statistics in place.
-    """
-    for name, m in model.named_modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training:
-            raise FuncError(
-                f"{name or 'the model'} is {type(m).__name__} in training mode: it mixes the "
-                "examples of a batch, so per-example gradients are not defined. Put it in eval "
-                "mode (model.eval()) or replace it by GroupNorm/LayerNorm "
-                "(opacus.validators.ModuleValidator.fix does that)"
-            )
 
 
 def _resolved(state: TrainState, loss_fn: LossFn | None) -> LossFn:
@@ -123,8 +96,8 @@ def _chunks(batch: Any, chunk_size: int | None) -> Iterator[Any]:
 
 
 def _validate_chunk(chunk_size: int | None) -> None:
-    if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    if chunk_size is not None:
+        check_int("chunk_size", chunk_size, low=1)  # True is not 1: a bool is refused
 
 
 def _run(state: TrainState, fn: Any, params: dict[str, torch.Tensor], chunk: Any) -> Any:
@@ -202,6 +175,7 @@ def per_sample_grads(
         (5, 1, 3)
     """
     _validate_chunk(chunk_size)
+    check_int("micro_index", micro_index, low=0)
     fn = _example_fn(state, loss_fn, vectorize=chunk_size != 1)
     params, parts = _params(state), []
     with _Seeded(state, micro_index):
@@ -243,33 +217,29 @@ def _check_single_process(state: TrainState) -> None:
 def _validate_private(
     max_norm: float, noise_multiplier: float, expected_batch_size: int | None
 ) -> None:
-    if not (isinstance(max_norm, (int, float)) and math.isfinite(max_norm) and max_norm > 0):
-        raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
-    if not (
-        isinstance(noise_multiplier, (int, float))
-        and math.isfinite(noise_multiplier)
-        and noise_multiplier >= 0
-    ):
-        raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}")
-    if expected_batch_size is not None and not (
-        isinstance(expected_batch_size, int) and expected_batch_size > 0
-    ):
-        raise ValueError(
-            f"expected_batch_size must be a positive int or None, got {expected_batch_size!r}"
-        )
+    # A bool is refused: expected_batch_size=True would divide the summed gradient by 1.
+    check_number("max_norm", max_norm, positive=True)
+    check_number("noise_multiplier", noise_multiplier)
+    if expected_batch_size is not None:
+        check_int("expected_batch_size", expected_batch_size, low=1)
 
 
 def clip_examples(
-    per_example: Mapping[str, torch.Tensor], max_norm: float
+    per_example: Mapping[str, torch.Tensor], max_norm: float, *, members: bool = False
 ) -> dict[str, torch.Tensor]:
     """Sum of the per-example gradients, each scaled to global norm at most `max_norm`.
 
-    The factor is `min(1, max_norm / (norm_i + 1e-6))`, as in Opacus' `DPOptimizer`.
+    The factor is `min(1, max_norm / (norm_i + 1e-6))`, as in Opacus' `DPOptimizer`. With
+    `members` (an `Ensemble`: dim 1 is the member) each member's part of an example's gradient
+    is clipped to its own norm, as K separate DP-SGD runs clip; one norm over all members would
+    shrink every member's gradient by the others'.
     """
+    d = 2 if members else 1
     grads = list(per_example.values())
-    norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads], dim=1).norm(dim=1)
+    norms = torch.stack([g.flatten(d).norm(dim=d) for g in grads], dim=-1).norm(dim=-1)
     factor = (max_norm / (norms + 1e-6)).clamp(max=1.0)
-    return {n: torch.einsum("i,i...->...", factor, g) for n, g in per_example.items()}
+    spec = "ik,ik...->k..." if members else "i,i...->..."
+    return {n: torch.einsum(spec, factor, g) for n, g in per_example.items()}
 
 
 def noise_key_bytes(noise_key: bytes | bytearray | int | None) -> bytes:
@@ -306,15 +276,20 @@ def noise_key_bytes(noise_key: bytes | bytearray | int | None) -> bytes:
     )
 
 
-def noise_seed(key: bytes, state: TrainState) -> int:
+def noise_seed(key: bytes, state: TrainState, mechanism: str = "") -> int:
     """The noise generator's seed for `state`'s step: HMAC-SHA256 under `key` of where the run
-    stands (seed, step, epoch, data cursor), cut to 63 bits.
+    stands (seed, step, epoch, data cursor) and of the `mechanism` (noise multiplier, max norm,
+    denominator), cut to 63 bits.
 
     Without the key nobody can compute it, though `state` is saved in plain text. The data
     cursor is in it, so a step redone on other data (a guard rollback moves the cursor) draws
-    new noise instead of reusing the old; an exact resume is at the same cursor.
+    new noise instead of reusing the old; an exact resume is at the same cursor. The mechanism
+    is in it so that runs of a sweep over noise_multiplier or max_norm draw independent noise:
+    with shared draws, two released models give the noiseless gradient back
+    (`2 g(sigma=1) - g(sigma=2)`).
     """
     where = f"ftrain.dp_noise:{state.seed}:{state.step}:{state.epoch}:{state.data.cursor}"
+    where += f":{mechanism}" if mechanism else ""
     digest = hmac.new(key, where.encode(), hashlib.sha256).digest()
     return int.from_bytes(digest[:8], "big") >> 1  # torch wants a non-negative int64
 
@@ -349,16 +324,20 @@ def private_grads(
     `g = (sum_i clip(g_i) + N(0, (noise_multiplier * max_norm)^2 I)) / B`, where `g_i` is
     example i's gradient (`per_sample_grads`), `clip` scales it to global norm at most
     `max_norm`, the sum runs over every example of every micro-batch, and B is the number of
-    examples (or `expected_batch_size`, the fixed denominator Poisson sampling needs).
+    examples (or `expected_batch_size`, the fixed denominator Poisson sampling needs). For an
+    `ft.func.Ensemble` each member's part of `g_i` is clipped to its own norm, so member k gets
+    what its own DP-SGD run would (the noise is independent across members).
 
     The noise is keyed by a secret that no state or checkpoint holds (`noise_seed`): by
     default one drawn from the OS once per process, so a checkpoint never lets anyone rebuild
     the noise, and a run resumed in a new process draws other noise (still private, not
     bit-exact). Pass your own `noise_key` (`secrets.token_bytes(32)`, kept outside the run
     folder) to resume bit-exactly: the noise is then a pure function of the key and where the
-    run stands (seed, step, epoch, data cursor). Apply it with
-    `clip_and_step(state, grads, lr=..., stats=stats)` and no `max_norm` there (clipping is
-    done per example here). Memory: per-example gradients of `chunk_size` examples at a time.
+    run stands (seed, step, epoch, data cursor) and of the mechanism (`noise_multiplier`,
+    `max_norm`, `expected_batch_size`), so the runs of a sweep over them draw independent
+    noise. Apply it with `clip_and_step(state, grads, lr=..., stats=stats)` and no `max_norm`
+    there (clipping is done per example here). Memory: per-example gradients of `chunk_size`
+    examples at a time.
 
     Args:
         state: the current state (not consumed).
@@ -389,6 +368,7 @@ def private_grads(
         raise ValueError("micro is empty: pass the list of micro-batches yielded by make_batches")
     fn = _example_fn(state, loss_fn, vectorize=chunk_size != 1)
     params, device = _params(state), state.strategy.device
+    members = isinstance(state.strategy.unwrap(state.model), Ensemble)
     total = {n: torch.zeros_like(p) for n, p in state.params.items()}
     losses, items, tokens, examples = [], [], [], 0
     for i, batch in enumerate(micro):
@@ -396,15 +376,17 @@ def private_grads(
         with _Seeded(state, i):
             for chunk in _chunks(batch, chunk_size):
                 g, (loss, n) = _run(state, fn, params, chunk)
-                clipped = clip_examples({k: g[f"model.{k}"] for k in total}, max_norm)
+                per_example = {k: g[f"model.{k}"] for k in total}
+                clipped = clip_examples(per_example, max_norm, members=members)
                 torch._foreach_add_(list(total.values()), list(clipped.values()))
                 losses.append(loss.sum())
                 items.append(n.sum())
-        n_tok, n_ex = batch_counts(batch)
-        tokens.append(torch.as_tensor(n_tok, device=device))
-        examples += n_ex
+        tokens.append(torch.as_tensor(batch_counts(batch)[0], device=device))
+        # The examples clipped, as `_chunks` splits them (a nested batch's first field is no count).
+        examples += _num_examples(batch)
     if noise_multiplier > 0:
-        seed = noise_seed(key, state)
+        mechanism = f"{float(noise_multiplier).hex()}:{float(max_norm).hex()}:{expected_batch_size}"
+        seed = noise_seed(key, state, mechanism)
         noise = noise_like(total, std=noise_multiplier * max_norm, seed=seed)
         torch._foreach_add_(list(total.values()), list(noise.values()))
     denom = examples if expected_batch_size is None else expected_batch_size

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from ftrain.extras.func._grads import _LossModule, check_model
+from ftrain.extras.func._common import _LossModule, check_int, check_model, check_number
 from ftrain.losses import LossFn, default_loss
 
 __all__ = [
@@ -42,8 +42,8 @@ class InnerOptimizer(NamedTuple):
 def inner_sgd(*, momentum: float = 0.0, weight_decay: float = 0.0) -> InnerOptimizer:
     """SGD as `torch.optim.SGD` computes it (L2 decay added to the gradient; the first step
     sets the momentum buffer to the gradient), out of place."""
-    if momentum < 0 or weight_decay < 0:
-        raise ValueError(f"momentum and weight_decay must be >= 0, got {momentum}, {weight_decay}")
+    check_number("momentum", momentum)
+    check_number("weight_decay", weight_decay)
 
     def init(params: Params) -> Params:
         return {}
@@ -65,9 +65,13 @@ def inner_adam(
     *, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0
 ) -> InnerOptimizer:
     """AdamW (decoupled weight decay) as `torch.optim.AdamW` computes it, out of place."""
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
     b1, b2 = betas
-    if not (0 <= b1 < 1 and 0 <= b2 < 1) or eps < 0 or weight_decay < 0:
-        raise ValueError(f"bad Adam hyperparameters: betas={betas}, eps={eps}, wd={weight_decay}")
+    check_number("betas[0]", b1, below=1)
+    check_number("betas[1]", b2, below=1)
+    check_number("eps", eps)
+    check_number("weight_decay", weight_decay)
 
     def init(params: Params) -> tuple[Params, Params]:
         return {n: torch.zeros_like(p) for n, p in params.items()}, {
@@ -128,7 +132,12 @@ def inner_loop(
 
     Returns:
         The adapted parameters, name -> tensor.
+
+    Raises:
+        TypeError, ValueError: for an `lr` that is neither a tensor nor a finite number >= 0.
     """
+    if not isinstance(lr, torch.Tensor):  # a tensor lr is a hyperparameter being learned
+        check_number("lr", lr)
     check_model(model)
     current = dict(params)
     state = optimizer.init(current)
@@ -167,8 +176,8 @@ def maml_loss(
         optimizer: `inner_sgd()` (the default) or `inner_adam()`.
         first_order: first-order MAML.
     """
-    if not (isinstance(inner_steps, int) and inner_steps >= 1):
-        raise ValueError(f"inner_steps must be an int >= 1, got {inner_steps!r}")
+    check_int("inner_steps", inner_steps, low=1)
+    check_number("inner_lr", inner_lr)
     opt = inner_sgd() if optimizer is None else optimizer
 
     def fn(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:

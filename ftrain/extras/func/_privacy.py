@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from ftrain.extras.func._common import is_number
+
 __all__ = ["DEFAULT_ORDERS", "epsilon", "rdp"]
 
 # Opacus' default orders: fine steps below 11, integers up to 63.
@@ -83,8 +85,29 @@ def _log_a_frac(q: float, sigma: float, alpha: float) -> float:
             return _log_add(log_a0, log_a1)
 
 
+def _check(sample_rate: float, noise_multiplier: float, steps: int) -> None:
+    """Raise naming the argument that has no meaning for the accountant (a bool is no number:
+    `sample_rate=True` is not a rate of 1)."""
+    sigma = noise_multiplier
+    for name, v, ok in (
+        ("sample_rate", sample_rate, is_number(sample_rate) and 0 <= sample_rate <= 1),
+        ("noise_multiplier", sigma, is_number(sigma) and sigma >= 0),
+        ("steps", steps, isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0),
+    ):
+        if not ok:
+            raise ValueError(f"{name} has no meaning for privacy accounting: got {v!r}")
+
+
 def rdp(*, sample_rate: float, noise_multiplier: float, steps: int, order: float) -> float:
-    """Renyi DP of `steps` DP-SGD steps at one `order` (alpha > 1); may be `inf`."""
+    """Renyi DP of `steps` DP-SGD steps at one `order` (alpha > 1); may be `inf`.
+
+    Raises:
+        ValueError: for a rate outside [0, 1], a negative noise multiplier or step count, or an
+            order that is not a finite number > 1, naming it.
+    """
+    _check(sample_rate, noise_multiplier, steps)
+    if not (is_number(order) and order > 1):
+        raise ValueError(f"order must be a finite number > 1 (a Renyi order), got {order!r}")
     q, sigma = sample_rate, noise_multiplier
     if q == 0 or steps == 0:
         return 0.0
@@ -125,15 +148,10 @@ def epsilon(
         ...                       delta=1e-5), 2)
         1.71
     """
-    for name, v, ok in (
-        ("sample_rate", sample_rate, 0 <= sample_rate <= 1),
-        ("noise_multiplier", noise_multiplier, noise_multiplier >= 0),
-        ("steps", steps, isinstance(steps, int) and steps >= 0),
-        ("delta", delta, 0 < delta < 1),
-    ):
-        if not ok:
-            raise ValueError(f"{name} has no meaning for privacy accounting: got {v!r}")
-    if not orders or min(orders) <= 1:
+    _check(sample_rate, noise_multiplier, steps)
+    if not (is_number(delta) and 0 < delta < 1):
+        raise ValueError(f"delta has no meaning for privacy accounting: got {delta!r}")
+    if not orders or not all(is_number(a) and a > 1 for a in orders):
         raise ValueError(f"orders must be values > 1, got {list(orders)[:5]}...")
     best = math.inf
     for a in orders:

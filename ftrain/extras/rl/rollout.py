@@ -455,7 +455,7 @@ def rollout_batches(
                 "train at"
             )
         keep = r.completion_mask * (~r.truncated)[:, None] if mask_truncated else r.completion_mask
-        batch = {
+        batch: dict[str, Any] = {
             "prompt_ids": r.prompt_ids,
             "prompt_mask": r.prompt_mask,
             "completion_ids": r.completion_ids,
