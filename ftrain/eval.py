@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -106,8 +107,10 @@ def evaluate(
 
     Raises:
         TypeError: for an argument of the wrong type (named in the message).
-        ValueError: with no batches, or when both `loss_fn` and a `metrics_fn` returning
-            `"loss"` are given.
+        ValueError: with no batches; when both `loss_fn` and a `metrics_fn` returning
+            `"loss"` are given; when `metrics_fn` returns a name evaluate reports itself
+            (`items`, `loss_fn`, `ppl`, and `metrics_loss` where that holds its loss); or, with
+            several ranks, when `metrics_fn` returns other names on one rank than on another.
     """
     _check_args(state, batches, loss_fn, metrics_fn, perplexity, strategy)
     strategy = state.strategy if strategy is None else strategy
@@ -135,12 +138,43 @@ def evaluate(
     if not sums:
         raise ValueError("evaluate got no batches")
     names = sorted(sums)
+    _same_names_on_every_rank(names, strategy)
     totals = strategy.all_reduce_sum(torch.stack([sums[n] for n in names])).tolist()  # host sync
     out = {f"eval_{n}": s / c if c else math.nan for n, (s, c) in zip(names, totals, strict=True)}
     if tokens if perplexity is None else perplexity:
-        out["eval_ppl"] = math.exp(out["eval_loss"]) if out["eval_loss"] < 700 else math.inf
+        out["eval_ppl"] = _perplexity(out["eval_loss"])
     out["eval_items"] = totals[names.index("loss")][1]
     return {**out, "eval_loss_fn": loss_name(scorer)}
+
+
+def _perplexity(loss: float) -> float:
+    # exp overflows past ~709.78; a NaN loss is a NaN perplexity, not an infinite one.
+    return math.nan if math.isnan(loss) else math.exp(loss) if loss < 700 else math.inf
+
+
+def _same_names_on_every_rank(names: list[str], strategy: Strategy) -> None:
+    """Raise unless every rank reports the same names: the totals are summed over ranks row by
+    row, so a name only some ranks return would be added to another name's row (or the
+    collective would get tensors of different shapes)."""
+    if strategy.world_size == 1:
+        return
+    key = hashlib.blake2b("\0".join(names).encode(), digest_size=4).digest()
+    # Two 16-bit digests and their squares: the sums stay exact in float64 for any world size
+    # up to 2^21, and n * sum(d^2) == sum(d)^2 holds only if every rank has the same d.
+    digests = [int.from_bytes(key[:2], "little"), int.from_bytes(key[2:], "little")]
+    mine = [1.0] + [float(x) for d in digests for x in (d, d * d)]
+    got = strategy.all_reduce_sum(
+        torch.tensor(mine, dtype=torch.float64, device=strategy.device)
+    ).tolist()  # host sync, once per evaluation
+    n, sums = int(got[0]), [int(x) for x in got[1:]]
+    if any(n * sums[i + 1] != sums[i] ** 2 for i in (0, 2)):
+        reported = [name for name in names if name != "loss"]
+        raise ValueError(
+            f"evaluate: metrics_fn returned other names on this rank ({reported}) than on "
+            "another rank; each name is summed over the ranks, so every rank must return every "
+            "name, with (0, 0) where it has no rows for it (as "
+            "ft.generation.multiple_choice_metrics does for its subjects)"
+        )
 
 
 def _check_args(
@@ -172,6 +206,15 @@ def _batch_sums(
     """One batch's (sum, count) per reported name, and the function behind "loss". `own` is
     the state's training loss when it is not the default one (and no `loss_fn` was given)."""
     parts = dict(metrics_fn(model, batch)) if metrics_fn is not None else {}
+    taken = sorted(_RESERVED & set(parts))
+    if own is not None and "loss" in parts and "metrics_loss" in parts:
+        taken.append("metrics_loss")  # where the metrics' own "loss" goes
+    if taken:
+        raise ValueError(
+            f"evaluate: metrics_fn returned {taken}, which evaluate reports itself "
+            f"({', '.join('eval_' + n for n in taken)}); one would overwrite the other: rename "
+            "them in metrics_fn"
+        )
     if own is not None and "loss" in parts:  # the training loss is eval_loss; keep theirs too
         parts["metrics_loss"] = parts.pop("loss")
     if metrics_fn is None or "loss" not in parts:
@@ -185,6 +228,10 @@ def _batch_sums(
             "metrics_fn to report loss_fn's"
         )
     return parts, metrics_fn
+
+
+# Keys of evaluate's record that are not a metrics_fn's sums: eval_items, eval_loss_fn, eval_ppl.
+_RESERVED = frozenset({"items", "loss_fn", "ppl"})
 
 
 def _token_labels(batch: Any) -> bool:

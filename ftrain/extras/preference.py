@@ -12,6 +12,9 @@ Formulas follow the papers and TRL 1.16 (`DPOTrainer._compute_loss`, `CPOTrainer
 
 from __future__ import annotations
 
+import inspect
+import math
+import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -19,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ftrain.eval import eval_mode
 from ftrain.losses import IGNORE_INDEX, LossFn, model_logits, upcast
 
 __all__ = [
@@ -32,14 +36,32 @@ __all__ = [
 ]
 
 
+def _real(value: Any) -> bool:
+    # True is not 1, and inf or NaN is no hyperparameter (beta=inf makes every loss NaN).
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _positive(name: str, value: float) -> None:
-    if not (isinstance(value, (int, float)) and value > 0):
-        raise ValueError(f"{name} must be a number > 0, got {value!r}")
+    if not (_real(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+def _nonnegative(name: str, value: float) -> None:
+    if not (_real(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
 def _smoothing(label_smoothing: float) -> None:
-    if not (isinstance(label_smoothing, (int, float)) and 0 <= label_smoothing < 0.5):
+    if not (_real(label_smoothing) and 0 <= label_smoothing < 0.5):
         raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing!r}")
+
+
+def _same_shape(**logps: torch.Tensor) -> None:
+    """Refuse log-probs of different shapes: broadcasting (batch,) against (batch, 1) would
+    silently give a (batch, batch) loss of every chosen against every rejected answer."""
+    shapes = {name: tuple(t.shape) for name, t in logps.items()}
+    if len(set(shapes.values())) > 1 or any(len(shape) != 1 for shape in shapes.values()):
+        raise ValueError(f"per-sequence log-probs must all have shape (batch,), got {shapes}")
 
 
 def _bce(logits: torch.Tensor, label_smoothing: float) -> torch.Tensor:
@@ -69,6 +91,10 @@ def dpo_loss(
     """
     _positive("beta", beta)
     _smoothing(label_smoothing)
+    _same_shape(
+        policy_chosen=policy_chosen, policy_rejected=policy_rejected,
+        reference_chosen=reference_chosen, reference_rejected=reference_rejected,
+    )  # fmt: skip
     margin = (policy_chosen - policy_rejected) - (reference_chosen - reference_rejected)
     return _bce(beta * margin, label_smoothing)
 
@@ -87,6 +113,10 @@ def ipo_loss(
     `preference_loss(ipo_loss, average=True)`.
     """
     _positive("beta", beta)
+    _same_shape(
+        policy_chosen=policy_chosen, policy_rejected=policy_rejected,
+        reference_chosen=reference_chosen, reference_rejected=reference_rejected,
+    )  # fmt: skip
     margin = (policy_chosen - policy_rejected) - (reference_chosen - reference_rejected)
     return (margin - 1 / (2 * beta)) ** 2
 
@@ -107,6 +137,9 @@ def simpo_loss(
     """
     _positive("beta", beta)
     _smoothing(label_smoothing)
+    if not _real(gamma):
+        raise ValueError(f"gamma must be a finite number, got {gamma!r}")
+    _same_shape(policy_chosen=policy_chosen, policy_rejected=policy_rejected)
     return _bce(beta * (policy_chosen - policy_rejected) - gamma, label_smoothing)
 
 
@@ -130,6 +163,7 @@ def orpo_loss(
     average=True)`.
     """
     _positive("beta", beta)
+    _same_shape(policy_chosen=policy_chosen, policy_rejected=policy_rejected)
     log_odds = (policy_chosen - policy_rejected) - (
         _log1mexp(policy_chosen) - _log1mexp(policy_rejected)
     )
@@ -162,8 +196,13 @@ def kto_loss(
         kl: the reference point (a number or 0-dim tensor; detached here).
     """
     _positive("beta", beta)
-    if desirable.dtype != torch.bool:
-        raise TypeError(f"desirable must be a bool tensor, got {desirable.dtype}")
+    _nonnegative("desirable_weight", desirable_weight)
+    _nonnegative("undesirable_weight", undesirable_weight)
+    if not isinstance(desirable, torch.Tensor) or desirable.dtype != torch.bool:
+        raise TypeError(
+            f"desirable must be a bool tensor, got {getattr(desirable, 'dtype', desirable)!r}"
+        )
+    _same_shape(policy=policy, reference=reference, desirable=desirable)
     kl_t = torch.as_tensor(kl, dtype=policy.dtype, device=policy.device).detach().clamp(min=0)
     r = policy - reference
     good = desirable_weight * (1 - torch.sigmoid(beta * (r - kl_t)))
@@ -210,9 +249,28 @@ def preference_loss(
         reference: a frozen copy of the starting model (used when the batch has no
             precomputed reference log-probs).
         average: use length-averaged log-probs (IPO, SimPO, ORPO) instead of sums (DPO).
+
+    Raises:
+        TypeError: for a `loss` that is not a function, a `reference` that is not a module or
+            an `average` that is not a bool.
+        ValueError: when `reference` is given to a reference-free loss (it would be ignored);
+            from the loss_fn, when a loss with a reference gets neither `reference` nor
+            precomputed log-probs, when a reference-free loss gets precomputed ones, when
+            those are not of shape (batch,), or when `loss` does not return one value per
+            pair.
     """
     if not callable(loss):
         raise TypeError(f"loss must be a function such as ft.preference.dpo_loss, got {loss!r}")
+    if reference is not None and not isinstance(reference, nn.Module):
+        raise TypeError(f"reference must be a torch.nn.Module or None, got {reference!r}")
+    if not isinstance(average, bool):
+        raise TypeError(f"average must be True or False, got {average!r}")
+    needs = _needs_reference(loss)
+    if reference is not None and needs is False:
+        raise ValueError(
+            f"preference_loss got reference= for {_name(loss)}, a reference-free loss that "
+            "takes the policy's log-probs only: the reference would be ignored; drop it"
+        )
 
     def loss_fn(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         chosen, rejected = _side(batch, "chosen"), _side(batch, "rejected")
@@ -220,16 +278,72 @@ def preference_loss(
             raise KeyError("preference batches need chosen_labels and rejected_labels")
         pc = sequence_logps(model, chosen, average=average)
         pr = sequence_logps(model, rejected, average=average)
-        refs: tuple[torch.Tensor, ...] = ()
-        if "reference_chosen" in batch:
-            refs = (batch["reference_chosen"], batch["reference_rejected"])
-        elif reference is not None:
-            with torch.no_grad():
+        refs = _references(batch, pc, needs)
+        if not refs and reference is not None and needs is not False:
+            # The reference is fixed: dropout in it would make every log-prob noisy.
+            with eval_mode(reference):
                 refs = (
                     sequence_logps(reference, chosen, average=average),
                     sequence_logps(reference, rejected, average=average),
                 )
+        if not refs and needs:
+            raise ValueError(
+                f"{_name(loss)} needs reference log-probs: pass preference_loss(..., "
+                "reference=frozen_model) or put reference_chosen and reference_rejected in "
+                "the batch"
+            )
         per_pair = loss(pc, pr, *refs)
+        if per_pair.shape != pc.shape:
+            raise ValueError(
+                f"loss must return one value per pair, shape {tuple(pc.shape)}; "
+                f"{_name(loss)} returned shape {tuple(per_pair.shape)}"
+            )
         return per_pair.sum(), torch.tensor(per_pair.shape[0], device=per_pair.device)
 
     return loss_fn
+
+
+def _references(
+    batch: Mapping[str, Any], pc: torch.Tensor, needs: bool | None
+) -> tuple[torch.Tensor, ...]:
+    """The batch's precomputed reference log-probs, checked, or () when it has none."""
+    given = [k for k in ("reference_chosen", "reference_rejected") if k in batch]
+    if not given:
+        return ()
+    if len(given) == 1:
+        raise KeyError(f"the batch has {given[0]} but not its pair: pass both or neither")
+    if needs is False:
+        raise ValueError(
+            "the batch holds reference_chosen and reference_rejected, but the loss is "
+            "reference-free and would ignore them: drop them from the batch"
+        )
+    refs = (batch["reference_chosen"], batch["reference_rejected"])
+    for key, ref in zip(given, refs, strict=True):
+        if not isinstance(ref, torch.Tensor) or ref.shape != pc.shape:
+            raise ValueError(
+                f"{key} must be a tensor of shape {tuple(pc.shape)} (one log-prob per pair), "
+                f"got {tuple(ref.shape) if isinstance(ref, torch.Tensor) else type(ref).__name__}"
+            )
+    return refs
+
+
+def _needs_reference(loss: Callable[..., Any]) -> bool | None:
+    """True for a loss of 4 required positional log-probs (DPO, IPO), False for 2 (SimPO,
+    ORPO), None when its signature says neither."""
+    try:
+        params = inspect.signature(loss).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    positional = [q for q in params if q.kind in kinds]
+    if any(q.kind is inspect.Parameter.VAR_POSITIONAL for q in params):
+        return None
+    required = [q for q in positional if q.default is inspect.Parameter.empty]
+    if len(required) == 4:
+        return True
+    return False if len(positional) == 2 else None
+
+
+def _name(loss: Callable[..., Any]) -> str:
+    fn = getattr(loss, "func", loss)  # a functools.partial names its function
+    return getattr(fn, "__name__", repr(fn))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,10 +20,14 @@ class Logger:
     """Log a run with one call per step: `logger.step(state, stats, info)`.
 
     It folds each step into a log window on the device (no host sync), moves the progress bar,
-    and on log steps (`should_log(state, every=..., total_steps=..., first=...)`) reads the
-    window back in one sync and sends the record to the sinks. Records from elsewhere (eval
-    metrics) go through `logger.log(record)`. The parts (`window`, `update`, `emit`, the sinks)
-    stay public for anything this does not cover.
+    and on log steps (`should_log(state, every=..., total_steps=..., first=...)`, and the last
+    step, `total_steps`) reads the window back in one sync and sends the record to the sinks.
+    Records from elsewhere (eval metrics) go through `logger.log(record)`. `close()` emits the
+    steps since the last record (a run that stopped early), unless it closes on an error. A
+    state whose step is not past the last one logged (a guard rollback, a checkpoint reloaded
+    in the loop) starts a new window at the restored state, as a resumed run does: the steps
+    that were undone are in no record. The parts (`window`, `update`, `emit`, the sinks) stay
+    public for anything this does not cover.
 
     Args:
         state: where training starts or resumes: the bar starts at `state.step`, and only
@@ -42,6 +47,7 @@ class Logger:
 
     Raises:
         ValueError: for a bad `every`/`total_steps`, or `progress` without `total_steps`.
+        TypeError: for a `progress` or `first` that is not a bool.
 
     Example:
         >>> import torch, ftrain as ft
@@ -75,6 +81,9 @@ class Logger:
         peak_flops: float | None = None,
     ) -> None:
         should_log(state, every=every, total_steps=total_steps)  # validates both, now
+        for name, flag in (("progress", progress), ("first", first)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
         if progress and total_steps is None:
             raise ValueError("progress=True needs total_steps (for the ETA); or progress=False")
         _check_emit_args(epoch_size, flops_per_token, peak_flops)
@@ -89,13 +98,25 @@ class Logger:
         self.sink = Sinks(bar, *sinks)
         self.window = window(state)
         self._epoch, self._cursor = state.epoch, state.data.cursor
+        self._state: TrainState | None = None  # the state of the last step folded in
 
     def step(self, state: TrainState, stats: Stats, info: StepInfo) -> dict[str, Any] | None:
         """Fold in the step that made `state`; on a log step emit and return its record."""
+        if state is self._state:
+            raise ValueError(f"logger.step got step {state.step} twice; call it once per step")
+        if self._state is not None and state.step <= self._state.step:
+            # The run went back: the window holds steps that were undone. Open a new one where
+            # this step started (device arithmetic, no host sync).
+            self.window = window(state)._replace(
+                start_tokens=state.data.tokens_seen - stats.num_tokens,
+                start_samples=state.data.samples_seen - stats.num_samples,
+            )
         self.window = update(self.window, stats, info)  # device arithmetic, no host sync
+        self._state = state
         self._learn_epoch_size(state)
         self.sink.step(state)
-        if not should_log(state, every=self.every, total_steps=self.total_steps, first=self.first):
+        due = should_log(state, every=self.every, total_steps=self.total_steps, first=self.first)
+        if not (due or state.step == self.total_steps):  # the last step's record too
             return None
         return self.flush(state)  # the one host sync of a log step
 
@@ -111,17 +132,31 @@ class Logger:
         """Send another record (e.g. `{"step": state.step, **metrics}`) to the sinks."""
         if "step" not in record:
             raise ValueError(f"a record needs its 'step', got keys {sorted(record)}")
+        step = record["step"]
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            # The sinks would truncate a float step (int(10.5) is 10) and log it there.
+            raise TypeError(f"a record's 'step' must be an int >= 0, got {step!r}")
         self.sink.log(record)
 
     def close(self) -> None:
-        """Close the bar and every sink."""
+        """Emit the steps since the last record, if any (a run that stopped before a log step),
+        then close the bar and every sink."""
+        if self._state is not None:
+            self.flush(self._state)
+        self._close()
+
+    def _close(self) -> None:
+        self._state = None  # a second close emits nothing
         self.sink.close()
 
     def __enter__(self) -> Logger:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: object, *exc: object) -> None:
+        if kind is None:
+            self.close()
+        else:  # on an error the last state may be half-updated: close without reading it
+            self._close()
 
     def _learn_epoch_size(self, state: TrainState) -> None:
         # The epoch's last step left the cursor at the number of micro-batches in it.

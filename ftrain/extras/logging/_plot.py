@@ -24,8 +24,10 @@ _MAX_STEP = 2**63
 def read_jsonl(
     path: str | os.PathLike[str], *, on_bad_line: BadLine | None = None
 ) -> list[dict[str, Any]]:
-    """Records of a JSONL log, one per (step, kind), the last written winning (resumed runs
-    append), sorted by step.
+    """Records of a JSONL log, one per (step, kind: eval or not), sorted by step. Records of one
+    step and kind are merged, the last written value of each field winning (resumed runs
+    append): a train record and another record of the same step (`{"step": s, "test_loss":
+    ...}`), or two eval records, both keep their fields.
 
     A line that is not a JSON object with an integer `step` in [0, 2**63) is skipped and
     reported to `on_bad_line(line_number, reason)`: a line cut short by a crash (also inside a
@@ -42,8 +44,8 @@ def read_jsonl(
         for number, raw in enumerate(f, 1):
             rec, why = _record(raw, first=number == 1)
             if rec is not None:
-                is_eval = any(k.startswith("eval_") for k in rec)
-                latest[(rec["step"], is_eval)] = rec
+                key = (rec["step"], any(k.startswith("eval_") for k in rec))
+                latest[key] = {**latest.get(key, {}), **rec}
             elif why and on_bad_line is not None:
                 on_bad_line(number, why)
     return [latest[k] for k in sorted(latest)]

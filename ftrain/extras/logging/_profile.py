@@ -57,9 +57,12 @@ class Profiler:
         rank: int = 0,
         **profile_kwargs: Any,
     ) -> None:
+        if not (isinstance(steps, (tuple, list)) and len(steps) == 2 and all(map(_int, steps))):
+            # A float step never equals state.step: the profiler would silently never start.
+            raise TypeError(f"steps must be (first, last), two ints, got {steps!r}")
         first, last = steps
-        if warmup < 0:
-            raise ValueError(f"warmup must be >= 0, got {warmup}")
+        if not _int(warmup) or warmup < 0:
+            raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
         if not 2 + warmup <= first <= last:
             raise ValueError(
                 f"steps must be (first, last) with warmup + 2 <= first <= last, got {steps} "
@@ -115,3 +118,7 @@ class Profiler:
     def traces(self) -> list[Path]:
         """The trace files written so far."""
         return sorted(self.logdir.glob(f"rank{self.rank}.*.pt.trace.json"))
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

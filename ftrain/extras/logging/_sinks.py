@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol, TextIO, runtime_checkable
+
+import torch
 
 from ftrain.state import TrainState
 
@@ -207,9 +210,12 @@ class TensorBoardSink:
 
     def log(self, record: Mapping[str, Any]) -> None:
         step = int(record["step"])
-        for k, v in record.items():
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                self._writer.add_scalar(_tag(k), v, step)
+        for k, v in _scalars(record).items():
+            self._writer.add_scalar(_tag(k), v, step)
+        # The writer queues events and writes them every 2 minutes: a killed run would lose
+        # records that no resume replays (those before its last checkpoint). One write per
+        # record, like JSONLSink's flushed line.
+        self._writer.flush()
 
     def close(self) -> None:
         self._writer.close()
@@ -220,8 +226,38 @@ def _tag(key: str) -> str:
     return key.replace("eval_", "eval/", 1) if key.startswith("eval_") else f"train/{key}"
 
 
+def _scalar(key: str, value: Any) -> float | int | None:
+    """A record's value as a Python number, or None for one that is no number (a string such as
+    `eval_loss_fn`, None). 0-dim tensors and numpy scalars are numbers too: the trackers skipped
+    them before, silently (`logger.log({"step": s, "reward": rewards.mean()})`)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise TypeError(
+                f"record[{key!r}] is a tensor of shape {tuple(value.shape)}; log a number"
+            )
+        value = value.item()  # a host sync: a log record is where one belongs
+    elif isinstance(value, numbers.Real) and hasattr(value, "item"):
+        value = value.item()  # a numpy scalar
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return value
+
+
+def _scalars(record: Mapping[str, Any]) -> dict[str, float]:
+    """Every numeric field of `record` but `step`, as floats (what the trackers log)."""
+    out = {}
+    for k, v in record.items():
+        x = _scalar(k, v) if k != "step" else None
+        if x is not None:
+            out[k] = float(x)
+    return out
+
+
 def _plain(record: Mapping[str, Any]) -> dict[str, Any]:
     # Strict JSON (readable by jq and friends) has no NaN or Infinity: they become null.
-    return {
-        k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()
-    }
+    out = {}
+    for k, v in record.items():
+        x = _scalar(k, v)
+        v = v if x is None else x
+        out[k] = None if isinstance(v, float) and not math.isfinite(v) else v
+    return out

@@ -15,18 +15,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ftrain.extras.logging._sinks import _tag
+from ftrain.extras.logging._sinks import _scalars, _tag
 from ftrain.state import TrainState
 
 __all__ = ["MLflowSink", "WandbSink"]
-
-
-def _numeric(record: Mapping[str, Any]) -> dict[str, float]:
-    return {
-        k: float(v)
-        for k, v in record.items()
-        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
-    }
 
 
 def _read_id(path: Path) -> str | None:
@@ -61,8 +53,8 @@ class MLflowSink:
         rank: this process's data-parallel rank; the sink does nothing unless it is 0.
 
     Raises:
-        ValueError: if a restart passes params that differ from the run's, or the stored run
-            id is not in the tracking store.
+        ValueError: if a restart passes params, an `experiment` or a `run_name` that differ
+            from the stored run's, or the stored run id is not in the tracking store.
     """
 
     def __init__(
@@ -89,7 +81,7 @@ class MLflowSink:
         params = {k: str(v) for k, v in (params or {}).items()}
         if (stored := _read_id(id_file)) is not None:
             self.run_id, self.resumed = stored, True
-            self._reopen(stored, params, tracking_uri, id_file)
+            self._reopen(stored, params, tracking_uri, id_file, experiment, run_name)
         else:
             exp = self._client.get_experiment_by_name(experiment)
             exp_id = exp.experiment_id if exp else self._client.create_experiment(experiment)
@@ -99,16 +91,36 @@ class MLflowSink:
             self._client.log_batch(self.run_id, params=[Param(k, v) for k, v in params.items()])
             _write_id(id_file, self.run_id)
 
-    def _reopen(self, run_id: str, params: dict[str, str], uri: str | None, id_file: Path) -> None:
+    def _reopen(
+        self,
+        run_id: str,
+        params: dict[str, str],
+        uri: str | None,
+        id_file: Path,
+        experiment: str,
+        run_name: str | None,
+    ) -> None:
         from mlflow.exceptions import MlflowException
 
         try:
-            logged = self._client.get_run(run_id).data.params
+            run = self._client.get_run(run_id)
         except MlflowException as e:
             raise ValueError(
                 f"{id_file} names MLflow run {run_id!r}, which tracking_uri={uri!r} does not "
                 "hold; pass the tracking_uri that holds it, or delete the file to start a new run"
             ) from e
+        # The stored run wins over experiment= and run_name=: one that asks for another would
+        # log into a run it did not ask for.
+        held = self._client.get_experiment(run.info.experiment_id).name
+        checks = (("experiment", experiment, held), ("run_name", run_name, run.info.run_name))
+        for arg, asked, have in checks:
+            if asked is not None and asked != have:
+                raise ValueError(
+                    f"{id_file} names MLflow run {run_id!r}, whose {arg} is {have!r}, but "
+                    f"{arg}={asked!r} was given: pass {arg}={have!r} to resume that run, or "
+                    "use a new run_dir for a new run"
+                )
+        logged = run.data.params
         changed = {k: (logged[k], v) for k, v in params.items() if k in logged and logged[k] != v}
         if changed:
             raise ValueError(
@@ -130,7 +142,7 @@ class MLflowSink:
         from mlflow.entities import Metric
 
         now, step = int(time.time() * 1000), int(record["step"])
-        metrics = [Metric(k, v, now, step) for k, v in _numeric(record).items()]
+        metrics = [Metric(k, v, now, step) for k, v in _scalars(record).items()]
         self._client.log_batch(self.run_id, metrics=metrics)
 
     def close(self) -> None:
@@ -192,7 +204,9 @@ class WandbSink:
 
     def log(self, record: Mapping[str, Any]) -> None:
         if self._run is not None:
-            self._run.log({_tag(k): v for k, v in _numeric(record).items()}, step=record["step"])
+            self._run.log(
+                {_tag(k): v for k, v in _scalars(record).items()}, step=int(record["step"])
+            )
 
     def close(self) -> None:
         if self._run is not None:

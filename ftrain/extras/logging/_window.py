@@ -18,6 +18,7 @@ Definitions follow HF's Trainer so that curves compare:
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from typing import Any, NamedTuple
 
@@ -147,8 +148,18 @@ def _check_emit_args(
         isinstance(epoch_size, bool) or not isinstance(epoch_size, int) or epoch_size < 1
     ):
         raise ValueError(f"epoch_size must be an int >= 1 or None, got {epoch_size!r}")
-    if peak_flops is not None and (flops_per_token is None or not peak_flops > 0):
+    # A negative, NaN or boolean figure made every flops_per_second and mfu meaningless.
+    if flops_per_token is not None and not _positive(flops_per_token):
         raise ValueError(
-            f"peak_flops={peak_flops!r} needs flops_per_token and a value > 0 (mfu is "
+            f"flops_per_token must be a finite number > 0 or None, got {flops_per_token!r}"
+        )
+    if peak_flops is not None and (flops_per_token is None or not _positive(peak_flops)):
+        raise ValueError(
+            f"peak_flops={peak_flops!r} needs flops_per_token and a finite value > 0 (mfu is "
             "flops_per_token * tokens_per_second / peak_flops)"
         )
+
+
+def _positive(value: Any) -> bool:
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    return real and math.isfinite(value) and value > 0
