@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -39,14 +40,20 @@ class LossScaling:
     growth_interval: int = 2000
 
     def __post_init__(self) -> None:
-        if not self.init_scale > 0:
-            raise ValueError(f"init_scale must be > 0, got {self.init_scale!r}")
-        if not self.growth_factor > 1:
-            raise ValueError(f"growth_factor must be > 1, got {self.growth_factor!r}")
-        if not 0 < self.backoff_factor < 1:
-            raise ValueError(f"backoff_factor must be in (0, 1), got {self.backoff_factor!r}")
-        if not (isinstance(self.growth_interval, int) and self.growth_interval >= 1):
+        # Finite numbers, and True is not 1: an infinite scale (or growth to one) makes every
+        # gradient overflow, so every step would be skipped.
+        _finite("init_scale", self.init_scale, lambda v: v > 0, "> 0")
+        _finite("growth_factor", self.growth_factor, lambda v: v > 1, "> 1")
+        _finite("backoff_factor", self.backoff_factor, lambda v: 0 < v < 1, "in (0, 1)")
+        if type(self.growth_interval) is not int or self.growth_interval < 1:
             raise ValueError(f"growth_interval must be an int >= 1, got {self.growth_interval!r}")
+
+
+def _finite(name: str, value: Any, ok: Callable[[float], bool], want: str) -> None:
+    """Refuse `value` unless it is a finite Python number (not a bool) satisfying `ok`."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (number and math.isfinite(value) and ok(value)):
+        raise ValueError(f"{name} must be a finite number {want}, got {value!r}")
 
 
 _NAMES: Mapping[str, torch.dtype | None] = MappingProxyType(
@@ -78,6 +85,10 @@ class Precision:
     def __post_init__(self) -> None:
         if self.dtype not in (None, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype must be None, bfloat16 or float16, got {self.dtype}")
+        if self.loss_scaling is not None and not isinstance(self.loss_scaling, LossScaling):
+            raise TypeError(
+                f"loss_scaling must be None or a LossScaling, got {self.loss_scaling!r}"
+            )
 
     @classmethod
     def of(cls, value: str | Precision | None) -> Precision:

@@ -12,6 +12,7 @@ import torch
 
 from ftrain._compiled import compiled_update, skip_flag
 from ftrain.grads import Grads, Stats
+from ftrain.optim import ema_swapped
 from ftrain.precision import update_loss_scale
 from ftrain.state import ScalerState, TrainState, snapshot
 
@@ -153,9 +154,15 @@ def clip_and_step(
             not match its strategy's precision, or a gradient whose name, shape, dtype or
             device does not match its parameter (checked on the host, no sync).
         ConsumedStateError: if `state` or `grads` was already consumed.
+        ValueError: inside `ft.optim.swap_ema(state)` (the model holds the average there).
     """
     _validate(lr, max_norm, compile, skip_nonfinite=skip_nonfinite, donate=donate)
     _check_types(state, grads, stats)
+    if ema_swapped(state):  # the update would train the average and pull the live weights in
+        raise ValueError(
+            "clip_and_step(state) inside ft.optim.swap_ema(state): the model holds the EMA "
+            "average until the block ends; step outside the block"
+        )
     if isinstance(grads, Grads):
         grads.check()
     if not donate:

@@ -57,7 +57,11 @@ def from_torch(optimizer_cls: Callable[..., torch.optim.Optimizer], **kwargs: An
 
     Args:
         optimizer_cls: e.g. `torch.optim.RMSprop` or `bitsandbytes.optim.PagedAdamW`.
-        **kwargs: its hyperparameters (`lr` is ignored: the schedule provides it).
+        **kwargs: its hyperparameters, except `lr` (each update's `lr` is the step's, from
+            `clip_and_step(lr=...)`; passing one here raises rather than being ignored).
+
+    Raises:
+        TypeError: for an `optimizer_cls` that is not callable, or an `lr`.
 
     Example:
         >>> import torch, ftrain as ft
@@ -70,7 +74,11 @@ def from_torch(optimizer_cls: Callable[..., torch.optim.Optimizer], **kwargs: An
     """
     if not callable(optimizer_cls):
         raise TypeError(f"optimizer_cls must be a torch optimizer class, got {optimizer_cls!r}")
-    kwargs.pop("lr", None)
+    if "lr" in kwargs:
+        raise TypeError(
+            f"from_torch takes no lr (got lr={kwargs['lr']!r}): each update uses the lr given "
+            "to clip_and_step(lr=...), e.g. a schedule's; drop lr="
+        )
 
     def init(params: Params) -> TorchOptimizerState:
         names = {id(p): n for n, p in params.items()}
@@ -87,12 +95,15 @@ def from_torch(optimizer_cls: Callable[..., torch.optim.Optimizer], **kwargs: An
     ) -> TorchOptimizerState:
         if _skip_on_host(found_inf):
             return state
-        for name, p in params.items():
-            g = grads.get(name)
-            if g is not None and p.grad is not g:
-                p.grad = g
+        names = state._names
         for group in state.optimizer.param_groups:
             group["lr"] = lr
+            for p in group["params"]:
+                # The step's gradient, or None for a parameter `grads` leaves out: torch.optim
+                # then skips it (as adamw does), rather than stepping on a stale `.grad`.
+                g = grads.get(names[id(p)])
+                if p.grad is not g:
+                    p.grad = g
         state.optimizer.step()
         return state
 

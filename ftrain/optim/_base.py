@@ -68,11 +68,18 @@ class Transform(NamedTuple):
 
 
 class AdamState(NamedTuple):
-    """State of `adam`/`adamw`: updates applied (`steps`) and the two moments keyed by name."""
+    """State of `adam`/`adamw`: updates applied (`steps`), the two moments, and each
+    parameter's own update count (`counts`), all keyed by name.
+
+    As in `torch.optim.Adam` (its `state["step"]`), a parameter without a gradient in a step
+    is neither updated nor counted, and its bias correction reads its own count: after four
+    updates that alternate between two heads, `steps` is 4 and each head's count is 2.
+    """
 
     steps: torch.Tensor
     mu: dict[str, torch.Tensor]
     nu: dict[str, torch.Tensor]
+    counts: dict[str, torch.Tensor]
 
 
 class SGDState(NamedTuple):
@@ -193,6 +200,9 @@ def _adam(
                 n: torch.zeros_like(p, memory_format=torch.preserve_format)
                 for n, p in params.items()
             },
+            counts={
+                n: torch.zeros((), dtype=torch.float32, device=p.device) for n, p in params.items()
+            },
         )
 
     def update(
@@ -204,16 +214,21 @@ def _adam(
         step: int,
         found_inf: torch.Tensor | None = None,
     ) -> AdamState:
-        # The kernel reads the post-increment count, as torch.optim's Adam does.
-        count = state.steps.add_(1)
+        # Counts go up by one where the step is applied (`keep` is 0 where it is skipped) before
+        # the kernel, which reads the post-increment count, as torch.optim's Adam does.
+        keep = state.steps.new_ones(()) if found_inf is None else 1.0 - found_inf
+        state.steps.add_(keep)
         for decay, names in groups(grads, params):
+            counts = _take(state.counts, names)
+            # (A list of tensors: the scalar overloads loop through a slower path on the CPU.)
+            torch._foreach_add_(counts, [keep] * len(counts))
             kernel(
                 _local(_take(params, names)),
                 _local(_take(grads, names)),
                 _local(_take(state.mu, names)),
                 _local(_take(state.nu, names)),
                 [],
-                [count] * len(names),
+                counts,
                 lr=lr,
                 beta1=b1,
                 beta2=b2,
@@ -224,8 +239,6 @@ def _adam(
                 grad_scale=None,
                 found_inf=found_inf,
             )
-        if found_inf is not None:
-            count.sub_(found_inf)
         return state
 
     twin = _traceable.adam_twin(

@@ -91,6 +91,22 @@ def ema(
     if not isinstance(warmup, bool):
         raise TypeError(f"warmup must be True or False, got {warmup!r}")
 
+    weight_dtypes: dict[tuple[str, ...], torch.dtype] = {}
+
+    def weight_dtype(
+        names: list[str], averages: list[torch.Tensor], found_inf: torch.Tensor
+    ) -> torch.dtype:
+        # The skip-aware weight is a tensor: in float32 it would round 1 - decay (2.5e-8 off
+        # at 0.9999), which float64 averages would see. The widest dtype, cached per names.
+        key = tuple(names)
+        dtype = weight_dtypes.get(key)
+        if dtype is None:
+            dtype = found_inf.dtype
+            for a in averages:
+                dtype = torch.promote_types(dtype, a.dtype)
+            weight_dtypes[key] = dtype
+        return dtype
+
     def init(params: Params) -> EmaState:
         average = {n: p.detach().clone() for n, p in params.items()}
         return EmaState(optimizer.init(params), average)
@@ -113,7 +129,8 @@ def ema(
             if found_inf is None:
                 torch._foreach_lerp_(averages, live, 1.0 - d)
             else:  # a 0-dim device weight, zero when skipped: no host sync
-                weight = (1.0 - found_inf) * (1.0 - d)  # (torch's stubs lack this overload)
+                keep = 1.0 - found_inf.to(weight_dtype(names, averages, found_inf))
+                weight = keep * (1.0 - d)  # (torch's stubs lack this overload)
                 torch._foreach_lerp_(averages, live, weight)  # type: ignore[call-overload]
         return EmaState(inner, state.ema)
 

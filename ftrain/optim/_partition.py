@@ -184,6 +184,12 @@ def layerwise_lr_decay(
     Returns:
         `(labels, lr_factors)`: parameter name -> label, label -> factor.
 
+    Raises:
+        TypeError, ValueError: for a bad `decay` or `num_layers`, a `num_layers` below a block
+            index of the model (that block would get a factor above 1), or blocks numbered
+            in several sequences (encoder and decoder, vision and text towers, stages), which
+            one depth per index would mix: label those by hand.
+
     Example:
         >>> import ftrain as ft
         >>> from transformers import BertConfig, BertForSequenceClassification
@@ -195,10 +201,13 @@ def layerwise_lr_decay(
         >>> opt = ft.optim.partition({k: ft.optim.adamw() for k in factors}, labels,
         ...                          lr_factors=factors)
     """
-    if not (isinstance(decay, (int, float)) and 0 < decay <= 1):
-        raise ValueError(f"decay must be in (0, 1], got {decay!r}")
+    _number("decay", decay, lambda v: 0 < v <= 1, "in (0, 1]")
+    if num_layers is not None and type(num_layers) is not int:
+        raise TypeError(f"num_layers must be None or an int >= 1, got {num_layers!r}")
+    if num_layers is not None and num_layers < 1:
+        raise ValueError(f"num_layers must be None or an int >= 1, got {num_layers!r}")
     names = [n for n, p in model.named_parameters() if p.requires_grad]
-    found = [int(m.group(1)) for n in names if (m := _LAYER.search(f".{n}"))]
+    found = _block_indices(names)
     if num_layers is None:
         if not found:
             raise ValueError(
@@ -207,6 +216,11 @@ def layerwise_lr_decay(
                 "the parameters yourself"
             )
         num_layers = max(found) + 1
+    elif found and max(found) >= num_layers:  # its depth would pass the head's: factor > 1
+        raise ValueError(
+            f"num_layers={num_layers}, but the model has block {max(found)}; pass "
+            f"num_layers={max(found) + 1} (or None to count them)"
+        )
     labels: dict[str, str] = {}
     for n in names:
         labels[n] = f"depth_{_depth(n, num_layers)}"
@@ -215,6 +229,28 @@ def layerwise_lr_decay(
         for d in sorted({int(v.removeprefix("depth_")) for v in labels.values()})
     }
     return labels, factors
+
+
+def _block_indices(names: list[str]) -> list[int]:
+    """The block index of each name that has one; refuses blocks numbered in several sequences.
+
+    An encoder-decoder (`encoder.block.<i>`, `decoder.block.<i>`), a vision tower beside a
+    language model, or stages of blocks (`stages.<s>.layers.<i>`) number their blocks from 0
+    each: one depth per index would put unrelated blocks at one depth.
+    """
+    found, sequences = [], set()
+    for n in names:
+        m = _LAYER.search(f".{n}")
+        if m is not None:
+            found.append(int(m.group(1)))
+            sequences.add(f".{n}"[: m.start(1)].strip("."))
+    if len(sequences) > 1:
+        raise ValueError(
+            f"model numbers its blocks in {len(sequences)} sequences ({sorted(sequences)[:4]}): "
+            "layerwise_lr_decay gives one depth per block index, which would mix them; label "
+            "the parameters yourself and pass the labels to ft.optim.partition"
+        )
+    return found
 
 
 def _depth(name: str, num_layers: int) -> int:

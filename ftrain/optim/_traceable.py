@@ -92,7 +92,8 @@ def adam_twin(
     groups: GroupsFn,
     maximize: bool,
 ) -> Twin:
-    """The update of `_fused_adam(w)_` (ATen's FusedAdamKernel) as traceable tensor ops."""
+    """The update of `_fused_adam(w)_` (ATen's FusedAdamKernel) as traceable tensor ops, with
+    each parameter's own count (`AdamState.counts`)."""
     b1, b2 = betas
 
     def update(
@@ -105,12 +106,13 @@ def adam_twin(
         first: bool,
         skip: torch.Tensor | None,
     ) -> None:
-        count = state.steps.double() + 1  # the post-increment count, as the fused kernel
-        step_size = lr / (1 - b1**count)
-        bc2_sqrt = (1 - b2**count).sqrt()
+        keep = 1.0 if skip is None else 1.0 - skip.double()  # 0 where the step is skipped
         for decay, names in split:
             wd = weight_decay if decay else 0.0
             for n in names:
+                count = state.counts[n].double() + 1  # the post-increment count, as the kernel
+                step_size = lr / (1 - b1**count)
+                bc2_sqrt = (1 - b2**count).sqrt()
                 p, m, v = params[n], state.mu[n], state.nu[n]
                 g = _grad(grads[n], p, 0.0 if decoupled else wd, maximize)
                 m_new = m * b1 + g * (1 - b1)
@@ -120,7 +122,8 @@ def adam_twin(
                 m.copy_(_keep(skip, m, m_new))
                 v.copy_(_keep(skip, v, v_new))
                 p.copy_(_keep(skip, p, p_new))
-        state.steps.copy_(count if skip is None else count - skip.double())
+                state.counts[n].add_(keep)
+        state.steps.add_(keep)
 
     return Twin(groups, update)
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ftrain.optim._base import Grads, Params, Transform
+from ftrain.optim._base import Grads, Mask, Params, Transform, _masker, _number
 from ftrain.strategies import local_grad_norm
 
 __all__ = ["add_decayed_weights", "clip", "clip_by_global_norm", "decay_mask", "scale"]
@@ -19,9 +19,9 @@ def _stateless(fn: Callable[[Grads, Params], Grads]) -> Transform:
 
 
 def scale(factor: float) -> Transform:
-    """Multiply every gradient by `factor`."""
-    if not isinstance(factor, (int, float)):
-        raise TypeError(f"factor must be a number, got {factor!r}")
+    """Multiply every gradient by `factor` (a finite number: a NaN would reach the parameters
+    after the step's non-finite check)."""
+    _number("factor", factor, lambda v: True)
 
     def apply(grads: Grads, params: Params) -> Grads:
         torch._foreach_mul_(list(grads.values()), float(factor))
@@ -32,8 +32,7 @@ def scale(factor: float) -> Transform:
 
 def clip(max_abs: float) -> Transform:
     """Clamp every gradient element to `[-max_abs, max_abs]`."""
-    if not max_abs > 0:
-        raise ValueError(f"max_abs must be > 0, got {max_abs!r}")
+    _number("max_abs", max_abs, lambda v: v > 0, "> 0")
 
     def apply(grads: Grads, params: Params) -> Grads:
         for g in grads.values():
@@ -49,8 +48,7 @@ def clip_by_global_norm(max_norm: float) -> Transform:
     `clip_and_step(max_norm=...)` does the same across shards and ranks and reports the norm;
     this transform is for optimizer recipes that clip inside a chain.
     """
-    if not max_norm > 0:
-        raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
+    _number("max_norm", max_norm, lambda v: v > 0, "> 0")
 
     def apply(grads: Grads, params: Params) -> Grads:
         gs = list(grads.values())
@@ -61,13 +59,14 @@ def clip_by_global_norm(max_norm: float) -> Transform:
     return _stateless(apply)
 
 
-def add_decayed_weights(weight_decay: float, *, mask: frozenset[str] | None = None) -> Transform:
-    """Add `weight_decay * param` to each gradient (L2 regularisation), for names in `mask`."""
-    if weight_decay < 0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+def add_decayed_weights(weight_decay: float, *, mask: Mask = None) -> Transform:
+    """Add `weight_decay * param` to each gradient (L2 regularisation), for names in `mask`
+    (parameter names or a predicate on names, as `adamw`'s; all when None)."""
+    _number("weight_decay", weight_decay, lambda v: v >= 0.0, ">= 0")
+    decays = _masker(mask)  # a string would match its substrings: refused
 
     def apply(grads: Grads, params: Params) -> Grads:
-        names = [n for n in grads if mask is None or n in mask]
+        names = [n for n in grads if decays(n)]
         torch._foreach_add_(
             [grads[n] for n in names], [params[n] for n in names], alpha=weight_decay
         )
