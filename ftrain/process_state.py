@@ -75,9 +75,11 @@ __all__ = ["STATE", "BackgroundSave", "Closable", "ProcessState", "Snapshot", "s
 
 
 class BackgroundSave(Protocol):
-    """A save running in a thread: its checkpoint's `path` once written, or its `error`."""
+    """A save running in a thread into the run folder `root`: its checkpoint's `path` once
+    written, or its `error`."""
 
     step: int
+    root: Path | None
     path: Path | None
     error: BaseException | None
 

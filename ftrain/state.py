@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ftrain.optim import Optimizer
+from ftrain.optim import Optimizer, ema_swapped
 from ftrain.strategies import SingleDevice, Strategy
 
 __all__ = [
@@ -323,6 +323,11 @@ def snapshot(state: TrainState) -> TrainState:
 
     The copy is not affected when `state` is later donated to a step function, and vice versa.
 
+    Raises:
+        ValueError: inside `ft.optim.swap_ema(state)`: the model holds the EMA average and the
+            optimizer state the live weights until the block ends, and a copy would keep them
+            exchanged for good.
+
     Example:
         >>> import torch, ftrain as ft
         >>> s = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
@@ -332,6 +337,12 @@ def snapshot(state: TrainState) -> TrainState:
     """
     held = state.tensors_
     held.lease.check()
+    if ema_swapped(state):  # the copy's EmaState is no longer the swapped one: never swapped back
+        raise ValueError(
+            "snapshot of a state inside ft.optim.swap_ema(state): its model holds the EMA average "
+            "until the block ends, and the copy would keep the weights exchanged; snapshot before "
+            "or after the block"
+        )
     model = state.strategy.clone_model(held.model)
     old = dict(held.model.named_parameters())
     new = dict(model.named_parameters())

@@ -52,6 +52,8 @@ MAX_DIMS = 64
 MAX_HEADER_BYTES = 100 * 2**20
 MAX_JSON_BYTES = 64 * 2**20
 
+# Every dtype safetensors writes (its `_TYPES`): a tensor that was saved must load back, or a
+# committed checkpoint (a float8 buffer, a uint16 table, a complex parameter) could never load.
 _DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
     {
         "F64": torch.float64,
@@ -62,8 +64,16 @@ _DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
         "I32": torch.int32,
         "I16": torch.int16,
         "I8": torch.int8,
+        "U64": torch.uint64,
+        "U32": torch.uint32,
+        "U16": torch.uint16,
         "U8": torch.uint8,
         "BOOL": torch.bool,
+        "F8_E4M3": torch.float8_e4m3fn,
+        "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+        "F8_E5M2": torch.float8_e5m2,
+        "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+        "C64": torch.complex64,
     }
 )
 

@@ -41,6 +41,7 @@ RANKING = "ranking"  # state.json: how a save with best_metric ranked checkpoint
 
 MODEL_DIR = "model"  # sharded layout: one shard file per rank in each of these
 OPTIM_DIR = "optimizer"
+SHARDED_CONFIG = "config_file"  # sharded layout: config.json's size and digest ("files": shards)
 
 PLAIN = (bool, int, float, str)  # JSON values
 # TrainState fields that are not plain values: handled as tensors/objects, or not saved at all.

@@ -19,6 +19,8 @@ from ftrain.checkpoint._save import raise_pending_save_error
 from ftrain.checkpoint._tree import Node, describe, flatten_tree, unflatten
 from ftrain.checkpoint._tree import _children as children
 from ftrain.checkpoint._verify import Opened, field_hints, fits, open_checkpoint
+from ftrain.checkpoint._verify import _dtype as dtype_named
+from ftrain.checkpoint._verify import _is_saved_tensor as is_saved_tensor
 from ftrain.optim import TorchOptimizerState, ema_swapped
 from ftrain.state import TrainState
 from ftrain.strategies import SingleDevice, Strategy
@@ -133,10 +135,10 @@ def load_checkpoint(
     opt_flat = flatten_tree(state.opt_state)
     diffs, model_pairs = _match_model(meta, tensors["model"], live, module)
     opt_diffs, opt_values = _match_optimizer(meta, tensors["optimizer"], state.opt_state, live)
-    diffs += opt_diffs
+    fields, field_diffs = _fields(meta, state)  # may reject the file: before anything is written
+    diffs += opt_diffs + field_diffs
     if diffs and strict:
         raise CheckpointMismatchError(path, diffs, cause=_config_cause(opened, module))
-    fields = _fields(meta, state)  # may still reject the file: before anything is written
     lazy = sorted(p for p in opt_values if p not in opt_flat)  # a torch optimizer's own state
     if lazy and state.strategy.checkpoint_sharded:
         raise CheckpointError(
@@ -275,12 +277,31 @@ def _match_model(
             diffs.append(f"{name}: checkpoint has {describe(src)}, model has {describe(dst)}")
         else:
             pairs.append((name, dst, src))
-    frozen_saved = {r[0]: r for r in meta["params"] if r[3] is False}
+    return diffs + _match_frozen(meta["params"], module), pairs
+
+
+def _match_frozen(table: list[list[Any]], module: torch.nn.Module) -> list[str]:
+    """The frozen parameters that differ from the checkpoint's parameter table.
+
+    They are not saved (a LoRA checkpoint holds the adapter): they come from the model loaded
+    into, so a base with another frozen module, or in another dtype, would silently continue a
+    different model. (A parameter trainable on one side only is reported with the tensors.)
+    """
+    rows = {r[0]: r for r in table}
+    diffs, names = [], set()
     for name, p in module.named_parameters():
-        row = frozen_saved.get(name)
-        if not p.requires_grad and row is not None and list(p.shape) != row[2]:
-            diffs.append(f"frozen {name}: checkpoint has shape {row[2]}, model has {list(p.shape)}")
-    return diffs, pairs
+        names.add(name)
+        row = rows.get(name)
+        if p.requires_grad or (row is not None and row[3] is True):
+            continue
+        if row is None:
+            diffs.append(f"frozen parameter missing from checkpoint: {name} {describe(p)}")
+        elif list(p.shape) != row[2] or str(p.dtype).removeprefix("torch.") != row[1]:
+            diffs.append(f"frozen {name}: checkpoint has {row[1]}{row[2]}, model has {describe(p)}")
+    for name, dtype, shape, trainable in table:
+        if trainable is False and name not in names:
+            diffs.append(f"unexpected frozen parameter in checkpoint: {name} {dtype}{shape}")
+    return diffs
 
 
 def _match_optimizer(
@@ -403,36 +424,44 @@ def _describe_saved(entry: dict[str, Any], tensor: torch.Tensor | None) -> str:
     return type(entry.get("value")).__name__
 
 
-def _fields(meta: dict[str, Any], state: TrainState) -> dict[str, Any]:
+def _fields(meta: dict[str, Any], state: TrainState) -> tuple[dict[str, Any], list[str]]:
     """The saved counters as `state.replace` keywords, checked against the types the state's
-    fields declare.
+    fields declare; and the 0-dim tensor fields saved in another dtype than the state's (left
+    as they are in `state`, like a re-typed parameter).
 
     `open_checkpoint` has checked them against `TrainState`'s fields; this adds the fields a
     subclass declares and what depends on the live state (a tensor field's dtype and device).
     """
     out: dict[str, Any] = {}
+    diffs: list[str] = []
     saved = meta["fields"]
     hints = field_hints(type(state))
     for name, current in L.leaves(state).items():
         if name not in saved:
             continue
         value, hint = saved[name], hints.get(name)
+        malformed = CheckpointError(f"state field {name!r} is malformed: {value!r}")
         if hint == "tensor?" and (value is None or current is None):
             # e.g. the float16 loss scale, saved by an fp16 run and resumed in bf16 or the
             # other way round: the new run keeps its own (fresh) value.
-            if value is not None and not isinstance(value, dict):
-                raise CheckpointError(f"state field {name!r} is malformed: {value!r}")
+            if value is not None and not is_saved_tensor(value):
+                raise malformed
             continue
-        if isinstance(current, torch.Tensor):
-            number = value.get("value") if isinstance(value, dict) else None
-            try:
-                if type(number) not in (int, float):
-                    raise TypeError
-                out[name] = torch.tensor(number, dtype=current.dtype, device=current.device)
-            except (TypeError, ValueError, RuntimeError, OverflowError) as e:
-                raise CheckpointError(f"state field {name!r} is malformed: {value!r}") from e
+        tensor = isinstance(current, torch.Tensor)
+        if tensor or (hint in (None, "tensor") and isinstance(value, dict)):
+            if not is_saved_tensor(value):
+                raise malformed
+            dtype = dtype_named(value["dtype"])
+            if tensor and dtype != current.dtype:  # a cast would round (float64 -> float32)
+                has = str(current.dtype).removeprefix("torch.")
+                diffs.append(
+                    f"state field {name}: checkpoint has {value['dtype']}, state has {has}"
+                )
+                continue
+            device = current.device if tensor else state.strategy.device
+            out[name] = torch.tensor(value["value"], dtype=dtype, device=device)
         elif fits(value, hint if isinstance(hint, set) else None):
             out[name] = value
         else:
-            raise CheckpointError(f"state field {name!r} is malformed: {value!r}")
-    return L.with_leaves(state, out)
+            raise malformed
+    return L.with_leaves(state, out), diffs

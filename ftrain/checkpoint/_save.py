@@ -48,6 +48,7 @@ from ftrain.checkpoint._io import (
     write_safetensors,
     write_text,
 )
+from ftrain.checkpoint._verify import check_savable
 from ftrain.process_state import STATE
 from ftrain.state import TrainState
 from ftrain.strategies import Strategy
@@ -108,7 +109,8 @@ def save_checkpoint(
         The checkpoint directory `root/step-<N>`.
 
     Raises:
-        ValueError: for bad retention arguments, `best_metric` missing from `metrics`, or
+        ValueError: for bad retention arguments, a `root` that is itself a checkpoint,
+            `best_metric` missing from `metrics`, or
             ranking by a loss whose recorded function (`metrics[best_metric + "_fn"]`, as
             `evaluate`'s `eval_loss_fn`) differs from that of a committed checkpoint in `root`.
         ConsumedStateError: if a step function consumed `state` (save the state it returned).
@@ -141,10 +143,10 @@ def save_checkpoint(
     if blocking:
         return _save_together(job, state, metrics)
     if strategy.checkpoint_sharded:  # every rank writes its own shards in the background
-        _start(job.step, _write_later(job, state, metrics))
+        _start(job, _write_later(job, state, metrics))
     elif strategy.process_rank == 0:  # rank 0 holds whole tensors: it writes them in the background
         staged = _stage(job.collect(state, metrics, sharded=False), strategy, copy=True)
-        _start(job.step, lambda: job.run(staged, strategy))
+        _start(job, lambda: job.run(staged, strategy))
     return job.path
 
 
@@ -199,6 +201,7 @@ class _Job:
     ) -> L.Contents:
         """The checkpoint's contents; a ranked save records its ranking in state.json, so that
         later saves without `best_metric` (preemption, ad hoc) still keep the best."""
+        check_savable(state)  # never commit a checkpoint that no load accepts
         contents = L.collect(state, metrics, sharded=sharded)
         if self.best_metric is not None:
             contents.meta[L.RANKING] = {
@@ -323,7 +326,7 @@ def _write(staged: L.Contents, tmp: Path, strategy: Strategy) -> list[str]:
 
 
 def _shard_files(staged: L.Contents, tmp: Path) -> list[str]:
-    """Rank 0, once every rank wrote its shards: add config.json; list the files."""
+    """Rank 0, once every rank wrote its shards: add config.json; list the shard files."""
     if staged.config is not None:
         write_text(staged.config, tmp / L.CONFIG_FILE)
     return [
@@ -371,11 +374,16 @@ def _write_later(
 def _seal(tmp: Path, root: Path, staged: L.Contents, files: list[str], *, checksum: bool) -> None:
     """Record the files in state.json, write the commit marker last, publish as step-N."""
     fsync_tree(tmp)  # files written by others (DCP) are not fsynced yet
-    record: dict[str, dict[str, Any]] = {n: {"bytes": (tmp / n).stat().st_size} for n in files}
+    sharded_config = staged.meta.get("sharded") is True and staged.config is not None
+    recorded = [*files, L.CONFIG_FILE] if sharded_config else files
+    record: dict[str, dict[str, Any]] = {n: {"bytes": (tmp / n).stat().st_size} for n in recorded}
     if checksum:
-        for n, digest in zip(files, _sha256_parallel([tmp / n for n in files]), strict=True):
+        for n, digest in zip(recorded, _sha256_parallel([tmp / n for n in recorded]), strict=True):
             record[n]["sha256"] = digest
-    write_json({**staged.meta, "files": record}, tmp / L.STATE_FILE)
+    meta = {**staged.meta, "files": record}
+    if sharded_config:  # "files" lists the shards; config.json is checksummed beside them
+        meta[L.SHARDED_CONFIG] = record.pop(L.CONFIG_FILE)
+    write_json(meta, tmp / L.STATE_FILE)
     write_json({"state.json": sha256_file(tmp / L.STATE_FILE)}, tmp / L.COMMIT_FILE)
     _after_every_commit(tmp / L.COMMIT_FILE, root)
     final = _step_dir(root, staged.step)
@@ -565,6 +573,21 @@ def _check_root(root: Any) -> None:
         raise TypeError(f"root must be a path (str or os.PathLike), got {type(root).__name__}")
 
 
+def _check_run_folder(root: Path, fix: str) -> None:
+    """Refuse a `root` that is itself a checkpoint (`runs/x/step-500` for `runs/x`): a resume
+    would find nothing there and start afresh, and saves would nest inside the checkpoint, to
+    be deleted with it by the run folder's rotation."""
+    try:
+        checkpoint = (root / L.STATE_FILE).exists() or (root / L.COMMIT_FILE).exists()
+    except OSError:  # unreadable: the save or the listing reports it
+        return
+    if checkpoint:
+        raise ValueError(
+            f"root={str(root)!r} is a checkpoint, not a run folder of step-<N> checkpoints: "
+            f"pass its parent ({str(root.parent)!r}), {fix}"
+        )
+
+
 def _check_save_args(state: Any, root: Any, metrics: Any, best_metric: Any, **flags: Any) -> None:
     """The arguments of `save_checkpoint`, checked before anything is staged or waited for."""
     if not isinstance(state, TrainState):
@@ -582,6 +605,7 @@ def _check_save_args(state: Any, root: Any, metrics: Any, best_metric: Any, **fl
                 )
     if best_metric is not None and not isinstance(best_metric, str):
         raise TypeError(f"best_metric must be a metrics key (str) or None, got {best_metric!r}")
+    _check_run_folder(Path(root), "the folder that holds the run's checkpoints")
     for name, flag in flags.items():
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be True or False, got {flag!r}")
@@ -593,7 +617,13 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     In a run that never went back this is the one with the highest step. After a rollback
     (resuming from an earlier checkpoint and saving again) it is the newest checkpoint of the
     branch being trained, not the higher step of the abandoned one. Directories without the
-    commit marker (a save cut short) are ignored.
+    commit marker (a save cut short) are ignored. A background save of this process into
+    `root` still in flight is waited for: it is the newest (and its error is raised).
+
+    Raises:
+        ValueError: if `root` is itself a checkpoint (it holds a `state.json` or a commit
+            marker): the run would otherwise start afresh. Pass its parent, or load it.
+        CheckpointError: the failure of a background save (see `save_checkpoint`).
 
     Example:
         >>> import ftrain as ft
@@ -602,8 +632,22 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     """
     raise_pending_save_error()
     _check_root(root)
+    _check_run_folder(Path(root), "or load it directly with load_checkpoint(path, state)")
+    if _in_flight_into(Path(root)):  # else: the checkpoint before the one this process saved
+        wait_for_checkpoint()
     found = committed(Path(root))
     return found[-1][1] if found else None
+
+
+def _in_flight_into(root: Path) -> bool:
+    """Whether a background save of this process into `root` has not finished yet."""
+    bg = STATE.save_in_flight
+    if bg is None or bg.root is None or not bg.is_alive():
+        return False
+    try:
+        return os.path.realpath(bg.root) == os.path.realpath(root)
+    except (OSError, ValueError):  # an unreadable path: not the one being written
+        return False
 
 
 def retained(
@@ -717,8 +761,8 @@ class _Background:
     on Python 3.11 a `Thread.join` that a signal handler's exception (Ctrl-C) interrupts marks
     the still-running thread stopped, so `Thread.is_alive` cannot be trusted after one."""
 
-    def __init__(self, step: int, write: Callable[[], Path]) -> None:
-        self.step, self.write = step, write
+    def __init__(self, step: int, write: Callable[[], Path], root: Path | None = None) -> None:
+        self.step, self.write, self.root = step, write, root
         self.path: Path | None = None
         self.error: BaseException | None = None
         self._done = threading.Event()
@@ -746,9 +790,9 @@ class _Background:
             self._thread.join()  # returns at once: the writer is past its last line
 
 
-def _start(step: int, write: Callable[[], Path]) -> None:
+def _start(job: _Job, write: Callable[[], Path]) -> None:
     with STATE.save_lock:
-        bg = STATE.save_in_flight = _Background(step, write)
+        bg = STATE.save_in_flight = _Background(job.step, write, job.root)
         bg.start()
 
 

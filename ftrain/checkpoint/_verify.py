@@ -15,8 +15,9 @@ import math
 import os
 import re
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal
 
 import torch
@@ -32,13 +33,26 @@ from ftrain.checkpoint._io import (
     shape_numel,
 )
 from ftrain.data import check_position
-from ftrain.state import TrainState
+from ftrain.state import TrainState, plain_values
 
-__all__ = ["Opened", "open_checkpoint", "read_meta", "validate_meta"]
+__all__ = ["Opened", "check_savable", "open_checkpoint", "read_meta", "validate_meta"]
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _SCALARS = (bool, int, float, str, type(None))
 _COUNTERS = ("step", "epoch", "data.cursor", "seed")
+# The values TrainState's own integer fields hold (int64 counters; a batch size >= 1): a file
+# outside them is refused, and a save never writes one. A seed of 2**64 would silently give
+# seed 0's data order and dropout (TrainState.create refuses seeds >= 2**63).
+_RANGES: Mapping[str, tuple[int, int]] = MappingProxyType(
+    {
+        **{n: (0, 2**63) for n in ("step", "epoch", "seed", "data.cursor")},
+        **{n: (0, 2**63) for n in ("data.tokens_seen", "data.samples_seen")},
+        "data.batch_size": (1, 2**63),
+        "early_stopping.best_step": (0, 2**63),
+        "early_stopping.patience_counter": (0, 2**63),
+        "scaler.growth_tracker": (0, 2**31),
+    }
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +155,7 @@ def open_checkpoint(
 def read_config(path: Path, meta: dict[str, Any], *, verify: bool = True) -> dict[str, Any] | None:
     """The checkpoint's `config.json` as a dict (checked against its recorded size and digest),
     or None when it has none."""
-    entry = meta["files"].get(L.CONFIG_FILE)
+    entry = meta["files"].get(L.CONFIG_FILE, meta.get(L.SHARDED_CONFIG))
     if entry is None:
         try:
             os.lstat(path / L.CONFIG_FILE)
@@ -149,7 +163,7 @@ def read_config(path: Path, meta: dict[str, Any], *, verify: bool = True) -> dic
             return None
         except OSError as e:
             raise CheckpointError(f"cannot read {path / L.CONFIG_FILE}: {e.strerror}") from e
-        entry = {}  # present but not recorded (sharded saves): parsed, not verified
+        entry = {}  # present but not recorded (older sharded saves): parsed, not verified
     sha = entry.get("sha256") if verify else None
     config = read_json(path / L.CONFIG_FILE, sha256=sha, size=entry.get("bytes"))
     if not isinstance(config, dict):
@@ -215,7 +229,13 @@ def validate_meta(meta: Any, path: Path) -> None:
 
 def _validate_files(meta: dict[str, Any], need: Any) -> None:
     files = meta["files"]
-    for name, entry in files.items():
+    records = list(files.items())
+    if L.SHARDED_CONFIG in meta:
+        need(
+            meta.get("sharded") is True, f"{L.SHARDED_CONFIG!r} in a checkpoint that is not sharded"
+        )
+        records.append((L.CONFIG_FILE, meta[L.SHARDED_CONFIG]))
+    for name, entry in records:
         ok = isinstance(entry, dict) and type(entry.get("bytes")) is int and entry["bytes"] >= 0
         sha = entry.get("sha256") if isinstance(entry, dict) else None
         need(ok and (sha is None or _SHA256.fullmatch(str(sha))), f"bad record of {_short(name)}")
@@ -241,6 +261,10 @@ def _validate_fields(fields: dict[str, Any], need: Any) -> None:
     for name in _COUNTERS:
         v = fields.get(name)
         need(type(v) is int and v >= 0, f"state field {name!r} is missing or not an int >= 0")
+    for name in _RANGES.keys() & fields.keys():
+        v = fields[name]
+        v = v["value"] if isinstance(v, dict) else v
+        need(in_range(name, v), f"state field {name!r} {range_text(name)}: {_short(v)}")
     stream = fields.get("data.position")
     if isinstance(stream, str):  # make_batches checks it fits the data; here, that it is one
         try:
@@ -251,6 +275,72 @@ def _validate_fields(fields: dict[str, Any], need: Any) -> None:
     if isinstance(scale, dict):
         v = scale["value"]
         need(math.isfinite(v) and v > 0, f"state field 'scaler.scale' must be finite and > 0: {v}")
+
+
+def in_range(name: str, value: Any) -> bool:
+    """Whether `value` is one the TrainState field `name` can hold (see `_RANGES`); None is
+    left to the field's declared type."""
+    bounds = _RANGES.get(name)
+    if bounds is None or value is None:
+        return True
+    return type(value) is int and bounds[0] <= value < bounds[1]
+
+
+def range_text(name: str) -> str:
+    lo, hi = _RANGES[name]
+    return f"must be an int in [{lo}, {'2**63' if hi == 2**63 else hi})"
+
+
+def check_savable(state: TrainState) -> None:
+    """Refuse, before anything is written, a state field that `load_checkpoint` would refuse.
+
+    A value of another type than its field declares (a 0-dim tensor in a `float` field, a
+    float in an `int` field) or outside the field's range would be written and committed,
+    and `latest_checkpoint` would pick a checkpoint that no load accepts.
+
+    Raises:
+        CheckpointError: naming the field, what it holds and what it declares.
+    """
+    hints = field_hints(type(state))
+    for name, value in plain_values(state).items():
+        hint, problem = hints.get(name), None
+        if isinstance(value, torch.Tensor):
+            if isinstance(hint, set):
+                problem = f"is declared {_declared(hint)}; store a number (float(x), int(x))"
+            elif value.dim() == 0 and _number_kinds(value.dtype) is None:
+                problem = f"is a {value.dtype} tensor; checkpoints hold bool, int and float ones"
+        elif hint in ("tensor", "tensor?"):
+            if not (value is None and hint == "tensor?"):
+                problem = "is declared a 0-dim torch.Tensor; store one (torch.tensor(x))"
+        elif isinstance(hint, set) and (value is None or isinstance(value, L.PLAIN)):
+            # What state.json will hold (a numpy float64 is a float there, an IntEnum an int).
+            kind: Any = next((t for t in (bool, int, float, str) if isinstance(value, t)), None)
+            plain = value if kind is None else kind(value)
+            if not fits(plain, hint):
+                problem = f"is declared {_declared(hint)}"
+            elif not in_range(name, plain):
+                problem = range_text(name)
+        if problem is not None:
+            raise CheckpointError(
+                f"TrainState field {name!r} holds {_short(value)}, which a checkpoint could not "
+                f"load back: it {problem}"
+            )
+
+
+def _declared(hint: set[type]) -> str:
+    return " | ".join(sorted("None" if t is type(None) else t.__name__ for t in hint))
+
+
+def _number_kinds(dtype: torch.dtype) -> tuple[type, ...] | None:
+    """The Python types `Tensor.item()` gives for a 0-dim tensor of `dtype` and JSON keeps
+    exactly (a float field may also hold an int a user wrote); None for other dtypes."""
+    if dtype == torch.bool:
+        return (bool,)
+    if dtype.is_floating_point:
+        return (int, float)
+    if dtype.is_complex:
+        return None
+    return (int,)
 
 
 def field_hints(cls: type, prefix: str = "") -> dict[str, Any]:
@@ -306,7 +396,8 @@ def _is_saved_tensor(value: Any) -> bool:
     if not (isinstance(value, dict) and set(value) == {"dtype", "value"}):
         return False
     dtype, number = _dtype(value["dtype"]), value["value"]
-    if dtype is None or type(number) not in (int, float):
+    kinds = None if dtype is None else _number_kinds(dtype)
+    if kinds is None or type(number) not in kinds:  # 2.5 in an int64 would load as 2
         return False
     try:
         torch.tensor(number, dtype=dtype)
