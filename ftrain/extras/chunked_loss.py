@@ -15,7 +15,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ftrain.extras import _lce_kernels
-from ftrain.losses import IGNORE_INDEX, LossFn, model_logits, upcast
+from ftrain.losses import (
+    IGNORE_INDEX,
+    LossFn,
+    causal_lm_loss,
+    loss_for,
+    loss_name,
+    model_logits,
+    upcast,
+)
 from ftrain.strategies import is_distributed
 
 __all__ = ["chunked_causal_lm_loss"]
@@ -77,28 +85,81 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return gh, gw, gb, None, None, None
 
 
-def _head(model: nn.Module) -> nn.Module:
-    """The output projection of an HF causal LM (DDP and torch.compile wrappers looked through)."""
+# Config fields with which HF causal LMs change the logits after the head, which the chunks
+# would leave out: softcaps (Gemma 2/3, nanochat: final_logit_softcapping; RecurrentGemma:
+# logits_soft_cap) and scales (Cohere: logit_scale; Granite, HyperCLOVA X: logits_scaling;
+# Falcon-H1: lm_head_multiplier; output multipliers). None or 1.0 is plain logits.
+_AFTER_HEAD = (
+    "final_logit_softcapping", "logits_soft_cap", "logit_scale", "logits_scaling",
+    "lm_head_multiplier", "output_multiplier", "output_multiplier_scale",
+)  # fmt: skip
+
+
+def _head(model: nn.Module, head: nn.Module | None) -> nn.Module:
+    """The output projection: `head`, else the HF causal LM's own (DDP and torch.compile
+    wrappers looked through); the model is checked either way."""
     inner: Any = model
     while not hasattr(inner, "get_output_embeddings"):
-        nxt = getattr(inner, "module", None) or getattr(inner, "_orig_mod", None)
-        if nxt is None:
+        inner = getattr(inner, "module", None) or getattr(inner, "_orig_mod", None)
+        if inner is None:
+            if head is not None:
+                return head  # a model of your own: its head is yours to vouch for
             raise TypeError(
                 f"chunked_causal_lm_loss needs an HF causal LM (get_output_embeddings) or "
                 f"head=..., got {type(model).__name__}"
             )
-        inner = nxt
-    cfg = getattr(inner, "config", None)
-    for attr in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
-        if getattr(cfg, attr, None) not in (None, 1.0):
-            raise ValueError(
-                f"chunked_causal_lm_loss computes plain logits, but this model's config sets "
-                f"{attr}={getattr(cfg, attr)!r}; use causal_lm_loss for it"
-            )
-    head = inner.get_output_embeddings()
-    if not isinstance(head, nn.Linear):
-        raise TypeError(f"the output embeddings must be an nn.Linear, got {type(head).__name__}")
+    _check_causal(inner)
+    if head is None:
+        head = inner.get_output_embeddings()
+        _check_linear(head, "the output embeddings")
+    _check_config(inner, head)
     return head
+
+
+def _check_causal(model: nn.Module) -> None:
+    """Refuse the models whose labels are not shifted (encoder-decoders, masked LMs): the
+    chunks would score each position against the next label, silently."""
+    try:
+        own = loss_name(loss_for(model))
+    except TypeError:
+        return  # not an HF task head ftrain knows: a causal LM of your own
+    if own != loss_name(causal_lm_loss()):
+        raise ValueError(
+            f"chunked_causal_lm_loss shifts the labels as a causal LM does, but "
+            f"{type(model).__name__}'s loss is {own.split('.')[-3]} (labels not shifted); "
+            f"use ft.losses.loss_for(model) for it"
+        )
+
+
+def _check_linear(head: Any, what: str) -> None:
+    # The chunks compute `h @ weight.T + bias`: a head whose forward does anything else (a
+    # LoRA or quantized layer, a subclass with a scale) would be skipped silently.
+    if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
+        kind = type(head)
+        raise TypeError(
+            f"{what} must be a plain nn.Linear (the chunks compute its projection without "
+            f"calling it), got {kind.__module__}.{kind.__qualname__}; use causal_lm_loss for "
+            "this model (e.g. a LoRA adapter or a quantized layer on the head)"
+        )
+
+
+def _check_config(model: nn.Module, head: Any) -> None:
+    cfg: Any = getattr(model, "config", None)
+    text = cfg.get_text_config() if callable(getattr(cfg, "get_text_config", None)) else cfg
+    for c in (cfg, text):
+        for attr in _AFTER_HEAD:
+            if getattr(c, attr, None) not in (None, 1.0):
+                raise ValueError(
+                    f"chunked_causal_lm_loss computes plain logits, but this model's config "
+                    f"sets {attr}={getattr(c, attr)!r}; use causal_lm_loss for it"
+                )
+        cut, size = getattr(c, "unpadded_vocab_size", None), head.weight.shape[0]
+        if isinstance(cut, int) and cut < size:
+            raise ValueError(
+                f"chunked_causal_lm_loss scores all {size} outputs of the head, but "
+                f"this model's config sets unpadded_vocab_size={cut} (its logits are cut to it); "
+                "use causal_lm_loss for it"
+            )
 
 
 def _hidden(model: nn.Module, head: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
@@ -130,8 +191,11 @@ def chunked_causal_lm_loss(
     the peak holds `chunk_size x vocab` logits instead of `tokens x vocab`. The result (sum
     and count) equals `causal_lm_loss()` up to float rounding, gradients included. Logits are
     float32 as in `causal_lm_loss`. Models that transform logits after the head (softcapping,
-    logit scales) are refused. Sharded (FSDP) head weights are refused too: the chunks need
-    the whole matrix outside the head's own forward, where FSDP has resharded it.
+    logit scales, a cut vocabulary), models whose labels are not shifted (encoder-decoders,
+    masked LMs), heads that are not a plain `nn.Linear` (a LoRA adapter or a quantized layer on
+    the head) and labels of another shape than the tokens are refused. Sharded (FSDP) head
+    weights are refused too: the chunks need the whole matrix outside the head's own forward,
+    where FSDP has resharded it.
 
     `kernel` picks who computes the cross-entropy through the head: "torch" (default) is the
     chunked function above; "liger" (Liger-Kernel's fused linear cross-entropy) and "cce"
@@ -152,7 +216,10 @@ def chunked_causal_lm_loss(
 
     Raises:
         ValueError: for a bad `chunk_size` or `kernel`; when called, for an explicit kernel
-            whose head is not on CUDA ("cce": with a bias, or outside bf16/fp16).
+            whose head is not on CUDA ("cce": with a bias, or outside bf16/fp16), a model
+            that is not a causal LM or changes its logits after the head, or labels whose
+            shape is not the tokens'.
+        TypeError: for a `head` (given, or the model's) that is not a plain `nn.Linear`.
         ImportError: for an explicit kernel whose package does not import.
 
     Example:
@@ -178,19 +245,28 @@ def chunked_causal_lm_loss(
     chunk = 1024 if chunk_size is None else chunk_size
     if not (isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= 1):
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    if head is not None:
+        _check_linear(head, "head")
 
     def loss_fn(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if "labels" not in batch:
             raise KeyError("chunked_causal_lm_loss needs 'labels' in the batch")
-        out = _head(model) if head is None else head
+        out = _head(model, head)
         weight, bias = out.weight, out.bias
         if is_distributed(weight):
             raise ValueError(
                 "chunked_causal_lm_loss cannot use a sharded (FSDP) head weight; use "
                 "causal_lm_loss under FSDP, or DDP"
             )
-        hidden = _hidden(model, out, batch)[:, :-1]
-        labels = batch["labels"][:, 1:].reshape(-1)
+        hidden, labels = _hidden(model, out, batch), batch["labels"]
+        if hidden.shape[:-1] != labels.shape:  # host ints: no sync
+            # The chunks pair hidden row i with label i: other shapes would pair them wrongly.
+            raise ValueError(
+                f"chunked_causal_lm_loss: the labels' shape {tuple(labels.shape)} differs from "
+                f"the head's input {tuple(hidden.shape[:-1])} (batch, tokens); give each token "
+                "one label (-100 to ignore it)"
+            )
+        hidden, labels = hidden[:, :-1], labels[:, 1:].reshape(-1)
         h = hidden.reshape(-1, hidden.shape[-1])
         use = _lce_kernels.pick(kernel, h, weight, bias)  # type: ignore[arg-type]
         if use == "torch":

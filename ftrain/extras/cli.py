@@ -20,15 +20,24 @@ from ftrain.extras.hf_export import export_checkpoint
 
 
 def inspect(
-    path: Path, *, verify: bool = True, metric: str = "eval_loss", mode: str = "min"
+    path: Path, *, verify: bool = True, metric: str | None = None, mode: str | None = None
 ) -> int:
     """Print what a checkpoint (or a run folder of them) holds; return 0 when it (the newest) is
     complete and intact, else 1.
 
     The checks are `load_checkpoint`'s own (one validator): what this calls complete loads.
+    `metric` and `mode` rank a run folder's checkpoints (default "eval_loss", "min").
+
+    Raises:
+        ValueError: for `metric` or `mode` given with a single checkpoint (nothing to rank),
+            or a `mode` other than "min" and "max".
     """
+    if mode not in (None, "min", "max"):
+        raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
     if _is_run_folder(path):
-        return inspect_run(path, verify=verify, metric=metric, mode=mode)
+        return inspect_run(path, verify=verify, metric=metric or "eval_loss", mode=mode or "min")
+    if (why := _unranked(path, metric=metric, mode=mode)) is not None:
+        raise ValueError(why)
     print(f"checkpoint  {path}")
     try:
         meta = open_checkpoint(path, verify=verify, keep=()).meta
@@ -58,6 +67,17 @@ def inspect(
     versions = _short(meta.get("ftrain_version")), _short(meta.get("torch_version"))
     print(f"written by  ftrain {versions[0]}, torch {versions[1]}")
     return 0
+
+
+def _unranked(path: Path, **flags: str | None) -> str | None:
+    """Why ranking flags cannot act on `path` (one checkpoint, nothing to rank), else None."""
+    given = [f"{k}={v!r}" for k, v in flags.items() if v is not None]
+    if not given or _is_run_folder(path):
+        return None
+    return (
+        f"{' and '.join(given)} rank the checkpoints of a run folder, but {path} is not one "
+        "(no step-<N> folder inside); drop them, or inspect the run folder"
+    )
 
 
 def _value(fields: dict[str, Any], name: str) -> object:
@@ -160,13 +180,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("checkpoint", type=Path, help="a step-<N> folder, or a run folder of them")
     p.add_argument("--no-verify", action="store_true", help="skip checking file checksums")
-    p.add_argument("--metric", default="eval_loss", help="run folder: the metric ranking 'best'")
-    p.add_argument("--mode", choices=["min", "max"], default="min", help="lower or higher is best")
+    p.add_argument("--metric", help="run folder: the metric ranking 'best' (eval_loss)")
+    p.add_argument(
+        "--mode", choices=["min", "max"], help="run folder: lower (default) or higher is best"
+    )
     p = sub.add_parser("export", help="write a checkpoint as an HF model directory")
     p.add_argument("checkpoint", type=Path)
     p.add_argument("--to", type=Path, required=True, help="output directory")
     p.add_argument("--config", type=Path, help="config.json (or its directory); default: saved")
-    p.add_argument("--base", type=Path, help="pretrained model for parameters frozen in training")
+    p.add_argument(
+        "--base", type=Path, help="pretrained model for parameters frozen in training (its config)"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing --to directory")
     p = sub.add_parser(
         "plot", help="draw loss, lr and grad norm (or --metrics) from a metrics.jsonl"
@@ -180,17 +204,38 @@ def _parser() -> argparse.ArgumentParser:
         help="plot these logged values instead (e.g. eval_accuracy); the first one's best step "
         "is marked",
     )
-    p.add_argument("--mode", choices=["min", "max"], default="min", help="best is lowest/highest")
+    p.add_argument(
+        "--mode", choices=["min", "max"], help="with --metrics: best is lowest (default)/highest"
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.command == "plot":
-        return plot(args.metrics_file, args.out, metrics=args.metrics, mode=args.mode)
+        if args.mode == "max" and args.metrics is None:
+            # Without --metrics the best step marked is eval_loss's, whose best is its lowest.
+            parser.error(
+                f"plot --mode {args.mode} ranks the first of --metrics; without --metrics the "
+                "marked best is the lowest eval_loss: name the metric, e.g. --metrics "
+                "eval_accuracy --mode max"
+            )
+        return plot(args.metrics_file, args.out, metrics=args.metrics, mode=args.mode or "min")
     if args.command == "inspect":
+        why = _unranked(args.checkpoint, metric=args.metric, mode=args.mode)
+        if why is not None:  # a flag that cannot act on this path: a usage error (status 2)
+            parser.error(f"inspect --metric/--mode: {why}")
         return inspect(
             args.checkpoint, verify=not args.no_verify, metric=args.metric, mode=args.mode
+        )
+    if args.config is not None and args.base is not None:
+        # export_checkpoint builds the model from --base (its own config.json) and would read
+        # --config nowhere.
+        parser.error(
+            f"export: --config {args.config} and --base {args.base} together: the model is "
+            "loaded from --base with the base's own config, so --config would be ignored; pass "
+            "one of them"
         )
     try:
         out = export_checkpoint(

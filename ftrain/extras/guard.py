@@ -33,6 +33,8 @@ import math
 import os
 from typing import Any, NamedTuple, cast
 
+import torch
+
 from ftrain.checkpoint import latest_checkpoint, load_checkpoint, wait_for_checkpoint
 from ftrain.data import MicroBatches
 from ftrain.grads import Stats
@@ -61,6 +63,12 @@ class GuardedState(TrainState):
     loss_count: int = 0
     nonfinite_run: int = 0
     rollbacks: int = 0
+
+
+def _real(value: Any) -> bool:
+    # A finite int or float, not a bool: `factor=inf` would turn the guard off unseen, and a
+    # string would fail deep inside a comparison.
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _count(value: Any) -> bool:
@@ -114,8 +122,8 @@ class SpikeGuard:
 
     def __post_init__(self) -> None:
         checks = [
-            ("factor", self.factor, self.factor > 1, "> 1"),
-            ("beta", self.beta, 0 <= self.beta < 1, "in [0, 1)"),
+            ("factor", self.factor, _real(self.factor) and self.factor > 1, "a finite number > 1"),
+            ("beta", self.beta, _real(self.beta) and 0 <= self.beta < 1, "a number in [0, 1)"),
             ("warmup", self.warmup, _count(self.warmup), ">= 1"),
             ("max_nonfinite", self.max_nonfinite, _count(self.max_nonfinite), "an int >= 1"),
             ("max_rollbacks", self.max_rollbacks, _count(self.max_rollbacks), "an int >= 1"),
@@ -127,7 +135,10 @@ class SpikeGuard:
     def observe(self, state: GuardedState, stats: Stats | float) -> tuple[GuardedState, Verdict]:
         """Record this step's loss (before `clip_and_step`); say whether to roll back.
 
-        Reading the loss is a host sync (as logging every step would be).
+        Reading the loss is a host sync (as logging every step would be). A step whose
+        micro-batches hold no item (`stats.num_items == 0`, every label -100) has no loss to
+        judge: it is neither a spike nor a non-finite loss, and leaves the guard's memory as
+        it was (`clip_and_step` skips its update).
 
         Raises:
             TypeError: when `state` is not a `GuardedState`.
@@ -137,7 +148,12 @@ class SpikeGuard:
                 "SpikeGuard needs a GuardedState (ft.guard.GuardedState.create(...)), got "
                 f"{type(state).__name__}"
             )
-        loss = float(stats.loss) if isinstance(stats, Stats) else float(stats)  # host sync
+        loss, items = _read(stats)  # host sync
+        if not math.isfinite(loss) and items == 0:
+            # A step without items (every label -100: a completion-only batch whose responses
+            # were all masked) has the undefined mean NaN by contract; clip_and_step skips it.
+            # It is no sign of divergence: it neither counts as non-finite nor enters the average.
+            return state, Verdict(False, "no items: the micro-batches had no label to score")
         if not math.isfinite(loss):
             run = state.nonfinite_run + 1
             state = _set(state, nonfinite_run=run)
@@ -217,6 +233,14 @@ class SpikeGuard:
         )  # fmt: skip
         data = state.data.replace(cursor=start + skip, position=position)
         return _set(state, epoch=epoch, data=data, nonfinite_run=0, rollbacks=rollbacks)
+
+
+def _read(stats: Stats | float) -> tuple[float, float | None]:
+    """(loss, item count or None for a bare number), read in one host sync."""
+    if not isinstance(stats, Stats):
+        return float(stats), None
+    loss, items = torch.stack((stats.loss.float(), stats.num_items.float())).tolist()
+    return loss, items
 
 
 def _skipped(state: GuardedState, skip: MicroBatches | int) -> tuple[int, str | None]:

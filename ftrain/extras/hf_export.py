@@ -161,7 +161,14 @@ def export_checkpoint(
 
     Raises:
         CheckpointError: if the checkpoint is invalid or lacks parameters the model needs.
+        ValueError: for both `config` and `base` (the model comes from `base` then: `config`
+            would be ignored).
     """
+    if config is not None and base is not None:
+        raise ValueError(
+            "export_checkpoint takes config or base, not both: with base the model is loaded "
+            "from it (its own config), so config would be ignored"
+        )
     path = Path(path)
     # The one validator: marker, state.json, files, sizes, checksums and config.json.
     opened = open_checkpoint(path, keep=("model",))

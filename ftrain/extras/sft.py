@@ -16,6 +16,8 @@ whose `position_ids` restart at every example; HF models then attend within each
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
@@ -130,7 +132,9 @@ class SFTCollator:
     `train_on_source`. Calling the collator on a list of rows (raw, or already encoded) pads
     them: `input_ids` with the tokenizer's pad token, `labels` with -100, and an
     `attention_mask` from the real lengths (qlora.py compares ids with the pad id, which is
-    wrong when pad and EOS share an id).
+    wrong when pad and EOS share an id). Packed rows (`ft.data.pack_examples`, which carry
+    `position_ids`) are padded as `packed_collate` pads them, without an attention mask, so
+    that HF models keep their examples apart.
 
     Truncation is counted, never silent: `truncated` holds the running counts of rows encoded
     and of prompts and responses cut, and the first call that cuts anything issues a
@@ -162,8 +166,19 @@ class SFTCollator:
     )
 
     def __post_init__(self) -> None:
-        if self.source_max_len < 1 or self.target_max_len < 1:
-            raise ValueError("source_max_len and target_max_len must be >= 1")
+        # A string is not a flag ("no" is truthy) and True is not a length: refuse, never guess.
+        for name in ("source_max_len", "target_max_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        multiple = self.pad_to_multiple_of
+        if multiple is not None and (
+            isinstance(multiple, bool) or not isinstance(multiple, numbers.Integral) or multiple < 1
+        ):
+            raise ValueError(f"pad_to_multiple_of must be None or an int >= 1, got {multiple!r}")
+        for name in ("train_on_source", "add_bos", "add_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer needs a pad token (e.g. tokenizer.pad_token = ...)")
         if self.add_eos and self.tokenizer.eos_token_id is None:
@@ -230,8 +245,13 @@ class SFTCollator:
         raw = [r for r in rows if "input_ids" not in r]
         encoded = iter(self.encode_batch(raw)) if raw else iter(())
         rows = [r if "input_ids" in r else next(encoded) for r in rows]
+        # Packed rows (`pack_examples`: position_ids restarting per example) get no attention
+        # mask, as `packed_collate` does: with one, HF models attend across the examples.
+        packed = all("position_ids" in r for r in rows)
         return pad_collate(
-            pad_id=self.tokenizer.pad_token_id, pad_to_multiple_of=self.pad_to_multiple_of
+            pad_id=self.tokenizer.pad_token_id,
+            pad_to_multiple_of=self.pad_to_multiple_of,
+            attention_mask=not packed,
         )(rows)
 
 
@@ -250,6 +270,12 @@ def packed_collate(pad_id: int, pad_to_multiple_of: int | None = None) -> Callab
     return pad_collate(pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of, attention_mask=False)
 
 
+def _check_alpha(alpha: Any) -> None:
+    ok = isinstance(alpha, (int, float)) and not isinstance(alpha, bool)
+    if not (ok and math.isfinite(alpha) and alpha >= 0):
+        raise ValueError(f"alpha must be a finite number >= 0, got {alpha!r}")
+
+
 def neftune_noise(embeddings: torch.Tensor, alpha: float) -> torch.Tensor:
     """NEFTune: `embeddings` plus uniform noise of magnitude `alpha / sqrt(L * d)`.
 
@@ -257,8 +283,7 @@ def neftune_noise(embeddings: torch.Tensor, alpha: float) -> torch.Tensor:
     `neftune_post_forward_hook`; the noise is drawn from the default generator, which
     `accumulate_grads` seeds per micro-batch, so a resumed run draws the same noise.
     """
-    if alpha < 0:
-        raise ValueError(f"alpha must be >= 0, got {alpha!r}")
+    _check_alpha(alpha)
     # HF's arithmetic (float32 on the host: shapes are host ints, so no device sync).
     magnitude = float(alpha / torch.sqrt(torch.tensor(embeddings.size(1) * embeddings.size(2))))
     return embeddings + torch.zeros_like(embeddings).uniform_(-magnitude, magnitude)
@@ -271,8 +296,7 @@ def neftune(model: Any, alpha: float = 5.0) -> Any:
     `model.get_input_embeddings()` (no noise in eval mode, so evaluation and generation are
     unaffected) and returns its handle: `handle.remove()` turns NEFTune off.
     """
-    if alpha < 0:
-        raise ValueError(f"alpha must be >= 0, got {alpha!r}")
+    _check_alpha(alpha)
     embeddings = model.get_input_embeddings()
 
     def hook(module: torch.nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:

@@ -9,13 +9,14 @@ from __future__ import annotations
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -180,6 +181,32 @@ class _SyncDetector(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+# Tensor methods that read every value on the host without an aten op (so the dispatch mode
+# above never sees them on a CPU tensor): the `.item()` of many values.
+_READS = frozenset({"tolist", "numpy", "__array__"})
+# ftrain's data path: host tensors by construction (the epoch order, a collate's rows), never a
+# device value, even on a GPU.
+_HOST_SIDE = ("ftrain.data",)
+
+
+class _ValueReadDetector(TorchFunctionMode):
+    """Records `.tolist()`, `.numpy()` and `np.asarray(t)` of CPU tensors: on a GPU the same
+    line reads a device value (device tensors are caught as copies by `_SyncDetector`)."""
+
+    def __init__(self, found: list[str], allow: Collection[str] = ()) -> None:
+        super().__init__()
+        self.found = found
+        self.allow = tuple(allow)
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        t = args[0] if name in _READS and args else None
+        on_host = isinstance(t, torch.Tensor) and t.device.type == "cpu"
+        if on_host and not _inside((*self.allow, *_HOST_SIDE)):
+            self.found.append(f"Tensor.{name} (reads every value on the host) at {_user_frame()}")
+        return func(*args, **(kwargs or {}))
+
+
 def _inside(modules: tuple[str, ...]) -> bool:
     """Whether a frame of the current Python stack runs code of one of `modules` (a module or
     package name: "transformers.masking_utils", "transformers")."""
@@ -226,9 +253,11 @@ def assert_no_host_sync(
     """Run `fn(*args, **kwargs)` and assert it never made the host wait for the device.
 
     Flags, wherever they happen (your loss, your loop, ftrain): reading a tensor's value on
-    the host (`.item()`, `float(t)`, `int(t)`, `bool(t)`, `if t:`) and copies from a device to
-    the host (`.cpu()`, `.to("cpu")`, `.tolist()` of a device tensor). Reading a
-    CPU tensor's value is flagged too, so a CPU test catches what would stall a GPU. On CUDA,
+    the host (`.item()`, `float(t)`, `int(t)`, `bool(t)`, `if t:`, `.tolist()`, `.numpy()`,
+    `np.asarray(t)`) and copies from a device to the host (`.cpu()`, `.to("cpu")` of a device
+    tensor). Reading a CPU tensor's value is flagged too, so a CPU test catches what would
+    stall a GPU; only inside `make_batches` (`ftrain.data`, your collate included), whose
+    tensors are host data on any machine, are `.tolist()` and `.numpy()` let through. On CUDA,
     `torch.cuda.set_sync_debug_mode("error")` also catches syncs inside kernels' launchers.
 
     Syncs you cannot remove, made inside a third-party module, are let through by naming it in
@@ -259,7 +288,7 @@ def assert_no_host_sync(
     try:
         if cuda:
             torch.cuda.set_sync_debug_mode("error")
-        with detector:
+        with detector, _ValueReadDetector(detector.found, allow):
             out = fn(*args, **kwargs)
     except RuntimeError as e:
         if "synchroniz" in str(e):
@@ -289,9 +318,22 @@ def _tensors(obj: Any, prefix: str) -> dict[str, torch.Tensor]:
     elif isinstance(obj, nn.Module):
         named = dict(obj.state_dict())
     else:
-        leaves, _ = tree_flatten(obj)
+        leaves, _ = tree_flatten(_plain(obj))
         named = {str(i): v for i, v in enumerate(leaves)}
     return {f"{prefix}/{k}": v for k, v in named.items() if isinstance(v, torch.Tensor)}
+
+
+def _plain(obj: Any, depth: int = 0) -> Any:
+    """`obj` with every mapping as a dict and every sequence as a list, recursively: pytrees
+    see only their registered types, and the containers ftrain hands around (`Grads`,
+    `MicroBatches`, an HF `BatchEncoding`) would otherwise be opaque leaves, unwatched."""
+    if depth > 32 or isinstance(obj, (torch.Tensor, str, bytes, TrainState, nn.Module)):
+        return obj
+    if isinstance(obj, Mapping):
+        return {k: _plain(v, depth + 1) for k, v in obj.items()}
+    if isinstance(obj, Sequence):
+        return [_plain(v, depth + 1) for v in obj]
+    return obj
 
 
 def assert_pure(
