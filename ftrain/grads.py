@@ -186,7 +186,9 @@ def accumulate_grads(
         `Stats` with the global mean loss and counts.
 
     Raises:
-        ValueError: if `micro` is empty.
+        ValueError: if `micro` is empty, or `strategy` is not laid out like `state.strategy`
+            (another type, device, rank, world size or reduction: the model was set up by
+            the state's strategy, whose backward reduces the gradients).
     """
     _check_args(state, micro, loss_fn, strategy)
     strategy = state.strategy if strategy is None else strategy
@@ -207,8 +209,8 @@ def accumulate_grads(
         # Backends that average over ranks (DDP) have multiplied by grad_reduce_factor; undo it,
         # and the loss scale. A step without items keeps its (zero) gradient as it is. (No
         # multiply by a factor of 1.) The divisor is the float64 sum, not the int64 count: a
-        # weighted loss may count fractional items.
-        norm = sums[1].clamp_min(1)
+        # weighted loss may count fractional items, also fewer than 1 in all (not clamped to 1).
+        norm = torch.where(sums[1] > 0, sums[1], 1.0)
         factor, scale = strategy.grad_reduce_factor, state.scaler.scale
         norm = norm if factor == 1 else norm * factor
         norm = norm if scale is None else norm * scale
@@ -240,6 +242,24 @@ def _check_args(state: Any, micro: Any, loss_fn: Any, strategy: Any) -> None:
         raise TypeError(f"loss_fn must be callable (model, batch) or None, got {loss_fn!r}")
     if strategy is not None and not isinstance(strategy, Strategy):
         raise TypeError(f"strategy must be an ft.strategies.Strategy, got {strategy!r}")
+    if strategy is not None and strategy is not state.strategy:
+        _check_override(state.strategy, strategy)
+
+
+_LAYOUT = attrgetter("device", "rank", "world_size", "grad_reduce_factor")
+
+
+def _check_override(own: Strategy, other: Strategy) -> None:
+    """`strategy=` must reduce as the one that set the model up: the model's backward reduces
+    (DDP averages, FSDP reduce-scatters) by the state's strategy, and the item count and its
+    undoing would come from the other, so a SingleDevice override of a DDP state divides by this
+    rank's count, and a DDP override of a SingleDevice state scales unreduced gradients."""
+    if type(other) is not type(own) or _LAYOUT(other) != _LAYOUT(own):
+        raise ValueError(
+            f"strategy={other!r} differs from the strategy that set the model up, "
+            f"{own!r}: its gradients are reduced by the latter, so the counts and reduction "
+            "would not match; drop strategy= (the state's is used), or create the state with it"
+        )
 
 
 def _forward_backward(

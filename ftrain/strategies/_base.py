@@ -208,6 +208,7 @@ class SingleDevice:
         return f"SingleDevice({str(self.device)!r}{_precision_repr(self.precision)})"
 
     def setup(self, model: nn.Module) -> nn.Module:
+        _refuse_distributed(model)
         return model.to(self.device)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -294,6 +295,31 @@ class SingleDevice:
 
     def copy_whole(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
+
+
+def _refuse_distributed(model: nn.Module) -> None:
+    """SingleDevice counts items on this process only: a model whose backward already reduces
+    gradients over ranks (wrapped in DDP, or sharded / split into DTensors) would have every
+    rank read all rows and its gradient divided by the local count instead of the global one."""
+    inner = uncompiled(model)
+    # By name: torch.distributed.fsdp is not imported to ask (nor needed when never used).
+    wrapper = next((c.__name__ for c in type(inner).__mro__ if c.__name__ in _WRAPPERS), None)
+    if wrapper is not None:
+        raise TypeError(
+            f"the model is wrapped in {wrapper}, which averages gradients over ranks, but the "
+            "strategy is SingleDevice (every rank would read all rows and divide by its own "
+            "item count): pass the bare model with strategy=ft.strategies.DDP() or FSDP() "
+            "(or ft.strategies.from_env()), which wraps it"
+        )
+    if any(_placement.is_distributed(p) for p in inner.parameters()):
+        raise TypeError(
+            "the model's parameters are distributed tensors (sharded by fully_shard or split "
+            "by parallelize_module), but the strategy is SingleDevice: pass the bare model with "
+            "strategy=ft.strategies.FSDP() or TP(), which shards it and reduces over the ranks"
+        )
+
+
+_WRAPPERS = ("DistributedDataParallel", "FullyShardedDataParallel")
 
 
 def uncompiled(model: nn.Module) -> nn.Module:

@@ -42,6 +42,10 @@ class DDP(ProcessGroupStrategy):
         RuntimeError: outside a launcher: with no process group initialised, the group is
             joined from the environment torchrun or `accelerate launch` set (RANK,
             WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and without those this names them.
+        TypeError: for a `sync_every_micro` that is not a bool.
+        ValueError: for a `process_group` this process is not a member of; at a non-final
+            micro-batch, for `static_graph=True` without `sync_every_micro` (torch's
+            `no_sync` fails an internal assert there).
     """
 
     def __init__(
@@ -53,6 +57,8 @@ class DDP(ProcessGroupStrategy):
         precision: str | Precision | None = None,
         **ddp_kwargs: Any,
     ) -> None:
+        if not isinstance(sync_every_micro, bool):  # a string such as "no" would be truthy
+            raise TypeError(f"sync_every_micro must be True or False, got {sync_every_micro!r}")
         super().__init__("DDP", device, process_group, precision)
         self.sync_every_micro = sync_every_micro
         self._kwargs = ddp_kwargs
@@ -82,6 +88,11 @@ class DDP(ProcessGroupStrategy):
     def grad_sync(self, model: nn.Module, *, final: bool) -> contextlib.AbstractContextManager[Any]:
         if final or self.sync_every_micro or not isinstance(model, DistributedDataParallel):
             return contextlib.nullcontext()
+        if self._kwargs.get("static_graph"):  # torch's reducer fails an internal assert there
+            raise ValueError(
+                "DDP(static_graph=True) cannot skip the gradient sync of the non-final "
+                "micro-batches (no_sync): pass sync_every_micro=True, or one micro-batch a step"
+            )
         return model.no_sync()
 
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:

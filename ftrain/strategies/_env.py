@@ -13,7 +13,7 @@ import torch.distributed as dist
 from ftrain.strategies._base import SingleDevice
 from ftrain.strategies._ddp import DDP
 from ftrain.strategies._fsdp import FSDP
-from ftrain.strategies._group import join_group
+from ftrain.strategies._group import collective_timeout, join_group
 from ftrain.strategies._tp import TP
 
 __all__ = ["from_env"]
@@ -56,6 +56,8 @@ def from_env(
     """
     if kind not in _KINDS:
         raise ValueError(f"kind must be 'ddp', 'fsdp' or 'tp', got {kind!r}")
+    if timeout is not None:  # refused in one process too, not first under torchrun
+        collective_timeout(timeout)
     if not dist.is_initialized() and _world_size() <= 1:  # a group made by hand is taken
         return _single(kind, kwargs)
     owns = join_group(f"from_env({kind!r})", timeout=timeout)
@@ -113,7 +115,11 @@ def _single(kind: str, kwargs: dict[str, Any]) -> SingleDevice:
         kind, ("plan", "dp")
     )
     moot: set[str] = {k for k in ("sync_every_micro", "plan") if k in kwargs and k in own}
-    moot |= {k for k in ("replicate", "dp") if kwargs.get(k) == 1 and k in own}
+    # The int 1 only: True == 1 and 1.0 == 1, which the multi-process strategies refuse.
+    moot |= {k for k in ("replicate", "dp") if _is_one(kwargs.get(k)) and k in own}
+    flag = kwargs.get("sync_every_micro", False) if "sync_every_micro" in moot else False
+    if not isinstance(flag, bool):  # refused under torchrun too: a string is not a flag
+        raise TypeError(f"sync_every_micro must be True or False, got {flag!r}")
     if "plan" in moot:
         from ftrain.strategies._tp import _check_plan
 
@@ -125,3 +131,7 @@ def _single(kind: str, kwargs: dict[str, Any]) -> SingleDevice:
             f"cannot honour {unknown}; pass them only under torchrun, or launch with torchrun"
         )
     return SingleDevice(kwargs.get("device"), precision=kwargs.get("precision"))
+
+
+def _is_one(value: Any) -> bool:
+    return type(value) is int and value == 1

@@ -54,6 +54,11 @@ class FSDP(ProcessGroupStrategy):
         RuntimeError: outside a launcher: with no process group initialised, the group is
             joined from the environment torchrun or `accelerate launch` set (RANK,
             WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and without those this names them.
+        TypeError: for a `sync_every_micro` that is not a bool, a `replicate` that is not an
+            int, or a `mesh` that is not a `DeviceMesh`.
+        ValueError: for a `replicate` that does not divide the world size, both `replicate`
+            and `mesh`, or a `mesh` that is not 1-D or 2-D over every rank (a 2-D `mesh` is
+            HSDP, as `replicate=` makes: the clipping norm sums over its shard dimension).
     """
 
     def __init__(
@@ -66,20 +71,26 @@ class FSDP(ProcessGroupStrategy):
         replicate: int = 1,
         **fsdp_kwargs: Any,
     ) -> None:
+        if not isinstance(sync_every_micro, bool):  # a string such as "no" would be truthy
+            raise TypeError(f"sync_every_micro must be True or False, got {sync_every_micro!r}")
+        if type(replicate) is not int:  # True is not 1, nor is 1.0
+            raise TypeError(f"replicate must be an int (replica groups), got {replicate!r}")
         super().__init__("FSDP", device, None, precision)
         self.sync_every_micro = sync_every_micro
         self._shard = shard
         self._kwargs = fsdp_kwargs
         self.replicate = replicate
         self._norm_group = None  # every rank holds a distinct shard
-        if replicate != 1:
-            with self._leaving_on_error():
+        with self._leaving_on_error():
+            if replicate != 1:
                 self._kwargs["mesh"], self._norm_group = self._hsdp_mesh(replicate)
+            elif "mesh" in self._kwargs:
+                self._norm_group = self._own_mesh(self._kwargs["mesh"])
 
     def _hsdp_mesh(self, replicate: int) -> tuple[Any, Any]:
         """The (replicate, shard) mesh, and the group the norm sums over: shards repeat across
         the replicate groups, so squared norms are summed within one group."""
-        if not (isinstance(replicate, int) and replicate > 1 and self.world_size % replicate == 0):
+        if not (replicate > 1 and self.world_size % replicate == 0):
             raise ValueError(
                 f"replicate must divide the world size {self.world_size}, got {replicate!r}"
             )
@@ -90,6 +101,23 @@ class FSDP(ProcessGroupStrategy):
         shape = (replicate, self.world_size // replicate)
         mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=("replicate", "shard"))
         return mesh, mesh.get_group("shard")
+
+    def _own_mesh(self, mesh: Any) -> Any:
+        """The group the norm sums over for a `mesh=` of the caller's: None (every rank) for a
+        1-D mesh; the shard dimension's group for a 2-D one, which `fully_shard` reads as HSDP
+        (replicated over dim 0): summing over every rank would count each shard once per
+        replica and inflate the clipping norm by sqrt(replicas)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"mesh must be a torch DeviceMesh, got {mesh!r}")
+        if mesh.ndim not in (1, 2) or mesh.size() != self.world_size:
+            raise ValueError(
+                f"mesh must be a 1-D (FSDP) or 2-D (HSDP: replicate x shard) mesh over all "
+                f"{self.world_size} ranks, got shape {tuple(mesh.shape)}: the strategy sums "
+                "losses and counts over every rank; or pass replicate=R instead of mesh"
+            )
+        return mesh.get_group(1) if mesh.ndim == 2 else None
 
     def setup(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import fully_shard

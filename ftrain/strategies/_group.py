@@ -151,6 +151,14 @@ class ProcessGroupStrategy:
         owns = join_group(name)
         self.group = group
         self.rank = dist.get_rank(group)
+        if self.rank < 0:  # torch answers -1 (and a world of -1) outside the group
+            # (a group given here was made in the default group: nothing was joined above)
+            raise ValueError(
+                f"this process (global rank {dist.get_rank()}) is not a member of the "
+                f"process_group given to {name}(): it would train as rank -1 of -1 (and "
+                "grad_reduce_factor -1 would flip its gradients); build the strategy only on "
+                "the group's members"
+            )
         self.world_size = dist.get_world_size(group)
         self.process_rank = self.rank  # each process is a data-parallel rank (not under TP)
         self.grad_reduce_factor = 1.0 / self.world_size  # both average over ranks

@@ -1,0 +1,295 @@
+"""Combinations of strategies and `accumulate_grads` that used to give a silently wrong result.
+
+Each was reproduced first (numbers in the test docstrings): a caller's 2-D mesh that inflated
+FSDP's clipping norm, an override strategy or a hand-wrapped model whose reduction disagreed with
+the item count, a weighted count below 1, a process outside the group training as rank -1, and
+bad flags accepted in one process. The 2-rank checks run in one launch of this file as a script
+(gloo on CPU, every process bounded by a timeout), whose results the tests below read.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+import ftrain as ft
+
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+# --- one process --------------------------------------------------------------------------------
+
+
+def test_a_weighted_count_below_one_divides_by_that_count():
+    """Importance weights of 0.1 per row count 0.4 items per micro-batch, 0.8 in all: the
+    gradient was divided by 1 (clamped) instead of 0.8, 0.8x the exact one, while the loss
+    reported was divided by 0.8."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    state = ft.TrainState.create(model, ft.optim.sgd())
+
+    def weighted(m, batch):
+        return (0.1 * m(batch)).sum(), torch.tensor(0.4, dtype=torch.float64)
+
+    grads, stats = ft.accumulate_grads(state, [x, x], weighted)
+    model.zero_grad()
+    exact = (0.1 * model(torch.cat([x, x]))).sum() / 0.8
+    exact.backward()
+    torch.testing.assert_close(grads["weight"], model.weight.grad, rtol=1e-12, atol=0)
+    torch.testing.assert_close(stats.loss.double(), exact.detach(), rtol=1e-6, atol=0)
+
+
+def test_an_override_strategy_laid_out_otherwise_is_refused():
+    """`accumulate_grads(strategy=...)` with another layout than the strategy that set the
+    model up: its counts and the model's reduction would disagree."""
+    from helpers import FakeRank
+
+    state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+    batch = [torch.ones(2, 2)]
+
+    def loss(m, b):
+        return m(b).sum(), b.shape[0]
+
+    with pytest.raises(ValueError, match="differs from the strategy that set the model up"):
+        ft.accumulate_grads(state, batch, loss, strategy=FakeRank(1, 2))
+    # The same layout is accepted (another instance of the same kind on the same device).
+    ft.accumulate_grads(
+        state, batch, loss, strategy=ft.strategies.SingleDevice(state.strategy.device)
+    )
+
+
+def test_from_env_in_one_process_refuses_what_torchrun_would_refuse(monkeypatch):
+    """In one process these were accepted (and dropped), to fail only under torchrun: a bad
+    timeout, `dp=True` / `replicate=1.0` (True is not 1), a string as a flag."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ValueError, match="timeout must be a positive"):
+        ft.strategies.from_env(timeout=timedelta(seconds=-5))
+    with pytest.raises(ValueError, match="timeout must be a positive"):
+        ft.strategies.from_env(timeout=5)
+    with pytest.raises(TypeError, match=r"cannot honour \['dp'\]"):
+        ft.strategies.from_env("tp", dp=True)
+    with pytest.raises(TypeError, match=r"cannot honour \['replicate'\]"):
+        ft.strategies.from_env("fsdp", replicate=1.0)
+    with pytest.raises(TypeError, match="sync_every_micro must be True or False"):
+        ft.strategies.from_env("ddp", sync_every_micro="no")
+    ok = ft.strategies.from_env("fsdp", replicate=1, sync_every_micro=True, timeout=timedelta(1))
+    assert isinstance(ok, ft.strategies.SingleDevice)
+
+
+@pytest.mark.parametrize("cls", [ft.strategies.DDP, ft.strategies.FSDP])
+def test_a_string_flag_and_a_bool_replicate_are_refused_before_joining(cls, monkeypatch):
+    """`sync_every_micro="no"` synced every micro-batch (a truthy string); `FSDP(replicate=True)`
+    trained without HSDP (True == 1)."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)  # joining would raise "launch with torchrun"
+    with pytest.raises(TypeError, match="sync_every_micro must be True or False"):
+        cls(sync_every_micro="no")
+    if cls is ft.strategies.FSDP:
+        with pytest.raises(TypeError, match="replicate must be an int"):
+            cls(replicate=True)
+    assert not torch.distributed.is_initialized()
+
+
+# --- two ranks ----------------------------------------------------------------------------------
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def _mse(model, batch):
+    x, y = batch
+    return ((model(x) - y) ** 2).sum(), y.numel()
+
+
+def _half(rank: int, world: int, rows: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's rows of the global batch: 2 rows on rank 0, the other 6 on rank 1 (ragged
+    item counts, so that a per-rank mean differs from the global one)."""
+    x, y = _data()
+    part = slice(0, rows) if rank == 0 else slice(rows, None)
+    return [(x[part], y[part])]
+
+
+def _global_norm() -> float:
+    state = ft.TrainState.create(_mlp(), ft.optim.sgd(), strategy=ft.strategies.SingleDevice("cpu"))
+    grads, _ = ft.accumulate_grads(state, [_data()], _mse)
+    return float(state.strategy.grad_norm(list(grads.values())))
+
+
+def _attempt(results: dict, name: str, fn) -> None:
+    """Record what `fn` returned, or the message of what it raised."""
+    try:
+        results[name] = {"value": fn()}
+    except Exception as e:  # the test asserts on ftrain's own message
+        results[name] = {"error": f"{type(e).__name__}: {e}"}
+
+
+def _fsdp_norm(mesh_shape: tuple[int, ...]) -> float:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names = ("replicate", "shard", "x")[-len(mesh_shape) :]  # fully_shard wants 2-D ones named
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    with ft.strategies.FSDP(mesh=mesh) as strategy:
+        state = ft.TrainState.create(_mlp(), ft.optim.sgd(), strategy=strategy)
+        grads, _ = ft.accumulate_grads(state, _half(strategy.rank, strategy.world_size), _mse)
+        return float(strategy.grad_norm(list(grads.values())))
+
+
+def _override(rank: int) -> float:
+    with ft.strategies.DDP() as strategy:
+        state = ft.TrainState.create(_mlp(), ft.optim.sgd(), strategy=strategy)
+        single = ft.strategies.SingleDevice("cpu")
+        grads, _ = ft.accumulate_grads(state, _half(rank, 2), _mse, strategy=single)
+        return float(local_norm(grads))
+
+
+def _hand_wrapped_ddp(rank: int) -> float:
+    from torch.nn.parallel import DistributedDataParallel
+
+    state = ft.TrainState.create(DistributedDataParallel(_mlp()), ft.optim.sgd())
+    grads, _ = ft.accumulate_grads(state, _half(rank, 2), _mse)
+    return float(local_norm(grads))
+
+
+def _hand_sharded() -> str:
+    from torch.distributed.fsdp import fully_shard
+
+    state = ft.TrainState.create(fully_shard(_mlp()), ft.optim.sgd())
+    return type(state.strategy).__name__
+
+
+def _non_member(group) -> list:
+    strategy = ft.strategies.DDP(process_group=group)
+    strategy.closed = True  # nothing set up; close() would wait at a barrier of `group`
+    return [strategy.rank, strategy.world_size, strategy.grad_reduce_factor]
+
+
+def _static_graph(rank: int) -> str:
+    with ft.strategies.DDP(static_graph=True) as strategy:
+        state = ft.TrainState.create(_mlp(), ft.optim.sgd(), strategy=strategy)
+        ft.accumulate_grads(state, _half(rank, 2) * 2, _mse)
+        return "trained"
+
+
+def local_norm(grads) -> torch.Tensor:
+    return torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()]))
+
+
+def ranks(out: str) -> None:
+    """One rank of the 2-rank launch (`python this_file.py OUT`): every check in turn, each
+    recorded in OUT.<rank>."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))  # the caller's own group
+    results: dict = {"single_norm": _global_norm()}
+    _attempt(results, "fsdp_mesh_2d", lambda: _fsdp_norm((2, 1)))
+    _attempt(results, "fsdp_mesh_1d", lambda: _fsdp_norm((2,)))
+    _attempt(results, "fsdp_mesh_3d", lambda: _fsdp_norm((1, 1, 2)))
+    _attempt(results, "override", lambda: _override(rank))
+    _attempt(results, "hand_wrapped_ddp", lambda: _hand_wrapped_ddp(rank))
+    _attempt(results, "hand_sharded", _hand_sharded)
+    group = dist.new_group([0])  # every rank takes part in making it; rank 1 is not a member
+    _attempt(results, "non_member", lambda: _non_member(group) if rank == 1 else "member")
+    dist.barrier()
+    _attempt(results, "static_graph", lambda: _static_graph(rank))  # last: a failed backward
+    Path(f"{out}.{rank}").write_text(json.dumps(results))
+    gc.collect()  # a DDP wrapper freed after the group is destroyed deadlocks at exit
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """Each rank's record of the 2-rank launch (about 20 s; bounded, never hangs)."""
+    out = tmp_path_factory.mktemp("attacks") / "results"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    path = os.pathsep.join([str(_ROOT), str(_ROOT / "tests"), str(_ROOT / "tests" / "workers")])
+    procs = []
+    for rank in (0, 1):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   WORLD_SIZE="2", LOCAL_RANK=str(rank), PYTHONPATH=path)  # fmt: skip
+        procs.append(subprocess.Popen(
+            [sys.executable, __file__, str(out)], env=env, cwd=_ROOT,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        ))  # fmt: skip
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=120)[0])
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
+
+
+@pytest.mark.slow
+def test_fsdp_with_the_callers_2d_mesh_clips_by_the_global_norm(two_ranks):
+    """A (2, 1) mesh passed as `mesh=` is HSDP (replicated over dim 0): the norm summed the
+    squares over every rank, counting each shard once per replica: 1.2427 where one process
+    has 0.8787 (sqrt(2) times), so clipping scaled every update down."""
+    for got in two_ranks:
+        want = got["single_norm"]
+        assert got["fsdp_mesh_2d"].get("value") == pytest.approx(want, rel=1e-5), got
+        assert got["fsdp_mesh_1d"].get("value") == pytest.approx(want, rel=1e-5), got
+        assert "mesh must be a 1-D (FSDP) or 2-D (HSDP" in got["fsdp_mesh_3d"].get("error", "")
+
+
+@pytest.mark.slow
+def test_a_single_device_override_of_a_ddp_state_is_refused(two_ranks):
+    """DDP averages the gradients over ranks; SingleDevice then divided by this rank's count:
+    gradient norms 1.7574 on rank 0 (2 of 8 rows) and 0.5858 on rank 1 where one process has
+    0.8787, so the replicas drifted apart."""
+    for got in two_ranks:
+        assert "differs from the strategy that set the model up" in got["override"].get("error", "")
+
+
+@pytest.mark.slow
+def test_a_model_already_distributed_is_refused_by_single_device(two_ranks):
+    """A model wrapped in DDP by hand (or sharded by fully_shard) under the default
+    SingleDevice: each rank divided by its own item count (DDP: gradient norms 1.7574 and
+    0.5858 on the two ranks, fully_shard: 1.4337 on both, where one process has 0.8787)."""
+    for got in two_ranks:
+        assert "wrapped in DistributedDataParallel" in got["hand_wrapped_ddp"].get("error", "")
+        assert "parameters are distributed tensors" in got["hand_sharded"].get("error", "")
+
+
+@pytest.mark.slow
+def test_a_process_outside_the_strategys_group_is_refused(two_ranks):
+    """`DDP(process_group=g)` on a process outside `g` was rank -1 of -1, with a gradient
+    factor of -1."""
+    assert two_ranks[0]["non_member"] == {"value": "member"}
+    assert "is not a member of the process_group" in two_ranks[1]["non_member"].get("error", "")
+
+
+@pytest.mark.slow
+def test_ddp_static_graph_with_skipped_syncs_names_the_fix(two_ranks):
+    """torch's reducer failed an internal assert ("please report a bug to PyTorch")."""
+    for got in two_ranks:
+        message = got["static_graph"].get("error", "")
+        assert "DDP(static_graph=True) cannot skip the gradient sync" in message
+
+
+if __name__ == "__main__":
+    ranks(sys.argv[1])
