@@ -452,3 +452,22 @@ def test_throughput_figures_that_are_no_positive_numbers_raise(kw):
     peak_flops=inf gave an mfu of 0."""
     with pytest.raises(ValueError, match=r"^(flops_per_token|peak_flops)"):
         ft.logging.Logger(_linear_state(), every=1, progress=False, **kw)
+
+
+def test_mfu_divides_by_every_device_of_a_distributed_run(monkeypatch):
+    """tokens_seen counts every rank's tokens: with peak_flops one device's peak, MFU on W
+    ranks came out W times too high. SingleDevice in a process group (independent runs) keeps
+    its own count."""
+    import types
+
+    import torch.distributed as dist
+
+    from ftrain.extras.logging._window import _devices
+
+    single = ft.strategies.SingleDevice("cpu")
+    distributed = types.SimpleNamespace(world_size=2)  # stands for DDP/FSDP/TP
+    assert _devices(single) == 1 and _devices(distributed) == 1  # no process group
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    assert _devices(distributed) == 4
+    assert _devices(single) == 1

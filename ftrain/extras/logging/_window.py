@@ -23,11 +23,13 @@ import time
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from ftrain.extras.logging._perf import peak_memory_mb
 from ftrain.grads import Stats
 from ftrain.state import TrainState
 from ftrain.step import StepInfo
+from ftrain.strategies import SingleDevice
 
 __all__ = ["LogWindow", "emit", "update", "window"]
 
@@ -97,7 +99,10 @@ def emit(
         state: the state after the last step folded in.
         epoch_size: micro-batches per epoch, for a fractional `epoch`.
         flops_per_token: e.g. `ft.logging.flops_per_token(model)`; adds `flops_per_second`.
-        peak_flops: the hardware's peak FLOP/s; adds `mfu` (needs `flops_per_token`).
+        peak_flops: one device's peak FLOP/s; adds `mfu` (needs `flops_per_token`): the
+            run's FLOP/s over the peak of all its devices, `peak_flops` times the job's
+            processes (one device each) under a distributed strategy, since `tokens_seen`
+            counts every rank's tokens.
 
     Returns:
         `(record, new_window)`. The record holds `step`, `epoch`, `loss`, `learning_rate`,
@@ -137,8 +142,17 @@ def emit(
     if flops_per_token is not None:
         record["flops_per_second"] = flops_per_token * record["tokens_per_second"]
         if peak_flops is not None:
-            record["mfu"] = record["flops_per_second"] / peak_flops
+            record["mfu"] = record["flops_per_second"] / (peak_flops * _devices(state.strategy))
     return record, window(state)
+
+
+def _devices(strategy: Any) -> int:
+    """The devices that train together: every process of the job under a distributed
+    strategy (the tokens counted are all of theirs), one under `SingleDevice` (a process group
+    of independent runs counts its own tokens)."""
+    if isinstance(strategy, SingleDevice) or not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size()
 
 
 def _check_emit_args(
