@@ -140,6 +140,12 @@ def batch_counts(batch: Any) -> tuple[torch.Tensor | int, int]:
         first = next(iter(batch.values()))
     else:
         first = batch[0] if isinstance(batch, (list, tuple)) else batch
+    # A nested batch ({"features": {"num": ..., "cat": ...}, "y": ...}) counts its first
+    # tensor's rows, not the keys of its first field.
+    while isinstance(first, Mapping) or (
+        isinstance(first, (list, tuple)) and first and isinstance(first[0], (Mapping, torch.Tensor))
+    ):
+        first = next(iter(first.values())) if isinstance(first, Mapping) else first[0]
     n = first.shape[0] if isinstance(first, torch.Tensor) else len(first)
     # An integer tensor of rank >= 2 first in the batch is token ids (e.g. an (x, y) pair of
     # windows); anything else counts one token per sample.

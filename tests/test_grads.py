@@ -354,3 +354,22 @@ def test_a_micro_batch_graph_is_freed_before_the_next_forward():
     state = ft.TrainState.create(model, ft.optim.sgd())
     ft.accumulate_grads(state, [torch.randn(2, 3) for _ in range(3)], loss)
     assert seen == [True, True, True]
+
+
+def test_batch_counts_of_a_nested_batch_count_its_rows_not_its_keys():
+    """A batch whose first field is a dict of tensors (tabular features) counted the dict's
+    keys as its samples: samples_seen grew by 2 per batch of 8 rows."""
+    from ftrain.grads import batch_counts
+
+    nested = {"features": {"num": torch.ones(8, 3), "cat": torch.zeros(8, 2)}, "y": torch.ones(8)}
+    assert batch_counts(nested) == (8, 8)
+    assert batch_counts(([torch.ones(6, 3)], torch.ones(6))) == (6, 6)
+    assert batch_counts({"x": [[1, 2], [3, 4], [5, 6]]}) == (3, 3)  # rows of host lists
+
+    def loss_fn(model, batch):
+        out = model(batch["features"]["num"]).squeeze(-1)
+        return ((out - batch["y"]) ** 2).sum(), batch["y"].numel()
+
+    state = ft.TrainState.create(torch.nn.Linear(3, 1), ft.optim.sgd())
+    _, stats = ft.accumulate_grads(state, [nested, nested], loss_fn)
+    assert int(stats.num_samples) == 16
