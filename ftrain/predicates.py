@@ -125,6 +125,8 @@ def track_best(
             a value that is not a number.
         ValueError: for a bad `mode` or `threshold`.
         KeyError: when `metrics` does not hold `metric`.
+        ValueError: for a `metric` or `mode` other than the ones the state ranks already
+            (`state.early_stopping.metric`/`.mode`, recorded by the first call).
         ValueError: when ranking by `eval_loss` a record whose `eval_loss_fn` is not the loss
             the state trains on (`state.loss_fn`, when that is a loss of your own).
     """
@@ -149,6 +151,16 @@ def track_best(
         )
     value = float(value)
     es = state.early_stopping
+    if es.metric is not None and (es.metric, es.mode) != (metric, mode):
+        raise ValueError(
+            f"track_best(metric={metric!r}, mode={mode!r}) on a state that ranks "
+            f"metric={es.metric!r}, mode={es.mode!r} (best {es.best_metric} at step "
+            f"{es.best_step}): the best and the patience would compare two rankings; pass the "
+            "same, or start over with state.replace(early_stopping=ft.state.EarlyStoppingState())"
+        )
+    if es.metric is None:  # the first evaluation (or a checkpoint from before they were kept)
+        state = _stopping(state, metric=metric, mode=mode)
+        es = state.early_stopping
     if math.isnan(value):  # HF never stores NaN as the best: it is no improvement
         return _stopping(state, patience_counter=es.patience_counter + 1)
     best = es.best_metric

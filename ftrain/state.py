@@ -125,12 +125,16 @@ class EarlyStoppingState(_SubState):
     """The best evaluation so far and HF's patience counter (`ft.track_best`, `ft.should_stop`).
 
     `best_metric` is the best value seen (None before the first evaluation), `best_step` the
-    step it was seen at, `patience_counter` the evaluations since without improvement.
+    step it was seen at, `patience_counter` the evaluations since without improvement;
+    `metric` and `mode` what they rank (`track_best`'s, recorded at the first evaluation; None
+    in a checkpoint written before they were).
     """
 
     best_metric: float | None = None
     best_step: int | None = None
     patience_counter: int = 0
+    metric: str | None = None
+    mode: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -471,3 +471,26 @@ def test_mfu_divides_by_every_device_of_a_distributed_run(monkeypatch):
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
     assert _devices(distributed) == 4
     assert _devices(single) == 1
+
+
+def test_track_best_refuses_another_metric_or_mode_than_the_state_ranks(tmp_path):
+    """Ranking eval_loss (best 0.3) then metric='eval_accuracy', mode='max' made 0.55 the best
+    accuracy (the previous one was 0.6) with the patience reset: two rankings mixed."""
+    state = ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd())
+    state = ft.track_best(state, {"eval_loss": 0.3})
+    assert (state.early_stopping.metric, state.early_stopping.mode) == ("eval_loss", "min")
+    for metric, mode in (("eval_accuracy", "max"), ("eval_loss", "max"), ("eval_f1", "min")):
+        with pytest.raises(ValueError, match=rf"track_best\(metric='{metric}', mode='{mode}'\)"):
+            ft.track_best(state, {metric: 0.55}, metric=metric, mode=mode)
+    # kept through a checkpoint, so a resumed run is held to it too
+    loaded = ft.load_checkpoint(
+        ft.save_checkpoint(state, tmp_path),
+        ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd()),
+    )
+    assert loaded.early_stopping == state.early_stopping
+    with pytest.raises(ValueError, match="on a state that ranks metric='eval_loss'"):
+        ft.track_best(loaded, {"eval_accuracy": 0.9}, metric="eval_accuracy", mode="max")
+    # a fresh EarlyStoppingState starts a new ranking
+    fresh = loaded.replace(early_stopping=ft.state.EarlyStoppingState())
+    fresh = ft.track_best(fresh, {"eval_accuracy": 0.9}, metric="eval_accuracy", mode="max")
+    assert fresh.early_stopping.best_metric == 0.9
