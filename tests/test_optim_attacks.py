@@ -241,3 +241,11 @@ def test_a_hyperparameter_that_would_be_ignored_or_break_the_step_is_refused(cas
     make, error, name = REFUSED[case]
     with pytest.raises(error, match=rf"\b{name}\b"):
         make()
+
+
+@pytest.mark.parametrize("step", [-1, -5, 1.5, True])
+def test_ema_decay_refuses_a_step_that_is_no_update_count(step):
+    """ema_decay(-1) raised a bare ZeroDivisionError; a fractional step gave a decay no update
+    ever uses."""
+    with pytest.raises(ValueError, match="step must be an int >= 0"):
+        ft.optim.ema_decay(step, decay=0.999)

@@ -45,7 +45,12 @@ def ema_decay(step: int, *, decay: float, warmup: bool = True, gamma: float = 1.
         >>> import ftrain as ft
         >>> ft.optim.ema_decay(0, decay=0.999), round(ft.optim.ema_decay(7, decay=0.999), 4)
         (0.0, 0.75)
+
+    Raises:
+        ValueError: for a `step` that is not an int >= 0.
     """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0 (updates done before this one), got {step!r}")
     if not warmup:
         return decay
     return min(decay, 1.0 - (1.0 + step / gamma) ** -power)
