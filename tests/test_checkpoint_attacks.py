@@ -13,7 +13,7 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -317,3 +317,45 @@ def test_a_checkpoint_passed_as_the_run_folder_is_refused(tmp_path):
         "COMMITTED", "model.safetensors", "optimizer.safetensors", "state.json"
     ]  # fmt: skip
     assert ft.latest_checkpoint(tmp_path) == path
+
+
+class _AdamStateBefore(NamedTuple):  # AdamState as checkpoints before its per-parameter counts
+    steps: torch.Tensor
+    mu: dict
+    nu: dict
+
+
+_AdamStateBefore.__name__ = _AdamStateBefore.__qualname__ = "AdamState"
+
+
+@pytest.mark.parametrize("wrap", ["adamw", "ema"])
+def test_an_adam_checkpoint_from_before_per_parameter_counts_resumes_exactly(tmp_path, wrap):
+    """Those counted one step for all parameters; every parameter takes that count, so a run
+    whose parameters all had gradients continues as if uninterrupted."""
+
+    def make():
+        torch.manual_seed(0)
+        opt = ft.optim.adamw() if wrap == "adamw" else ft.optim.ema(ft.optim.adamw())
+        return ft.TrainState.create(torch.nn.Linear(3, 2), opt, seed=0)
+
+    def loss_fn(model, x):
+        return model(x).pow(2).sum(), x.shape[0]
+
+    data = [torch.randn(4, 3, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+
+    def run(state, steps):
+        for x in steps:
+            grads, stats = ft.accumulate_grads(state, [x], loss_fn)
+            state, _ = ft.clip_and_step(state, grads, lr=0.1, stats=stats)
+        return state
+
+    whole = run(make(), data)
+    state = run(make(), data[:3])
+    opt = state.opt_state
+    inner = opt if wrap == "adamw" else opt.inner
+    before = _AdamStateBefore(inner.steps, inner.mu, inner.nu)
+    old = state.replace(opt_state=before if wrap == "adamw" else opt._replace(inner=before))
+    loaded = ft.load_checkpoint(ft.save_checkpoint(old, tmp_path), make())
+    resumed = run(loaded, data[3:])
+    for name, p in whole.params.items():
+        assert torch.equal(resumed.params[name], p), name

@@ -133,6 +133,8 @@ def load_checkpoint(
     module = state.strategy.unwrap(state.model)
     live = L.model_tensors(module, dict(state.params))
     opt_flat = flatten_tree(state.opt_state)
+    if meta.get("sharded") is not True:
+        _adam_counts_of_older_checkpoints(meta["optimizer"], tensors["optimizer"])
     diffs, model_pairs = _match_model(meta, tensors["model"], live, module)
     opt_diffs, opt_values = _match_optimizer(meta, tensors["optimizer"], state.opt_state, live)
     fields, field_diffs = _fields(meta, state)  # may reject the file: before anything is written
@@ -168,6 +170,26 @@ def load_checkpoint(
         copy = strategy.copy_whole
         opt_state = unflatten(state.opt_state, opt_values, copy) if opt_values else state.opt_state
     return state.consume("load_checkpoint", opt_state=opt_state, **fields)
+
+
+def _adam_counts_of_older_checkpoints(
+    entries: dict[str, Any], saved: dict[str, torch.Tensor]
+) -> None:
+    """An Adam state saved before `AdamState.counts` (ftrain 0.x, 2026-11-26) counted one
+    step for every parameter: give each parameter that count, so the run continues as it
+    would have (a whole-layout checkpoint; a sharded one still reports `counts` missing)."""
+    for path, entry in list(entries.items()):
+        if entry != {"node": "tuple:AdamState"}:
+            continue
+        at = f"{path}/" if path else ""
+        steps = saved.get(f"{at}steps")
+        if f"{at}counts" in entries or steps is None or entries.get(f"{at}mu") != {"node": "dict"}:
+            continue
+        entries[f"{at}counts"] = {"node": "dict"}
+        for key in [k for k in entries if k.startswith(f"{at}mu/")]:
+            name = f"{at}counts/{key[len(at) + 3 :]}"
+            entries[name] = {"shape": [], "tensor": entries[f"{at}steps"]["tensor"]}
+            saved[name] = steps.clone()
 
 
 def _check_args(path: Any, state: Any, **flags: Any) -> None:
