@@ -138,7 +138,7 @@ def evaluate(
     if not sums:
         raise ValueError("evaluate got no batches")
     names = sorted(sums)
-    _same_names_on_every_rank(names, strategy)
+    _same_names_on_every_rank(names, strategy, _METRICS_DIFFER)
     totals = strategy.all_reduce_sum(torch.stack([sums[n] for n in names])).tolist()  # host sync
     out = {f"eval_{n}": s / c if c else math.nan for n, (s, c) in zip(names, totals, strict=True)}
     if tokens if perplexity is None else perplexity:
@@ -152,7 +152,7 @@ def _perplexity(loss: float) -> float:
     return math.nan if math.isnan(loss) else math.exp(loss) if loss < 700 else math.inf
 
 
-def _same_names_on_every_rank(names: list[str], strategy: Strategy) -> None:
+def _same_names_on_every_rank(names: list[str], strategy: Strategy, problem: str) -> None:
     """Raise unless every rank reports the same names: the totals are summed over ranks row by
     row, so a name only some ranks return would be added to another name's row (or the
     collective would get tensors of different shapes)."""
@@ -168,13 +168,19 @@ def _same_names_on_every_rank(names: list[str], strategy: Strategy) -> None:
     ).tolist()  # host sync, once per evaluation
     n, sums = int(got[0]), [int(x) for x in got[1:]]
     if any(n * sums[i + 1] != sums[i] ** 2 for i in (0, 2)):
-        reported = [name for name in names if name != "loss"]
-        raise ValueError(
-            f"evaluate: metrics_fn returned other names on this rank ({reported}) than on "
-            "another rank; each name is summed over the ranks, so every rank must return every "
-            "name, with (0, 0) where it has no rows for it (as "
-            "ft.generation.multiple_choice_metrics does for its subjects)"
-        )
+        raise ValueError(problem.format(names=[name for name in names if name != "loss"]))
+
+
+_METRICS_DIFFER = (
+    "evaluate: metrics_fn returned other names on this rank ({names}) than on another rank; "
+    "each name is summed over the ranks, so every rank must return every name, with (0, 0) "
+    "where it has no rows for it (as ft.generation.multiple_choice_metrics does for its "
+    "subjects)"
+)
+_OUTPUTS_DIFFER = (
+    "predict: output_fn returned other names on this rank ({names}) than on another rank; each "
+    "output is gathered over the ranks by name, so every rank must return the same names"
+)
 
 
 def _check_args(
@@ -353,7 +359,8 @@ def predict(
         `{name: np.ndarray}` per batch (a host sync per batch, by nature).
 
     Raises:
-        ValueError: if the outputs of one batch disagree on the number of samples.
+        ValueError: if the outputs of one batch disagree on the number of samples, or (when
+            gathering) `output_fn` returns other names on one rank than on another.
     """
     strategy = state.strategy if strategy is None else strategy
     output_fn = _default_outputs if output_fn is None else output_fn
@@ -363,6 +370,9 @@ def predict(
             batch, weight = weighted(batch)
             outputs = dict(output_fn(model, strategy.to_device(batch)))
             if gather and strategy.world_size > 1:
+                # Gathered name by name: names that differ would pair one rank's rows with
+                # another's of another output, or leave a rank waiting in a gather.
+                _same_names_on_every_rank(sorted(outputs), strategy, _OUTPUTS_DIFFER)
                 # A ZeroWeight stand-in joins the gathers with no rows.
                 outputs = {
                     k: strategy.gather_rows(_rows(v)[: None if weight else 0])

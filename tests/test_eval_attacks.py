@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import functools
 import math
-import os
 import subprocess
 import sys
 import textwrap
@@ -75,57 +74,16 @@ def test_the_perplexity_of_a_nan_loss_is_nan_not_infinite():
     assert big["eval_ppl"] == math.inf
 
 
-_RANKS = textwrap.dedent(
-    """
-    import json, os, sys
-    import torch, torch.multiprocessing as mp
-
-    def worker(rank, port, out):
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                          WORLD_SIZE="2", LOCAL_RANK=str(rank))
-        torch.set_num_threads(1)
-        import ftrain as ft
-        torch.manual_seed(0)
-        state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd(),
-                                     strategy=ft.strategies.from_env("ddp"))
-        def loss_fn(model, b):
-            return ((model(b[0]) - b[1]) ** 2).sum(), torch.tensor(float(len(b[0])))
-        def same(model, b):  # every rank returns every name
-            return {"acc_cat": (torch.tensor(float(rank)), torch.tensor(1.0 + rank)),
-                    "acc_dog": (torch.tensor(1.0), torch.tensor(2.0))}
-        def per_rank(model, b):  # a name only this rank saw rows of
-            mine = ("acc_cat", "acc_dog")[rank]
-            return {mine: (torch.tensor(float(rank + 1)), torch.tensor(1.0))}
-        batch = (torch.ones(2 + rank, 2), torch.zeros(2 + rank, 1))
-        result = {"same": ft.evaluate(state, [batch], loss_fn, metrics_fn=same)}
-        try:
-            result["per_rank"] = ft.evaluate(state, [batch], loss_fn, metrics_fn=per_rank)
-        except ValueError as e:
-            result["per_rank"] = str(e)
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
-        state.strategy.close()
-
-    if __name__ == "__main__":
-        mp.spawn(worker, args=(int(sys.argv[1]), sys.argv[2]), nprocs=2)
-    """
-)
-
-
-@pytest.mark.slow  # two processes (~20 s on a loaded 2-core machine)
-def test_evaluate_on_two_ranks_refuses_metric_names_that_differ_between_ranks(tmp_path):
+def test_evaluate_and_predict_on_two_ranks_refuse_names_that_differ_between_ranks(tmp_path):
     """Rank 0 returned acc_cat (1/1), rank 1 acc_dog (2/1): the rows were summed position by
-    position, and rank 0 reported eval_acc_cat = 1.5, rank 1 eval_acc_dog = 1.5."""
+    position, and rank 0 reported eval_acc_cat = 1.5, rank 1 eval_acc_dog = 1.5. predict
+    gathers output by output: names that differ paired rows of two outputs."""
     import json
 
-    from launch import free_port
+    import dist_workers
+    from launch import run_ranks
 
-    script = tmp_path / "ranks.py"
-    script.write_text(_RANKS)
-    subprocess.run(
-        [sys.executable, str(script), str(free_port()), str(tmp_path)],
-        check=True, timeout=240, env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )  # fmt: skip
+    run_ranks(dist_workers.names_differ, str(tmp_path), timeout=120)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for rank, result in enumerate(results):
         same = result["same"]
@@ -133,6 +91,7 @@ def test_evaluate_on_two_ranks_refuses_metric_names_that_differ_between_ranks(tm
         assert same["eval_items"] == 5.0
         mine = ("acc_cat", "acc_dog")[rank]
         assert f"metrics_fn returned other names on this rank (['{mine}'])" in result["per_rank"]
+        assert f"output_fn returned other names on this rank (['{mine}'])" in result["predict"]
 
 
 # --- preference losses -----------------------------------------------------------------------

@@ -217,11 +217,14 @@ def _adam(
         # Counts go up by one where the step is applied (`keep` is 0 where it is skipped) before
         # the kernel, which reads the post-increment count, as torch.optim's Adam does.
         keep = state.steps.new_ones(()) if found_inf is None else 1.0 - found_inf
-        state.steps.add_(keep)
-        for decay, names in groups(grads, params):
-            counts = _take(state.counts, names)
-            # (A list of tensors: the scalar overloads loop through a slower path on the CPU.)
-            torch._foreach_add_(counts, [keep] * len(counts))
+        split = [
+            (decay, names, _take(state.counts, names)) for decay, names in groups(grads, params)
+        ]
+        counted = [state.steps, *(c for _, _, counts in split for c in counts)]
+        # One op for every count (a small step notices each, issue 30); a list of tensors: the
+        # scalar overloads loop through a slower path on the CPU.
+        torch._foreach_add_(counted, [keep] * len(counted))
+        for decay, names, counts in split:
             kernel(
                 _local(_take(params, names)),
                 _local(_take(grads, names)),

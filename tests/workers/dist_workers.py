@@ -248,3 +248,40 @@ def fsdp_fp16(rank: int, world: int, port: int, out: str) -> None:
         _save_params(full, Path(out) / "params.safetensors")
         (Path(out) / "result.json").write_text(json.dumps({**meta, "path": str(path)}))
     state.strategy.close()  # leaves the group together, the model released first
+
+
+def names_differ(rank: int, world: int, port: int, out: str) -> None:
+    """evaluate's metrics_fn and predict's output_fn returning other names on each rank: every
+    rank writes what it got (a record, or ftrain's error)."""
+    _env(rank, world, port)
+    torch.manual_seed(0)
+    strategy = ft.strategies.from_env("ddp")
+    state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd(), strategy=strategy)
+
+    def loss_fn(model, b):
+        return ((model(b[0]) - b[1]) ** 2).sum(), torch.tensor(float(len(b[0])))
+
+    def same(model, b):  # every rank returns every name
+        return {"acc_cat": (torch.tensor(float(rank)), torch.tensor(1.0 + rank)),
+                "acc_dog": (torch.tensor(1.0), torch.tensor(2.0))}  # fmt: skip
+
+    mine = ("acc_cat", "acc_dog")[rank]
+
+    def per_rank(model, b):  # a name only this rank saw rows of
+        return {mine: (torch.tensor(float(rank + 1)), torch.tensor(1.0))}
+
+    def outputs(model, b):  # predict: an output only this rank returns
+        return {mine: model(b[0]).squeeze(-1)}
+
+    batch = (torch.ones(2 + rank, 2), torch.zeros(2 + rank, 1))
+    result: dict = {"same": ft.evaluate(state, [batch], loss_fn, metrics_fn=same)}
+    for key, run in (
+        ("per_rank", lambda: ft.evaluate(state, [batch], loss_fn, metrics_fn=per_rank)),
+        ("predict", lambda: list(ft.predict(state, [batch], outputs))),
+    ):
+        try:
+            result[key] = repr(run())
+        except ValueError as e:
+            result[key] = str(e)
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+    strategy.close()
