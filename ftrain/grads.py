@@ -22,8 +22,9 @@ __all__ = ["Grads", "Stats", "accumulate_grads", "batch_counts"]
 class Stats(NamedTuple):
     """What `accumulate_grads` measured, global over ranks.
 
-    `loss` (mean per item), `num_items` (items the loss counts, e.g. label tokens),
-    `num_tokens` (non-padding input tokens) and `num_samples` are device tensors; reading them
+    `loss` (mean per item), `num_items` (items the loss counts, e.g. label tokens: float64, as
+    a weighted loss may count fractional items), `num_tokens` (non-padding input tokens) and
+    `num_samples` (int64) are device tensors; reading them
     is a host sync. `num_micro` is this step's micro-batch count, a host int. `position` is
     where the data stands after these micro-batches (JSON, `ft.data.MicroBatches.position`), which
     `clip_and_step` keeps in the state. `loss_fn` is the loss these gradients are of, which
@@ -207,23 +208,26 @@ def accumulate_grads(
         loss_fn = default_loss if state.loss_fn is None else state.loss_fn
     # float16 training scales the loss up so small gradients survive backward (ft.precision).
     sums, divided = _forward_backward(state, micro, loss_fn, strategy)
-    # One cast for the three counts; their views are the Stats' counts (each 0-dim op or view
-    # is thousands of instructions: a small step notices every one, issue 30).
-    _, num_items, num_tokens, num_samples = sums.long().unbind()
+    # Views of the sums in one op, and one cast for the token and sample counts (each 0-dim op
+    # or view is thousands of instructions: a small step notices every one, issue 30). The
+    # item count stays the float64 sum: a weighted loss may count fractional items (0.8 in all
+    # truncated to 0 made clip_and_step skip a step that counted some).
+    loss_sum, num_items, _, _ = sums.unbind()
+    _, _, num_tokens, num_samples = sums.long().unbind()
     grads = Grads({n: p.grad for n, p in params.items() if p.grad is not None})
     if grads and not divided:
         # Backends that average over ranks (DDP) have multiplied by grad_reduce_factor; undo it,
         # and the loss scale. A step without items keeps its (zero) gradient as it is. (No
         # multiply by a factor of 1.) The divisor is the float64 sum, not the int64 count: a
         # weighted loss may count fractional items, also fewer than 1 in all (not clamped to 1).
-        norm = torch.where(sums[1] > 0, sums[1], 1.0)
+        norm = torch.where(num_items > 0, num_items, 1.0)
         factor, scale = strategy.grad_reduce_factor, state.scaler.scale
         norm = norm if factor == 1 else norm * factor
         norm = norm if scale is None else norm * scale
         torch._foreach_div_(list(grads.values()), norm)
     # The mean over zero items is undefined: NaN, and clip_and_step skips such a step.
     stats = Stats(
-        loss=(sums[0] / sums[1]).float(),
+        loss=(loss_sum / num_items).float(),
         num_items=num_items,
         num_tokens=num_tokens,
         num_samples=num_samples,

@@ -47,6 +47,12 @@ def test_a_weighted_count_below_one_divides_by_that_count():
     exact.backward()
     torch.testing.assert_close(grads["weight"], model.weight.grad, rtol=1e-12, atol=0)
     torch.testing.assert_close(stats.loss.double(), exact.detach(), rtol=1e-6, atol=0)
+    # and the step is applied: 0.8 items truncated to an int64 0 made clip_and_step skip it
+    assert float(stats.num_items) == pytest.approx(0.8)
+    want = model.weight.detach() - 0.1 * model.weight.grad
+    state, info = ft.clip_and_step(state, grads, lr=0.1, stats=stats)
+    assert not bool(info.skipped)
+    torch.testing.assert_close(state.params["weight"], want)
 
 
 def test_an_override_strategy_laid_out_otherwise_is_refused():

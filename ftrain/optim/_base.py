@@ -8,8 +8,10 @@ state, and `found_inf` lets a step skip itself on the device without a host sync
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Collection, Mapping
-from operator import itemgetter
+from itertools import repeat
+from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -93,6 +95,36 @@ class ChainState(NamedTuple):
 
     transforms: tuple[Any, ...]
     inner: Any
+
+
+def _counters(params: Params) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Adam's step count and each parameter's own, 0-dim float32 tensors: views of one vector
+    when the parameters share a device, so that a step in which every parameter has a gradient
+    counts them all in one op (`_shared_base`; issue 30: the fused kernel's count increments
+    were one op per parameter on the CPU)."""
+    devices = {p.device for p in params.values()}
+    if len(devices) == 1:
+        steps, *each = torch.zeros(len(params) + 1, device=devices.pop()).unbind()
+        return steps, dict(zip(params, each, strict=True))
+    first = next(iter(params.values()))
+    steps = torch.zeros((), dtype=torch.float32, device=first.device)
+    return steps, {
+        n: torch.zeros((), dtype=torch.float32, device=p.device) for n, p in params.items()
+    }
+
+
+def _shared_base(state: AdamState, with_grads: int) -> torch.Tensor | None:
+    """The vector `_counters` made, when this step counts every parameter and the counters are
+    still its views (a `snapshot` or `replace` copy holds separate tensors: None then)."""
+    base = state.steps._base
+    counts = state.counts
+    if base is None or with_grads != len(counts) or base.numel() != len(counts) + 1:
+        return None
+    # (In C, no generator frames: a small step notices each Python call.)
+    return base if all(map(operator.is_, map(_BASE, counts.values()), repeat(base))) else None
+
+
+_BASE = attrgetter("_base")
 
 
 def _take(mapping: Mapping[str, Any], names: list[str]) -> list[Any]:
@@ -189,9 +221,9 @@ def _adam(
     groups = _Groups(_masker(mask))
 
     def init(params: Params) -> AdamState:
-        first = next(iter(params.values()))
+        steps, counts = _counters(params)
         return AdamState(
-            steps=torch.zeros((), dtype=torch.float32, device=first.device),
+            steps=steps,
             mu={
                 n: torch.zeros_like(p, memory_format=torch.preserve_format)
                 for n, p in params.items()
@@ -200,9 +232,7 @@ def _adam(
                 n: torch.zeros_like(p, memory_format=torch.preserve_format)
                 for n, p in params.items()
             },
-            counts={
-                n: torch.zeros((), dtype=torch.float32, device=p.device) for n, p in params.items()
-            },
+            counts=counts,
         )
 
     def update(
@@ -220,10 +250,12 @@ def _adam(
         split = [
             (decay, names, _take(state.counts, names)) for decay, names in groups(grads, params)
         ]
-        counted = [state.steps, *(c for _, _, counts in split for c in counts)]
-        # One op for every count (a small step notices each, issue 30); a list of tensors: the
-        # scalar overloads loop through a slower path on the CPU.
-        torch._foreach_add_(counted, [keep] * len(counted))
+        base = _shared_base(state, len(grads))
+        if base is not None:  # every parameter has a gradient: one op for all the counts
+            base.add_(keep)
+        else:  # a list of tensors: the scalar overloads loop through a slower path on the CPU
+            counted = [state.steps, *(c for _, _, counts in split for c in counts)]
+            torch._foreach_add_(counted, [keep] * len(counted))
         for decay, names, counts in split:
             kernel(
                 _local(_take(params, names)),
