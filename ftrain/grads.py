@@ -220,7 +220,10 @@ def accumulate_grads(
         # and the loss scale. A step without items keeps its (zero) gradient as it is. (No
         # multiply by a factor of 1.) The divisor is the float64 sum, not the int64 count: a
         # weighted loss may count fractional items, also fewer than 1 in all (not clamped to 1).
-        norm = torch.where(num_items > 0, num_items, 1.0)
+        # ftrain's own losses count whole items: clamping to 1 only touches a count of 0 (one
+        # op); a loss of yours may count fractional ones, fewer than 1 in all.
+        whole = loss_fn is default_loss or getattr(loss_fn, "__module__", None) == _OWN_LOSSES
+        norm = num_items.clamp_min(1) if whole else torch.where(num_items > 0, num_items, 1.0)
         factor, scale = strategy.grad_reduce_factor, state.scaler.scale
         norm = norm if factor == 1 else norm * factor
         norm = norm if scale is None else norm * scale
@@ -236,6 +239,9 @@ def accumulate_grads(
         loss_fn=loss_fn,
     )
     return grads, stats
+
+
+_OWN_LOSSES = default_loss.__module__  # "ftrain.losses": whole item counts
 
 
 def _check_args(state: Any, micro: Any, loss_fn: Any, strategy: Any) -> None:

@@ -244,16 +244,17 @@ def _adam(
         step: int,
         found_inf: torch.Tensor | None = None,
     ) -> AdamState:
-        # Counts go up by one where the step is applied (`keep` is 0 where it is skipped) before
-        # the kernel, which reads the post-increment count, as torch.optim's Adam does.
-        keep = state.steps.new_ones(()) if found_inf is None else 1.0 - found_inf
+        # Counts go up by one before the kernel, which reads the post-increment count as
+        # torch.optim's Adam does, and not for a skipped step (found_inf 1): taken back after,
+        # or `keep` 0.
         split = [
             (decay, names, _take(state.counts, names)) for decay, names in groups(grads, params)
         ]
         base = _shared_base(state, len(grads))
-        if base is not None:  # every parameter has a gradient: one op for all the counts
-            base.add_(keep)
+        if base is not None:  # every parameter has a gradient: one op for all the counts,
+            base.add_(1.0)  # and one to take a skipped step's back after the kernel
         else:  # a list of tensors: the scalar overloads loop through a slower path on the CPU
+            keep = state.steps.new_ones(()) if found_inf is None else torch.rsub(found_inf, 1.0)
             counted = [state.steps, *(c for _, _, counts in split for c in counts)]
             torch._foreach_add_(counted, [keep] * len(counted))
         for decay, names, counts in split:
@@ -274,6 +275,8 @@ def _adam(
                 grad_scale=None,
                 found_inf=found_inf,
             )
+        if base is not None and found_inf is not None:
+            base.sub_(found_inf)
         return state
 
     twin = _traceable.adam_twin(

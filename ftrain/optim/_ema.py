@@ -207,6 +207,8 @@ def ema_swapped(state: TrainState) -> bool:
         >>> inside, ft.optim.ema_swapped(state)
         (True, False)
     """
+    if not STATE.ema_swapped:  # no swap_ema block open (each step asks: no state read then)
+        return False
     opt_state = state.opt_state
     return isinstance(opt_state, EmaState) and _swapped(opt_state.ema)
 
