@@ -141,12 +141,11 @@ def batch_counts(batch: Any) -> tuple[torch.Tensor | int, int]:
         first = next(iter(batch.values()))
     else:
         first = batch[0] if isinstance(batch, (list, tuple)) else batch
-    # A nested batch ({"features": {"num": ..., "cat": ...}, "y": ...}) counts its first
-    # tensor's rows, not the keys of its first field.
-    while isinstance(first, Mapping) or (
-        isinstance(first, (list, tuple)) and first and isinstance(first[0], (Mapping, torch.Tensor))
-    ):
-        first = next(iter(first.values())) if isinstance(first, Mapping) else first[0]
+    # A nested batch ({"features": {"num": ..., "cat": ...}, "y": ...}) counts the rows of its
+    # first field's first value, not the keys of its first field. (A list or tuple is one row
+    # per element: per-sample tensors, as detection and ragged batches hold them.)
+    while isinstance(first, Mapping) and first:
+        first = next(iter(first.values()))
     n = first.shape[0] if isinstance(first, torch.Tensor) else len(first)
     # An integer tensor of rank >= 2 first in the batch is token ids (e.g. an (x, y) pair of
     # windows); anything else counts one token per sample.

@@ -453,3 +453,13 @@ def test_track_best_refuses_another_metric_or_mode_than_the_state_ranks(tmp_path
     fresh = loaded.replace(early_stopping=ft.state.EarlyStoppingState())
     fresh = ft.track_best(fresh, {"eval_accuracy": 0.9}, metric="eval_accuracy", mode="max")
     assert fresh.early_stopping.best_metric == 0.9
+
+
+def test_preference_losses_take_equal_shapes_of_any_rank():
+    """The (B, 1) refusal must not refuse a single pair (0-dim) or (prompts, samples) log-probs
+    of one shape: those are element-wise pairs, as before."""
+    for shape in ((), (4, 2)):
+        a, b, c, d = (torch.randn(shape) for _ in range(4))
+        loss = P.dpo_loss(a, b, c, d, beta=0.1)
+        want = -torch.nn.functional.logsigmoid(0.1 * ((a - c) - (b - d)))
+        torch.testing.assert_close(loss, want)

@@ -364,7 +364,10 @@ def test_batch_counts_of_a_nested_batch_count_its_rows_not_its_keys():
 
     nested = {"features": {"num": torch.ones(8, 3), "cat": torch.zeros(8, 2)}, "y": torch.ones(8)}
     assert batch_counts(nested) == (8, 8)
-    assert batch_counts(([torch.ones(6, 3)], torch.ones(6))) == (6, 6)
+    # a list of per-sample tensors (detection images, ragged sequences) is one row per element
+    ragged = [torch.ones(3, 5, 7), torch.ones(3, 4, 4)]
+    assert batch_counts(({"images": ragged}, [{"boxes": torch.ones(1, 4)}] * 2)) == (2, 2)
+    assert batch_counts((ragged, torch.ones(2))) == (2, 2)
     assert batch_counts({"x": [[1, 2], [3, 4], [5, 6]]}) == (3, 3)  # rows of host lists
 
     def loss_fn(model, batch):

@@ -60,8 +60,10 @@ def _same_shape(**logps: torch.Tensor) -> None:
     """Refuse log-probs of different shapes: broadcasting (batch,) against (batch, 1) would
     silently give a (batch, batch) loss of every chosen against every rejected answer."""
     shapes = {name: tuple(t.shape) for name, t in logps.items()}
-    if len(set(shapes.values())) > 1 or any(len(shape) != 1 for shape in shapes.values()):
-        raise ValueError(f"per-sequence log-probs must all have shape (batch,), got {shapes}")
+    if len(set(shapes.values())) > 1:  # equal shapes of any rank are element-wise pairs
+        raise ValueError(
+            f"per-sequence log-probs must all have the same shape (batch,), got {shapes}"
+        )
 
 
 def _bce(logits: torch.Tensor, label_smoothing: float) -> torch.Tensor:
