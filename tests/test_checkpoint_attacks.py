@@ -359,3 +359,16 @@ def test_an_adam_checkpoint_from_before_per_parameter_counts_resumes_exactly(tmp
     resumed = run(loaded, data[3:])
     for name, p in whole.params.items():
         assert torch.equal(resumed.params[name], p), name
+
+
+def test_mode_max_without_best_metric_is_refused(tmp_path):
+    """mode="max" with no best_metric ranked nothing: rotation kept the ranking an earlier save
+    recorded (or none), and the argument was ignored."""
+    state = ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd())
+    with pytest.raises(ValueError, match="mode='max' needs best_metric"):
+        ft.save_checkpoint(state, tmp_path, mode="max")
+    from ftrain.extras import ray as ray_ft
+
+    with pytest.raises(ValueError, match="mode='max' needs best_metric"):
+        ray_ft.checkpoint_config(keep_last=2, mode="max")
+    ft.save_checkpoint(state, tmp_path, mode="max", best_metric="acc", metrics={"acc": 1.0})

@@ -172,6 +172,8 @@ def check_retention(keep_last: Any, keep_best: Any, best_metric: Any, mode: Any)
         raise ValueError("keep_best needs best_metric, the metrics key that ranks checkpoints")
     if mode not in ("min", "max"):
         raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+    if mode == "max" and best_metric is None:  # nothing ranked: it would be ignored
+        raise ValueError("mode='max' needs best_metric, the metrics key that it ranks by")
 
 
 @dataclass
