@@ -3,18 +3,14 @@
 Each was reproduced first (numbers in the test docstrings): a caller's 2-D mesh that inflated
 FSDP's clipping norm, an override strategy or a hand-wrapped model whose reduction disagreed with
 the item count, a weighted count below 1, a process outside the group training as rank -1, and
-bad flags accepted in one process. The 2-rank checks run in one launch of this file as a script
-(gloo on CPU, every process bounded by a timeout), whose results the tests below read.
+bad flags accepted in one process. The 2-rank checks run in one launch of
+tests/workers/strategy_attack_workers.py from the suite's fork server (gloo on CPU, bounded by a
+timeout), whose results the tests below read.
 """
 
 from __future__ import annotations
 
-import gc
 import json
-import os
-import socket
-import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -22,9 +18,6 @@ import pytest
 import torch
 
 import ftrain as ft
-
-_ROOT = Path(__file__).resolve().parents[1]
-
 
 # --- one process --------------------------------------------------------------------------------
 
@@ -109,144 +102,14 @@ def test_a_string_flag_and_a_bool_replicate_are_refused_before_joining(cls, monk
 # --- two ranks ----------------------------------------------------------------------------------
 
 
-def _data() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
-
-
-def _mlp() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-
-
-def _mse(model, batch):
-    x, y = batch
-    return ((model(x) - y) ** 2).sum(), y.numel()
-
-
-def _half(rank: int, world: int, rows: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's rows of the global batch: 2 rows on rank 0, the other 6 on rank 1 (ragged
-    item counts, so that a per-rank mean differs from the global one)."""
-    x, y = _data()
-    part = slice(0, rows) if rank == 0 else slice(rows, None)
-    return [(x[part], y[part])]
-
-
-def _global_norm() -> float:
-    state = ft.TrainState.create(_mlp(), ft.optim.sgd(), strategy=ft.strategies.SingleDevice("cpu"))
-    grads, _ = ft.accumulate_grads(state, [_data()], _mse)
-    return float(state.strategy.grad_norm(list(grads.values())))
-
-
-def _attempt(results: dict, name: str, fn) -> None:
-    """Record what `fn` returned, or the message of what it raised."""
-    try:
-        results[name] = {"value": fn()}
-    except Exception as e:  # the test asserts on ftrain's own message
-        results[name] = {"error": f"{type(e).__name__}: {e}"}
-
-
-def _fsdp_norm(mesh_shape: tuple[int, ...]) -> float:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    names = ("replicate", "shard", "x")[-len(mesh_shape) :]  # fully_shard wants 2-D ones named
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-    with ft.strategies.FSDP(mesh=mesh) as strategy:
-        state = ft.TrainState.create(_mlp(), ft.optim.sgd(), strategy=strategy)
-        grads, _ = ft.accumulate_grads(state, _half(strategy.rank, strategy.world_size), _mse)
-        return float(strategy.grad_norm(list(grads.values())))
-
-
-def _override(rank: int) -> float:
-    with ft.strategies.DDP() as strategy:
-        state = ft.TrainState.create(_mlp(), ft.optim.sgd(), strategy=strategy)
-        single = ft.strategies.SingleDevice("cpu")
-        grads, _ = ft.accumulate_grads(state, _half(rank, 2), _mse, strategy=single)
-        return float(local_norm(grads))
-
-
-def _hand_wrapped_ddp(rank: int) -> float:
-    from torch.nn.parallel import DistributedDataParallel
-
-    state = ft.TrainState.create(DistributedDataParallel(_mlp()), ft.optim.sgd())
-    grads, _ = ft.accumulate_grads(state, _half(rank, 2), _mse)
-    return float(local_norm(grads))
-
-
-def _hand_sharded() -> str:
-    from torch.distributed.fsdp import fully_shard
-
-    state = ft.TrainState.create(fully_shard(_mlp()), ft.optim.sgd())
-    return type(state.strategy).__name__
-
-
-def _non_member(group) -> list:
-    strategy = ft.strategies.DDP(process_group=group)
-    strategy.closed = True  # nothing set up; close() would wait at a barrier of `group`
-    return [strategy.rank, strategy.world_size, strategy.grad_reduce_factor]
-
-
-def _static_graph(rank: int) -> str:
-    with ft.strategies.DDP(static_graph=True) as strategy:
-        state = ft.TrainState.create(_mlp(), ft.optim.sgd(), strategy=strategy)
-        ft.accumulate_grads(state, _half(rank, 2) * 2, _mse)
-        return "trained"
-
-
-def local_norm(grads) -> torch.Tensor:
-    return torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()]))
-
-
-def ranks(out: str) -> None:
-    """One rank of the 2-rank launch (`python this_file.py OUT`): every check in turn, each
-    recorded in OUT.<rank>."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=30))  # the caller's own group
-    results: dict = {"single_norm": _global_norm()}
-    _attempt(results, "fsdp_mesh_2d", lambda: _fsdp_norm((2, 1)))
-    _attempt(results, "fsdp_mesh_1d", lambda: _fsdp_norm((2,)))
-    _attempt(results, "fsdp_mesh_3d", lambda: _fsdp_norm((1, 1, 2)))
-    _attempt(results, "override", lambda: _override(rank))
-    _attempt(results, "hand_wrapped_ddp", lambda: _hand_wrapped_ddp(rank))
-    _attempt(results, "hand_sharded", _hand_sharded)
-    group = dist.new_group([0])  # every rank takes part in making it; rank 1 is not a member
-    _attempt(results, "non_member", lambda: _non_member(group) if rank == 1 else "member")
-    dist.barrier()
-    _attempt(results, "static_graph", lambda: _static_graph(rank))  # last: a failed backward
-    Path(f"{out}.{rank}").write_text(json.dumps(results))
-    gc.collect()  # a DDP wrapper freed after the group is destroyed deadlocks at exit
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict]:
-    """Each rank's record of the 2-rank launch (about 20 s; bounded, never hangs)."""
+    """Each rank's record of the 2-rank launch (bounded: never hangs)."""
+    import strategy_attack_workers as W
+    from launch import run_ranks
+
     out = tmp_path_factory.mktemp("attacks") / "results"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    path = os.pathsep.join([str(_ROOT), str(_ROOT / "tests"), str(_ROOT / "tests" / "workers")])
-    procs = []
-    for rank in (0, 1):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE="2", LOCAL_RANK=str(rank), PYTHONPATH=path)  # fmt: skip
-        procs.append(subprocess.Popen(
-            [sys.executable, __file__, str(out)], env=env, cwd=_ROOT,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        ))  # fmt: skip
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=120)[0])
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    run_ranks(W.ranks, str(out), timeout=120)
     return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
 
 
@@ -295,7 +158,3 @@ def test_ddp_static_graph_with_skipped_syncs_names_the_fix(two_ranks):
     for got in two_ranks:
         message = got["static_graph"].get("error", "")
         assert "DDP(static_graph=True) cannot skip the gradient sync" in message
-
-
-if __name__ == "__main__":
-    ranks(sys.argv[1])
