@@ -139,7 +139,11 @@ def main(root: str, total: int, kills: int) -> None:
         if attempt < kills:
             victim, kill_at = plan(attempt, strategy.world_size, state.step)
             kill_at = kill_at if strategy.rank == victim else None
-        state = train(state, root, total, kill_at)
+        try:
+            state = train(state, root, total, kill_at)
+        except Exception as e:  # a peer died or froze (test_elastic checks this line)
+            print(f"rank {strategy.rank}: the step raised {type(e).__name__}", flush=True)
+            raise
         if strategy.rank == 0:
             print(f"attempt {attempt}: steps {start}..{state.step}", flush=True)
 
