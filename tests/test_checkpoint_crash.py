@@ -3,45 +3,51 @@
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 import ftrain as ft
-from crash_loop import build
+import launch
+from crash_loop import build, ranked
 from helpers import opt_state_tensors
 
-SCRIPT = Path(__file__).parent / "workers" / "crash_loop.py"
 TOTAL = 10  # 2.5 epochs of the script's data
 
 
-def launch(root: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, str(SCRIPT), str(root), str(TOTAL)], stdout=subprocess.PIPE, text=True
-    )
+def run(root: Path) -> None:
+    """The loop to TOTAL in a process forked from the suite's server (no kill)."""
+    launch.run_ranks(ranked, str(root), TOTAL, str(root.parent / f"{root.name}.events"), world=1)
 
 
 def run_until_killed(root: Path, rng: random.Random, within: float) -> bool:
     """Start the loop and SIGKILL it 0..`within` seconds after its k-th "saving" line (k=1..2).
 
-    A save takes tens of milliseconds, so short delays mostly land inside one. Returns True if
-    the run finished before the kill.
+    A save takes tens of milliseconds, so short delays mostly land inside one. The process is
+    forked from the suite's server (torch and ftrain imported once, not per attempt); it appends
+    its lines to an events file, which this polls. Returns True if the run finished before the
+    kill.
     """
-    k, delay, saves = rng.randrange(1, 3), rng.uniform(0.0, within), 0
-    with launch(root) as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith("saving"):
-                saves += 1
-                if saves == k:
-                    time.sleep(delay)
-                    proc.kill()
-                    break
-        proc.wait(60)
-    return proc.returncode == 0
+    k, delay = rng.randrange(1, 3), rng.uniform(0.0, within)
+    events = root.parent / f"{root.name}.events"
+    events.unlink(missing_ok=True)
+    ctx = launch.start_ranks(ranked, str(root), TOTAL, str(events), world=1)
+    (proc,) = ctx.processes
+    try:
+        deadline = time.monotonic() + 120
+        while proc.is_alive() and time.monotonic() < deadline:
+            lines = events.read_text().splitlines() if events.exists() else []
+            if sum(line.startswith("saving") for line in lines) >= k:
+                time.sleep(delay)
+                proc.kill()
+                break
+            time.sleep(0.0005)
+        proc.join(60)
+    finally:
+        launch.kill(ctx)
+    assert proc.exitcode is not None, "the crash loop neither finished nor died within 120 s"
+    return proc.exitcode == 0
 
 
 def load_final(root: Path) -> ft.TrainState:
@@ -51,13 +57,7 @@ def load_final(root: Path) -> ft.TrainState:
 
 
 def test_sigkill_anywhere_then_resume_equals_the_uninterrupted_run(tmp_path):
-    clean = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path / "clean"), str(TOTAL)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert clean.returncode == 0, clean.stderr
+    run(tmp_path / "clean")
 
     root, rng = tmp_path / "killed", random.Random(0)
     kills = mid_save = 0
@@ -70,13 +70,7 @@ def test_sigkill_anywhere_then_resume_equals_the_uninterrupted_run(tmp_path):
         ckpt = ft.latest_checkpoint(root)
         if ckpt is not None:  # whatever the instant, the latest commit loads
             ft.load_checkpoint(ckpt, build())
-    finish = subprocess.run(
-        [sys.executable, str(SCRIPT), str(root), str(TOTAL)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert finish.returncode == 0, finish.stderr
+    run(root)  # to the end
     assert kills >= 4 and mid_save >= 1, (kills, mid_save)
     assert not [p for p in root.iterdir() if p.name.startswith(".tmp-")]
 

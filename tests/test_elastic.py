@@ -23,7 +23,7 @@ from ftrain.strategies._group import _attempt_store, collective_timeout
 from helpers import opt_state_tensors, within
 
 SCRIPT = Path(__file__).parent / "workers" / "elastic_loop.py"
-KILLS = 6  # random kill points of one job (tests/test_checkpoint_crash.py kills a single process more)
+KILLS = 6  # random kill points in one job (test_checkpoint_crash kills one process more often)
 TOTAL = 3 * KILLS + 2  # each attempt dies at most 3 steps after its start: all of them die early
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 
@@ -157,8 +157,8 @@ def test_sigkilled_ranks_restart_and_end_bit_equal_to_the_uninterrupted_run(two_
     save of a step drawn from a generator seeded by r (TORCHELASTIC_RESTART_COUNT); torchrun
     restarts the job, which resumes from the newest committed checkpoint (a half-written one of
     the dead attempt is never loaded). Attempt KILLS finishes, bit-equal to the 2-rank run
-    without kills. Before each attempt got its own key space in torchrun's store, a restarted attempt
-    often failed with gloo's "connectFullMesh failed: Connection refused"."""
+    without kills. Before each attempt got its own key space in torchrun's store, a restarted
+    attempt often failed with gloo's "connectFullMesh failed: Connection refused"."""
     port, kills = str(free_port()), str(KILLS)
     agent = torchrun("--nproc-per-node", "2", "--max-restarts", kills, "--master-port", port,
                      str(SCRIPT), str(tmp_path), str(TOTAL), kills)  # fmt: skip
@@ -205,11 +205,10 @@ def test_sigterm_to_one_rank_makes_both_save_the_same_step_and_continue_bit_equa
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
 def test_when_a_rank_dies_or_freezes_the_other_exits_by_itself(tmp_path, how):
     """No launcher to clean up (two processes started as torchrun would, and nothing kills the
-    survivor): a peer SIGKILLed inside a save ends the survivor's next collective at once
-    (gloo sees the closed socket; on a loaded machine it may report a send time-out instead, at
-the 30 s timeout at the latest); a frozen peer (SIGSTOP) ends it
-    after FTRAIN_COLLECTIVE_TIMEOUT (3 s). Either way the
-    survivor leaves its `with DDP()` block and the interpreter exits."""
+    survivor): a peer SIGKILLed inside a save ends the survivor's next collective at once (gloo
+    sees the closed socket; on a loaded machine it may report a send time-out instead, at the
+    30 s timeout at the latest); a frozen peer (SIGSTOP) ends it after FTRAIN_COLLECTIVE_TIMEOUT
+    (3 s). Either way the survivor leaves its `with DDP()` block and the interpreter exits."""
     victim, _ = plan(0, 2, 0)
     port, procs, timeout = str(free_port()), [], "30" if how == "SIGKILL" else "3"
     for rank in (0, 1):

@@ -44,8 +44,10 @@ PRELOAD = [
     "helpers",
     "dist_workers",
     "ckpt_save_workers",
+    "crash_loop",
     "generate_workers",
     "optim_workers",
+    "rl_resume",
     "rl_workers",
     "tp_workers",
 ]

@@ -1,6 +1,7 @@
 """The GRPO example's loop, SIGKILLed mid-run and resumed (tests/test_rl.py).
 
-Usage: python tests/workers/rl_resume.py ROOT [--kill sample:K | --kill update:K]. Trains
+Usage: python tests/workers/rl_resume.py ROOT [--kill sample:K | --kill update:K], or `ranked`
+in a process forked by tests/workers/launch.py (test_rl does). Trains
 examples/grpo_addition.py's task for `STEPS` updates, checkpointing every rollout batch into
 ROOT/ckpt and resuming from it; appends each rollout's step, completions and rewards to
 ROOT/trace.jsonl and writes the final parameters and optimizer state to ROOT/final.safetensors.
@@ -66,15 +67,24 @@ def main() -> None:
     p.add_argument("root", type=Path)
     p.add_argument("--kill", default=None)
     a = p.parse_args()
+    run(a.root, a.kill)
+
+
+def ranked(rank: int, world: int, port: int, root: str, kill: str | None) -> None:
+    """`run` in a process forked by tests/workers/launch.py (world 1)."""
+    run(Path(root), kill)
+
+
+def run(root: Path, kill: str | None) -> None:
     torch.set_num_threads(1)
     model = example.build_model(0)
     reference = copy.deepcopy(model).eval().requires_grad_(False)
-    if a.kill:
-        model.register_forward_pre_hook(kill_hook(a.kill), with_kwargs=True)
+    if kill:
+        model.register_forward_pre_hook(kill_hook(kill), with_kwargs=True)
     state = ft.TrainState.create(model, ft.optim.adamw(weight_decay=0.0), seed=0)
-    if (ckpt := ft.latest_checkpoint(a.root / "ckpt")) is not None:
+    if (ckpt := ft.latest_checkpoint(root / "ckpt")) is not None:
         state = ft.load_checkpoint(ckpt, state)
-    trace = open(a.root / "trace.jsonl", "a")  # noqa: SIM115 (open until the process ends)
+    trace = open(root / "trace.jsonl", "a")  # noqa: SIM115 (open until the process ends)
 
     def record(state, rollouts, rewards):
         ids = [r.completion_ids.tolist() for r in rollouts]
@@ -84,13 +94,13 @@ def main() -> None:
         )
         trace.flush()
 
-    args = SimpleNamespace(**vars(ARGS), root=str(a.root / "ckpt"))
+    args = SimpleNamespace(**vars(ARGS), root=str(root / "ckpt"))
     state = example.train(
         state, example.make_prompts(64, 0), reference=reference, args=args, on_rollout=record
     )
     tensors = {f"param/{k}": v.detach() for k, v in state.params.items()}
     tensors |= {f"opt/{k}": v for k, v in opt_state_tensors(state.opt_state).items()}
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(a.root / "final.safetensors"))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(root / "final.safetensors"))
     print("done", state.step, file=sys.stderr)
 
 
