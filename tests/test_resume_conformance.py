@@ -24,8 +24,6 @@ import os
 import random
 import re
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -33,10 +31,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import conformance_loop
+import launch
 from conformance_loop import ACCUM, TOTAL
 
 REPO = Path(__file__).resolve().parent.parent
-WORKER = REPO / "tests" / "workers" / "conformance_loop.py"
 TIMEOUT = 180  # seconds per worker process; a run takes 3-10 s on a busy 2-core machine
 
 
@@ -108,29 +107,22 @@ SELECTED = matrix() if os.environ.get("FTRAIN_CONFORMANCE") == "all" else sample
 
 
 def run_worker(root: Path, case: Case, *, kill: str | None = None, saves: str = "blocking"):
-    """Run the worker to its end or its kill; return its exit status and output."""
-    cmd = [sys.executable, str(WORKER), str(root), *case.args(), "--saves", saves]
-    cmd += ["--kill", kill] if kill else []
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
+    """Run the worker to its end or its kill; return its exit status and output. The worker is
+    forked from the suite's server (torch and ftrain imported once, not per run)."""
+    argv = [str(root), *case.args(), "--saves", saves, *(["--kill", kill] if kill else [])]
     root.mkdir(parents=True, exist_ok=True)
     log = root / "worker.log"
-    with open(log, "ab") as out:
-        # Output to a file, not a pipe: a killed run's orphaned loader workers would hold a
-        # pipe open. Its own session, so that whatever it leaves is ended with it.
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)  # fmt: skip
-        try:
-            rc = proc.wait(TIMEOUT)
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return rc, log.read_text(errors="replace")[-4000:]
+    # Output to a file: a killed run's orphaned loader workers would hold a pipe open. The
+    # worker starts a session of its own, so that whatever it leaves is ended with it.
+    ctx = launch.start_ranks(conformance_loop.ranked, argv, str(log), world=1)
+    (proc,) = ctx.processes
+    try:
+        proc.join(TIMEOUT)
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        launch.kill(ctx)
+    return proc.exitcode, log.read_text(errors="replace")[-4000:] if log.exists() else ""
 
 
 def trace(root: Path) -> list[dict]:

@@ -34,9 +34,11 @@ import argparse
 import contextlib
 import inspect
 import json
+import multiprocessing
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -474,6 +476,22 @@ def mlflow_summary(root: Path) -> dict[str, Any]:
         out[key] = {s: sorted(v) for s, v in sorted(by_step.items())}
     out["params"] = dict(runs[0].data.params)
     return out
+
+
+def ranked(rank: int, world: int, port: int, argv: list[str], log: str) -> None:
+    """`main(argv)` in a process forked by tests/workers/launch.py (world 1): in a session of
+    its own (the test ends whatever a killed run leaves, its loader workers), its output
+    appended to `log`, and loader workers started as a fresh interpreter here starts them
+    (a process forked by the server defaults to the server's method)."""
+    multiprocessing.set_start_method("fork", force=True)
+    os.setsid()
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    main(argv)
 
 
 if __name__ == "__main__":

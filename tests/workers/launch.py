@@ -44,6 +44,7 @@ PRELOAD = [
     "helpers",
     "dist_workers",
     "ckpt_save_workers",
+    "conformance_loop",
     "crash_loop",
     "generate_workers",
     "optim_workers",
