@@ -44,14 +44,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_loop import ACCUM, CLIP, WD, _block
 
 import ftrain as ft
+
+# bench_loop (its constants, `_block`) imports transformers: the Llama part imports it where it
+# runs, so that the nanoGPT comparison's processes start without it.
 
 BS, SEQ, VOCAB, STEPS = 8, 1024, 32_000, 6
 
 
 def build() -> tuple[torch.nn.Module, list[list[dict[str, torch.Tensor]]]]:
+    from bench_loop import ACCUM
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -73,6 +76,8 @@ def build() -> tuple[torch.nn.Module, list[list[dict[str, torch.Tensor]]]]:
 
 
 def raw_loop(model: torch.nn.Module) -> Callable[[list[Any], int], None]:
+    from bench_loop import CLIP, WD
+
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=WD, fused=True)
 
     def step(micro: list[Any], k: int) -> None:
@@ -88,6 +93,8 @@ def raw_loop(model: torch.nn.Module) -> Callable[[list[Any], int], None]:
 
 
 def ftrain_loop(model: torch.nn.Module) -> tuple[Callable[[list[Any], int], None], dict]:
+    from bench_loop import CLIP, WD
+
     strategy = ft.strategies.SingleDevice("cuda", precision="bf16")
     state = ft.TrainState.create(model, ft.optim.adamw(weight_decay=WD), strategy=strategy)
     loop: dict[str, Any] = {"state": state, "grads": None}
@@ -102,6 +109,8 @@ def ftrain_loop(model: torch.nn.Module) -> tuple[Callable[[list[Any], int], None
 
 
 def memory_child(loop: str) -> None:
+    from bench_loop import _block
+
     model, data = build()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -341,6 +350,8 @@ def main() -> None:
     if args.memory_child:
         memory_child(args.memory_child)
         return
+    from bench_loop import ACCUM, _block
+
     model, data = build()
     ft_step, ft_loop = ftrain_loop(copy.deepcopy(model))
     loops = {"raw": raw_loop(copy.deepcopy(model)), "ftrain": ft_step}
