@@ -116,7 +116,9 @@ def make_batches(
             `num_workers`, `prefetch_factor` without workers, `pin_memory` without CUDA, and
             a missing `strategy` under an initialised multi-rank process group (a default group
             may hold tensor-parallel ranks that must read the same rows, so it is not guessed),
-            `seed`/`epoch`/`start`/`strategy` given together with a `state`, a stream
+            `seed`/`epoch`/`start`/`strategy` given together with a `state`, a `batch_size`
+            other than `state.data.batch_size` (the size `find_batch_size` settled on), a
+            strategy whose `rank` is not in `[0, world_size)`, a stream
             resumed at `start > 0` without the state that holds its position, and a
             `state.data.position` that is malformed or does not fit the data and settings (other
             rows, seed, shuffle or lengths; a stream's other files, shards, shuffle buffer,
@@ -140,6 +142,7 @@ def make_batches(
     where = _where(state, seed=seed, epoch=epoch, start=start, strategy=strategy)
     seed, epoch, start, stream_pos, strategy = where
     _validate(batch_size=batch_size, accum=accum, start=start, data=data)
+    _check_found_size(state, batch_size)
     rank, world = _ranks(strategy)
     loading = Loading.check(num_workers, prefetch_factor, pin_memory)
     collate = pad_collate() if collate_fn is None else collate_fn
@@ -208,6 +211,19 @@ def _where(
     return state.seed, state.epoch, d.cursor, d.position, state.strategy
 
 
+def _check_found_size(state: TrainState | None, batch_size: int) -> None:
+    """Refuse a batch size other than the one `find_batch_size` settled on (kept in checkpoints),
+    which would otherwise be ignored without a word."""
+    found = None if state is None else state.data.batch_size
+    if found is not None and batch_size != found:
+        raise ValueError(
+            f"batch_size={batch_size}, but state.data.batch_size={found} (the size "
+            "ft.data.find_batch_size settled on, kept in checkpoints): pass "
+            "batch_size=state.data.batch_size, or drop the found size first, "
+            "state.replace(data=state.data.replace(batch_size=None))"
+        )
+
+
 def _integer(name: str, value: Any) -> int:
     # bool is an int to Python but never a seed or an epoch; numpy integers are fine.
     if isinstance(value, bool) or not hasattr(value, "__index__"):
@@ -222,7 +238,14 @@ def _integer(name: str, value: Any) -> int:
 
 def _ranks(strategy: Strategy | None) -> tuple[int, int]:
     if strategy is not None:
-        return strategy.rank, strategy.world_size
+        rank, world = strategy.rank, strategy.world_size
+        # rank -1 would take the last rank's part (numpy indexing): two ranks, the same rows
+        if not (_whole(world) and world >= 1 and _whole(rank) and 0 <= rank < world):
+            raise ValueError(
+                f"strategy has rank {rank!r} of world_size {world!r}: make_batches needs a "
+                "data-parallel rank in [0, world_size) to give each rank its own rows"
+            )
+        return int(rank), int(world)
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise ValueError(
@@ -232,6 +255,10 @@ def _ranks(strategy: Strategy | None) -> tuple[int, int]:
             "all rows on purpose"
         )
     return 0, 1
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def _lengths(data: Any, lengths: Sequence[int] | None) -> Sequence[int]:
@@ -445,10 +472,14 @@ def find_batch_size(
     accelerate do; 0.5 halves), down to 1. `probe(state, size)` should run the most expensive
     step at that size, e.g. `accumulate_grads` on a batch of `size` longest rows; it must not
     consume `state`. A state whose `data.batch_size` is already set (say, resumed from a checkpoint)
-    is returned as it is, without probing: the resumed run keeps the size it started with.
+    is returned as it is, without probing: the resumed run keeps the size it started with, and
+    `make_batches(data, state, batch_size=...)` refuses another one. On several ranks the
+    sizes tried are agreed on: one that runs out of memory on any rank is dropped on all (one
+    host sync per size tried), so that every rank reads its share of the same global batch.
 
     Raises:
-        ValueError: for `start < 1` or `factor` outside (0, 1).
+        ValueError: for `start < 1` or `factor` outside (0, 1), also when the state's size is
+            already set.
         RuntimeError: when not even a batch of 1 fits.
         Exception: any error of `probe` that is not an out-of-memory error.
 
@@ -461,25 +492,43 @@ def find_batch_size(
         >>> ft.data.find_batch_size(state, probe, start=64, factor=0.5).data.batch_size
         16
     """
+    # Checked first: a resumed state skips the probing, not the arguments' meaning.
+    if isinstance(start, bool) or not (isinstance(start, int) and start >= 1):
+        raise ValueError(f"start must be an int >= 1, got {start!r}")
+    if isinstance(factor, bool) or not (isinstance(factor, (int, float)) and 0 < factor < 1):
+        raise ValueError(f"factor must be in (0, 1), got {factor!r}")
     if state.data.batch_size is not None:
         return state
-    if not (isinstance(start, int) and start >= 1):
-        raise ValueError(f"start must be an int >= 1, got {start!r}")
-    if not 0 < factor < 1:
-        raise ValueError(f"factor must be in (0, 1), got {factor!r}")
     size = start
     while size >= 1:
-        try:
-            probe(state, size)
+        if _fits_everywhere(state, probe, size):
             return state.replace(data=state.data.replace(batch_size=size))
-        except Exception as e:
-            if not is_out_of_memory(e):
-                raise
-        finally:
-            for p in state.params.values():
-                p.grad = None  # what the probe's backward left behind
+        size = int(size * factor)
+    raise RuntimeError(f"no batch size from {start} down to 1 fits in memory")
+
+
+def _fits_everywhere(state: TrainState, probe: Callable[[TrainState, int], Any], size: int) -> bool:
+    """Whether `probe` runs at `size` on every process of the job.
+
+    Ranks agree: one that runs out of memory makes all of them back off, so that they settle
+    on one size. Ranks of different sizes would read overlapping rows (rank r of a global
+    micro-batch takes its part of `batch_size x world` rows counted with its own batch_size)
+    and run different numbers of micro-batches. One host sync per size tried, at setup.
+    """
+    out_of_memory = False
+    try:
+        probe(state, size)
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise
+        out_of_memory = True
+    finally:
+        for p in state.params.values():
+            p.grad = None  # what the probe's backward left behind
+    if out_of_memory:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        size = int(size * factor)
-    raise RuntimeError(f"no batch size from {start} down to 1 fits in memory")
+    strategy = state.strategy
+    flag = torch.tensor(float(out_of_memory), device=strategy.device)
+    return not bool(strategy.sum_over_processes(flag) > 0)  # host sync (setup, not the step)

@@ -240,12 +240,26 @@ def _short_files(d: Any) -> Any:
     out = {k: _short_files(v) for k, v in d.items()}
     if isinstance(d.get("files"), list):
         out["files"] = {"n": len(d["files"]), "digest": digest(d["files"])}
+    rows = d.get("shard_rows")
+    if isinstance(rows, list) and len(rows) > 16:
+        out["shard_rows"] = {"n": len(rows), "rows": sum(rows), "digest": digest(rows)}
     return out
+
+
+def without_shard_rows(description: Any) -> Any:
+    """`description` as ftrain described it before it counted in-memory shards' rows: what
+    the positions saved then digest, so that their resume still checks (and continues)."""
+    if isinstance(description, list):
+        return [without_shard_rows(x) for x in description]
+    if not isinstance(description, dict):
+        return description
+    return {k: without_shard_rows(v) for k, v in description.items() if k != "shard_rows"}
 
 
 _LABELS = MappingProxyType(
     {
         "shards": "number of shards",
+        "shard_rows": "rows per shard",
         "sources": "number of sources",
         "stage": "source",
         "type": "source type",
@@ -324,11 +338,31 @@ def data_files(data: Any) -> list[list[Any]] | None:
     its pipeline (`files`, or `base_files` for the text formats); not a public attribute, so
     anything unexpected gives None.
     """
+    kwargs = _root_kwargs(data)
+    return None if kwargs is None else _files(kwargs)
+
+
+def data_rows(data: Any) -> list[int] | None:
+    """The rows of each shard of a `datasets.IterableDataset` made from an in-memory
+    `Dataset` (`Dataset.to_iterable_dataset`), or None for any other: such data has no files
+    whose sizes would show that it grew or shrank, and a shard of another length puts a saved
+    `(shard, row)` on other rows."""
+    kwargs = _root_kwargs(data)
+    shards = None if kwargs is None else kwargs.get("shards")
+    if not (isinstance(shards, list) and shards):
+        return None
+    rows = [getattr(s, "num_rows", None) for s in shards]
+    if not all(type(r) is int for r in rows):
+        return None
+    return [int(r) for r in rows if r is not None]
+
+
+def _root_kwargs(data: Any) -> dict[str, Any] | None:
     ex = getattr(data, "_ex_iterable", None)
     for _ in range(_MAX_DEPTH):  # down the chain of map/filter/shuffle wrappers
         kwargs = getattr(ex, "kwargs", None)
         if isinstance(kwargs, dict):
-            return _files(kwargs)
+            return kwargs
         ex = getattr(ex, "ex_iterable", None)
         if ex is None:
             return None

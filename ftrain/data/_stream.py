@@ -84,6 +84,9 @@ class _Shards(Source):
         files = P.data_files(self.data)
         if files is not None:
             out["files"] = files
+        rows = P.data_rows(self.data)  # in memory: no file sizes show another length
+        if rows is not None:
+            out["shard_rows"] = rows
         if self._stages:  # a datasets pipeline's take/skip/seeded shuffle: they pick the rows
             out["pipeline"] = self._stages
         if shuffle:  # the windows a resume re-derives
@@ -385,7 +388,7 @@ class _Pack(Source):
             kept.append({"input_ids": ids, "labels": list(row.get("labels", ids))})
             length += n
             before = after
-        if kept:
+        if length:  # rows without tokens alone make no block (pack_examples drops them)
             yield pack_examples(kept, self.block_size)[0], {"src": before, "tok": 0}
 
 
@@ -659,7 +662,8 @@ def _fits(pos: dict[str, Any], start: int, spec: Spec, about: dict[str, Any]) ->
             f"shuffle={spec.shuffle}, but state.data.position was saved with "
             f"shuffle={pos['shuffle']}: keep it when resuming"
         )
-    if pos["fp"] != P.digest(about):
+    # A position saved before in-memory shards' rows were described digests without them.
+    if pos["fp"] != P.digest(about) and pos["fp"] != P.digest(P.without_shard_rows(about)):
         changed = "; ".join(P.changes(pos["about"], about)) or "the sources changed"
         raise ValueError(
             f"state.data.position was saved for other data, so resuming would not be exact: "
