@@ -117,13 +117,7 @@ def evaluate(
     own = None if loss_fn is not None or state.loss_fn is default_loss else state.loss_fn
     sums: dict[str, torch.Tensor] = {}
     scorer: Callable[..., Any] | None = None  # the function whose loss is eval_loss
-    # The default loss is a per-token LM loss (a perplexity) for causal LMs and seq2seq models.
-    tokens = (
-        loss_fn is None
-        and own is None
-        and metrics_fn is None
-        and loss_for(state.model) in (_CAUSAL, _SEQ2SEQ)
-    )
+    tokens = True  # every batch has a label per token
     with eval_mode(state.model), strategy.autocast():
         for batch in flatten_batches(batches):
             batch, weight = weighted(batch)  # a ZeroWeight stand-in runs and counts nothing
@@ -141,10 +135,17 @@ def evaluate(
     _same_names_on_every_rank(names, strategy, _METRICS_DIFFER)
     totals = strategy.all_reduce_sum(torch.stack([sums[n] for n in names])).tolist()  # host sync
     out = {f"eval_{n}": s / c if c else math.nan for n, (s, c) in zip(names, totals, strict=True)}
-    if tokens if perplexity is None else perplexity:
+    if _is_perplexity(state.model, scorer, tokens) if perplexity is None else perplexity:
         out["eval_ppl"] = _perplexity(out["eval_loss"])
     out["eval_items"] = totals[names.index("loss")][1]
     return {**out, "eval_loss_fn": loss_name(scorer)}
+
+
+def _is_perplexity(model: nn.Module, scorer: Any, tokens: bool) -> bool:
+    """Whether `eval_loss` is the log of a perplexity: the default loss (a per-token LM loss)
+    of a causal LM or seq2seq model, however it was chosen (no `loss_fn`, `loss_fn=default_loss`,
+    or a `metrics_fn` that returns no loss: such an extra metric dropped `eval_ppl` before)."""
+    return tokens and scorer is default_loss and loss_for(model) in (_CAUSAL, _SEQ2SEQ)
 
 
 def _perplexity(loss: float) -> float:
@@ -247,8 +248,9 @@ def _token_labels(batch: Any) -> bool:
 
 @contextlib.contextmanager
 def eval_mode(model: nn.Module) -> Iterator[None]:
-    """Run the block with `model` in eval mode and without gradients; the model's previous
-    mode comes back afterwards, even on error.
+    """Run the block with `model` in eval mode and without gradients; each submodule's previous
+    mode comes back afterwards, even on error (a submodule the caller keeps in eval mode inside
+    a training model, such as a frozen BatchNorm, stays in eval mode).
 
     Example:
         >>> import torch
@@ -260,13 +262,19 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
         >>> model.training
         True
     """
-    was_training = model.training
+    # Each module's own flag: model.train(True) afterwards would also switch a submodule the
+    # caller froze with .eval() (a BatchNorm whose running statistics must stay) back to
+    # training, and the next steps would silently update it.
+    modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
         with torch.no_grad():
             yield
     finally:
-        model.train(was_training)
+        model.train(modes[0][1])
+        for m, training in modes:  # in pre-order: a parent before its children
+            if m.training != training:
+                m.train(training)
 
 
 def classification_metrics(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:

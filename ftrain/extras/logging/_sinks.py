@@ -88,13 +88,17 @@ class JSONLSink:
     """Appends each record as one JSON line to `path` (flushed, so a crash loses at most one).
 
     A resumed run appends to the same file; readers such as `python -m ftrain plot` keep the
-    last record written for each step.
+    last record written for each step. A line that a killed run left cut short is ended first,
+    so the resumed run's first record starts a line of its own (readers skip the cut one).
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
+        if _cut_short(self.path):  # else the next record would be glued to it and lost too
+            self._file.write("\n")
+            self._file.flush()
 
     def step(self, state: TrainState) -> None:
         pass
@@ -105,6 +109,15 @@ class JSONLSink:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _cut_short(path: Path) -> bool:
+    """Whether the file's last line has no newline (a run killed while writing it)."""
+    with open(path, "rb") as f:
+        if f.seek(0, os.SEEK_END) == 0:
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
 
 
 class ProgressBar:
@@ -191,7 +204,15 @@ def _line(record: Mapping[str, Any], total: int, elapsed: float) -> str:
 
 
 class TensorBoardSink:
-    """Writes every numeric field of each record as a TensorBoard scalar at its `step`.
+    """Writes every numeric field of each record as a TensorBoard scalar at its `step` (a
+    nested dict's fields under `outer/inner`; strings and lists are not scalars: left out).
+
+    A resumed run (or a guard rollback) writes its steps again: the first `step(state)` of
+    the sink, and every `step(state)` that is not past the previous one, marks a restart at
+    `state.step` (a `SessionLog.START` event, what `SummaryWriter(purge_step=...)` writes), and
+    TensorBoard drops the events written before it at that step or later, so each step shows the
+    values of the run that was kept, once. `ft.logging.Logger` calls `step`; records sent only
+    through `log` are kept as written.
 
     Needs the `tensorboard` extra (`pip install 'ftrain[tensorboard]'`).
     """
@@ -204,9 +225,19 @@ class TensorBoardSink:
                 "TensorBoardSink needs tensorboard: pip install 'ftrain[tensorboard]'"
             ) from e
         self._writer = SummaryWriter(log_dir=str(logdir))
+        self._last: int | None = None  # the step of the last `step(state)`
 
     def step(self, state: TrainState) -> None:
-        pass
+        if self._last is None or state.step <= self._last:
+            # Events written at this step or later (by the run this one resumes, or by steps a
+            # rollback undid) are stale: without the mark TensorBoard shows both curves.
+            from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+            start = SessionLog(status=SessionLog.START)
+            writer = self._writer.file_writer  # None only once closed
+            if writer is not None:
+                writer.add_event(Event(step=state.step, session_log=start))
+        self._last = state.step
 
     def log(self, record: Mapping[str, Any]) -> None:
         step = int(record["step"])
@@ -243,21 +274,33 @@ def _scalar(key: str, value: Any) -> float | int | None:
     return value
 
 
-def _scalars(record: Mapping[str, Any]) -> dict[str, float]:
-    """Every numeric field of `record` but `step`, as floats (what the trackers log)."""
+def _scalars(record: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    """Every numeric field of `record` but `step`, as floats (what the trackers log). A nested
+    dict's fields are logged under `outer/inner` (`{"tasks": {"a": 0.5}}` as `tasks/a`): they
+    were dropped unseen before, while the JSONL log kept them."""
     out = {}
     for k, v in record.items():
-        x = _scalar(k, v) if k != "step" else None
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(_scalars(v, f"{key}/"))
+            continue
+        x = _scalar(key, v) if key != "step" else None
         if x is not None:
-            out[k] = float(x)
+            out[key] = float(x)
     return out
 
 
-def _plain(record: Mapping[str, Any]) -> dict[str, Any]:
-    # Strict JSON (readable by jq and friends) has no NaN or Infinity: they become null.
-    out = {}
-    for k, v in record.items():
-        x = _scalar(k, v)
-        v = v if x is None else x
-        out[k] = None if isinstance(v, float) and not math.isfinite(v) else v
-    return out
+def _plain(record: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    # Strict JSON (readable by jq and friends) has no NaN or Infinity: they become null, also
+    # inside a nested dict or list (json.dumps raised on those, losing the record mid-run).
+    return {k: _plain_value(f"{prefix}{k}", v) for k, v in record.items()}
+
+
+def _plain_value(key: str, v: Any) -> Any:
+    if isinstance(v, Mapping):
+        return _plain(v, f"{key}/")
+    if isinstance(v, (list, tuple)):
+        return [_plain_value(key, x) for x in v]
+    x = _scalar(key, v)
+    v = v if x is None else x
+    return None if isinstance(v, float) and not math.isfinite(v) else v

@@ -1,10 +1,10 @@
 """Experiment trackers as sinks: MLflow and Weights & Biases (HF's `report_to`).
 
 Both log the hyperparameters once, when the run is created, and every numeric field of each
-record at its `step`. The tracker's run id is kept in a small file in the run folder, so a
-restarted job (e.g. one resumed from `ft.latest_checkpoint`) continues the same tracker run
-instead of opening a new one. Both do nothing on ranks other than 0, so every rank can build
-them.
+record at its `step` (a nested dict's fields under `outer/inner`). The tracker's run id is kept
+in a small file in the run folder, so a restarted job (e.g. one resumed from
+`ft.latest_checkpoint`) continues the same tracker run instead of opening a new one. Both do
+nothing on ranks other than 0, so every rank can build them.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ class MLflowSink:
     The run id is stored in `<run_dir>/mlflow_run_id`; when that file exists (a restarted job),
     the sink reopens that run, so the metric history continues in one run. Steps logged after
     the last checkpoint and before the restart are logged again by the resumed job (with the same
-    values, since resume is exact): MLflow keeps both entries. Needs the `mlflow` extra
+    values, since resume is exact): MLflow keeps both entries, as it does for the steps a guard
+    rollback makes again (with other values). Needs the `mlflow` extra
     (`pip install 'ftrain[mlflow]'`).
 
     Args:
@@ -156,7 +157,9 @@ class WandbSink:
 
     The run id is stored in `<run_dir>/wandb_run_id`; a restarted job resumes that run
     (`resume="allow"`). W&B writes its files under `<run_dir>/wandb`; `WANDB_MODE=offline` keeps
-    them local until `wandb sync`. Needs the `wandb` extra (`pip install 'ftrain[wandb]'`).
+    them local until `wandb sync`. W&B ignores (with a warning of its own) a record whose step
+    is below one this process logged: after a guard rollback the run keeps the undone steps'
+    values until training passes them. Needs the `wandb` extra (`pip install 'ftrain[wandb]'`).
 
     Args:
         run_dir: the run's folder (e.g. the checkpoint root).
