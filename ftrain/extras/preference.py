@@ -258,8 +258,9 @@ def preference_loss(
         ValueError: when `reference` is given to a reference-free loss (it would be ignored);
             from the loss_fn, when a loss with a reference gets neither `reference` nor
             precomputed log-probs, when a reference-free loss gets precomputed ones, when
-            those are not of shape (batch,), or when `loss` does not return one value per
-            pair.
+            those are not of shape (batch,), when `loss` does not return one value per
+            pair, or when `reference` shares a trained parameter with the policy (e.g. the
+            base of a PEFT policy, whose adapters still run: it is not a fixed reference).
     """
     if not callable(loss):
         raise TypeError(f"loss must be a function such as ft.preference.dpo_loss, got {loss!r}")
@@ -282,6 +283,7 @@ def preference_loss(
         pr = sequence_logps(model, rejected, average=average)
         refs = _references(batch, pc, needs)
         if not refs and reference is not None and needs is not False:
+            _check_apart(model, reference)
             # The reference is fixed: dropout in it would make every log-prob noisy.
             with eval_mode(reference):
                 refs = (
@@ -303,6 +305,25 @@ def preference_loss(
         return per_pair.sum(), torch.tensor(per_pair.shape[0], device=per_pair.device)
 
     return loss_fn
+
+
+def _check_apart(model: nn.Module, reference: nn.Module) -> None:
+    """Refuse a reference that holds parameters the policy trains (host-side ids, no sync).
+
+    `reference=peft_model.get_base_model()` (or the policy itself) still runs the policy's
+    LoRA adapters: its log-probs are the policy's, every DPO margin is 0 and the "reference"
+    moves with each update, silently."""
+    trained = {id(p) for p in model.parameters() if p.requires_grad}
+    shared = [n for n, p in reference.named_parameters() if id(p) in trained]
+    if shared:
+        raise ValueError(
+            f"preference_loss(reference=...) shares {len(shared)} trained parameter(s) with the "
+            f"policy (e.g. {shared[0]!r}): it would compute the policy's own log-probs, not a "
+            "fixed reference's (a PEFT model's base still runs its adapters). Pass a frozen "
+            "copy (copy.deepcopy(model).requires_grad_(False)) or precompute reference_chosen "
+            "and reference_rejected with the adapters off (with model.disable_adapter(): "
+            "ft.preference.sequence_logps(...))"
+        )
 
 
 def _references(

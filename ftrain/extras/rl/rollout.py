@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -391,6 +392,27 @@ def token_logps(
     return torch.cat(parts)
 
 
+def _check_reference(reference: nn.Module) -> None:
+    """Refuse a reference that runs adapters being trained: `model.get_base_model()` of a
+    LoRA policy still runs the policy's adapters, so its "reference" log-probs would be the
+    sampling policy's (a KL to the last step, not to the base), silently."""
+    tuners = sys.modules.get("peft.tuners.tuners_utils")  # no PEFT layers unless peft is loaded
+    if tuners is None:
+        return
+    for name, module in reference.named_modules():
+        live = isinstance(module, tuners.BaseTunerLayer) and not module.disable_adapters
+        if live and any(
+            p.requires_grad for n, p in module.named_parameters() if "base_layer" not in n
+        ):
+            raise ValueError(
+                f"rollout_batches(reference=...) runs trainable LoRA adapters (at {name!r}): "
+                "the base model of a LoRA policy still runs the policy's adapters, so its "
+                "log-probs are the policy's. Call rollout_batches(..., reference=model) inside "
+                "`with model.disable_adapter():`, or pass a frozen copy "
+                "(copy.deepcopy(model).requires_grad_(False))"
+            )
+
+
 def rollout_batches(
     rollouts: Sequence[Rollout],
     advantages: Sequence[torch.Tensor],
@@ -421,10 +443,14 @@ def rollout_batches(
 
     Raises:
         ValueError: for counts that differ, `advantages` of another shape or not finite, a
-            `mask_truncated` that is not a bool, a `temperature` other than a rollout's.
+            `mask_truncated` that is not a bool, a `temperature` other than a rollout's, a
+            `reference` that runs trainable LoRA adapters (the base of a LoRA policy: its
+            log-probs would be the policy's).
     """
     if temperature is not None:
         _check_warp(temperature, None, 1.0)
+    if reference is not None:
+        _check_reference(reference)
     if not isinstance(mask_truncated, bool):
         raise ValueError(f"mask_truncated must be a bool, got {mask_truncated!r}")
     if len(rollouts) != len(advantages) or (prompts is not None and len(prompts) != len(rollouts)):
