@@ -287,8 +287,11 @@ class TrainState:
         `model` and `opt_state` may be replaced too (`params` follows `model`).
 
         Raises:
-            TypeError: for a name that is not a field.
+            TypeError: for a name that is not a field, or a value of the wrong type for one of
+                `TrainState`'s own fields (a sub-state that is not one, a bool step, ...).
+            ValueError: for a new `optimizer` without the `opt_state` it updates.
         """
+        _check_changes(self, changes)
         return _replaced(self, self._fields(changes, self.tensors_.lease))
 
     def _fields(self, changes: dict[str, Any], lease: _Lease) -> dict[str, Any]:
@@ -316,6 +319,48 @@ class TrainState:
         fields = self._fields(changes, _Lease())
         lease.consume(by, self.step)
         return _replaced(self, fields)
+
+
+# The types of TrainState's own fields that `replace` checks (the step functions' `consume`
+# does not: its values come from the library). Plain values are range-checked at save.
+_COUNTERS = ("step", "epoch", "seed")
+_SUBSTATES = MappingProxyType(
+    {"data": DataState, "early_stopping": EarlyStoppingState, "scaler": ScalerState}
+)
+
+
+def _check_changes(state: TrainState, changes: dict[str, Any]) -> None:
+    """Refuse a `replace` whose value cannot be what the field holds: it would otherwise be
+    stepped on and saved (a `data=None` drops the data position from every checkpoint; a
+    `True` step counts as 1)."""
+    for name, value in changes.items():
+        want = _SUBSTATES.get(name)
+        if name in _COUNTERS and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+        if want is not None and not isinstance(value, want):
+            raise TypeError(
+                f"{name} must be an ft.state.{want.__name__}, got {type(value).__name__}; "
+                f"change one of its values with state.replace({name}=state.{name}.replace(...))"
+            )
+    checks: list[tuple[str, Any, str]] = [
+        ("model", nn.Module, "a torch.nn.Module"),
+        ("optimizer", Optimizer, "an ft.optim.Optimizer"),
+        ("strategy", Strategy, "an ft.strategies.Strategy"),
+    ]
+    for name, kind, what in checks:
+        if name in changes and not isinstance(changes[name], kind):
+            raise TypeError(f"{name} must be {what}, got {type(changes[name]).__name__}")
+    fn = changes.get("loss_fn")
+    if fn is not None and not callable(fn):
+        raise TypeError(f"loss_fn must be a function (model, batch) -> ... or None, got {fn!r}")
+    new = changes.get("optimizer", state.optimizer)
+    if new is not state.optimizer and "opt_state" not in changes:
+        raise ValueError(
+            "replace(optimizer=...) without opt_state=: the state's optimizer state was built "
+            "by the old optimizer, which the new one would update (or ignore); pass "
+            "opt_state=optimizer.init(state.params) too, or build the state with "
+            "TrainState.create"
+        )
 
 
 def _trainable(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -24,7 +24,7 @@ from torch import nn
 
 from ftrain.checkpoint._io import CheckpointError
 from ftrain.checkpoint._tree import Node, flatten_tree
-from ftrain.optim import live_tensors
+from ftrain.optim import describe, live_tensors
 from ftrain.state import plain_values
 from ftrain.version import __version__
 
@@ -38,6 +38,8 @@ COMMIT_FILE = "COMMITTED"
 STEP_DIR = re.compile(r"step-(\d+)")
 TMP_PREFIX = ".tmp-"
 RANKING = "ranking"  # state.json: how a save with best_metric ranked checkpoints (rotation)
+# state.json: the optimizer as `ft.optim.describe` gives it (recorded since 2026-11-26)
+SETTINGS = "optimizer_settings"
 
 MODEL_DIR = "model"  # sharded layout: one shard file per rank in each of these
 OPTIM_DIR = "optimizer"
@@ -148,6 +150,9 @@ def collect(state: Any, metrics: Mapping[str, Any] | None, *, sharded: bool) -> 
         "fingerprint": fingerprint(table),
         "optimizer": {p: _entry(v) for p, v in opt_flat.items()},
     }
+    settings = describe(state.optimizer, list(params))
+    if settings is not None:  # compared by load_checkpoint (None: one ftrain cannot describe)
+        meta[SETTINGS] = settings
     if sharded:  # the shards' headers hold pieces: record each whole tensor
         meta.update(sharded=True, tensors={n: _entry(t) for n, t in model.items()})
     adapter = _peft_config(module)

@@ -22,6 +22,7 @@ from ftrain.checkpoint._verify import Opened, field_hints, fits, open_checkpoint
 from ftrain.checkpoint._verify import _dtype as dtype_named
 from ftrain.checkpoint._verify import _is_saved_tensor as is_saved_tensor
 from ftrain.optim import TorchOptimizerState, ema_swapped
+from ftrain.optim import describe as optimizer_settings
 from ftrain.state import TrainState
 from ftrain.strategies import SingleDevice, Strategy
 
@@ -52,9 +53,11 @@ class CheckpointMismatchError(CheckpointError):
 
 
 def _count(differences: list[str]) -> str:
-    kinds = {"missing": 0, "unexpected": 0, "mis-shaped": 0}
+    kinds = {"missing": 0, "unexpected": 0, "mis-shaped": 0, "optimizer setting(s) changed": 0}
     for d in differences:
         kind = "missing" if "missing" in d else "unexpected" if "unexpected" in d else None
+        if d.startswith(_SETTING):
+            kind = "optimizer setting(s) changed"
         kinds[kind or "mis-shaped"] += 1
     parts = [f"{n} {kind}" for kind, n in kinds.items() if n]
     return "checkpoint does not fit the state: " + ", ".join(parts) + " (details below)"
@@ -131,16 +134,22 @@ def load_checkpoint(
     opened = _open_on_every_rank(path, state.strategy, verify=verify)
     meta, tensors = opened.meta, opened.tensors
     module = state.strategy.unwrap(state.model)
-    live = L.model_tensors(module, dict(state.params))
+    live_params = state.params
+    live = L.model_tensors(module, dict(live_params))
     opt_flat = flatten_tree(state.opt_state)
     if meta.get("sharded") is not True:
         _adam_counts_of_older_checkpoints(meta["optimizer"], tensors["optimizer"])
     diffs, model_pairs = _match_model(meta, tensors["model"], live, module)
     opt_diffs, opt_values = _match_optimizer(meta, tensors["optimizer"], state.opt_state, live)
     fields, field_diffs = _fields(meta, state)  # may reject the file: before anything is written
-    diffs += opt_diffs + field_diffs
+    settings = []  # same state layout (another layout is reported above): same settings?
+    if not opt_diffs:
+        ours = optimizer_settings(state.optimizer, list(live_params))
+        settings = _settings_diffs(meta.get(L.SETTINGS), ours)
+    diffs += opt_diffs + field_diffs + settings
     if diffs and strict:
-        raise CheckpointMismatchError(path, diffs, cause=_config_cause(opened, module))
+        cause = _config_cause(opened, module) or _settings_cause(settings)
+        raise CheckpointMismatchError(path, diffs, cause=cause)
     lazy = sorted(p for p in opt_values if p not in opt_flat)  # a torch optimizer's own state
     if lazy and state.strategy.checkpoint_sharded:
         raise CheckpointError(
@@ -190,6 +199,72 @@ def _adam_counts_of_older_checkpoints(
             name = f"{at}counts/{key[len(at) + 3 :]}"
             entries[name] = {"shape": [], "tensor": entries[f"{at}steps"]["tensor"]}
             saved[name] = steps.clone()
+
+
+_SETTING = "optimizer setting "  # how each line of `_settings_diffs` opens
+
+
+def _settings_diffs(saved: Any, ours: Any, at: str = "") -> list[str]:
+    """How the optimizer the checkpoint recorded (`ft.optim.describe`) differs from the
+    state's: one line per setting. Nothing to compare where either side is None (a checkpoint
+    written before settings were recorded, an optimizer ftrain cannot describe).
+
+    `saved` comes from the file: any JSON, compared without trusting its shape.
+    """
+    try:
+        return _walk_settings(saved, ours, at)
+    except RecursionError:  # a forged, deeply nested record
+        return [f"{_SETTING}record in the checkpoint is malformed (nested too deep)"]
+
+
+def _walk_settings(saved: Any, ours: Any, at: str) -> list[str]:
+    if saved is None or ours is None:
+        return []
+    name = at or "kind"
+    if isinstance(saved, dict) and isinstance(ours, dict):
+        if saved.get("kind") != ours.get("kind"):  # another optimizer: its settings differ too
+            kind = f"{at}.kind" if at else "kind"
+            return [_setting_line(kind, saved.get("kind"), ours.get("kind"))]
+        out = []
+        # A setting recorded on one side only is not compared: a later ftrain may describe
+        # more of an optimizer, and the checkpoints written before must still load.
+        for key in sorted(saved.keys() & ours.keys(), key=str):
+            sub = f"{at}.{key}" if at else str(key)
+            out += _walk_settings(saved[key], ours[key], sub)
+        return out
+    nested = any(isinstance(v, (dict, list)) for v in (*_items(saved), *_items(ours)))
+    if isinstance(saved, list) and isinstance(ours, list) and len(saved) == len(ours) and nested:
+        return [
+            d
+            for i, (a, b) in enumerate(zip(saved, ours, strict=True))
+            for d in _walk_settings(a, b, f"{at}.{i}")
+        ]
+    same = saved == ours and (type(saved) is bool) == (type(ours) is bool)
+    return [] if same else [_setting_line(name, saved, ours)]
+
+
+def _items(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _setting_line(name: str, saved: Any, ours: Any) -> str:
+    def short(v: Any) -> str:
+        text = repr(v)
+        return text if len(text) <= 80 else text[:77] + "..."
+
+    return f"{_SETTING}{name}: checkpoint has {short(saved)}, state has {short(ours)}"
+
+
+def _settings_cause(diffs: list[str]) -> str | None:
+    """The summary line of a load refused for the optimizer's settings."""
+    if not diffs:
+        return None
+    first = "; ".join(d.removeprefix(_SETTING) for d in diffs[:2])
+    more = f" (+{len(diffs) - 2} more)" if len(diffs) > 2 else ""
+    return (
+        f"the optimizer differs from the checkpoint's: {first}{more}; build the state with "
+        "the checkpoint's optimizer, or pass strict=False to load its state into this one"
+    )
 
 
 def _check_args(path: Any, state: Any, **flags: Any) -> None:

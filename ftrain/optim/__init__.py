@@ -11,6 +11,7 @@ from ftrain.optim._base import Transform as Transform
 from ftrain.optim._base import adam as adam
 from ftrain.optim._base import adamw as adamw
 from ftrain.optim._base import chain as chain
+from ftrain.optim._base import describe as describe
 from ftrain.optim._base import sgd as sgd
 from ftrain.optim._ema import EmaState as EmaState
 from ftrain.optim._ema import ema as ema
@@ -49,6 +50,7 @@ __all__ = [
     "clip",
     "clip_by_global_norm",
     "decay_mask",
+    "describe",
     "ema",
     "ema_decay",
     "ema_swapped",

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ftrain.optim._base import Grads, Optimizer, Params
+from ftrain.optim._base import Grads, Optimizer, Params, Settings, _describes
 
 __all__ = ["TorchOptimizerState", "from_torch", "from_torchopt"]
 
@@ -107,7 +108,39 @@ def from_torch(optimizer_cls: Callable[..., torch.optim.Optimizer], **kwargs: An
         state.optimizer.step()
         return state
 
+    _describes(update, lambda names: _torch_settings(optimizer_cls, kwargs))
     return Optimizer(init, update)
+
+
+# How a torch optimizer runs, not what it computes: free to change across a resume.
+_HOW = frozenset({"foreach", "fused", "capturable", "differentiable"})
+
+
+def _torch_settings(optimizer_cls: Callable[..., Any], kwargs: dict[str, Any]) -> Settings:
+    """`from_torch`'s class and hyperparameters as JSON, its defaults filled in (so that
+    `weight_decay=0` given and left out describe alike); a value JSON cannot hold by its type."""
+    given = dict(kwargs)
+    try:
+        bound = inspect.signature(optimizer_cls).bind_partial(**given)
+        bound.apply_defaults()
+        given = {**bound.arguments, **bound.kwargs}
+        for p in inspect.signature(optimizer_cls).parameters.values():
+            if p.kind is p.VAR_KEYWORD:
+                given.pop(p.name, None)
+    except (TypeError, ValueError):  # no signature to read (a C callable): as given
+        pass
+    name = getattr(optimizer_cls, "__qualname__", type(optimizer_cls).__qualname__)
+    module = getattr(optimizer_cls, "__module__", None) or ""
+    settings = {k: _json(v) for k, v in given.items() if k not in _HOW | {"params", "lr"}}
+    return {"kind": "torch", "class": f"{module}.{name}".lstrip("."), "kwargs": settings}
+
+
+def _json(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_json(v) for v in value]
+    return f"<{type(value).__name__}>"  # e.g. a tensor or a function: its type only
 
 
 def from_torchopt(tx: Any) -> Optimizer:

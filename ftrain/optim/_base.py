@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from itertools import repeat
 from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple, Protocol
@@ -28,6 +28,7 @@ __all__ = [
     "adam",
     "adamw",
     "chain",
+    "describe",
     "sgd",
 ]
 
@@ -95,6 +96,40 @@ class ChainState(NamedTuple):
 
     transforms: tuple[Any, ...]
     inner: Any
+
+
+Settings = dict[str, Any]  # an optimizer's hyperparameters as JSON (`describe`)
+_DESCRIBE = "_ftrain_settings"  # the attribute of an `update` function that describes it
+
+
+def describe(optimizer: Optimizer | Transform, names: Sequence[str]) -> Settings | None:
+    """The hyperparameters of `optimizer`, applied to the parameters `names`, as JSON; None
+    for an optimizer ftrain cannot describe (one you built yourself, `from_torchopt`).
+
+    Checkpoints record it, and `load_checkpoint` refuses a state whose optimizer differs
+    (adamw(weight_decay=0.1) saved, adam() loaded), naming the setting. `"kind"` names the
+    optimizer; a mask is recorded as the names it leaves without weight decay (`no_decay`),
+    so a predicate and the list it selects describe alike. The learning rate is not a setting:
+    it is each step's argument, and a resume may change its schedule.
+
+    Example:
+        >>> import ftrain as ft
+        >>> d = ft.optim.describe(ft.optim.adamw(weight_decay=0.1, mask=["w"]), ["w", "b"])
+        >>> d["kind"], d["weight_decay"], d["no_decay"]
+        ('adamw', 0.1, ['b'])
+    """
+    how = getattr(optimizer.update, _DESCRIBE, None)
+    return None if how is None else how(list(names))
+
+
+def _describes(update: Callable[..., Any], how: Callable[[list[str]], Settings | None]) -> None:
+    """Attach `how` (names -> settings) to an `update` function, for `describe`."""
+    setattr(update, _DESCRIBE, how)
+
+
+def _no_decay(decays: Callable[[str], bool], names: list[str], weight_decay: float) -> Settings:
+    """The names a mask leaves undecayed, as `describe` records them (none without decay)."""
+    return {"no_decay": sorted(n for n in names if not decays(n))} if weight_decay else {}
 
 
 def _counters(params: Params) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -218,7 +253,8 @@ def _adam(
     _flag("maximize", maximize)
     b1, b2 = betas
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    groups = _Groups(_masker(mask))
+    decays = _masker(mask)
+    groups = _Groups(decays)
 
     def init(params: Params) -> AdamState:
         steps, counts = _counters(params)
@@ -284,6 +320,11 @@ def _adam(
         maximize=maximize,
     )  # fmt: skip
     _traceable.register(update, twin)
+    _describes(update, lambda names: {
+        "kind": "adamw" if decoupled else "adam", "betas": [b1, b2], "eps": eps,
+        "weight_decay": weight_decay, "maximize": maximize,
+        **_no_decay(decays, names, weight_decay),
+    })  # fmt: skip
     return Optimizer(init, update)
 
 
@@ -377,7 +418,8 @@ def sgd(
             f"nesterov=True needs momentum > 0 and dampening == 0, got momentum={momentum}, "
             f"dampening={dampening}"
         )
-    groups = _Groups(_masker(mask))
+    decays = _masker(mask)
+    groups = _Groups(decays)
 
     def init(params: Params) -> SGDState:
         if momentum == 0:
@@ -415,6 +457,11 @@ def sgd(
         groups=groups, maximize=maximize,
     )  # fmt: skip
     _traceable.register(update, twin)
+    _describes(update, lambda names: {
+        "kind": "sgd", "momentum": momentum, "dampening": dampening, "nesterov": nesterov,
+        "weight_decay": weight_decay, "maximize": maximize,
+        **_no_decay(decays, names, weight_decay),
+    })  # fmt: skip
     return Optimizer(init, update)
 
 
@@ -459,4 +506,8 @@ def chain(*parts: Transform | Optimizer) -> Optimizer:
         new_inner = inner.update(grads, state.inner, params, lr=lr, step=step, found_inf=found_inf)
         return ChainState(tuple(states), new_inner)
 
+    _describes(update, lambda names: {
+        "kind": "chain",
+        "parts": [*(describe(t, names) for t in transforms), describe(inner, names)],
+    })  # fmt: skip
     return Optimizer(init, update)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from ftrain.optim._base import Grads, Optimizer, Params, _local, _number
+from ftrain.optim._base import Grads, Optimizer, Params, _describes, _local, _number, describe
 from ftrain.process_state import STATE
 
 if TYPE_CHECKING:
@@ -139,6 +139,10 @@ def ema(
                 torch._foreach_lerp_(averages, live, weight)  # type: ignore[call-overload]
         return EmaState(inner, state.ema)
 
+    _describes(update, lambda names: {
+        "kind": "ema", "decay": decay, "warmup": warmup, "gamma": gamma, "power": power,
+        "inner": describe(optimizer, names),
+    })  # fmt: skip
     return Optimizer(init, update)
 
 

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from ftrain.optim._base import Grads, Optimizer, Params, _check, _flag, _number
+from ftrain.optim._base import Grads, Optimizer, Params, _check, _describes, _flag, _number
 from ftrain.strategies import gather_whole, local_part, local_view
 
 __all__ = ["MuonState", "muon"]
@@ -122,6 +122,12 @@ def muon(
             for name, g in grads.items():
                 _step_one(params[name], g, state.momentum[name], lr, keep)
         return state
+
+    _describes(update, lambda names: {
+        "kind": "muon", "momentum": momentum, "nesterov": nesterov, "weight_decay": weight_decay,
+        "ns_coefficients": list(ns_coefficients), "ns_steps": ns_steps, "eps": eps,
+        "adjust_lr": adjust_lr,
+    })  # fmt: skip
 
     def _step_one(
         p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor, lr: float, keep: torch.Tensor | None

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ftrain.optim._base import Grads, Optimizer, Params, _number
+from ftrain.optim._base import Grads, Optimizer, Params, Settings, _describes, _number, describe
 
 __all__ = ["PartitionState", "layerwise_lr_decay", "partition"]
 
@@ -158,6 +158,17 @@ def partition(
             )
         return PartitionState(new)
 
+    def settings(names: list[str]) -> Settings:
+        groups = split(tuple(names))  # (which parameter is in which group: the state's keys)
+        return {
+            "kind": "partition",
+            "groups": {
+                label: describe(optimizers[label], groups.get(label, [])) for label in optimizers
+            },
+            "lr_factors": {label: factors.get(label, 1.0) for label in optimizers},
+        }
+
+    _describes(update, settings)
     return Optimizer(init, update)
 
 

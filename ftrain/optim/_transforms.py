@@ -4,18 +4,37 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from ftrain.optim._base import Grads, Mask, Params, Transform, _masker, _number
+from ftrain.optim._base import (
+    Grads,
+    Mask,
+    Params,
+    Settings,
+    Transform,
+    _describes,
+    _masker,
+    _no_decay,
+    _number,
+)
 from ftrain.strategies import local_grad_norm
 
 __all__ = ["add_decayed_weights", "clip", "clip_by_global_norm", "decay_mask", "scale"]
 
 
-def _stateless(fn: Callable[[Grads, Params], Grads]) -> Transform:
-    return Transform(lambda params: (), lambda grads, state, params: (fn(grads, params), state))
+def _stateless(
+    fn: Callable[[Grads, Params], Grads], settings: Callable[[list[str]], Settings]
+) -> Transform:
+    """A transform without state; `settings` describes it (`ft.optim.describe`)."""
+
+    def update(grads: Grads, state: Any, params: Params) -> tuple[Grads, Any]:
+        return fn(grads, params), state
+
+    _describes(update, settings)
+    return Transform(lambda params: (), update)
 
 
 def scale(factor: float) -> Transform:
@@ -27,7 +46,7 @@ def scale(factor: float) -> Transform:
         torch._foreach_mul_(list(grads.values()), float(factor))
         return grads
 
-    return _stateless(apply)
+    return _stateless(apply, lambda names: {"kind": "scale", "factor": factor})
 
 
 def clip(max_abs: float) -> Transform:
@@ -39,7 +58,7 @@ def clip(max_abs: float) -> Transform:
             g.clamp_(-max_abs, max_abs)
         return grads
 
-    return _stateless(apply)
+    return _stateless(apply, lambda names: {"kind": "clip", "max_abs": max_abs})
 
 
 def clip_by_global_norm(max_norm: float) -> Transform:
@@ -56,7 +75,7 @@ def clip_by_global_norm(max_norm: float) -> Transform:
         torch._foreach_mul_(gs, coef)
         return grads
 
-    return _stateless(apply)
+    return _stateless(apply, lambda names: {"kind": "clip_by_global_norm", "max_norm": max_norm})
 
 
 def add_decayed_weights(weight_decay: float, *, mask: Mask = None) -> Transform:
@@ -72,7 +91,10 @@ def add_decayed_weights(weight_decay: float, *, mask: Mask = None) -> Transform:
         )
         return grads
 
-    return _stateless(apply)
+    return _stateless(apply, lambda names: {
+        "kind": "add_decayed_weights", "weight_decay": weight_decay,
+        **_no_decay(decays, names, weight_decay),
+    })  # fmt: skip
 
 
 # HF Trainer's rule (Trainer.get_decay_parameter_names): no decay inside LayerNorm modules, nor
