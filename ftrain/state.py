@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ftrain.optim import Optimizer, ema_swapped
+from ftrain.rng import _splitmix64
 from ftrain.strategies import SingleDevice, Strategy
 
 __all__ = [
@@ -212,8 +213,9 @@ class TrainState:
         Raises:
             TypeError: if `model` is not an `nn.Module`, `optimizer` not an `Optimizer` or
                 `loss_fn` not callable.
-            ValueError: if the model has no trainable parameter, or `seed` is outside
-                [0, 2**63).
+            ValueError: if the model has no trainable parameter, `seed` is outside
+                [0, 2**63), or other processes of the job got another `seed` (one small
+                collective at setup).
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -231,6 +233,7 @@ class TrainState:
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be a function (model, batch) -> ..., got {loss_fn!r}")
         strategy = SingleDevice() if strategy is None else strategy
+        _same_seed_on_every_process(seed, strategy)
         model = strategy.setup(model)
         params = _trainable(strategy.unwrap(model))
         if not params:
@@ -360,6 +363,27 @@ def _check_changes(state: TrainState, changes: dict[str, Any]) -> None:
             "by the old optimizer, which the new one would update (or ignore); pass "
             "opt_state=optimizer.init(state.params) too, or build the state with "
             "TrainState.create"
+        )
+
+
+def _same_seed_on_every_process(seed: int, strategy: Strategy) -> None:
+    """Refuse seeds that differ between the job's processes (`seed=base + rank`, a habit from
+    per-rank augmentation): `make_batches` shuffles by `state.seed`, so each rank would draw
+    its own permutation and ranks would read overlapping rows and skip others, silently.
+
+    Sums (1, h, h**2) of a 20-bit hash h of the seed over every process: all equal exactly when
+    n * sum(h**2) == sum(h)**2 (float64 is exact here up to 8192 processes). One small
+    collective and host read, at setup; none with one process.
+    """
+    h = float(_splitmix64(seed) >> 44)
+    moments = torch.tensor([1.0, h, h * h], dtype=torch.float64, device=strategy.device)
+    n, s1, s2 = (int(x) for x in strategy.sum_over_processes(moments).tolist())  # host sync
+    if n > 1 and n * s2 != s1 * s1:
+        raise ValueError(
+            f"TrainState.create got seed={seed} here and another seed on other processes of "
+            "the job: make_batches shuffles by state.seed, so ranks would read overlapping "
+            "rows; pass the same seed on every process (dropout already differs per rank: "
+            "ft.rng.dropout_seed folds in the rank)"
         )
 
 

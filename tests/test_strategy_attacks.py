@@ -158,3 +158,14 @@ def test_ddp_static_graph_with_skipped_syncs_names_the_fix(two_ranks):
     for got in two_ranks:
         message = got["static_graph"].get("error", "")
         assert "DDP(static_graph=True) cannot skip the gradient sync" in message
+
+
+@pytest.mark.slow
+def test_seeds_that_differ_between_ranks_are_refused(two_ranks):
+    """`seed=base + rank`: make_batches shuffles by state.seed, so each rank drew its own
+    permutation (overlapping rows, others never read), silently."""
+    for got in two_ranks:
+        assert "another seed on other processes of the job" in got["per_rank_seed"].get(
+            "error", ""
+        ), got
+        assert got["same_seed"] == {"value": 7}, got

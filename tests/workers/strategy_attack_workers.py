@@ -91,6 +91,17 @@ def _non_member(group) -> list:
     return [strategy.rank, strategy.world_size, strategy.grad_reduce_factor]
 
 
+def _seeds(rank: int) -> int:
+    """seed=base + rank (per-rank augmentation habit): each rank would shuffle its own way."""
+    with ft.strategies.DDP() as strategy:
+        return ft.TrainState.create(_mlp(), ft.optim.sgd(), seed=7 + rank, strategy=strategy).seed
+
+
+def _same_seeds(rank: int) -> int:
+    with ft.strategies.DDP() as strategy:
+        return ft.TrainState.create(_mlp(), ft.optim.sgd(), seed=7, strategy=strategy).seed
+
+
 def _static_graph(rank: int) -> str:
     with ft.strategies.DDP(static_graph=True) as strategy:
         state = ft.TrainState.create(_mlp(), ft.optim.sgd(), strategy=strategy)
@@ -119,6 +130,8 @@ def ranks(rank: int, world: int, port: int, out: str) -> None:
     group = dist.new_group([0])  # every rank takes part in making it; rank 1 is not a member
     _attempt(results, "non_member", lambda: _non_member(group) if rank == 1 else "member")
     dist.barrier()
+    _attempt(results, "per_rank_seed", lambda: _seeds(rank))
+    _attempt(results, "same_seed", lambda: _same_seeds(rank))
     _attempt(results, "static_graph", lambda: _static_graph(rank))  # last: a failed backward
     Path(f"{out}.{rank}").write_text(json.dumps(results))
     gc.collect()  # a DDP wrapper freed after the group is destroyed deadlocks at exit
