@@ -1,9 +1,11 @@
 """The tensor work of `clip_and_step` (norm, skip, clip, update) as one `torch.compile`d call.
 
 Used by `clip_and_step(..., compile=True)`. One compiled function per optimizer (its traceable
-twin, `ft.optim.twin_of`); the learning rate enters as a 0-dim tensor that is refilled each
-step, so a schedule does not recompile. What may recompile: the first step of SGD (its momentum
-buffer starts from the gradient), a new `max_norm`, or another set of parameters.
+twin, `ft.optim.twin_of`); the learning rate and `max_norm` enter as 0-dim tensors that are
+refilled when they change, so a schedule of either does not recompile. What may recompile: the
+first step of SGD (its momentum buffer starts from the gradient), `max_norm` None or not,
+`skip_nonfinite`, `stats` given or not, or another set of parameters with gradients. Past
+dynamo's `recompile_limit` such variants of one optimizer, the step raises (`compiled_update`).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def _step_math(
     params: Tensors,
     split: list[tuple[bool, list[str]]],  # the optimizer's (decay, names) grouping
     lr: torch.Tensor,
-    max_norm: float | None,
+    max_norm: torch.Tensor | None,
     check_finite: bool,
     num_items: torch.Tensor | None,
     first: bool,
@@ -48,7 +50,7 @@ def _step_math(
     overflow = ~torch.isfinite(norm) if check_finite else None
     skip = skip_flag(overflow, num_items)
     if max_norm is not None and g:
-        torch._foreach_mul_(g, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        torch._foreach_mul_(g, torch.clamp(max_norm.to(norm.dtype) / (norm + 1e-6), max=1.0))
     update(grads, opt_state, params, split, lr=lr, first=first, skip=skip)
     return norm, overflow, skip
 
@@ -65,11 +67,27 @@ class _Compiled:
         # the asserts cost ~35 us per call on a 16-parameter model (a fifth of the call).
         self.fn = torch.compile(own, fullgraph=True, dynamic=False, options={"size_asserts": False})
         self.lr: torch.Tensor | None = None
+        # max_norm as a tensor too: a Python float is a constant of the graph, and a schedule
+        # of it recompiled at each new value until dynamo's limit failed the step. Refilled
+        # only when it changes (the common constant max_norm costs no op).
+        self.max_norm: torch.Tensor | None = None
+        self.max_norm_value: float | None = None
 
     def lr_tensor(self, lr: float, device: torch.device) -> torch.Tensor:
         if self.lr is None or self.lr.device != device:
             self.lr = torch.zeros((), dtype=torch.float64, device=device)
         return self.lr.fill_(lr)  # a kernel with a scalar argument: no copy, no sync
+
+    def max_norm_tensor(self, max_norm: float | None, device: torch.device) -> torch.Tensor | None:
+        if max_norm is None:
+            return None
+        if self.max_norm is None or self.max_norm.device != device:
+            self.max_norm = torch.zeros((), dtype=torch.float64, device=device)
+            self.max_norm_value = None
+        if self.max_norm_value != max_norm:
+            self.max_norm.fill_(max_norm)
+            self.max_norm_value = max_norm
+        return self.max_norm
 
 
 def compiled_update(
@@ -104,17 +122,29 @@ def compiled_update(
     if entry is None:
         entry = STATE.compiled_steps[update] = _Compiled()
     params = state.params
-    lr_t = entry.lr_tensor(lr, next(iter(params.values())).device)
-    return entry.fn(
-        strategy.grad_norm,
-        twin.update,
-        dict(grads),
-        state.opt_state,
-        dict(params),
-        twin.groups(grads, params),
-        lr_t,
-        max_norm,
-        check_finite,
-        num_items,
-        state.step == 0,
-    )
+    device = next(iter(params.values())).device
+    lr_t = entry.lr_tensor(lr, device)
+    try:
+        return entry.fn(
+            strategy.grad_norm,
+            twin.update,
+            dict(grads),
+            state.opt_state,
+            dict(params),
+            twin.groups(grads, params),
+            lr_t,
+            entry.max_norm_tensor(max_norm, device),
+            check_finite,
+            num_items,
+            state.step == 0,
+        )
+    # (Looked up only when something is raised: torch._dynamo is imported by torch.compile, not
+    # by `import ftrain`.) Raised while compiling: nothing was changed yet.
+    except torch._dynamo.exc.FailOnRecompileLimitHit as e:
+        raise ValueError(
+            "clip_and_step(compile=True) compiled more variants of this optimizer's step than "
+            f"torch._dynamo.config.recompile_limit ({torch._dynamo.config.recompile_limit}) "
+            "allows: each set of parameters with gradients, max_norm None or not, "
+            "skip_nonfinite and stats given or not compiles its own (TORCH_LOGS=recompiles "
+            "says which changed); drop compile=True, or raise the limit"
+        ) from e

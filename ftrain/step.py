@@ -57,16 +57,24 @@ def _check_types(state: Any, grads: Any, stats: Any) -> None:
         )
 
 
-def _check_grads(grads: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> None:
+def _check_grads(
+    grads: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]
+) -> Mapping[str, torch.Tensor]:
     """Names, shapes, dtypes and devices of `grads` against the parameters: metadata only.
+    Returns the gradients to apply: `grads` itself, or a dict where one of yours was laid out
+    otherwise than its parameter (copied into the parameter's layout).
 
     The fused kernels trust their inputs; a gradient of another shape gave NaNs or a segfault
-    (issue 20). A `.grad` tensor itself already matches (autograd enforces it on assignment).
+    (issue 20), and one of other strides (a transpose, an `expand`) was read as if laid out
+    like the parameter: wrong elements, or memory past an expanded tensor's end (NaNs in the
+    weights, unreported). A `.grad` tensor itself already matches (autograd enforces it on
+    assignment and lays it out like its parameter).
     """
     if grads and grads.keys() <= params.keys():  # the usual case, checked in C (issue 30)
         got = itemgetter(*grads)(params)
         if all(map(operator.is_, grads.values(), map(_GRAD, got if len(grads) > 1 else [got]))):
-            return
+            return grads
+    relaid: dict[str, torch.Tensor] = {}
     for name, g in grads.items():
         p = params.get(name)
         if p is None:
@@ -83,6 +91,9 @@ def _check_grads(grads: Mapping[str, torch.Tensor], params: Mapping[str, torch.T
                 f"grads[{name!r}] does not match its parameter: gradient {tuple(g.shape)} "
                 f"{g.dtype} on {g.device}, parameter {tuple(p.shape)} {p.dtype} on {p.device}"
             )
+        if g.stride() != p.stride():
+            relaid[name] = torch.empty_like(p).copy_(g)
+    return {**grads, **relaid} if relaid else grads
 
 
 _GRAD = attrgetter("grad")
@@ -129,9 +140,11 @@ def clip_and_step(
     Args:
         state: consumed unless `donate=False`.
         grads: from `accumulate_grads` (any mapping name -> tensor works); modified in place
-            by clipping. Donated with the state: the parameters' `.grad` are released and a
-            `Grads` mapping is emptied (reading it raises `ConsumedStateError`); a plain dict
-            of yours is left as it is.
+            by clipping (a tensor of yours laid out otherwise than its parameter, e.g. a
+            transpose or an `expand`, is copied into the parameter's layout first). Donated
+            with the state: the parameters' `.grad` are released and a `Grads` mapping is
+            emptied (reading it raises `ConsumedStateError`); a plain dict of yours is left as
+            it is.
         lr: learning rate of this update, e.g. `schedule(state.step)`.
         max_norm: clip threshold; None measures the norm without clipping.
         stats: the `Stats` of this step, to advance the data counters and record the loss
@@ -150,9 +163,10 @@ def clip_and_step(
 
     Raises:
         TypeError, ValueError: for a bad `lr`, `max_norm` or `compile` (an optimizer or
-            strategy it does not support), a state whose loss scale does
-            not match its strategy's precision, or a gradient whose name, shape, dtype or
-            device does not match its parameter (checked on the host, no sync).
+            strategy it does not support, more compiled variants than dynamo's recompile
+            limit), a state whose loss scale does not match its strategy's precision, a
+            `stats.num_items` that is neither a tensor nor a number, or a gradient whose name,
+            shape, dtype or device does not match its parameter (checked on the host, no sync).
         ConsumedStateError: if `state` or `grads` was already consumed.
         ValueError: inside `ft.optim.swap_ema(state)` (the model holds the average there).
     """
@@ -174,19 +188,19 @@ def clip_and_step(
             "the strategy's loss scaling and state.scaler disagree: create the state with "
             "the strategy that trains it (TrainState.create(..., strategy=...))"
         )
-    _check_grads(grads, params)
+    applied = _check_grads(grads, params)
     # With loss scaling an overflow is expected now and then: always skip it.
     check_finite = skip_nonfinite or scaling is not None
-    num_items = None if stats is None else stats.num_items
+    num_items = None if stats is None else _count(stats.num_items, strategy.device)
     with torch.no_grad():
         if compile:
             norm, overflow, skip = compiled_update(
-                state, grads, lr=float(lr), max_norm=max_norm, check_finite=check_finite,
+                state, applied, lr=float(lr), max_norm=max_norm, check_finite=check_finite,
                 num_items=num_items,
             )  # fmt: skip
             opt_state = state.opt_state
         else:
-            norm = _eager_norm_and_clip(state, grads, max_norm)
+            norm = _eager_norm_and_clip(state, applied, max_norm)
             if scaling is not None:  # the loss scale's rule reads the overflow on its own
                 overflow = ~torch.isfinite(norm)
                 skip = skip_flag(overflow, num_items)
@@ -194,7 +208,7 @@ def clip_and_step(
                 overflow, skip = None, _skip(norm, num_items, check_finite)
             found_inf = None if skip is None else skip.float()  # the fused kernels' form
             opt_state = state.optimizer.update(
-                grads, state.opt_state, params, lr=float(lr), step=state.step, found_inf=found_inf
+                applied, state.opt_state, params, lr=float(lr), step=state.step, found_inf=found_inf
             )
     if donate:
         _release(grads, params, state.step)
@@ -225,6 +239,19 @@ def clip_and_step(
     return state.consume("clip_and_step", **changes), StepInfo(
         grad_norm=norm, skipped=skipped, lr=float(lr)
     )
+
+
+def _count(num_items: Any, device: torch.device) -> torch.Tensor:
+    """`stats.num_items` as a tensor: a `Stats` of your own may count on the host (a Python
+    number made the skip test a bool, which the update cannot take). A tensor is kept as is."""
+    if isinstance(num_items, torch.Tensor):
+        return num_items
+    if isinstance(num_items, bool) or not isinstance(num_items, (int, float)):
+        raise TypeError(
+            f"stats.num_items must be a tensor or a number, got {type(num_items).__name__}"
+        )
+    # A fill kernel with a scalar argument: no host-to-device copy, no sync.
+    return torch.full((), float(num_items), dtype=torch.float64, device=device)
 
 
 def _eager_norm_and_clip(
