@@ -81,3 +81,22 @@ def test_rollout_reference_must_not_run_the_policys_adapters():
     model.train()
     mask = batch["completion_mask"].bool()
     assert not torch.allclose(batch["ref_logps"][mask], policy[mask])
+
+
+def test_a_lora_checkpoint_refuses_an_adapter_of_other_settings(tmp_path):
+    """Another lora_alpha (or rsLoRA, or dropout) has tensors of the same shapes: the resumed
+    model scaled every adapter's output otherwise and the load said nothing."""
+    state = ft.TrainState.create(_lora_llama(), ft.optim.adamw())
+    path = ft.save_checkpoint(state, tmp_path)
+    for kw, line in [
+        ({"alpha": 32}, "adapter setting lora_alpha: checkpoint has 8, model has 32"),
+        ({"alpha": 8, "dropout": 0.2}, "adapter setting lora_dropout: checkpoint has 0.0"),
+    ]:
+        other = ft.TrainState.create(ft.lora.apply(tiny_llama(seed=0), r=4, **kw), ft.optim.adamw())
+        with pytest.raises(
+            ft.checkpoint.CheckpointMismatchError, match="LoRA adapter differs"
+        ) as e:
+            ft.load_checkpoint(path, other)
+        assert line in str(e.value)
+    same = ft.TrainState.create(ft.lora.apply(tiny_llama(seed=0), r=4, alpha=8), ft.optim.adamw())
+    assert ft.load_checkpoint(path, same).step == 0

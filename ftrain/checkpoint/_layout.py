@@ -155,7 +155,7 @@ def collect(state: Any, metrics: Mapping[str, Any] | None, *, sharded: bool) -> 
         meta[SETTINGS] = settings
     if sharded:  # the shards' headers hold pieces: record each whole tensor
         meta.update(sharded=True, tensors={n: _entry(t) for n, t in model.items()})
-    adapter = _peft_config(module)
+    adapter = peft_config(module)
     if adapter is not None:
         meta["peft"] = adapter
     to_json = getattr(getattr(module, "config", None), "to_json_string", None)
@@ -182,8 +182,9 @@ def _metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
     return out
 
 
-def _peft_config(module: Any) -> dict[str, Any] | None:
-    """A PEFT model's adapter config as JSON (for the CLI's export), or None."""
+def peft_config(module: Any) -> dict[str, Any] | None:
+    """A PEFT model's adapter config as JSON (for the CLI's export, and compared by
+    `load_checkpoint`), or None."""
     configs = getattr(module, "peft_config", None)
     if not isinstance(configs, dict) or list(configs) != ["default"]:
         return None

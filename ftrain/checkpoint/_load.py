@@ -53,11 +53,19 @@ class CheckpointMismatchError(CheckpointError):
 
 
 def _count(differences: list[str]) -> str:
-    kinds = {"missing": 0, "unexpected": 0, "mis-shaped": 0, "optimizer setting(s) changed": 0}
+    kinds = {
+        "missing": 0,
+        "unexpected": 0,
+        "mis-shaped": 0,
+        "optimizer setting(s) changed": 0,
+        "adapter setting(s) changed": 0,
+    }
     for d in differences:
         kind = "missing" if "missing" in d else "unexpected" if "unexpected" in d else None
         if d.startswith(_SETTING):
             kind = "optimizer setting(s) changed"
+        elif d.startswith(_ADAPTER):
+            kind = "adapter setting(s) changed"
         kinds[kind or "mis-shaped"] += 1
     parts = [f"{n} {kind}" for kind, n in kinds.items() if n]
     return "checkpoint does not fit the state: " + ", ".join(parts) + " (details below)"
@@ -146,9 +154,12 @@ def load_checkpoint(
     if not opt_diffs:
         ours = optimizer_settings(state.optimizer, list(live_params))
         settings = _settings_diffs(meta.get(L.SETTINGS), ours)
-    diffs += opt_diffs + field_diffs + settings
+    adapter = _adapter_diffs(meta.get("peft"), L.peft_config(module))
+    diffs += opt_diffs + field_diffs + settings + adapter
     if diffs and strict:
-        cause = _config_cause(opened, module) or _settings_cause(settings)
+        cause = (
+            _config_cause(opened, module) or _settings_cause(settings) or _adapter_cause(adapter)
+        )
         raise CheckpointMismatchError(path, diffs, cause=cause)
     lazy = sorted(p for p in opt_values if p not in opt_flat)  # a torch optimizer's own state
     if lazy and state.strategy.checkpoint_sharded:
@@ -264,6 +275,39 @@ def _settings_cause(diffs: list[str]) -> str | None:
     return (
         f"the optimizer differs from the checkpoint's: {first}{more}; build the state with "
         "the checkpoint's optimizer, or pass strict=False to load its state into this one"
+    )
+
+
+_ADAPTER = "adapter setting "  # how each line of `_adapter_diffs` opens
+# The LoRA settings that change the function the adapters compute or how they train: another
+# lora_alpha (or rsLoRA) scales every adapter's output otherwise, with tensors of the same shapes.
+_ADAPTER_KEYS = (
+    "r", "lora_alpha", "use_rslora", "use_dora", "rank_pattern", "alpha_pattern",
+    "target_modules", "layers_to_transform", "modules_to_save", "bias", "fan_in_fan_out",
+    "lora_dropout",
+)  # fmt: skip
+
+
+def _adapter_diffs(saved: Any, ours: dict[str, Any] | None) -> list[str]:
+    """How the PEFT adapter the checkpoint was saved with differs from the model's: one line
+    per setting in `_ADAPTER_KEYS` that both record. `saved` comes from the file: any JSON."""
+    if not isinstance(saved, dict) or ours is None:
+        return []
+    return [
+        f"{_ADAPTER}{k}: checkpoint has {saved[k]!r}, model has {ours[k]!r}"
+        for k in _ADAPTER_KEYS
+        if k in saved and k in ours and saved[k] != ours[k]
+    ]
+
+
+def _adapter_cause(diffs: list[str]) -> str | None:
+    if not diffs:
+        return None
+    first = "; ".join(d.removeprefix(_ADAPTER) for d in diffs[:2])
+    more = f" (+{len(diffs) - 2} more)" if len(diffs) > 2 else ""
+    return (
+        f"the model's LoRA adapter differs from the checkpoint's: {first}{more}; apply the "
+        "adapter with the checkpoint's settings (its state.json holds them under 'peft')"
     )
 
 
