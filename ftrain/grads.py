@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from ftrain.data import MicroBatches, ZeroWeight, weighted
 from ftrain.losses import LossFn, _defaults, _items_before_forward, default_loss
 from ftrain.rng import default_generators, dropout_seeds
-from ftrain.state import TrainState, _Lease
+from ftrain.state import TrainState, _Lease, unfrozen
 from ftrain.strategies import Strategy, active_preemption
 
 __all__ = ["Grads", "Stats", "accumulate_grads", "batch_counts"]
@@ -192,11 +192,19 @@ def accumulate_grads(
         `Stats` with the global mean loss and counts.
 
     Raises:
-        ValueError: if `micro` is empty, or `strategy` is not laid out like `state.strategy`
+        ValueError: if `micro` is empty, `strategy` is not laid out like `state.strategy`
             (another type, device, rank, world size or reduction: the model was set up by
-            the state's strategy, whose backward reduces the gradients).
+            the state's strategy, whose backward reduces the gradients), or a parameter frozen
+            when the state was created now requires a gradient (re-create the state).
     """
     _check_args(state, micro, loss_fn, strategy)
+    if late := unfrozen(state):
+        raise ValueError(
+            f"{_preview(late)} was frozen when the TrainState was created and now requires a "
+            "gradient: state.params and the optimizer state were taken at create, so it would "
+            "get gradients that are never applied. Re-create the state after unfreezing "
+            "(ft.TrainState.create(model, optimizer, ...), then load or carry over what to keep)"
+        )
     strategy = state.strategy if strategy is None else strategy
     model, params = state.model, state.params
     if not model.training:
@@ -241,6 +249,15 @@ def accumulate_grads(
 
 
 _OWN_LOSSES = default_loss.__module__  # "ftrain.losses": whole item counts
+
+
+def _preview(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:3])
+    return (
+        f"parameter {shown}"
+        if len(names) == 1
+        else f"parameters {shown}" + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
+    )
 
 
 def _check_args(state: Any, micro: Any, loss_fn: Any, strategy: Any) -> None:

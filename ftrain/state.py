@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import operator
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -97,6 +98,9 @@ class _Tensors(NamedTuple):
     params: Mapping[str, torch.Tensor]
     opt_state: Any
     lease: _Lease
+    # The model's parameters that were frozen at create: `accumulate_grads` refuses to run once
+    # one of them requires a gradient (it would get gradients that are never applied).
+    frozen: tuple[torch.Tensor, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -246,7 +250,10 @@ class TrainState:
                 scale=torch.tensor(scaling.init_scale, dtype=torch.float32, device=device),
                 growth_tracker=torch.zeros((), dtype=torch.int32, device=device),
             )
-        tensors = _Tensors(model, MappingProxyType(params), optimizer.init(params), _Lease())
+        tensors = _Tensors(
+            model, MappingProxyType(params), optimizer.init(params), _Lease(),
+            _frozen(strategy.unwrap(model)),
+        )  # fmt: skip
         return cls(
             tensors_=tensors,
             optimizer=optimizer,
@@ -305,10 +312,11 @@ class TrainState:
         unknown = {k for k in changes if k not in fields or k == "tensors_"}
         if unknown:
             raise TypeError(f"{type(self).__name__} has no settable field(s) {sorted(unknown)}")
-        params = self.tensors_.params
+        params, frozen = self.tensors_.params, self.tensors_.frozen
         if model is not self.tensors_.model:
             params = MappingProxyType(_trainable(self.strategy.unwrap(model)))
-        changes["tensors_"] = _Tensors(model, params, opt_state, lease)
+            frozen = _frozen(self.strategy.unwrap(model))
+        changes["tensors_"] = _Tensors(model, params, opt_state, lease, frozen)
         return changes
 
     def consume(self, by: str, **changes: Any) -> TrainState:
@@ -387,6 +395,24 @@ def _same_seed_on_every_process(seed: int, strategy: Strategy) -> None:
         )
 
 
+def _frozen(module: nn.Module) -> tuple[torch.Tensor, ...]:
+    return tuple(p for p in module.parameters() if not p.requires_grad)
+
+
+def unfrozen(state: TrainState) -> list[str]:
+    """Names of the model's parameters that were frozen when `state` was created and now
+    require a gradient (empty in the usual case: checked in C over the frozen ones only)."""
+    frozen = state.tensors_.frozen
+    if not (frozen and any(map(_REQUIRES_GRAD, frozen))):
+        return []
+    ids = {id(p) for p in frozen if p.requires_grad}
+    module = state.strategy.unwrap(state.model)
+    return [n for n, p in module.named_parameters() if id(p) in ids]
+
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
 def _trainable(module: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p for n, p in module.named_parameters() if p.requires_grad}
 
@@ -423,9 +449,10 @@ def snapshot(state: TrainState) -> TrainState:
     memo = {id(old[n]): new[n] for n in old}
     opt_state = copy.deepcopy(held.opt_state, memo)
     params = MappingProxyType(_trainable(state.strategy.unwrap(model)))
+    frozen = _frozen(state.strategy.unwrap(model))
     return dataclasses.replace(
         state,
-        tensors_=_Tensors(model, params, opt_state, _Lease()),
+        tensors_=_Tensors(model, params, opt_state, _Lease(), frozen),
         **_cloned(state),
     )
 

@@ -377,3 +377,30 @@ def test_batch_counts_of_a_nested_batch_count_its_rows_not_its_keys():
     state = ft.TrainState.create(torch.nn.Linear(3, 1), ft.optim.sgd())
     _, stats = ft.accumulate_grads(state, [nested, nested], loss_fn)
     assert int(stats.num_samples) == 16
+
+
+def test_a_parameter_unfrozen_after_create_is_refused_not_left_untrained():
+    """Gradual unfreezing on the same state: the parameter got a `.grad` each step that no
+    step applied (state.params was taken at create), and it never trained, silently."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    model[0].weight.requires_grad_(False)
+    state = ft.TrainState.create(model, ft.optim.adamw())
+
+    def loss_fn(m, x):
+        return m(x).sum(), torch.tensor(x.shape[0])
+
+    grads, stats = ft.accumulate_grads(state, [torch.ones(3, 2)], loss_fn)
+    state, _ = ft.clip_and_step(state, grads, lr=0.1, stats=stats)
+    model[0].weight.requires_grad_(True)
+    with pytest.raises(ValueError, match="parameter '0.weight' was frozen when the TrainState"):
+        ft.accumulate_grads(state, [torch.ones(3, 2)], loss_fn)
+    # Re-created after unfreezing, it trains; freezing again is a partial step (no error).
+    state = ft.TrainState.create(model, ft.optim.adamw())
+    before = model[0].weight.detach().clone()
+    grads, stats = ft.accumulate_grads(state, [torch.ones(3, 2)], loss_fn)
+    state, _ = ft.clip_and_step(state, grads, lr=0.1, stats=stats)
+    assert not torch.equal(model[0].weight, before)
+    model[1].weight.requires_grad_(False)
+    grads, _ = ft.accumulate_grads(state, [torch.ones(3, 2)], loss_fn)
+    assert "1.weight" not in grads
