@@ -128,7 +128,8 @@ def track_best(
         ValueError: for a `metric` or `mode` other than the ones the state ranks already
             (`state.early_stopping.metric`/`.mode`, recorded by the first call).
         ValueError: when ranking by `eval_loss` a record whose `eval_loss_fn` is not the loss
-            the state trains on (`state.loss_fn`, when that is a loss of your own).
+            the state trains on (`state.loss_fn`, when that is a loss of your own), or not the
+            one the best so far was computed with (`state.early_stopping.loss`).
     """
     _check_state(state)
     if mode not in ("min", "max"):
@@ -158,8 +159,24 @@ def track_best(
             f"{es.best_step}): the best and the patience would compare two rankings; pass the "
             "same, or start over with state.replace(early_stopping=ft.state.EarlyStoppingState())"
         )
+    loss = (
+        metrics.get("eval_loss_fn")
+        if metric == "eval_loss" and isinstance(metrics, Mapping)
+        else None
+    )
+    if es.loss is not None and loss is not None and loss != es.loss:
+        raise ValueError(
+            f"track_best: this eval_loss was computed with {loss} (eval_loss_fn), but the "
+            f"best so far ({es.best_metric} at step {es.best_step}) with {es.loss}: the two do "
+            "not compare. Evaluate with the loss you train on (after a resume, before the "
+            "first step, the state knows it only from TrainState.create(..., loss_fn=) or "
+            "evaluate(..., loss_fn=))"
+        )
     if es.metric is None:  # the first evaluation (or a checkpoint from before they were kept)
         state = _stopping(state, metric=metric, mode=mode)
+        es = state.early_stopping
+    if es.loss is None and loss is not None:
+        state = _stopping(state, loss=loss)
         es = state.early_stopping
     if math.isnan(value):  # HF never stores NaN as the best: it is no improvement
         return _stopping(state, patience_counter=es.patience_counter + 1)

@@ -132,7 +132,9 @@ class EarlyStoppingState(_SubState):
     `best_metric` is the best value seen (None before the first evaluation), `best_step` the
     step it was seen at, `patience_counter` the evaluations since without improvement;
     `metric` and `mode` what they rank (`track_best`'s, recorded at the first evaluation; None
-    in a checkpoint written before they were).
+    in a checkpoint written before they were); `loss` the loss an `eval_loss` ranked was
+    computed with (its `eval_loss_fn`, recorded likewise), so that a later evaluation with
+    another loss (after a resume whose state does not know the training loss yet) is refused.
     """
 
     best_metric: float | None = None
@@ -140,6 +142,7 @@ class EarlyStoppingState(_SubState):
     patience_counter: int = 0
     metric: str | None = None
     mode: str | None = None
+    loss: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

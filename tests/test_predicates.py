@@ -150,3 +150,27 @@ def test_early_stopping_ranks_the_loss_the_record_names():
     assert default["eval_loss"] != pytest.approx(records[-1]["eval_loss"])
     with pytest.raises(ValueError, match="trains on"):
         ft.track_best(state, default)
+
+
+def test_track_best_refuses_an_eval_loss_of_another_loss_than_the_best_s(tmp_path):
+    """Resumed before its first step, a state built without `loss_fn=` evaluates with another
+    loss than the one the best was ranked by (the loss function is not in the checkpoint): the
+    two were compared, and the patience counted against a best of another loss, silently."""
+
+    def mse(m, b):
+        return ((m(b[0]) - b[1]) ** 2).sum(), b[1].numel()
+
+    def l1(m, b):
+        return (m(b[0]) - b[1]).abs().sum(), b[1].numel()
+
+    torch.manual_seed(0)
+    batches = [(torch.randn(4, 2), torch.randn(4, 1))]
+    state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+    state = ft.track_best(state, ft.evaluate(state, batches, loss_fn=mse))
+    assert state.early_stopping.loss.endswith("mse")
+    path = ft.save_checkpoint(state, tmp_path)
+    resumed = ft.load_checkpoint(path, ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd()))
+    assert resumed.early_stopping.loss == state.early_stopping.loss  # kept in the checkpoint
+    with pytest.raises(ValueError, match="the two do not compare"):
+        ft.track_best(resumed, ft.evaluate(resumed, batches, loss_fn=l1))
+    assert ft.track_best(resumed, ft.evaluate(resumed, batches, loss_fn=mse)).step == 0
