@@ -138,6 +138,9 @@ def batch_counts(batch: Any) -> tuple[torch.Tensor | int, int]:
         if "input_ids" in batch:
             ids = batch["input_ids"]
             return ids.numel(), ids.shape[0]
+        sides = _sides(batch)  # a preference pair's chosen_/rejected_ sequences
+        if sides is not None:
+            return sides
         first = next(iter(batch.values()))
     else:
         first = batch[0] if isinstance(batch, (list, tuple)) else batch
@@ -150,6 +153,23 @@ def batch_counts(batch: Any) -> tuple[torch.Tensor | int, int]:
     # An integer tensor of rank >= 2 first in the batch is token ids (e.g. an (x, y) pair of
     # windows); anything else counts one token per sample.
     return (first.numel() if isinstance(first, torch.Tensor) and _is_ids(first) else n), n
+
+
+def _sides(batch: Mapping[str, Any]) -> tuple[torch.Tensor | int, int] | None:
+    """(tokens, rows) of a batch of several sequences per row (`chosen_input_ids` and
+    `rejected_input_ids`, with their `*_attention_mask`): every side's tokens, each row once.
+    None for any other batch."""
+    ids = [v for k, v in batch.items() if k.endswith("_input_ids") and isinstance(v, torch.Tensor)]
+    if not ids:
+        return None
+    masks = [
+        batch.get(k.removesuffix("input_ids") + "attention_mask")
+        for k, v in batch.items()
+        if k.endswith("_input_ids") and isinstance(v, torch.Tensor)
+    ]
+    if all(isinstance(m, torch.Tensor) for m in masks):
+        return sum(m.sum() for m in masks), ids[0].shape[0]
+    return sum(t.numel() for t in ids), ids[0].shape[0]
 
 
 def _is_ids(t: torch.Tensor) -> bool:

@@ -404,3 +404,21 @@ def test_a_parameter_unfrozen_after_create_is_refused_not_left_untrained():
     model[1].weight.requires_grad_(False)
     grads, _ = ft.accumulate_grads(state, [torch.ones(3, 2)], loss_fn)
     assert "1.weight" not in grads
+
+
+def test_batch_counts_of_a_preference_batch_count_both_sides_without_padding():
+    """A DPO batch has no `input_ids`/`attention_mask`: its token count was the chosen side's
+    ids only, padding included, the rejected side left out (`tokens_seen` off)."""
+    from ftrain.grads import batch_counts
+
+    ids = {"chosen_input_ids": torch.ones(2, 5, dtype=torch.long),
+           "rejected_input_ids": torch.ones(2, 7, dtype=torch.long)}  # fmt: skip
+    labels = {
+        "chosen_labels": ids["chosen_input_ids"],
+        "rejected_labels": ids["rejected_input_ids"],
+    }
+    assert batch_counts({**ids, **labels}) == (24, 2)
+    masks = {"chosen_attention_mask": torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]),
+             "rejected_attention_mask": torch.ones(2, 7, dtype=torch.long)}  # fmt: skip
+    tokens, rows = batch_counts({**ids, **labels, **masks})
+    assert int(tokens) == 22 and rows == 2
