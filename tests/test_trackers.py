@@ -166,9 +166,30 @@ def test_wandb_sink_offline_run_files_hold_config_once_and_every_metric(tmp_path
                 config = {i.key: json.loads(i.value_json) for i in rec.run.config.update}
                 configs.append({k: v for k, v in config.items() if k != "_wandb"})
     assert configs == [PARAMS, {}]  # the config is logged once
-    steps = [h["_step"] for h in history if "train/loss" in h]
+    steps = [h["train/global_step"] for h in history if "train/loss" in h]
     assert steps == [1, 2, 3, 4, 5, 4, 5, 6]
-    assert sorted(h["_step"] for h in history if "eval/loss" in h) == [2, 4, 4, 6]
+    assert sorted(h["train/global_step"] for h in history if "eval/loss" in h) == [2, 4, 4, 6]
+
+
+def test_wandb_sink_keeps_the_steps_a_rollback_makes_again(tmp_path, monkeypatch):
+    """W&B drops a record whose `step=` is below one already logged (with a warning of its
+    own): the steps after a guard rollback were lost until training passed the undone ones."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    sink = ft.logging.WandbSink(tmp_path / "run", project="t")
+    for step, loss in [(1, 3.0), (2, 2.0), (3, 9.0), (2, 2.5), (3, 1.5)]:  # rolled back to 1
+        sink.log({"step": step, "loss": loss})
+    sink.close()
+    (path,) = (tmp_path / "run").glob("wandb/offline-run-*/run-*.wandb")
+    got = []
+    for rec in _wandb_records(path):
+        if rec.WhichOneof("record_type") == "history":
+            items = {i.key or "/".join(i.nested_key): i.value_json for i in rec.history.item}
+            if "train/loss" in items:
+                got.append(
+                    (json.loads(items["train/global_step"]), json.loads(items["train/loss"]))
+                )
+    assert got == [(1, 3.0), (2, 2.0), (3, 9.0), (2, 2.5), (3, 1.5)]
 
 
 def test_wandb_sink_does_nothing_off_rank_0_and_rejects_its_own_arguments(tmp_path):

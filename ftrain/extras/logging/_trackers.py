@@ -152,14 +152,18 @@ class MLflowSink:
             self._client = None
 
 
+GLOBAL_STEP = "train/global_step"  # W&B: the x-axis of every metric (`WandbSink`)
+
+
 class WandbSink:
     """Logs records to a Weights & Biases run, under `train/<key>` and `eval/<key>`, at `step`.
 
     The run id is stored in `<run_dir>/wandb_run_id`; a restarted job resumes that run
     (`resume="allow"`). W&B writes its files under `<run_dir>/wandb`; `WANDB_MODE=offline` keeps
-    them local until `wandb sync`. W&B ignores (with a warning of its own) a record whose step
-    is below one this process logged: after a guard rollback the run keeps the undone steps'
-    values until training passes them. Needs the `wandb` extra (`pip install 'ftrain[wandb]'`).
+    them local until `wandb sync`. Every metric is plotted against `train/global_step` (the
+    optimizer step, as HF's `WandbCallback` logs it), so that the steps a guard rollback makes
+    again are recorded too (W&B drops a record whose own `step=` is below one already logged).
+    Needs the `wandb` extra (`pip install 'ftrain[wandb]'`).
 
     Args:
         run_dir: the run's folder (e.g. the checkpoint root).
@@ -201,15 +205,20 @@ class WandbSink:
         self.run_id = self._run.id
         if not self.resumed:
             _write_id(id_file, self.run_id)
+        # The optimizer step is a metric that the others are plotted against (HF's
+        # WandbCallback does the same), not W&B's own `step=`: W&B drops, with a warning of its
+        # own, a record whose `step` is below one already logged, so the steps a guard
+        # rollback makes again were lost.
+        self._run.define_metric(GLOBAL_STEP)
+        self._run.define_metric("*", step_metric=GLOBAL_STEP, step_sync=True)
 
     def step(self, state: TrainState) -> None:
         pass
 
     def log(self, record: Mapping[str, Any]) -> None:
         if self._run is not None:
-            self._run.log(
-                {_tag(k): v for k, v in _scalars(record).items()}, step=int(record["step"])
-            )
+            tags = {_tag(k): v for k, v in _scalars(record).items()}
+            self._run.log({**tags, GLOBAL_STEP: int(record["step"])})
 
     def close(self) -> None:
         if self._run is not None:
