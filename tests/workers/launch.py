@@ -12,7 +12,9 @@ quotes it. Each rank runs `fn` through `_rank`, which runs the interpreter's exi
 afterwards (a forked process leaves through `os._exit`, which skips them: ftrain's
 wait for a background save among them) and ends the rank if the pytest process is gone (a
 forked rank's parent is the server, not pytest, so torch's parent-death signal never comes).
-Tests of a script and its launcher (torchrun, a bare `python` process) stay subprocesses.
+Tests of one process killed and restarted use it too (`world=1`: test_checkpoint_crash,
+test_rl, test_resume_conformance). Tests of a script and its launcher (torchrun, a bare
+`python` process, what an interpreter does at exit) stay subprocesses.
 """
 
 from __future__ import annotations
