@@ -1,11 +1,12 @@
 """The tensor work of `clip_and_step` (norm, skip, clip, update) as one `torch.compile`d call.
 
 Used by `clip_and_step(..., compile=True)`. One compiled function per optimizer (its traceable
-twin, `ft.optim.twin_of`); the learning rate and `max_norm` enter as 0-dim tensors that are
-refilled when they change, so a schedule of either does not recompile. What may recompile: the
-first step of SGD (its momentum buffer starts from the gradient), `max_norm` None or not,
-`skip_nonfinite`, `stats` given or not, or another set of parameters with gradients. Past
-dynamo's `recompile_limit` such variants of one optimizer, the step raises (`compiled_update`).
+twin, `ft.optim.twin_of`); the learning rate and `max_norm` enter as 0-dim tensors (the lr
+refilled each step, `max_norm` when it changes), so a schedule of either does not recompile.
+What may recompile: the first step of SGD (its momentum buffer starts from the gradient),
+`max_norm` None or not, `skip_nonfinite`, `stats` given or not, or another set of parameters
+with gradients. Past dynamo's recompile limit of such variants of one optimizer, the step
+raises (`compiled_update`).
 """
 
 from __future__ import annotations
@@ -140,11 +141,27 @@ def compiled_update(
         )
     # (Looked up only when something is raised: torch._dynamo is imported by torch.compile, not
     # by `import ftrain`.) Raised while compiling: nothing was changed yet.
-    except torch._dynamo.exc.FailOnRecompileLimitHit as e:
+    except Exception as e:
+        if not _past_recompile_limit(e):
+            raise
+        config = torch._dynamo.config
+        limit = getattr(config, "recompile_limit", None) or getattr(config, "cache_size_limit", "")
         raise ValueError(
             "clip_and_step(compile=True) compiled more variants of this optimizer's step than "
-            f"torch._dynamo.config.recompile_limit ({torch._dynamo.config.recompile_limit}) "
-            "allows: each set of parameters with gradients, max_norm None or not, "
-            "skip_nonfinite and stats given or not compiles its own (TORCH_LOGS=recompiles "
-            "says which changed); drop compile=True, or raise the limit"
+            f"torch._dynamo's recompile limit ({limit}) allows: each set of parameters with "
+            "gradients, max_norm None or not, skip_nonfinite and stats given or not compiles "
+            "its own (TORCH_LOGS=recompiles says which changed); drop compile=True, or raise "
+            "the limit"
         ) from e
+
+
+def _past_recompile_limit(e: Exception) -> bool:
+    """Whether `e` is dynamo's recompile-limit failure (its name differs across torch
+    releases: FailOnRecompileLimitHit, FailOnCacheLimitHit before)."""
+    exc = getattr(getattr(torch, "_dynamo", None), "exc", None)
+    kinds = tuple(
+        k
+        for k in (getattr(exc, n, None) for n in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit"))
+        if isinstance(k, type)
+    )
+    return bool(kinds) and isinstance(e, kinds)

@@ -163,11 +163,13 @@ def _sides(batch: Mapping[str, Any]) -> tuple[torch.Tensor | int, int] | None:
     if not ids:
         return None
     masks = [
-        batch.get(k.removesuffix("input_ids") + "attention_mask")
+        m
         for k, v in batch.items()
-        if k.endswith("_input_ids") and isinstance(v, torch.Tensor)
+        if k.endswith("_input_ids")
+        and isinstance(v, torch.Tensor)
+        and isinstance(m := batch.get(k.removesuffix("input_ids") + "attention_mask"), torch.Tensor)
     ]
-    if all(isinstance(m, torch.Tensor) for m in masks):
+    if len(masks) == len(ids):  # every side has its mask: the tokens without padding
         return sum(m.sum() for m in masks), ids[0].shape[0]
     return sum(t.numel() for t in ids), ids[0].shape[0]
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from collections.abc import Mapping
 from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from ftrain._compiled import compiled_update, skip_flag
@@ -246,7 +248,7 @@ def _count(num_items: Any, device: torch.device) -> torch.Tensor:
     number made the skip test a bool, which the update cannot take). A tensor is kept as is."""
     if isinstance(num_items, torch.Tensor):
         return num_items
-    if isinstance(num_items, bool) or not isinstance(num_items, (int, float)):
+    if isinstance(num_items, (bool, np.bool_)) or not isinstance(num_items, numbers.Real):
         raise TypeError(
             f"stats.num_items must be a tensor or a number, got {type(num_items).__name__}"
         )

@@ -7,6 +7,7 @@ graph: the compiled step is cached per optimizer `update`.
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -81,6 +82,10 @@ def test_a_stats_count_that_is_not_a_number_is_refused():
     grads, stats = ft.accumulate_grads(state, [X], _loss)
     with pytest.raises(TypeError, match=r"stats\.num_items must be a tensor or a number, got str"):
         ft.clip_and_step(state, grads, stats=stats._replace(num_items="6"), lr=0.1)
+    for count in (np.int64(3), np.float32(3.0)):  # numpy numbers are numbers (they stepped)
+        grads, stats = ft.accumulate_grads(state, [X], _loss)
+        state, info = ft.clip_and_step(state, grads, stats=stats._replace(num_items=count), lr=0.1)
+        assert not bool(info.skipped)
 
 
 def test_past_the_recompile_limit_the_step_raises_naming_compile_and_consumes_nothing():

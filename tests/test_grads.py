@@ -393,7 +393,7 @@ def test_a_parameter_unfrozen_after_create_is_refused_not_left_untrained():
     grads, stats = ft.accumulate_grads(state, [torch.ones(3, 2)], loss_fn)
     state, _ = ft.clip_and_step(state, grads, lr=0.1, stats=stats)
     model[0].weight.requires_grad_(True)
-    with pytest.raises(ValueError, match="parameter '0.weight' was frozen when the TrainState"):
+    with pytest.raises(ValueError, match=r"parameter '0\.weight' was frozen when the TrainState"):
         ft.accumulate_grads(state, [torch.ones(3, 2)], loss_fn)
     # Re-created after unfreezing, it trains; freezing again is a partial step (no error).
     state = ft.TrainState.create(model, ft.optim.adamw())

@@ -169,7 +169,9 @@ def load_checkpoint(
         )
     if diffs:
         warnings.warn(
-            f"load_checkpoint({path}) skipped {len(diffs)} item(s): " + "; ".join(diffs),
+            f"load_checkpoint({path}) found {len(diffs)} difference(s) (what does not fit was "
+            "skipped; the state of an optimizer or adapter with other settings was loaded): "
+            + "; ".join(diffs),
             CheckpointMismatchWarning,
             stacklevel=2,
         )
@@ -279,13 +281,11 @@ def _settings_cause(diffs: list[str]) -> str | None:
 
 
 _ADAPTER = "adapter setting "  # how each line of `_adapter_diffs` opens
-# The LoRA settings that change the function the adapters compute or how they train: another
-# lora_alpha (or rsLoRA) scales every adapter's output otherwise, with tensors of the same shapes.
-_ADAPTER_KEYS = (
-    "r", "lora_alpha", "use_rslora", "use_dora", "rank_pattern", "alpha_pattern",
-    "target_modules", "layers_to_transform", "modules_to_save", "bias", "fan_in_fan_out",
-    "lora_dropout",
-)  # fmt: skip
+# The LoRA settings that change the function the adapters compute with tensors of the same
+# names and shapes: another lora_alpha (or rsLoRA) scales every adapter's output otherwise.
+# (Targets, ranks and biases show in the tensors' names and shapes, compared anyway; a
+# dropout changes training, not the function, as a model's own dropout does.)
+_ADAPTER_KEYS = ("lora_alpha", "alpha_pattern", "use_rslora", "use_dora", "fan_in_fan_out")
 
 
 def _adapter_diffs(saved: Any, ours: dict[str, Any] | None) -> list[str]:

@@ -476,6 +476,10 @@ def find_batch_size(
     `make_batches(data, state, batch_size=...)` refuses another one. On several ranks the
     sizes tried are agreed on: one that runs out of memory on any rank is dropped on all (one
     host sync per size tried), so that every rank reads its share of the same global batch.
+    A probe whose own collectives (`accumulate_grads` under DDP or FSDP) some ranks reach and
+    others do not, having run out of memory before them, cannot be agreed on: the job fails
+    (gloo) or waits for the collective timeout (NCCL). Probe every rank with the same longest
+    rows, so that the ranks run out of memory together.
 
     Raises:
         ValueError: for `start < 1` or `factor` outside (0, 1), also when the state's size is

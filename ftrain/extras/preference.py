@@ -275,6 +275,8 @@ def preference_loss(
             "takes the policy's log-probs only: the reference would be ignored; drop it"
         )
 
+    apart: set[int] = set()  # policies checked against `reference` (once each: a walk of both)
+
     def loss_fn(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         chosen, rejected = _side(batch, "chosen"), _side(batch, "rejected")
         if "labels" not in chosen or "labels" not in rejected:
@@ -283,7 +285,9 @@ def preference_loss(
         pr = sequence_logps(model, rejected, average=average)
         refs = _references(batch, pc, needs)
         if not refs and reference is not None and needs is not False:
-            _check_apart(model, reference)
+            if id(model) not in apart:
+                _check_apart(model, reference)
+                apart.add(id(model))
             # The reference is fixed: dropout in it would make every log-prob noisy.
             with eval_mode(reference):
                 refs = (

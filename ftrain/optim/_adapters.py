@@ -129,10 +129,11 @@ def _torch_settings(optimizer_cls: Callable[..., Any], kwargs: dict[str, Any]) -
                 given.pop(p.name, None)
     except (TypeError, ValueError):  # no signature to read (a C callable): as given
         pass
+    # The class by its qualified name only: a class of the launch script is `__main__.X` when
+    # the script runs and `script.X` when a launcher imports it, one optimizer either way.
     name = getattr(optimizer_cls, "__qualname__", type(optimizer_cls).__qualname__)
-    module = getattr(optimizer_cls, "__module__", None) or ""
     settings = {k: _json(v) for k, v in given.items() if k not in _HOW | {"params", "lr"}}
-    return {"kind": "torch", "class": f"{module}.{name}".lstrip("."), "kwargs": settings}
+    return {"kind": "torch", "class": name, "kwargs": settings}
 
 
 def _json(value: Any) -> Any:
