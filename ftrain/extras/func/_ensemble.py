@@ -68,6 +68,10 @@ class Ensemble(nn.Module):
                 _set(self.stacked, alias, buffers[name], buffer=True)
         self.num_members = len(members)
         self.__dict__["base"] = _meta_copy(members[0])
+        # The members' mode, not nn.Module's default (training): `accumulate_grads` reads the
+        # root's flag, so an ensemble of eval-mode members (HF `from_pretrained`) would train
+        # with dropout off and BatchNorm's running statistics frozen, unlike separate runs.
+        self.training = members[0].training
 
     def _weights(self) -> dict[str, torch.Tensor]:
         named: dict[str, torch.Tensor] = dict(self.stacked.named_parameters())

@@ -12,7 +12,7 @@ import torch
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ftrain.data import MicroBatches
+from ftrain.data import MicroBatches, weighted
 from ftrain.extras.func._common import (
     FuncError,
     _LossModule,
@@ -25,7 +25,7 @@ from ftrain.grads import Stats, batch_counts
 from ftrain.losses import LossFn, default_loss
 from ftrain.process_state import STATE
 from ftrain.rng import default_generators, dropout_seed, restored
-from ftrain.state import TrainState
+from ftrain.state import TrainState, unfrozen
 
 __all__ = ["FuncError", "check_model", "per_sample_grads", "private_grads"]
 
@@ -64,14 +64,29 @@ def _example_fn(state: TrainState, loss_fn: LossFn | None, *, vectorize: bool) -
     return vmap(grad(loss_of_example, has_aux=True), in_dims=(None, 0), randomness="different")
 
 
-def _params(state: TrainState) -> dict[str, torch.Tensor]:
-    for n, p in state.params.items():
+def _trainable(state: TrainState) -> dict[str, torch.Tensor]:
+    """The parameters to differentiate, as `accumulate_grads` picks them: `state.params` that
+    still require a gradient (one frozen after create gets none, so no step trains it)."""
+    if late := unfrozen(state):
+        # accumulate_grads' rule: state.params and the optimizer state were taken at create,
+        # so a gradient for it would never be applied.
+        raise ValueError(
+            f"parameter {late[0]!r} was frozen when the TrainState was created and now requires "
+            "a gradient: ft.func differentiates state.params only, so it would never train. "
+            "Re-create the state after unfreezing (ft.TrainState.create(model, optimizer, ...))"
+        )
+    out = {n: p for n, p in state.params.items() if p.requires_grad}
+    for n, p in out.items():
         if state.strategy.is_distributed(p):
             raise FuncError(
                 f"parameter {n!r} is distributed over processes (FSDP, TP): ft.func needs "
                 "whole parameters; use SingleDevice or DDP"
             )
-    return {f"model.{n}": p.detach() for n, p in state.params.items()}
+    return out
+
+
+def _params(trainable: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {f"model.{n}": p.detach() for n, p in trainable.items()}
 
 
 def _num_examples(batch: Any) -> int:
@@ -89,8 +104,8 @@ def _num_examples(batch: Any) -> int:
 
 
 def _chunks(batch: Any, chunk_size: int | None) -> Iterator[Any]:
-    n = _num_examples(batch)
-    step = n if chunk_size is None else chunk_size
+    n = _num_examples(batch)  # 0 (an empty batch, e.g. drawn by Poisson sampling): no chunk
+    step = max(n, 1) if chunk_size is None else chunk_size
     for start in range(0, n, step):
         yield tree_map(lambda t, s=start: t[s : s + step], batch)
 
@@ -177,11 +192,15 @@ def per_sample_grads(
     _validate_chunk(chunk_size)
     check_int("micro_index", micro_index, low=0)
     fn = _example_fn(state, loss_fn, vectorize=chunk_size != 1)
-    params, parts = _params(state), []
+    trainable = _trainable(state)
+    params = _params(trainable)
+    # A rank's ZeroWeight stand-in holds another rank's row: this rank has no example.
+    batch, weight = weighted(batch)
+    parts = [{k: p.new_zeros((0, *p.shape)) for k, p in params.items()}]
     with _Seeded(state, micro_index):
-        for chunk in _chunks(state.strategy.to_device(batch), chunk_size):
+        for chunk in _chunks(state.strategy.to_device(batch), chunk_size) if weight else ():
             parts.append(_run(state, fn, params, chunk)[0])
-    return {n: torch.cat([p[f"model.{n}"] for p in parts]) for n in state.params}
+    return {n: torch.cat([p[f"model.{n}"] for p in parts]) for n in trainable}
 
 
 class _Seeded:
@@ -367,11 +386,16 @@ def private_grads(
     if len(micro) == 0:
         raise ValueError("micro is empty: pass the list of micro-batches yielded by make_batches")
     fn = _example_fn(state, loss_fn, vectorize=chunk_size != 1)
-    params, device = _params(state), state.strategy.device
+    trainable, device = _trainable(state), state.strategy.device
+    params = _params(trainable)
     members = isinstance(state.strategy.unwrap(state.model), Ensemble)
-    total = {n: torch.zeros_like(p) for n, p in state.params.items()}
-    losses, items, tokens, examples = [], [], [], 0
+    total = {n: torch.zeros_like(p) for n, p in trainable.items()}
+    zero = torch.zeros((), device=device)
+    losses, items, tokens, examples = [zero], [zero.double()], [zero.long()], 0
     for i, batch in enumerate(micro):
+        batch, weight = weighted(batch)
+        if not weight:  # a ZeroWeight stand-in: no example of this step, nothing to count
+            continue
         batch = state.strategy.to_device(batch)
         with _Seeded(state, i):
             for chunk in _chunks(batch, chunk_size):
@@ -380,8 +404,8 @@ def private_grads(
                 clipped = clip_examples(per_example, max_norm, members=members)
                 torch._foreach_add_(list(total.values()), list(clipped.values()))
                 losses.append(loss.sum())
-                items.append(n.sum())
-        tokens.append(torch.as_tensor(batch_counts(batch)[0], device=device))
+                items.append(n.sum().double())
+        tokens.append(torch.as_tensor(batch_counts(batch)[0], device=device).long())
         # The examples clipped, as `_chunks` splits them (a nested batch's first field is no count).
         examples += _num_examples(batch)
     if noise_multiplier > 0:
@@ -391,10 +415,12 @@ def private_grads(
         torch._foreach_add_(list(total.values()), list(noise.values()))
     denom = examples if expected_batch_size is None else expected_batch_size
     grads = {n: t / denom for n, t in total.items()}
+    # float64, as accumulate_grads counts: a weighted loss may count fractional items (0.5 in
+    # all was 0 as an int, and clip_and_step skipped the step as one that counted nothing).
     num_items = torch.stack(items).sum()
     stats = Stats(
-        loss=(torch.stack(losses).sum() / num_items.clamp(min=1)).float(),
-        num_items=num_items.long(),
+        loss=(torch.stack(losses).sum() / num_items).float(),  # NaN over no item, as the core's
+        num_items=num_items,
         num_tokens=torch.stack(tokens).sum().long(),
         num_samples=torch.tensor(examples, device=device),
         num_micro=len(micro),
