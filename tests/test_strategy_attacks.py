@@ -169,3 +169,27 @@ def test_seeds_that_differ_between_ranks_are_refused(two_ranks):
             "error", ""
         ), got
         assert got["same_seed"] == {"value": 7}, got
+
+
+def test_to_device_keeps_a_namedtuple_batch_whole():
+    """`type(batch)(generator)` filled a NamedTuple's first field only: a NamedTuple batch
+    raised inside accumulate_grads, and a ZeroWeight stand-in came back holding a generator."""
+    from typing import NamedTuple
+
+    from ftrain.data import ZeroWeight
+
+    class Pair(NamedTuple):
+        x: torch.Tensor
+        y: torch.Tensor
+
+    strategy = ft.strategies.SingleDevice("cpu")
+    pair = strategy.to_device(Pair(torch.ones(2, 8), torch.zeros(2, 4)))
+    assert type(pair) is Pair and pair.y.shape == (2, 4)
+    stand_in = strategy.to_device(ZeroWeight({"x": torch.ones(1)}))
+    assert type(stand_in) is ZeroWeight and torch.equal(stand_in.batch["x"], torch.ones(1))
+    model = torch.nn.Linear(8, 4)
+    state = ft.TrainState.create(model, ft.optim.sgd())
+    grads, stats = ft.accumulate_grads(
+        state, [pair], lambda m, b: (((m(b.x) - b.y) ** 2).sum(), b.y.numel())
+    )
+    assert set(grads) == {"weight", "bias"} and int(stats.num_samples) == 2

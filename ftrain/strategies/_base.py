@@ -348,6 +348,8 @@ def move_to(batch: Any, device: torch.device) -> Any:
         return batch if batch.device == device else batch.to(device, non_blocking=True)
     if isinstance(batch, Mapping):
         return {k: move_to(v, device) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a NamedTuple takes fields
+        return type(batch)(*(move_to(v, device) for v in batch))
     if isinstance(batch, (list, tuple)):
         return type(batch)(move_to(v, device) for v in batch)
     return batch
