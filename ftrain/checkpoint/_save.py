@@ -795,7 +795,13 @@ class _Background:
 def _start(job: _Job, write: Callable[[], Path]) -> None:
     with STATE.save_lock:
         bg = STATE.save_in_flight = _Background(job.step, write, job.root)
-        bg.start()
+        try:
+            bg.start()
+        except BaseException as e:
+            # A thread that never ran never sets its Event: left recorded, every later
+            # checkpoint call and the exit would wait for it forever.
+            STATE.save_in_flight = None
+            raise _failure(f"starting the background save of step {job.step} failed", e) from e
 
 
 def wait_for_checkpoint() -> Path | None:
