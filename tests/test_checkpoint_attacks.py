@@ -8,11 +8,9 @@ stale `latest_checkpoint`, a copy of a state whose EMA swap is never undone.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import threading
 import time
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
@@ -20,6 +18,7 @@ import torch
 
 import ftrain as ft
 from ftrain.checkpoint import CheckpointMismatchError, CheckpointMismatchWarning, _save
+from helpers import edit_state_json
 
 
 def _mlp() -> torch.nn.Module:
@@ -29,15 +28,6 @@ def _mlp() -> torch.nn.Module:
 
 def _state(**kw: Any) -> ft.TrainState:
     return ft.TrainState.create(_mlp(), ft.optim.adamw(), **kw)
-
-
-def _reseal(path: Path, mutate: Any) -> None:
-    """Edit state.json and record its new digest: what someone who can write the folder does."""
-    meta = json.loads((path / "state.json").read_text())
-    mutate(meta)
-    (path / "state.json").write_text(json.dumps(meta))
-    digest = hashlib.sha256((path / "state.json").read_bytes()).hexdigest()
-    (path / "COMMITTED").write_text(json.dumps({"state.json": digest}))
 
 
 # --- a save never commits what no load accepts ------------------------------------------------
@@ -183,7 +173,7 @@ def test_frozen_parameters_that_differ_are_a_mismatch(tmp_path):
 def test_forged_counters_out_of_their_range_are_refused(tmp_path, field, value):
     fp16 = ft.strategies.SingleDevice("cpu", precision="fp16")
     path = ft.save_checkpoint(_state(strategy=fp16), tmp_path)
-    _reseal(path, lambda m: m["fields"].__setitem__(field, value))
+    edit_state_json(path, lambda m: m["fields"].__setitem__(field, value))
     with pytest.raises(ft.CheckpointError, match=rf"state field '{field}'"):
         ft.load_checkpoint(path, _state(strategy=fp16))
 

@@ -4,7 +4,6 @@ its fields cannot hold (they were stepped on and saved). Each test failed before
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ import torch
 
 import ftrain as ft
 from ftrain.checkpoint import CheckpointMismatchError, CheckpointMismatchWarning
+from helpers import edit_state_json
 
 
 def _mlp() -> torch.nn.Module:
@@ -31,15 +31,6 @@ def _trained(opt: ft.optim.Optimizer, root: Path) -> Path:
     grads = {n: torch.full_like(p, 0.5) for n, p in state.params.items()}
     state, _ = ft.clip_and_step(state, grads, lr=0.1)
     return ft.save_checkpoint(state, root)
-
-
-def _reseal(path: Path, mutate: Any) -> None:
-    """Edit state.json and record its new digest (a checkpoint of an older ftrain, or forged)."""
-    meta = json.loads((path / "state.json").read_text())
-    mutate(meta)
-    (path / "state.json").write_text(json.dumps(meta))
-    digest = hashlib.sha256((path / "state.json").read_bytes()).hexdigest()
-    (path / "COMMITTED").write_text(json.dumps({"state.json": digest}))
 
 
 def _part(name: str) -> str:
@@ -144,7 +135,7 @@ def test_strict_false_loads_another_setting_with_a_warning(tmp_path):
 def test_a_checkpoint_without_recorded_settings_loads_as_before(tmp_path):
     """Checkpoints written before the settings were recorded hold none: nothing to compare."""
     path = _trained(ft.optim.adamw(weight_decay=0.1), tmp_path)
-    _reseal(path, lambda meta: meta.pop("optimizer_settings", None))
+    edit_state_json(path, lambda meta: meta.pop("optimizer_settings", None))
     state = ft.load_checkpoint(path, _state(ft.optim.adam()))
     assert state.step == 1
 
@@ -156,7 +147,7 @@ def test_a_checkpoint_without_recorded_settings_loads_as_before(tmp_path):
 )
 def test_forged_settings_fail_cleanly(tmp_path, forged):
     path = _trained(ft.optim.adamw(), tmp_path)
-    _reseal(path, lambda meta: meta.update(optimizer_settings=forged))
+    edit_state_json(path, lambda meta: meta.update(optimizer_settings=forged))
     with pytest.raises(CheckpointMismatchError, match="the optimizer differs"):
         ft.load_checkpoint(path, _state(ft.optim.adamw()))
 

@@ -270,14 +270,20 @@ def _setting_line(name: str, saved: Any, ours: Any) -> str:
 
 def _settings_cause(diffs: list[str]) -> str | None:
     """The summary line of a load refused for the optimizer's settings."""
+    return _cause(
+        diffs, _SETTING, "the optimizer differs from the checkpoint's",
+        "build the state with the checkpoint's optimizer, or pass strict=False to load its state "
+        "into this one",
+    )  # fmt: skip
+
+
+def _cause(diffs: list[str], prefix: str, what: str, fix: str) -> str | None:
+    """`what: <first two differences> (+n more); fix`, or None without differences."""
     if not diffs:
         return None
-    first = "; ".join(d.removeprefix(_SETTING) for d in diffs[:2])
+    first = "; ".join(d.removeprefix(prefix) for d in diffs[:2])
     more = f" (+{len(diffs) - 2} more)" if len(diffs) > 2 else ""
-    return (
-        f"the optimizer differs from the checkpoint's: {first}{more}; build the state with "
-        "the checkpoint's optimizer, or pass strict=False to load its state into this one"
-    )
+    return f"{what}: {first}{more}; {fix}"
 
 
 _ADAPTER = "adapter setting "  # how each line of `_adapter_diffs` opens
@@ -301,14 +307,11 @@ def _adapter_diffs(saved: Any, ours: dict[str, Any] | None) -> list[str]:
 
 
 def _adapter_cause(diffs: list[str]) -> str | None:
-    if not diffs:
-        return None
-    first = "; ".join(d.removeprefix(_ADAPTER) for d in diffs[:2])
-    more = f" (+{len(diffs) - 2} more)" if len(diffs) > 2 else ""
-    return (
-        f"the model's LoRA adapter differs from the checkpoint's: {first}{more}; apply the "
-        "adapter with the checkpoint's settings (its state.json holds them under 'peft')"
-    )
+    return _cause(
+        diffs, _ADAPTER, "the model's LoRA adapter differs from the checkpoint's",
+        "apply the adapter with the checkpoint's settings (its state.json holds them under "
+        "'peft')",
+    )  # fmt: skip
 
 
 def _check_args(path: Any, state: Any, **flags: Any) -> None:

@@ -167,3 +167,17 @@ def reverse_rows(n: int, seed: int = 0, *, lo: int = 2, hi: int = 7):
         ids = [rng.randrange(3, 13) for _ in range(rng.randrange(lo, hi))]
         rows.append({"input_ids": ids, "labels": [*ids[::-1], 1]})
     return rows
+
+
+def edit_state_json(path, mutate) -> None:
+    """Edit a checkpoint's state.json with `mutate(meta)` and record its new digest in
+    COMMITTED: what someone who can write the folder does (a forged file), or a checkpoint of an
+    older ftrain."""
+    import hashlib
+    import json
+
+    meta = json.loads((path / "state.json").read_text())
+    mutate(meta)
+    (path / "state.json").write_text(json.dumps(meta))
+    digest = hashlib.sha256((path / "state.json").read_bytes()).hexdigest()
+    (path / "COMMITTED").write_text(json.dumps({"state.json": digest}))
