@@ -111,13 +111,25 @@ def train(state: ft.TrainState, data: Any, *, steps: int, lr: float, collate: An
     return state.replace(epoch=0, data=state.data.replace(cursor=0, position=None))
 
 
+def at_least(low: int):
+    """An argparse type: an int >= `low` (argparse's error then names the flag)."""
+
+    def parse(text: str) -> int:
+        if int(text) < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text}")
+        return int(text)
+
+    parse.__name__ = "int"  # argparse's message for a non-number: "invalid int value"
+    return parse
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sft-steps", type=int, default=150)
-    p.add_argument("--dpo-steps", type=int, default=60)
+    p.add_argument("--sft-steps", type=at_least(0), default=150)
+    p.add_argument("--dpo-steps", type=at_least(0), default=60)
     p.add_argument("--beta", type=float, default=0.1)
     p.add_argument("--dpo-lr", type=float, default=5e-4)
-    p.add_argument("--rows", type=int, default=800, help="training rows (and pairs)")
+    p.add_argument("--rows", type=at_least(1), default=800, help="training rows (and pairs)")
     p.add_argument("--hidden", type=int, default=128, help="hidden size (sft_lora.py: 128)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

@@ -34,16 +34,30 @@ def load_bbc():
     return ds.cast_column("label", ClassLabel(names=topics))
 
 
+def at_least(low: int):
+    """An argparse type: an int >= `low` (argparse's error then names the flag)."""
+
+    def parse(text: str) -> int:
+        if int(text) < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text}")
+        return int(text)
+
+    parse.__name__ = "int"  # argparse's message for a non-number: "invalid int value"
+    return parse
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--max-length", type=int, default=128, help="tokens kept per article")
+    p.add_argument("--epochs", type=at_least(1), default=3)
+    p.add_argument("--batch-size", type=at_least(1), default=16)
+    p.add_argument("--max-length", type=at_least(1), default=128, help="tokens kept per article")
     p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--max-train", type=int, default=None, help="use only this many articles")
-    p.add_argument("--max-test", type=int, default=None)
+    p.add_argument(
+        "--max-train", type=at_least(1), default=None, help="use only this many articles"
+    )
+    p.add_argument("--max-test", type=at_least(1), default=None)
     p.add_argument("--out", default="runs/finetune_classifier", help="checkpoints and logs")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -63,9 +77,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     split = load_bbc().train_test_split(test_size=0.2, seed=args.seed, stratify_by_column="label")
     train, test = split["train"], split["test"]
-    if args.max_train:
+    if args.max_train is not None:
         train = train.select(range(min(args.max_train, len(train))))
-    if args.max_test:
+    if args.max_test is not None:
         test = test.select(range(min(args.max_test, len(test))))
 
     def encode(batch):
@@ -89,6 +103,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     lr = ft.schedules.warmup_linear(peak_lr=args.lr, warmup_steps=total // 10, total_steps=total)
     if (ckpt := ft.latest_checkpoint(args.out)) is not None:
         state = ft.load_checkpoint(ckpt, state)
+        if state.seed != args.seed:  # --seed splits the data: another would test on trained rows
+            raise ValueError(
+                f"--seed {args.seed}, but {ckpt} was trained with --seed {state.seed} (it also "
+                f"splits train and test); pass --seed {state.seed}, or another --out"
+            )
         print(f"resumed from {ckpt} (step {state.step})")
 
     def test_metrics() -> dict[str, float]:

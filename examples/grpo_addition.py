@@ -145,26 +145,60 @@ def train(
     return state
 
 
+def at_least(low: int):
+    """An argparse type: an int >= `low` (argparse's error then names the flag)."""
+
+    def parse(text: str) -> int:
+        if int(text) < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text}")
+        return int(text)
+
+    parse.__name__ = "int"  # argparse's message for a non-number: "invalid int value"
+    return parse
+
+
+def check_resume(args: Any, state: ft.TrainState, ckpt: Path) -> None:
+    """Refuse a resume that would not continue the checkpoint's run (flags it would ignore)."""
+    if state.seed != args.seed:  # the prompts, the completions and the reference follow it
+        raise ValueError(
+            f"--seed {args.seed}, but {ckpt} was trained with --seed {state.seed}; pass "
+            f"--seed {state.seed}, or another --root"
+        )
+    if state.step % args.iterations:  # saves fall on multiples of --iterations: none would
+        raise ValueError(
+            f"--iterations {args.iterations}, but {ckpt} is at step {state.step}, not a multiple "
+            "of it (another --iterations made it): pass the run's --iterations"
+        )
+
+
 def main(argv: list[str] | None = None) -> list[float]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=200, help="optimizer updates")
-    p.add_argument("--prompts", type=int, default=32, help="prompts per rollout batch")
-    p.add_argument("--generations", type=int, default=8, help="completions per prompt (G)")
-    p.add_argument("--iterations", type=int, default=2, help="updates per rollout batch")
+    p.add_argument("--steps", type=at_least(1), default=200, help="optimizer updates")
+    p.add_argument("--prompts", type=at_least(1), default=32, help="prompts per rollout batch")
+    p.add_argument("--generations", type=at_least(1), default=8, help="completions per prompt (G)")
+    p.add_argument("--iterations", type=at_least(1), default=2, help="updates per rollout batch")
     p.add_argument("--loss-type", default="dapo", choices=["grpo", "bnpo", "dr_grpo", "dapo"])
     p.add_argument("--beta", type=float, default=0.04, help="KL penalty to the starting model")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--root", default=None, help="checkpoint folder (resumes from it)")
-    p.add_argument("--save-every", type=int, default=5, help="rollout batches between saves")
+    p.add_argument(
+        "--save-every", type=at_least(1), help="with --root: rollout batches between saves (5)"
+    )
     p.add_argument("--log", type=Path, default=None, help="JSONL of the mean reward per step")
     args = p.parse_args(argv)
+    if args.steps % args.iterations:  # every rollout batch makes --iterations updates
+        p.error(f"--steps {args.steps} is not a multiple of --iterations {args.iterations}")
+    if args.save_every is not None and not args.root:
+        p.error(f"--save-every {args.save_every} saves into --root: pass --root DIR")
+    args.save_every = args.save_every or 5
 
     model = build_model(args.seed)
     reference = copy.deepcopy(model).eval().requires_grad_(False) if args.beta else None
     state = ft.TrainState.create(model, ft.optim.adamw(weight_decay=0.0), seed=args.seed)
     if args.root and (ckpt := ft.latest_checkpoint(args.root)) is not None:
         state = ft.load_checkpoint(ckpt, state)
+        check_resume(args, state, ckpt)
     curve: list[float] = []
 
     def log(state: ft.TrainState, rollouts: Any, rewards: list[torch.Tensor]) -> None:

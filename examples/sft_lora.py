@@ -86,19 +86,40 @@ def pretrain_base(out: Path, rows: list[dict[str, str]], steps: int, seed: int) 
     print(f"pretrained the base for {steps} steps: loss {float(stats.loss):.3f}")
     state.model.save_pretrained(out)
     tok.save_pretrained(out)
+    (out / "pretrain_steps.txt").write_text(f"{steps}\n")  # what a later run may compare
+
+
+def pretrained_steps(base: Path) -> int | None:
+    """The steps `base` was pretrained for (None for a base made before this was recorded)."""
+    record = base / "pretrain_steps.txt"
+    return int(record.read_text()) if record.is_file() else None
+
+
+def at_least(low: int):
+    """An argparse type: an int >= `low` (argparse's error then names the flag)."""
+
+    def parse(text: str) -> int:
+        if int(text) < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text}")
+        return int(text)
+
+    parse.__name__ = "int"  # argparse's message for a non-number: "invalid int value"
+    return parse
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--max-steps", type=int, default=250)
-    p.add_argument("--batch-size", type=int, default=16)  # per_device_train_batch_size
-    p.add_argument("--accum", type=int, default=1)  # gradient_accumulation_steps
+    p.add_argument("--max-steps", type=at_least(1), default=250)
+    p.add_argument("--batch-size", type=at_least(1), default=16)  # per_device_train_batch_size
+    p.add_argument("--accum", type=at_least(1), default=1)  # gradient_accumulation_steps
     p.add_argument("--lr", type=float, default=2e-3)  # learning_rate (tiny model: higher)
-    p.add_argument("--lora-r", type=int, default=16)
-    p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--pretrain-steps", type=int, default=300, help="for the base, once")
+    p.add_argument("--lora-r", type=at_least(1), default=16)
+    p.add_argument("--eval-every", type=at_least(1), default=50)
+    p.add_argument("--pretrain-steps", type=at_least(1), default=300, help="for the base, once")
     p.add_argument("--qlora", action="store_true", help="4-bit NF4 base weights (bitsandbytes)")
-    p.add_argument("--stop-at", type=int, help="leave after this step, as a job time limit would")
+    p.add_argument(
+        "--stop-at", type=at_least(1), help="leave after this step, as a job time limit would"
+    )
     p.add_argument("--group-by-length", action="store_true", help="HF's length-grouped order")
     p.add_argument("--out", default="runs/sft_lora", help="checkpoints and adapters")
     p.add_argument("--seed", type=int, default=0)
@@ -108,6 +129,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     base = Path(args.out) / "base"
     if not (base / "config.json").is_file():
         pretrain_base(base, train_rows, args.pretrain_steps, args.seed)
+    elif (made := pretrained_steps(base)) not in (None, args.pretrain_steps):
+        raise ValueError(  # the base is made once and reused: another count would not act
+            f"--pretrain-steps {args.pretrain_steps}, but {base} holds a base pretrained for "
+            f"{made} steps (made once, reused); pass --pretrain-steps {made}, or delete {base}"
+        )
     tok = AutoTokenizer.from_pretrained(base)
 
     # Data: alpaca rows -> {input, output} -> token ids with the prompt masked (qlora.py).
@@ -130,6 +156,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     lr = ft.schedules.warmup_constant(args.lr, warmup_steps=int(0.03 * args.max_steps))
     if (ckpt := ft.latest_checkpoint(args.out)) is not None:
         state = ft.load_checkpoint(ckpt, state)
+        if state.seed != args.seed:  # --seed draws the rows: another would train on other data
+            raise ValueError(
+                f"--seed {args.seed}, but {ckpt} was trained with --seed {state.seed} (it also "
+                f"draws the instructions); pass --seed {state.seed}, or another --out"
+            )
         print(f"resumed from {ckpt} (step {state.step})")
 
     def eval_loss() -> float:

@@ -170,6 +170,11 @@ def train_and_export(args, model, optimizer, strategy, train, val) -> float:
     lr = ft.schedules.cosine_with_min_lr(1e-3, 100, args.max_iters, min_lr=1e-4)
     if args.out and (ckpt := ft.latest_checkpoint(args.out)) is not None:
         state = ft.load_checkpoint(ckpt, state)
+        if state.seed != args.seed:  # the checkpoint's seed orders the data: --seed would not act
+            raise ValueError(
+                f"--seed {args.seed}, but {ckpt} was trained with --seed {state.seed}: a resumed "
+                f"run keeps its checkpoint's seed; pass --seed {state.seed}, or another --out"
+            )
         if main_rank:
             print(f"resumed from {ckpt} (step {state.step})", flush=True)
 
@@ -218,19 +223,35 @@ def train_and_export(args, model, optimizer, strategy, train, val) -> float:
     return final
 
 
+def at_least(low: int):
+    """An argparse type: an int >= `low` (argparse's error then names the flag)."""
+
+    def parse(text: str) -> int:
+        if int(text) < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text}")
+        return int(text)
+
+    parse.__name__ = "int"  # argparse's message for a non-number: "invalid int value"
+    return parse
+
+
 def main(argv: list[str] | None = None) -> float:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--data", type=Path, default=DATA)
-    p.add_argument("--max-iters", type=int, default=2000)
-    p.add_argument("--eval-interval", type=int, default=250)
-    p.add_argument("--eval-iters", type=int, default=20, help="batches per periodic evaluation")
+    p.add_argument("--max-iters", type=at_least(1), default=2000)
+    p.add_argument("--eval-interval", type=at_least(1), default=250)
     p.add_argument(
-        "--final-eval-iters", type=int, default=200, help="batches for the final val_loss"
+        "--eval-iters", type=at_least(1), default=20, help="batches per periodic evaluation"
     )
-    p.add_argument("--log-interval", type=int, default=100)
-    p.add_argument("--batch-size", type=int, default=12, help="global: split over the ranks")
+    p.add_argument(
+        "--final-eval-iters", type=at_least(1), default=200, help="batches for the final val_loss"
+    )
+    p.add_argument("--log-interval", type=at_least(1), default=100)
+    p.add_argument(
+        "--batch-size", type=at_least(1), default=12, help="global: split over the ranks"
+    )
     p.add_argument(
         "--strategy",
         choices=["single", "ddp", "fsdp"],
@@ -241,10 +262,12 @@ def main(argv: list[str] | None = None) -> float:
         "--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="autocast dtype"
     )
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--block-size", type=at_least(1), default=64)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--out", default="runs/shakespeare_char", help="checkpoints; '' for none")
-    p.add_argument("--keep-last", type=int, default=1, help="newest checkpoints kept (+ the best)")
+    p.add_argument(
+        "--keep-last", type=at_least(0), default=1, help="newest checkpoints kept (+ the best)"
+    )
     args = p.parse_args(argv)
 
     train, val, vocab = load(args.data, args.block_size)

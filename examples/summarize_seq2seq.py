@@ -30,9 +30,21 @@ def make_data(n: int, seed: int) -> list[dict[str, list[int]]]:
     return rows
 
 
+def at_least(low: int):
+    """An argparse type: an int >= `low` (argparse's error then names the flag)."""
+
+    def parse(text: str) -> int:
+        if int(text) < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text}")
+        return int(text)
+
+    parse.__name__ = "int"  # argparse's message for a non-number: "invalid int value"
+    return parse
+
+
 def main(argv: list[str] | None = None) -> dict[str, object]:
     args = argparse.ArgumentParser()
-    args.add_argument("--steps", type=int, default=300)
+    args.add_argument("--steps", type=at_least(1), default=300)
     steps = args.parse_args(argv).steps
     torch.manual_seed(0)
     config = T5Config(

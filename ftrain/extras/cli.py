@@ -43,6 +43,8 @@ def inspect(
         meta = open_checkpoint(path, verify=verify, keep=()).meta
     except CheckpointError as e:
         print(f"complete    no: {e}")
+        if runs := _runs_inside(path):  # a folder of runs is not a checkpoint cut short
+            print(f"            {path} is a folder of run folders: inspect one, e.g. {runs[0]}")
         return 1
     fields = meta["fields"]
     rows = meta["params"]
@@ -88,6 +90,14 @@ def _value(fields: dict[str, Any], name: str) -> object:
 def _short(value: object) -> str:
     text = str(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _runs_inside(path: Path) -> list[Path]:
+    """The run folders directly inside `path` (none when it cannot be listed)."""
+    try:
+        return sorted(p for p in path.iterdir() if p.is_dir() and _is_run_folder(p))
+    except OSError:
+        return []
 
 
 def _is_run_folder(path: Path) -> bool:
@@ -214,6 +224,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "plot":
+        if not args.out.suffix:  # matplotlib would add ".png" and write another file than named
+            parser.error(
+                f"plot -o {args.out}: no file extension, so the image would be written to "
+                f"{args.out}.png; name the file, e.g. -o {args.out}.png"
+            )
         if args.mode == "max" and args.metrics is None:
             # Without --metrics the best step marked is eval_loss's, whose best is its lowest.
             parser.error(
@@ -237,6 +252,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             "loaded from --base with the base's own config, so --config would be ignored; pass "
             "one of them"
         )
+    if _is_run_folder(args.checkpoint):  # one checkpoint exports; a run folder holds several
+        newest = latest_checkpoint(args.checkpoint)
+        print(
+            f"error: {args.checkpoint} is a run folder (step-<N> checkpoints inside), not a "
+            f"checkpoint: export one of them, e.g. {newest or 'step-<N>'} (the newest complete "
+            "one); `python -m ftrain inspect` lists them",
+            file=sys.stderr,
+        )
+        return 1
     try:
         out = export_checkpoint(
             args.checkpoint, args.to, config=args.config, base=args.base, overwrite=args.overwrite
