@@ -173,3 +173,17 @@ def test_cli_export_needs_a_base_for_frozen_parameters(tmp_path, capsys):
     assert torch.equal(
         logits(AutoModelForCausalLM.from_pretrained(tmp_path / "hf")), logits(state.model)
     )
+
+
+def test_export_of_a_model_type_transformers_does_not_know_names_the_way_out(tmp_path):
+    """The main example's CharGPT (model_type "char_gpt"): the export failed with
+    transformers' message listing every model type it knows (kilobytes, no way out)."""
+    from transformers import LlamaConfig
+
+    state = ft.TrainState.create(tiny_llama(), ft.optim.adamw())
+    path = ft.save_checkpoint(state, tmp_path / "run")
+    config = LlamaConfig.from_pretrained(path).to_dict() | {"model_type": "char_gpt"}
+    (tmp_path / "config.json").write_text(__import__("json").dumps(config))
+    with pytest.raises(ft.checkpoint.CheckpointError, match="'char_gpt' is not registered") as e:
+        ft.export_checkpoint(path, tmp_path / "hf", config=tmp_path / "config.json")
+    assert "ft.export_pretrained" in str(e.value) and len(str(e.value)) < 600

@@ -263,7 +263,16 @@ def _build(
         if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
             raise ValueError("not a JSON object with a 'model_type'")
         settings = dict(raw)
-        cfg = transformers.AutoConfig.for_model(settings.pop("model_type"), **settings)
+        kind = settings.pop("model_type")
+        if kind not in transformers.CONFIG_MAPPING:  # transformers' own error lists every type
+            raise CheckpointError(
+                f"cannot build a model from the config of {path}: its model_type {kind!r} is "
+                "not registered with transformers' Auto classes (a model of your own, such as "
+                "the examples' char_gpt): export it from your script with "
+                "ft.export_pretrained, or register it (AutoConfig.register, "
+                "AutoModelForCausalLM.register) before exporting"
+            )
+        cfg = transformers.AutoConfig.for_model(kind, **settings)
         arch = (getattr(cfg, "architectures", None) or [None])[0]
         cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
         if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
