@@ -26,6 +26,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import ftrain as ft
+from ftrain.extras.cli import at_least
 
 _SPEC = importlib.util.spec_from_file_location("sft_lora", Path(__file__).parent / "sft_lora.py")
 assert _SPEC is not None and _SPEC.loader is not None
@@ -109,18 +110,6 @@ def train(state: ft.TrainState, data: Any, *, steps: int, lr: float, collate: An
         else:
             state = ft.next_epoch(state)
     return state.replace(epoch=0, data=state.data.replace(cursor=0, position=None))
-
-
-def at_least(low: int):
-    """An argparse type: an int >= `low` (argparse's error then names the flag)."""
-
-    def parse(text: str) -> int:
-        if int(text) < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text}")
-        return int(text)
-
-    parse.__name__ = "int"  # argparse's message for a non-number: "invalid int value"
-    return parse
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:

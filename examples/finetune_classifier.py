@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from ftrain.extras.cli import at_least
+
 
 def load_bbc():
     """The BBC News corpus as a `datasets.Dataset` with `text` and a 5-way `label`."""
@@ -32,18 +34,6 @@ def load_bbc():
             labels.append(i)
     ds = Dataset.from_dict({"text": texts, "label": labels})
     return ds.cast_column("label", ClassLabel(names=topics))
-
-
-def at_least(low: int):
-    """An argparse type: an int >= `low` (argparse's error then names the flag)."""
-
-    def parse(text: str) -> int:
-        if int(text) < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text}")
-        return int(text)
-
-    parse.__name__ = "int"  # argparse's message for a non-number: "invalid int value"
-    return parse
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:

@@ -27,6 +27,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import ftrain as ft
+from ftrain.extras.cli import at_least
 
 PAD, EOS, PLUS, EQUALS, ZERO = 0, 1, 2, 3, 4  # digits d are token ZERO + d
 MAX_NEW_TOKENS = 3
@@ -143,18 +144,6 @@ def train(
         else:
             state = ft.next_epoch(state)
     return state
-
-
-def at_least(low: int):
-    """An argparse type: an int >= `low` (argparse's error then names the flag)."""
-
-    def parse(text: str) -> int:
-        if int(text) < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text}")
-        return int(text)
-
-    parse.__name__ = "int"  # argparse's message for a non-number: "invalid int value"
-    return parse
 
 
 def check_resume(args: Any, state: ft.TrainState, ckpt: Path) -> None:

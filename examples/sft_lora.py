@@ -34,6 +34,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import ftrain as ft
+from ftrain.extras.cli import at_least
 
 TEXT = Path(__file__).parent / "data" / "tinyshakespeare.txt"
 
@@ -93,18 +94,6 @@ def pretrained_steps(base: Path) -> int | None:
     """The steps `base` was pretrained for (None for a base made before this was recorded)."""
     record = base / "pretrain_steps.txt"
     return int(record.read_text()) if record.is_file() else None
-
-
-def at_least(low: int):
-    """An argparse type: an int >= `low` (argparse's error then names the flag)."""
-
-    def parse(text: str) -> int:
-        if int(text) < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text}")
-        return int(text)
-
-    parse.__name__ = "int"  # argparse's message for a non-number: "invalid int value"
-    return parse
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:

@@ -39,6 +39,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutput
 
 import ftrain as ft
+from ftrain.extras.cli import at_least
 
 try:  # transformers 5: leaves weights that from_pretrained loaded alone
     from transformers import initialization as init
@@ -221,18 +222,6 @@ def train_and_export(args, model, optimizer, strategy, train, val) -> float:
         print(f"train_time={time.perf_counter() - start:.1f}s")
         print(f"val_loss={final:.4f}")
     return final
-
-
-def at_least(low: int):
-    """An argparse type: an int >= `low` (argparse's error then names the flag)."""
-
-    def parse(text: str) -> int:
-        if int(text) < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text}")
-        return int(text)
-
-    parse.__name__ = "int"  # argparse's message for a non-number: "invalid int value"
-    return parse
 
 
 def main(argv: list[str] | None = None) -> float:

@@ -16,6 +16,7 @@ import torch
 from transformers import T5Config, T5ForConditionalGeneration
 
 import ftrain as ft
+from ftrain.extras.cli import at_least
 
 PAD, EOS, DIGIT0 = 0, 1, 3  # ids 3..12 are the digits 0..9
 
@@ -28,18 +29,6 @@ def make_data(n: int, seed: int) -> list[dict[str, list[int]]]:
         ids = [DIGIT0 + rng.randrange(10) for _ in range(rng.randrange(3, 9))]
         rows.append({"input_ids": ids, "labels": [*ids[::-1], EOS]})
     return rows
-
-
-def at_least(low: int):
-    """An argparse type: an int >= `low` (argparse's error then names the flag)."""
-
-    def parse(text: str) -> int:
-        if int(text) < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text}")
-        return int(text)
-
-    parse.__name__ = "int"  # argparse's message for a non-number: "invalid int value"
-    return parse
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:

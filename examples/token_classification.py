@@ -21,6 +21,7 @@ import torch
 from transformers import BertConfig, BertForTokenClassification
 
 import ftrain as ft
+from ftrain.extras.cli import at_least
 
 TAGS = ["O", "B-NAME", "I-NAME"]
 PAD, NAME0, VOCAB = 0, 40, 61
@@ -37,18 +38,6 @@ def make_data(n: int, seed: int) -> list[dict[str, list[int]]]:
                 for i, w in enumerate(words)]  # fmt: skip
         rows.append({"input_ids": [1, *words], "labels": [-100, *tags]})
     return rows
-
-
-def at_least(low: int):
-    """An argparse type: an int >= `low` (argparse's error then names the flag)."""
-
-    def parse(text: str) -> int:
-        if int(text) < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text}")
-        return int(text)
-
-    parse.__name__ = "int"  # argparse's message for a non-number: "invalid int value"
-    return parse
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:

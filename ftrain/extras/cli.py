@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +180,28 @@ def _bad_lines(path: Path, bad: list[tuple[int, str]], shown: int = 20) -> str:
     listed = ", ".join(f"line {n} ({why})" for n, why in bad[:shown])
     more = f", and {len(bad) - shown} more" if len(bad) > shown else ""
     return f"warning: skipped {len(bad)} bad line(s) of {path}: {listed}{more}"
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse `type=`: an int >= `low`, so that argparse's error names the flag
+    (`argument --batch-size: must be an integer >= 1, got 0`). The examples' count flags use it.
+
+    Example:
+        >>> import argparse
+        >>> from ftrain.extras.cli import at_least
+        >>> p = argparse.ArgumentParser()
+        >>> _ = p.add_argument("--steps", type=at_least(1))
+        >>> p.parse_args(["--steps", "3"]).steps
+        3
+    """
+
+    def parse(text: str) -> int:
+        if int(text) < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text}")
+        return int(text)
+
+    parse.__name__ = "int"  # argparse's message for a non-number: "invalid int value"
+    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
