@@ -1,6 +1,5 @@
 """Examples are real programs; run them (shortened) so they never rot."""
 
-import importlib.util
 import math
 import os
 import re
@@ -13,6 +12,7 @@ import safetensors.torch
 import torch
 
 import ftrain as ft
+from helpers import load_example
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
@@ -21,16 +21,8 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 GOLDEN = [3.4612, 2.7026, 2.1871, 1.8308, 1.6586, 1.5400]
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_minimal_loop_golden_loss_curve():
-    losses = _load("minimal_loop").main([])
+    losses = load_example("minimal_loop").main([])
     assert losses == pytest.approx(GOLDEN, rel=3e-3)
 
 
@@ -56,7 +48,9 @@ SHORT = SHORT.split()
 
 def test_shakespeare_char_short_run(capsys, tmp_path):
     out_dir = tmp_path / "run"
-    final = _load("shakespeare_char").main(["--out", str(out_dir), "--keep-last", "2", *SHORT])
+    final = load_example("shakespeare_char").main(
+        ["--out", str(out_dir), "--keep-last", "2", *SHORT]
+    )
     out = capsys.readouterr().out
     assert re.search(r"^val_loss=\d+\.\d+$", out, re.M)
     # No terminal here: the progress bar prints one line per record (train and eval).
@@ -78,13 +72,13 @@ def test_shakespeare_char_short_run(capsys, tmp_path):
     resumed_dir = tmp_path / "resumed"
     resumed_dir.mkdir()
     shutil.copytree(out_dir / "step-20", resumed_dir / "step-20")
-    again = _load("shakespeare_char").main(["--out", str(resumed_dir), *SHORT])
+    again = load_example("shakespeare_char").main(["--out", str(resumed_dir), *SHORT])
     assert "resumed from" in capsys.readouterr().out
     assert again == final
 
 
 def test_shakespeare_char_model_refuses_what_it_cannot_compute():
-    example = _load("shakespeare_char")
+    example = load_example("shakespeare_char")
     with pytest.raises(ValueError, match="n_embd=130 is not divisible by n_head=4"):
         example.CharGPTConfig(n_embd=130)
     model = example.CharGPT(example.CharGPTConfig(block_size=8, n_layer=1))
@@ -106,7 +100,7 @@ def test_shakespeare_char_mixed_precision(capsys, precision):
     """The example's --precision flag: the same loop learns under autocast (and loss scaling)."""
     args = ["--max-iters", "30", "--eval-interval", "30", "--eval-iters", "1",
             "--final-eval-iters", "4", "--log-interval", "10", "--out", ""]  # fmt: skip
-    final = _load("shakespeare_char").main([*args, "--precision", precision])
+    final = load_example("shakespeare_char").main([*args, "--precision", precision])
     assert "val_loss=" in capsys.readouterr().out
     assert final < math.log(65) - 0.5
 
@@ -115,7 +109,7 @@ def test_finetune_classifier_short_run(tmp_path, capsys):
     """A few steps of the real example: pretrained MiniLM, BBC News, held-out accuracy."""
     out_dir = tmp_path / "clf"
     args = ["--epochs", "1", "--max-train", "64", "--max-test", "40", "--max-length", "32"]
-    final = _load("finetune_classifier").main([*args, "--out", str(out_dir)])
+    final = load_example("finetune_classifier").main([*args, "--out", str(out_dir)])
     out = capsys.readouterr().out
     assert final["eval_items"] == 40 and 0.0 <= final["eval_accuracy"] <= 1.0
     assert re.search(r"^test_accuracy=\d\.\d{4} on 40 articles$", out, re.M)
@@ -138,7 +132,7 @@ def test_shakespeare_char_under_torchrun(tmp_path, capsys, strategy):
 
     args = ["--max-iters", "20", "--eval-interval", "10", "--eval-iters", "2",
             "--final-eval-iters", "4", "--log-interval", "10"]  # fmt: skip
-    single = _load("shakespeare_char").main([*args, "--out", str(tmp_path / "one")])
+    single = load_example("shakespeare_char").main([*args, "--out", str(tmp_path / "one")])
     capsys.readouterr()
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
@@ -175,7 +169,7 @@ def test_sft_lora_short_run_saves_adapters_and_resumes_exactly(tmp_path, capsys)
         "20",
         "--group-by-length",
     ]  # fmt: skip  (resuming mid-epoch in HF's length-grouped order)
-    straight = _load("sft_lora").main([*args, "--out", str(tmp_path / "a")])
+    straight = load_example("sft_lora").main([*args, "--out", str(tmp_path / "a")])
     out = capsys.readouterr().out
     assert straight["final"] < straight["first"] - 1.0
     assert "pretrained the base for 30 steps" in out and out.count(" -> ") == 4
@@ -193,8 +187,8 @@ def test_sft_lora_short_run_saves_adapters_and_resumes_exactly(tmp_path, capsys)
     PeftModel.from_pretrained(base, tmp_path / "a" / "adapter")  # loads
     # Interrupted at 20 (same base), then run again: it resumes and finishes identically.
     shutil.copytree(tmp_path / "a" / "base", tmp_path / "b" / "base")
-    _load("sft_lora").main([*args, "--stop-at", "20", "--out", str(tmp_path / "b")])
-    again = _load("sft_lora").main([*args, "--out", str(tmp_path / "b")])
+    load_example("sft_lora").main([*args, "--stop-at", "20", "--out", str(tmp_path / "b")])
+    again = load_example("sft_lora").main([*args, "--out", str(tmp_path / "b")])
     assert "resumed from" in capsys.readouterr().out
     assert again["final"] == straight["final"]
 
@@ -222,7 +216,7 @@ def test_migration_guide_load_best_model_at_end_recipe_runs_as_written(tmp_path)
 def test_summarize_seq2seq_short_run(capsys):
     """A tiny T5 with the README loop and the default loss (no shift for encoder-decoder
     models): the loss falls well below uniform, and ft.generate completes the inputs."""
-    out = _load("summarize_seq2seq").main(["--steps", "40"])
+    out = load_example("summarize_seq2seq").main(["--steps", "40"])
     losses = out["losses"]
     assert len(losses) == 2 and losses[-1] < math.log(16) - 0.8
     assert out["eval_loss"] < math.log(16) - 0.8
@@ -233,8 +227,8 @@ def test_token_classification_short_run(capsys):
     """A tiny BERT tagger with the README loop and the default loss (no shift for token
     classifiers): per-token accuracy from classification_metrics beats tagging everything 'O'
     (about 70% of the tokens), which only a tagger reading its left neighbour can do."""
-    out = _load("token_classification").main(["--steps", "40"])
-    rows = _load("token_classification").make_data(256, seed=1)
+    out = load_example("token_classification").main(["--steps", "40"])
+    rows = load_example("token_classification").make_data(256, seed=1)
     tags = [t for r in rows for t in r["labels"] if t != -100]
     majority = tags.count(0) / len(tags)
     assert out["eval_accuracy"] > majority + 0.1
@@ -254,4 +248,4 @@ def test_every_cookbook_recipe_names_an_example_and_a_test_that_exist():
         tests = re.findall(r"test: `(test_\w+)`", section)
         assert examples and tests, section.splitlines()[0]
         assert (root / "examples" / f"{examples[0]}.py").is_file()
-        assert f"def {tests[0]}(" in here and f'_load("{examples[0]}")' in here
+        assert f"def {tests[0]}(" in here and f'load_example("{examples[0]}")' in here

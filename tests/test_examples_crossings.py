@@ -1,8 +1,6 @@
 """The example programs and the CLI across their flags: every flag acts or raises naming it, and
 a resume that could not continue the checkpoint's run raises instead of running another one."""
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,18 +8,11 @@ import torch
 
 import ftrain as ft
 from ftrain.extras import cli
+from helpers import load_example
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 TINY = ["--eval-iters", "1", "--final-eval-iters", "1", "--log-interval", "1"]
 TINY += ["--batch-size", "2", "--block-size", "8"]
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize(
@@ -41,7 +32,7 @@ def _load(name):
 )
 def test_a_count_out_of_range_is_refused_naming_its_flag(example, flag, value, capsys):
     with pytest.raises(SystemExit) as e:
-        _load(example).main([flag, value])
+        load_example(example).main([flag, value])
     assert e.value.code == 2
     low = 0 if flag == "--keep-last" else 1
     assert f"argument {flag}: must be an integer >= {low}, got {value}" in capsys.readouterr().err
@@ -49,7 +40,7 @@ def test_a_count_out_of_range_is_refused_naming_its_flag(example, flag, value, c
 
 def test_shakespeare_char_refuses_another_seed_on_resume(tmp_path, capsys):
     """The checkpoint's seed orders the data on resume: --seed 1 would be ignored, silently."""
-    example = _load("shakespeare_char")
+    example = load_example("shakespeare_char")
     run = ["--out", str(tmp_path), *TINY, "--eval-interval", "2"]
     example.main([*run, "--max-iters", "2"])
     with pytest.raises(ValueError, match=r"--seed 1, but .*step-2 was trained with --seed 1337"):
@@ -59,7 +50,7 @@ def test_shakespeare_char_refuses_another_seed_on_resume(tmp_path, capsys):
 
 
 def test_grpo_refuses_updates_it_would_not_make_and_saves_it_would_not_write(tmp_path, capsys):
-    example = _load("grpo_addition")
+    example = load_example("grpo_addition")
     for argv, message in [
         (["--steps", "3", "--iterations", "2"], "--steps 3 is not a multiple of --iterations 2"),
         (["--save-every", "2"], "--save-every 2 saves into --root: pass --root DIR"),
@@ -83,7 +74,7 @@ def test_sft_lora_refuses_pretrain_steps_its_reused_base_was_not_made_with(tmp_p
     (base / "config.json").write_text("{}")
     (base / "pretrain_steps.txt").write_text("30\n")
     with pytest.raises(ValueError, match=r"--pretrain-steps 50, but .* pretrained for 30 steps"):
-        _load("sft_lora").main(["--out", str(tmp_path), "--pretrain-steps", "50"])
+        load_example("sft_lora").main(["--out", str(tmp_path), "--pretrain-steps", "50"])
 
 
 @pytest.fixture

@@ -181,3 +181,17 @@ def edit_state_json(path, mutate) -> None:
     (path / "state.json").write_text(json.dumps(meta))
     digest = hashlib.sha256((path / "state.json").read_bytes()).hexdigest()
     (path / "COMMITTED").write_text(json.dumps({"state.json": digest}))
+
+
+def load_example(name: str):
+    """examples/<name>.py as a module (registered in sys.modules: its dataclasses need it)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
