@@ -539,11 +539,13 @@ def test_ensemble_train_and_eval_reach_the_members():
 
 @pytest.mark.slow
 def test_ensemble_example_prints_one_line(capsys):
-    from test_examples import _load
+    from helpers import load_example
 
     threads = torch.get_num_threads()
     try:
-        diff, _ = _load("ensemble").main(["--members", "3", "--epochs", "1", "--repeats", "1"])
+        diff, _ = load_example("ensemble").main(
+            ["--members", "3", "--epochs", "1", "--repeats", "1"]
+        )
     finally:
         torch.set_num_threads(threads)
     lines = capsys.readouterr().out.splitlines()
@@ -556,10 +558,10 @@ def test_ensemble_example_prints_one_line(capsys):
 
 
 def sine_tasks(n, seed=0):
-    from test_examples import _load
+    from helpers import load_example
 
     gen = torch.Generator().manual_seed(seed)
-    return [_load("maml").task(gen, shots=5) for _ in range(n)]
+    return [load_example("maml").task(gen, shots=5) for _ in range(n)]
 
 
 def sine_mlp():
@@ -660,9 +662,9 @@ def test_maml_loss_validates():
 
 @pytest.mark.slow
 def test_maml_example_learns_a_better_initialization_than_random(capsys):
-    from test_examples import _load
+    from helpers import load_example
 
-    learned, scratch = _load("maml").main(
+    learned, scratch = load_example("maml").main(
         ["--steps", "60", "--meta-lr", "0.01", "--eval-tasks", "30"]
     )
     assert re.fullmatch(r"maml_init_loss=\S+ random_init_loss=\S+\n", capsys.readouterr().out)
