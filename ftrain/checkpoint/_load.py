@@ -158,7 +158,9 @@ def load_checkpoint(
     diffs += opt_diffs + field_diffs + settings + adapter
     if diffs and strict:
         cause = (
-            _config_cause(opened, module) or _settings_cause(settings) or _adapter_cause(adapter)
+            _config_cause(opened, module)
+            or _cause(settings, _SETTING, *_CAUSES["optimizer"])
+            or _cause(adapter, _ADAPTER, *_CAUSES["adapter"])
         )
         raise CheckpointMismatchError(path, diffs, cause=cause)
     lazy = sorted(p for p in opt_values if p not in opt_flat)  # a torch optimizer's own state
@@ -268,13 +270,18 @@ def _setting_line(name: str, saved: Any, ours: Any) -> str:
     return f"{_SETTING}{name}: checkpoint has {short(saved)}, state has {short(ours)}"
 
 
-def _settings_cause(diffs: list[str]) -> str | None:
-    """The summary line of a load refused for the optimizer's settings."""
-    return _cause(
-        diffs, _SETTING, "the optimizer differs from the checkpoint's",
-        "build the state with the checkpoint's optimizer, or pass strict=False to load its state "
-        "into this one",
-    )  # fmt: skip
+# The first line of a load refused for settings alone: (what differs, how to go on).
+_CAUSES = {
+    "optimizer": (
+        "the optimizer differs from the checkpoint's",
+        "build the state with the checkpoint's optimizer, or pass strict=False to load its "
+        "state into this one",
+    ),
+    "adapter": (
+        "the model's LoRA adapter differs from the checkpoint's",
+        "apply the adapter with the checkpoint's settings (its state.json holds them under 'peft')",
+    ),
+}
 
 
 def _cause(diffs: list[str], prefix: str, what: str, fix: str) -> str | None:
@@ -304,14 +311,6 @@ def _adapter_diffs(saved: Any, ours: dict[str, Any] | None) -> list[str]:
         for k in _ADAPTER_KEYS
         if k in saved and k in ours and saved[k] != ours[k]
     ]
-
-
-def _adapter_cause(diffs: list[str]) -> str | None:
-    return _cause(
-        diffs, _ADAPTER, "the model's LoRA adapter differs from the checkpoint's",
-        "apply the adapter with the checkpoint's settings (its state.json holds them under "
-        "'peft')",
-    )  # fmt: skip
 
 
 def _check_args(path: Any, state: Any, **flags: Any) -> None:
