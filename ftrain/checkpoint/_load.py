@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -271,17 +272,20 @@ def _setting_line(name: str, saved: Any, ours: Any) -> str:
 
 
 # The first line of a load refused for settings alone: (what differs, how to go on).
-_CAUSES = {
-    "optimizer": (
-        "the optimizer differs from the checkpoint's",
-        "build the state with the checkpoint's optimizer, or pass strict=False to load its "
-        "state into this one",
-    ),
-    "adapter": (
-        "the model's LoRA adapter differs from the checkpoint's",
-        "apply the adapter with the checkpoint's settings (its state.json holds them under 'peft')",
-    ),
-}
+_CAUSES = MappingProxyType(
+    {
+        "optimizer": (
+            "the optimizer differs from the checkpoint's",
+            "build the state with the checkpoint's optimizer, or pass strict=False to load its "
+            "state into this one",
+        ),
+        "adapter": (
+            "the model's LoRA adapter differs from the checkpoint's",
+            "apply the adapter with the checkpoint's settings (its state.json holds them "
+            "under 'peft')",
+        ),
+    }
+)
 
 
 def _cause(diffs: list[str], prefix: str, what: str, fix: str) -> str | None:
