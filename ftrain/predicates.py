@@ -85,11 +85,19 @@ def should_save(
     state: TrainState, *, every: int | float, total_steps: int | None = None, first: bool = False
 ) -> bool:
     """Like `should_log`, and also true at `total_steps` (so the final model is saved), and
-    once every rank agreed on a preemption signal (`ft.strategies.on_preemption`)."""
-    if should_eval(state, every=every, total_steps=total_steps, first=first):
-        return True
+    once every rank agreed on a preemption signal (`ft.strategies.on_preemption`).
+
+    A yes only because of the preemption (a step the cadence skips) is noted on the handler:
+    the `save_checkpoint` that follows marks its checkpoint preemption-only, and the spike
+    guard's rollback passes over it to the newest checkpoint the cadence wrote, as the run
+    that was never stopped does (`ft.checkpoint.latest_cadence_checkpoint`).
+    """
+    due = should_eval(state, every=every, total_steps=total_steps, first=first)
     preempt = active_preemption()
-    return preempt is not None and preempt.requested
+    if preempt is None or not (due or preempt.requested):
+        return due
+    preempt.note_save(state.step, on_cadence=due)
+    return True
 
 
 def track_best(

@@ -1,10 +1,13 @@
 """Preemption, the spike guard and background saves crossed with each other: a SIGTERM at each
 point of a guarded step (between accumulate_grads and clip_and_step, inside the rollback's
 load, right after a background save started), rollbacks while a save is in flight under
-keep_last=1, and a background save whose thread never starts."""
+keep_last=1, a background save whose thread never starts, and preemption saves off the save
+cadence (marked preemption-only: the resume loads them, the guard rolls back past them)."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import signal
 import threading
@@ -16,7 +19,7 @@ from torch import nn
 import ftrain as ft
 import ftrain.extras.guard as guard_module
 from ftrain import process_state
-from ftrain.checkpoint import CheckpointError
+from ftrain.checkpoint import CheckpointError, retained
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -146,16 +149,139 @@ def test_a_background_save_whose_thread_cannot_start_raises_and_is_not_left_in_f
     assert [p.name for p in tmp_path.iterdir()] == ["step-0"]  # no temporary folder left
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect: a preemption save at a step the save cadence skips becomes the guard's "
-    "rollback target after the resume; the run never stopped rolled back to the older cadence "
-    "checkpoint (fix needs should_save to mark preemption-only saves: see docs/guarantees.md)",
-)
-def test_a_preemption_save_off_the_cadence_does_not_change_the_guards_rollback_target(tmp_path):
-    reference = _run(tmp_path / "ref", every=2)
+def _marked(checkpoint) -> bool:
+    """Whether save_checkpoint marked the checkpoint preemption-only (its state.json)."""
+    meta = json.loads((checkpoint / "state.json").read_text())
+    return meta.get("preemption_only", False)
+
+
+def _first_step(seen: list[int]):
+    def hook(state: ft.TrainState) -> None:
+        seen.append(state.step)
+
+    return hook
+
+
+@pytest.mark.parametrize("keep_last", [None, 1])
+def test_a_preemption_save_off_the_cadence_does_not_change_the_guards_rollback_target(
+    tmp_path, caplog, keep_last
+):
+    """Before: the preemption save at step 7 (the cadence saves even steps) was the newest
+    checkpoint after the resume, and the spike at step 7 rolled back to it instead of to
+    step-6, as the run never stopped did: the two ended apart. With keep_last=1 the preemption
+    save also rotated step-6 away, leaving the rollback nothing to load."""
+    reference = _run(tmp_path / "ref", every=2, keep_last=keep_last)
+    root = tmp_path / "run"
     fired, hook = _sigterm_once(6)  # saved at step 7, off the cadence; the spike comes at 7
     with ft.strategies.on_preemption() as preempt:
-        stopped = _run(tmp_path / "run", every=2, hooks={"after": hook}, preempt=preempt)
+        stopped = _run(root, every=2, keep_last=keep_last, hooks={"after": hook}, preempt=preempt)
     assert fired and stopped.step == 7
-    _assert_bit_equal(_run(tmp_path / "run", every=2), reference)
+    assert (_marked(root / "step-6"), _marked(root / "step-7")) == (False, True)
+    assert ft.latest_checkpoint(root) == root / "step-7"  # what the resume loads
+    assert ft.checkpoint.latest_cadence_checkpoint(root) == root / "step-6"  # the guard's
+    seen: list[int] = []
+    rolled: list[int] = []
+    with caplog.at_level(logging.WARNING, logger="ftrain.extras.guard"):
+        resumed = _run(root, every=2, keep_last=keep_last, hooks={"between": _first_step(seen)},
+                       rolled=rolled)  # fmt: skip
+    assert seen[0] == 7 and rolled == [7]  # resumed at the preemption save, rolled back past it
+    assert f"(step 6), passing over the preemption-only {root / 'step-7'};" in caplog.text
+    _assert_bit_equal(resumed, reference)
+
+
+class _Killed(Exception):
+    """Stands for a SIGKILL: the loop leaves at once, saving nothing (saves are blocking)."""
+
+
+@pytest.mark.parametrize("where", ["load", "after", "sigterm"])
+def test_a_run_resumed_from_a_preemption_save_and_stopped_again_ends_bit_equal(
+    tmp_path, monkeypatch, where
+):
+    """After a preemption save off the cadence (step 7), the resumed run is killed inside the
+    guard's rollback load ("load"), or once it trained step 7 again past the spike ("after",
+    before the cadence saves step 8: the newest checkpoint is still the preemption save, so
+    the next resume meets the spike again), or preempted again inside that load ("sigterm":
+    a second preemption save at step 7, of the branch after the rollback, replaces the first).
+    Each next resume loads the newest checkpoint, rolls back only to step-6, and ends
+    bit-equal to the run never stopped."""
+    reference = _run(tmp_path / "ref", every=2)
+    root = tmp_path / "run"
+    fired, hook = _sigterm_once(6)
+    with ft.strategies.on_preemption() as preempt:
+        _run(root, every=2, hooks={"after": hook}, preempt=preempt)
+    assert fired and ft.latest_checkpoint(root) == root / "step-7"
+
+    stops: list[int] = []
+
+    def stop(state: ft.TrainState) -> None:
+        if state.step == 7 and not stops:
+            stops.append(state.step)
+            if where == "sigterm":
+                os.kill(os.getpid(), signal.SIGTERM)
+            else:
+                raise _Killed
+
+    original_load = guard_module.load_checkpoint
+
+    def load(path, state):
+        assert path == root / "step-6"  # the guard's target, though step-7 is the newest
+        if where != "after":
+            stop(state)
+        return original_load(path, state)
+
+    monkeypatch.setattr(guard_module, "load_checkpoint", load)
+    rolled: list[int] = []
+    with ft.strategies.on_preemption() as preempt:
+        if where == "sigterm":
+            stopped = _run(root, every=2, preempt=preempt, rolled=rolled)
+            assert stopped.step == 7 and _marked(root / "step-7")  # the new branch's step 7
+        else:
+            with pytest.raises(_Killed):
+                _run(root, every=2, hooks={"after": stop}, rolled=rolled)
+    assert stops and rolled == [7]
+    assert ft.latest_checkpoint(root) == root / "step-7"
+    monkeypatch.setattr(guard_module, "load_checkpoint", original_load)
+    rolled.clear()
+    _assert_bit_equal(_run(root, every=2, rolled=rolled), reference)
+    assert rolled == ([] if where == "sigterm" else [7])  # the spike met again, unless skipped
+
+
+def test_should_save_marks_the_saves_the_cadence_skips_and_rotation_keeps_the_cadences(tmp_path):
+    """The mark follows the last should_save: off the cadence once preempted (blocking or not),
+    not at a cadence step, nor on a save no predicate asked for; cadence saves' state.json
+    holds no mark (as older checkpoints). keep_last=1 keeps the newest cadence checkpoint
+    beside a newer preemption save, and drops the preemption save once the cadence saves."""
+    state = ft.TrainState.create(nn.Linear(2, 1), ft.optim.sgd())
+    saved = []
+    with ft.strategies.on_preemption(signals=(signal.SIGUSR2,)) as preempt:
+        for step in range(1, 6):
+            s = state.replace(step=step)
+            if step == 3:
+                preempt.observe(torch.ones(1, dtype=torch.float64))  # every rank agreed
+            if ft.should_save(s, every=2):
+                ft.save_checkpoint(s, tmp_path, keep_last=1, blocking=step != 5)
+                saved.append(step)
+                ft.wait_for_checkpoint()
+                kept = sorted(p.name for p in tmp_path.iterdir())
+                want = {2: ["step-2"], 3: ["step-2", "step-3"], 4: ["step-4"]}
+                assert kept == want.get(step, ["step-4", "step-5"]), step
+        assert saved == [2, 3, 4, 5]
+        assert (_marked(tmp_path / "step-4"), _marked(tmp_path / "step-5")) == (False, True)
+        assert "preemption_only" not in json.loads((tmp_path / "step-4/state.json").read_text())
+        assert ft.checkpoint.latest_cadence_checkpoint(tmp_path) == tmp_path / "step-4"
+        ft.save_checkpoint(state.replace(step=6), tmp_path)  # asked by no predicate: a cadence's
+    assert not _marked(tmp_path / "step-6")
+    assert ft.checkpoint.latest_cadence_checkpoint(tmp_path) == tmp_path / "step-6"
+    assert ft.checkpoint.latest_cadence_checkpoint(tmp_path / "none") is None
+
+
+def test_retained_keeps_the_newest_checkpoint_that_is_not_preemption_only():
+    def keep(**kw):
+        ckpts = [(s, {}) for s in (10, 20, 25, 27)]
+        return sorted(retained(ckpts, keep_last=1, keep_best=None, best_metric=None, mode="min",
+                               **kw))  # fmt: skip
+
+    assert keep() == [27]
+    assert keep(preemption_only={27}) == [25, 27]
+    assert keep(preemption_only={25, 27}) == [20, 27]
+    assert keep(preemption_only={10, 20, 25, 27}) == [27]

@@ -2,7 +2,8 @@
 
 The loop needs `save_checkpoint`, `load_checkpoint`, `latest_checkpoint` (also at the top level,
 `ft.save_checkpoint`, ...). Tools that read checkpoints without a `TrainState` (the CLI, HF
-export) use `open_checkpoint`, `read_model_tensors`, `step_dirs` and `write_atomically`.
+export) use `open_checkpoint`, `read_model_tensors`, `step_dirs` and `write_atomically`. A
+rollback to the newest checkpoint (the spike guard's) uses `latest_cadence_checkpoint`.
 
 HF export (`ft.export_pretrained`, `ft.export_checkpoint`) is an extra:
 `ftrain/extras/hf_export.py`.
@@ -15,6 +16,7 @@ from ftrain.checkpoint._load import CheckpointMismatchWarning as CheckpointMisma
 from ftrain.checkpoint._load import load_checkpoint as load_checkpoint
 from ftrain.checkpoint._load import read_model_tensors as read_model_tensors
 from ftrain.checkpoint._save import check_retention as check_retention
+from ftrain.checkpoint._save import latest_cadence_checkpoint as latest_cadence_checkpoint
 from ftrain.checkpoint._save import latest_checkpoint as latest_checkpoint
 from ftrain.checkpoint._save import raise_pending_save_error as raise_pending_save_error
 from ftrain.checkpoint._save import retained as retained
@@ -33,6 +35,7 @@ __all__ = [
     "Opened",
     "check_retention",
     "flatten_tree",
+    "latest_cadence_checkpoint",
     "latest_checkpoint",
     "load_checkpoint",
     "open_checkpoint",

@@ -40,6 +40,9 @@ TMP_PREFIX = ".tmp-"
 RANKING = "ranking"  # state.json: how a save with best_metric ranked checkpoints (rotation)
 # state.json: the optimizer as `ft.optim.describe` gives it (recorded since 2026-11-26)
 SETTINGS = "optimizer_settings"
+# state.json: true for a save that `should_save` asked for only because of a preemption (a step
+# its cadence skips); the guard's rollback passes over it. Absent (older ones too): a cadence save.
+PREEMPTION_ONLY = "preemption_only"
 
 MODEL_DIR = "model"  # sharded layout: one shard file per rank in each of these
 OPTIM_DIR = "optimizer"

@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -51,9 +51,10 @@ from ftrain.checkpoint._io import (
 from ftrain.checkpoint._verify import check_savable
 from ftrain.process_state import STATE
 from ftrain.state import TrainState
-from ftrain.strategies import Strategy
+from ftrain.strategies import Strategy, active_preemption
 
 __all__ = [
+    "latest_cadence_checkpoint",
     "latest_checkpoint",
     "raise_pending_save_error",
     "save_checkpoint",
@@ -99,6 +100,11 @@ def save_checkpoint(
             blocking: a background save that fails at interpreter exit makes the process exit
             with 1.
 
+    A save that `should_save` asked for only because of a preemption (at a step its cadence
+    skips) is marked preemption-only in its state.json: it resumes like any other, but the
+    spike guard rolls back past it (`latest_cadence_checkpoint`), and rotation keeps the newest
+    checkpoint the cadence wrote beside it.
+
     With several data-parallel ranks, call it on every rank with the same arguments. With DDP
     rank 0 writes; with FSDP every rank writes its own shards (torch.distributed.checkpoint)
     and rank 0 commits them all at once. A blocking save returns on every rank once the
@@ -129,6 +135,7 @@ def save_checkpoint(
     """
     _check_save_args(state, root, metrics, best_metric, checksum=checksum, blocking=blocking)
     job = _Job(Path(root), state.step, keep_last, keep_best, best_metric, mode, checksum)
+    job.preemption_only = _off_cadence(state.step)  # read now: the predicate was just asked
     if best_metric is not None and best_metric not in (metrics or {}):
         raise ValueError(
             f"best_metric={best_metric!r} is not in metrics (keys: {sorted(metrics or {})}): "
@@ -187,6 +194,7 @@ class _Job:
     best_metric: str | None
     mode: str
     checksum: bool
+    preemption_only: bool = False  # should_save said yes only because of a preemption
 
     def __post_init__(self) -> None:
         keep_best, best_metric = self.keep_best, self.best_metric
@@ -209,6 +217,8 @@ class _Job:
             contents.meta[L.RANKING] = {
                 "best_metric": self.best_metric, "keep_best": self.keep_best, "mode": self.mode
             }  # fmt: skip
+        if self.preemption_only:  # only then: a cadence save's state.json is as before
+            contents.meta[L.PREEMPTION_ONLY] = True
         return contents
 
     def run(self, staged: L.Contents, strategy: Strategy) -> Path:
@@ -225,6 +235,12 @@ class _Job:
 
 def _step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step}"
+
+
+def _off_cadence(step: int) -> bool:
+    """Whether the last `should_save` said yes at `step` only because of a preemption."""
+    preempt = active_preemption()
+    return preempt is not None and preempt.off_cadence(step)
 
 
 def _save_together(job: _Job, state: TrainState, metrics: Mapping[str, Any] | None) -> Path:
@@ -641,6 +657,38 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     return found[-1][1] if found else None
 
 
+def latest_cadence_checkpoint(root: str | os.PathLike[str]) -> Path | None:
+    """Return the most recently committed checkpoint under `root` that is not preemption-only.
+
+    A preemption save at a step the save cadence skips (`should_save` said yes only because of
+    `ft.strategies.on_preemption`) is an extra checkpoint that the run never stopped does not
+    have. A resume loads it (`latest_checkpoint`), but a rollback to "the newest checkpoint"
+    (the spike guard's) must pass over it to the one the cadence wrote, or the resumed run
+    would roll back elsewhere than the run never stopped. Checkpoints without the mark (older
+    ones too) count as the cadence's. Waits for and reports a background save as
+    `latest_checkpoint` does.
+
+    Raises:
+        ValueError: if `root` is itself a checkpoint (see `latest_checkpoint`).
+        CheckpointError: the failure of a background save (see `save_checkpoint`).
+
+    Example:
+        >>> import tempfile, torch, ftrain as ft
+        >>> state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+        >>> root = tempfile.mkdtemp()
+        >>> ft.checkpoint.latest_cadence_checkpoint(ft.save_checkpoint(state, root).parent).name
+        'step-0'
+    """
+    if latest_checkpoint(root) is None:  # checks `root`, waits for a save in flight into it
+        return None
+    found = committed(Path(root))
+    return next((p for _, p in reversed(found) if not _preemption_only(_saved_meta(p))), None)
+
+
+def _preemption_only(meta: Mapping[str, Any]) -> bool:
+    return meta.get(L.PREEMPTION_ONLY) is True
+
+
 def _in_flight_into(root: Path) -> bool:
     """Whether a background save of this process into `root` has not finished yet."""
     bg = STATE.save_in_flight
@@ -659,13 +707,17 @@ def retained(
     keep_best: int | None,
     best_metric: str | None,
     mode: str,
+    preemption_only: Collection[int] = (),
 ) -> set[int]:
     """Steps to keep out of `(step, metrics)` pairs in commit order (oldest first): the
     `keep_last` newest, the `keep_best` best by `metrics[best_metric]` (checkpoints without a
-    finite value are not ranked), and always the newest and the best."""
+    finite value are not ranked), and always the newest and the best. When the newest are
+    `preemption_only` saves (steps the cadence skipped), the newest other one is kept too:
+    it is what the spike guard rolls back to (`latest_cadence_checkpoint`)."""
     steps = [s for s, _ in checkpoints]
     keep = set(steps[-keep_last:]) if keep_last else set()
     keep.update(steps[-1:])
+    keep.update([s for s in steps if s not in preemption_only][-1:])
     if best_metric is not None:
         scored = [
             (float(m[best_metric]), s)
@@ -687,9 +739,11 @@ def _rotate(job: _Job, keep_last: int) -> None:
     if job.best_metric is None:  # keep the best as the newest ranked save ranked it
         ranking = next(filter(None, map(_ranking, reversed(metas))), ranking)
     best_metric, keep_best, mode = ranking
+    marked = {s for (s, _), m in zip(found, metas, strict=True) if _preemption_only(m)}
     keep = retained(
-        listed, keep_last=keep_last, keep_best=keep_best, best_metric=best_metric, mode=mode
-    )
+        listed, keep_last=keep_last, keep_best=keep_best, best_metric=best_metric, mode=mode,
+        preemption_only=marked,
+    )  # fmt: skip
     for s, p in found:
         if s not in keep:
             # Rename to a temporary name first: a crash mid-delete leaves a directory that

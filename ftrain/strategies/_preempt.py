@@ -30,6 +30,10 @@ class Preemption(contextlib.AbstractContextManager["Preemption"]):
     Attributes:
         signals: the signals it handles.
         received: a signal reached this process (its rank alone may know).
+
+    It also notes the step at which `should_save` said yes only because of the request (a
+    step its cadence skips): `save_checkpoint` marks that checkpoint preemption-only, and the
+    spike guard rolls back past it, as the run never stopped would have (`off_cadence`).
     """
 
     def __init__(self, signals: tuple[signal.Signals, ...]) -> None:
@@ -39,6 +43,7 @@ class Preemption(contextlib.AbstractContextManager["Preemption"]):
         # The last two reduced flags (device tensors); on CUDA one step old is read (below).
         self._seen: deque[tuple[torch.Tensor, Any]] = deque(maxlen=2)
         self._previous: dict[signal.Signals, Any] = {}
+        self._off_cadence: int | None = None  # the step of the last should_save, if off cadence
 
     def __repr__(self) -> str:
         names = ", ".join(s.name for s in self.signals)
@@ -83,6 +88,15 @@ class Preemption(contextlib.AbstractContextManager["Preemption"]):
                 event.synchronize()
             self._agreed = bool(value.item() > 0)
         return self._agreed
+
+    def note_save(self, step: int, *, on_cadence: bool) -> None:
+        """Record why `should_save` said yes at `step` (called by it): on its cadence, or only
+        because of the request. The last call wins, so each save follows its own predicate."""
+        self._off_cadence = None if on_cadence else step
+
+    def off_cadence(self, step: int) -> bool:
+        """Whether the last `should_save` said yes at `step` only because of the request."""
+        return self._off_cadence == step
 
     def close(self) -> None:
         """Restore the handlers that were installed before (idempotent)."""
