@@ -1,7 +1,8 @@
 """An opt-in loss-spike guard: roll back to the newest checkpoint and skip the offending data.
 
 A spike (a loss that rises far above its moving average, for losses of either sign) or a run
-of non-finite losses makes the guard load the newest checkpoint and move the data cursor past
+of non-finite losses makes the guard load the newest checkpoint (passing over a preemption save
+off the save cadence, which the run never stopped does not have) and move the data cursor past
 the micro-batches that caused it, as PaLM did by hand (Chowdhery et al. 2022, section 5.1:
 restart from a checkpoint before the spike and skip the batches around it). Peers only skip
 the update or warn.
@@ -31,11 +32,17 @@ import json
 import logging
 import math
 import os
+from pathlib import Path
 from typing import Any, NamedTuple, cast
 
 import torch
 
-from ftrain.checkpoint import latest_checkpoint, load_checkpoint, wait_for_checkpoint
+from ftrain.checkpoint import (
+    latest_cadence_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    wait_for_checkpoint,
+)
 from ftrain.data import MicroBatches
 from ftrain.grads import Stats
 from ftrain.state import TrainState
@@ -138,7 +145,8 @@ class SpikeGuard:
         Reading the loss is a host sync (as logging every step would be). A step whose
         micro-batches hold no item (`stats.num_items == 0`, every label -100) has no loss to
         judge: it is neither a spike nor a non-finite loss, and leaves the guard's memory as
-        it was (`clip_and_step` skips its update).
+        it was (`clip_and_step` skips its update, or applies a private step's noise: see
+        `Stats.skip_empty`).
 
         Raises:
             TypeError: when `state` is not a `GuardedState`.
@@ -189,6 +197,11 @@ class SpikeGuard:
         """Load the newest checkpoint under `root` and move the data past `skip`, the
         micro-batches just observed (they start at `state.data.cursor`).
 
+        The newest checkpoint the save cadence wrote, that is: a preemption-only save (one
+        `should_save` asked for at a step its cadence skips) is passed over, so that a run
+        resumed from it rolls back where the run never stopped did
+        (`ft.checkpoint.latest_cadence_checkpoint`).
+
         The weights, optimizer state and counters return to the checkpoint's; the data moves
         on past the spike, so the micro-batches between the checkpoint and the spike are not
         replayed either (PaLM skipped a few hundred batches the same way). Without a checkpoint
@@ -222,17 +235,27 @@ class SpikeGuard:
         epoch, start, step = state.epoch, state.data.cursor, state.step
         rollbacks = state.rollbacks + 1
         wait_for_checkpoint()  # a background save in flight may be the newest checkpoint
-        path = latest_checkpoint(root)
+        path, passed = _target(root)
         if path is not None:
             state = cast(GuardedState, load_checkpoint(path, state))  # keeps the class
         log.warning(
-            "loss guard: rollback %d at step %d (epoch %d): %s; skipping micro-batches [%d, %d)",
+            "loss guard: rollback %d at step %d (epoch %d): %s%s; skipping micro-batches [%d, %d)",
             rollbacks, step, epoch,
             f"resumed from {path} (step {state.step})" if path else "no checkpoint to load",
-            start, start + skip,
+            f", passing over the preemption-only {passed}" if passed else "", start, start + skip,
         )  # fmt: skip
         data = state.data.replace(cursor=start + skip, position=position)
         return _set(state, epoch=epoch, data=data, nonfinite_run=0, rollbacks=rollbacks)
+
+
+def _target(root: str | os.PathLike[str]) -> tuple[Path | None, Path | None]:
+    """(the checkpoint to roll back to, the newer preemption-only save passed over or None).
+
+    A preemption save off the save cadence is one the run never stopped does not have: rolling
+    back to it would make the resumed run differ from that run (docs/guarantees.md).
+    """
+    path, newest = latest_cadence_checkpoint(root), latest_checkpoint(root)
+    return path, (newest if newest != path else None)
 
 
 def _read(stats: Stats | float) -> tuple[float, float | None]:
