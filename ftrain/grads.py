@@ -29,6 +29,9 @@ class Stats(NamedTuple):
     where the data stands after these micro-batches (JSON, `ft.data.MicroBatches.position`), which
     `clip_and_step` keeps in the state. `loss_fn` is the loss these gradients are of, which
     `clip_and_step` records as `state.loss_fn` (so `evaluate` reports that loss by default).
+    `skip_empty` False makes `clip_and_step` apply a step that counted no item (the noise-only
+    step of an empty Poisson batch in `ft.func.private_grads`, as Opacus applies it); by
+    default such a step is skipped, its gradient being 0/0.
     """
 
     loss: torch.Tensor
@@ -38,6 +41,7 @@ class Stats(NamedTuple):
     num_micro: int
     position: str | None = None
     loss_fn: LossFn | None = None
+    skip_empty: bool = True
 
 
 class Grads(dict[str, torch.Tensor]):

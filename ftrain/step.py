@@ -193,7 +193,10 @@ def clip_and_step(
     applied = _check_grads(grads, params)
     # With loss scaling an overflow is expected now and then: always skip it.
     check_finite = skip_nonfinite or scaling is not None
-    num_items = None if stats is None else _count(stats.num_items, strategy.device)
+    # A step that counted no item is skipped (its gradient is 0/0), unless its Stats says it
+    # applies anyway (a private step's noise: ft.func.private_grads).
+    skip_empty = stats is not None and stats.skip_empty
+    num_items = _count(stats.num_items, strategy.device) if skip_empty else None
     with torch.no_grad():
         if compile:
             norm, overflow, skip = compiled_update(

@@ -237,22 +237,30 @@ def _pair(out: tuple[Any, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     return loss, torch.as_tensor(n, device=loss.device)
 
 
-def clip_members(grads: Mapping[str, torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_members(grads: Mapping[str, torch.Tensor], max_norm: float | None) -> torch.Tensor:
     """Clip each member's gradient to its own global norm `max_norm`, in place.
 
     `clip_and_step(max_norm=...)` would clip the whole ensemble by one norm; call this instead
-    (and no `max_norm` there). Same coefficient as `torch.nn.utils.clip_grad_norm_`.
+    (and no `max_norm` there). Same coefficient as `torch.nn.utils.clip_grad_norm_`. None
+    measures the norms without clipping. A member whose norm is not finite is the one a
+    `sweep` skips (`clip_and_step`'s `info.skipped` says only that some member did).
 
     Returns:
         The members' pre-clip norms, shape `(K,)` (a device tensor).
     """
-    check_number("max_norm", max_norm, positive=True)
-    g = list(grads.values())
-    norms = torch.stack([t.flatten(1).norm(dim=1) for t in g], dim=1).norm(dim=1)
-    factor = (max_norm / (norms + 1e-6)).clamp(max=1.0)
-    for t in g:
-        t.mul_(factor.view(-1, *([1] * (t.dim() - 1))))
+    if max_norm is not None:
+        check_number("max_norm", max_norm, positive=True)
+    norms = _member_norms(grads)
+    if max_norm is not None:
+        factor = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+        for t in grads.values():
+            t.mul_(factor.view(-1, *([1] * (t.dim() - 1))))
     return norms
+
+
+def _member_norms(grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Each member's global gradient norm (dim 0 is the member), shape `(K,)`."""
+    return torch.stack([t.flatten(1).norm(dim=1) for t in grads.values()], dim=1).norm(dim=1)
 
 
 def sweep(
@@ -262,8 +270,11 @@ def sweep(
 
     Member k is updated by `optimizers[k]` (e.g. `adamw(weight_decay=wd[k])`) at learning rate
     `lr * lr_factors[k]`, in place on its slice of every stacked parameter, with that
-    optimizer's own kernel: the result equals K separate runs. (Members that share one
-    optimizer and lr need no sweep: `ft.optim.adamw()` updates the stacked tensors in one call.)
+    optimizer's own kernel: the result equals K separate runs. A member whose gradient norm is
+    inf or NaN skips its update alone (its parameters, optimizer state and step count stay as
+    they were), as its separate run would; the others step. (Members that share one optimizer
+    and lr need no sweep: `ft.optim.adamw()` updates the stacked tensors in one call, but then
+    share its step count, so one non-finite member skips the step of all.)
 
     Args:
         optimizers: one `ft.optim.Optimizer` per member.
@@ -301,6 +312,7 @@ def sweep(
         step: int,
         found_inf: torch.Tensor | None = None,
     ) -> tuple[Any, ...]:
+        skips = _member_skips(grads, found_inf, k)
         return tuple(
             opt.update(
                 {n: g[i] for n, g in grads.items()},
@@ -308,12 +320,31 @@ def sweep(
                 {n: params[n][i] for n in grads},
                 lr=lr * factors[i],
                 step=step,
-                found_inf=found_inf,
+                found_inf=skips[i],
             )
             for i, opt in enumerate(optimizers)
         )
 
     return Optimizer(init, update)
+
+
+def _member_skips(
+    grads: Mapping[str, torch.Tensor], found_inf: torch.Tensor | None, k: int
+) -> list[torch.Tensor | None]:
+    """Each member's `found_inf`: the step's skip, narrowed to the non-finite members.
+
+    `clip_and_step` skips on the ensemble's one norm, which a single member's inf or NaN makes
+    non-finite: applied to all, it would stop every member of a learning-rate sweep once one
+    diverged. A separate run skips its own step only, so a member with a finite norm steps,
+    unless no member's norm is inf or NaN (then the skip had another cause, a step that counted
+    no item, and holds for all). `found_inf` does not say its cause: on a step that counted no
+    item *and* has a non-finite member, the finite members step on their gradients. On the
+    device, no host sync.
+    """
+    if found_inf is None or not grads:
+        return [found_inf] * k
+    bad = ~torch.isfinite(_member_norms(grads))
+    return list((found_inf * torch.logical_or(bad, ~bad.any())).unbind())
 
 
 def _check_members(params: Mapping[str, torch.Tensor], k: int) -> None:

@@ -345,7 +345,10 @@ def private_grads(
     `max_norm`, the sum runs over every example of every micro-batch, and B is the number of
     examples (or `expected_batch_size`, the fixed denominator Poisson sampling needs). For an
     `ft.func.Ensemble` each member's part of `g_i` is clipped to its own norm, so member k gets
-    what its own DP-SGD run would (the noise is independent across members).
+    what its own DP-SGD run would (the noise is independent across members). A step that drew
+    no example (Poisson sampling can) returns the noise alone over `expected_batch_size`, with
+    `num_items` 0: `clip_and_step` still skips such a step, where Opacus applies it (a known
+    gap of the core step, docs/research.md).
 
     The noise is keyed by a secret that no state or checkpoint holds (`noise_seed`): by
     default one drawn from the OS once per process, so a checkpoint never lets anyone rebuild
@@ -365,7 +368,8 @@ def private_grads(
             `ft.losses.default_loss`.
         max_norm: per-example clipping threshold C.
         noise_multiplier: sigma; the noise std is `sigma * C`. 0 gives clipped gradients only.
-        expected_batch_size: the denominator B; the number of examples if None.
+        expected_batch_size: the denominator B; the number of examples if None (then a step
+            with no example raises: give it with Poisson sampling, which can draw one).
         chunk_size: examples per vectorized pass; the whole micro-batch if None.
         noise_key: the secret keying the noise: bytes (at least 16) or an int >= 2**64;
             None draws one per process. Never saved; pass the same key after a restart.
@@ -374,7 +378,8 @@ def private_grads(
         `(grads, stats)` like `accumulate_grads` (`stats.loss` is the mean unclipped loss).
 
     Raises:
-        ValueError: for a bad hyperparameter or an empty `micro`, a guessable `noise_key`.
+        ValueError: for a bad hyperparameter or an empty `micro`, a guessable `noise_key`, or
+            a step with no example and no `expected_batch_size` (B would be 0).
         TypeError: for a `noise_key` that is not bytes, an int or None.
         FuncError: as `per_sample_grads`; for several ranks or float16 loss scaling (not
             supported).
@@ -408,6 +413,14 @@ def private_grads(
         tokens.append(torch.as_tensor(batch_counts(batch)[0], device=device).long())
         # The examples clipped, as `_chunks` splits them (a nested batch's first field is no count).
         examples += _num_examples(batch)
+    if examples == 0 and expected_batch_size is None:
+        raise ValueError(
+            f"private_grads got no example in this step ({len(micro)} micro-batch(es), all "
+            "empty or ZeroWeight stand-ins) and no expected_batch_size: the DP-SGD gradient "
+            "(clipped sum + noise) / B has no denominator B. With Poisson sampling, which can "
+            "draw an empty step, pass expected_batch_size=<sample rate * dataset size> (the "
+            "fixed denominator the privacy analysis needs, as Opacus requires)"
+        )
     if noise_multiplier > 0:
         mechanism = f"{float(noise_multiplier).hex()}:{float(max_norm).hex()}:{expected_batch_size}"
         seed = noise_seed(key, state, mechanism)
@@ -426,5 +439,6 @@ def private_grads(
         num_micro=len(micro),
         position=micro.position if isinstance(micro, MicroBatches) else None,
         loss_fn=_resolved(state, loss_fn),
+        skip_empty=False,  # an empty Poisson batch's step applies its noise, as Opacus does
     )
     return grads, stats
