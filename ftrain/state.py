@@ -109,9 +109,10 @@ class DataState(_SubState):
 
     `cursor`: micro-batches of this epoch already consumed (global over data-parallel ranks).
     `position`: where the data stands after them, as JSON (`ft.data.check_position` reads
-    it): for a stream its source position and fingerprint, for map-style data the row reached
-    and the settings the cursor was counted in, so a resume with another batch size continues
-    exactly or raises naming what changed. None before the first step of an epoch.
+    it): for a stream its source position and fingerprint, for map-style data the row reached,
+    the settings the cursor was counted in and a digest of a few rows, so a resume with another
+    batch size continues exactly, and one over other data raises naming what changed. None
+    before the first step of an epoch.
     `batch_size`: the per-rank batch size `ft.data.find_batch_size` settled on (None until
     then), kept so that a resumed run uses it again.
     `tokens_seen`, `samples_seen`: 0-dim int64 tensors on the training device, so advancing

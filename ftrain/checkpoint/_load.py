@@ -10,7 +10,7 @@ import os
 import warnings
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -333,7 +333,9 @@ def _check_args(path: Any, state: Any, **flags: Any) -> None:
             raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
-def read_model_tensors(opened: Opened) -> dict[str, torch.Tensor]:
+def read_model_tensors(
+    opened: Opened, *, weights: Literal["live", "ema"] = "live"
+) -> dict[str, torch.Tensor]:
     """The model's tensors (trainable parameters and persistent buffers) of a checkpoint that
     `open_checkpoint(path, keep=["model"])` opened, whole and on the CPU.
 
@@ -342,18 +344,63 @@ def read_model_tensors(opened: Opened) -> dict[str, torch.Tensor]:
     a checkpoint without a `TrainState` (`ft.export_checkpoint`); training resumes with
     `load_checkpoint`.
 
+    Args:
+        opened: the checkpoint (with `keep=["model", "optimizer"]` for `weights="ema"` of a
+            whole-layout checkpoint: the averages are optimizer state).
+        weights: "live", the weights training goes on from; "ema", each trainable parameter's
+            EMA average (`ft.optim.ema`, what evaluation inside `swap_ema` uses) in its place,
+            buffers as saved.
+
     Raises:
-        ValueError: if `opened` was opened without the model's tensors.
+        ValueError: if `opened` was opened without the tensors `weights` needs; for
+            `weights="ema"` of a checkpoint without an EMA average of every trainable
+            parameter.
         CheckpointError: if the shard files cannot be read.
     """
+    if weights not in ("live", "ema"):
+        raise ValueError(f"weights must be 'live' or 'ema', got {weights!r}")
     if "model" not in opened.tensors:
         raise ValueError('open the checkpoint with keep=["model"] to read its model tensors')
     shapes = opened.tensors["model"]
-    if opened.meta.get("sharded") is not True:
-        return dict(shapes)
+    sharded = opened.meta.get("sharded") is True
+    averages = _ema_paths(opened) if weights == "ema" else {}
+    if averages and not sharded and "optimizer" not in opened.tensors:
+        raise ValueError(
+            'open the checkpoint with keep=["model", "optimizer"] to read its EMA averages'
+        )
+    if not sharded:
+        saved = opened.tensors.get("optimizer", {})
+        return {**shapes, **{n: saved[p] for n, p in averages.items()}}
     whole = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in shapes.items()}
     read_shards(SingleDevice("cpu"), opened.path / L.MODEL_DIR, whole)
+    if averages:
+        records = opened.meta["optimizer"]
+        ema = {p: torch.empty(records[p]["shape"], dtype=dtype_named(records[p]["tensor"]))
+               for p in averages.values()}  # fmt: skip
+        read_shards(SingleDevice("cpu"), opened.path / L.OPTIM_DIR, ema)
+        whole.update({n: ema[p] for n, p in averages.items()})
     return whole
+
+
+def _ema_paths(opened: Opened) -> dict[str, str]:
+    """Trainable parameter -> its EMA average's path; raises unless every one has one."""
+    averages = opened.ema_averages
+    trainable = [r[0] for r in opened.meta["params"] if r[3] is True]
+    if not averages:
+        raise ValueError(
+            f"weights='ema', but {opened.path} holds no EMA average (its optimizer was not "
+            "wrapped in ft.optim.ema): export its weights as they are (weights='live')"
+        )
+    missing = [n for n in trainable if n not in averages]
+    if missing:
+        covered = len(trainable) - len(missing)
+        raise ValueError(
+            f"weights='ema', but the EMA averages of {opened.path} cover {covered} of its "
+            f"{len(trainable)} trainable parameters (ft.optim.ema inside a partition?), not "
+            f"e.g. {missing[:3]}: the export would mix averaged and live weights; export the "
+            "live weights (weights='live')"
+        )
+    return {n: averages[n] for n in trainable}
 
 
 def read_shards(strategy: Strategy, directory: Path, targets: dict[str, torch.Tensor]) -> None:

@@ -33,6 +33,7 @@ from ftrain.checkpoint._io import (
     shape_numel,
 )
 from ftrain.data import check_position
+from ftrain.optim import EmaState
 from ftrain.state import TrainState, plain_values
 
 __all__ = ["Opened", "check_savable", "open_checkpoint", "read_meta", "validate_meta"]
@@ -75,6 +76,26 @@ class Opened:
     tensors: dict[str, dict[str, torch.Tensor]]
     digest: str
     config: dict[str, Any] | None
+
+    @property
+    def ema_averages(self) -> dict[str, str]:
+        """Parameter name -> the optimizer-state path of its EMA average (`ft.optim.ema`:
+        `ema/<name>`, or `<group path>/ema/<name>` inside a partition); empty for a run trained
+        without an EMA. The model's own tensors are the live weights."""
+        records: dict[str, Any] = self.meta["optimizer"]
+        out: dict[str, str] = {}
+        for root, entry in records.items():
+            if entry.get("node") != _EMA_NODE:
+                continue
+            head = f"{root}/ema/" if root else "ema/"
+            for path, leaf in records.items():
+                name = path[len(head) :]
+                if path.startswith(head) and "tensor" in leaf and "/" not in name:
+                    out.setdefault(name, path)
+        return out
+
+
+_EMA_NODE = f"tuple:{EmaState.__name__}"  # how the checkpoint records an EmaState container
 
 
 def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -179,9 +200,7 @@ def _meta_and_digest(path: Path) -> tuple[dict[str, Any], str]:
     except (FileNotFoundError, NotADirectoryError) as e:
         if not os.path.isdir(path):
             raise CheckpointError(f"{path} is not a checkpoint directory") from e
-        raise CheckpointError(
-            f"{path} is incomplete: no {L.COMMIT_FILE} marker (save cut short)"
-        ) from None
+        raise CheckpointError(_uncommitted(path)) from None
     except OSError as e:  # permission denied, on the folder or a parent
         raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from e
     marker = read_json(path / L.COMMIT_FILE)
@@ -191,6 +210,31 @@ def _meta_and_digest(path: Path) -> tuple[dict[str, Any], str]:
     meta = read_json(path / L.STATE_FILE, sha256=digest)
     validate_meta(meta, path)
     return meta, digest
+
+
+def _uncommitted(path: Path) -> str:
+    """Why a folder without a commit marker is refused: a save cut short (its temporary folder,
+    or a checkpoint's files without the marker), or a folder that never was a checkpoint."""
+    # A save writes the tensors, then state.json, then the marker, all inside `.tmp-...`,
+    # and renames it to step-<N> once sealed; the optimizer file or state.json is its trace.
+    traces = (L.STATE_FILE, L.OPTIM_FILE, L.OPTIM_DIR)
+    try:
+        names = {p.name for p in path.iterdir()}
+    except OSError as e:
+        return f"cannot read {path}: {e.strerror or e}"
+    if path.name.startswith(L.TMP_PREFIX) or names & set(traces):
+        return f"{path} is incomplete: no {L.COMMIT_FILE} marker (save cut short)"
+    steps = sorted((int(m.group(1)), n) for n in names if (m := L.STEP_DIR.fullmatch(n)))
+    hint = (
+        f"it is a run folder: pass one of its checkpoints, e.g. {path / steps[-1][1]} "
+        "(ft.latest_checkpoint gives the newest committed one)"
+        if steps
+        else "a checkpoint is a step-<N> folder that ft.save_checkpoint wrote"
+    )
+    return (
+        f"{path} is not a checkpoint: no {L.COMMIT_FILE} marker, no {L.STATE_FILE} and no "
+        f"{L.OPTIM_FILE} in it; {hint}"
+    )
 
 
 def validate_meta(meta: Any, path: Path) -> None:

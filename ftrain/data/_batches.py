@@ -33,6 +33,7 @@ from ftrain.data._common import (
     run_loader,
     seeded,
 )
+from ftrain.data._content import content_digest
 from ftrain.data._stream import stream_groups
 from ftrain.state import TrainState
 from ftrain.strategies import Strategy
@@ -120,9 +121,10 @@ def make_batches(
             other than `state.data.batch_size` (the size `find_batch_size` settled on), a
             strategy whose `rank` is not in `[0, world_size)`, a stream
             resumed at `start > 0` without the state that holds its position, and a
-            `state.data.position` that is malformed or does not fit the data and settings (other
-            rows, seed, shuffle or lengths; a stream's other files, shards, shuffle buffer,
-            packing, mixing or global batch), naming what changed. Also for a `seed` outside
+            `state.data.position` that is malformed or does not fit the data and settings (the
+            row count, a digest of a few rows, seed, shuffle or lengths; a stream's other
+            files, shards, shuffle buffer, packing, mixing or global batch), naming what
+            changed. Also for a `seed` outside
             [0, 2**63); `lengths` of another length than `data` (checked when grouping), or
             on a stream; `group_by_length` on a stream or with `shuffle=False`; and a
             `datasets` stream whose pipeline reading shard by shard would change (`take`/`skip`
@@ -153,7 +155,7 @@ def make_batches(
     if n == 0:
         raise ValueError("data is empty: an epoch would yield nothing and the loop would never end")
     lens = _lengths(data, lengths) if group_by_length else None
-    pos = _map_position(n, spec, start, stream_pos, lens)
+    pos = _map_position(n, spec, start, stream_pos, lens, content_digest(data, n))
     micro = _MicroBatches(data, _order(n, spec, pos, lens), spec, pos, _total(n, spec, start, pos))
     position = json.dumps(pos, separators=(",", ":"))
     return _groups(_load(micro, range(start, len(micro)), loading), accum, position)
@@ -279,7 +281,12 @@ def _order(n: int, spec: Spec, pos: dict[str, Any], lens: Sequence[int] | None) 
 
 
 def _map_position(
-    n: int, spec: Spec, start: int, raw: str | None, lens: Sequence[int] | None
+    n: int,
+    spec: Spec,
+    start: int,
+    raw: str | None,
+    lens: Sequence[int] | None,
+    content: str | None,
 ) -> dict[str, Any]:
     """The epoch's map-style position: micro-batch `cursor` began at `row` of the epoch order,
     and each since holds `rows` rows (ftrain/data/_position.py).
@@ -288,11 +295,15 @@ def _map_position(
     with this call's global batch; without one (`start=`, or a state never trained on this
     epoch), `start` counts micro-batches of this call's size.
     """
-    fresh = _fresh(n, spec, lens)
+    fresh = _fresh(n, spec, lens, content)
     if raw is None:
         return fresh
     saved = P.resumable(raw, "map")
     _same_order(saved, fresh)
+    _same_rows(saved, fresh, start)
+    # A position saved before rows were digested (or over data not read for it) takes the
+    # digest of the data it goes on over.
+    saved = {**saved, "content": saved.get("content") or fresh["content"]}
     if start < saved["cursor"]:
         raise ValueError(
             f"state.data.cursor={start} is before micro-batch {saved['cursor']}, where "
@@ -311,7 +322,7 @@ def _map_position(
     return {**saved, "rows": fresh["rows"], "cursor": start, "row": reached}
 
 
-def _fresh(n: int, spec: Spec, lens: Sequence[int] | None) -> dict[str, Any]:
+def _fresh(n: int, spec: Spec, lens: Sequence[int] | None, content: str | None) -> dict[str, Any]:
     """The position of an epoch read from its start with this call's settings."""
     rows = spec.batch_size * spec.world
     group = digest = None
@@ -330,6 +341,7 @@ def _fresh(n: int, spec: Spec, lens: Sequence[int] | None) -> dict[str, Any]:
         "rows": rows,
         "cursor": 0,
         "row": 0,
+        "content": content,
     }
 
 
@@ -351,6 +363,22 @@ def _same_order(saved: dict[str, Any], fresh: dict[str, Any]) -> None:
                 "the same data and settings, or restart the epoch: "
                 "state.replace(data=state.data.replace(cursor=0, position=None))"
             )
+
+
+def _same_rows(saved: dict[str, Any], fresh: dict[str, Any], start: int) -> None:
+    """Refuse a resume over rows of other contents (same count), when both digests exist."""
+    then, now = saved.get("content"), fresh["content"]
+    if then is None or now is None or then == now:
+        return
+    raise ValueError(
+        f"data holds other rows than when state.data.position was saved: the same {fresh['n']} "
+        f"rows, but a digest of a few of them was {then!r} then and is {now!r} now (another "
+        "tokenizer, max_length or preprocessing?), so the resumed epoch would go on over other "
+        "rows. Resume with the data it was saved with; or restart the epoch, "
+        "state.replace(data=state.data.replace(cursor=0, position=None)); or go on from "
+        f"micro-batch {start} of this epoch over the new rows, unchecked (exact only with the "
+        "same global batch), state.replace(data=state.data.replace(position=None))"
+    )
 
 
 def _show(value: Any) -> str:

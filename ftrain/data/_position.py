@@ -8,9 +8,12 @@ A position says where an epoch stands and what it indexes. Two kinds, both versi
   count, shuffle buffer, packing and mixing settings) and `about` a short readable copy of it,
   so that a resume over other data can say what changed.
 - `{"kind": "map", "epoch", "seed", "n", "shuffle", "group", "lengths", "rows", "cursor",
-  "row"}`: micro-batch `cursor` began at `row` of the epoch order, and every micro-batch since
-  holds `rows` rows (the global batch). A resume with another global batch continues from the
-  row it reached; `group`/`lengths` pin a length-grouped order.
+  "row", "content"}`: micro-batch `cursor` began at `row` of the epoch order, and every
+  micro-batch since holds `rows` rows (the global batch). A resume with another global batch
+  continues from the row it reached; `group`/`lengths` pin a length-grouped order; `content`
+  is a digest of a few rows (`_content.py`; null for data not read for it, absent in
+  positions saved before it was kept), so that a resume over other rows of the same count
+  raises.
 
 `check_position` is the structural check a checkpoint load runs; whether a position fits the
 data is checked by `make_batches` (`ValueError` naming `state.data.position`).
@@ -39,6 +42,8 @@ _KEYS = MappingProxyType(
         "map": _COMMON | {"n", "shuffle", "group", "lengths", "row"},
     }
 )
+# Keys a position may lack: those that older ftrain versions did not write yet.
+_OPTIONAL = MappingProxyType({"stream": frozenset[str](), "map": frozenset({"content"})})
 
 
 def check_position(text: str) -> None:
@@ -85,7 +90,8 @@ def read_position(text: str) -> dict[str, Any]:
     )
     keys = _KEYS[pos["kind"]]
     _need(not keys - pos.keys(), "keys missing: " + ", ".join(sorted(keys - pos.keys())))
-    _need(not pos.keys() - keys, "unknown keys: " + ", ".join(sorted(pos.keys() - keys)))
+    extra = pos.keys() - keys - _OPTIONAL[pos["kind"]]
+    _need(not extra, "unknown keys: " + ", ".join(sorted(extra)))
     for name in ("epoch", "seed", "cursor"):
         _count(pos[name], name)
     _count(pos["rows"], "rows", low=1)
@@ -134,6 +140,8 @@ def _check_map(pos: dict[str, Any]) -> None:
     _need(pos["group"] is None or (type(pos["group"]) is int and pos["group"] >= 1), "bad group")
     _need((pos["group"] is None) == (pos["lengths"] is None), "group and lengths go together")
     _need(pos["lengths"] is None or _is_hex(pos["lengths"]), "lengths must be a hex digest")
+    content = pos.get("content")
+    _need(content is None or _is_hex(content), "content must be a hex digest or null")
 
 
 def check_source_position(p: Any, depth: int = 0) -> None:

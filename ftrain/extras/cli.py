@@ -40,12 +40,13 @@ def inspect(
         raise ValueError(why)
     print(f"checkpoint  {path}")
     try:
-        meta = open_checkpoint(path, verify=verify, keep=()).meta
+        opened = open_checkpoint(path, verify=verify, keep=())
     except CheckpointError as e:
         print(f"complete    no: {e}")
         if runs := _runs_inside(path):  # a folder of runs is not a checkpoint cut short
             print(f"            {path} is a folder of run folders: inspect one, e.g. {runs[0]}")
         return 1
+    meta = opened.meta
     fields = meta["fields"]
     rows = meta["params"]
     trainable = sum(math.prod(r[2]) for r in rows if r[3] is True)
@@ -59,6 +60,8 @@ def inspect(
     tokens, samples = _value(fields, "data.tokens_seen"), _value(fields, "data.samples_seen")
     print(f"seen        {tokens} tokens, {samples} samples")
     print(f"parameters  {trainable:,} trainable of {total:,}")
+    if opened.ema_averages:  # export asks which: --weights ema|live
+        print("weights     live, and their EMA average (ft.optim.ema): export --weights ema|live")
     for k, v in sorted(meta["metrics"].items()):
         print(f"metric      {k} = {v}")
     best = fields.get("early_stopping.best_metric")
@@ -224,6 +227,12 @@ def _parser() -> argparse.ArgumentParser:
         "--base", type=Path, help="pretrained model for parameters frozen in training (its config)"
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing --to directory")
+    p.add_argument(
+        "--weights",
+        choices=["ema", "live"],
+        help="a run trained with ft.optim.ema: export the EMA average (what evaluation inside "
+        "swap_ema uses) or the live weights; required for such a run, never guessed",
+    )
     p = sub.add_parser(
         "plot", help="draw loss, lr and grad norm (or --metrics) from a metrics.jsonl"
     )
@@ -285,12 +294,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     try:
         out = export_checkpoint(
-            args.checkpoint, args.to, config=args.config, base=args.base, overwrite=args.overwrite
+            args.checkpoint,
+            args.to,
+            config=args.config,
+            base=args.base,
+            overwrite=args.overwrite,
+            weights=args.weights,
         )
+    except ValueError as e:  # e.g. no --weights for an EMA run, or --weights ema without one
+        parser.error(f"export: {e}")
     except (CheckpointError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
+        if runs := _runs_inside(args.checkpoint):  # not a checkpoint, nor a run folder
+            print(
+                f"       {args.checkpoint} is a folder of run folders: export a checkpoint of "
+                f"one of them, e.g. of {runs[0]}",
+                file=sys.stderr,
+            )
         return 1
-    print(f"exported {args.checkpoint} -> {out}")
+    which = {"ema": " (the EMA weights)", "live": " (the live weights)"}.get(args.weights, "")
+    print(f"exported {args.checkpoint}{which} -> {out}")
     return 0
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -150,6 +150,7 @@ def export_checkpoint(
     config: str | os.PathLike[str] | None = None,
     base: str | os.PathLike[str] | None = None,
     overwrite: bool = False,
+    weights: Literal["live", "ema"] | None = None,
 ) -> Path:
     """Export a checkpoint of an HF model without the training script (the CLI's `export`).
 
@@ -159,19 +160,35 @@ def export_checkpoint(
     (PEFT) checkpoint exports its adapter, which `PeftModel.from_pretrained(base, directory)`
     loads; it needs neither `base` nor the base's weights.
 
+    A run trained with `ft.optim.ema` saved two sets of weights: the live ones (which training
+    goes on from) and their average (which evaluation inside `swap_ema` uses). Which one to
+    export is not guessed: `weights` says ("ema" or "live"); without it such a checkpoint is
+    refused. A checkpoint without an average has only the live weights (`weights=None` or
+    "live").
+
     Raises:
         CheckpointError: if the checkpoint is invalid or lacks parameters the model needs.
         ValueError: for both `config` and `base` (the model comes from `base` then: `config`
-            would be ignored).
+            would be ignored); for an EMA checkpoint without `weights`, and `weights="ema"`
+            for one without an EMA average of every trainable parameter.
     """
     if config is not None and base is not None:
         raise ValueError(
             "export_checkpoint takes config or base, not both: with base the model is loaded "
             "from it (its own config), so config would be ignored"
         )
+    if weights not in (None, "live", "ema"):
+        raise ValueError(f"weights must be 'ema', 'live' or None, got {weights!r}")
     path = Path(path)
     # The one validator: marker, state.json, files, sizes, checksums and config.json.
-    opened = open_checkpoint(path, keep=("model",))
+    opened = open_checkpoint(path, keep=("model", "optimizer") if weights == "ema" else ("model",))
+    if weights is None and opened.ema_averages:
+        raise ValueError(
+            f"{path} was trained with ft.optim.ema: it holds the live weights and their EMA "
+            "average, and which one to export is not guessed. Pass weights='ema' (--weights "
+            "ema: the average, what evaluation inside swap_ema uses) or weights='live' "
+            "(--weights live: the weights training goes on from)"
+        )
     meta = opened.meta
     adapter = meta.get("peft")
     shapes = opened.tensors["model"]  # meta-device placeholders when sharded
@@ -184,7 +201,8 @@ def export_checkpoint(
     model = _build(path, config, base, opened.config)
     if adapter is not None:
         model = _with_adapter(model, adapter, path)
-    saved = read_model_tensors(opened)  # a sharded checkpoint's, assembled from its shards
+    # A sharded checkpoint's, assembled from its shards; the averages in place with "ema".
+    saved = read_model_tensors(opened, weights=weights or "live")
     _check_fits(path, model, saved, meta, adapter is not None, base=base)
     live = {**dict(model.named_buffers()), **dict(model.named_parameters())}
     with torch.no_grad():

@@ -1,0 +1,176 @@
+"""`python -m ftrain export` of a run trained with an EMA (which weights: asked, never guessed),
+and folders that never were checkpoints (said so, not "save cut short")."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+import ftrain as ft
+from ftrain.extras.cli import main
+from helpers import ragged_rows, tiny_llama
+
+ROWS = ragged_rows(8, seed=1)
+
+
+def _trained(optimizer, strategy=None):
+    state = ft.TrainState.create(tiny_llama(), optimizer, strategy=strategy)
+    for micro in ft.make_batches(ROWS, batch_size=4, accum=1, seed=0):
+        grads, stats = ft.accumulate_grads(state, micro)
+        state, _ = ft.clip_and_step(state, grads, stats=stats, lr=0.5)
+    return state
+
+
+def _ema():
+    return ft.optim.ema(ft.optim.sgd(), decay=0.5, warmup=False)
+
+
+def _logits(model):
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([[1, 5, 9, 13, 2, 7]])).logits
+
+
+def _exported(directory):
+    from transformers import AutoModelForCausalLM
+
+    return _logits(AutoModelForCausalLM.from_pretrained(directory))
+
+
+@pytest.fixture(scope="module")
+def ema_run(tmp_path_factory):
+    """A checkpoint of a run trained with an EMA, and the logits of its live and EMA weights."""
+    state = _trained(_ema())
+    live = _logits(state.model)
+    with ft.optim.swap_ema(state):
+        average = _logits(state.model)
+    assert not torch.allclose(live, average)  # else the tests below could not tell them apart
+    return ft.save_checkpoint(state, tmp_path_factory.mktemp("ema")), live, average
+
+
+# --- which weights of an EMA run -----------------------------------------------------------------
+
+
+def test_export_of_an_ema_run_asks_which_weights(ema_run, tmp_path, capsys):
+    """Was: exported the live weights without a word, while eval had used the average."""
+    path, _, _ = ema_run
+    with pytest.raises(SystemExit) as e:
+        main(["export", str(path), "--to", str(tmp_path / "hf")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "was trained with ft.optim.ema" in err
+    assert "--weights ema" in err and "--weights live" in err
+    assert not (tmp_path / "hf").exists()
+    with pytest.raises(ValueError, match="which one to export is not guessed"):
+        ft.export_checkpoint(path, tmp_path / "hf")
+
+
+@pytest.mark.parametrize("weights", ["ema", "live"])
+def test_export_weights_writes_the_weights_named(ema_run, tmp_path, capsys, weights):
+    path, live, average = ema_run
+    out = tmp_path / "hf"
+    assert main(["export", str(path), "--to", str(out), "--weights", weights]) == 0
+    which = {"ema": "the EMA weights", "live": "the live weights"}[weights]
+    assert f"({which}) -> {out}" in capsys.readouterr().out
+    assert torch.equal(_exported(out), average if weights == "ema" else live)
+
+
+def test_weights_ema_of_a_run_without_an_ema_is_refused(tmp_path, capsys):
+    path = ft.save_checkpoint(_trained(ft.optim.sgd()), tmp_path / "run")
+    with pytest.raises(SystemExit) as e:
+        main(["export", str(path), "--to", str(tmp_path / "hf"), "--weights", "ema"])
+    assert e.value.code == 2 and "holds no EMA average" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
+    assert main(["export", str(path), "--to", str(tmp_path / "hf"), "--weights", "live"]) == 0
+
+
+def test_weights_ema_refuses_an_average_of_some_parameters_only(tmp_path):
+    """An EMA inside a partition group averages that group only (swap_ema refuses it too)."""
+    groups = {"ema": _ema(), "sgd": ft.optim.sgd()}
+    optimizer = ft.optim.partition(groups, lambda n: "ema" if "layers" in n else "sgd")
+    path = ft.save_checkpoint(_trained(optimizer), tmp_path / "run")
+    with pytest.raises(ValueError, match=r"cover \d+ of its \d+ trainable parameters"):
+        ft.export_checkpoint(path, tmp_path / "hf", weights="ema")
+    with pytest.raises(ValueError, match="not guessed"):
+        ft.export_checkpoint(path, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+class _Sharded(ft.strategies.SingleDevice):
+    """The sharded layout (FSDP's) written by one process."""
+
+    checkpoint_sharded = True
+
+
+def test_weights_ema_reads_the_averages_of_a_sharded_checkpoint(tmp_path):
+    state = _trained(_ema(), strategy=_Sharded())
+    with ft.optim.swap_ema(state):
+        average = _logits(state.model)
+    path = ft.save_checkpoint(state, tmp_path / "run")
+    assert ft.checkpoint.read_meta(path).get("sharded") is True
+    ft.export_checkpoint(path, tmp_path / "hf", weights="ema")
+    assert torch.equal(_exported(tmp_path / "hf"), average)
+
+
+def test_inspect_says_an_ema_run_holds_two_sets_of_weights(ema_run, tmp_path, capsys):
+    assert main(["inspect", str(ema_run[0])]) == 0
+    assert "EMA average (ft.optim.ema): export --weights ema|live" in capsys.readouterr().out
+    plain = ft.save_checkpoint(ft.TrainState.create(tiny_llama(), ft.optim.sgd()), tmp_path)
+    assert main(["inspect", str(plain)]) == 0
+    assert "EMA" not in capsys.readouterr().out
+
+
+# --- not a checkpoint, or a save cut short -------------------------------------------------------
+
+
+def _load(path):
+    return ft.load_checkpoint(path, ft.TrainState.create(tiny_llama(), ft.optim.sgd()))
+
+
+@pytest.mark.parametrize("contents", [[], ["notes.txt", "data.csv"], ["config.json"]])
+def test_a_folder_that_never_was_a_checkpoint_says_so(tmp_path, capsys, contents):
+    """Was "incomplete: no COMMITTED marker (save cut short)", as if a save had crashed."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    for name in contents:
+        (folder / name).write_text("{}")
+    with pytest.raises(ft.CheckpointError, match="mine is not a checkpoint: no COMMITTED") as e:
+        _load(folder)
+    assert "cut short" not in str(e.value)
+    assert main(["inspect", str(folder)]) == 1
+    assert main(["export", str(folder), "--to", str(tmp_path / "hf")]) == 1
+    said = capsys.readouterr()
+    assert "is not a checkpoint" in said.out and "is not a checkpoint" in said.err
+    assert "cut short" not in said.out + said.err
+
+
+def test_a_run_folder_or_its_parent_is_not_a_checkpoint(ema_run, tmp_path, capsys):
+    run = tmp_path / "runs" / "a"
+    shutil.copytree(ema_run[0], run / ema_run[0].name)
+    with pytest.raises(ft.CheckpointError, match=f"it is a run folder: .*{ema_run[0].name}"):
+        _load(run)
+    assert main(["export", str(run.parent), "--to", str(tmp_path / "hf")]) == 1
+    err = capsys.readouterr().err
+    assert "runs is not a checkpoint" in err and "is a folder of run folders: " in err
+    assert f"e.g. of {run}\n" in err
+    assert "cut short" not in err
+
+
+def test_a_save_cut_short_is_still_called_so(ema_run, tmp_path):
+    """What a crash leaves: the save's temporary folder (tensors written, no state.json, no
+    marker), or a published folder whose marker is gone."""
+    tmp = tmp_path / ".tmp-step-2.123@host.0123abcd"
+    tmp.mkdir()
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        shutil.copy(ema_run[0] / name, tmp / name)
+    with pytest.raises(ft.CheckpointError, match=r"incomplete: no COMMITTED marker \(save cut"):
+        _load(tmp)
+    shutil.rmtree(tmp)
+    tmp.mkdir()  # a save killed before it wrote anything
+    with pytest.raises(ft.CheckpointError, match=r"\(save cut short\)"):
+        _load(tmp)
+    copy = shutil.copytree(ema_run[0], tmp_path / "step-2")
+    (copy / "COMMITTED").unlink()
+    with pytest.raises(ft.CheckpointError, match=r"incomplete: no COMMITTED marker \(save cut"):
+        _load(copy)

@@ -1,0 +1,153 @@
+"""Map-style positions keep a digest of a few rows: a resume over data of the same row count but
+other contents (another tokenizer or max_length) raises instead of going on over other rows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import ftrain as ft
+
+N = 24
+
+
+def _rows(max_length):
+    return [{"input_ids": list(range(1, 2 + i % 9))[:max_length]} for i in range(N)]
+
+
+def _hf(max_length):
+    import datasets
+
+    raw = datasets.Dataset.from_dict({"ids": [list(range(1, 2 + i % 9)) for i in range(N)]})
+    return raw.map(
+        lambda r: {"input_ids": r["ids"][:max_length]}, remove_columns=["ids"], keep_in_memory=True
+    )
+
+
+def _loss(model, batch):
+    x = batch["input_ids"].float().sum(-1, keepdim=True)
+    return model(x).sum(), x.shape[0]
+
+
+def _trained(data, steps=2):
+    state = ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd(), seed=0)
+    for micro in ft.make_batches(data, state, batch_size=2, accum=2):
+        grads, stats = ft.accumulate_grads(state, micro, _loss)
+        state, _ = ft.clip_and_step(state, grads, stats=stats, lr=1e-3)
+        if state.step == steps:
+            return state
+    raise AssertionError("epoch too short")
+
+
+def _at(data, cursor=3):
+    """A state that trained `cursor` micro-batches of `data` (the position clip_and_step keeps)."""
+    group = next(iter(ft.make_batches(data, batch_size=2, seed=0)))
+    state = ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd(), seed=0)
+    pos = json.loads(group.position) | {"cursor": cursor, "row": 2 * cursor}
+    return state.replace(data=state.data.replace(cursor=cursor, position=json.dumps(pos)))
+
+
+def _ids(groups):
+    return [b["input_ids"].tolist() for g in groups for b in g]
+
+
+def test_a_checkpointed_run_resumed_over_other_tokenization_raises(tmp_path):
+    """The attack: `--max-length` changed between the run and its resume; same 24 rows, so
+    the position's row count matched and the resumed run went on over other rows."""
+    path = ft.save_checkpoint(_trained(_hf(8)), tmp_path)
+    fresh = lambda: ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd(), seed=0)  # noqa: E731
+    state = ft.load_checkpoint(path, fresh())
+    with pytest.raises(ValueError, match=r"data holds other rows than when state\.data\.position"):
+        ft.make_batches(_hf(4), state, batch_size=2, accum=2)
+    # The same data, built again, resumes, and exactly.
+    resumed = _ids(
+        ft.make_batches(_hf(8), ft.load_checkpoint(path, fresh()), batch_size=2, accum=2)
+    )
+    whole = _ids(ft.make_batches(_hf(8), batch_size=2, accum=2, seed=0))
+    assert resumed == whole[4:]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        _rows,
+        _hf,
+        lambda m: torch.arange(N * 3).reshape(N, 3) % (m + 1),
+        lambda m: torch.utils.data.TensorDataset(torch.arange(N * 3).reshape(N, 3) % (m + 1)),
+    ],
+    ids=["list of dicts", "datasets.Dataset", "tensor", "TensorDataset"],
+)
+def test_other_rows_of_the_same_count_are_refused_naming_the_ways_on(make):
+    state = _at(make(8))
+    kw = {"batch_size": 2} | ({} if make in (_rows, _hf) else {"collate_fn": _stack})
+    ft.make_batches(make(8), state, **kw)  # the same data: resumes
+    with pytest.raises(ValueError, match="the same 24 rows, but a digest of a few") as e:
+        ft.make_batches(make(4), state, **kw)
+    assert "state.replace(data=state.data.replace(cursor=0, position=None))" in str(e.value)
+    # The unchecked way on: from the same micro-batch, over the new rows.
+    unchecked = state.replace(data=state.data.replace(position=None))
+    assert len(list(ft.make_batches(make(4), unchecked, **kw))) == N // 2 - 3
+
+
+def _stack(rows):
+    return torch.stack([r[0] if isinstance(r, tuple) else r for r in rows])
+
+
+def test_a_position_saved_before_the_digest_resumes_as_before():
+    state = _at(_rows(8))
+    pos = json.loads(state.data.position)
+    del pos["content"]
+    old = state.replace(data=state.data.replace(position=json.dumps(pos)))
+    ft.data.check_position(old.data.position)
+    groups = list(ft.make_batches(_rows(4), old, batch_size=2))  # nothing to compare with
+    assert len(groups) == N // 2 - 3
+    # From there on the position holds the digest of the rows it goes on over.
+    now = next(iter(ft.make_batches(_rows(4), batch_size=2))).position
+    assert json.loads(groups[0].position)["content"] == json.loads(now)["content"]
+
+
+def test_the_digest_reads_eight_rows_whatever_the_size():
+    reads = []
+
+    class Rows(list):
+        def __getitem__(self, i):
+            reads.append(i)
+            return super().__getitem__(i)
+
+    ft.make_batches(Rows([{"input_ids": [1, 2]}] * 100_000), batch_size=2)
+    assert len(reads) == 8 and {0, 99_999} <= set(reads)
+
+
+def test_a_torch_dataset_of_your_own_is_not_read_for_it():
+    """Its __getitem__ may be costly, random or watched: only rows trained on are read."""
+
+    class Watched(torch.utils.data.Dataset):
+        reads = 0
+
+        def __len__(self):
+            return N
+
+        def __getitem__(self, i):
+            Watched.reads += 1
+            return {"input_ids": [i]}
+
+    group = next(iter(ft.make_batches(Watched(), batch_size=2, seed=0)))
+    assert Watched.reads == 2 and json.loads(group.position)["content"] is None
+
+
+def test_the_digest_ignores_a_transform_set_on_a_datasets_dataset():
+    """An on-the-fly transform may be random: the stored rows are digested, not its output."""
+    data = _hf(8)
+    plain = next(iter(ft.make_batches(data, batch_size=2))).position
+    noisy = data.with_transform(
+        lambda batch: {"input_ids": torch.randint(9, (len(batch["input_ids"]), 3)).tolist()}
+    )
+    assert next(iter(ft.make_batches(noisy, batch_size=2))).position == plain
+
+
+def test_a_malformed_digest_is_refused():
+    pos = json.loads(_at(_rows(8)).data.position) | {"content": "not hex"}
+    with pytest.raises(ValueError, match="content must be a hex digest or null"):
+        ft.data.check_position(json.dumps(pos))
