@@ -195,8 +195,9 @@ def clip_and_step(
     check_finite = skip_nonfinite or scaling is not None
     # A step that counted no item is skipped (its gradient is 0/0), unless its Stats says it
     # applies anyway (a private step's noise: ft.func.private_grads).
-    skip_empty = stats is not None and stats.skip_empty
-    num_items = _count(stats.num_items, strategy.device) if skip_empty else None
+    num_items = None
+    if stats is not None and stats.skip_empty:
+        num_items = _count(stats.num_items, strategy.device)
     with torch.no_grad():
         if compile:
             norm, overflow, skip = compiled_update(
