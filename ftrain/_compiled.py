@@ -3,10 +3,10 @@
 Used by `clip_and_step(..., compile=True)`. One compiled function per optimizer (its traceable
 twin, `ft.optim.twin_of`); the learning rate and `max_norm` enter as 0-dim tensors (the lr
 refilled each step, `max_norm` when it changes), so a schedule of either does not recompile.
-What may recompile: the first step of SGD (its momentum buffer starts from the gradient),
-`max_norm` None or not, `skip_nonfinite`, `stats` given or not, or another set of parameters
-with gradients. Past dynamo's recompile limit of such variants of one optimizer, the step
-raises (`compiled_update`).
+What may recompile: the first step of SGD with momentum and no dampening (its buffer starts
+from the gradient; with dampening each buffer's start is a device flag), `max_norm` None or
+not, `skip_nonfinite`, `stats` given or not, or another set of parameters with gradients. Past
+dynamo's recompile limit of such variants of one optimizer, the step raises (`compiled_update`).
 """
 
 from __future__ import annotations

@@ -148,6 +148,7 @@ def load_checkpoint(
     opt_flat = flatten_tree(state.opt_state)
     if meta.get("sharded") is not True:
         _adam_counts_of_older_checkpoints(meta["optimizer"], tensors["optimizer"])
+        _sgd_started_of_older_checkpoints(meta["optimizer"], tensors["optimizer"], opt_flat)
     diffs, model_pairs = _match_model(meta, tensors["model"], live, module)
     opt_diffs, opt_values = _match_optimizer(meta, tensors["optimizer"], state.opt_state, live)
     fields, field_diffs = _fields(meta, state)  # may reject the file: before anything is written
@@ -215,6 +216,30 @@ def _adam_counts_of_older_checkpoints(
             name = f"{at}counts/{key[len(at) + 3 :]}"
             entries[name] = {"shape": [], "tensor": entries[f"{at}steps"]["tensor"]}
             saved[name] = steps.clone()
+
+
+def _sgd_started_of_older_checkpoints(
+    entries: dict[str, Any], saved: dict[str, torch.Tensor], template: dict[str, Any]
+) -> None:
+    """An `sgd(momentum=, dampening=)` state saved before `DampedSGDState` (2026-11-26) is an
+    `SGDState` without `started`: where the state wants a `DampedSGDState`, a parameter whose
+    saved buffer holds a nonzero value has started, an all-zero one has not (torch's rule
+    but for a parameter whose every gradient so far was exactly zero). A whole-layout
+    checkpoint; a sharded one still reports the other state."""
+    for path, node in template.items():
+        if node != "tuple:DampedSGDState":
+            continue
+        at = f"{path}/" if path else ""
+        if entries.get(path) != {"node": "tuple:SGDState"} or f"{at}started" in entries:
+            continue
+        entries[path] = {"node": "tuple:DampedSGDState"}
+        entries[f"{at}started"] = {"node": "dict"}
+        for key in [k for k in entries if k.startswith(f"{at}momentum/")]:
+            buffer = saved.get(key)
+            if buffer is not None:
+                name = f"{at}started/{key[len(at) + len('momentum/') :]}"
+                entries[name] = {"tensor": "bool", "shape": []}
+                saved[name] = buffer.ne(0).any()
 
 
 _SETTING = "optimizer setting "  # how each line of `_settings_diffs` opens

@@ -5,6 +5,7 @@ from ftrain.optim._adapters import from_torch as from_torch
 from ftrain.optim._adapters import from_torchopt as from_torchopt
 from ftrain.optim._base import AdamState as AdamState
 from ftrain.optim._base import ChainState as ChainState
+from ftrain.optim._base import DampedSGDState as DampedSGDState
 from ftrain.optim._base import Optimizer as Optimizer
 from ftrain.optim._base import SGDState as SGDState
 from ftrain.optim._base import Transform as Transform
@@ -35,6 +36,7 @@ from ftrain.optim._transforms import scale as scale
 __all__ = [
     "AdamState",
     "ChainState",
+    "DampedSGDState",
     "EmaState",
     "MuonState",
     "Optimizer",

@@ -22,6 +22,7 @@ from ftrain.strategies import local_views
 __all__ = [
     "AdamState",
     "ChainState",
+    "DampedSGDState",
     "Optimizer",
     "SGDState",
     "Transform",
@@ -86,9 +87,27 @@ class AdamState(NamedTuple):
 
 
 class SGDState(NamedTuple):
-    """State of `sgd`: momentum buffers keyed by parameter name (empty without momentum)."""
+    """State of `sgd`: momentum buffers keyed by parameter name (empty without momentum).
+
+    Without dampening a buffer's first update from zero, `momentum * 0 + g`, is the gradient
+    itself, as torch's first update (`buf = clone(g)`): no per-parameter flag is needed.
+    """
 
     momentum: dict[str, torch.Tensor]
+
+
+class DampedSGDState(NamedTuple):
+    """State of `sgd` with momentum and dampening: the buffers and whether each has `started`
+    (a 0-dim bool per parameter), keyed by name.
+
+    As in `torch.optim.SGD`, a parameter's first update sets its buffer to the gradient and
+    only later ones are damped (`buf = momentum * buf + (1 - dampening) * g`). A parameter
+    without a gradient in a step, or a step skipped as non-finite, starts nothing: a head
+    whose gradients start at step 5 has its buffer set to its gradient at step 5.
+    """
+
+    momentum: dict[str, torch.Tensor]
+    started: dict[str, torch.Tensor]
 
 
 class ChainState(NamedTuple):
@@ -397,8 +416,12 @@ def sgd(
 ) -> Optimizer:
     """SGD with optional (Nesterov) momentum on the fused kernel; equals `torch.optim.SGD`.
 
-    As in torch, the first update sets the momentum buffer to the gradient itself; if that very
-    first update is skipped as non-finite, the buffer starts from zero instead.
+    As in torch, a parameter's first update sets its momentum buffer to the gradient itself
+    and later ones compute `buf = momentum * buf + (1 - dampening) * g`; a parameter whose
+    gradients start late, or whose first step is skipped as non-finite, starts at its first
+    applied update. With `dampening` the state is a `DampedSGDState`, which records which
+    buffers have started, and the update runs torch's own ops per parameter (the fused
+    kernel's first step is one flag for all); otherwise an `SGDState` and the fused kernel.
 
     Args:
         momentum: momentum factor.
@@ -420,22 +443,40 @@ def sgd(
         )
     decays = _masker(mask)
     groups = _Groups(decays)
+    damped = bool(momentum) and dampening != 0
 
-    def init(params: Params) -> SGDState:
+    def init(params: Params) -> SGDState | DampedSGDState:
         if momentum == 0:
             return SGDState(momentum={})
-        return SGDState(momentum={n: torch.zeros_like(p) for n, p in params.items()})
+        buffers = {n: torch.zeros_like(p) for n, p in params.items()}
+        if not damped:
+            return SGDState(momentum=buffers)
+        started = {n: torch.zeros((), dtype=torch.bool, device=p.device) for n, p in params.items()}
+        return DampedSGDState(momentum=buffers, started=started)
 
     def update(
         grads: Grads,
-        state: SGDState,
+        state: SGDState | DampedSGDState,
         params: Params,
         *,
         lr: float,
         step: int,
         found_inf: torch.Tensor | None = None,
-    ) -> SGDState:
+    ) -> SGDState | DampedSGDState:
+        if isinstance(state, DampedSGDState) is not damped:
+            _wrong_sgd_state(state, momentum, dampening)
         for decay, names in groups(grads, params):
+            if isinstance(state, DampedSGDState):
+                _damped_sgd(
+                    _local(_take(params, names)),
+                    _local(_take(grads, names)),
+                    _local(_take(state.momentum, names)),
+                    _take(state.started, names),
+                    lr=lr, momentum=momentum, dampening=dampening,
+                    weight_decay=weight_decay if decay else 0.0, maximize=maximize,
+                    found_inf=found_inf,
+                )  # fmt: skip
+                continue
             torch._fused_sgd_(
                 _local(_take(params, names)),
                 _local(_take(grads, names)),
@@ -463,6 +504,45 @@ def sgd(
         **_no_decay(decays, names, weight_decay),
     })  # fmt: skip
     return Optimizer(init, update)
+
+
+def _wrong_sgd_state(state: Any, momentum: float, dampening: float) -> None:
+    want = "DampedSGDState" if momentum and dampening else "SGDState"
+    raise TypeError(
+        f"sgd(momentum={momentum}, dampening={dampening}) updates an ft.optim.{want}, got "
+        f"{type(state).__name__}: build the state with this optimizer's init (TrainState.create)"
+    )
+
+
+def _damped_sgd(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    buffers: list[torch.Tensor],
+    started: list[torch.Tensor],
+    *,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    maximize: bool,
+    found_inf: torch.Tensor | None,
+) -> None:
+    """`torch.optim.SGD`'s update with momentum and dampening, op for op as its for-loop
+    path, where each parameter's `started` flag picks the first update (`buf = g`) on the
+    device, without a host sync; a step with `found_inf` nonzero changes nothing."""
+    keep = None if found_inf is None else found_inf == 0
+    for p, g, buf, s in zip(params, grads, buffers, started, strict=True):
+        g = g.neg() if maximize else g
+        g = g.add(p, alpha=weight_decay) if weight_decay else g
+        new = torch.where(s, buf.mul(momentum).add_(g, alpha=1 - dampening), g)
+        if keep is None:
+            buf.copy_(new)
+            p.add_(new, alpha=-lr)
+            s.fill_(True)
+        else:
+            buf.copy_(torch.where(keep, new, buf))
+            p.copy_(torch.where(keep, p.add(new, alpha=-lr), p))
+            s.logical_or_(keep)
 
 
 def chain(*parts: Transform | Optimizer) -> Optimizer:

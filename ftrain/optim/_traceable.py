@@ -137,7 +137,13 @@ def sgd_twin(
     groups: GroupsFn,
     maximize: bool,
 ) -> Twin:
-    """The update of `_fused_sgd_` as traceable tensor ops (first step: buffer = gradient)."""
+    """The update of `_fused_sgd_` as traceable tensor ops (first step: buffer = gradient).
+
+    With dampening, each parameter's first update is its own (`DampedSGDState.started`, read
+    on the device, as the eager update does); without, `first` (the buffer then starts from
+    zero, where `momentum * 0 + g` is the gradient too).
+    """
+    damped = bool(momentum) and dampening != 0
 
     def update(
         grads: Params,
@@ -154,7 +160,13 @@ def sgd_twin(
             for n in names:
                 p = params[n]
                 g = _grad(grads[n], p, wd, maximize)
-                if momentum:
+                if damped:
+                    buf, started = state.momentum[n], state.started[n]
+                    b_new = torch.where(started, buf * momentum + g * (1 - dampening), g)
+                    buf.copy_(_keep(skip, buf, b_new))
+                    started.copy_(torch.ones_like(started) if skip is None else started | ~skip)
+                    g = b_new  # (no Nesterov with dampening)
+                elif momentum:
                     buf = state.momentum[n]
                     b_new = g if first else buf * momentum + g * (1 - dampening)
                     buf.copy_(_keep(skip, buf, b_new))
