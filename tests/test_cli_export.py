@@ -174,3 +174,54 @@ def test_a_save_cut_short_is_still_called_so(ema_run, tmp_path):
     (copy / "COMMITTED").unlink()
     with pytest.raises(ft.CheckpointError, match=r"incomplete: no COMMITTED marker \(save cut"):
         _load(copy)
+
+
+# --- ft.export_pretrained of an EMA state: the same question as the CLI's ------------------------
+
+
+def _ema_state():
+    state = _trained(_ema())
+    live = _logits(state.model)
+    with ft.optim.swap_ema(state):
+        average = _logits(state.model)
+    assert not torch.allclose(live, average)
+    return state, live, average
+
+
+def test_export_pretrained_of_an_ema_state_asks_which_weights(tmp_path):
+    """Was: wrote the live weights without a word outside swap_ema (as the CLI did)."""
+    state, live, average = _ema_state()
+    with pytest.raises(ValueError, match=r"not guessed: pass weights='ema'.*weights='live'"):
+        ft.export_pretrained(state, tmp_path / "none")
+    assert not (tmp_path / "none").exists()
+    torch.testing.assert_close(
+        _exported(ft.export_pretrained(state, tmp_path / "e", weights="ema")), average
+    )
+    torch.testing.assert_close(
+        _exported(ft.export_pretrained(state, tmp_path / "l", weights="live")), live
+    )
+    torch.testing.assert_close(_logits(state.model), live)  # the live weights are back
+    with ft.optim.swap_ema(state):  # the model holds the average: written as it is
+        torch.testing.assert_close(_exported(ft.export_pretrained(state, tmp_path / "s")), average)
+        torch.testing.assert_close(
+            _exported(ft.export_pretrained(state, tmp_path / "se", weights="ema")), average
+        )
+        with pytest.raises(ValueError, match=r"weights='live'\) inside ft.optim.swap_ema"):
+            ft.export_pretrained(state, tmp_path / "sl", weights="live")
+    with pytest.raises(ValueError, match="weights must be 'ema', 'live' or None, got 'EMA'"):
+        ft.export_pretrained(state, tmp_path / "bad", weights="EMA")
+
+
+def test_export_pretrained_weights_ema_needs_a_whole_average(tmp_path):
+    plain = _trained(ft.optim.sgd())
+    ft.export_pretrained(plain, tmp_path / "a")  # only live weights: nothing to ask
+    ft.export_pretrained(plain, tmp_path / "b", weights="live")
+    with pytest.raises(ValueError, match=r"holds no EMA average.*export weights='live'"):
+        ft.export_pretrained(plain, tmp_path / "c", weights="ema")
+    labels = lambda name: "embed" if "embed" in name else "rest"  # noqa: E731
+    grouped = _trained(ft.optim.partition({"embed": _ema(), "rest": ft.optim.sgd()}, labels))
+    with pytest.raises(ValueError, match="not guessed"):
+        ft.export_pretrained(grouped, tmp_path / "d")
+    with pytest.raises(ValueError, match=r"inside another optimizer \(a partition group\?\)"):
+        ft.export_pretrained(grouped, tmp_path / "e", weights="ema")
+    ft.export_pretrained(grouped, tmp_path / "f", weights="live")

@@ -20,6 +20,7 @@ from ftrain.checkpoint import (
     read_model_tensors,
     write_atomically,
 )
+from ftrain.optim import EmaState, ema_swapped, swap_ema
 from ftrain.state import TrainState
 
 __all__ = ["export_checkpoint", "export_pretrained"]
@@ -32,6 +33,7 @@ def export_pretrained(
     tokenizer: Any = None,
     overwrite: bool = False,
     merge: bool = False,
+    weights: Literal["live", "ema"] | None = None,
 ) -> Path:
     """Write the state's model so that `from_pretrained(directory)` loads it.
 
@@ -48,6 +50,12 @@ def export_pretrained(
         merge: for a PEFT (LoRA) model, write a full model with the adapters merged into a
             copy of the base weights (`merge_and_unload`), which `from_pretrained` loads
             without peft. The copy costs the model's memory once more while it is written.
+        weights: for a state trained with `ft.optim.ema`, which weights to write: "ema" the
+            average, "live" the weights training goes on from. Not guessed (as `python -m
+            ftrain export --weights`): such a state needs it, except inside
+            `ft.optim.swap_ema(state)`, where the model holds the average and that is written
+            (None or "ema"). A state without an average has only its live weights (None or
+            "live").
 
     Returns:
         `directory` as a Path.
@@ -55,12 +63,21 @@ def export_pretrained(
     Raises:
         FileExistsError: if `directory` exists and `overwrite` is False.
         ValueError: `merge=True` on a model without adapters, a 4-/8-bit quantized base
-            (merge into a full-precision base instead), or sharded (FSDP) parameters.
+            (merge into a full-precision base instead), or sharded (FSDP) parameters; an EMA
+            state without `weights` outside `swap_ema`, `weights="ema"` without an average
+            (or with an `ema` inside another optimizer: `swap_ema` swaps a top-level one),
+            `weights="live"` inside `swap_ema`.
 
     With several ranks, rank 0 writes and the others return at once. With FSDP call it on every
     rank: the sharded parameters are gathered first (a collective), and every rank returns once
     rank 0 has written the directory.
     """
+    if _needs_swap(state, weights):
+        with swap_ema(state):
+            return export_pretrained(
+                state, directory, tokenizer=tokenizer, overwrite=overwrite, merge=merge,
+                weights="ema",
+            )  # fmt: skip
     module, strategy = state.strategy.unwrap(state.model), state.strategy
     directory = Path(directory)
     # A sharded state is gathered by every rank together; then they leave together.
@@ -76,6 +93,49 @@ def export_pretrained(
         if together:
             strategy.barrier()
     return directory
+
+
+def _needs_swap(state: TrainState, weights: str | None) -> bool:
+    """Whether the average must be swapped in to write `weights`; refuses a guess."""
+    if weights not in (None, "live", "ema"):
+        raise ValueError(f"weights must be 'ema', 'live' or None, got {weights!r}")
+    if ema_swapped(state):  # the model holds the average
+        if weights == "live":
+            raise ValueError(
+                "export_pretrained(weights='live') inside ft.optim.swap_ema(state): the model "
+                "holds the EMA average until the block ends; export the live weights outside it"
+            )
+        return False
+    top = isinstance(state.opt_state, EmaState)
+    if weights is None and _holds_ema(state.opt_state):
+        raise ValueError(
+            "export_pretrained: the state was trained with ft.optim.ema and holds two sets of "
+            "weights; which one to write is not guessed: pass weights='ema' (the average, what "
+            "evaluation inside swap_ema uses) or weights='live' (the weights training goes on "
+            "from)"
+        )
+    if weights == "ema" and not top:
+        raise ValueError(
+            "export_pretrained(weights='ema'): "
+            + ("the state's EMA sits inside another optimizer (a partition group?), and "
+               "would cover some parameters only" if _holds_ema(state.opt_state)
+               else "the state holds no EMA average (its optimizer is not ft.optim.ema(...))")
+            + "; export weights='live'"
+        )  # fmt: skip
+    return weights == "ema"
+
+
+def _holds_ema(tree: Any, depth: int = 0) -> bool:
+    """Whether an optimizer state holds an `EmaState` anywhere (a partition's group too)."""
+    if isinstance(tree, EmaState):
+        return True
+    if depth > 32:
+        return False
+    if isinstance(tree, dict):
+        return any(_holds_ema(v, depth + 1) for v in tree.values())
+    if isinstance(tree, (tuple, list)):
+        return any(_holds_ema(v, depth + 1) for v in tree)
+    return False
 
 
 def _merged(module: nn.Module, *, sharded: bool) -> nn.Module:
