@@ -57,6 +57,8 @@ def _check_types(state: Any, grads: Any, stats: Any) -> None:
         raise TypeError(
             f"stats must be the Stats accumulate_grads returned or None, got {type(stats).__name__}"
         )
+    if stats is not None and type(stats.skip_empty) is not bool:  # 0/None would apply 0/0
+        raise TypeError(f"stats.skip_empty must be True or False, got {stats.skip_empty!r}")
 
 
 def _check_grads(

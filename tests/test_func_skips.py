@@ -195,6 +195,49 @@ def test_a_step_without_item_still_skips_every_member_of_a_sweep():
     assert all(torch.equal(state.params[n], p) for n, p in before.items())
     assert [int(s.steps) for s in state.opt_state] == [0, 0, 0]
 
+    # Beside a non-finite member too (was: the finite ones stepped on their zero gradients,
+    # AdamW's decay moving them, where each separate run skipped: it counted no item).
+    sick = ft.TrainState.create(ft.func.Ensemble([mlp(0), poison(mlp(1)), mlp(2)]), members_opt())
+    before = {n: p.detach().clone() for n, p in sick.params.items()}
+    sick, infos = train(sick, 2, ft.func.ensemble_loss(masked))
+    assert infos == [(True, [True, False, True])] * 2
+    for n, p in before.items():
+        torch.testing.assert_close(sick.params[n], p, rtol=0, atol=0, equal_nan=True, msg=n)
+    assert [int(s.steps) for s in sick.opt_state] == [0, 0, 0]
+
+
+def test_partition_and_ema_refuse_to_wrap_a_sweep():
+    """Either would decide one member's skip otherwise than its separate run: a partition
+    group on its part of the gradients only (a member NaN in one group stepped in the other,
+    half a step), an ema with one skip for every member's average."""
+    labels = lambda name: "first" if name.startswith("0.") else "last"  # noqa: E731
+    with pytest.raises(ValueError, match=r"partition group 'first' of ft.func.sweep"):
+        ft.optim.partition({"first": members_opt(), "last": members_opt()}, labels)
+    with pytest.raises(ValueError, match=r"ema of ft.func.sweep.*sweep\(\[ft.optim.ema\("):
+        ft.optim.ema(members_opt())
+    with pytest.raises(ValueError, match=r"ema of ft\.func\.sweep"):
+        ft.optim.ema(ft.optim.chain(ft.optim.clip_by_global_norm(1.0), members_opt()))
+
+
+def test_a_sweep_of_ema_members_keeps_the_skipped_members_average_alone():
+    """The way to average a sweep: each member's own ema, which its own skip holds."""
+
+    def opt():
+        return ft.func.sweep(
+            [ft.optim.ema(ft.optim.adamw(weight_decay=w)) for w in (0.0, 0.1, 0.3)]
+        )
+
+    sick = ft.TrainState.create(ft.func.Ensemble([mlp(0), poison(mlp(1)), mlp(2)]), opt())
+    start = [{n: a.clone() for n, a in s.ema.items()} for s in sick.opt_state]
+    sick, infos = train(sick, 3)
+    assert [i[1] for i in infos] == [[True, False, True]] * 3
+    well, _ = train(ft.TrainState.create(ft.func.Ensemble([mlp(0), mlp(1), mlp(2)]), opt()), 3)
+    for k in (0, 2):  # as when member 1 is finite
+        for n, a in well.opt_state[k].ema.items():
+            assert torch.equal(sick.opt_state[k].ema[n], a), (k, n)
+    for n, a in start[1].items():  # never updated
+        torch.testing.assert_close(sick.opt_state[1].ema[n], a, rtol=0, atol=0, equal_nan=True)
+
 
 def test_one_optimizer_for_all_members_skips_all_on_a_non_finite_member():
     """Documented: the members share the optimizer's step count, so no member can skip alone
@@ -218,3 +261,12 @@ def test_clip_members_without_max_norm_only_measures():
     torch.testing.assert_close(grads["w"], torch.tensor([[0.6, 0.8], [0.3, 0.4]]))
     with pytest.raises(ValueError, match="max_norm"):
         ft.func.clip_members(grads, 0.0)
+
+
+@pytest.mark.parametrize("value", [None, 0, "False"])
+def test_a_skip_empty_that_is_not_a_bool_is_refused(value):
+    """0 or None read as false would apply a 0/0 step; "False" as true would skip it."""
+    state = ft.TrainState.create(mlp(0), ft.optim.sgd())
+    grads, stats = ft.accumulate_grads(state, [data(4)], ce_loss)
+    with pytest.raises(TypeError, match=r"stats.skip_empty must be True or False"):
+        ft.clip_and_step(state, grads, lr=0.1, stats=stats._replace(skip_empty=value))

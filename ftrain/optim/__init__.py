@@ -13,6 +13,7 @@ from ftrain.optim._base import adam as adam
 from ftrain.optim._base import adamw as adamw
 from ftrain.optim._base import chain as chain
 from ftrain.optim._base import describe as describe
+from ftrain.optim._base import self_skipping as self_skipping
 from ftrain.optim._base import sgd as sgd
 from ftrain.optim._ema import EmaState as EmaState
 from ftrain.optim._ema import ema as ema
@@ -63,6 +64,7 @@ __all__ = [
     "muon",
     "partition",
     "scale",
+    "self_skipping",
     "sgd",
     "swap_ema",
     "twin_of",

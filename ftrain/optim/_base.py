@@ -146,6 +146,33 @@ def _describes(update: Callable[..., Any], how: Callable[[list[str]], Settings |
     setattr(update, _DESCRIBE, how)
 
 
+# An optimizer whose update decides from the gradients it is given which of its slices skip a
+# step (`ft.func.sweep`: each member's own non-finite gradient). Inside `partition` each group
+# would decide on its part of the gradients (a member skipping in one group, stepping in
+# another); inside `ema` one skip would hold every average: neither is what separate runs do.
+_SELF_SKIPPING = "_ftrain_self_skipping"
+
+
+def self_skipping(optimizer: Optimizer) -> Optimizer:
+    """Mark `optimizer` as deciding its own partial skips from its gradients (`ft.func.sweep`):
+    `partition` and `ema` refuse to wrap it (`not_self_skipping`)."""
+    setattr(optimizer.update, _SELF_SKIPPING, True)
+    return optimizer
+
+
+def not_self_skipping(optimizer: Optimizer, wrapper: str) -> None:
+    """Refuse to wrap an optimizer `self_skipping` marked (see there)."""
+    if getattr(optimizer.update, _SELF_SKIPPING, False):
+        raise ValueError(
+            f"{wrapper} of ft.func.sweep: the sweep skips a member whose gradient is not finite "
+            "on its own, which "
+            + ("each group would decide on its part of the gradients"
+               if wrapper.startswith("partition") else "one average update for all cannot follow")
+            + "; wrap each member's optimizer instead, e.g. ft.func.sweep([ft.optim.ema("
+            "ft.optim.adamw()), ...]) or sweep([ft.optim.partition(...), ...])"
+        )  # fmt: skip
+
+
 def _no_decay(decays: Callable[[str], bool], names: list[str], weight_decay: float) -> Settings:
     """The names a mask leaves undecayed, as `describe` records them (none without decay)."""
     return {"no_decay": sorted(n for n in names if not decays(n))} if weight_decay else {}
@@ -590,4 +617,5 @@ def chain(*parts: Transform | Optimizer) -> Optimizer:
         "kind": "chain",
         "parts": [*(describe(t, names) for t in transforms), describe(inner, names)],
     })  # fmt: skip
-    return Optimizer(init, update)
+    chained = Optimizer(init, update)
+    return self_skipping(chained) if getattr(inner.update, _SELF_SKIPPING, False) else chained

@@ -16,7 +16,16 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from ftrain.optim._base import Grads, Optimizer, Params, _describes, _local, _number, describe
+from ftrain.optim._base import (
+    Grads,
+    Optimizer,
+    Params,
+    _describes,
+    _local,
+    _number,
+    describe,
+    not_self_skipping,
+)
 from ftrain.process_state import STATE
 
 if TYPE_CHECKING:
@@ -90,6 +99,7 @@ def ema(
             f"optimizer must be an ft.optim.Optimizer (ema wraps one), got "
             f"{type(optimizer).__name__}"
         )
+    not_self_skipping(optimizer, "ema")
     _number("decay", decay, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
     _number("gamma", gamma, lambda v: v > 0, "> 0")
     _number("power", power, lambda v: v > 0, "> 0")

@@ -14,7 +14,16 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ftrain.optim._base import Grads, Optimizer, Params, Settings, _describes, _number, describe
+from ftrain.optim._base import (
+    Grads,
+    Optimizer,
+    Params,
+    Settings,
+    _describes,
+    _number,
+    describe,
+    not_self_skipping,
+)
 
 __all__ = ["PartitionState", "layerwise_lr_decay", "partition"]
 
@@ -103,6 +112,8 @@ def partition(
     """
     factors = {} if lr_factors is None else lr_factors
     _validate(optimizers, factors)
+    for label, opt in optimizers.items():
+        not_self_skipping(opt, f"partition group {label!r}")
     factors = dict(factors)
     label_of = _labeler(labels)
     split_cache: dict[tuple[str, ...], dict[str, list[str]]] = {}

@@ -12,7 +12,7 @@ from torch.func import functional_call, stack_module_state, vmap
 
 from ftrain.extras.func._common import check_model, check_number, is_number
 from ftrain.losses import LossFn
-from ftrain.optim import Optimizer
+from ftrain.optim import Optimizer, self_skipping
 
 __all__ = ["Ensemble", "clip_members", "ensemble_loss", "sweep"]
 
@@ -325,7 +325,7 @@ def sweep(
             for i, opt in enumerate(optimizers)
         )
 
-    return Optimizer(init, update)
+    return self_skipping(Optimizer(init, update))  # partition and ema refuse to wrap it
 
 
 def _member_skips(
@@ -337,14 +337,20 @@ def _member_skips(
     non-finite: applied to all, it would stop every member of a learning-rate sweep once one
     diverged. A separate run skips its own step only, so a member with a finite norm steps,
     unless no member's norm is inf or NaN (then the skip had another cause, a step that counted
-    no item, and holds for all). `found_inf` does not say its cause: on a step that counted no
-    item *and* has a non-finite member, the finite members step on their gradients. On the
-    device, no host sync.
+    no item, and holds for all). `found_inf` does not say its cause, but a step that counted
+    no item has gradients of exactly zero (sums over no item): when every finite member's is,
+    every member skips, as each separate run does (so does, beside a non-finite member, a
+    finite one whose gradient is exactly zero in a step that counted items, which its separate
+    run would have stepped: momentum, decay). On the device, no host sync.
     """
     if found_inf is None or not grads:
         return [found_inf] * k
-    bad = ~torch.isfinite(_member_norms(grads))
-    return list((found_inf * torch.logical_or(bad, ~bad.any())).unbind())
+    norms = _member_norms(grads)
+    bad = ~torch.isfinite(norms)
+    # Every finite member's gradient exactly zero: the step counted no item (its gradients are
+    # sums over no item), which skips every member as it skips each separate run.
+    none_counted = torch.logical_or(bad, norms == 0).all()
+    return list((found_inf * (bad | ~bad.any() | none_counted)).unbind())
 
 
 def _check_members(params: Mapping[str, torch.Tensor], k: int) -> None:
