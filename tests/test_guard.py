@@ -243,3 +243,16 @@ def test_an_int_skip_works_on_map_style_data_that_carries_a_position():
     moved = state.replace(data=state.data.replace(cursor=2, position=micro.position))
     guard = ft.guard.SpikeGuard(factor=3.0, warmup=1)
     assert guard.rollback(moved, "/nonexistent-root-for-this-test", skip=2).data.cursor == 4
+
+
+def test_ddp_ranks_roll_back_to_the_same_checkpoint_after_a_background_save(tmp_path):
+    """Under DDP rank 0 writes: the other ranks had no save in flight to wait for, listed the
+    folder before rank 0's commit and loaded another checkpoint (or none): the load's
+    agreement check failed, or the job hung until the collective timeout."""
+    from guard_workers import rollback_after_a_background_save
+    from launch import run_ranks
+
+    out = tmp_path / "out"
+    out.mkdir()
+    run_ranks(rollback_after_a_background_save, str(tmp_path / "run"), str(out), timeout=90)
+    assert [(out / f"rank{r}").read_text() for r in (0, 1)] == ["2", "2"]

@@ -235,6 +235,10 @@ class SpikeGuard:
         epoch, start, step = state.epoch, state.data.cursor, state.step
         rollbacks = state.rollbacks + 1
         wait_for_checkpoint()  # a background save in flight may be the newest checkpoint
+        # With DDP only rank 0 writes: the others' wait returns at once, and they would list
+        # the folder before rank 0's save in flight committed (another target: a hang or a
+        # refused load). Every rank lists it once every rank is past its wait.
+        state.strategy.barrier()
         path, passed = _target(root)
         if path is not None:
             state = cast(GuardedState, load_checkpoint(path, state))  # keeps the class
