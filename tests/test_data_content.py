@@ -4,11 +4,14 @@ other contents (another tokenizer or max_length) raises instead of going on over
 from __future__ import annotations
 
 import json
+import warnings
 
+import numpy as np
 import pytest
 import torch
 
 import ftrain as ft
+from ftrain.data._content import content_digest
 
 N = 24
 
@@ -151,3 +154,91 @@ def test_a_malformed_digest_is_refused():
     pos = json.loads(_at(_rows(8)).data.position) | {"content": "not hex"}
     with pytest.raises(ValueError, match="content must be a hex digest or null"):
         ft.data.check_position(json.dumps(pos))
+
+
+def _digest(row):
+    return content_digest([row] * 3, 3)
+
+
+def test_a_collate_that_turns_rows_into_tensors_in_place_resumes_in_a_fresh_process(tmp_path):
+    """The collate converted each row's list to a tensor in place (same values): epoch 1's
+    digest was taken over tensors, and a fresh process, with lists again, was refused."""
+
+    def collate(rows):
+        for r in rows:
+            r["input_ids"] = torch.as_tensor(r["input_ids"])
+        return {"input_ids": torch.stack([r["input_ids"] for r in rows])}
+
+    def fresh():
+        return ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd(), seed=0)
+
+    rows, state = [{"input_ids": [i % 7] * 3} for i in range(8)], fresh()
+    for _ in ft.make_batches(rows, state, batch_size=2, collate_fn=collate):
+        pass  # epoch 0 turned every row into tensors
+    state = ft.next_epoch(state)
+    for micro in ft.make_batches(rows, state, batch_size=2, collate_fn=collate):
+        grads, stats = ft.accumulate_grads(state, micro, _loss)
+        state, _ = ft.clip_and_step(state, grads, stats=stats, lr=1e-3)
+        break
+    path = ft.save_checkpoint(state, tmp_path)
+    pristine = [{"input_ids": [i % 7] * 3} for i in range(8)]
+    resumed = ft.make_batches(pristine, ft.load_checkpoint(path, fresh()), batch_size=2)
+    whole = ft.make_batches(pristine, batch_size=2, seed=0, epoch=1)
+    assert _ids(resumed) == _ids(whole)[1:]
+
+
+@pytest.mark.parametrize(
+    "same",
+    [
+        [[[1, 2], [3, 4]], ((1, 2), (3, 4)), torch.tensor([[1, 2], [3, 4]])],
+        [torch.tensor([[1, 2]], dtype=torch.int32), np.array([[1, 2]], np.uint8), [[1, 2]]],
+        [[torch.tensor([1, 2]), torch.tensor([3, 4])], np.array([[1, 2], [3, 4]])],
+        [[0.5, -1.25], torch.tensor([0.5, -1.25], dtype=torch.bfloat16), np.float16([0.5, -1.25])],
+        [[float("nan")], torch.tensor([float("nan")]).neg(), np.array([np.nan], np.float32)],
+        [[True, False], torch.tensor([True, False]), np.array([True, False])],
+        [3, np.int32(3), torch.tensor(3)],
+        [1.5, np.float32(1.5), torch.tensor(1.5, requires_grad=True)],
+        [torch.arange(4.0).reshape(2, 2).t(), [[0.0, 2.0], [1.0, 3.0]]],
+    ],
+    ids=["ints", "int widths", "list of tensors", "floats", "nan", "bools", "int", "float", "view"],
+)
+def test_numbers_hash_by_kind_shape_and_value_whatever_holds_them(same):
+    assert len({_digest(row) for row in same}) == 1
+
+
+def test_numbers_of_other_kinds_shapes_or_values_hash_apart():
+    rows = [1, 1.0, True, [1], [1.0], [True], [[1]], "1", [1, 2], [1, 3], [2**63], [2**64]]
+    assert len({_digest(row) for row in rows}) == len(rows)
+    # numpy makes [-1, 2**63] a float64 array: the ints keep all their digits all the same
+    assert _digest([-1, 2**63]) != _digest([-1, 2**63 + 1])
+
+
+def _quietly(make):
+    with warnings.catch_warnings():  # nested and quantized tensors warn that they are beta
+        warnings.simplefilter("ignore")
+        return make()
+
+
+def test_tensor_views_and_layouts_are_digested_by_their_values_without_raising():
+    z = torch.tensor([1 + 2j, 3 - 4j])
+    assert _digest(z.conj()) == _digest(z.conj().resolve_conj()) != _digest(z)
+    assert _digest(z.conj().imag) == _digest(torch.tensor([-2.0, 4.0]))  # a negative view
+    nested = [
+        _quietly(lambda v=v: torch.nested.nested_tensor([torch.ones(2), torch.full((3,), v)]))
+        for v in (1.0, 2.0)
+    ]
+    assert _digest(nested[0]) == _digest(nested[0]) != _digest(nested[1])
+    sparse = [torch.eye(3).to_sparse(), (2 * torch.eye(3)).to_sparse()]
+    assert _digest(sparse[0]) != _digest(sparse[1])
+    quantized = [
+        _quietly(lambda v=v: torch.quantize_per_tensor(torch.full((3,), v), 0.5, 0, torch.qint8))
+        for v in (1.0, 2.0)
+    ]
+    assert _digest(quantized[0]) != _digest(quantized[1])
+    assert _digest(torch.empty(2, 3, device="meta")) != _digest(torch.empty(3, 2, device="meta"))
+
+
+def test_dict_keys_that_print_alike_are_hashed_whatever_their_order():
+    assert _digest({1: "a", "1": "b"}) == _digest({"1": "b", 1: "a"})
+    assert _digest({1: "a", "1": "b"}) != _digest({1: "b", "1": "a"})
+    assert _digest({1, 2}) != _digest({3, 4})

@@ -11,6 +11,11 @@ array, a list or tuple of rows, a `TensorDataset`, a `datasets.Dataset` (its sto
 Arrow, without the formatting or transform set on it). A torch dataset of your own is not
 read (its `__getitem__` may be costly, random, or count its reads: rows are read when trained
 on, never skipped ones), and its positions hold no digest.
+
+Numbers are hashed by kind (bool, int, float, complex), shape and value, whatever holds them:
+`[[1, 2]]`, an int32 or int64 tensor and an int numpy array of those values hash alike (a
+collate that turns a row's lists into tensors in place changes nothing), floats after an exact
+widening to float64 (bfloat16, float16); `1`, `1.0` and `True` differ, alone or in arrays.
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ __all__ = ["content_digest"]
 _SAMPLED = 6  # rows at places drawn from the row count, besides the first and the last
 _DEPTH = 32  # nesting beyond this is hashed by type only (rows are a few levels deep)
 _AS_TEXT = (datetime.date, datetime.time, datetime.timedelta, decimal.Decimal, uuid.UUID)
-_SCALARS = (bool, int, float, str, type(None))
+_NUMBERS = "biufc"  # numpy kinds hashed by value: bool, int, unsigned, float, complex
+_I64 = np.iinfo(np.int64).max
+_TEXT = (str, type(None))
 
 
 def content_digest(data: Any, n: int) -> str | None:
@@ -70,14 +77,15 @@ def _reader(data: Any) -> Any:
 
 
 def _feed(h: Any, value: Any, depth: int) -> None:
-    """Hash `value` with its type, so that 1, 1.0, "1" and True differ."""
-    if isinstance(value, _SCALARS):
+    """Hash `value` with its kind, so that 1, 1.0, "1" and True differ; numbers by value."""
+    numbers = _numeric(value)
+    if numbers is not None:
+        _feed_numbers(h, numbers)
+    elif isinstance(value, (str, int, type(None))):  # an int here is past 64 bits
         h.update(f"{type(value).__name__}:{value!r};".encode())
-    elif isinstance(value, list) and all(type(v) in _SCALARS for v in value):
-        h.update(f"list:{value!r};".encode())  # token ids: one repr, not one update each
     elif isinstance(value, torch.Tensor):
-        _feed_tensor(h, value)
-    elif isinstance(value, np.ndarray) and value.dtype != object:
+        _feed_tensor(h, value, depth)
+    elif isinstance(value, np.ndarray) and value.dtype != object:  # text, dates
         h.update(f"ndarray:{value.dtype.str}{list(value.shape)};".encode())
         h.update(np.ascontiguousarray(value).tobytes())
     elif isinstance(value, np.generic):
@@ -89,21 +97,108 @@ def _feed(h: Any, value: Any, depth: int) -> None:
         h.update(f"{type(value).__name__}:{value};".encode())
     elif depth < _DEPTH and isinstance(value, dict):
         h.update(f"dict:{len(value)};".encode())
-        for key in sorted(value, key=str):
-            _feed(h, str(key), depth + 1)
+        for key in sorted(value, key=_order):  # 1 and "1" are two keys, in either order
+            _feed(h, key, depth + 1)
             _feed(h, value[key], depth + 1)
+    elif depth < _DEPTH and isinstance(value, (set, frozenset)):
+        h.update(f"set:{len(value)};".encode())
+        for v in sorted(value, key=_order):
+            _feed(h, v, depth + 1)
+    elif isinstance(value, (list, tuple)) and all(type(v) in _TEXT for v in value):
+        h.update(f"texts:{list(value)!r};".encode())  # words: one repr, not one update each
     elif depth < _DEPTH and isinstance(value, (list, tuple, np.ndarray)):
-        h.update(f"{type(value).__name__}:{len(value)};".encode())
+        h.update(f"seq:{len(value)};".encode())
         for v in value:
             _feed(h, v, depth + 1)
     else:  # an object whose contents are not known here (its repr may hold an address)
         h.update(f"object:{type(value).__module__}.{type(value).__qualname__};".encode())
 
 
-def _feed_tensor(h: Any, t: torch.Tensor) -> None:
-    h.update(f"tensor:{t.dtype}{list(t.shape)};".encode())
-    if t.layout == torch.strided and not t.is_quantized:
-        # The bytes of any dtype (bfloat16 has no numpy type). A device tensor is copied to
-        # the host: a sync, once per make_batches call (an epoch), never per step.
-        flat = t.detach().to("cpu").contiguous().reshape(-1)
+def _order(value: Any) -> tuple[str, str]:
+    return type(value).__name__, str(value)
+
+
+def _numeric(value: Any) -> np.ndarray | None:
+    """The numbers `value` holds as an array, whatever holds them (a Python number or list, a
+    numpy array, a tensor), or None if it is not a rectangular array of numbers."""
+    if isinstance(value, torch.Tensor):
+        return _tensor_numbers(value)
+    if isinstance(value, (list, tuple)):
+        return _list_numbers(value)
+    if isinstance(value, (bool, int, float, complex, np.generic, np.ndarray)):
+        numbers = np.asarray(value)  # a Python int past 64 bits: an object array
+        return numbers if numbers.dtype.kind in _NUMBERS else None
+    return None
+
+
+def _tensor_numbers(t: torch.Tensor) -> np.ndarray | None:
+    """A strided tensor's values on the host, floats as float64 (exact from every float)."""
+    if t.is_nested or t.is_meta or t.is_quantized or t.layout != torch.strided:
+        return None
+    t = t.detach().resolve_conj().resolve_neg()
+    wide = torch.complex128 if t.is_complex() else torch.float64 if t.is_floating_point() else None
+    try:  # a device tensor is copied to the host: a sync, once per make_batches call
+        return (t.to("cpu", wide) if wide else t.to("cpu")).numpy()
+    except (RuntimeError, TypeError):  # a dtype with no float64 or numpy form (float4)
+        return None
+
+
+def _list_numbers(row: list[Any] | tuple[Any, ...]) -> np.ndarray | None:
+    if row and isinstance(row[0], torch.Tensor):  # numpy cannot read every tensor
+        parts = [_tensor_numbers(t) if isinstance(t, torch.Tensor) else None for t in row]
+        arrays = [p for p in parts if p is not None]
+        if len(arrays) < len(parts) or len({p.shape for p in arrays}) > 1:
+            return None
+        return np.stack(arrays)
+    if row and isinstance(row[0], (str, bytes, dict, type(None))):
+        return None  # never numbers: spare numpy a copy of a long list of words
+    try:
+        numbers = np.asarray(row)
+    except Exception:  # ragged, or elements numpy cannot read: hashed one by one instead
+        return None
+    kind = numbers.dtype.kind
+    if kind not in _NUMBERS:
+        return None
+    if kind in "fc":  # ints past 2**53 promoted to float lost digits: hash them one by one
+        flat = numbers.reshape(-1)
+        values = np.concatenate([flat.real, flat.imag]) if kind == "c" else flat
+        if np.any(np.isfinite(values) & (np.abs(values) >= 2.0**53)):
+            return None
+    return numbers
+
+
+def _feed_numbers(h: Any, numbers: np.ndarray) -> None:
+    """Numbers by kind, shape and value: ints as int64, floats as float64, one NaN."""
+    kind = numbers.dtype.kind
+    if kind == "b":
+        numbers = numbers.astype(np.bool_)
+    elif kind == "u" and numbers.dtype.itemsize == 8 and numbers.size and numbers.max() > _I64:
+        numbers = numbers.astype("<u8")  # no int64 form (a list of such ints is uint64 too)
+    elif kind in "iu":
+        kind, numbers = "i", numbers.astype("<i8")
+    else:
+        numbers = numbers.astype("<f8" if kind == "f" else "<c16")  # a copy: written below
+        flat = numbers.reshape(-1).view("<f8")
+        flat[np.isnan(flat)] = np.nan  # NaN's sign and payload are not data
+    h.update(f"num:{kind}{list(numbers.shape)};".encode())
+    h.update(np.ascontiguousarray(numbers).tobytes())
+
+
+def _feed_tensor(h: Any, t: torch.Tensor, depth: int) -> None:
+    """A tensor with no plain array of numbers: nested, sparse, quantized, meta, float4."""
+    h.update(f"tensor:{t.dtype}:{t.layout}:{'nested' if t.is_nested else list(t.shape)};".encode())
+    t = t.detach()
+    if t.is_meta:
+        return  # no values, only a shape
+    if t.is_nested:
+        for part in t.unbind():  # rows of other lengths
+            _feed(h, part, depth + 1)
+    elif t.is_quantized:
+        _feed(h, t.dequantize(), depth + 1)
+    elif t.layout != torch.strided:  # sparse: the indices and values of its COO form
+        coo = (t if t.layout == torch.sparse_coo else t.to_sparse()).coalesce()
+        _feed(h, coo.indices(), depth + 1)
+        _feed(h, coo.values(), depth + 1)
+    else:
+        flat = t.resolve_conj().resolve_neg().to("cpu").contiguous().reshape(-1)
         h.update(flat.view(torch.uint8).numpy().tobytes())
