@@ -242,6 +242,17 @@ def _sgd_started_of_older_checkpoints(
                 saved[name] = buffer.ne(0).any()
 
 
+# What a layout difference means when an older ftrain wrote the checkpoint: (saved, ours) ->
+# the words after the difference.
+_OLDER = MappingProxyType(
+    {
+        ("tuple:SGDState", "tuple:DampedSGDState"): (
+            " (sgd with dampening, saved before ftrain recorded when each momentum buffer "
+            "started: a whole-layout checkpoint loads as it is; this sharded one cannot, and "
+            "strict=False would restart every momentum buffer)"
+        ),
+    }
+)
 _SETTING = "optimizer setting "  # how each line of `_settings_diffs` opens
 
 
@@ -543,7 +554,7 @@ def _match_optimizer(
                 (
                     p,
                     f"optimizer state {p or '<root>'}: checkpoint has {has}, state has "
-                    f"{describe(want)}",
+                    f"{describe(want)}" + _OLDER.get((has, describe(want)), ""),
                 )
             )
         elif not isinstance(want, Node):
