@@ -85,11 +85,17 @@ def test_weights_ema_of_a_run_without_an_ema_is_refused(tmp_path, capsys):
     assert main(["export", str(path), "--to", str(tmp_path / "hf"), "--weights", "live"]) == 0
 
 
-def test_weights_ema_refuses_an_average_of_some_parameters_only(tmp_path):
-    """An EMA inside a partition group averages that group only (swap_ema refuses it too)."""
+@pytest.fixture(scope="module")
+def partial_ema_run(tmp_path_factory):
+    """A checkpoint whose EMA (inside a partition group) averages the decoder layers only."""
     groups = {"ema": _ema(), "sgd": ft.optim.sgd()}
     optimizer = ft.optim.partition(groups, lambda n: "ema" if "layers" in n else "sgd")
-    path = ft.save_checkpoint(_trained(optimizer), tmp_path / "run")
+    return ft.save_checkpoint(_trained(optimizer), tmp_path_factory.mktemp("partial"))
+
+
+def test_weights_ema_refuses_an_average_of_some_parameters_only(partial_ema_run, tmp_path):
+    """An EMA inside a partition group averages that group only (swap_ema refuses it too)."""
+    path = partial_ema_run
     with pytest.raises(ValueError, match=r"cover \d+ of its \d+ trainable parameters"):
         ft.export_checkpoint(path, tmp_path / "hf", weights="ema")
     with pytest.raises(ValueError, match="not guessed"):
@@ -119,6 +125,39 @@ def test_inspect_says_an_ema_run_holds_two_sets_of_weights(ema_run, tmp_path, ca
     plain = ft.save_checkpoint(ft.TrainState.create(tiny_llama(), ft.optim.sgd()), tmp_path)
     assert main(["inspect", str(plain)]) == 0
     assert "EMA" not in capsys.readouterr().out
+
+
+def test_inspect_of_a_partial_ema_offers_what_export_accepts(partial_ema_run, tmp_path, capsys):
+    """Was "export --weights ema|live", and export --weights ema then refused it."""
+    path = partial_ema_run
+    names = [row[0] for row in ft.checkpoint.read_meta(path)["params"]]
+    covered, trainable = sum("layers" in n for n in names), len(names)
+    assert main(["inspect", str(path)]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("weights"))
+    assert f"EMA averages of {covered} of {trainable} trainable parameters" in line, line
+    assert line.endswith("export --weights live") and "ema|live" not in line
+    for weights in ([], ["--weights", "ema"]):
+        with pytest.raises(SystemExit) as e:
+            main(["export", str(path), "--to", str(tmp_path / "hf"), *weights])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"{covered} of its {trainable} trainable" in err
+        assert "pass --weights live" in err and "usage:" in err
+    assert main(["export", str(path), "--to", str(tmp_path / "hf"), "--weights", "live"]) == 0
+
+
+@pytest.mark.parametrize("config", ["{not json", '{"hidden_size": 8}'])
+def test_export_failing_past_its_arguments_says_why_in_one_line(tmp_path, capsys, config):
+    """Was: transformers' ValueError for --base became exit 2 with the usage text, as if an
+    argument were misspelled, and its OSError a traceback."""
+    path = ft.save_checkpoint(ft.TrainState.create(tiny_llama(), ft.optim.sgd()), tmp_path / "r")
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text(config)
+    assert main(["export", str(path), "--to", str(tmp_path / "hf"), "--base", str(base)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: export of {path} failed: ") and str(base) in err
+    assert "usage:" not in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "hf").exists()
 
 
 # --- not a checkpoint, or a save cut short -------------------------------------------------------
@@ -225,3 +264,68 @@ def test_export_pretrained_weights_ema_needs_a_whole_average(tmp_path):
     with pytest.raises(ValueError, match=r"inside another optimizer \(a partition group\?\)"):
         ft.export_pretrained(grouped, tmp_path / "e", weights="ema")
     ft.export_pretrained(grouped, tmp_path / "f", weights="live")
+
+
+def _linear_run(root, steps):
+    state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+    for step in steps:
+        ft.save_checkpoint(state.replace(step=step), root)
+    return root
+
+
+def test_a_run_folder_names_a_committed_checkpoint_or_says_none_is(tmp_path, capsys):
+    """Was "pass one of its checkpoints, e.g. .../step-3" for a step-3 without a marker."""
+    run = _linear_run(tmp_path / "run", [1])
+    (run / "step-3").mkdir()  # newer, not committed
+    with pytest.raises(ft.CheckpointError, match=r"run folder: pass .*, e\.g\. \S*step-1 \("):
+        ft.checkpoint.open_checkpoint(run)
+    shutil.rmtree(run / "step-1")
+    with pytest.raises(ft.CheckpointError) as e:
+        ft.checkpoint.open_checkpoint(run)
+    assert "no committed checkpoint in it: step-3 is a save cut short" in str(e.value)
+    assert "e.g." not in str(e.value)
+    assert main(["export", str(run), "--to", str(tmp_path / "hf")]) == 1
+    err = capsys.readouterr().err
+    assert "no committed checkpoint in it: step-3 is a save cut short" in err
+    assert "step-<N> (the newest" not in err
+
+
+def test_a_folder_with_a_checkpoints_model_files_only_is_a_save_cut_short(tmp_path):
+    """Was "a checkpoint is a step-<N> folder that ft.save_checkpoint wrote" for step-7."""
+    model = _linear_run(tmp_path / "run", [0]) / "step-0"
+    cases = {"step-7": ["model.safetensors"], "copy": ["model.safetensors"], "sharded": ["model"]}
+    for name, contents in cases.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        for item in contents:
+            if item == "model":
+                (folder / item).mkdir()
+            else:
+                shutil.copy(model / item, folder / item)
+        with pytest.raises(ft.CheckpointError, match=r"incomplete: no COMMITTED marker \(save cut"):
+            ft.checkpoint.open_checkpoint(folder)
+    (tmp_path / "step-8").mkdir()  # a step folder with nothing in it
+    with pytest.raises(ft.CheckpointError, match=r"step-8 is incomplete: no COMMITTED marker"):
+        ft.checkpoint.open_checkpoint(tmp_path / "step-8")
+
+
+def test_an_hf_model_directory_is_not_a_save_cut_short(tmp_path):
+    hf = ft.export_pretrained(ft.TrainState.create(tiny_llama(), ft.optim.sgd()), tmp_path / "hf")
+    with pytest.raises(ft.CheckpointError, match="hf is not a checkpoint") as e:
+        ft.checkpoint.open_checkpoint(hf)
+    assert "make it an HF model directory" in str(e.value) and "cut short" not in str(e.value)
+
+
+def test_a_path_that_does_not_exist_says_so(tmp_path, capsys):
+    """Was "not a checkpoint directory" for a typo, as if the folder held something else."""
+    missing = tmp_path / "step-9"
+    with pytest.raises(ft.CheckpointError, match=r"step-9 is not a checkpoint directory: it does"):
+        ft.checkpoint.open_checkpoint(missing)
+    (tmp_path / "link").symlink_to(missing)
+    with pytest.raises(ft.CheckpointError, match=f"link to {missing}, which does not exist"):
+        ft.checkpoint.open_checkpoint(tmp_path / "link")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ft.CheckpointError, match="file is not a checkpoint directory: it is a f"):
+        ft.checkpoint.open_checkpoint(tmp_path / "file")
+    assert main(["inspect", str(missing)]) == 1
+    assert f"{missing} is not a checkpoint directory: it does not exist" in capsys.readouterr().out

@@ -9,6 +9,7 @@ into: the commit marker, `state.json` (digest, then every field's type and shape
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -195,11 +196,11 @@ def read_config(path: Path, meta: dict[str, Any], *, verify: bool = True) -> dic
 def _meta_and_digest(path: Path) -> tuple[dict[str, Any], str]:
     try:
         if not stat.S_ISDIR(os.stat(path).st_mode):
-            raise CheckpointError(f"{path} is not a checkpoint directory")
+            raise CheckpointError(_not_a_folder(path))
         os.lstat(path / L.COMMIT_FILE)
     except (FileNotFoundError, NotADirectoryError) as e:
         if not os.path.isdir(path):
-            raise CheckpointError(f"{path} is not a checkpoint directory") from e
+            raise CheckpointError(_not_a_folder(path)) from e
         raise CheckpointError(_uncommitted(path)) from None
     except OSError as e:  # permission denied, on the folder or a parent
         raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from e
@@ -212,28 +213,80 @@ def _meta_and_digest(path: Path) -> tuple[dict[str, Any], str]:
     return meta, digest
 
 
+_SAVE_TMP = f"{L.TMP_PREFIX}step-"  # a save's temporary folder (not a rotation's, "deleting-")
+
+
+def _not_a_folder(path: Path) -> str:
+    """Why `path` is no checkpoint folder at all: missing, a dangling link, or a file."""
+    if os.path.exists(path):
+        what = "it is a file" if os.path.isfile(path) else "it is not a folder"
+    elif os.path.islink(path):
+        try:
+            what = f"it is a symbolic link to {os.readlink(path)}, which does not exist"
+        except OSError:  # removed meanwhile
+            what = "it does not exist"
+    else:
+        what = "it does not exist"
+    return f"{path} is not a checkpoint directory: {what}"
+
+
 def _uncommitted(path: Path) -> str:
-    """Why a folder without a commit marker is refused: a save cut short (its temporary folder,
-    or a checkpoint's files without the marker), or a folder that never was a checkpoint."""
-    # A save writes the tensors, then state.json, then the marker, all inside `.tmp-...`,
-    # and renames it to step-<N> once sealed; the optimizer file or state.json is its trace.
-    traces = (L.STATE_FILE, L.OPTIM_FILE, L.OPTIM_DIR)
+    """Why a folder without a commit marker is refused: a save (or a copy of a checkpoint) cut
+    short, or a folder that never was a checkpoint."""
     try:
         names = {p.name for p in path.iterdir()}
     except OSError as e:
         return f"cannot read {path}: {e.strerror or e}"
-    if path.name.startswith(L.TMP_PREFIX) or names & set(traces):
+    if _cut_short(path.name, names):
         return f"{path} is incomplete: no {L.COMMIT_FILE} marker (save cut short)"
-    steps = sorted((int(m.group(1)), n) for n in names if (m := L.STEP_DIR.fullmatch(n)))
-    hint = (
-        f"it is a run folder: pass one of its checkpoints, e.g. {path / steps[-1][1]} "
-        "(ft.latest_checkpoint gives the newest committed one)"
-        if steps
-        else "a checkpoint is a step-<N> folder that ft.save_checkpoint wrote"
-    )
-    return (
+    head = (
         f"{path} is not a checkpoint: no {L.COMMIT_FILE} marker, no {L.STATE_FILE} and no "
-        f"{L.OPTIM_FILE} in it; {hint}"
+        f"{L.OPTIM_FILE} in it"
+    )
+    if any(L.STEP_DIR.fullmatch(n) or n.startswith(_SAVE_TMP) for n in names):
+        return f"{head}; {_run_folder_hint(path, names)}"
+    if {L.CONFIG_FILE, L.MODEL_FILE} <= names:
+        return (
+            f"{head}; its {L.CONFIG_FILE} and {L.MODEL_FILE} make it an HF model directory "
+            "(from_pretrained loads it), or a checkpoint copied only in part"
+        )
+    return f"{head}; a checkpoint is a step-<N> folder that ft.save_checkpoint wrote"
+
+
+def _cut_short(name: str, names: set[str]) -> bool:
+    """Whether a folder without a marker is what a save (or a copy of a checkpoint) left.
+
+    A save writes the tensors, then state.json, then the marker, all inside `.tmp-...`, and
+    renames it to step-<N> once sealed: that name, a `step-<N>` one (a copy cut short, or a
+    marker lost), or the files only a checkpoint holds are its traces. `model.safetensors`
+    beside a `config.json` is also what an HF model directory holds: not counted there.
+    """
+    if name.startswith(L.TMP_PREFIX) or L.STEP_DIR.fullmatch(name):
+        return True
+    if names & {L.STATE_FILE, L.OPTIM_FILE, L.OPTIM_DIR, L.MODEL_DIR}:
+        return True
+    return L.MODEL_FILE in names and L.CONFIG_FILE not in names
+
+
+def _run_folder_hint(path: Path, names: set[str]) -> str:
+    """What to pass instead of a run folder: its newest committed checkpoint, or why none."""
+    steps = sorted((int(m.group(1)), n) for n in names if (m := L.STEP_DIR.fullmatch(n)))
+    # Newest by the marker's time, as `latest_checkpoint` orders them (_save.committed).
+    marked = []
+    for step, n in steps:
+        with contextlib.suppress(OSError):  # no marker: not committed
+            marked.append(((path / n / L.COMMIT_FILE).stat().st_mtime_ns, step, n))
+    if marked:
+        return (
+            f"it is a run folder: pass one of its checkpoints, e.g. {path / max(marked)[2]} "
+            "(the newest committed one, which ft.latest_checkpoint gives)"
+        )
+    cut = [n for _, n in steps] + sorted(n for n in names if n.startswith(_SAVE_TMP))
+    listed = ", ".join(cut[:3]) + (f" and {len(cut) - 3} more" if len(cut) > 3 else "")
+    verb = "is a save" if len(cut) == 1 else "are saves"
+    return (
+        f"it is a run folder with no committed checkpoint in it: {listed} {verb} cut short "
+        f"(no {L.COMMIT_FILE} marker)"
     )
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from ftrain.checkpoint import (
     CheckpointError,
+    Opened,
     latest_checkpoint,
     open_checkpoint,
     read_meta,
@@ -60,8 +61,8 @@ def inspect(
     tokens, samples = _value(fields, "data.tokens_seen"), _value(fields, "data.samples_seen")
     print(f"seen        {tokens} tokens, {samples} samples")
     print(f"parameters  {trainable:,} trainable of {total:,}")
-    if opened.ema_averages:  # export asks which: --weights ema|live
-        print("weights     live, and their EMA average (ft.optim.ema): export --weights ema|live")
+    if (line := _weights_line(opened)) is not None:  # export asks which: --weights
+        print(f"weights     {line}")
     for k, v in sorted(meta["metrics"].items()):
         print(f"metric      {k} = {v}")
     best = fields.get("early_stopping.best_metric")
@@ -83,6 +84,64 @@ def _unranked(path: Path, **flags: str | None) -> str | None:
         f"{' and '.join(given)} rank the checkpoints of a run folder, but {path} is not one "
         "(no step-<N> folder inside); drop them, or inspect the run folder"
     )
+
+
+def _ema_coverage(opened: Opened) -> tuple[int, int] | None:
+    """(trainable parameters with an EMA average, trainable parameters), or None for a
+    checkpoint without an EMA (`ft.optim.ema` inside a partition group averages some only)."""
+    averages = opened.ema_averages
+    if not averages:
+        return None
+    trainable = [r[0] for r in opened.meta["params"] if r[3] is True]
+    return sum(n in averages for n in trainable), len(trainable)
+
+
+def _weights_line(opened: Opened) -> str | None:
+    """inspect's `weights` line: the sets of weights saved, and what `export --weights` takes."""
+    coverage = _ema_coverage(opened)
+    if coverage is None:
+        return None
+    covered, trainable = coverage
+    if covered == trainable:
+        return "live, and their EMA average (ft.optim.ema): export --weights ema|live"
+    return (
+        f"live, and EMA averages of {covered} of {trainable} trainable parameters (ft.optim.ema "
+        "inside a partition group): export --weights live"
+    )
+
+
+def _weights_refused(opened: Opened, weights: str | None) -> str | None:
+    """Why `export --weights` (or its absence) cannot act on this checkpoint, else None: the
+    checks of `ft.export_checkpoint(weights=...)`, made before it runs so that they alone are
+    usage errors."""
+    coverage, path = _ema_coverage(opened), opened.path
+    whole = coverage is not None and coverage[0] == coverage[1]
+    if weights is None and whole:
+        return (
+            f"{path} was trained with ft.optim.ema: it holds the live weights and their EMA "
+            "average, and which one to export is not guessed: pass --weights ema (the average, "
+            "what evaluation inside swap_ema uses) or --weights live (the weights training "
+            "goes on from)"
+        )
+    part = "" if coverage is None else f"{coverage[0]} of its {coverage[1]} trainable parameters"
+    if weights is None and coverage is not None:
+        return (
+            f"{path} was trained with ft.optim.ema: it holds the live weights and EMA averages "
+            f"of {part} (ft.optim.ema inside a partition group), and which to export is not "
+            "guessed: pass --weights live (the averages would be mixed with live weights)"
+        )
+    if weights == "ema" and coverage is None:
+        return (
+            f"--weights ema, but {path} holds no EMA average (its optimizer was not wrapped in "
+            "ft.optim.ema): export its weights as they are (--weights live)"
+        )
+    if weights == "ema" and not whole:
+        return (
+            f"--weights ema, but the EMA averages of {path} cover {part} (ft.optim.ema inside a "
+            "partition group): the export would mix averaged and live weights; pass "
+            "--weights live"
+        )
+    return None
 
 
 def _value(fields: dict[str, Any], name: str) -> object:
@@ -208,7 +267,12 @@ def at_least(low: int) -> Callable[[str], int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m ftrain", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m ftrain",
+        description=__doc__,
+        epilog="exit status: 0 done; 1 a checkpoint incomplete, or a file or the export failed "
+        "(one 'error:' line says why); 2 arguments that cannot act (with this usage text)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser(
         "inspect", help="print a checkpoint's step, metrics and completeness, or list a run's"
@@ -283,16 +347,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             "loaded from --base with the base's own config, so --config would be ignored; pass "
             "one of them"
         )
-    if _is_run_folder(args.checkpoint):  # one checkpoint exports; a run folder holds several
-        newest = latest_checkpoint(args.checkpoint)
+    return _export(parser, args)
+
+
+def _export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """`export`: 0 when written; 1 with one `error:` line when the checkpoint, a file or the
+    export fails; status 2 (usage) only for arguments that cannot act on this checkpoint."""
+    newest = latest_checkpoint(args.checkpoint) if _is_run_folder(args.checkpoint) else None
+    if newest is not None:  # one checkpoint exports; a run folder holds several
         print(
             f"error: {args.checkpoint} is a run folder (step-<N> checkpoints inside), not a "
-            f"checkpoint: export one of them, e.g. {newest or 'step-<N>'} (the newest complete "
-            "one); `python -m ftrain inspect` lists them",
+            f"checkpoint: export one of them, e.g. {newest} (the newest committed one); "
+            "`python -m ftrain inspect` lists them",
             file=sys.stderr,
         )
         return 1
+    # A run folder without a committed checkpoint: open_checkpoint says so, naming its folders.
     try:
+        # The --weights checks before the export: they alone are usage errors, and a ValueError
+        # from further in (transformers reading --base) is not one.
+        opened = open_checkpoint(args.checkpoint, verify=False, keep=())
+        if (why := _weights_refused(opened, args.weights)) is not None:
+            parser.error(f"export: {why}")
         out = export_checkpoint(
             args.checkpoint,
             args.to,
@@ -301,8 +377,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             overwrite=args.overwrite,
             weights=args.weights,
         )
-    except ValueError as e:  # e.g. no --weights for an EMA run, or --weights ema without one
-        parser.error(f"export: {e}")
     except (CheckpointError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         if runs := _runs_inside(args.checkpoint):  # not a checkpoint, nor a run folder
@@ -311,6 +385,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"one of them, e.g. of {runs[0]}",
                 file=sys.stderr,
             )
+        return 1
+    except (OSError, ValueError) as e:  # e.g. loading --base, writing --to: not a usage error
+        print(
+            f"error: export of {args.checkpoint} failed: {type(e).__name__}: {e}", file=sys.stderr
+        )
         return 1
     which = {"ema": " (the EMA weights)", "live": " (the live weights)"}.get(args.weights, "")
     print(f"exported {args.checkpoint}{which} -> {out}")
