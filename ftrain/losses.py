@@ -26,6 +26,7 @@ __all__ = [
     "classification_loss",
     "default_loss",
     "loss_for",
+    "loss_logits",
     "loss_name",
     "model_inputs",
     "model_logits",
@@ -71,6 +72,12 @@ def model_inputs(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
     the innermost model's `forward` (through PEFT, `torch.compile`, DDP and Opacus wrappers, as
     `loss_for`); a `forward` that names no parameter (`**kwargs` only) takes every key.
 
+    Raises:
+        TypeError: when the batch lacks an argument the forward requires.
+        ValueError: for packed rows (`position_ids` and no `attention_mask`, as
+            `ft.sft.packed_collate` gives them) and a forward that takes no `position_ids`
+            (Bloom, MPT): left out, the examples of a row would attend to each other.
+
     Example:
         >>> import torch, ftrain as ft
         >>> class Lm(torch.nn.Module):
@@ -94,6 +101,14 @@ def model_inputs(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
             f"the batch does not hold (it has {', '.join(map(repr, batch))}); name the batch's "
             "keys after the forward's arguments, or pass loss_fn=... that calls the model"
         )
+    if "position_ids" in batch and "position_ids" not in inputs and not _masked(batch):
+        raise ValueError(
+            "the batch holds position_ids and no attention_mask (packed rows, as "
+            "ft.sft.packed_collate gives them), but the model's forward "
+            f"({type(_base_model(model)).__name__}) takes no position_ids: without them its "
+            "examples would attend to each other. Pad the examples instead of packing them, "
+            "or drop position_ids from the batch"
+        )
     if len(inputs) + ("labels" in batch) != len(batch):
         dropped = ", ".join(repr(k) for k in batch if k != "labels" and k not in inputs)
         warnings.warn(
@@ -104,6 +119,11 @@ def model_inputs(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
             stacklevel=3,
         )
     return inputs
+
+
+def _masked(batch: Mapping[str, Any]) -> bool:
+    """Whether `batch` holds an attention mask (packed rows hold none: see `packed_collate`)."""
+    return batch.get("attention_mask") is not None
 
 
 _Params = tuple[frozenset[str] | None, frozenset[str]]
@@ -165,13 +185,34 @@ def _logits_of(out: Any) -> torch.Tensor:
 # The router losses HF's mixture-of-experts models add to their `.loss` when
 # `config.output_router_logits` is set (Mixtral, Qwen-MoE, ...; Switch Transformers).
 _AUX = ("aux_loss", "encoder_aux_loss", "decoder_aux_loss", "encoder_z_loss", "decoder_z_loss")
+# Router logits from which a seq2seq MoE's loss computes its router loss only when it is given
+# labels (NLLB-MoE), so that without labels no `_AUX` field is set.
+_ROUTERS = ("encoder_router_logits", "decoder_router_logits")
 
 
-def _loss_logits(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
-    """The logits for a built-in loss; raises where the model also returned a router loss that
-    its own `.loss` would add, which a loss of logits and labels would silently leave out."""
+def loss_logits(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+    """`model_logits` for a loss of logits and labels: raises where the model also returned a
+    router loss that its own `.loss` would add, which such a loss would silently leave out.
+
+    Every built-in loss (and `ft.chunked_causal_lm_loss`) runs the model through this; a loss
+    of your own that computes cross-entropy from the logits can too. Mixture-of-experts models
+    (Mixtral, Qwen-MoE, Switch Transformers, ...) return `aux_loss` and the like when their
+    config (or the batch) sets `output_router_logits`.
+
+    Raises:
+        ValueError: when the output holds a router loss, naming it.
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> class Lm(torch.nn.Module):
+        ...     def forward(self, input_ids):
+        ...         return torch.zeros(*input_ids.shape, 5)
+        >>> ft.losses.loss_logits(Lm(), {"input_ids": torch.tensor([[1, 2]])}).shape
+        torch.Size([1, 2, 5])
+    """
     out = _call(model, batch)
     aux = [a for a in _AUX if getattr(out, a, None) is not None]
+    aux = aux or [a for a in _ROUTERS if getattr(out, a, None) is not None]
     if aux:
         why = (
             "the batch asks for output_router_logits"
@@ -180,9 +221,9 @@ def _loss_logits(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
         )
         raise ValueError(
             f"{type(_base_model(model)).__name__} returned {', '.join(aux)} ({why}): its own "
-            "loss adds router_aux_loss_coef times that, which ftrain's built-in losses do not; "
-            "turn output_router_logits off to train without it, or pass loss_fn=... that adds "
-            "it to the sum"
+            "loss adds router_aux_loss_coef times its router loss, which ftrain's built-in "
+            "losses do not; turn output_router_logits off to train without it, or pass "
+            "loss_fn=... that adds it to the sum"
         )
     return _logits_of(out)
 
@@ -225,8 +266,8 @@ def _causal_pair(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tens
     # (One pad op: the negative pad drops the first label, the positive one appends -100.)
     labels = batch["labels"]
     if labels.shape[-1] == 0:  # nothing to shift (and pad cannot drop from nothing)
-        return _loss_logits(model, batch), labels
-    return _loss_logits(model, batch), F.pad(labels, (-1, 1), value=IGNORE_INDEX)
+        return loss_logits(model, batch), labels
+    return loss_logits(model, batch), F.pad(labels, (-1, 1), value=IGNORE_INDEX)
 
 
 def classification_loss(*, label_smoothing: float = 0.0) -> LossFn:
@@ -251,7 +292,7 @@ def classification_loss(*, label_smoothing: float = 0.0) -> LossFn:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
 
     def loss_fn(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = _loss_logits(model, batch)
+        logits = loss_logits(model, batch)
         labels = batch["labels"]
         kind = _problem_type(model, logits, labels)
         if kind == "single_label_classification":
@@ -379,7 +420,7 @@ def token_classification_loss(*, label_smoothing: float = 0.0) -> LossFn:
 def _token_pair(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     if "labels" not in batch:
         raise KeyError("token_classification_loss needs 'labels' in the batch")
-    return _loss_logits(model, batch), batch["labels"]
+    return loss_logits(model, batch), batch["labels"]
 
 
 def _decoder_inputs(model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
@@ -435,7 +476,7 @@ def _seq2seq_pair(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Ten
     labels = batch["labels"]
     if batch.get("decoder_input_ids") is None and batch.get("decoder_inputs_embeds") is None:
         batch = {**batch, "decoder_input_ids": _decoder_inputs(model, labels)}
-    return _loss_logits(model, batch), labels
+    return loss_logits(model, batch), labels
 
 
 _CAUSAL = causal_lm_loss()
@@ -463,6 +504,17 @@ def _base_model(model: nn.Module) -> nn.Module:
 
 _UNSHIFTED = ("ForTokenClassification", "ForMaskedLM", "WithLMHeadModel", "XLNetLMHeadModel")
 
+# The decoders of encoder-decoder families offered as causal LMs: their own loss scores
+# labels[t] at position t, the labels shifted by the caller (HF: "The labels are **not shifted**
+# inside the model"), where every other `*ForCausalLM` shifts them itself (transformers 5.24).
+_PRESHIFTED = frozenset(
+    f"{family}ForCausalLM"
+    for family in (
+        "Bart", "BigBirdPegasus", "Blenderbot", "BlenderbotSmall", "CpmAnt", "Marian", "MBart",
+        "Mvp", "Pegasus", "PLBart", "TrOCR", "Whisper",
+    )
+)  # fmt: skip
+
 
 def _by_class(model: nn.Module) -> LossFn | None:
     """HF's task heads by class name (what HF's own `loss_type` reads), the config for seq2seq."""
@@ -485,6 +537,21 @@ def _by_class(model: nn.Module) -> LossFn | None:
     return _CAUSAL if any(n.endswith(causal) for n in names) else None
 
 
+def _refuse_preshifted(model: nn.Module) -> None:
+    """Raise for the decoders in `_PRESHIFTED` (and subclasses): shifting would disagree with
+    the model's own loss, not shifting with labels equal to input_ids (a causal LM's usual
+    batch, which would train it to copy its input); only the user knows which the batch is."""
+    name = next((c.__name__ for c in type(model).__mro__ if c.__name__ in _PRESHIFTED), None)
+    if name is not None:
+        raise TypeError(
+            f"the default loss cannot tell how {type(model).__name__}'s labels line up: "
+            f"{name}'s own loss scores labels[t] at position t (labels shifted before the "
+            "batch, unlike other causal LMs). Pass loss_fn=ft.losses."
+            "token_classification_loss() for labels already shifted left, or loss_fn=ft."
+            "losses.causal_lm_loss() for labels equal to input_ids"
+        )
+
+
 def loss_for(model: nn.Module) -> LossFn:
     """The loss `default_loss` uses for `model`, by its task head, never by the labels' shape.
 
@@ -498,9 +565,14 @@ def loss_for(model: nn.Module) -> LossFn:
     Wrappers are looked through: PEFT (`get_base_model()`), `torch.compile` (`_orig_mod`),
     DDP (`module`), Opacus (`_module`).
 
+    The decoders of encoder-decoder families offered as causal LMs (`BartForCausalLM`,
+    `MarianForCausalLM`, `TrOCRForCausalLM`, `WhisperForCausalLM`, ...) score `labels[t]` at
+    position t in their own loss, the labels shifted beforehand: which of the two a batch means
+    cannot be told from it, so they raise too, saying which loss to pass.
+
     Raises:
         TypeError: for any other model (question answering, a bare `BartModel`, your own
-            module), naming its class and saying to pass `loss_fn=`.
+            module, those decoders), naming its class and saying to pass `loss_fn=`.
 
     Example:
         >>> import torch, ftrain as ft
@@ -512,6 +584,7 @@ def loss_for(model: nn.Module) -> LossFn:
     fn = _by_class(model)
     base = model if fn is not None else _base_model(model)
     fn = fn if fn is not None else _by_class(base)
+    _refuse_preshifted(_base_model(model))  # PEFT's PeftModelForCausalLM ends like a causal LM
     if fn is None:
         raise TypeError(
             f"the default loss does not know {type(base).__name__}: it recognises HF causal "

@@ -11,7 +11,7 @@ import torch
 
 import ftrain as ft
 import generate_workers as W
-from helpers import tiny_llama
+from helpers import tiny_llama, tiny_t5
 from launch import run_ranks
 
 
@@ -164,3 +164,47 @@ def test_multiple_choice_metrics_reject_bad_choices_and_answers():
                     metrics_fn=ft.multiple_choice_metrics(choice_ids=CHOICES))  # fmt: skip
     with pytest.raises(ValueError, match="no per-subject accuracy"):
         ft.generation.mean_over_subjects({"eval_accuracy": 1.0})
+
+
+def _prompt_batches(prompts, **collate):
+    return ft.make_batches(prompts, batch_size=len(prompts), shuffle=False, **collate)
+
+
+def test_a_decoder_only_models_max_length_is_refused_for_max_new_tokens():
+    """max_length counts the left-padded prompt: a short prompt batched beside a long one got
+    fewer new tokens than it gets alone (4 instead of 15 here), without a word."""
+    from transformers import GenerationConfig
+
+    state = ft.TrainState.create(W.model(), ft.optim.sgd())
+    prompts = [{"input_ids": list(range(3, 17))}, {"input_ids": [5, 6, 7]}]
+    with pytest.raises(ValueError, match=r"max_length=18 .* pass max_new_tokens=\.\.\. instead"):
+        next(ft.generate(state, _prompt_batches(prompts), max_length=18))
+    config = GenerationConfig(min_length=18)
+    with pytest.raises(ValueError, match=r"min_length=18 .* pass min_new_tokens=\.\.\. instead"):
+        next(ft.generate(state, _prompt_batches(prompts), generation_config=config))
+    state.model.generation_config.max_length = 18  # a checkpoint's generation_config.json
+    with pytest.raises(ValueError, match="max_length=18"):
+        next(ft.generate(state, _prompt_batches(prompts)))
+    (out,) = ft.generate(state, _prompt_batches(prompts), max_new_tokens=3, eos_token_id=None)
+    assert [len(ids) for ids in out["token_ids"]] == [3, 3]  # max_new_tokens wins, as in HF
+    t5 = ft.TrainState.create(tiny_t5(), ft.optim.sgd())  # the decoder's length: no padding
+    (out,) = ft.generate(t5, _prompt_batches(prompts[1:]), max_length=4, eos_token_id=None)
+    assert [len(ids) for ids in out["token_ids"]] == [3]  # without the decoder start token
+
+
+def test_batches_generation_would_misread_are_refused():
+    state = ft.TrainState.create(W.model(), ft.optim.sgd())
+    rows = [{"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8], "id": "a"},
+            {"input_ids": [9, 10], "labels": [-100, 10], "id": "b"}]  # fmt: skip
+    with pytest.raises(ValueError, match="the prompts hold their answers"):
+        next(ft.generate(state, _prompt_batches(rows), max_new_tokens=2))
+    prompts = [
+        {"input_ids": r["input_ids"][:2], "labels": [-100, -100], "id": r["id"]} for r in rows
+    ]
+    (out,) = ft.generate(state, _prompt_batches(prompts), max_new_tokens=2, eos_token_id=None)
+    assert [len(ids) for ids in out["token_ids"]] == [2, 2]  # labels and a text id: ignored
+    packed = ft.sft.packed_collate(pad_id=0)(ft.data.pack_examples(prompts, max_length=8))
+    with pytest.raises(ValueError, match=r"also holds \['position_ids'\], which its forward"):
+        next(ft.generate(state, [packed], max_new_tokens=2))
+    with pytest.raises(TypeError, match="dict batches with 'input_ids'"):
+        next(ft.generate(state, [torch.ones(2, 3, dtype=torch.long)], max_new_tokens=2))

@@ -1,7 +1,8 @@
 """The default losses against each HF task head's own `.loss`, and what they refuse: multi-label
 and multi-output regression classifiers, masked-LM heads named `*WithLMHeadModel` and XLNet,
-question answering and bare encoder-decoders, mixture-of-experts router losses, packed rows of
-a model that caches; `classification_metrics` on a model it cannot score; collation and packing
+question answering and bare encoder-decoders, the decoders of seq2seq families offered as causal
+LMs, mixture-of-experts router losses, packed rows of a model that caches or takes no
+position_ids; `classification_metrics` on a model it cannot score; collation and packing
 of odd rows; the SFT collator's BOS and EOS."""
 
 from __future__ import annotations
@@ -216,3 +217,73 @@ def test_the_sft_collator_refuses_a_missing_eos_and_a_second_bos():
         warnings.simplefilter("error")
         got = ft.sft.SFTCollator(with_bos, add_bos=False).encode({"input": "</s> 1", "output": "2"})
     assert got["input_ids"][:2] == [with_bos.bos_token_id, 4]
+
+
+def _decoder(cls_name: str):
+    """A seq2seq family's decoder offered as a causal LM (labels not shifted in its loss)."""
+    import transformers
+
+    torch.manual_seed(0)
+    if cls_name == "TrOCRForCausalLM":
+        cfg = transformers.TrOCRConfig(
+            vocab_size=50, d_model=16, decoder_layers=1, decoder_attention_heads=2,
+            decoder_ffn_dim=16, max_position_embeddings=32,
+        )  # fmt: skip
+    else:
+        cfg = _bart("BartModel").config
+    return getattr(transformers, cls_name)(cfg).eval()
+
+
+@pytest.mark.parametrize("cls_name", ["BartForCausalLM", "TrOCRForCausalLM"])
+def test_decoders_whose_own_loss_does_not_shift_have_no_default_loss(cls_name):
+    """Their names say causal LM, but their own loss scores labels[t] at position t: the
+    default loss shifted the labels, one token off the model's own loss, without a word."""
+    model = _decoder(cls_name)
+    batch = {"input_ids": IDS, "labels": IDS.roll(-1, dims=1)}  # shifted left, as HF asks
+    with pytest.raises(TypeError, match=f"cannot tell how {cls_name}'s labels line up"):
+        ft.losses.default_loss(model, batch)
+    with pytest.raises(
+        TypeError, match=r"token_classification_loss\(\) for labels already shifted"
+    ):
+        ft.losses.loss_for(torch.nn.DataParallel(model))  # through wrappers too
+    with torch.no_grad():  # the loss the message names for such labels is the model's own
+        loss_sum, n = ft.losses.token_classification_loss()(model, batch)
+        torch.testing.assert_close(loss_sum / n, model(**batch).loss)
+
+
+def test_packed_rows_for_a_model_that_takes_no_position_ids_raise():
+    """Bloom (ALiBi) takes no position_ids: packed rows reached it as one sequence, their
+    examples attending to each other, behind a warning that a column was left out."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    torch.manual_seed(0)
+    model = BloomForCausalLM(BloomConfig(vocab_size=50, hidden_size=16, n_layer=1, n_head=2))
+    rows = [
+        {"input_ids": [5, 6, 7], "labels": [5, 6, 7]},
+        {"input_ids": [9, 10], "labels": [9, 10]},
+    ]
+    packed = ft.sft.packed_collate(pad_id=0)(ft.data.pack_examples(rows, max_length=8))
+    with pytest.raises(ValueError, match=r"\(BloomForCausalLM\) takes no position_ids: without"):
+        ft.losses.causal_lm_loss()(model, packed)
+    padded = ft.pad_collate(pad_id=0)(rows)  # with an attention mask: no position_ids needed
+    with pytest.warns(UserWarning, match="takes no 'position_ids'"):
+        ft.losses.causal_lm_loss()(model, {**padded, "position_ids": torch.arange(3).expand(2, 3)})
+
+
+def test_a_router_loss_computed_only_with_labels_raises_too():
+    """NLLB-MoE computes its router loss only when given labels, which the built-in losses
+    keep from the model: no aux_loss field was set, and the loss left it out without a word."""
+    from transformers import NllbMoeConfig, NllbMoeForConditionalGeneration
+
+    torch.manual_seed(0)
+    cfg = NllbMoeConfig(
+        vocab_size=50, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=16, decoder_ffn_dim=16, num_experts=2,
+        expert_capacity=4, encoder_sparse_step=2, decoder_sparse_step=2,
+        max_position_embeddings=32, decoder_start_token_id=2, pad_token_id=1,
+        output_router_logits=True,
+    )  # fmt: skip
+    model = NllbMoeForConditionalGeneration(cfg).eval()
+    batch = {"input_ids": IDS[:1, :4], "labels": IDS[:1, :3]}
+    with pytest.raises(ValueError, match="returned encoder_router_logits, decoder_router_logits"):
+        ft.losses.default_loss(model, batch)

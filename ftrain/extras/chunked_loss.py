@@ -20,8 +20,8 @@ from ftrain.losses import (
     LossFn,
     causal_lm_loss,
     loss_for,
+    loss_logits,
     loss_name,
-    model_logits,
     upcast,
 )
 from ftrain.strategies import is_distributed
@@ -172,7 +172,9 @@ def _hidden(model: nn.Module, head: nn.Module, batch: Mapping[str, Any]) -> torc
 
     handle = head.register_forward_pre_hook(grab)
     try:
-        model_logits(model, batch)  # the head still runs (on 0 tokens), so DDP/FSDP hooks fire
+        # The head still runs (on 0 tokens), so DDP/FSDP hooks fire; a router loss the model
+        # returned beside the logits raises, as in causal_lm_loss.
+        loss_logits(model, batch)
     finally:
         handle.remove()
     if len(seen) != 1:
@@ -192,8 +194,10 @@ def chunked_causal_lm_loss(
     and count) equals `causal_lm_loss()` up to float rounding, gradients included. Logits are
     float32 as in `causal_lm_loss`. Models that transform logits after the head (softcapping,
     logit scales, a cut vocabulary), models whose labels are not shifted (encoder-decoders,
-    masked LMs), heads that are not a plain `nn.Linear` (a LoRA adapter or a quantized layer on
-    the head) and labels of another shape than the tokens are refused. Sharded (FSDP) head
+    masked LMs), mixture-of-experts models that return a router loss (`output_router_logits`:
+    their own loss adds it; `causal_lm_loss` refuses them too), heads that are not a plain
+    `nn.Linear` (a LoRA adapter or a quantized layer on the head) and labels of another shape
+    than the tokens are refused. Sharded (FSDP) head
     weights are refused too: the chunks need the whole matrix outside the head's own forward,
     where FSDP has resharded it.
 
@@ -217,8 +221,8 @@ def chunked_causal_lm_loss(
     Raises:
         ValueError: for a bad `chunk_size` or `kernel`; when called, for an explicit kernel
             whose head is not on CUDA ("cce": with a bias, or outside bf16/fp16), a model
-            that is not a causal LM or changes its logits after the head, or labels whose
-            shape is not the tokens'.
+            that is not a causal LM, changes its logits after the head or returns a router
+            loss, or labels whose shape is not the tokens'.
         TypeError: for a `head` (given, or the model's) that is not a plain `nn.Linear`.
         ImportError: for an explicit kernel whose package does not import.
 

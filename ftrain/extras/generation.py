@@ -9,6 +9,7 @@ position, accuracy per subject, and `mean_over_subjects` for the mean of those a
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -26,6 +27,12 @@ from ftrain.strategies import Strategy
 __all__ = ["generate", "left_pad", "mean_over_subjects", "multiple_choice_metrics"]
 
 _OWN = ("input_ids", "attention_mask")
+# Batch keys a model's forward takes that generation has no use for: the targets, and the
+# decoder inputs teacher forcing builds from them (DataCollatorForSeq2Seq(model=...)).
+_UNUSED = ("labels", "decoder_input_ids", "decoder_attention_mask")
+# Settings that count the prompt, padding included, in a decoder-only model's output length,
+# and the ones that count new tokens only.
+_LENGTHS = {"max_length": "max_new_tokens", "min_length": "min_new_tokens"}
 
 
 def left_pad(
@@ -86,9 +93,13 @@ def generate(
 ) -> Iterator[dict[str, list[Any]]]:
     """Complete every prompt with `model.generate`; yield the new tokens (and text) per batch.
 
-    Each batch holds prompts: `input_ids` and, when rows are padded, `attention_mask` (other
-    keys such as `labels` are ignored). For encoder-decoder models (T5, BART) the prompt is the
-    encoder's input and the new tokens are the decoder's output (without its start token), as
+    Each batch holds prompts: `input_ids` and, when rows are padded, `attention_mask`; `labels`
+    and `decoder_input_ids` are ignored, and so are keys the model's forward does not take (a
+    raw `text`, an `id`). Other inputs of the model (`pixel_values`, `token_type_ids`,
+    `position_ids`, ...) raise rather than be left out, and so, for a decoder-only model, does
+    a training batch whose labels mark tokens of its `input_ids`: its prompts hold their
+    answers. For encoder-decoder models (T5, BART) the prompt is the encoder's input and the
+    new tokens are the decoder's output (without its start token), as
     `Seq2SeqTrainer(predict_with_generate=True)` gives. Rows are left-padded here for
     decoder-only models whatever side they were padded on, so
     `make_batches(prompts, batch_size=..., shuffle=False)` with the default collate works. The
@@ -106,7 +117,10 @@ def generate(
         gather: gather every rank's rows (a collective); False yields this rank's only.
         strategy: overrides `state.strategy`.
         **generate_kwargs: for `model.generate`, e.g. `max_new_tokens=32, do_sample=False`.
-            `pad_token_id` defaults to the model's, else the tokenizer's. A `generation_config`
+            `pad_token_id` defaults to the model's, else the tokenizer's. For a decoder-only
+            model, `max_length` / `min_length` (which count the left-padded prompt, so the
+            longest prompt of a batch would set every row's length) raise unless
+            `max_new_tokens` / `min_new_tokens` are set. A `generation_config`
             passed here counts as HF counts it (its `eos_token_id` ends the rows, its
             `pad_token_id` pads them; unset ones fall back to the model's); it is not changed.
 
@@ -116,8 +130,11 @@ def generate(
         returns), plus `"text"` with a tokenizer.
 
     Raises:
-        TypeError: if the model has no `generate`, or `generate_kwargs` sets the prompts.
-        ValueError: if no pad token id is known.
+        TypeError: if the model has no `generate`, `generate_kwargs` sets the prompts, or a
+            batch is not a dict with `input_ids`.
+        ValueError: if no pad token id is known; for a decoder-only model, for `max_length`
+            or `min_length` as above; for a batch holding inputs generation would leave out,
+            or (decoder-only) prompts that hold their labels.
     """
     strategy = state.strategy if strategy is None else strategy
     model = strategy.unwrap(state.model)
@@ -133,9 +150,13 @@ def generate(
         kwargs.setdefault("synced_gpus", True)
     eos = _eos_ids(model, kwargs)
     enc_dec = getattr(getattr(model, "config", None), "is_encoder_decoder", False) is True
+    if not enc_dec:
+        _check_lengths(model, kwargs)
+    inputs = _forward_names(model)
     with eval_mode(state.model), strategy.autocast():
         for batch in flatten_batches(batches):
             batch, weight = weighted(batch)
+            _check_batch(batch, inputs, model, enc_dec)
             batch = strategy.to_device(batch)
             new = _trim(_new_tokens(generate_fn, batch, pad_id, enc_dec, kwargs), eos)
             if gather and strategy.world_size > 1:
@@ -147,6 +168,57 @@ def generate(
             if tokenizer is not None:
                 result["text"] = tokenizer.batch_decode(token_ids, skip_special_tokens=True)
             yield result
+
+
+def _check_lengths(model: nn.Module, kwargs: Mapping[str, Any]) -> None:
+    """Refuse `max_length` / `min_length` for a decoder-only model unless the `*_new_tokens`
+    setting overrides them: they count the prompt with its left padding, so a prompt's output
+    would depend on the longest prompt of its batch."""
+    for total, new in _LENGTHS.items():
+        if _setting(model, kwargs, total) is not None and _setting(model, kwargs, new) is None:
+            raise ValueError(
+                f"generate: {total}={_setting(model, kwargs, total)!r} (from the keywords, the "
+                "generation_config or the model's) counts a decoder-only model's prompt with "
+                "its left padding, so each prompt would get a length that depends on the "
+                f"longest prompt of its batch; pass {new}=... instead"
+            )
+
+
+def _forward_names(model: nn.Module) -> frozenset[str]:
+    """The keyword arguments the innermost model's `forward` names (through PEFT and
+    `torch.compile`); empty when it takes `**kwargs` only."""
+    get_base = getattr(model, "get_base_model", None)
+    inner = get_base() if callable(get_base) else model
+    inner = getattr(inner, "_orig_mod", inner)
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    params = inspect.signature(inner.forward).parameters.values()
+    return frozenset(p.name for p in params if p.kind in kinds)
+
+
+def _check_batch(batch: Any, taken: frozenset[str], model: nn.Module, enc_dec: bool) -> None:
+    """Refuse a batch generation would misread: inputs of the model (images, token types,
+    positions) it would leave out, and, for a decoder-only model, prompts that hold their
+    answers (a training batch, whose labels mark tokens of input_ids)."""
+    if not isinstance(batch, Mapping) or "input_ids" not in batch:
+        raise TypeError("generate needs dict batches with 'input_ids' (the prompts)")
+    left_out = sorted(k for k in batch if k in taken and k not in (*_OWN, *_UNUSED))
+    if left_out:
+        raise ValueError(
+            "generate passes the prompts' input_ids and attention_mask to "
+            f"{type(model).__name__}.generate, but the batch also holds {left_out}, which its "
+            "forward takes and this generation would leave out; drop them from the batch, or "
+            "call model.generate yourself"
+        )
+    labels, ids = batch.get("labels"), batch["input_ids"]
+    if enc_dec or not isinstance(labels, torch.Tensor) or labels.shape != ids.shape:
+        return
+    scored = labels != IGNORE_INDEX
+    if bool(scored.any() & (labels.eq(ids) | ~scored).all()):  # a host sync, outside the steps
+        raise ValueError(
+            "generate: the batch's labels mark tokens of its input_ids as targets (a training "
+            "batch): the prompts hold their answers, and generation would continue after them. "
+            "Generate from the prompts alone (input_ids up to the first label)"
+        )
 
 
 def _new_tokens(

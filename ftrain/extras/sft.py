@@ -5,8 +5,9 @@ the usual dataset layouts into it. `SFTCollator` tokenizes and pads a batch of s
 qlora.py's `DataCollatorForCausalLM` does: BOS + prompt truncated to `source_max_len`, response +
 EOS truncated to `target_max_len`, prompt tokens labelled -100 unless `train_on_source`.
 `ft.data.pack_examples` concatenates tokenized rows into rows of at most `max_length` tokens
-whose `position_ids` restart at every example; HF models then attend within each example only
-(the built-in losses call the model with `use_cache=False`; see `packed_collate`).
+whose `position_ids` restart at every example; HF models whose attention mask reads them then
+attend within each example only (the built-in losses call the model with `use_cache=False`;
+see `packed_collate` for the models that do not).
 
     >>> import ftrain as ft
     >>> ft.sft.alpaca({"instruction": "Add 2 and 3.", "output": "5"})["output"]
@@ -265,6 +266,12 @@ def packed_collate(pad_id: int, pad_to_multiple_of: int | None = None) -> Callab
     `loss_fn` of your own that calls the model itself must pass it too (or set
     `model.config.use_cache = False`, as qlora.py does): with the cache on, the examples of a
     packed row attend to each other.
+
+    The model must build its attention mask from `position_ids`, as HF's Llama, Mistral, Qwen,
+    Gemma, Phi, GPT-2 and GPT-NeoX families do (transformers 5.24). For a model whose forward
+    takes no `position_ids` (Bloom, MPT) the built-in losses raise; OPT, BioGPT, XGLM and the
+    BERT-style decoders take them for their position embeddings only, and their packed
+    examples see each other: pad rows for those instead of packing them.
     """
 
     return pad_collate(pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of, attention_mask=False)
