@@ -207,6 +207,22 @@ def test_packed_rows_train_like_separate_examples(tok):
     assert abs(float(leaky - packed_sum)) > 1e-2
 
 
+def test_the_default_collate_refuses_packed_rows(tok):
+    """make_batches' default collate made an attention mask for packed rows, and the HF model
+    then ignored the example boundaries in position_ids: they attended to each other."""
+    with pytest.warns(TruncationWarning):
+        rows = SFTCollator(tok, 64, 64).encode_batch(ROWS)
+    packed = pack(rows, max_length=80)
+    with pytest.raises(ValueError, match=r"row 0 holds packed examples.*packed_collate"):
+        ft.data.pad_collate(pad_id=tok.pad_token_id)(packed)
+    with pytest.raises(ValueError, match="packed examples"):
+        next(ft.make_batches(packed, batch_size=2, accum=1, seed=0))
+    batch = ft.data.pad_collate(pad_id=tok.pad_token_id, attention_mask=False)(packed)
+    assert "attention_mask" not in batch
+    one = [{"input_ids": [5, 6, 7], "position_ids": [0, 1, 2]}]  # one example: a mask is fine
+    assert ft.data.pad_collate()(one)["attention_mask"].tolist() == [[1, 1, 1]]
+
+
 def test_neftune_equals_hf_hook_and_only_in_training():
     from transformers.integrations.neftune import neftune_post_forward_hook
 

@@ -40,7 +40,8 @@ def pad_collate(
         padding_side: "right" or "left".
         pad_to_multiple_of: round the padded length up to a multiple of this.
         attention_mask: create a mask for rows without one (off for packed rows, whose
-            example boundaries HF models read from `position_ids`).
+            example boundaries HF models read from `position_ids`: rows whose `position_ids`
+            restart at 0 raise `ValueError` with it on, as their examples would see each other).
 
     Example:
         >>> from ftrain.data import pad_collate
@@ -72,11 +73,27 @@ def pad_collate(
                     "same fields"
                 )
         if attention_mask and "input_ids" in out and "attention_mask" not in out:
+            _refuse_packed(rows)
             masks = [torch.ones(len(r["input_ids"]), dtype=torch.long) for r in rows]
             out["attention_mask"] = _pad(masks, 0, padding_side, pad_to_multiple_of)
         return out
 
     return collate
+
+
+def _refuse_packed(rows: list[Any]) -> None:
+    """Refuse rows packed from several examples (`position_ids` restarting at 0 inside a row)
+    to be given an attention mask: HF models find the boundaries in `position_ids` only without
+    one, so the examples of a row would attend to each other."""
+    for i, row in enumerate(rows):
+        positions = row.get("position_ids")
+        if positions is not None and bool(torch.as_tensor(positions)[1:].eq(0).any()):
+            raise ValueError(
+                f"collate: row {i} holds packed examples (its position_ids restart at 0), and an "
+                "attention_mask made for it would let them attend to each other (HF models "
+                "read the boundaries from position_ids only without a mask): collate packed "
+                "rows with ft.sft.packed_collate(pad_id), or pad_collate(attention_mask=False)"
+            )
 
 
 def _column(rows: list[Any], key: str, pad: int, side: str, multiple: int | None) -> Any:
