@@ -21,6 +21,7 @@ import ftrain as ft
 from elastic_loop import build, plan, train
 from ftrain.strategies._group import _attempt_store, collective_timeout
 from helpers import opt_state_tensors, within
+from launch import DDP_PRELOAD, start_python
 
 SCRIPT = Path(__file__).parent / "workers" / "elastic_loop.py"
 KILLS = 6  # random kill points in one job (test_checkpoint_crash kills one process more often)
@@ -208,19 +209,22 @@ def test_when_a_rank_dies_or_freezes_the_other_exits_by_itself(tmp_path, how):
     survivor): a peer SIGKILLed inside a save ends the survivor's next collective at once (gloo
     sees the closed socket; on a loaded machine it may report a send time-out instead, at the
     30 s timeout at the latest); a frozen peer (SIGSTOP) ends it after FTRAIN_COLLECTIVE_TIMEOUT
-    (3 s). Either way the survivor leaves its `with DDP()` block and the interpreter exits."""
+    (3 s). Either way the survivor leaves its `with DDP()` block and the interpreter exits.
+    Each runs `python elastic_loop.py` forked by `launch.start_python` from a process that
+    imported what the script imports (no interpreter start-up), and exits as a fresh one does."""
     victim, _ = plan(0, 2, 0)
     port, procs, timeout = str(free_port()), [], "30" if how == "SIGKILL" else "3"
-    for rank in (0, 1):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank),
-               "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "FTRAIN_COLLECTIVE_TIMEOUT": timeout,
-               "VICTIM_SIGNAL": how, "OMP_NUM_THREADS": "1"}  # fmt: skip
-        procs.append(subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(tmp_path), str(TOTAL), "1"], env=env, text=True,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-        ))  # fmt: skip
-    dead, survivor = procs[victim], procs[1 - victim]
     try:
+        for rank in (0, 1):
+            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                   "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                   "FTRAIN_COLLECTIVE_TIMEOUT": timeout, "VICTIM_SIGNAL": how,
+                   "OMP_NUM_THREADS": "1"}  # fmt: skip
+            procs.append(start_python(
+                SCRIPT, str(tmp_path), str(TOTAL), "1", env=env, new_session=True,
+                preload=DDP_PRELOAD,
+            ))  # fmt: skip
+        dead, survivor = procs[victim], procs[1 - victim]
         with within(60, "the victim's signal"):
             while dead.poll() is None and _state(dead.pid) != "T":
                 time.sleep(0.02)
@@ -230,7 +234,7 @@ def test_when_a_rank_dies_or_freezes_the_other_exits_by_itself(tmp_path, how):
     finally:
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                p.kill()  # its process group
             p.communicate()
     assert survivor.returncode == 1, out[-3000:]
     # The survivor's collective raised (whatever gloo's wording: a closed socket, or a send
@@ -244,5 +248,8 @@ def test_when_a_rank_dies_or_freezes_the_other_exits_by_itself(tmp_path, how):
 
 
 def _state(pid: int) -> str:
-    """The process state letter from /proc (T: stopped)."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    """The process state letter from /proc (T: stopped; "" once reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:  # start_python's process: reaped by its parent, the zygote
+        return ""

@@ -5,6 +5,8 @@ process each (forked from the fork server, not this one)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -57,3 +59,37 @@ def test_the_server_starts_with_the_collection_time_environment(monkeypatch):
         print("after")  # fd 1 is the test's again
     finally:
         log.unlink()
+
+
+def test_start_python_ends_as_a_fresh_interpreter_does(tmp_path):
+    """A script forked by `start_python` exits as `python SCRIPT` does: exit handlers, a
+    non-daemon thread joined, objects collected at teardown, the exit code of sys.exit or of
+    an exception, its argv, environment and working directory."""
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import atexit, os, sys, threading, time\n"
+        "atexit.register(lambda: print('atexit ran', flush=True))\n"
+        "class Noisy:\n"
+        "    def __del__(self):\n"
+        "        print('collected', flush=True)\n"
+        "kept = Noisy()\n"
+        "t = threading.Thread(target=lambda: (time.sleep(0.2), print('thread ended')))\n"
+        "t.start()\n"
+        "print('argv', sys.argv[1:], os.environ['PROBE'], os.getcwd() == os.environ['WHERE'])\n"
+        "if sys.argv[1] == 'raise':\n"
+        "    raise RuntimeError('on purpose')\n"
+        "sys.exit(int(sys.argv[1]))\n"
+    )
+    env = dict(os.environ, PROBE="seen", WHERE=os.getcwd())
+    fresh = subprocess.run(
+        [sys.executable, str(script), "3"], env=env, capture_output=True, text=True, timeout=60
+    )
+    forked = launch.start_python(script, "3", env=env, preload=("os",))
+    out, _ = forked.communicate(timeout=60)
+    assert forked.returncode == fresh.returncode == 3
+    assert out.splitlines() == fresh.stdout.splitlines() == [
+        "argv ['3'] seen True", "thread ended", "atexit ran", "collected"
+    ]  # fmt: skip
+    raised = launch.start_python(script, "raise", env=env, preload=("os",))
+    out, _ = raised.communicate(timeout=60)
+    assert raised.returncode == 1 and "RuntimeError: on purpose" in out

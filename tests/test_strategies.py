@@ -107,29 +107,27 @@ def test_single_device_lifetime_is_a_no_op():
 
 def _launch(kind: str, mode: str, timeout: float = 150.0):
     """Two ranks as torchrun starts them (environment variables), each running
-    tests/workers/dist_lifetime.py."""
+    tests/workers/dist_lifetime.py as `python SCRIPT` would, its end included: the
+    interpreter's exit (threads joined, objects collected, exit handlers) is what these tests
+    check. `launch.start_python` forks them from a process that imported what the script
+    imports (torch, ftrain; DDP's torch._dynamo) once, instead of an interpreter start-up a
+    rank, and lets each exit as a fresh interpreter does."""
     import os
-    import socket
-    import subprocess
-    import sys
     from pathlib import Path
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from launch import DDP_PRELOAD, free_port, start_python
+
+    port = free_port()
     script = Path(__file__).parent / "workers" / "dist_lifetime.py"
     procs = []
-    for rank in (0, 1):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE="2", LOCAL_RANK=str(rank))  # fmt: skip
-        procs.append(subprocess.Popen(
-            [sys.executable, str(script), kind, mode], env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True,
-        ))  # fmt: skip
-    outs = []
     try:
-        for p in procs:  # a hang fails the test here instead of blocking CI
-            outs.append(p.communicate(timeout=timeout)[0])
+        for rank in (0, 1):
+            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))  # fmt: skip
+            preload = DDP_PRELOAD if kind == "ddp" else ("torch", "ftrain")
+            procs.append(start_python(script, kind, mode, env=env, preload=preload))
+        # a hang fails the test here instead of blocking CI
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
     finally:
         for p in procs:
             p.kill()

@@ -2,12 +2,14 @@
 
 Usage:
   RANK=.. WORLD_SIZE=2 MASTER_ADDR=.. MASTER_PORT=.. python tests/workers/dist_fail.py crash|hang
+  or `launch.exit_codes(dist_fail.ranked, "crash"|"hang", wait_for=[0])` (the test's way).
 "crash" raises on rank 1 (its process exits); "hang" raises and then keeps the process alive
 without joining any collective, as a notebook or a retry loop would.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from datetime import timedelta
@@ -38,6 +40,15 @@ def main(mode: str) -> None:
         raise
     finally:
         print(f"rank 0 stopped after {time.monotonic() - start:.1f}s", flush=True)
+
+
+def ranked(rank: int, world: int, port: int, mode: str) -> None:
+    """`main` in a rank forked by launch.start_ranks, with the environment torchrun would set."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+    )  # fmt: skip
+    main(mode)
 
 
 if __name__ == "__main__":
