@@ -135,7 +135,10 @@ def test_concat_packing_of_rows_with_labels_raises_and_examples_keeps_them():
     with pytest.raises(ValueError, match=r'pack\(mode="concat"\) on rows with labels.*"examples"'):
         list(ft.make_batches(ft.data.pack(src, block_size=6), batch_size=1, shuffle=False))
     packed = ft.data.pack(src, block_size=6, mode="examples")
-    b = next(iter(ft.make_batches(packed, batch_size=1, shuffle=False)))[0]
+    with pytest.raises(ValueError, match="packed examples"):  # a mask would join the examples
+        next(iter(ft.make_batches(packed, batch_size=1, shuffle=False)))
+    unmasked = ft.data.pad_collate(attention_mask=False)  # as ft.sft.packed_collate
+    b = next(iter(ft.make_batches(packed, batch_size=1, shuffle=False, collate_fn=unmasked)))[0]
     assert b["labels"].tolist() == [[-100, -100, 3, 4, -100, 6]]
 
 

@@ -12,6 +12,7 @@ import copy
 import inspect
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ _OWN = ("input_ids", "attention_mask")
 _UNUSED = ("labels", "decoder_input_ids", "decoder_attention_mask")
 # Settings that count the prompt, padding included, in a decoder-only model's output length,
 # and the ones that count new tokens only.
-_LENGTHS = {"max_length": "max_new_tokens", "min_length": "min_new_tokens"}
+_LENGTHS = MappingProxyType({"max_length": "max_new_tokens", "min_length": "min_new_tokens"})
 
 
 def left_pad(
