@@ -41,19 +41,21 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-import ftrain as ft
-
-# bench_loop (its constants, `_block`) imports transformers: the Llama part imports it where it
-# runs, so that the nanoGPT comparison's processes start without it.
+# torch and ftrain are imported where they run: the --nanogpt driver only starts processes
+# (nanoGPT's train.py and this script's --worker-ftrain, which import them), so it starts in
+# ~0.3 s instead of ~2 s. bench_loop (its constants, `_block`) imports transformers: the Llama
+# part imports it where it runs, so that the nanoGPT comparison's processes start without it.
 
 BS, SEQ, VOCAB, STEPS = 8, 1024, 32_000, 6
 
 
 def build() -> tuple[torch.nn.Module, list[list[dict[str, torch.Tensor]]]]:
+    import torch
     from bench_loop import ACCUM
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -76,6 +78,7 @@ def build() -> tuple[torch.nn.Module, list[list[dict[str, torch.Tensor]]]]:
 
 
 def raw_loop(model: torch.nn.Module) -> Callable[[list[Any], int], None]:
+    import torch
     from bench_loop import CLIP, WD
 
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=WD, fused=True)
@@ -95,6 +98,8 @@ def raw_loop(model: torch.nn.Module) -> Callable[[list[Any], int], None]:
 def ftrain_loop(model: torch.nn.Module) -> tuple[Callable[[list[Any], int], None], dict]:
     from bench_loop import CLIP, WD
 
+    import ftrain as ft
+
     strategy = ft.strategies.SingleDevice("cuda", precision="bf16")
     state = ft.TrainState.create(model, ft.optim.adamw(weight_decay=WD), strategy=strategy)
     loop: dict[str, Any] = {"state": state, "grads": None}
@@ -109,6 +114,7 @@ def ftrain_loop(model: torch.nn.Module) -> tuple[Callable[[list[Any], int], None
 
 
 def memory_child(loop: str) -> None:
+    import torch
     from bench_loop import _block
 
     model, data = build()
@@ -137,6 +143,10 @@ def checkpoint_stall(loop: dict, data: list[Any], step_s: float, saves: int = 3)
     The first save also pins its host buffers (torch's caching host allocator keeps them for
     the next); later saves show the steady-state stall.
     """
+    import torch
+
+    import ftrain as ft
+
     stalls, writes = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(saves):
@@ -181,6 +191,7 @@ def write_tokens(directory: Path, vocab: int, n: int = 1 << 20) -> None:
 def get_batch(data_dir: Path, block: int, batch: int, device: torch.device) -> list[torch.Tensor]:
     """nanoGPT's `get_batch("train")`: random windows of a fresh memmap, pinned, non-blocking."""
     import numpy as np
+    import torch
 
     data = np.memmap(data_dir / "train.bin", dtype=np.uint16, mode="r")
     ix = torch.randint(len(data) - block, (batch,))
@@ -197,9 +208,13 @@ def flops_per_token(n_params: int, layers: int, heads: int, width: int, block: i
 
 
 def ftrain_worker(a: argparse.Namespace) -> None:
-    """The README loop on the example's CharGPT; prints one JSON line of per-iteration times."""
+    """The README loop on the example's CharGPT; prints one JSON line: per-iteration times, the
+    last loss, the parameter count, the device's name and torch's version."""
     sys.path.insert(0, str(ROOT / "examples"))
+    import torch
     from shakespeare_char import CharGPT, CharGPTConfig, next_char_loss
+
+    import ftrain as ft
 
     device = torch.device(a.device)
     torch.manual_seed(1337)
@@ -230,7 +245,9 @@ def ftrain_worker(a: argparse.Namespace) -> None:
         last = now
     del grads
     n = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
-    print(json.dumps({"times": times, "loss": loss, "n_params": n}))
+    name = torch.cuda.get_device_name() if a.device == "cuda" else a.device
+    print(json.dumps({"times": times, "loss": loss, "n_params": n, "device": name,
+                      "torch": torch.__version__}))  # fmt: skip
 
 
 def nanogpt_cmd(a: argparse.Namespace, run_dir: Path) -> list[str]:
@@ -267,7 +284,7 @@ def versus_nanogpt(a: argparse.Namespace) -> None:
         ]  # fmt: skip
         worker += ["--compile"] if a.compile else []
         runs: dict[str, list[float]] = {"ftrain": [], "nanogpt": []}
-        n_params = 0
+        n_params, device, torch_version = 0, a.device, "?"
         for r in range(a.rounds):
             # nanoGPT first: a checkout it cannot run with (its vocabulary) stops before ours
             for side in ("nanogpt", "ftrain") if r % 2 == 0 else ("ftrain", "nanogpt"):
@@ -280,6 +297,7 @@ def versus_nanogpt(a: argparse.Namespace) -> None:
                 if side == "ftrain":
                     result = json.loads(out.stdout.strip().splitlines()[-1])
                     times, n_params = result["times"], result["n_params"]
+                    device, torch_version = result["device"], result["torch"]
                 else:
                     vocab = re.search(r"^found vocab_size = (\d+)", out.stdout, re.MULTILINE)
                     if vocab is None or int(vocab.group(1)) != a.vocab:
@@ -295,8 +313,7 @@ def versus_nanogpt(a: argparse.Namespace) -> None:
                 runs[side] += times[a.warmup :]
     tokens = a.batch_size * a.accum * a.block_size
     fpt = flops_per_token(n_params, a.n_layer, a.n_head, a.n_embd, a.block_size)
-    device = torch.cuda.get_device_name() if a.device == "cuda" else a.device
-    print(f"{device}, torch {torch.__version__}, GPT {n_params / 1e6:.1f}M non-embedding params, "
+    print(f"{device}, torch {torch_version}, GPT {n_params / 1e6:.1f}M non-embedding params, "
           f"{a.n_layer} layers x {a.n_head} heads x {a.n_embd}, block {a.block_size}, batch "
           f"{a.batch_size} x accum {a.accum}, {a.precision}, compile={a.compile}, "
           f"{a.rounds} rounds x {a.iters - a.warmup} timed iterations")  # fmt: skip
@@ -345,6 +362,10 @@ def main() -> None:
     if args.nanogpt:
         versus_nanogpt(args)
         return
+    import torch
+
+    import ftrain as ft
+
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu.py needs a CUDA device")
     if args.memory_child:

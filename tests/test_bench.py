@@ -1,5 +1,9 @@
 """The benchmark scripts run (tiny shapes, CPU), so that they cannot rot; they measure, these
-tests only check that each loop ran and reported (speed is never asserted in tests)."""
+tests only check that each loop ran and reported (speed is never asserted in tests).
+
+A script whose run is one `python SCRIPT` process is forked by `launch.start_python` (only the
+interpreter's start-up skipped); one that starts processes itself (bench_gpu.py's nanoGPT
+comparison, bench_loop.py's `--cache-malloc` restart) runs as a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 STUB = ROOT / "tests" / "workers" / "nanogpt_stub"  # nanoGPT's interface, a bigram model
@@ -27,6 +33,21 @@ def _bench(script: str, *args: str, timeout: float = 300) -> subprocess.Complete
         [sys.executable, str(ROOT / "bench" / script), *args],
         capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,
     )  # fmt: skip
+
+
+def _forked(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python bench/SCRIPT ARGS` forked by `launch.start_python` from the process that imported
+    torch, ftrain and torch._dynamo (these scripts import all three: transformers' models pull
+    in torch._dynamo), ~3 s sooner than a fresh interpreter; its stdout and stderr together."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = launch.start_python(ROOT / "bench" / script, *args, env=env,
+                               preload=launch.DDP_PRELOAD)  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return subprocess.CompletedProcess([script, *args], proc.returncode, out, out)
 
 
 def _rows(out: str) -> dict[str, list[str]]:
@@ -77,13 +98,14 @@ def test_bench_gpu_names_what_a_nanogpt_folder_lacks(tmp_path):
 @pytest.mark.slow
 def test_bench_loop_runs_every_loop_and_its_memory_child():
     every = "--loops=raw,exact,ftrain,fabric,hf,ftrain"  # a repeated loop runs a second copy
-    # The memory child and --alone's child run next to the main run (one thread each: mostly
-    # imports, which the two cores of a CI machine do in parallel).
+    # The memory child and --alone's child (forked: one process each, as bench_loop starts
+    # them) run next to the main run (a fresh interpreter: --cache-malloc restarts it), which
+    # the two cores of a CI machine do in parallel.
     with ThreadPoolExecutor(2) as pool:
         children = pool.submit(
             lambda: [
-                _bench("bench_loop.py", "--memory-child", "mlp", "ftrain"),
-                _bench("bench_loop.py", "--alone-child", "mlp", "ftrain", "--steps=2"),
+                _forked("bench_loop.py", "--memory-child", "mlp", "ftrain"),
+                _forked("bench_loop.py", "--alone-child", "mlp", "ftrain", "--steps=2"),
             ]
         )
         out = _bench("bench_loop.py", "--regime=mlp", "--rounds=1", "--steps=3",
@@ -104,13 +126,13 @@ def test_bench_loop_runs_every_loop_and_its_memory_child():
     assert child.returncode == 0, child.stderr[-3000:]
     assert float(re.findall(r'"peak_growth_mb": ([0-9.e+-]+)', child.stdout)[-1]) >= 0
     assert alone.returncode == 0, alone.stderr[-3000:]
-    got = json.loads(alone.stdout.strip().splitlines()[-1])
+    got = json.loads([ln for ln in alone.stdout.splitlines() if ln.startswith("{")][-1])
     assert got["ms"] > 0 and got["faults"] >= 0 and got["sys_ms"] >= 0, got
 
 
 @pytest.mark.slow
 def test_count_step_counts_the_python_opcodes_of_a_step():
-    out = _bench("count_step.py", "opcodes", "ftrain")
+    out = _forked("count_step.py", "opcodes", "ftrain", "--steps=2")  # 2 traced steps, not 20
     assert out.returncode == 0, out.stderr[-3000:]
     total = re.search(r"ftrain: (\d+) Python opcodes a step", out.stdout)
     assert total and int(total.group(1)) > 1000, out.stdout
