@@ -139,16 +139,10 @@ def test_an_explicit_kernel_never_falls_back_silently(monkeypatch):
 def test_a_router_loss_the_model_returns_is_refused_as_causal_lm_loss_refuses_it():
     """A mixture-of-experts model with output_router_logits adds its router loss to its own
     loss; causal_lm_loss refused it, the chunked loss trained without it, silently."""
-    from transformers import MixtralConfig, MixtralForCausalLM
+    from helpers import tiny_mixtral
 
     def mixtral(router_logits):
-        torch.manual_seed(0)
-        cfg = MixtralConfig(
-            vocab_size=61, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
-            num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
-            num_experts_per_tok=1, output_router_logits=router_logits,
-        )  # fmt: skip
-        return MixtralForCausalLM(cfg).eval()
+        return tiny_mixtral(router_logits).eval()
 
     ids = torch.tensor([[3, 4, 5, 6]])
     batch = {"input_ids": ids, "labels": ids}

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ftrain as ft
-from helpers import digit_tokenizer
+from helpers import digit_tokenizer, tiny_mixtral
 
 
 def _bert_classifier(**config):
@@ -130,23 +130,11 @@ def _marian():
     return MarianMTModel(cfg)
 
 
-def _mixtral(router_logits: bool):
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    torch.manual_seed(0)
-    cfg = MixtralConfig(
-        vocab_size=50, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
-        num_experts_per_tok=1, output_router_logits=router_logits, router_aux_loss_coef=0.5,
-    )  # fmt: skip
-    return MixtralForCausalLM(cfg)
-
-
 def test_a_router_loss_the_default_loss_would_leave_out_raises():
     batch = {"input_ids": IDS, "labels": IDS}
     with pytest.raises(ValueError, match=r"returned aux_loss \(its config sets output_router"):
-        ft.losses.default_loss(_mixtral(router_logits=True), batch)
-    model = _mixtral(router_logits=False).eval()  # the default: no router loss to leave out
+        ft.losses.default_loss(tiny_mixtral(router_logits=True), batch)
+    model = tiny_mixtral(router_logits=False).eval()  # the default: no router loss to leave out
     with torch.no_grad():
         loss_sum, n = ft.losses.default_loss(model, batch)
         torch.testing.assert_close(loss_sum / n, model(**batch).loss)

@@ -11,6 +11,20 @@ import torch
 import ftrain as ft
 
 
+def tiny_mixtral(router_logits: bool):
+    """A 1-layer, 2-expert Mixtral (vocabulary 50) that returns its router loss when
+    `router_logits` (`output_router_logits`, coefficient 0.5)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MixtralConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
+        num_experts_per_tok=1, output_router_logits=router_logits, router_aux_loss_coef=0.5,
+    )  # fmt: skip
+    return MixtralForCausalLM(cfg)
+
+
 def tiny_llama(dtype: torch.dtype = torch.float32, seed: int = 0, dropout: float = 0.0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
