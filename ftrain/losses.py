@@ -188,6 +188,7 @@ _AUX = ("aux_loss", "encoder_aux_loss", "decoder_aux_loss", "encoder_z_loss", "d
 # Router logits from which a seq2seq MoE's loss computes its router loss only when it is given
 # labels (NLLB-MoE), so that without labels no `_AUX` field is set.
 _ROUTERS = ("encoder_router_logits", "decoder_router_logits")
+_ROUTER_FIELDS = _AUX + _ROUTERS  # read in one pass: every micro-batch asks
 
 
 def loss_logits(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
@@ -211,8 +212,7 @@ def loss_logits(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
         torch.Size([1, 2, 5])
     """
     out = _call(model, batch)
-    aux = [a for a in _AUX if getattr(out, a, None) is not None]
-    aux = aux or [a for a in _ROUTERS if getattr(out, a, None) is not None]
+    aux = [a for a in _ROUTER_FIELDS if getattr(out, a, None) is not None]
     if aux:
         why = (
             "the batch asks for output_router_logits"
