@@ -134,6 +134,24 @@ def _wandb_records(path):
     return out
 
 
+def _finished_records(path, timeout=60.0):
+    """The records of a run W&B has finished writing: `run.finish()` returns once W&B's service
+    has the run's exit record, and the service writes and closes the file a moment later (at
+    the latest when the process exits), so a read right after `close()` can see a bare header."""
+    from google.protobuf.message import DecodeError
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:  # a file being written may end in a record cut short
+            records = _wandb_records(path) if path.stat().st_size >= 7 else []
+        except DecodeError:
+            records = []
+        if any(rec.WhichOneof("record_type") == "exit" for rec in records):
+            return records
+        assert time.monotonic() < deadline, f"W&B never finished writing {path}"
+        time.sleep(0.05)
+
+
 def test_wandb_sink_offline_run_files_hold_config_once_and_every_metric(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -156,7 +174,7 @@ def test_wandb_sink_offline_run_files_hold_config_once_and_every_metric(tmp_path
     history: list[dict] = []
     configs = []
     for path in runs:
-        for rec in _wandb_records(path):
+        for rec in _finished_records(path):
             kind = rec.WhichOneof("record_type")
             if kind == "history":
                 # "train/loss" is stored as the nested key ["train", "loss"].
@@ -182,7 +200,7 @@ def test_wandb_sink_keeps_the_steps_a_rollback_makes_again(tmp_path, monkeypatch
     sink.close()
     (path,) = (tmp_path / "run").glob("wandb/offline-run-*/run-*.wandb")
     got = []
-    for rec in _wandb_records(path):
+    for rec in _finished_records(path):
         if rec.WhichOneof("record_type") == "history":
             items = {i.key or "/".join(i.nested_key): i.value_json for i in rec.history.item}
             if "train/loss" in items:

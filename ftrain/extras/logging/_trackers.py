@@ -165,6 +165,10 @@ class WandbSink:
     again are recorded too (W&B drops a record whose own `step=` is below one already logged).
     Needs the `wandb` extra (`pip install 'ftrain[wandb]'`).
 
+    `close()` finishes the run (`run.finish()`); W&B's service process writes and closes the
+    run's files a moment later, at the latest when this process exits. Call `wandb.teardown()`
+    after `close()` to wait for that, before copying `<run_dir>/wandb` elsewhere.
+
     Args:
         run_dir: the run's folder (e.g. the checkpoint root).
         project: the W&B project.
