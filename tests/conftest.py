@@ -1,5 +1,14 @@
 import contextlib
+import os
 import signal
+
+# pyarrow (under `datasets`, `mlflow`) bundles jemalloc, which starts a `jemalloc_bg_thd`
+# thread with every signal blocked. A fault in that thread kills the whole pytest process
+# without faulthandler's traceback (a blocked synchronous SIGSEGV is fatal at once): CI ended
+# once mid-suite with exit 139 and no output, and jemalloc's background thread is a known
+# source of such faults (apache/arrow#44342, jemalloc/jemalloc#2739). The suite runs without
+# it; set before anything loads libarrow, inherited by every process a test launches.
+os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
 
 import pytest
 import torch
