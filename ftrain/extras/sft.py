@@ -269,9 +269,11 @@ def packed_collate(pad_id: int, pad_to_multiple_of: int | None = None) -> Callab
 
     The model must build its attention mask from `position_ids`, as HF's Llama, Mistral, Qwen,
     Gemma, Phi, GPT-2 and GPT-NeoX families do (transformers 5.24). For a model whose forward
-    takes no `position_ids` (Bloom, MPT) the built-in losses raise; OPT, BioGPT, XGLM and the
-    BERT-style decoders take them for their position embeddings only, and their packed
-    examples see each other: pad rows for those instead of packing them.
+    takes no `position_ids` (Bloom, MPT) the built-in losses raise, and so they do for the HF
+    model types measured to ignore the boundaries (OPT, BioGPT, XGLM and the BERT-style
+    decoders take `position_ids` for their position embeddings only; recurrent hybrids such as
+    Jamba and Qwen3-Next carry state across examples): pad rows for those instead. A model
+    of your own is not checked: compare a packed row's loss with its examples run alone.
     """
 
     return pad_collate(pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of, attention_mask=False)
