@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import socket
 import stat
 import sys
 from pathlib import Path
@@ -25,8 +26,9 @@ build = load_example("train").build
 
 STEPS = 40
 WORKERS = Path(__file__).parent / "workers"
-SRUN = {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "777",
-        "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_RESTART_COUNT": "2"}  # fmt: skip
+SRUN = {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4",
+        "SLURM_LOCALID": "1", "SLURM_JOB_ID": "777", "SLURM_JOB_NODELIST": "gpu[07-08]",
+        "SLURM_RESTART_COUNT": "2"}  # fmt: skip
 
 
 def test_host_lists_expand_as_scontrol_show_hostnames():
@@ -42,7 +44,7 @@ def test_srun_variables_become_torchs_with_a_port_per_attempt():
     env = slurm_env(SRUN)
     port = env.pop("MASTER_PORT")
     assert env == {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "gpu07"}
-    assert 20000 <= int(port) < 40000
+    assert 20000 <= int(port) < 32768  # below Linux's ephemeral ports
     assert slurm_env({**SRUN, "SLURM_PROCID": "3", "SLURM_LOCALID": "3"})["MASTER_PORT"] == port
     requeued = slurm_env({**SRUN, "SLURM_RESTART_COUNT": "3"})
     assert requeued["MASTER_PORT"] != port  # never the killed attempt's sockets
@@ -63,7 +65,7 @@ def test_missing_srun_variables_are_named():
 
 
 def test_srun_variables_that_cannot_describe_this_task_are_named():
-    with pytest.raises(ValueError, match="SLURM_PROCID=4 is outside SLURM_NTASKS=4"):
+    with pytest.raises(ValueError, match="SLURM_PROCID=4 is outside SLURM_STEP_NUM_TASKS=4"):
         slurm_env({**SRUN, "SLURM_PROCID": "4"})
     with pytest.raises(ValueError, match="SLURM_PROCID=1 is outside SLURM_STEP_NUM_TASKS=1"):
         slurm_env({**SRUN, "SLURM_STEP_NUM_TASKS": "1"})
@@ -128,7 +130,8 @@ def test_from_env_takes_a_group_made_by_hand_in_a_srun_step(monkeypatch):
 
 
 def test_export_launcher_env_leaves_a_launchers_variables_alone():
-    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1", **SRUN}
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1", **SRUN,
+                "TORCHELASTIC_RUN_ID": "777"}  # fmt: skip
     env = dict(torchrun)
     assert export_launcher_env(env) == "launcher" and env == torchrun  # srun ... torchrun
     env = dict(SRUN)
@@ -189,11 +192,21 @@ def _ends(out: str, start: int | str) -> int:
 
 
 def a_job_id() -> int:
-    """A job id whose attempts 0 and 1 get free ports (slurm_env: 20000 + id + attempt)."""
-    while True:
-        port = free_port()
-        if 20000 <= port < 39999:
-            return port - 20000
+    """A job id whose attempts 0 and 1 derive ports (slurm_env, step 0) free on 127.0.0.1."""
+    for job in range(os.getpid(), os.getpid() + 1000):
+        attempts = [{**SRUN, "SLURM_JOB_ID": str(job), "SLURM_RESTART_COUNT": a} for a in "01"]
+        if all(_bindable(int(slurm_env(env)["MASTER_PORT"])) for env in attempts):
+            return job
+    raise RuntimeError("no job id with two free derived ports in 1000 tries")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 @pytest.mark.slow

@@ -24,7 +24,21 @@ from collections.abc import Mapping, MutableMapping
 __all__ = ["expand_hostlist", "export_launcher_env", "slurm_env"]
 
 _LAUNCHER = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-PORT_BASE, PORT_SPAN = 20000, 20000
+# Launchers that set torch's variables themselves, by the variable that marks their processes:
+# torchrun (and `accelerate launch`, built on it) sets TORCHELASTIC_RUN_ID; the raylet sets
+# RAY_RAYLET_PID in every Ray worker, which on a Ray cluster started by `srun ... ray start`
+# inherits the SLURM variables of the raylet's srun task, not of a task of its own.
+_LAUNCHER_MARKERS = ("TORCHELASTIC_RUN_ID", "RAY_RAYLET_PID")
+# Derived ports stay below 32768: Linux hands out 32768-60999 (ip_local_port_range) to outgoing
+# connections, so a listening port there may already be taken on the head node.
+PORT_BASE, PORT_SPAN = 20000, 12000
+
+# A host list: names of printable ASCII, each a literal then [ranges] and literals, by commas.
+_ITEM = r"[^\[\],]+(?:\[[^\[\]]*\][^\[\],]*)*"
+_HOSTLIST = re.compile(rf"(?=[\x21-\x7e]+\Z){_ITEM}(?:,{_ITEM})*")
+_TOKEN = re.compile(r"\[([^\[\]]*)\]|([^\[\],]+)")
+_RANGE = re.compile(r"([0-9]+)(?:-([0-9]+))?")  # ASCII digits: str.isdigit takes "٣" and "²"
+_Ranges = tuple[tuple[int, int, int], ...]  # (first, last, digits) of each range in brackets
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -32,133 +46,218 @@ def expand_hostlist(hostlist: str) -> list[str]:
     prints): `"gpu[01-03,07],login1"` -> gpu01, gpu02, gpu03, gpu07, login1.
 
     Raises:
-        ValueError: for a malformed list (unbalanced brackets, a range that goes down).
+        ValueError: for a malformed list (unbalanced brackets, a range that goes down, digits
+            other than 0-9, whitespace or other characters that are not printable ASCII).
 
     Example:
         >>> expand_hostlist("node[08-10],big[1,3]")
         ['node08', 'node09', 'node10', 'big1', 'big3']
     """
-    if hostlist.count("[") != hostlist.count("]") or not hostlist.strip():
-        raise ValueError(f"not a SLURM host list: {hostlist!r}")
     hosts: list[str] = []
-    for item in _split_outside_brackets(hostlist):
-        if not item or item.startswith("[") or "]" in item.split("[")[0]:
-            raise ValueError(f"not a SLURM host list: {hostlist!r}")
-        hosts.extend(_expand_one(item, hostlist))
+    for parts in _parse_hostlist(hostlist):
+        names = [""]
+        for part in parts:
+            names = [name + s for name in names for s in _strings(part)]
+        hosts.extend(names)
     return hosts
 
 
-def _split_outside_brackets(text: str) -> list[str]:
-    items, depth, start = [], 0, 0
-    for i, c in enumerate(text):
-        depth += {"[": 1, "]": -1}.get(c, 0)
-        if depth not in (0, 1):
-            raise ValueError(f"not a SLURM host list: {text!r}")
-        if c == "," and depth == 0:
-            items.append(text[start:i])
-            start = i + 1
-    return [*items, text[start:]]
+def _first_host(hostlist: str) -> str:
+    """The first host of `expand_hostlist(hostlist)`, without expanding the list.
+
+    Raises:
+        ValueError: as `expand_hostlist`.
+
+    Example:
+        >>> _first_host("node[08-999999999],big[1,3]")
+        'node08'
+    """
+    parts = _parse_hostlist(hostlist)[0]
+    return "".join(p if isinstance(p, str) else f"{p[0][0]:0{p[0][2]}d}" for p in parts)
 
 
-def _expand_one(item: str, whole: str) -> list[str]:
-    m = re.fullmatch(r"([^\[]*)\[([^\]]+)\](.*)", item)
-    if m is None:
-        if "[" in item:  # "a[]"
-            raise ValueError(f"not a SLURM host list: {whole!r}")
-        return [item]
-    prefix, ranges, rest = m.groups()
-    out: list[str] = []
-    for part in ranges.split(","):
-        lo, dash, hi = part.partition("-")
-        if not lo.isdigit() or (dash and (not hi.isdigit() or int(hi) < int(lo))):
+def _parse_hostlist(hostlist: str) -> list[list[str | _Ranges]]:
+    """Each host item as its parts: literal text, or the ranges of one pair of brackets."""
+    if _HOSTLIST.fullmatch(hostlist) is None:
+        raise ValueError(f"not a SLURM host list: {hostlist!r}")
+    return [
+        [_ranges(m[1], hostlist) if m[2] is None else m[2] for m in _TOKEN.finditer(item[0])]
+        for item in re.finditer(_ITEM, hostlist)
+    ]
+
+
+def _ranges(text: str, whole: str) -> _Ranges:
+    out = []
+    for part in text.split(","):
+        m = _RANGE.fullmatch(part)
+        if m is None or (m[2] is not None and int(m[2]) < int(m[1])):
             raise ValueError(f"not a SLURM host list: {whole!r} (range {part!r})")
-        width = len(lo)
-        for n in range(int(lo), int(hi or lo) + 1):
-            out.extend(f"{prefix}{n:0{width}d}{tail}" for tail in _expand_one(rest, whole))
-    return out
+        out.append((int(m[1]), int(m[2] or m[1]), len(m[1])))
+    return tuple(out)
+
+
+def _strings(part: str | _Ranges) -> list[str]:
+    if isinstance(part, str):
+        return [part]
+    return [f"{n:0{width}d}" for lo, hi, width in part for n in range(lo, hi + 1)]
 
 
 def slurm_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """torch.distributed's launcher variables for one `srun` task, from SLURM's.
 
-    RANK = SLURM_PROCID, WORLD_SIZE = SLURM_STEP_NUM_TASKS (else SLURM_NTASKS), LOCAL_RANK =
-    SLURM_LOCALID, MASTER_ADDR = the first host of SLURM_STEP_NODELIST (else
-    SLURM_JOB_NODELIST), MASTER_PORT = 20000 + a hash of (SLURM_JOB_ID, SLURM_RESTART_COUNT)
-    modulo 20000 unless MASTER_PORT is set: every task computes the same port, a requeued
-    attempt gets another one than the attempt it replaces (whose sockets may linger), and
-    neighbouring job ids do not collide. MASTER_ADDR, when set, is kept too.
+    RANK = SLURM_PROCID, WORLD_SIZE = SLURM_STEP_NUM_TASKS, LOCAL_RANK = SLURM_LOCALID,
+    MASTER_ADDR = the first host of SLURM_STEP_NODELIST (else SLURM_JOB_NODELIST), MASTER_PORT =
+    20000 + a hash of (SLURM_JOB_ID, SLURM_RESTART_COUNT, SLURM_STEP_ID) modulo 12000 unless
+    MASTER_PORT is set: every task of the step computes the same port, a requeued attempt gets
+    another one than the attempt it replaces (whose sockets may linger), as does another step
+    of the job running beside it, neighbouring job ids do not collide, and the port stays below
+    Linux's ephemeral range (32768-60999). MASTER_ADDR, when set, is kept too.
+
+    srun sets SLURM_STEP_NUM_TASKS for every task it starts; the batch script has SLURM_PROCID=0
+    and the allocation's SLURM_NTASKS without it, and is no task of a step.
 
     Raises:
-        ValueError: naming the SLURM variables that are missing or not numbers, or a
-            SLURM_PROCID outside the step's task count.
+        ValueError: naming the SLURM variables that are missing or not numbers; in the batch
+            script of an allocation of several tasks (start the script with srun); for a
+            SLURM_PROCID outside the step's task count, a MASTER_PORT that is not a port, or
+            task 0 running elsewhere than on the first host (`srun --distribution=arbitrary`:
+            export MASTER_ADDR).
 
     Example:
-        >>> env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1",
-        ...        "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "4242"}
+        >>> env = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "1",
+        ...        "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "4242"}
         >>> slurm_env(env)["MASTER_ADDR"], slurm_env(env)["MASTER_PORT"]
-        ('gpu07', '35321')
+        ('gpu07', '23321')
     """
     env = os.environ if environ is None else environ
-    needed = ["SLURM_PROCID", "SLURM_LOCALID", "SLURM_JOB_ID"]
-    missing = [k for k in needed if not env.get(k, "").isdigit()]
-    world_var = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
-    world = env.get(world_var, "")
-    missing += [] if world.isdigit() else [world_var]
-    nodes = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST"))
-    missing += [] if nodes or "MASTER_ADDR" in env else ["SLURM_JOB_NODELIST"]
-    restart = env.get("SLURM_RESTART_COUNT", "0")
-    missing += [] if restart.isdigit() else ["SLURM_RESTART_COUNT"]
+    if "SLURM_STEP_NUM_TASKS" not in env:
+        _refuse_batch_script(env)
+    needed = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_JOB_ID", "SLURM_STEP_NUM_TASKS")
+    missing = [k for k in needed if not _is_count(env.get(k, ""))]
+    nodes_var = "SLURM_STEP_NODELIST" if "SLURM_STEP_NODELIST" in env else "SLURM_JOB_NODELIST"
+    missing += [] if env.get(nodes_var) or "MASTER_ADDR" in env else [nodes_var]
+    counts = {k: env.get(k, "0") for k in ("SLURM_RESTART_COUNT", "SLURM_STEP_ID")}
+    missing += [k for k, v in counts.items() if not _is_count(v)]
     if missing:
         raise ValueError(
             f"not an srun task: {', '.join(missing)} unset or not a number (srun sets them for "
             "each task it starts; run the script with srun, or with torchrun)"
         )
-    if not 0 <= int(env["SLURM_PROCID"]) < int(world):
+    rank, world = env["SLURM_PROCID"], env["SLURM_STEP_NUM_TASKS"]
+    if not int(rank) < int(world):
         raise ValueError(
-            f"SLURM_PROCID={env['SLURM_PROCID']} is outside {world_var}={world}: not a task of "
-            "this step"
+            f"SLURM_PROCID={rank} is outside SLURM_STEP_NUM_TASKS={world}: not a task of this step"
         )
-    # Job and attempt hashed together: consecutive job ids (an array on one head node) and
-    # their requeued attempts do not land on one port, as job + attempt did (1000+1 = 1001+0).
-    port = PORT_BASE + _mix(int(env["SLURM_JOB_ID"]), int(restart)) % PORT_SPAN
+    if "MASTER_PORT" in env:
+        _check_port(env["MASTER_PORT"])
+    # Job, attempt and step hashed together: consecutive job ids (an array on one head node),
+    # their requeued attempts and concurrent steps of one job do not land on one port.
+    restart, step = (int(v) for v in counts.values())
+    port = PORT_BASE + _mix(int(env["SLURM_JOB_ID"]), restart, step) % PORT_SPAN
     return {
-        "RANK": env["SLURM_PROCID"],
+        "RANK": rank,
         "WORLD_SIZE": world,
         "LOCAL_RANK": env["SLURM_LOCALID"],
-        "MASTER_ADDR": env.get("MASTER_ADDR") or expand_hostlist(nodes or "")[0],
-        "MASTER_PORT": env.get("MASTER_PORT") or str(port),
+        "MASTER_ADDR": env.get("MASTER_ADDR") or _head(env, nodes_var),
+        "MASTER_PORT": env.get("MASTER_PORT", str(port)),
     }
 
 
-def _mix(job: int, attempt: int) -> int:
-    """A fixed hash of (job, attempt): the same in every task, another for the next attempt."""
-    x = (job * 0x9E3779B97F4A7C15 + attempt * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+def _is_count(value: str) -> bool:
+    return re.fullmatch(r"[0-9]+", value) is not None
+
+
+def _head(env: Mapping[str, str], nodes_var: str) -> str:
+    """The first host of the step's node list, which is task 0's host unless the tasks were
+    placed otherwise (`srun -m arbitrary` with SLURM_HOSTFILE): task 0 checks."""
+    head = _first_host(env[nodes_var])
+    node = env.get("SLURMD_NODENAME")
+    if env["SLURM_PROCID"] == "0" and node and node != head:
+        raise ValueError(
+            f"task 0 runs on SLURMD_NODENAME={node}, not on {head}, the first host of "
+            f"{nodes_var}={env[nodes_var]}, which MASTER_ADDR would name (srun's --distribution "
+            f"placed it, e.g. arbitrary with SLURM_HOSTFILE): export MASTER_ADDR={node} (task "
+            "0's host) before srun"
+        )
+    return head
+
+
+def _check_port(value: str) -> None:
+    """Refuse a MASTER_PORT that is not an integer in 1..65535 (torch would fail later)."""
+    if not (_is_count(value) and 1 <= int(value) <= 65535):
+        raise ValueError(
+            f"MASTER_PORT={value!r} is not a port: set it to an integer in 1..65535, or unset "
+            "it (export_launcher_env then derives one from the job)"
+        )
+
+
+def _mix(job: int, attempt: int, step: int) -> int:
+    """A fixed hash of (job, attempt, step): the same in every task of a step, another for the
+    next attempt or another step."""
+    x = job * 0x9E3779B97F4A7C15 + attempt * 0xBF58476D1CE4E5B9 + step * 0xD6E8FEB86659FD93
+    x &= 2**64 - 1
     x ^= x >> 31
     return (x * 0x94D049BB133111EB & (2**64 - 1)) >> 29
+
+
+def _refuse_batch_script(environ: Mapping[str, str]) -> None:
+    """Refuse the batch script (or salloc shell) of an allocation of several tasks: no srun
+    task (SLURM_STEP_NUM_TASKS unset), so a training started there is one process, not the
+    SLURM_NTASKS ranks the allocation is for.
+
+    Raises:
+        ValueError: when SLURM_NTASKS > 1 (or is not a number) and SLURM_STEP_NUM_TASKS is unset.
+    """
+    ntasks = environ.get("SLURM_NTASKS", "1")
+    if "SLURM_STEP_NUM_TASKS" in environ or (_is_count(ntasks) and int(ntasks) <= 1):
+        return
+    raise ValueError(
+        f"this is the batch script of a SLURM allocation of SLURM_NTASKS={ntasks} tasks, not "
+        "a task that srun started (SLURM_STEP_NUM_TASKS is unset): it would train as one "
+        "process, or wait for the others until the timeout; start the script with srun "
+        "(`srun python train.py`), or with torchrun, or set WORLD_SIZE=1 if one process is "
+        "what you mean"
+    )
 
 
 def export_launcher_env(environ: MutableMapping[str, str] | None = None) -> str:
     """Set torch.distributed's launcher variables from the scheduler's, if no launcher did.
 
-    Returns which described the group: "launcher" when RANK, WORLD_SIZE, MASTER_ADDR and
-    MASTER_PORT were set already (torchrun, `accelerate launch`, Ray Train, a PyTorchJob pod;
-    nothing changes), "slurm" for an srun task (`slurm_env`, written into `environ`), "none"
-    otherwise (one process: `from_env` returns `SingleDevice`).
+    Returns which described the group: "launcher" when a launcher set them (torchrun,
+    `accelerate launch` and Ray Train by their markers TORCHELASTIC_RUN_ID and RAY_RAYLET_PID;
+    a PyTorchJob pod, or anything else that set all of RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT; nothing changes), "slurm" for an srun task (`slurm_env`, written into
+    `environ`), "none" otherwise (one process: `from_env` returns `SingleDevice`).
 
     Args:
         environ: the environment to read and change (default `os.environ`).
 
     Raises:
-        ValueError: as `slurm_env`; when some of the four are set already and differ from
-            what SLURM's say (a RANK exported in the batch script would have made every task
-            that rank). A LOCAL_RANK set already is kept (e.g. 0 with `--gpus-per-task=1`).
+        ValueError: as `slurm_env` (the batch script of several tasks included, unless
+            WORLD_SIZE is set); in an srun task, when RANK, WORLD_SIZE, MASTER_ADDR or
+            MASTER_PORT are set (all four included, unless by a launcher's marker) and differ
+            from what SLURM's say: exported in the batch script, RANK=$SLURM_PROCID is 0 in
+            every task. A LOCAL_RANK set already is kept (e.g. 0 with `--gpus-per-task=1`).
     """
     env = os.environ if environ is None else environ
-    if all(k in env for k in _LAUNCHER):
-        return "launcher"
+    if any(k in env for k in _LAUNCHER_MARKERS):  # a Ray worker without Ray Train: one process
+        return "launcher" if "WORLD_SIZE" in env else "none"
+    preset = all(k in env for k in _LAUNCHER)
+    if "SLURM_STEP_NUM_TASKS" not in env:  # no srun task: the batch script, or no SLURM
+        if "WORLD_SIZE" not in env:
+            _refuse_batch_script(env)
+        return "launcher" if preset else "none"
     if "SLURM_PROCID" not in env or "SLURM_JOB_ID" not in env:
-        return "none"
+        return "launcher" if preset else "none"
     derived = slurm_env(env)
+    _refuse_clash(env, derived)
+    if preset:
+        return "launcher"
+    env.update({k: v for k, v in derived.items() if not (k == "LOCAL_RANK" and k in env)})
+    return "slurm"
+
+
+def _refuse_clash(env: Mapping[str, str], derived: Mapping[str, str]) -> None:
     # LOCAL_RANK may differ: with --gpus-per-task=1 each task sees one GPU, and LOCAL_RANK=0
     # set in the batch script is how to say so.
     clash = [
@@ -169,8 +268,7 @@ def export_launcher_env(environ: MutableMapping[str, str] | None = None) -> str:
     if clash:
         raise ValueError(
             f"{', '.join(clash)} already set, differing from what this srun task's SLURM "
-            "variables say: unset them in the batch script (or set all four for a launcher "
-            "of your own)"
+            "variables say (exported in the batch script, they are the same in every task): "
+            "unset them there and let export_launcher_env set them per task, or start the "
+            "processes with torchrun"
         )
-    env.update({k: v for k, v in derived.items() if not (k == "LOCAL_RANK" and k in env)})
-    return "slurm"

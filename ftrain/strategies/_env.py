@@ -49,9 +49,11 @@ def from_env(
 
     Raises:
         ValueError: for an unknown `kind` or a non-positive timeout; WORLD_SIZE or RANK that
-            are not integers, a world below 1 or a rank outside it; a srun step of several
-            tasks without WORLD_SIZE (each would train alone: call
-            `ftrain.extras.cluster.export_launcher_env()` first).
+            are not integers, a world below 1 or a rank outside it; without WORLD_SIZE, a srun
+            step of several tasks (each would train alone: call
+            `ftrain.extras.cluster.export_launcher_env()` first), the batch script of an
+            allocation of several tasks (start it with srun), a pod with PET_NNODES above 1 or
+            JOB_COMPLETION_INDEX (start it with torchrun).
         TypeError: for a keyword `SingleDevice` cannot honour in a one-process run.
     """
     if kind not in _KINDS:
@@ -82,11 +84,14 @@ def _env_int(name: str, default: int) -> int:
 
 
 def _world_size() -> int:
-    """WORLD_SIZE as the launcher set it (1 when unset), checked against RANK and srun's step.
+    """WORLD_SIZE as the launcher set it (1 when unset), checked against RANK and the scheduler.
 
-    A srun step of several tasks without RANK/WORLD_SIZE (no `export_launcher_env()`, or a
-    script never written for SLURM) would run every task as a one-process training of its own,
-    all writing to the same run folder: that raises.
+    Without WORLD_SIZE, a process that the scheduler meant as one rank of several would run a
+    one-process training of its own, all of them writing to the same run folder: a srun task
+    of several (no `export_launcher_env()`, or a script never written for SLURM), the batch
+    script of an allocation of several tasks (srun never started), a pod with torchrun's PET_*
+    arguments or a JobSet's index whose command is `python`, not torchrun. Those raise; a Ray
+    worker (RAY_RAYLET_PID) is none of them, whatever SLURM variables its raylet passed on.
     """
     world = _env_int("WORLD_SIZE", 1)
     if world < 1:
@@ -94,16 +99,51 @@ def _world_size() -> int:
     rank = _env_int("RANK", 0)
     if not 0 <= rank < world:
         raise ValueError(f"RANK={rank} in the environment is outside WORLD_SIZE={world}")
+    if "WORLD_SIZE" not in os.environ and "RAY_RAYLET_PID" not in os.environ:
+        _refuse_lone_slurm_task()
+        _refuse_lone_pod()
+    return world
+
+
+_ALONE = "or set WORLD_SIZE=1 if independent one-process runs are what you mean"
+
+
+def _refuse_lone_slurm_task() -> None:
+    if "SLURM_STEP_NUM_TASKS" not in os.environ:  # srun sets it in every task it starts
+        tasks = _env_int("SLURM_NTASKS", 1)
+        if tasks > 1:
+            raise ValueError(
+                f"this is the batch script of a SLURM allocation of SLURM_NTASKS={tasks} tasks "
+                "(SLURM_STEP_NUM_TASKS is unset: srun did not start this process), so it would "
+                "train as one process: start the script with srun (`srun python train.py`, "
+                f"calling ftrain.extras.cluster.export_launcher_env() first) or torchrun, {_ALONE}"
+            )
+        return
     tasks = _env_int("SLURM_STEP_NUM_TASKS", 1) if "SLURM_PROCID" in os.environ else 1
-    if world == 1 and "WORLD_SIZE" not in os.environ and tasks > 1:
+    if tasks > 1:
         raise ValueError(
             f"this is task {os.environ['SLURM_PROCID']} of a srun step of "
             f"SLURM_STEP_NUM_TASKS={tasks}, but WORLD_SIZE is unset: each task would train "
             "alone; call ftrain.extras.cluster.export_launcher_env() first (it sets RANK, "
-            "WORLD_SIZE, MASTER_ADDR/PORT from SLURM's variables), or set WORLD_SIZE=1 if "
-            "independent one-process runs are what you mean"
+            f"WORLD_SIZE, MASTER_ADDR/PORT from SLURM's variables), {_ALONE}"
         )
-    return world
+
+
+def _refuse_lone_pod() -> None:
+    """A pod of a multi-node job whose command is `python`: PET_NNODES (torchrun's --nnodes,
+    "N" or "MIN:MAX") above 1, or JOB_COMPLETION_INDEX (a JobSet's or Indexed Job's pod)."""
+    found = [k for k in ("PET_NNODES", "JOB_COMPLETION_INDEX") if k in os.environ]
+    nodes = os.environ.get("PET_NNODES", "").rpartition(":")[2]  # the most nodes
+    if nodes.isascii() and nodes.isdigit() and int(nodes) <= 1:
+        found.remove("PET_NNODES")  # one node: `python` is what torchrun would start once
+    if found:
+        names = ", ".join(f"{k}={os.environ[k]}" for k in found)
+        raise ValueError(
+            f"this pod has {names} but WORLD_SIZE is unset: it is one of several pods, "
+            "started with `python`, not torchrun (which reads PET_* as its arguments and sets "
+            "WORLD_SIZE), so it would train alone; start the command with "
+            f"`torchrun --nproc-per-node=N train.py`, {_ALONE}"
+        )
 
 
 _KINDS: Mapping[str, type[DDP | FSDP | TP]] = MappingProxyType({"ddp": DDP, "fsdp": FSDP, "tp": TP})

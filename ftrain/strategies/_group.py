@@ -85,6 +85,7 @@ def join_group(name: str, *, timeout: timedelta | None = None) -> bool:
 
     Raises:
         RuntimeError: outside a launcher, naming the missing variables and how to launch.
+        ValueError: for a MASTER_PORT that is not an integer in 1..65535.
     """
     if dist.is_initialized():
         return False
@@ -96,6 +97,7 @@ def join_group(name: str, *, timeout: timedelta | None = None) -> bool:
             f"`torchrun --nproc_per_node N script.py` or `accelerate launch --num_processes N "
             f"script.py`; in one process use ft.strategies.from_env(), which returns SingleDevice"
         )
+    _check_master_port()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     timeout = collective_timeout(timeout)
     store = _attempt_store(timeout)
@@ -105,6 +107,17 @@ def join_group(name: str, *, timeout: timedelta | None = None) -> bool:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return True
+
+
+def _check_master_port() -> None:
+    port = os.environ["MASTER_PORT"]
+    # torch takes "0" as any free port (rank 0's own, which no other rank can know: they wait
+    # out the timeout) and refuses "70000" or "29500.0" without naming the variable.
+    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(
+            f"MASTER_PORT={port!r} in the environment is not a port: set it to an integer in "
+            "1..65535 (the same on every rank)"
+        )
 
 
 def _attempt_store(timeout: timedelta) -> dist.Store | None:
