@@ -208,3 +208,26 @@ def test_batches_generation_would_misread_are_refused():
         next(ft.generate(state, [packed], max_new_tokens=2))
     with pytest.raises(TypeError, match="dict batches with 'input_ids'"):
         next(ft.generate(state, [torch.ones(2, 3, dtype=torch.long)], max_new_tokens=2))
+
+
+def test_prompts_holding_the_pad_id_need_their_attention_mask():
+    """A padded batch without attention_mask was generated from with a mask of ones: every pad
+    token was prompt text (HF infers the mask; ft.generate passed ones), silently."""
+    state = ft.TrainState.create(W.model(), ft.optim.sgd())
+    kw = dict(max_new_tokens=3, eos_token_id=None, pad_token_id=0)
+    for ids, rows in [
+        ([[5, 6, 7, 0], [9, 10, 11, 12]], r"\[0\]"),
+        ([[5, 6, 7, 8], [0, 5, 6, 7]], r"\[1\]"),
+    ]:
+        batch = {"input_ids": torch.tensor(ids)}
+        with pytest.raises(ValueError, match=rf"pad id 0 \(rows {rows}\) but no attention_mask"):
+            next(ft.generate(state, [batch], **kw))
+    t5 = ft.TrainState.create(tiny_t5(), ft.optim.sgd())  # the encoder's input: same rule
+    with pytest.raises(ValueError, match="but no attention_mask"):
+        next(ft.generate(t5, [{"input_ids": torch.tensor([[5, 6, 0]])}], **kw))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    (plain,) = ft.generate(state, [{"input_ids": ids}], **kw)  # no pad id: no mask needed
+    (masked,) = ft.generate(state, _prompt_batches([{"input_ids": [5, 6, 7, 8]}]), **kw)
+    assert plain["token_ids"] == masked["token_ids"]
+    with pytest.raises(ValueError, match=r"pad id 0 \(rows \[1\]\) but no attention_mask"):
+        ft.generation.left_pad(torch.tensor([[1, 2], [3, 0]]), None, pad_id=0)

@@ -187,7 +187,7 @@ def test_temperature_follows_the_rollout(state):
     )
     assert r.temperature == 0.7
     n = r.completion_ids.shape[0]
-    ref = W.model()
+    ref = W.model().requires_grad_(False)
     (batch,) = ft.rl.rollout_batches([r], [torch.zeros(n)], reference=ref)
     assert batch["temperature"] == 0.7
     with torch.no_grad():

@@ -40,7 +40,15 @@ def left_pad(
     input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *, pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Move each row's tokens (where `attention_mask` is 1) to the right end, as generation
-    wants: new tokens then follow every prompt directly. Works on the device, no host sync.
+    wants: new tokens then follow every prompt directly. Works on the device, no host sync
+    with a mask; without one every token is prompt text, and one check (a host sync) refuses
+    `input_ids` that hold `pad_id`.
+
+    Raises:
+        ValueError: without `attention_mask`, for `input_ids` holding `pad_id` anywhere: padded
+            prompts would be read as prompt text, pad tokens included. It is not inferred
+            from `pad_id` (which can be a real token, e.g. an eos inside a chat prompt): pass
+            the attention_mask.
 
     Example:
         >>> import torch
@@ -51,12 +59,24 @@ def left_pad(
         ([[0, 5, 6], [0, 0, 7]], [[0, 1, 1], [0, 0, 1]])
     """
     if attention_mask is None:
+        _check_unmasked(input_ids, pad_id)
         return input_ids, torch.ones_like(input_ids)
     # A stable sort of the mask puts the padding first and keeps the tokens in order.
     order = torch.argsort(attention_mask.to(torch.int8), dim=1, stable=True)
     mask = attention_mask.gather(1, order)
     ids = torch.where(mask.bool(), input_ids.gather(1, order), pad_id)
     return ids, mask
+
+
+def _check_unmasked(input_ids: torch.Tensor, pad_id: int) -> None:
+    rows = (input_ids == pad_id).any(1).nonzero().view(-1).tolist()  # host sync, once per batch
+    if rows:
+        raise ValueError(
+            f"the prompts' input_ids hold the pad id {pad_id} (rows {rows}) but no "
+            "attention_mask was given, so every pad token would be read as prompt text: pass "
+            "the batch's attention_mask (1 on prompt tokens, 0 on padding), all ones where "
+            "the pad id is a real token of the prompt"
+        )
 
 
 def _setting(model: nn.Module, kwargs: Mapping[str, Any], name: str) -> Any:
@@ -135,7 +155,8 @@ def generate(
             batch is not a dict with `input_ids`.
         ValueError: if no pad token id is known; for a decoder-only model, for `max_length`
             or `min_length` as above; for a batch holding inputs generation would leave out,
-            or (decoder-only) prompts that hold their labels.
+            (decoder-only) prompts that hold their labels, or `input_ids` holding the pad id
+            without an `attention_mask` (padding read as prompt text; see `left_pad`).
     """
     strategy = state.strategy if strategy is None else strategy
     model = strategy.unwrap(state.model)
@@ -232,7 +253,9 @@ def _new_tokens(
     decoder's, which starts with the decoder start token."""
     if enc_dec:
         ids, mask = batch["input_ids"], batch.get("attention_mask")
-        mask = torch.ones_like(ids) if mask is None else mask
+        if mask is None:
+            _check_unmasked(ids, pad_id)  # the encoder would attend to the padding
+            mask = torch.ones_like(ids)
         out = generate_fn(input_ids=ids, attention_mask=mask, **kwargs)
         return getattr(out, "sequences", out)[:, 1:]
     ids, mask = left_pad(batch["input_ids"], batch.get("attention_mask"), pad_id=pad_id)

@@ -231,6 +231,41 @@ def _check_max_len(max_completion_length: int | None) -> None:
         )
 
 
+def _check_width(width: int, max_completion_length: int) -> None:
+    if width > max_completion_length:
+        raise ValueError(
+            f"loss_type='dr_grpo': completions are {width} tokens wide, more than "
+            f"max_completion_length={max_completion_length}; pass the max_new_tokens the "
+            "rollouts were sampled with"
+        )
+
+
+def _max_len(batch: Mapping[str, Any], given: int | None, width: int) -> int:
+    """`dr_grpo`'s divisor: the batch's `max_new_tokens` (its rollout's, which
+    `rollout_batches` puts there), which a `max_completion_length` given to `policy_loss` must
+    equal: another value rescales the loss and its gradient by `max_new_tokens / given`."""
+    own = batch.get("max_new_tokens")
+    if own is not None and not (_is_int(own) and own >= 1):
+        raise ValueError(f"the batch's max_new_tokens must be an int >= 1, got {own!r}")
+    if given is None:
+        if own is None:
+            raise ValueError(
+                "loss_type='dr_grpo' needs max_completion_length=... (the max_new_tokens the "
+                "rollouts were sampled with): this batch does not record it (rollout_batches "
+                "puts a Rollout's there)"
+            )
+        return int(own)
+    _check_width(width, given)
+    if own is not None and own != given:
+        raise ValueError(
+            f"policy_loss(max_completion_length={given!r}) differs from the batch's "
+            f"max_new_tokens {own!r}, the cap its rollout was sampled with: dr_grpo would "
+            f"scale the loss and its gradient by {own}/{given}; leave max_completion_length="
+            "None (the batch's), or sample with max_new_tokens equal to it"
+        )
+    return given
+
+
 def reduce_loss(
     per_token: torch.Tensor,
     mask: torch.Tensor,
@@ -258,12 +293,7 @@ def reduce_loss(
     if loss_type == "dr_grpo":
         _check_max_len(max_completion_length)
         assert max_completion_length is not None
-        if per_token.shape[-1] > max_completion_length:
-            raise ValueError(
-                f"loss_type='dr_grpo': completions are {per_token.shape[-1]} tokens wide, more "
-                f"than max_completion_length={max_completion_length}; pass the max_new_tokens "
-                "the rollouts were sampled with"
-            )
+        _check_width(per_token.shape[-1], max_completion_length)
     m = mask.to(per_token.dtype)
     total = (per_token * m).sum()
     rows = torch.tensor(per_token.shape[0], device=per_token.device)
@@ -298,18 +328,22 @@ def policy_loss(
     must equal the batch's. The batch is what `rollout_batches`
     builds: prompt and completion ids and masks, `advantages`, `old_logps` (absent: the
     current log-probs detached, ratio 1, as TRL when `num_iterations=1`) and, with `beta > 0`,
-    `ref_logps`. Defaults are `GRPOConfig`'s.
+    `ref_logps`. `dr_grpo` divides by `max_completion_length`, by default the batch's
+    `max_new_tokens` (its rollout's, as TRL uses one `max_completion_length` for sampling and
+    the loss); a value given here must equal it. Defaults are `GRPOConfig`'s.
 
     Raises:
-        ValueError: for an unknown `loss_type`, `dr_grpo` without `max_completion_length` (or,
-            when the loss runs, with completions wider than it), a `beta`, `epsilon` or
+        ValueError: for an unknown `loss_type`; with `dr_grpo`, a `max_completion_length` that
+            is not None or an int >= 1 (or, when the loss runs, is smaller than the
+            completions' width, differs from the batch's `max_new_tokens`, or is None in a
+            batch without one); a `beta`, `epsilon` or
             `epsilon_high` that is not a finite number >= 0, a `delta` that is not a finite
             number > 1, a `temperature` that is not a finite number > 0 (or, when the loss
             runs, differs from the batch's), a `bias_correction_kl` that is not a bool.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-    if loss_type == "dr_grpo":
+    if loss_type == "dr_grpo" and max_completion_length is not None:
         _check_max_len(max_completion_length)
     if not (_is_finite(beta) and beta >= 0):
         raise ValueError(f"beta must be a finite number >= 0, got {beta!r}")
@@ -336,11 +370,11 @@ def policy_loss(
             per_token = per_token + beta * (
                 kl * torch.exp(logps - old) if bias_correction_kl else kl
             )
+        length = max_completion_length
+        if loss_type == "dr_grpo":
+            length = _max_len(batch, max_completion_length, per_token.shape[-1])
         return reduce_loss(
-            per_token,
-            batch["completion_mask"],
-            loss_type=loss_type,
-            max_completion_length=max_completion_length,
+            per_token, batch["completion_mask"], loss_type=loss_type, max_completion_length=length
         )
 
     return loss_fn

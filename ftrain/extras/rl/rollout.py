@@ -24,6 +24,7 @@ from ftrain.data import MicroBatches
 from ftrain.eval import eval_mode
 from ftrain.extras.generation import left_pad
 from ftrain.losses import upcast
+from ftrain.precision import Precision
 from ftrain.rng import dropout_seed
 from ftrain.state import TrainState
 from ftrain.strategies import Strategy
@@ -46,7 +47,12 @@ class Rollout:
     hit `max_new_tokens` before a stop token (mask them for TRL's
     `mask_truncated_completions`); `completion_index`: each row's completion number, which
     seeded it; `temperature`: the one `logps` are at, which `rollout_batches` passes on so
-    that `policy_loss` and the reference's log-probs use the same (TRL's one `temperature`).
+    that `policy_loss` and the reference's log-probs use the same (TRL's one `temperature`);
+    `max_new_tokens`: the cap it was sampled with, `dr_grpo`'s default
+    `max_completion_length` (TRL's one `max_completion_length`; None: not recorded);
+    `precision`: the sampling strategy's, whose autocast `rollout_batches` runs the reference
+    under so that old, reference and new log-probs are computed alike (None: full precision).
+    Rollouts made before these two fields existed load with None (what they were used with).
     """
 
     prompt_ids: torch.Tensor
@@ -57,6 +63,8 @@ class Rollout:
     truncated: torch.Tensor
     completion_index: torch.Tensor
     temperature: float = 1.0
+    max_new_tokens: int | None = None
+    precision: Precision | None = None
 
 
 def sample_seed(seed: int, step: int, completion: int) -> int:
@@ -240,7 +248,8 @@ def sample(
 
     Args:
         state: whose model, `seed` and `step` sample (not consumed).
-        prompts: `input_ids` and optionally `attention_mask`, padded on either side.
+        prompts: `input_ids` and `attention_mask`, padded on either side; the mask may be
+            left out only when no row holds the pad id.
         index: one global number per prompt.
         num_generations: completions per prompt (TRL's `num_generations`).
         max_new_tokens: TRL's `max_completion_length`.
@@ -258,7 +267,8 @@ def sample(
         ValueError: for a bad sampling argument; an `index` of the wrong length, not of
             ints, negative or with repeats; an `attention_mask` of another shape than
             `input_ids`; zero-length prompts or prompt rows that are all padding; no pad id;
-            logits that are not finite (NaN or inf) at a sampled token.
+            prompts holding the pad id without an `attention_mask`; logits that are not finite
+            (NaN or inf) at a sampled token.
     """
     _check_sampling(temperature, top_k, top_p, max_new_tokens)
     if not (_is_int(num_generations) and num_generations >= 1):
@@ -305,6 +315,8 @@ def sample(
         truncated=~is_stop.any(1),
         completion_index=torch.tensor(completions, device=ids.device),
         temperature=float(temperature),
+        max_new_tokens=int(max_new_tokens),
+        precision=strategy.precision,
     )
 
 
@@ -393,9 +405,28 @@ def token_logps(
 
 
 def _check_reference(reference: nn.Module) -> None:
-    """Refuse a reference that runs adapters being trained: `model.get_base_model()` of a
-    LoRA policy still runs the policy's adapters, so its "reference" log-probs would be the
-    sampling policy's (a KL to the last step, not to the base), silently."""
+    """Refuse a reference whose forward runs parameters being trained: its "reference"
+    log-probs would be the policy's (a KL to the current policy, always 0), silently.
+
+    `reference=state.model` is the policy; `model.get_base_model()` of a LoRA policy still runs
+    the policy's adapters. Adapters switched off (`with model.disable_adapter():`, the
+    documented LoRA reference) do not run, so their parameters are not counted."""
+    _check_adapters(reference)
+    idle = _idle_adapter_params(reference)
+    live = [n for n, p in reference.named_parameters() if p.requires_grad and id(p) not in idle]
+    if live:
+        raise ValueError(
+            f"rollout_batches(reference=...) has {len(live)} parameter(s) that require grad "
+            f"(e.g. {live[0]!r}): a reference must be frozen, and one that is (or shares "
+            "parameters with) the policy computes the policy's own log-probs, so the KL "
+            "measures nothing. Pass a frozen copy made before training "
+            "(copy.deepcopy(model).eval().requires_grad_(False)), or, with LoRA, call "
+            "rollout_batches(..., reference=model) inside `with model.disable_adapter():`"
+        )
+
+
+def _check_adapters(reference: nn.Module) -> None:
+    """The LoRA case by name: a live PEFT adapter layer with trainable weights."""
     tuners = sys.modules.get("peft.tuners.tuners_utils")  # no PEFT layers unless peft is loaded
     if tuners is None:
         return
@@ -413,6 +444,29 @@ def _check_reference(reference: nn.Module) -> None:
             )
 
 
+# What a switched-off PEFT module still runs: its wrapped layer (a tuner layer's) or the
+# original module (a `modules_to_save` wrapper's); its adapters' own parameters sit idle.
+_RUN_WHEN_OFF = ("base_layer", "original_module")
+
+
+def _idle_adapter_params(reference: nn.Module) -> set[int]:
+    """Ids of the parameters of switched-off PEFT adapters (`disable_adapter()`), which the
+    forward does not run: tuner layers and `modules_to_save` wrappers report
+    `disable_adapters`, a prompt-learning model swaps its forward for the base model's."""
+    idle: set[int] = set()
+    for module in reference.modules():
+        if getattr(module, "disable_adapters", False) is True:
+            idle |= {
+                id(p)
+                for n, p in module.named_parameters()
+                if n.split(".", 1)[0] not in _RUN_WHEN_OFF
+            }
+    encoder = getattr(reference, "prompt_encoder", None)
+    if getattr(reference, "_adapters_disabled", False) is True and isinstance(encoder, nn.Module):
+        idle |= {id(p) for p in encoder.parameters()}
+    return idle
+
+
 def rollout_batches(
     rollouts: Sequence[Rollout],
     advantages: Sequence[torch.Tensor],
@@ -426,12 +480,15 @@ def rollout_batches(
 
     Each holds the rollout's prompt and completion tensors, its `advantages` (one per row),
     `old_logps` (the sampling policy's, `Rollout.logps`) and, with a `reference` model,
-    `ref_logps` computed here without gradients, and `temperature` (the rollout's, a float)
-    for `policy_loss`. `prompts` (the `make_batches` group the rollouts were sampled from, one
+    `ref_logps` computed here without gradients under the autocast the rollout was sampled
+    with (its `precision`), and `temperature` and `max_new_tokens` (the rollout's) for
+    `policy_loss`. `prompts` (the `make_batches` group the rollouts were sampled from, one
     rollout per micro-batch) gives the data position that `clip_and_step` records, so `len`
     and position match the prompts consumed.
 
     Args:
+        reference: a frozen model (no parameter requires grad), e.g. a copy of the policy made
+            before training, or a LoRA policy inside `with model.disable_adapter():`.
         advantages: per rollout, shape `(N,)` (one per row) or `(N, T)` (one per completion
             token), finite.
         temperature: of the reference's log-probs; None (the default) takes each rollout's
@@ -444,8 +501,8 @@ def rollout_batches(
     Raises:
         ValueError: for counts that differ, `advantages` of another shape or not finite, a
             `mask_truncated` that is not a bool, a `temperature` other than a rollout's, a
-            `reference` that runs trainable LoRA adapters (the base of a LoRA policy: its
-            log-probs would be the policy's).
+            `reference` with parameters that require grad (the policy itself, or the base of a
+            LoRA policy, which runs its adapters: its log-probs would be the policy's).
     """
     if temperature is not None:
         _check_warp(temperature, None, 1.0)
@@ -492,8 +549,14 @@ def rollout_batches(
             # for Stats' token count: prompt and completion tokens
             "attention_mask": torch.cat([r.prompt_mask, keep], 1),
         }
+        if r.max_new_tokens is not None:
+            batch["max_new_tokens"] = r.max_new_tokens  # dr_grpo's max_completion_length
         if reference is not None:
-            with eval_mode(reference), torch.no_grad():
+            # under the sampling autocast, as old_logps were (and the loss's forward is): in
+            # bf16 a reference equal to the policy then gives a KL of exactly 0
+            precision = Precision() if r.precision is None else r.precision
+            autocast = precision.autocast(r.logps.device)
+            with eval_mode(reference), torch.no_grad(), autocast:
                 batch["ref_logps"] = token_logps(reference, batch, temperature=r.temperature)
         out.append(batch)
     return MicroBatches(tuple(out), None if prompts is None else prompts.position)
