@@ -24,7 +24,8 @@ BATCH = {"SLURM_JOB_ID": "200505", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "S
          "SLURM_JOB_NODELIST": "gnode[10,20,25,37]", "SLURMD_NODENAME": "gnode10"}  # fmt: skip
 # Everything from_env or export_launcher_env reads to tell who started the process.
 READ = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-        "RAY_RAYLET_PID", "PET_NNODES", "JOB_COMPLETION_INDEX", *TASK, *BATCH)  # fmt: skip
+        "RAY_RAYLET_PID", "PET_NNODES", "PET_MASTER_ADDR", "JOB_COMPLETION_INDEX", *TASK,
+        *BATCH)  # fmt: skip
 
 
 @pytest.fixture
@@ -46,7 +47,7 @@ def environ(monkeypatch):
 def test_the_batch_script_of_several_tasks_is_refused_not_taken_for_task_0(environ):
     """It has SLURM_PROCID=0 and SLURM_NTASKS=4: WORLD_SIZE=4 waited out the store timeout
     (export_launcher_env), and from_env trained one process silently."""
-    message = "batch script of a SLURM allocation of SLURM_NTASKS=4 tasks"
+    message = r"batch script \(or salloc shell\) of a SLURM allocation of SLURM_NTASKS=4 tasks"
     for call in (export_launcher_env, slurm_env):
         env = dict(BATCH)
         with pytest.raises(ValueError, match=message) as err:
@@ -221,7 +222,8 @@ def test_the_first_host_is_the_first_of_the_expanded_list():
     [
         ({"PET_NNODES": "4", "PET_NODE_RANK": "2", "PET_MASTER_ADDR": "job-0"}, "PET_NNODES=4"),
         ({"PET_NNODES": "2:4"}, "PET_NNODES=2:4"),
-        ({"JOB_COMPLETION_INDEX": "3"}, "JOB_COMPLETION_INDEX=3"),
+        ({"JOB_COMPLETION_INDEX": "3", "MASTER_ADDR": "job-0.svc"}, "JOB_COMPLETION_INDEX=3"),
+        ({"JOB_COMPLETION_INDEX": "3", "PET_MASTER_ADDR": "job-0.svc"}, "JOB_COMPLETION_INDEX=3"),
         ({"JOB_COMPLETION_INDEX": "3", "PET_NNODES": "4"}, "PET_NNODES=4, JOB_COMPLETION_INDEX=3"),
     ],
 )
@@ -237,4 +239,12 @@ def test_a_one_node_pod_or_world_size_1_is_one_process(environ):
     environ({"PET_NNODES": "1", "PET_NPROC_PER_NODE": "1"})
     assert isinstance(ft.strategies.from_env("ddp"), ft.strategies.SingleDevice)
     environ({"JOB_COMPLETION_INDEX": "3", "WORLD_SIZE": "1"})  # independent pods, said so
+    assert isinstance(ft.strategies.from_env("ddp"), ft.strategies.SingleDevice)
+
+
+def test_an_indexed_jobs_pod_without_a_rendezvous_address_is_a_sweeps_one_process(environ):
+    """An Indexed Job is a sweep of independent runs as often as one training: its index
+    alone, with no MASTER_ADDR / PET_MASTER_ADDR / PET_NNODES, is one process."""
+    environ({"JOB_COMPLETION_INDEX": "3"})
+    assert export_launcher_env() == "none"
     assert isinstance(ft.strategies.from_env("ddp"), ft.strategies.SingleDevice)

@@ -212,11 +212,11 @@ def _refuse_batch_script(environ: Mapping[str, str]) -> None:
     if "SLURM_STEP_NUM_TASKS" in environ or (_is_count(ntasks) and int(ntasks) <= 1):
         return
     raise ValueError(
-        f"this is the batch script of a SLURM allocation of SLURM_NTASKS={ntasks} tasks, not "
-        "a task that srun started (SLURM_STEP_NUM_TASKS is unset): it would train as one "
-        "process, or wait for the others until the timeout; start the script with srun "
-        "(`srun python train.py`), or with torchrun, or set WORLD_SIZE=1 if one process is "
-        "what you mean"
+        "this is the batch script (or salloc shell) of a SLURM allocation of "
+        f"SLURM_NTASKS={ntasks} tasks, not a task that srun started (SLURM_STEP_NUM_TASKS is "
+        "unset): it would train as one process, or wait for the others until the timeout; "
+        "start the script with srun (`srun python train.py`), or with torchrun, or set "
+        "WORLD_SIZE=1 if one process is what you mean"
     )
 
 

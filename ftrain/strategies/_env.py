@@ -113,7 +113,8 @@ def _refuse_lone_slurm_task() -> None:
         tasks = _env_int("SLURM_NTASKS", 1)
         if tasks > 1:
             raise ValueError(
-                f"this is the batch script of a SLURM allocation of SLURM_NTASKS={tasks} tasks "
+                "this is the batch script (or salloc shell) of a SLURM allocation of "
+                f"SLURM_NTASKS={tasks} tasks "
                 "(SLURM_STEP_NUM_TASKS is unset: srun did not start this process), so it would "
                 "train as one process: start the script with srun (`srun python train.py`, "
                 f"calling ftrain.extras.cluster.export_launcher_env() first) or torchrun, {_ALONE}"
@@ -131,11 +132,17 @@ def _refuse_lone_slurm_task() -> None:
 
 def _refuse_lone_pod() -> None:
     """A pod of a multi-node job whose command is `python`: PET_NNODES (torchrun's --nnodes,
-    "N" or "MIN:MAX") above 1, or JOB_COMPLETION_INDEX (a JobSet's or Indexed Job's pod)."""
+    "N" or "MIN:MAX") above 1, or JOB_COMPLETION_INDEX (a JobSet's or Indexed Job's pod) with a
+    rendezvous address (MASTER_ADDR or PET_MASTER_ADDR): without one, a sweep's pod."""
     found = [k for k in ("PET_NNODES", "JOB_COMPLETION_INDEX") if k in os.environ]
     nodes = os.environ.get("PET_NNODES", "").rpartition(":")[2]  # the most nodes
     if nodes.isascii() and nodes.isdigit() and int(nodes) <= 1:
         found.remove("PET_NNODES")  # one node: `python` is what torchrun would start once
+    # An Indexed Job's pods are a sweep of independent runs as often as one training: only a
+    # rendezvous address (or torchrun's node count) makes them one.
+    group = {"MASTER_ADDR", "PET_MASTER_ADDR", "PET_NNODES"} & (set(found) | os.environ.keys())
+    if "JOB_COMPLETION_INDEX" in found and not group:
+        found.remove("JOB_COMPLETION_INDEX")
     if found:
         names = ", ".join(f"{k}={os.environ[k]}" for k in found)
         raise ValueError(
