@@ -113,13 +113,14 @@ def model_inputs(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
         )
     if "position_ids" in inputs and not _masked(batch):
         base = _base_model(model)
-        kind = getattr(getattr(base, "config", None), "model_type", None)
-        if kind in _PACKING_LEAKS:
+        kind = _packing_leak(getattr(base, "config", None))
+        if kind is not None:
             raise ValueError(
                 "the batch holds position_ids and no attention_mask (packed rows, as "
                 f"ft.sft.packed_collate gives them), but {type(base).__name__} (model_type "
-                f"{kind!r}) builds its attention from the mask alone: the examples of a packed "
-                "row would attend to each other. Pad the examples instead of packing them "
+                f"{kind!r}) does not keep them apart (its attention mask ignores position_ids, "
+                "or recurrent layers carry state from one example into the next). Pad the "
+                "examples instead of packing them "
                 "(ft.sft.SFTCollator, ft.pad_collate), or pass an attention_mask for unpacked rows"
             )
     if len(inputs) + ("labels" in batch) != len(batch):
@@ -150,6 +151,16 @@ _PACKING_LEAKS = frozenset({
     "rembert", "roberta", "roberta-prelayernorm", "roc_bert", "xglm", "xlm", "xlm-roberta",
     "xlm-roberta-xl", "zaya",
 })  # fmt: skip
+
+
+def _packing_leak(config: Any) -> str | None:
+    """The model type (the model's, or its text model's in a composite such as a VLM) that
+    `_PACKING_LEAKS` lists, if any."""
+    kinds = [getattr(config, "model_type", None)]
+    text_config = getattr(config, "get_text_config", None)
+    if callable(text_config):
+        kinds.append(getattr(text_config(), "model_type", None))
+    return next((k for k in kinds if k in _PACKING_LEAKS), None)
 
 
 def _masked(batch: Mapping[str, Any]) -> bool:

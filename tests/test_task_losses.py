@@ -318,7 +318,7 @@ def test_packed_rows_for_a_model_that_ignores_their_boundaries_raise(model_type,
     assert same is not leaks  # the model does what the check says of it
     loss = ft.losses.causal_lm_loss()
     if leaks:
-        with pytest.raises(ValueError, match=rf"model_type '{model_type}'\) builds its attention"):
+        with pytest.raises(ValueError, match=rf"model_type '{model_type}'\) does not keep"):
             loss(model, packed)
         loss(model, ft.pad_collate(pad_id=0)(rows))  # padded rows, with a mask: fine
     else:
@@ -331,3 +331,37 @@ def test_every_model_type_refused_for_packed_rows_is_one_transformers_knows():
     from ftrain.losses import _PACKING_LEAKS
 
     assert not _PACKING_LEAKS - CONFIG_MAPPING_NAMES.keys()
+
+
+def test_packed_rows_for_a_vlm_whose_text_model_ignores_their_boundaries_raise():
+    """Qwen3.5's VLM class has model_type "qwen3_5"; its text model ("qwen3_5_text", linear
+    attention) carries state across a packed row's examples: the check reads the text config."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    cfg = AutoConfig.for_model("qwen3_5")
+    text = dict(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, vocab_size=64, max_position_embeddings=64, head_dim=8,
+        pad_token_id=0, use_cache=False, linear_num_value_heads=2, linear_num_key_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=8,
+        layer_types=["linear_attention", "full_attention"],
+    )  # fmt: skip
+    for key, value in text.items():
+        setattr(cfg.text_config, key, value)
+    vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=32)
+    for key, value in vision.items():
+        setattr(cfg.vision_config, key, value)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(cfg).eval()
+    assert model.config.model_type == "qwen3_5"
+    rows = [
+        {"input_ids": [5, 6, 7, 8], "labels": [5, 6, 7, 8]},
+        {"input_ids": [9, 10, 11], "labels": [9, 10, 11]},
+    ]
+    packed = ft.sft.packed_collate(pad_id=0)(ft.data.pack_examples(rows, max_length=8))
+    with torch.no_grad():
+        second = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"]).logits
+        by_itself = model(input_ids=torch.tensor([[9, 10, 11]])).logits
+    assert not torch.allclose(second[0, 4:7], by_itself[0], atol=1e-4)  # it does leak
+    with pytest.raises(ValueError, match=r"model_type 'qwen3_5_text'\) does not keep them apart"):
+        ft.losses.causal_lm_loss()(model, packed)
