@@ -218,6 +218,10 @@ def clip_and_step(
             opt_state = state.optimizer.update(
                 applied, state.opt_state, params, lr=float(lr), step=state.step, found_inf=found_inf
             )
+    # The shards changed in place: whole copies that a forward without a backward gathered
+    # (an evaluation between accumulate_grads and this step; FSDP2 keeps the root's) go, or
+    # the next forward computes with the weights from before the step.
+    strategy.drop_gathered(state.model)
     if donate:
         _release(grads, params, state.step)
     changes: dict[str, object] = {"opt_state": opt_state, "step": state.step + 1}

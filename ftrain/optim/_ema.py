@@ -172,9 +172,11 @@ def swap_ema(state: TrainState) -> Iterator[TrainState]:
     Inside, `ft.evaluate(state, ...)` evaluates and `ft.export_pretrained(state, dir)` exports
     the averaged model, while `ft.save_checkpoint(state, ...)` still saves the live weights and
     the average (a resume trains on from the live weights). The swap is local to each rank
-    (every DDP rank holds the same average; under FSDP each rank swaps its own shards), needs no
-    communication and only one parameter-sized buffer at a time. The live weights come back
-    even when the block raises.
+    (every DDP rank holds the same average; under FSDP each rank swaps its own shards and drops
+    the whole parameters a forward gathered and kept, `Strategy.drop_gathered`), needs no
+    communication and only one parameter-sized buffer at a time. Every forward inside computes
+    with the average, every one after with the live weights; they come back even when the
+    block raises.
 
     Raises:
         TypeError: when the state's optimizer is not wrapped in `ft.optim.ema`.
@@ -192,15 +194,20 @@ def swap_ema(state: TrainState) -> Iterator[TrainState]:
             "swap_ema(state) is already active for this state: the model holds the average "
             "until that block ends; a nested swap would put the live weights back"
         )
-    local = state.strategy.local_view  # this rank's shards (FSDP), whole tensors otherwise
+    strategy = state.strategy
+    local = strategy.local_view  # this rank's shards (FSDP), whole tensors otherwise
     pairs = [(local(state.params[n]), local(average[n])) for n in average]
     _swap(pairs)
     STATE.ema_swapped.append(average)
     try:
+        # Whole parameters an earlier forward gathered and kept (FSDP2's root) hold the live
+        # values: dropped, the next forward gathers the average (and after the block the live).
+        strategy.drop_gathered(state.model)
         yield state
     finally:
         try:
             _swap(pairs)
+            strategy.drop_gathered(state.model)
         finally:
             STATE.ema_swapped[:] = [a for a in STATE.ema_swapped if a is not average]
 

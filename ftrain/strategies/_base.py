@@ -159,6 +159,15 @@ class Strategy(Protocol):
         tensors; every rank holds `src`."""
         ...
 
+    def drop_gathered(self, model: nn.Module) -> None:
+        """Free the whole copies of sharded parameters that a set-up `model` gathered for a
+        forward and kept (FSDP2's root keeps them until a backward), so that its next forward
+        gathers them anew from the shards. Code that changes parameter shards in place outside
+        a step (`swap_ema`, a load, a rollback) calls it afterwards: a forward would otherwise
+        compute with the values from before. Local, no communication; a no-op where every
+        process holds whole parameters."""
+        ...
+
 
 def default_device() -> torch.device:
     """The first CUDA device when there is one, else the CPU."""
@@ -295,6 +304,9 @@ class SingleDevice:
 
     def copy_whole(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
+
+    def drop_gathered(self, model: nn.Module) -> None:
+        pass  # whole parameters: nothing gathered
 
 
 def _refuse_distributed(model: nn.Module) -> None:

@@ -98,3 +98,6 @@ class DDP(ProcessGroupStrategy):
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         # After the final backward every rank holds the same (reduced) gradients.
         return local_grad_norm(grads)
+
+    def drop_gathered(self, model: nn.Module) -> None:
+        pass  # every rank holds whole parameters: nothing gathered

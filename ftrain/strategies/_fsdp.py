@@ -20,7 +20,15 @@ from ftrain.precision import Precision
 from ftrain.strategies._base import uncompiled
 from ftrain.strategies._group import ProcessGroupStrategy
 
-__all__ = ["FSDP", "copy_whole", "full_state_dict", "gradient_sync", "hf_blocks", "local_shard"]
+__all__ = [
+    "FSDP",
+    "copy_whole",
+    "drop_gathered",
+    "full_state_dict",
+    "gradient_sync",
+    "hf_blocks",
+    "local_shard",
+]
 
 
 def hf_blocks(model: nn.Module) -> Callable[[nn.Module], bool]:
@@ -163,6 +171,9 @@ class FSDP(ProcessGroupStrategy):
     def copy_whole(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         copy_whole(dst, src)
 
+    def drop_gathered(self, model: nn.Module) -> None:
+        drop_gathered(model)
+
 
 @contextlib.contextmanager
 def gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
@@ -172,6 +183,19 @@ def gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
         yield
     finally:
         model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+def drop_gathered(model: nn.Module) -> None:
+    """Reshard every `fully_shard`ed module of `model`, freeing the whole parameters a forward
+    gathered and kept: the root's (FSDP2 does not reshard the root after forward, as a
+    training backward would gather them again at once), and every module's under
+    `reshard_after_forward=False` or an int. The next forward all-gathers the shards as they
+    are now. Local: no communication."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()  # not recursive; a no-op on a module already sharded
 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -25,6 +25,7 @@ from ftrain.strategies import _dcp
 from ftrain.strategies._base import uncompiled
 from ftrain.strategies._fsdp import (
     copy_whole,
+    drop_gathered,
     full_state_dict,
     gradient_sync,
     hf_blocks,
@@ -275,6 +276,9 @@ class TP(ProcessGroupStrategy):
 
     def copy_whole(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         copy_whole(dst, src)
+
+    def drop_gathered(self, model: nn.Module) -> None:
+        drop_gathered(model)  # FSDP's units with dp > 1; TP's slices are never gathered
 
 
 def _split_over_tp(t: torch.Tensor) -> bool:
