@@ -195,6 +195,9 @@ def load_checkpoint(
                 strategy.copy_whole(dst, src)
         copy = strategy.copy_whole
         opt_state = unflatten(state.opt_state, opt_values, copy) if opt_values else state.opt_state
+    # The shards were filled in place: whole copies an earlier forward kept must not serve the
+    # next one (FSDP2's state_dict hook drops them today; this does not depend on it).
+    strategy.drop_gathered(state.model)
     return state.consume("load_checkpoint", opt_state=opt_state, **fields)
 
 
