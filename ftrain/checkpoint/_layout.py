@@ -5,7 +5,8 @@ root/step-<N>/
   model.safetensors      trainable parameters and persistent buffers, by module name
   optimizer.safetensors  optimizer-state tensors, by path (`mu/lm_head.weight`)
   state.json             counters, metrics, versions, fingerprint, file checksums
-  config.json            the model's HF config, when it has one (for export)
+  config.json            the model's HF config, when it has one (for export; generation
+                         config, class and adapters are in state.json)
   COMMITTED              written last: the digest of state.json
 ```
 """
@@ -47,6 +48,10 @@ PREEMPTION_ONLY = "preemption_only"
 MODEL_DIR = "model"  # sharded layout: one shard file per rank in each of these
 OPTIM_DIR = "optimizer"
 SHARDED_CONFIG = "config_file"  # sharded layout: config.json's size and digest ("files": shards)
+# state.json, each optional on read (absent in older checkpoints; covered by COMMITTED's digest):
+GENERATION = "generation_config"  # the model's GenerationConfig as `save_pretrained` writes it
+MODEL_CLASS = "model_class"  # the HF model's class name (a classifier's config may not say)
+ADAPTERS = "peft_adapters"  # every PEFT adapter's config by name ("peft": the active one's)
 
 PLAIN = (bool, int, float, str)  # JSON values
 # TrainState fields that are not plain values: handled as tensors/objects, or not saved at all.
@@ -158,11 +163,30 @@ def collect(state: Any, metrics: Mapping[str, Any] | None, *, sharded: bool) -> 
         meta[SETTINGS] = settings
     if sharded:  # the shards' headers hold pieces: record each whole tensor
         meta.update(sharded=True, tensors={n: _entry(t) for n, t in model.items()})
-    adapter = peft_config(module)
-    if adapter is not None:
-        meta["peft"] = adapter
+    meta.update(_export_records(module))
     to_json = getattr(getattr(module, "config", None), "to_json_string", None)
     return Contents(state.step, model, optim, meta, to_json() if callable(to_json) else None)
+
+
+def _export_records(module: Any) -> dict[str, Any]:
+    """What `export_checkpoint` needs besides config.json: the adapters, the class, the
+    generation settings (each key only when the model has it)."""
+    out: dict[str, Any] = {}
+    adapters = peft_configs(module)
+    if adapters:
+        out[ADAPTERS] = adapters
+        active = peft_config(module)
+        if active is not None:
+            out["peft"] = active
+    unwrap = getattr(module, "get_base_model", None)  # a PeftModel: the HF model inside
+    inner = unwrap() if callable(unwrap) else module
+    if callable(getattr(getattr(inner, "config", None), "to_json_string", None)):
+        out[MODEL_CLASS] = type(inner).__name__
+    generation = getattr(inner, "generation_config", None)
+    to_json = getattr(generation, "to_json_string", None)
+    if callable(to_json):  # as `save_pretrained` writes generation_config.json
+        out[GENERATION] = dict(json.loads(to_json(use_diff=True)))
+    return out
 
 
 def _entry(leaf: Any) -> dict[str, Any]:
@@ -186,12 +210,31 @@ def _metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def peft_config(module: Any) -> dict[str, Any] | None:
-    """A PEFT model's adapter config as JSON (for the CLI's export, and compared by
-    `load_checkpoint`), or None."""
-    configs = getattr(module, "peft_config", None)
-    if not isinstance(configs, dict) or list(configs) != ["default"]:
+    """The config of a PEFT model's active adapter as JSON, whatever its name (compared by
+    `load_checkpoint`: only the active adapter trains, so only its tensors are saved), or None.
+    """
+    configs = peft_configs(module)
+    if not configs:
         return None
+    if len(configs) == 1:
+        return next(iter(configs.values()))
+    try:
+        active = module.active_adapter
+    except (AttributeError, ValueError):  # several active adapters: none is "the" adapter
+        return None
+    return configs.get(active) if isinstance(active, str) else None
+
+
+def peft_configs(module: Any) -> dict[str, dict[str, Any]] | None:
+    """Every adapter config of a PEFT model as JSON, by adapter name, or None."""
+    configs = getattr(module, "peft_config", None)
+    if not isinstance(configs, dict) or not configs:
+        return None
+    return {str(name): _adapter_json(c) for name, c in configs.items()}
+
+
+def _adapter_json(config: Any) -> dict[str, Any]:
     as_json = json.dumps(
-        configs["default"].to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)
+        config.to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)
     )
     return dict(json.loads(as_json))

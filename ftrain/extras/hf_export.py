@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -199,6 +200,7 @@ def _save_module(
         from safetensors.torch import save_file
 
         save_file({n: t.clone().contiguous() for n, t in full.items()}, tmp / "model.safetensors")
+    _lift_adapter(module, tmp)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
 
@@ -250,25 +252,122 @@ def export_checkpoint(
             "(--weights live: the weights training goes on from)"
         )
     meta = opened.meta
-    adapter = meta.get("peft")
+    adapters = _adapters(path, meta)
     shapes = opened.tensors["model"]  # meta-device placeholders when sharded
     if base is None:  # compare on the meta device first: a forged config allocates nothing
         with torch.device("meta"):
-            skeleton = _build(path, config, None, opened.config)
-            if adapter is not None:
-                skeleton = _with_adapter(skeleton, adapter, path)
-        _check_fits(path, skeleton, shapes, meta, adapter is not None)
-    model = _build(path, config, base, opened.config)
-    if adapter is not None:
-        model = _with_adapter(model, adapter, path)
+            skeleton, guessed = _build(path, config, None, opened.config, meta)
+            skeleton = _with_adapter(skeleton, adapters, path)
+        _check_fits(path, skeleton, shapes, meta, bool(adapters), guessed=guessed)
+    model, guessed = _build(path, config, base, opened.config, meta)
+    model = _with_adapter(model, adapters, path)
+    _set_generation_config(model, _generation_config(path, meta))
     # A sharded checkpoint's, assembled from its shards; the averages in place with "ema".
     saved = read_model_tensors(opened, weights=weights or "live")
-    _check_fits(path, model, saved, meta, adapter is not None, base=base)
+    _check_fits(path, model, saved, meta, bool(adapters), base=base, guessed=guessed)
+    _cast_to_recorded(model, meta, saved)
     live = {**dict(model.named_buffers()), **dict(model.named_parameters())}
     with torch.no_grad():
         for n, t in saved.items():
             live[n].copy_(t)
-    return write_atomically(directory, model.save_pretrained, overwrite=overwrite)
+    return write_atomically(
+        directory, lambda tmp: _save_pretrained(model, tmp), overwrite=overwrite
+    )
+
+
+def _cast_to_recorded(
+    model: nn.Module, meta: dict[str, Any], saved: dict[str, torch.Tensor]
+) -> None:
+    """Give each parameter the dtype the checkpoint recorded for it (mixed ones included) and
+    each saved buffer its saved dtype, as `export_pretrained` of the trained model writes them.
+
+    The model was built as its config says, which need not be how it trained: a bf16 run was
+    exported as float32, and a config saying bf16 rounded float32 weights into bf16.
+    """
+    recorded = {r[0]: getattr(torch, r[1], None) for r in meta["params"]}  # validated names
+    buffers = dict(model.named_buffers())
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            dtype = recorded.get(n)
+            if isinstance(dtype, torch.dtype) and p.dtype != dtype:
+                p.data = p.data.to(dtype)  # the same Parameter: tied weights stay tied
+        for n, t in saved.items():
+            if n in buffers and buffers[n].dtype != t.dtype:
+                owner, _, leaf = n.rpartition(".")
+                setattr(model.get_submodule(owner), leaf, buffers[n].to(t.dtype))
+
+
+def _save_pretrained(model: Any, tmp: Path) -> None:
+    model.save_pretrained(tmp)
+    _lift_adapter(model, tmp)
+
+
+def _lift_adapter(module: Any, tmp: Path) -> None:
+    """Move a lone adapter named other than "default" from `tmp/<name>/`, where PEFT writes
+    it, to `tmp`, where `PeftModel.from_pretrained(base, tmp)` looks for it."""
+    configs = getattr(module, "peft_config", None)
+    if not isinstance(configs, dict) or len(configs) != 1:
+        return
+    (name,) = configs
+    sub = tmp / str(name)
+    if name == "default" or not sub.is_dir() or (tmp / _ADAPTER_CONFIG).exists():
+        return
+    for f in sub.iterdir():
+        f.replace(tmp / f.name)
+    sub.rmdir()
+
+
+_ADAPTER_CONFIG = "adapter_config.json"  # what PeftModel.from_pretrained(base, dir) reads
+# state.json keys (docs/checkpoints.md, "What is in a checkpoint"); each absent in older ones.
+_ADAPTERS, _GENERATION, _MODEL_CLASS = "peft_adapters", "generation_config", "model_class"
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a module name; never a path
+
+
+def _adapters(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's PEFT adapter configs by name: {} without one; one, or refused."""
+    named = meta.get(_ADAPTERS)
+    if named is None:  # older checkpoints recorded a lone "default" adapter only
+        return {} if meta.get("peft") is None else {"default": meta["peft"]}
+    if not isinstance(named, dict) or not all(
+        isinstance(k, str) and _ADAPTER_NAME.fullmatch(k) for k in named
+    ):
+        raise CheckpointError(f"{path}: the saved adapter configs ({_ADAPTERS!r}) are malformed")
+    if len(named) != 1:
+        raise CheckpointError(
+            f"{path} holds {len(named)} PEFT adapters ({', '.join(sorted(named))}); export "
+            "writes one: export from the training script with ft.export_pretrained (PEFT's "
+            "layout: 'default' at the top, the others in sub-folders named after them), or "
+            "train with one adapter (model.delete_adapter the others before saving)"
+        )
+    return dict(named)
+
+
+def _generation_config(path: Path, meta: dict[str, Any]) -> Any:
+    """The saved GenerationConfig (checked: any JSON may be in a forged file), or None."""
+    raw = meta.get(_GENERATION)
+    if raw is None:  # older checkpoints, and models that do not generate
+        return None
+    from transformers import GenerationConfig
+
+    try:
+        if not isinstance(raw, dict):
+            raise TypeError(f"not a JSON object but a {type(raw).__name__}")
+        odd = [k for k in raw if k.startswith("__") or callable(getattr(GenerationConfig, k, None))]
+        if odd:  # from_dict sets every key as an attribute: none may replace a method
+            raise ValueError(f"{odd[:3]} are not generation settings")
+        generation = GenerationConfig.from_dict(raw)
+        generation.validate()
+        return generation
+    except (TypeError, ValueError, KeyError, AttributeError, RecursionError, OverflowError) as e:
+        raise CheckpointError(
+            f"{path}: the saved generation config ({_GENERATION!r} in state.json) is malformed: {e}"
+        ) from e
+
+
+def _set_generation_config(model: Any, generation: Any) -> None:
+    if generation is not None:
+        unwrap = getattr(model, "get_base_model", None)  # a PeftModel: the HF model inside
+        (unwrap() if callable(unwrap) else model).generation_config = generation
 
 
 def _check_fits(
@@ -278,19 +377,29 @@ def _check_fits(
     meta: dict[str, Any],
     adapter: bool,
     base: Any = None,
+    guessed: bool = False,
 ) -> None:
     """The checkpoint's tensors fit `model` (names and shapes; compared on any device)."""
     params = dict(model.named_parameters())
     # An adapter export needs the adapter's tensors only; a full model needs every parameter.
     needed = [n for n, p in params.items() if p.requires_grad or not adapter]
     missing = sorted(n for n in needed if n not in saved) if base is None else []
+    live = {**dict(model.named_buffers()), **params}
+    unknown = sorted(n for n in saved if n not in live)
+    if guessed and (missing or unknown):  # the wrong class, not frozen parameters
+        raise CheckpointError(
+            f"cannot tell which model class {path} was trained with: its config names no "
+            "`architectures` and the checkpoint records no class (saved by an older ftrain), "
+            f"and {type(model).__name__}, the causal LM of its model_type, does not fit it "
+            f"(e.g. {(unknown or missing)[:3]}); pass config=<dir or config.json> (--config) "
+            'whose `architectures` names the class (e.g. ["BertForSequenceClassification"]), '
+            "or export from the training script with ft.export_pretrained"
+        )
     if missing:
         raise CheckpointError(
             f"{path} lacks {len(missing)} parameter(s) (frozen during training), e.g. "
             f"{missing[:3]}; pass base=<pretrained dir> (--base) to take them from there"
         )
-    live = {**dict(model.named_buffers()), **params}
-    unknown = sorted(n for n in saved if n not in live)
     if unknown:
         raise CheckpointError(f"{path} holds tensors the model does not have: {unknown[:5]}")
     for n, t in saved.items():
@@ -305,27 +414,45 @@ def _check_fits(
             )
 
 
-def _with_adapter(model: Any, adapter: Any, path: Path) -> Any:
+def _with_adapter(model: Any, adapters: dict[str, Any], path: Path) -> Any:
+    """`model` with the checkpoint's adapter (`_adapters`: none or one) under its own name."""
+    if not adapters:
+        return model
     from peft import PeftConfig, get_peft_model
 
+    ((name, adapter),) = adapters.items()
     try:
         if not isinstance(adapter, dict):
             raise TypeError(f"not a dict: {type(adapter).__name__}")
         base_name = adapter.get("base_model_name_or_path")
         if isinstance(base_name, str):  # keep the adapter pointing at its real base
             model.name_or_path = model.config._name_or_path = base_name
-        return get_peft_model(model, PeftConfig.from_peft_type(**adapter))
+        return get_peft_model(model, PeftConfig.from_peft_type(**adapter), adapter_name=name)
     except (TypeError, ValueError, KeyError, AttributeError) as e:
         raise CheckpointError(f"{path}: the saved adapter config is malformed: {e}") from e
 
 
 def _build(
-    path: Path, config: str | os.PathLike[str] | None, base: Any, saved: dict[str, Any] | None
-) -> Any:
+    path: Path,
+    config: str | os.PathLike[str] | None,
+    base: Any,
+    saved: dict[str, Any] | None,
+    meta: dict[str, Any],
+) -> tuple[Any, bool]:
+    """The model to copy the checkpoint into, and whether its class was guessed (a causal LM:
+    neither the checkpoint nor the config names one)."""
     import transformers
 
+    recorded = meta.get(_MODEL_CLASS)
     if base is not None:
-        return transformers.AutoModelForCausalLM.from_pretrained(base)
+        from huggingface_hub.errors import StrictDataclassClassValidationError
+
+        cls, guessed = _model_class(recorded, None)
+        try:
+            return cls.from_pretrained(base), guessed
+        except StrictDataclassClassValidationError as e:  # a config the class refuses
+            why = " ".join(str(e).split())  # one line: the CLI prints one
+            raise ValueError(f"cannot load {cls.__name__} from {base}: {why}") from e
     if config is not None:
         source = Path(config)
         source = source / "config.json" if source.is_dir() else source
@@ -352,12 +479,22 @@ def _build(
             )
         cfg = transformers.AutoConfig.for_model(kind, **settings)
         arch = (getattr(cfg, "architectures", None) or [None])[0]
-        cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
-        if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
-            cls = transformers.AutoModelForCausalLM
-        return cls.from_config(cfg) if cls is transformers.AutoModelForCausalLM else cls(cfg)
+        cls, guessed = _model_class(recorded, arch)
+        return (cls.from_config(cfg) if guessed else cls(cfg)), guessed
     except (ValueError, TypeError, KeyError, AttributeError, RuntimeError, OverflowError) as e:
         raise CheckpointError(f"cannot build a model from the config of {path}: {e}") from e
+
+
+def _model_class(*names: Any) -> tuple[Any, bool]:
+    """The first of `names` that is a transformers model class (the one the checkpoint
+    recorded, then the config's `architectures`), else AutoModelForCausalLM, guessed."""
+    import transformers
+
+    for name in names:
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+            return cls, False
+    return transformers.AutoModelForCausalLM, True
 
 
 def _read_config(source: Path) -> Any:
