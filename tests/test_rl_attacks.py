@@ -5,6 +5,7 @@ than the rollouts'. Each test failed before its fix; messages are ftrain's own."
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
 import re
 
@@ -34,21 +35,34 @@ def _rollout(state, **kw):
 # --- the reference must be frozen ---------------------------------------------------------------
 
 
-def test_a_reference_with_trainable_parameters_is_refused():
+def test_a_reference_that_shares_the_policys_parameters_is_refused():
     """`reference=state.model` was accepted: ref_logps were the policy's, the KL 0 at every
     step however far the policy moved, and the beta penalty never acted."""
     state = _state()
     r = _rollout(state)
     adv = [torch.zeros(6)]
-    for ref in (state.model, W.model()):  # the policy itself; an unfrozen model
-        with pytest.raises(ValueError, match=r"parameter\(s\) that require grad .*deepcopy"):
-            ft.rl.rollout_batches([r], adv, reference=ref)
+    with pytest.raises(ValueError, match=r"parameter\(s\) that the policy trains .*deepcopy"):
+        ft.rl.rollout_batches([r], adv, reference=state.model)
+    # A separate model is a reference whether it requires grad (from_pretrained's default,
+    # a copy) or not: it runs without gradients and no step touches it.
+    frozen = copy.deepcopy(state.model).eval().requires_grad_(False)
+    (want,) = ft.rl.rollout_batches([r], adv, reference=frozen)
+    for ref in (W.model(), copy.deepcopy(state.model)):
+        (batch,) = ft.rl.rollout_batches([r], adv, reference=ref)
+        assert batch["ref_logps"].shape == r.logps.shape
+    torch.testing.assert_close(batch["ref_logps"], want["ref_logps"], rtol=0, atol=0)
+
+
+def test_a_hand_built_rollout_needs_a_frozen_reference():
+    """A rollout built by hand records no policy: a reference that requires grad is refused."""
+    state = _state()
+    r = dataclasses.replace(_rollout(state), trained=frozenset())
+    adv = [torch.zeros(6)]
     partly = copy.deepcopy(state.model).requires_grad_(False)
     partly.lm_head.weight.requires_grad_(True)
     with pytest.raises(ValueError, match=r"1 parameter\(s\) that require grad .*lm_head"):
         ft.rl.rollout_batches([r], adv, reference=partly)
-    frozen = copy.deepcopy(state.model).eval().requires_grad_(False)
-    (batch,) = ft.rl.rollout_batches([r], adv, reference=frozen)
+    (batch,) = ft.rl.rollout_batches([r], adv, reference=partly.requires_grad_(False))
     assert batch["ref_logps"].shape == r.logps.shape
 
 

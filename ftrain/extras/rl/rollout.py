@@ -14,7 +14,7 @@ import math
 import numbers
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -53,6 +53,9 @@ class Rollout:
     `precision`: the sampling strategy's, whose autocast `rollout_batches` runs the reference
     under so that old, reference and new log-probs are computed alike (None: full precision).
     Rollouts made before these two fields existed load with None (what they were used with).
+    `trained`: the ids of the parameters the sampling state trains (`state.params`, objects of
+    this process), so that `rollout_batches` refuses a reference that shares one; empty for a
+    rollout built by hand, for which a reference must be frozen instead.
     """
 
     prompt_ids: torch.Tensor
@@ -65,6 +68,7 @@ class Rollout:
     temperature: float = 1.0
     max_new_tokens: int | None = None
     precision: Precision | None = None
+    trained: frozenset[int] = field(default=frozenset(), repr=False, compare=False)
 
 
 def sample_seed(seed: int, step: int, completion: int) -> int:
@@ -317,6 +321,7 @@ def sample(
         temperature=float(temperature),
         max_new_tokens=int(max_new_tokens),
         precision=strategy.precision,
+        trained=frozenset(map(id, state.params.values())),
     )
 
 
@@ -404,24 +409,34 @@ def token_logps(
     return torch.cat(parts)
 
 
-def _check_reference(reference: nn.Module) -> None:
-    """Refuse a reference whose forward runs parameters being trained: its "reference"
+def _check_reference(reference: nn.Module, trained: frozenset[int]) -> None:
+    """Refuse a reference whose forward runs parameters the policy trains: its "reference"
     log-probs would be the policy's (a KL to the current policy, always 0), silently.
 
+    `trained` holds the policy's parameters as the rollouts recorded them (`Rollout.trained`);
+    without that record (rollouts built by hand) every parameter that requires grad counts.
     `reference=state.model` is the policy; `model.get_base_model()` of a LoRA policy still runs
     the policy's adapters. Adapters switched off (`with model.disable_adapter():`, the
-    documented LoRA reference) do not run, so their parameters are not counted."""
+    documented LoRA reference) do not run, so their parameters are not counted. A separate
+    model (`from_pretrained` again, a copy) is a reference whether it requires grad or not: it
+    runs without gradients and no step touches it."""
     _check_adapters(reference)
     idle = _idle_adapter_params(reference)
-    live = [n for n, p in reference.named_parameters() if p.requires_grad and id(p) not in idle]
+    params = [(n, p) for n, p in reference.named_parameters() if id(p) not in idle]
+    if trained:
+        live = [n for n, p in params if id(p) in trained]
+        what = "that the policy trains"
+    else:
+        live = [n for n, p in params if p.requires_grad]
+        what = "that require grad (rollouts built by hand record no policy to compare with)"
     if live:
         raise ValueError(
-            f"rollout_batches(reference=...) has {len(live)} parameter(s) that require grad "
-            f"(e.g. {live[0]!r}): a reference must be frozen, and one that is (or shares "
-            "parameters with) the policy computes the policy's own log-probs, so the KL "
-            "measures nothing. Pass a frozen copy made before training "
-            "(copy.deepcopy(model).eval().requires_grad_(False)), or, with LoRA, call "
-            "rollout_batches(..., reference=model) inside `with model.disable_adapter():`"
+            f"rollout_batches(reference=...) has {len(live)} parameter(s) {what} (e.g. "
+            f"{live[0]!r}): a reference that is (or shares parameters with) the policy computes "
+            "the policy's own log-probs, so the KL measures nothing. Pass a frozen copy made "
+            "before training (copy.deepcopy(model).eval().requires_grad_(False)), or, with "
+            "LoRA, call rollout_batches(..., reference=model) inside `with "
+            "model.disable_adapter():`"
         )
 
 
@@ -487,8 +502,9 @@ def rollout_batches(
     and position match the prompts consumed.
 
     Args:
-        reference: a frozen model (no parameter requires grad), e.g. a copy of the policy made
-            before training, or a LoRA policy inside `with model.disable_adapter():`.
+        reference: a model that shares no trained parameter with the policy, e.g. a frozen
+            copy of the policy made before training, or a LoRA policy inside `with
+            model.disable_adapter():`.
         advantages: per rollout, shape `(N,)` (one per row) or `(N, T)` (one per completion
             token), finite.
         temperature: of the reference's log-probs; None (the default) takes each rollout's
@@ -501,13 +517,15 @@ def rollout_batches(
     Raises:
         ValueError: for counts that differ, `advantages` of another shape or not finite, a
             `mask_truncated` that is not a bool, a `temperature` other than a rollout's, a
-            `reference` with parameters that require grad (the policy itself, or the base of a
-            LoRA policy, which runs its adapters: its log-probs would be the policy's).
+            `reference` that shares a parameter the policy trains (the policy itself, or the
+            base of a LoRA policy, which runs its adapters: its log-probs would be the
+            policy's; for rollouts built by hand, any parameter that requires grad).
     """
     if temperature is not None:
         _check_warp(temperature, None, 1.0)
     if reference is not None:
-        _check_reference(reference)
+        trained = (getattr(r, "trained", frozenset()) for r in rollouts)
+        _check_reference(reference, frozenset().union(*trained))
     if not isinstance(mask_truncated, bool):
         raise ValueError(f"mask_truncated must be a bool, got {mask_truncated!r}")
     if len(rollouts) != len(advantages) or (prompts is not None and len(prompts) != len(rollouts)):
