@@ -524,8 +524,8 @@ def rollout_batches(
     if temperature is not None:
         _check_warp(temperature, None, 1.0)
     if reference is not None:
-        trained = (getattr(r, "trained", frozenset()) for r in rollouts)
-        _check_reference(reference, frozenset().union(*trained))
+        trained: list[frozenset[int]] = [getattr(r, "trained", frozenset()) for r in rollouts]
+        _check_reference(reference, frozenset[int]().union(*trained))
     if not isinstance(mask_truncated, bool):
         raise ValueError(f"mask_truncated must be a bool, got {mask_truncated!r}")
     if len(rollouts) != len(advantages) or (prompts is not None and len(prompts) != len(rollouts)):
