@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import ftrain as ft
-from helpers import ragged_rows, tiny_llama
+from helpers import ragged_rows, rank_env, tiny_llama
 
 # Ragged (token counts differ between ranks); 29 rows in global micro-batches of 4 leave one row
 # for the last, so rank 1 runs a ZeroWeight stand-in there.
@@ -33,14 +32,6 @@ def train(state, *, steps, batch_size, accum=2, hook=None):
     return state, losses
 
 
-def _env(rank: int, world: int, port: int) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-        WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-    )  # fmt: skip
-    torch.set_num_threads(1)
-
-
 def equivalence(
     rank: int, world: int, port: int, out: str, kind: str, steps: int, accum: int
 ) -> None:
@@ -48,7 +39,7 @@ def equivalence(
     (gathered) parameters, the logged losses and the counters. A "+count" suffix makes the
     tiny model take the large models' path: items counted (and all-reduced) before the
     forward, each loss divided before backward; the result records how often it counted."""
-    _env(rank, world, port)
+    rank_env(rank, world, port)
     counted = []
     if kind.endswith("+count"):
         import ftrain.grads as grads_module
@@ -87,7 +78,7 @@ def ddp_traffic(rank: int, world: int, port: int, out: str) -> None:
     (joined here, so each strategy's `close()` leaves it for the next: one launch, not two)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    _env(rank, world, port)
+    rank_env(rank, world, port)
     dist.init_process_group("gloo")
     for sync_every_micro in (False, True):
         strategy = ft.strategies.from_env(sync_every_micro=sync_every_micro)
@@ -112,7 +103,7 @@ def resume(rank: int, world: int, port: int, roots: list[str], save_at: int, ste
     """For each folder of `roots`, with `kind` (DDP or FSDP): resume from it if it holds a
     checkpoint, else train and save at `save_at`; then continue to `steps`. Rank 0 writes the
     final (gathered) params. One process group for all the folders (one launch)."""
-    _env(rank, world, port)
+    rank_env(rank, world, port)
     dist.init_process_group("gloo")
     for root in roots:
         state = ft.TrainState.create(
@@ -135,7 +126,7 @@ def resume(rank: int, world: int, port: int, roots: list[str], save_at: int, ste
 def fsdp_traffic(rank: int, world: int, port: int, out: str) -> None:
     """Count FSDP2's gradient reduce-scatters over 2 steps of 4 micro-batches, with and without
     `sync_every_micro` (two strategies in one process group, as in `ddp_traffic`)."""
-    _env(rank, world, port)
+    rank_env(rank, world, port)
     calls = []
 
     def counting(real):
@@ -170,7 +161,7 @@ def fsdp_save_failures(rank: int, world: int, port: int, out: str) -> None:
 
     from ftrain.checkpoint import _save
 
-    _env(rank, world, port)
+    rank_env(rank, world, port)
     state = ft.TrainState.create(
         tiny_llama(), ft.optim.adamw(), strategy=ft.strategies.from_env("fsdp")
     )
@@ -212,7 +203,7 @@ def predict_gather(rank: int, world: int, port: int, out: str) -> None:
     """ft.predict over 29 rows at 2 per rank: every rank writes what it saw, gathered and not."""
     import numpy as np
 
-    _env(rank, world, port)
+    rank_env(rank, world, port)
     state = ft.TrainState.create(tiny_llama(), ft.optim.sgd(), strategy=ft.strategies.from_env())
 
     strategy = state.strategy
@@ -233,7 +224,7 @@ def predict_gather(rank: int, world: int, port: int, out: str) -> None:
 def fsdp_fp16(rank: int, world: int, port: int, out: str) -> None:
     """FSDP with float16 autocast and loss scaling: train, save a sharded checkpoint (with the
     scale), and write what one process must find when it loads it."""
-    _env(rank, world, port)
+    rank_env(rank, world, port)
     strategy = ft.strategies.from_env("fsdp", precision="fp16")
     state = ft.TrainState.create(tiny_llama(), ft.optim.adamw(), seed=3, strategy=strategy)
     # overflows at first: backs off
@@ -253,7 +244,7 @@ def fsdp_fp16(rank: int, world: int, port: int, out: str) -> None:
 def names_differ(rank: int, world: int, port: int, out: str) -> None:
     """evaluate's metrics_fn and predict's output_fn returning other names on each rank: every
     rank writes what it got (a record, or ftrain's error)."""
-    _env(rank, world, port)
+    rank_env(rank, world, port)
     torch.manual_seed(0)
     strategy = ft.strategies.from_env("ddp")
     state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd(), strategy=strategy)

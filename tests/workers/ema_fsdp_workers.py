@@ -10,7 +10,6 @@ them.
 from __future__ import annotations
 
 import gc
-import os
 from datetime import timedelta
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 import ftrain as ft
-from helpers import ragged_rows, tiny_llama
+from helpers import ragged_rows, rank_env, tiny_llama
 
 ROWS = ragged_rows(16, seed=5, lo=3, hi=20)
 IDS = torch.tensor([[1, 5, 9, 3, 7, 2, 11, 4]])
@@ -69,9 +68,7 @@ def probe(root: str, strategy: ft.strategies.Strategy | None = None) -> dict[str
 
 
 def fsdp(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # fmt: skip
-    torch.set_num_threads(1)
+    rank_env(rank, world, port)
     strategy = ft.strategies.from_env("fsdp", timeout=timedelta(seconds=120))
     got = probe(str(Path(out) / "run"), strategy)
     if rank == 0:

@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import signal
 
 import torch
 
 import ftrain as ft
+
+
+def rank_env(rank: int, world: int, port: int) -> None:
+    """What a launcher sets for one rank of a local gloo group, and one intra-op thread (two
+    ranks share the machine's cores)."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+    )  # fmt: skip
+    torch.set_num_threads(1)
 
 
 def tiny_mixtral(router_logits: bool):
