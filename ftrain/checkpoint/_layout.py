@@ -175,7 +175,7 @@ def _export_records(module: Any) -> dict[str, Any]:
     adapters = peft_configs(module)
     if adapters:
         out[ADAPTERS] = adapters
-        active = peft_config(module)
+        active = peft_config(module, adapters)
         if active is not None:
             out["peft"] = active
     unwrap = getattr(module, "get_base_model", None)  # a PeftModel: the HF model inside
@@ -209,11 +209,14 @@ def _metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
     return out
 
 
-def peft_config(module: Any) -> dict[str, Any] | None:
+def peft_config(
+    module: Any, configs: dict[str, dict[str, Any]] | None = None
+) -> dict[str, Any] | None:
     """The config of a PEFT model's active adapter as JSON, whatever its name (compared by
     `load_checkpoint`: only the active adapter trains, so only its tensors are saved), or None.
+    `configs`: `peft_configs(module)` when the caller has it already.
     """
-    configs = peft_configs(module)
+    configs = peft_configs(module) if configs is None else configs
     if not configs:
         return None
     if len(configs) == 1:
