@@ -53,11 +53,18 @@ def test_a_reference_that_shares_the_policys_parameters_is_refused():
     torch.testing.assert_close(batch["ref_logps"], want["ref_logps"], rtol=0, atol=0)
 
 
-def test_a_hand_built_rollout_needs_a_frozen_reference():
-    """A rollout built by hand records no policy: a reference that requires grad is refused."""
+def test_a_hand_built_or_pickled_rollout_needs_a_frozen_reference():
+    """A rollout built by hand records no policy, nor does one pickled (another process's
+    object ids would match nothing, and the policy itself would pass as a reference)."""
     state = _state()
-    r = dataclasses.replace(_rollout(state), trained=frozenset())
     adv = [torch.zeros(6)]
+    sampled = _rollout(state)
+    assert sampled.trained
+    unpickled = pickle.loads(pickle.dumps(sampled))
+    assert not unpickled.trained and torch.equal(unpickled.logps, sampled.logps)
+    with pytest.raises(ValueError, match=r"parameter\(s\) that require grad"):
+        ft.rl.rollout_batches([unpickled], adv, reference=state.model)
+    r = dataclasses.replace(sampled, trained=frozenset())
     partly = copy.deepcopy(state.model).requires_grad_(False)
     partly.lm_head.weight.requires_grad_(True)
     with pytest.raises(ValueError, match=r"1 parameter\(s\) that require grad .*lm_head"):

@@ -55,7 +55,8 @@ class Rollout:
     Rollouts made before these two fields existed load with None (what they were used with).
     `trained`: the ids of the parameters the sampling state trains (`state.params`, objects of
     this process), so that `rollout_batches` refuses a reference that shares one; empty for a
-    rollout built by hand, for which a reference must be frozen instead.
+    rollout built by hand or pickled (ids mean nothing elsewhere), for which a reference must
+    be frozen instead.
     """
 
     prompt_ids: torch.Tensor
@@ -69,6 +70,14 @@ class Rollout:
     max_new_tokens: int | None = None
     precision: Precision | None = None
     trained: frozenset[int] = field(default=frozenset(), repr=False, compare=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Object ids mean nothing in another process (or after a copy): a pickled rollout
+        # records no policy, and its reference must be frozen.
+        return {k: v for k, v in self.__dict__.items() if k != "trained"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
 
 def sample_seed(seed: int, step: int, completion: int) -> int:
