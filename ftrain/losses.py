@@ -140,8 +140,8 @@ def model_inputs(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
 # examples run alone: their mask ignores the boundaries (OPT, BioGPT, XGLM, the BERT-style
 # decoders, GPT-1), or their recurrent / linear-attention layers carry state across them (the
 # hybrids). Measured with transformers 5.24 on tiny models of each type that builds from its
-# default config (tests/test_task_losses.py re-measures a sample); a type not listed is not
-# checked.
+# default config (`python tests/workers/packing_scan.py` re-runs the measurement;
+# tests/test_task_losses.py re-measures a sample); a type not listed is not checked.
 _PACKING_LEAKS = frozenset({
     "afmoe", "bailing_hybrid", "bert", "bert-generation", "big_bird", "biogpt", "camembert",
     "data2vec-text", "electra", "ernie", "falcon_h1", "gpt_oss", "inkling2_loop_text",
