@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 import ftrain as ft
-from dist_workers import _env
+from helpers import rank_env
 
 
 def ddp_save_failure(rank: int, world: int, port: int, out: str) -> None:
@@ -19,7 +19,7 @@ def ddp_save_failure(rank: int, world: int, port: int, out: str) -> None:
     committed, and the next save works on every rank."""
     from ftrain.checkpoint import _save
 
-    _env(rank, world, port)
+    rank_env(rank, world, port)
     strategy = ft.strategies.from_env("ddp", timeout=timedelta(seconds=60))
     state = ft.TrainState.create(torch.nn.Linear(4, 2), ft.optim.adamw(), strategy=strategy)
     real = _save.write_json
@@ -46,7 +46,7 @@ def ddp_save_failure(rank: int, world: int, port: int, out: str) -> None:
 
 
 def _fsdp(rank: int, world: int, port: int, model: torch.nn.Module | None = None):
-    _env(rank, world, port)
+    rank_env(rank, world, port)
     from helpers import tiny_llama
 
     strategy = ft.strategies.from_env("fsdp", timeout=timedelta(seconds=60))
@@ -127,7 +127,7 @@ def tp_async_save(rank: int, world: int, port: int, out: str) -> None:
     from dist_workers import train
     from helpers import tiny_llama
 
-    _env(rank, world, port)
+    rank_env(rank, world, port)
     root = Path(out)
     strategy = ft.strategies.from_env("tp", timeout=timedelta(seconds=60))
     state = ft.TrainState.create(tiny_llama(), ft.optim.adamw(), seed=3, strategy=strategy)

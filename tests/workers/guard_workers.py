@@ -9,14 +9,14 @@ from pathlib import Path
 import torch
 
 import ftrain as ft
-from dist_workers import _env
+from helpers import rank_env
 
 
 def rollback_after_a_background_save(rank: int, world: int, port: int, root: str, out: str) -> None:
     """DDP: two steps, each saved in the background, then a rollback at once. Rank 0 writes
     (slowly here: its commit comes after rank 1's wait has returned); both ranks must roll back
     to the same checkpoint, the newest. Each rank writes the step it rolled back to."""
-    _env(rank, world, port)
+    rank_env(rank, world, port)
     if rank == 0:
         import ftrain.checkpoint._save as save_module
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 import ftrain as ft
-from dist_workers import _env
+from helpers import rank_env
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,7 +118,7 @@ def ranks(rank: int, world: int, port: int, out: str) -> None:
     check in turn, each recorded in OUT.<rank>."""
     import torch.distributed as dist
 
-    _env(rank, world, port)
+    rank_env(rank, world, port)
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))  # the caller's own group
     results: dict = {"single_norm": _global_norm()}
     _attempt(results, "fsdp_mesh_2d", lambda: _fsdp_norm((2, 1)))

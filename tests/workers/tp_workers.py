@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 import ftrain as ft
-from dist_workers import ROWS, _env, _save_params
-from helpers import tiny_gpt2, tiny_llama
+from dist_workers import ROWS, _save_params
+from helpers import rank_env, tiny_gpt2, tiny_llama
 
 STEPS, SAVE_AT, RESUME_AT, MAX_NORM = 5, 3, 4, 0.5
 PROBE = torch.tensor([[1, 5, 9, 13, 17, 21, 2, 60]])  # token ids for comparing logits
@@ -95,7 +95,7 @@ def tp_run(rank: int, world: int, port: int, out: str) -> None:
     """TP over 2 ranks: train and save at SAVE_AT, continue to STEPS; rank 0 alone resumes
     that checkpoint in one process to RESUME_AT and saves; both ranks resume that under TP to
     STEPS; export. Rank 0 writes what the test compares."""
-    _env(rank, world, port)
+    rank_env(rank, world, port)
     root = Path(out)
     strategy = ft.strategies.from_env("tp", timeout=timedelta(seconds=90))
     result = {"errors": _errors(root), "ranks": [strategy.rank, strategy.world_size]}
@@ -129,7 +129,7 @@ def tp_run(rank: int, world: int, port: int, out: str) -> None:
 
 def fsdp_tp_run(rank: int, world: int, port: int, out: str) -> None:
     """FSDP x TP on a (2, 2) mesh: the global batch of 4 rows is split over the 2 dp groups."""
-    _env(rank, world, port)
+    rank_env(rank, world, port)
     strategy = ft.strategies.from_env("tp", dp=2, timeout=timedelta(seconds=90))
     state = ft.TrainState.create(tiny_llama(), ft.optim.adamw(), seed=3, strategy=strategy)
     state, losses, norms = train(state, steps=STEPS, batch_size=2)
