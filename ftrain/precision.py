@@ -43,10 +43,21 @@ class LossScaling:
         # Finite numbers, and True is not 1: an infinite scale (or growth to one) makes every
         # gradient overflow, so every step would be skipped.
         _finite("init_scale", self.init_scale, lambda v: v > 0, "> 0")
+        # The scale is a float32 tensor: beyond its range it is inf (every step overflows and
+        # is skipped, and inf * backoff stays inf) or 0 (every gradient is 0 / 0): training
+        # would stop while the loop runs on.
+        if not _F32.tiny <= self.init_scale <= _F32.max:
+            raise ValueError(
+                f"init_scale must be within float32's normal range [{_F32.tiny:.3g}, "
+                f"{_F32.max:.3g}] (the scale is a float32 tensor), got {self.init_scale!r}"
+            )
         _finite("growth_factor", self.growth_factor, lambda v: v > 1, "> 1")
         _finite("backoff_factor", self.backoff_factor, lambda v: 0 < v < 1, "in (0, 1)")
         if type(self.growth_interval) is not int or self.growth_interval < 1:
             raise ValueError(f"growth_interval must be an int >= 1, got {self.growth_interval!r}")
+
+
+_F32 = torch.finfo(torch.float32)
 
 
 def _finite(name: str, value: Any, ok: Callable[[float], bool], want: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
@@ -46,8 +47,8 @@ class _Sched:
     kwargs: dict[str, Any]
 
     def __call__(self, step: int) -> float:
-        if isinstance(step, bool) or not hasattr(step, "__index__"):
-            raise TypeError(f"step must be an int (updates done, state.step), got {step!r}")
+        if type(step) is not int:  # the common case (state.step) takes no call
+            step = _index(step)
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         return self.peak_lr * self.factor(step, **self.kwargs)
@@ -55,6 +56,17 @@ class _Sched:
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())
         return f"{self.name}(peak_lr={self.peak_lr!r}, {args})"
+
+
+def _index(step: Any) -> int:
+    # operator.index refuses a float tensor, which hasattr(step, "__index__") let through: a
+    # fractional step gave a fractional lr (lr(torch.tensor(2.5))).
+    try:
+        if isinstance(step, bool):
+            raise TypeError
+        return operator.index(step)
+    except TypeError:
+        raise TypeError(f"step must be an int (updates done, state.step), got {step!r}") from None
 
 
 def _warm(step: int, warmup: int) -> float:
@@ -335,10 +347,16 @@ def _min_rate(peak_lr: float, min_lr: float | None, min_lr_rate: float | None) -
         raise ValueError("give exactly one of min_lr or min_lr_rate")
     if min_lr_rate is not None:
         _check_nonnegative(min_lr_rate=min_lr_rate)
+        if min_lr_rate > 1:  # the "decay" would rise from peak_lr to min_lr_rate * peak_lr
+            raise ValueError(f"min_lr_rate must be in [0, 1], got {min_lr_rate!r}")
         return float(min_lr_rate)
     _check_nonnegative(min_lr=min_lr)  # type: ignore[arg-type]
     if peak_lr == 0 and min_lr:
         raise ValueError(f"min_lr={min_lr!r} needs peak_lr > 0 (got 0): pass min_lr_rate")
+    if min_lr > peak_lr:  # type: ignore[operator]
+        raise ValueError(
+            f"min_lr ({min_lr}) must be <= peak_lr ({peak_lr}): the schedule would rise to it"
+        )
     return min_lr / peak_lr if peak_lr else 0.0  # type: ignore[operator]
 
 
@@ -641,7 +659,13 @@ class Plateau:
         _check_nonnegative(threshold=self.threshold, min_lr=self.min_lr, eps=self.eps)
 
     def init(self, lr: float) -> PlateauState:
-        """The state before any evaluation, at learning rate `lr`."""
+        """The state before any evaluation, at learning rate `lr`.
+
+        Raises:
+            ValueError: for an `lr` that is not a finite number >= 0 (a NaN lr never
+                reduced, a string failed at the first reduction).
+        """
+        _check_nonnegative(lr=lr)
         return PlateauState(lr, math.inf if self.mode == "min" else -math.inf, 0, 0)
 
     def _better(self, a: float, best: float) -> bool:

@@ -26,8 +26,9 @@ class Logger:
     steps since the last record (a run that stopped early), unless it closes on an error. A
     state whose step is not past the last one logged (a guard rollback, a checkpoint reloaded
     in the loop) starts a new window at the restored state, as a resumed run does: the steps
-    that were undone are in no record. The parts (`window`, `update`, `emit`, the sinks) stay
-    public for anything this does not cover.
+    that were undone are in no record. So does a first step that does not follow the state the
+    logger was built with (a checkpoint loaded after building it). The parts (`window`,
+    `update`, `emit`, the sinks) stay public for anything this does not cover.
 
     Args:
         state: where training starts or resumes: the bar starts at `state.step`, and only
@@ -48,6 +49,8 @@ class Logger:
     Raises:
         ValueError: for a bad `every`/`total_steps`, or `progress` without `total_steps`.
         TypeError: for a `progress` or `first` that is not a bool.
+        ValueError: from `step`, for a state it saw already, or one that skips steps since the
+            last (`logger.step` runs after every `clip_and_step`, not only on log steps).
 
     Example:
         >>> import torch, ftrain as ft
@@ -99,18 +102,15 @@ class Logger:
         self.window = window(state)
         self._epoch, self._cursor = state.epoch, state.data.cursor
         self._state: TrainState | None = None  # the state of the last step folded in
+        self._start_step = state.step  # the first step folded in should be the next one
 
     def step(self, state: TrainState, stats: Stats, info: StepInfo) -> dict[str, Any] | None:
         """Fold in the step that made `state`; on a log step emit and return its record."""
         if state is self._state:
             raise ValueError(f"logger.step got step {state.step} twice; call it once per step")
-        if self._state is not None and state.step <= self._state.step:
-            # The run went back: the window holds steps that were undone. Open a new one where
-            # this step started (device arithmetic, no host sync).
-            self.window = window(state)._replace(
-                start_tokens=state.data.tokens_seen - stats.num_tokens,
-                start_samples=state.data.samples_seen - stats.num_samples,
-            )
+        last = self._start_step if self._state is None else self._state.step
+        if state.step != last + 1:
+            self._restart(state, stats, last)
         self.window = update(self.window, stats, info)  # device arithmetic, no host sync
         self._state = state
         self._learn_epoch_size(state)
@@ -119,6 +119,24 @@ class Logger:
         if not (due or state.step == self.total_steps):  # the last step's record too
             return None
         return self.flush(state)  # the one host sync of a log step
+
+    def _restart(self, state: TrainState, stats: Stats, last: int) -> None:
+        """Open a new window where the step that made `state` started, after a discontinuity."""
+        if self._state is not None and state.step > last:
+            # Steps in between were never folded in: the loss would be the mean of the steps
+            # that were, and the throughput would count tokens over time that is not theirs.
+            raise ValueError(
+                f"logger.step got step {state.step} after step {last}: call it after every "
+                f"clip_and_step (steps {last + 1}..{state.step - 1} are in no log window)"
+            )
+        # The run went back (a rollback: the window holds undone steps), or this is the first
+        # step and the state is not the one the logger was built with (a checkpoint loaded
+        # after building it: the window counted tokens from that state's). Device
+        # arithmetic, no host sync.
+        self.window = window(state)._replace(
+            start_tokens=state.data.tokens_seen - stats.num_tokens,
+            start_samples=state.data.samples_seen - stats.num_samples,
+        )
 
     def flush(self, state: TrainState) -> dict[str, Any] | None:
         """Emit the steps since the last record now (e.g. at an epoch's end), if there are any."""

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol, TextIO, runtime_checkable
 
+import numpy as np
 import torch
 
 from ftrain.state import TrainState
@@ -104,7 +105,8 @@ class JSONLSink:
         pass
 
     def log(self, record: Mapping[str, Any]) -> None:
-        self._file.write(json.dumps(_plain(record), allow_nan=False) + "\n")
+        plain = _plain({**record, "step": _step(record)})
+        self._file.write(json.dumps(plain, allow_nan=False) + "\n")
         self._file.flush()
 
     def close(self) -> None:
@@ -240,7 +242,7 @@ class TensorBoardSink:
         self._last = state.step
 
     def log(self, record: Mapping[str, Any]) -> None:
-        step = int(record["step"])
+        step = _step(record)
         for k, v in _scalars(record).items():
             self._writer.add_scalar(_tag(k), v, step)
         # The writer queues events and writes them every 2 minutes: a killed run would lose
@@ -252,6 +254,17 @@ class TensorBoardSink:
         self._writer.close()
 
 
+def _step(record: Mapping[str, Any]) -> int:
+    """The record's `step`, an int >= 0: a float one was truncated by the trackers (10.5 logged
+    at 10) and written as is to JSONL, where `read_jsonl` skips the line."""
+    step = record.get("step")
+    if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_floating_point():
+        step = int(step.item())
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        raise TypeError(f"a record's 'step' must be an int >= 0, got {step!r}")
+    return int(step)
+
+
 def _tag(key: str) -> str:
     # eval_loss -> eval/loss, loss -> train/loss: TensorBoard groups by the prefix.
     return key.replace("eval_", "eval/", 1) if key.startswith("eval_") else f"train/{key}"
@@ -261,10 +274,17 @@ def _scalar(key: str, value: Any) -> float | int | None:
     """A record's value as a Python number, or None for one that is no number (a string such as
     `eval_loss_fn`, None). 0-dim tensors and numpy scalars are numbers too: the trackers skipped
     them before, silently (`logger.log({"step": s, "reward": rewards.mean()})`)."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        # A numpy array was skipped by the trackers (while json.dumps refused it): one value
+        # is a number, more are refused as a tensor's are.
+        kind, size = (
+            ("an array", value.size)
+            if isinstance(value, np.ndarray)
+            else ("a tensor", value.numel())
+        )
+        if size != 1:
             raise TypeError(
-                f"record[{key!r}] is a tensor of shape {tuple(value.shape)}; log a number"
+                f"record[{key!r}] is {kind} of shape {tuple(value.shape)}; log a number"
             )
         value = value.item()  # a host sync: a log record is where one belongs
     elif isinstance(value, numbers.Real) and hasattr(value, "item"):

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ftrain.extras.logging._sinks import _scalars, _tag
+from ftrain.extras.logging._sinks import _scalars, _step, _tag
 from ftrain.state import TrainState
 
 __all__ = ["MLflowSink", "WandbSink"]
@@ -39,8 +39,10 @@ class MLflowSink:
     The run id is stored in `<run_dir>/mlflow_run_id`; when that file exists (a restarted job),
     the sink reopens that run, so the metric history continues in one run. Steps logged after
     the last checkpoint and before the restart are logged again by the resumed job (with the same
-    values, since resume is exact): MLflow keeps both entries, as it does for the steps a guard
-    rollback makes again (with other values). Needs the `mlflow` extra
+    values, since resume is exact, except the first record after the resume when the
+    checkpoint's step is not a log step: its window averages only the resumed steps; see
+    docs/logging.md): MLflow keeps both entries, as it does for the steps a guard rollback makes
+    again (with other values). Needs the `mlflow` extra
     (`pip install 'ftrain[mlflow]'`).
 
     Args:
@@ -71,6 +73,7 @@ class MLflowSink:
         self.run_id: str | None = None
         self.resumed = False
         self._client: Any = None
+        self._closed = False  # a record after close() would be dropped: it raises instead
         if rank != 0:
             return
         try:
@@ -138,18 +141,29 @@ class MLflowSink:
         pass
 
     def log(self, record: Mapping[str, Any]) -> None:
+        step = _step(record)
         if self._client is None:
+            _closed(self, self._closed)
             return
         from mlflow.entities import Metric
 
-        now, step = int(time.time() * 1000), int(record["step"])
+        now = int(time.time() * 1000)
         metrics = [Metric(k, v, now, step) for k, v in _scalars(record).items()]
         self._client.log_batch(self.run_id, metrics=metrics)
 
     def close(self) -> None:
         if self._client is not None:
             self._client.set_terminated(self.run_id, status="FINISHED")
-            self._client = None
+            self._client, self._closed = None, True
+
+
+def _closed(sink: object, closed: bool) -> None:
+    """Refuse a record sent to a closed tracker (off rank 0 a sink drops every record)."""
+    if closed:
+        raise ValueError(
+            f"{type(sink).__name__} is closed (its run finished): log before close(), e.g. "
+            "the final evaluation before logger.close()"
+        )
 
 
 GLOBAL_STEP = "train/global_step"  # W&B: the x-axis of every metric (`WandbSink`)
@@ -189,6 +203,7 @@ class WandbSink:
         self.run_id: str | None = None
         self.resumed = False
         self._run: Any = None
+        self._closed = False  # a record after close() would be dropped: it raises instead
         if rank != 0:
             return
         taken = {"id", "resume", "dir", "config", "project"} & set(init_kwargs)
@@ -220,11 +235,14 @@ class WandbSink:
         pass
 
     def log(self, record: Mapping[str, Any]) -> None:
-        if self._run is not None:
-            tags = {_tag(k): v for k, v in _scalars(record).items()}
-            self._run.log({**tags, GLOBAL_STEP: int(record["step"])})
+        step = _step(record)
+        if self._run is None:
+            _closed(self, self._closed)
+            return
+        tags = {_tag(k): v for k, v in _scalars(record).items()}
+        self._run.log({**tags, GLOBAL_STEP: step})
 
     def close(self) -> None:
         if self._run is not None:
             self._run.finish()
-            self._run = None
+            self._run, self._closed = None, True
