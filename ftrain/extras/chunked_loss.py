@@ -50,13 +50,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_enabled: bool = True,
     ) -> torch.Tensor:
         # needs_input_grad stays True under no_grad: the caller says whether grad mode is on.
-        want_grad = grad_enabled and any(ctx.needs_input_grad[:3])
+        # Each gradient only where its input wants one: a frozen head (LoRA) must not cost a
+        # (V, H) float32 buffer and a matmul per chunk.
+        want_h, want_w, want_b = (grad_enabled and n for n in ctx.needs_input_grad[:3])
         # The logits' dtype (float32 for half weights): sums over chunks in bf16 would drift.
         acc = torch.promote_types(weight.dtype, torch.float32)
         total = torch.zeros((), dtype=acc, device=h.device)
-        gh = torch.empty_like(h) if want_grad else None
-        gw = torch.zeros(weight.shape, dtype=acc, device=h.device) if want_grad else None
-        gb = None if bias is None or not want_grad else torch.zeros_like(gw[:, 0])  # type: ignore[index]
+        gh = torch.empty_like(h) if want_h else None
+        gw = torch.zeros(weight.shape, dtype=acc, device=h.device) if want_w else None
+        gb = None
+        if bias is not None and want_b:
+            gb = torch.zeros(weight.shape[0], dtype=acc, device=h.device)
         for start in range(0, h.shape[0], chunk):
             hc, yc = h[start : start + chunk], labels[start : start + chunk]
             # Ignored tokens are masked, not dropped: selecting rows would be a host sync.
@@ -65,23 +69,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
             logits = upcast(F.linear(hc, weight, bias))
             lse = torch.logsumexp(logits, dim=-1)
             total += torch.where(valid, lse - logits.gather(1, yc).squeeze(1), 0.0).sum()
-            if gh is not None and gw is not None:
+            if gh is not None or gw is not None or gb is not None:
                 d = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
                 d.scatter_add_(1, yc, torch.full_like(yc, -1, dtype=d.dtype))
                 d.mul_(valid[:, None])
-                gh[start : start + chunk] = (d.to(weight.dtype) @ weight).to(h.dtype)
-                gw.addmm_(d.T, hc.to(acc))
+                if gh is not None:
+                    gh[start : start + chunk] = (d.to(weight.dtype) @ weight).to(h.dtype)
+                if gw is not None:
+                    gw.addmm_(d.T, hc.to(acc))
                 if gb is not None:
                     gb += d.sum(0)
-        ctx.save_for_backward(*(t for t in (gh, gw, gb) if t is not None))
+        ctx.save_for_backward(gh, gw, gb)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         return total
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        saved = list(ctx.saved_tensors)
-        gh, gw = saved[0] * grad, (saved[1] * grad).to(ctx.dtypes[0])
-        gb = (saved[2] * grad).to(ctx.dtypes[1]) if len(saved) == 3 else None
+        gh, gw, gb = ctx.saved_tensors
+        gh = None if gh is None else gh * grad
+        gw = None if gw is None else (gw * grad).to(ctx.dtypes[0])
+        gb = None if gb is None else (gb * grad).to(ctx.dtypes[1])
         return gh, gw, gb, None, None, None
 
 

@@ -103,6 +103,61 @@ def _trim(new: torch.Tensor, eos: list[int]) -> torch.Tensor:
     return new.masked_fill(after, IGNORE_INDEX)
 
 
+class _StopRecorder:
+    """The caller's stopping criteria, recording where each row first met one of them.
+
+    HF stops a row there but, without an eos criterion, keeps sampling it (and with one fills it
+    with the pad id), so the batch would return tokens the prompt alone never gets."""
+
+    def __init__(self, criteria: Sequence[Any]) -> None:
+        self.criteria = list(criteria)
+        self.ends: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        for criterion in self.criteria:
+            done = done | torch.as_tensor(
+                criterion(input_ids, scores, **kwargs), device=done.device
+            )
+        if self.ends is None:
+            self.ends = torch.full_like(done, torch.iinfo(torch.int64).max, dtype=torch.int64)
+        first = done & (self.ends == torch.iinfo(torch.int64).max)
+        self.ends = torch.where(first, input_ids.shape[1], self.ends)
+        return done
+
+    def trim(self, new: torch.Tensor, width: int) -> torch.Tensor:
+        """Mark the new tokens after each row's stop with -100 (`width`: tokens before them)."""
+        if self.ends is None:
+            return new
+        after = torch.arange(new.shape[1], device=new.device) + width >= self.ends[:, None]
+        return new.masked_fill(after, IGNORE_INDEX)
+
+
+def _stop_criteria(model: nn.Module, kwargs: dict[str, Any], tokenizer: Any) -> list[Any] | None:
+    """The caller's `stopping_criteria` and `stop_strings` (moved out of `kwargs`), or None."""
+    criteria = list(kwargs.pop("stopping_criteria", None) or [])
+    stops = kwargs.pop("stop_strings", None)
+    if _setting(model, kwargs, "stop_strings") is not None:
+        raise ValueError(
+            "generate: the generation_config (passed or the model's) sets stop_strings, whose "
+            "rows could not be trimmed where they stop; pass stop_strings=... to ft.generate "
+            "with tokenizer=... instead"
+        )
+    if stops is not None:
+        if tokenizer is None:
+            raise ValueError("generate: stop_strings=... needs tokenizer=... to find them")
+        from transformers import StopStringCriteria
+
+        criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stops))
+    if criteria and (_setting(model, kwargs, "num_beams") or 1) > 1:
+        raise ValueError(
+            "generate: stopping_criteria or stop_strings with num_beams > 1 is not supported "
+            "(beams are reordered, so where each row stopped is unknown); call model.generate "
+            "yourself"
+        )
+    return criteria or None
+
+
 def generate(
     state: TrainState,
     batches: Iterable[Any],
@@ -138,7 +193,9 @@ def generate(
         gather: gather every rank's rows (a collective); False yields this rank's only.
         strategy: overrides `state.strategy`.
         **generate_kwargs: for `model.generate`, e.g. `max_new_tokens=32, do_sample=False`.
-            `pad_token_id` defaults to the model's, else the tokenizer's. For a decoder-only
+            `pad_token_id` defaults to the model's, else the tokenizer's. `stopping_criteria`
+            and `stop_strings` (with `tokenizer`) end each row where they first hold, as for
+            the prompt alone (HF would go on sampling a stopped row, or pad it). For a decoder-only
             model, `max_length` / `min_length` (which count the left-padded prompt, so the
             longest prompt of a batch would set every row's length) raise unless
             `max_new_tokens` / `min_new_tokens` are set. A `generation_config`
@@ -154,7 +211,9 @@ def generate(
         TypeError: if the model has no `generate`, `generate_kwargs` sets the prompts, or a
             batch is not a dict with `input_ids`.
         ValueError: if no pad token id is known; for a decoder-only model, for `max_length`
-            or `min_length` as above; for a batch holding inputs generation would leave out,
+            or `min_length` as above; for `stop_strings` without `tokenizer` or set in a
+            `generation_config`, and `stopping_criteria` or `stop_strings` with `num_beams` > 1;
+            for a batch holding inputs generation would leave out,
             (decoder-only) prompts that hold their labels, or `input_ids` holding the pad id
             without an `attention_mask` (padding read as prompt text; see `left_pad`).
     """
@@ -171,6 +230,7 @@ def generate(
     if strategy.world_size > 1:
         kwargs.setdefault("synced_gpus", True)
     eos = _eos_ids(model, kwargs)
+    stops = _stop_criteria(model, kwargs, tokenizer)
     enc_dec = getattr(getattr(model, "config", None), "is_encoder_decoder", False) is True
     if not enc_dec:
         _check_lengths(model, kwargs)
@@ -180,7 +240,7 @@ def generate(
             batch, weight = weighted(batch)
             _check_batch(batch, inputs, model, enc_dec)
             batch = strategy.to_device(batch)
-            new = _trim(_new_tokens(generate_fn, batch, pad_id, enc_dec, kwargs), eos)
+            new = _trim(_new_tokens(generate_fn, batch, pad_id, enc_dec, kwargs, stops), eos)
             if gather and strategy.world_size > 1:
                 new = strategy.gather_rows(new[: None if weight else 0])
             elif not weight:
@@ -244,23 +304,37 @@ def _check_batch(batch: Any, taken: frozenset[str], model: nn.Module, enc_dec: b
 
 
 def _new_tokens(
-    generate_fn: Any, batch: Any, pad_id: int, enc_dec: bool, kwargs: dict[str, Any]
+    generate_fn: Any,
+    batch: Any,
+    pad_id: int,
+    enc_dec: bool,
+    kwargs: dict[str, Any],
+    stops: list[Any] | None = None,
 ) -> torch.Tensor:
     """The generated tokens of a batch of prompts, without the prompt.
 
     Decoder-only: prompts left-padded, the output continues them. Encoder-decoder (T5, BART):
     the prompt is the encoder's input (padding either side, masked), the output is the
-    decoder's, which starts with the decoder start token."""
+    decoder's, which starts with the decoder start token. With `stops`, each row ends where one
+    of them first held (-100 after it)."""
+    recorder = None
+    if stops is not None:
+        from transformers import StoppingCriteriaList
+
+        recorder = _StopRecorder(stops)
+        kwargs = {**kwargs, "stopping_criteria": StoppingCriteriaList([recorder])}
     if enc_dec:
         ids, mask = batch["input_ids"], batch.get("attention_mask")
         if mask is None:
             _check_unmasked(ids, pad_id)  # the encoder would attend to the padding
             mask = torch.ones_like(ids)
-        out = generate_fn(input_ids=ids, attention_mask=mask, **kwargs)
-        return getattr(out, "sequences", out)[:, 1:]
-    ids, mask = left_pad(batch["input_ids"], batch.get("attention_mask"), pad_id=pad_id)
+        width = 1  # the decoder start token
+    else:
+        ids, mask = left_pad(batch["input_ids"], batch.get("attention_mask"), pad_id=pad_id)
+        width = ids.shape[1]
     out = generate_fn(input_ids=ids, attention_mask=mask, **kwargs)
-    return getattr(out, "sequences", out)[:, ids.shape[1] :]
+    new = getattr(out, "sequences", out)[:, width:]
+    return new if recorder is None else recorder.trim(new, width)
 
 
 def _set_pad(kwargs: dict[str, Any], pad_id: int) -> None:

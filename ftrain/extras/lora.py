@@ -72,7 +72,11 @@ def apply(
 
     Raises:
         ValueError: for `r` not an int >= 1, `alpha` not a finite number > 0 (`alpha=0` scales
-            every adapter by 0: nothing would ever train), or `dropout` outside [0, 1).
+            every adapter by 0: nothing would ever train), or `dropout` outside [0, 1); for a
+            name in a `targets` list that matches no module (PEFT adapts the others and drops
+            it silently), no linear layer to adapt by default (e.g. GPT-2's `Conv1D` layers:
+            pass `targets`), a `modules_to_save` name that matches no module (PEFT skips it
+            silently), or a model that already holds PEFT adapters.
         ImportError: without peft (`pip install 'ftrain[hf]'`).
     """
     _check_hyperparameters(r, alpha, dropout)
@@ -80,16 +84,72 @@ def apply(
         from peft import LoraConfig, get_peft_model
     except ImportError as e:  # pragma: no cover - peft is part of the hf extra
         raise ImportError("LoRA needs peft: pip install 'ftrain[hf]'") from e
+    _check_model(model)
+    targets = _targets(model, targets)
+    _check_modules_to_save(model, lora_kwargs.get("modules_to_save"))
     config = LoraConfig(
         r=r,
         lora_alpha=alpha,
         lora_dropout=dropout,
-        target_modules=find_all_linear_names(model) if targets is None else targets,
+        target_modules=targets,
         bias=bias,
         task_type=task_type,
         **lora_kwargs,
     )
     return get_peft_model(model, config)
+
+
+def _check_model(model: nn.Module) -> None:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    # get_peft_model on a PEFT model nests a second one inside it, adapting the first one's
+    # own layers (`base_layer`, `default`): two adapter stacks nobody asked for.
+    if hasattr(model, "peft_config") or any(isinstance(m, BaseTunerLayer) for m in model.modules()):
+        raise ValueError(
+            "ft.lora.apply got a model that already holds PEFT adapters; apply LoRA to the "
+            "base model once (add another adapter with model.add_adapter(name, config))"
+        )
+
+
+def _targets(model: nn.Module, targets: list[str] | str | None) -> list[str] | str:
+    """The target modules, checked: PEFT raises only when no target matches, so a misspelt
+    name beside good ones would be dropped without a word."""
+    if targets is None:
+        found = find_all_linear_names(model)
+        if not found:
+            raise ValueError(
+                f"ft.lora.apply found no torch.nn.Linear layer to adapt in "
+                f"{type(model).__name__} (GPT-2 style models use Conv1D): pass targets=[...], "
+                "e.g. targets=['c_attn', 'c_proj', 'c_fc']"
+            )
+        return found
+    if isinstance(targets, str):
+        return targets  # a regular expression over full module names, as PEFT reads it
+    names = [name for name, _ in model.named_modules()]
+    # PEFT's rule for a list: the full name, or its ending after a dot.
+    missing = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if missing:
+        raise ValueError(
+            f"ft.lora.apply targets {missing} match no module of {type(model).__name__} (PEFT "
+            f"would adapt the other targets and drop these silently); choose among "
+            f"find_all_linear_names(model) = {find_all_linear_names(model)}"
+        )
+    return list(targets)
+
+
+def _check_modules_to_save(model: nn.Module, names: Any) -> None:
+    # PEFT wraps the modules whose full name ends with one of these, and skips a name that
+    # matches none without a word: the layer the caller meant to train stays frozen.
+    if not isinstance(names, (list, tuple, set)):
+        return
+    keys = [key for key, _ in model.named_modules(remove_duplicate=False)]
+    missing = [n for n in names if not any(key.endswith(n) for key in keys)]
+    if missing:
+        raise ValueError(
+            f"ft.lora.apply modules_to_save {missing} match no module of "
+            f"{type(model).__name__} (PEFT would leave them out silently, and nothing of them "
+            "would train); name modules by the end of their name, e.g. 'lm_head'"
+        )
 
 
 def _check_hyperparameters(r: Any, alpha: Any, dropout: Any) -> None:

@@ -12,6 +12,7 @@ Formulas follow the papers and TRL 1.16 (`DPOTrainer._compute_loss`, `CPOTrainer
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import numbers
@@ -111,8 +112,8 @@ def ipo_loss(
 ) -> torch.Tensor:
     """IPO (Azar et al. 2023, eq. 17): `((pc - pr) - (rc - rr) - 1 / (2 beta)) ** 2`.
 
-    TRL and the IPO authors use log-probs averaged over response tokens: build the loss with
-    `preference_loss(ipo_loss, average=True)`.
+    TRL and the IPO authors use log-probs averaged over response tokens, which
+    `preference_loss(ipo_loss)` computes by default (`average=False` for the sums).
     """
     _positive("beta", beta)
     _same_shape(
@@ -134,8 +135,8 @@ def simpo_loss(
     """SimPO (Meng et al. 2024, eq. 6): reference-free, on length-averaged log-probs.
 
     `z = beta * (pc - pr) - gamma`; loss `= -(1 - eps) log sigma(z) - eps log sigma(-z)`
-    (TRL's CPOTrainer with `loss_type="simpo"`, `simpo_gamma=gamma`). Use averaged log-probs:
-    `preference_loss(simpo_loss, average=True)`.
+    (TRL's CPOTrainer with `loss_type="simpo"`, `simpo_gamma=gamma`). `preference_loss(simpo_loss)`
+    averages the log-probs by default.
     """
     _positive("beta", beta)
     _smoothing(label_smoothing)
@@ -161,8 +162,8 @@ def orpo_loss(
     With length-averaged log-probs `pc`, `pr` (< 0): `log_odds = (pc - pr) - (log(1 - e^pc) -
     log(1 - e^pr))`; loss `= -pc - beta * log sigma(log_odds)`. The first term is the chosen
     answer's mean token NLL per pair (TRL averages it over all chosen tokens of the batch
-    instead); the second is TRL's `odds_ratio_loss`. Use `preference_loss(orpo_loss,
-    average=True)`.
+    instead); the second is TRL's `odds_ratio_loss`. `preference_loss(orpo_loss)` averages
+    the log-probs by default.
     """
     _positive("beta", beta)
     _same_shape(policy_chosen=policy_chosen, policy_rejected=policy_rejected)
@@ -236,7 +237,7 @@ def preference_loss(
     loss: Callable[..., torch.Tensor],
     *,
     reference: nn.Module | None = None,
-    average: bool = False,
+    average: bool | None = None,
 ) -> LossFn:
     """A `loss_fn(model, batch) -> (loss_sum, num_pairs)` from a pairwise preference loss.
 
@@ -250,11 +251,13 @@ def preference_loss(
         loss: e.g. `functools.partial(ft.preference.dpo_loss, beta=0.1)`.
         reference: a frozen copy of the starting model (used when the batch has no
             precomputed reference log-probs).
-        average: use length-averaged log-probs (IPO, SimPO, ORPO) instead of sums (DPO).
+        average: use length-averaged log-probs instead of sums. None (default): the loss's own
+            convention, averages for `ipo_loss`, `simpo_loss` and `orpo_loss` (TRL's, and
+            the SimPO and ORPO papers'), sums for `dpo_loss` and any other loss.
 
     Raises:
         TypeError: for a `loss` that is not a function, a `reference` that is not a module or
-            an `average` that is not a bool.
+            an `average` that is not a bool or None.
         ValueError: when `reference` is given to a reference-free loss (it would be ignored);
             from the loss_fn, when a loss with a reference gets neither `reference` nor
             precomputed log-probs, when a reference-free loss gets precomputed ones, when
@@ -266,8 +269,14 @@ def preference_loss(
         raise TypeError(f"loss must be a function such as ft.preference.dpo_loss, got {loss!r}")
     if reference is not None and not isinstance(reference, nn.Module):
         raise TypeError(f"reference must be a torch.nn.Module or None, got {reference!r}")
-    if not isinstance(average, bool):
-        raise TypeError(f"average must be True or False, got {average!r}")
+    if average is not None and not isinstance(average, bool):
+        raise TypeError(
+            f"average must be True or False (None: the loss's convention), got {average!r}"
+        )
+    if average is None:
+        # Summed log-probs in SimPO or ORPO make another loss than the paper's, and in IPO
+        # another than TRL's: the default follows each loss's convention.
+        average = _innermost(loss) in (ipo_loss, simpo_loss, orpo_loss)
     needs = _needs_reference(loss)
     if reference is not None and needs is False:
         raise ValueError(
@@ -369,6 +378,12 @@ def _needs_reference(loss: Callable[..., Any]) -> bool | None:
     if len(required) == 4:
         return True
     return False if len(positional) == 2 else None
+
+
+def _innermost(loss: Callable[..., Any]) -> Any:
+    while isinstance(loss, functools.partial):  # partials of partials too
+        loss = loss.func
+    return loss
 
 
 def _name(loss: Callable[..., Any]) -> str:
