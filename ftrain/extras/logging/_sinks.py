@@ -294,18 +294,30 @@ def _scalar(key: str, value: Any) -> float | int | None:
     return value
 
 
-def _scalars(record: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+def _scalars(
+    record: Mapping[str, Any], prefix: str = "", out: dict[str, float] | None = None
+) -> dict[str, float]:
     """Every numeric field of `record` but `step`, as floats (what the trackers log). A nested
     dict's fields are logged under `outer/inner` (`{"tasks": {"a": 0.5}}` as `tasks/a`): they
-    were dropped unseen before, while the JSONL log kept them."""
-    out = {}
+    were dropped unseen before, while the JSONL log kept them.
+
+    Raises:
+        ValueError: when two fields get one name (`"tasks/a"` beside `{"tasks": {"a": ...}}`):
+            the trackers kept one of the values.
+    """
+    out = {} if out is None else out
     for k, v in record.items():
         key = f"{prefix}{k}"
         if isinstance(v, Mapping):
-            out.update(_scalars(v, f"{key}/"))
+            _scalars(v, f"{key}/", out)
             continue
         x = _scalar(key, v) if key != "step" else None
         if x is not None:
+            if key in out:
+                raise ValueError(
+                    f"the record holds two values named {key!r} (a key and a nested dict's "
+                    "field): the trackers would keep one; rename one of them"
+                )
             out[key] = float(x)
     return out
 

@@ -240,6 +240,11 @@ class WandbSink:
             _closed(self, self._closed)
             return
         tags = {_tag(k): v for k, v in _scalars(record).items()}
+        if GLOBAL_STEP in tags:  # the step below would replace its value
+            raise ValueError(
+                f"the record's 'global_step' is logged as {GLOBAL_STEP!r}, the axis WandbSink "
+                "plots every metric against (the record's 'step'); rename it"
+            )
         self._run.log({**tags, GLOBAL_STEP: step})
 
     def close(self) -> None:
