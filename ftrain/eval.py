@@ -15,6 +15,7 @@ from torch import nn
 from ftrain.data import MicroBatches, weighted
 from ftrain.losses import (
     _CAUSAL,
+    _CLASSIFY,
     _SEQ2SEQ,
     IGNORE_INDEX,
     LossFn,
@@ -24,6 +25,7 @@ from ftrain.losses import (
     loss_for,
     loss_name,
     model_logits,
+    padded_as_model,
     upcast,
 )
 from ftrain.state import TrainState
@@ -291,7 +293,9 @@ def classification_metrics(model: nn.Module, batch: Mapping[str, Any]) -> dict[s
             batches (float labels, one output).
     """
     _check_classifier(model)
-    logits, labels = upcast(model_logits(model, batch)), batch["labels"]
+    # The padding the mask declares, in the model's pad id (padded_as_model: a decoder's
+    # sequence classifier finds each row's end by it).
+    logits, labels = upcast(model_logits(model, padded_as_model(model, batch))), batch["labels"]
     if logits.shape[-1] == 1 or labels.is_floating_point() or labels.dtype == torch.bool:
         raise ValueError(
             "classification_metrics needs integer class labels and a head of several classes; "
@@ -327,7 +331,11 @@ def _check_classifier(model: nn.Module) -> None:
 def _default_outputs(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
     if not isinstance(batch, Mapping):
         raise TypeError("predict needs output_fn for batches that are not dicts")
-    out = {"logits": model_logits(model, batch)}
+    try:
+        classifier = _defaults(model)[0] is _CLASSIFY
+    except TypeError:  # a module of your own: run as it comes
+        classifier = False
+    out = {"logits": model_logits(model, padded_as_model(model, batch) if classifier else batch)}
     if "labels" in batch:
         out["labels"] = batch["labels"]
     return out

@@ -23,6 +23,7 @@ __all__ = [
     "IGNORE_INDEX",
     "LossFn",
     "causal_lm_loss",
+    "causal_targets",
     "classification_loss",
     "default_loss",
     "loss_for",
@@ -30,6 +31,7 @@ __all__ = [
     "loss_name",
     "model_inputs",
     "model_logits",
+    "padded_as_model",
     "seq2seq_loss",
     "token_classification_loss",
     "upcast",
@@ -299,17 +301,41 @@ def causal_lm_loss(*, label_smoothing: float = 0.0) -> LossFn:
 
 
 def _causal_pair(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits, targets) of a causal LM batch: the labels shifted left, -100 at the end."""
+    """(logits, targets) of a causal LM batch: `causal_targets(batch)`."""
     if "labels" not in batch:
         raise KeyError("causal_lm_loss needs 'labels' in the batch (use input_ids as labels)")
-    # Position t predicts labels[t + 1]. Shift the labels, not the logits (as HF's
-    # ForCausalLMLoss does): a slice of the logits is copied for the loss, and its gradient
-    # again in the backward; the last position's target is -100 and its gradient exactly 0.
-    # (One pad op: the negative pad drops the first label, the positive one appends -100.)
+    return loss_logits(model, batch), causal_targets(batch)
+
+
+def causal_targets(batch: Mapping[str, Any]) -> torch.Tensor:
+    """The targets a causal LM's logits are scored against: `labels` shifted left (position t
+    predicts `labels[t + 1]`), -100 at the end, and -100 where position t is padding.
+
+    A padding position (`attention_mask` 0) predicts nothing. With left padding the last pad
+    would otherwise be trained to predict the row's first token (HF's `ForCausalLMLoss` counts
+    that target), which the same row never has unpadded or right-padded: the loss and its item
+    count would depend on which rows share the batch. Only a 2-D mask of the labels' shape is
+    read (packed rows carry none).
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> batch = {"labels": torch.tensor([[-100, 5, 6]]),
+        ...          "attention_mask": torch.tensor([[0, 1, 1]])}    # left-padded
+        >>> ft.losses.causal_targets(batch).tolist()    # 5 is not predicted from the pad
+        [[-100, 6, -100]]
+    """
     labels = batch["labels"]
     if labels.shape[-1] == 0:  # nothing to shift (and pad cannot drop from nothing)
-        return loss_logits(model, batch), labels
-    return loss_logits(model, batch), F.pad(labels, (-1, 1), value=IGNORE_INDEX)
+        return labels
+    # Shift the labels, not the logits (as HF's ForCausalLMLoss does): a slice of the logits
+    # is copied for the loss, and its gradient again in the backward; the last position's
+    # target is -100 and its gradient exactly 0. (One pad op: the negative pad drops the first
+    # label, the positive one appends -100.)
+    targets = F.pad(labels, (-1, 1), value=IGNORE_INDEX)
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.shape == labels.shape:
+        targets = targets.masked_fill(mask == 0, IGNORE_INDEX)
+    return targets
 
 
 def classification_loss(*, label_smoothing: float = 0.0) -> LossFn:
@@ -334,7 +360,7 @@ def classification_loss(*, label_smoothing: float = 0.0) -> LossFn:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
 
     def loss_fn(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = loss_logits(model, batch)
+        logits = loss_logits(model, padded_as_model(model, batch))
         labels = batch["labels"]
         kind = _problem_type(model, logits, labels)
         if kind == "single_label_classification":
@@ -374,6 +400,42 @@ def classification_loss(*, label_smoothing: float = 0.0) -> LossFn:
         return loss, torch.tensor(target.numel(), device=target.device)
 
     return loss_fn
+
+
+def padded_as_model(model: nn.Module, batch: Any) -> Any:
+    """`batch` with its padding (`attention_mask` 0) in `input_ids` set to the model's pad id.
+
+    A decoder's `*ForSequenceClassification` (Llama, GPT-2, Qwen, ...) reads the row's last
+    token that is not `config.pad_token_id`, not the attention mask: rows padded with another
+    id (`pad_collate()`'s default 0, `make_batches`' default collate) were classified from a
+    padding position, silently. `classification_loss`, `ft.classification_metrics` and
+    `ft.predict` (for sequence classifiers) run the model on this batch, so the padding the
+    mask declares is padding to the model too. Unchanged without a pad id, an `input_ids` and
+    2-D `attention_mask` of one shape, or padding.
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> from transformers import LlamaConfig, LlamaForSequenceClassification
+        >>> m = LlamaForSequenceClassification(LlamaConfig(
+        ...     vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+        ...     num_attention_heads=2, pad_token_id=2))
+        >>> b = {"input_ids": torch.tensor([[5, 6, 0]]),
+        ...      "attention_mask": torch.tensor([[1, 1, 0]])}
+        >>> ft.losses.padded_as_model(m, b)["input_ids"].tolist()
+        [[5, 6, 2]]
+    """
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+    mask = batch.get("attention_mask") if ids is not None else None
+    if not isinstance(ids, torch.Tensor) or not isinstance(mask, torch.Tensor):
+        return batch
+    if ids.dim() != 2 or mask.shape != ids.shape:
+        return batch
+    cfg = _config(model)
+    text = getattr(cfg, "get_text_config", None)
+    pad = getattr(text() if callable(text) else cfg, "pad_token_id", None)
+    if not isinstance(pad, int) or isinstance(pad, bool):
+        return batch
+    return {**batch, "input_ids": ids.masked_fill(mask == 0, pad)}
 
 
 _PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
@@ -643,7 +705,9 @@ def _label_items(batch: Any, *, shift: bool) -> torch.Tensor | None:
     labels = batch.get("labels") if isinstance(batch, Mapping) else None
     if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
         return None
-    return ((labels[:, 1:] if shift else labels) != IGNORE_INDEX).sum()
+    if shift:  # as `causal_targets` counts them: no target predicted from a padding position
+        return (causal_targets(batch) != IGNORE_INDEX).sum()
+    return (labels != IGNORE_INDEX).sum()
 
 
 def _causal_sum(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -155,6 +155,8 @@ def pack_examples(
 ) -> list[dict[str, list[int]]]:
     """Concatenate encoded rows, in order, into rows of at most `max_length` tokens.
 
+    Rows are unpadded examples: one whose `attention_mask` marks padding raises (its padding
+    would be packed as tokens); the fields other than `input_ids` and `labels` are not kept.
     An example is never split across packed rows: one that does not fit in the current row
     starts the next; one longer than `max_length` is cut to `max_length` (the end is lost), and
     a `UserWarning` says how many of how many examples were cut (never silently).
@@ -182,6 +184,13 @@ def pack_examples(
             raise ValueError(
                 f"row {seen - 1}: input_ids ({len(row['input_ids'])} tokens) and labels "
                 f"({len(row['labels'])}) differ in length"
+            )
+        mask = row.get("attention_mask")
+        if mask is not None and 0 in list(mask):  # packed, its padding would be content
+            raise ValueError(
+                f"row {seen - 1}: its attention_mask marks padding, which pack_examples would "
+                "pack as tokens (it keeps input_ids and labels only): encode the examples "
+                "unpadded (tokenizer(..., padding=False)) before packing"
             )
         ids, labels = list(row["input_ids"])[:max_length], list(row["labels"])[:max_length]
         if not ids:
