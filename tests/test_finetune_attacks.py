@@ -101,3 +101,21 @@ def test_pack_examples_refuses_padded_rows():
         ft.data.pack_examples([row], max_length=8)
     unpadded = {"input_ids": [5, 6], "attention_mask": [1, 1], "labels": [5, 6]}
     assert ft.data.pack_examples([unpadded], max_length=8)[0]["input_ids"] == [5, 6]
+
+
+def test_left_padding_refuses_seq2seq_targets():
+    # Left-padded labels put padding between the decoder's start token and its target: a T5
+    # row's loss changed with the rows padded beside it (23.08 against 23.41 alone).
+    rows = [
+        {"input_ids": [5, 6, 7, 8, 1], "labels": [9, 10, 11, 1]},
+        {"input_ids": [12, 13, 1], "labels": [14, 1]},
+    ]
+    with pytest.raises(ValueError, match="padding_side='left', but row 0's labels"):
+        ft.pad_collate(padding_side="left")(rows)
+    right = ft.pad_collate()(rows)  # the right way still pads them
+    assert right["labels"].tolist() == [[9, 10, 11, 1], [14, 1, -100, -100]]
+    # One label per token (causal LM, token classification) and one per row still left-pad.
+    left = ft.pad_collate(padding_side="left")
+    assert left(ROWS)["labels"].tolist()[1] == [-100, -100, 10, 11, 12]
+    rows = [{"input_ids": [1, 2, 3], "labels": 0}, {"input_ids": [4], "labels": 1}]
+    assert left(rows)["labels"].tolist() == [0, 1]

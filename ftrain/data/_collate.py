@@ -37,7 +37,8 @@ def pad_collate(
     Args:
         pad_id: padding token id for `input_ids`.
         label_pad_id: padding for `labels`; -100 is ignored by the losses.
-        padding_side: "right" or "left".
+        padding_side: "right" or "left"; left raises for `labels` that are not one per input
+            token (a seq2seq target: its decoder would read the padding).
         pad_to_multiple_of: round the padded length up to a multiple of this.
         attention_mask: create a mask for rows without one (off for packed rows, whose
             example boundaries HF models read from `position_ids`: rows whose `position_ids`
@@ -61,6 +62,8 @@ def pad_collate(
             raise ValueError("cannot collate an empty list of rows")
         if not isinstance(rows[0], Mapping):
             return torch.utils.data.default_collate(rows)
+        if padding_side == "left":
+            _refuse_left_padded_targets(rows)
         out: dict[str, Any] = {}
         for key in rows[0]:
             out[key] = _column(rows, key, pads.get(key, 0), padding_side, pad_to_multiple_of)
@@ -79,6 +82,31 @@ def pad_collate(
         return out
 
     return collate
+
+
+def _refuse_left_padded_targets(rows: list[Any]) -> None:
+    """Refuse to left-pad `labels` that are a sequence of their own (a seq2seq target, not one
+    label per input token): the decoder would read padding before its start token, and the
+    loss of a row would depend on the rows padded with it."""
+    lengths = [_length(r.get("labels")) if isinstance(r, Mapping) else None for r in rows]
+    if None in lengths or len(set(lengths)) < 2:
+        return  # no sequence labels, or none padded
+    for i, row in enumerate(rows):
+        if lengths[i] != _length(row.get("input_ids")):
+            raise ValueError(
+                f"collate: padding_side='left', but row {i}'s labels ({lengths[i]} tokens) are "
+                f"not one per input token ({_length(row.get('input_ids'))}): a decoder's "
+                "target, which left padding would start with padding the decoder reads. Pad "
+                "seq2seq batches with padding_side='right' (the encoder's padding is masked)"
+            )
+
+
+def _length(value: Any) -> int | None:
+    """The length of a sequence field (None for a scalar or a missing one)."""
+    if value is None or _is_text(value):
+        return None
+    t = torch.as_tensor(value)
+    return int(t.shape[0]) if t.dim() > 0 else None
 
 
 def _refuse_packed(rows: list[Any]) -> None:
