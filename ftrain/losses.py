@@ -524,6 +524,15 @@ def token_classification_loss(*, label_smoothing: float = 0.0) -> LossFn:
 def _token_pair(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     if "labels" not in batch:
         raise KeyError("token_classification_loss needs 'labels' in the batch")
+    if "position_ids" in batch and not _masked(batch):
+        # ft.data.pack_examples makes every example's first label -100 (nothing predicts it
+        # under a causal shift): a tagger would lose one label per example.
+        raise ValueError(
+            "token_classification_loss got packed rows (position_ids and no attention_mask): "
+            "packing marks each example's first label -100 for a causal LM's shift, so a "
+            "token classifier would lose one label per example; pad its rows instead "
+            "(make_batches' default collate)"
+        )
     return loss_logits(model, batch), batch["labels"]
 
 

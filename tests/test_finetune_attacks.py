@@ -119,3 +119,39 @@ def test_left_padding_refuses_seq2seq_targets():
     assert left(ROWS)["labels"].tolist()[1] == [-100, -100, 10, 11, 12]
     rows = [{"input_ids": [1, 2, 3], "labels": 0}, {"input_ids": [4], "labels": 1}]
     assert left(rows)["labels"].tolist() == [0, 1]
+
+
+def test_the_chunked_loss_and_multiple_choice_scores_agree_with_causal_lm_loss_on_left_padding():
+    # Both shifted the labels themselves and kept the target the last left pad predicts (the
+    # row's first token): on left-padded batches they counted one item per padded row more than
+    # causal_lm_loss, and the chunked loss trained a different objective.
+    from ftrain.extras.chunked_loss import chunked_causal_lm_loss
+    from ftrain.extras.generation import multiple_choice_metrics
+
+    model = _llama("LlamaForCausalLM", pad_token_id=0)
+    batch = ft.pad_collate(padding_side="left")(ROWS)
+    with torch.no_grad():
+        ref, ref_n = default_loss(model, batch)
+        loss, n = chunked_causal_lm_loss(chunk_size=3)(model, batch)
+        rows = [{"input_ids": [5, 6, 7, 8], "labels": [-100, -100, -100, 8]},
+                {"input_ids": [10, 11, 9], "labels": [-100, -100, 9]}]  # fmt: skip
+        left = ft.pad_collate(padding_side="left")(rows)
+        mc = multiple_choice_metrics(choice_ids=[8, 9])(model, left)
+        mc_ref, mc_n = default_loss(model, left)
+    assert int(n) == int(ref_n) == 6
+    assert float(loss) == pytest.approx(float(ref), rel=1e-5)
+    assert int(mc["loss"][1]) == int(mc_n) == 2
+    assert float(mc["loss"][0]) == pytest.approx(float(mc_ref), rel=1e-5)
+
+
+def test_token_classification_loss_refuses_packed_rows():
+    # pack_examples marks every example's first label -100 (for a causal shift): a tagger lost
+    # one label per example without a word.
+    model = _llama("LlamaForTokenClassification", pad_token_id=0, num_labels=3)
+    rows = [{"input_ids": [5, 6, 7], "labels": [0, 1, 2]}, {"input_ids": [8, 9], "labels": [1, 1]}]
+    packed = ft.sft.packed_collate(pad_id=0)(ft.data.pack_examples(rows, max_length=5))
+    with pytest.raises(ValueError, match="token_classification_loss got packed rows"):
+        ft.losses.token_classification_loss()(model, packed)
+    padded = ft.pad_collate()(rows)  # padded rows keep every label
+    _, n = ft.losses.token_classification_loss()(model, padded)
+    assert int(n) == 5

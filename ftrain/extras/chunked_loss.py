@@ -19,6 +19,7 @@ from ftrain.losses import (
     IGNORE_INDEX,
     LossFn,
     causal_lm_loss,
+    causal_targets,
     loss_for,
     loss_logits,
     loss_name,
@@ -277,7 +278,9 @@ def chunked_causal_lm_loss(
                 f"the head's input {tuple(hidden.shape[:-1])} (batch, tokens); give each token "
                 "one label (-100 to ignore it)"
             )
-        hidden, labels = hidden[:, :-1], labels[:, 1:].reshape(-1)
+        # The targets of causal_lm_loss (a padding position predicts nothing), whose last
+        # column is -100: the last position's hidden state costs one ignored row per sequence.
+        labels = causal_targets(batch).reshape(-1)
         h = hidden.reshape(-1, hidden.shape[-1])
         use = _lce_kernels.pick(kernel, h, weight, bias)  # type: ignore[arg-type]
         if use == "torch":

@@ -21,7 +21,7 @@ from torch import nn
 
 from ftrain.data import weighted
 from ftrain.eval import MetricsFn, eval_mode, flatten_batches
-from ftrain.losses import IGNORE_INDEX, model_logits, upcast
+from ftrain.losses import IGNORE_INDEX, causal_targets, model_logits, upcast
 from ftrain.state import TrainState
 from ftrain.strategies import Strategy
 
@@ -403,11 +403,11 @@ def multiple_choice_metrics(
             )
         pred = choices[logits[rows, pos - 1][:, choices].argmax(-1)]
         correct = (pred == ref) & answered
+        targets = causal_targets(batch)  # causal_lm_loss's: a padding position predicts nothing
         loss = F.cross_entropy(
-            logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        )  # fmt: skip
-        out = {"loss": (loss, (labels[:, 1:] != IGNORE_INDEX).sum())}
+            logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        out = {"loss": (loss, (targets != IGNORE_INDEX).sum())}
         out["accuracy"] = (correct.sum(), answered.sum())
         if names:
             if "subject" not in batch:
