@@ -420,6 +420,28 @@ def cosine_warmup_with_min_lr(
     )
 
 
+def _wsd_stable_steps(warmup: int, decay: int, total: int | None, stable: int | None) -> int:
+    """The stable phase's length: `stable` if given (it must agree with `total` when both are
+    given: HF only warns and ignores `total`), else what `total` leaves after the other phases."""
+    if stable is not None:
+        _check_steps(num_stable_steps=stable)
+        if total is not None and warmup + stable + decay != total:
+            raise ValueError(
+                f"total_steps ({total}) != warmup_steps ({warmup}) + num_stable_steps ({stable}) "
+                f"+ num_decay_steps ({decay}): pass one of total_steps and num_stable_steps, "
+                "or values that agree"
+            )
+        return stable
+    if total is None:
+        raise ValueError("warmup_stable_decay needs total_steps or num_stable_steps")
+    if total - warmup - decay < 0:
+        raise ValueError(
+            f"total_steps ({total}) < warmup_steps ({warmup}) + num_decay_steps "
+            f"({decay}): no room for the phases"
+        )
+    return total - warmup - decay
+
+
 def warmup_stable_decay(
     peak_lr: float,
     warmup_steps: int,
@@ -434,19 +456,16 @@ def warmup_stable_decay(
 ) -> Schedule:
     """Warmup, a stable phase at `peak_lr`, then a decay to `min_lr_ratio * peak_lr`
     (HF "warmup_stable_decay"); the stable phase lasts `num_stable_steps`, or what remains of
-    `total_steps`."""
+    `total_steps`.
+
+    Raises:
+        ValueError: if both `total_steps` and `num_stable_steps` are given and
+            `warmup_steps + num_stable_steps + num_decay_steps != total_steps` (HF warns and
+            keeps `num_stable_steps`; one of the two would be ignored).
+    """
     _check_common(peak_lr, warmup_steps, total_steps)
     _check_steps(num_decay_steps=num_decay_steps)
-    if num_stable_steps is None:
-        if total_steps is None:
-            raise ValueError("warmup_stable_decay needs total_steps or num_stable_steps")
-        num_stable_steps = total_steps - warmup_steps - num_decay_steps
-        if num_stable_steps < 0:
-            raise ValueError(
-                f"total_steps ({total_steps}) < warmup_steps ({warmup_steps}) + num_decay_steps "
-                f"({num_decay_steps}): no room for the phases"
-            )
-    _check_steps(num_stable_steps=num_stable_steps)
+    stable = _wsd_stable_steps(warmup_steps, num_decay_steps, total_steps, num_stable_steps)
     _check_nonnegative(num_cycles=num_cycles)
     if not (_is_number(min_lr_ratio) and 0 <= min_lr_ratio <= 1):
         raise ValueError(f"min_lr_ratio must be a number in [0, 1], got {min_lr_ratio!r}")
@@ -459,7 +478,7 @@ def warmup_stable_decay(
         _f_wsd,
         {
             "warmup_steps": warmup_steps,
-            "stable_steps": num_stable_steps,
+            "stable_steps": stable,
             "decay_steps": num_decay_steps,
             "warmup_type": warmup_type,
             "decay_type": decay_type,

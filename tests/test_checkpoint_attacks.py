@@ -362,3 +362,54 @@ def test_mode_max_without_best_metric_is_refused(tmp_path):
     with pytest.raises(ValueError, match="mode='max' needs best_metric"):
         ray_ft.checkpoint_config(keep_last=2, mode="max")
     ft.save_checkpoint(state, tmp_path, mode="max", best_metric="acc", metrics={"acc": 1.0})
+
+
+# --- another precision on resume ---------------------------------------------------------------
+
+
+def _in(precision: Any) -> ft.TrainState:
+    return _state(strategy=ft.strategies.SingleDevice("cpu", precision=precision))
+
+
+_FP16 = ft.precision.Precision(torch.float16, ft.precision.LossScaling(init_scale=8.0))
+
+
+@pytest.mark.parametrize(("saved", "loaded"), [(_FP16, "fp32"), (_FP16, "bf16"), ("bf16", _FP16)])
+def test_another_precision_drops_or_restarts_the_loss_scale_as_documented(tmp_path, saved, loaded):
+    """docs/checkpoints.md: a run may change precision on resume. Without loss scaling the saved
+    scale goes (it means nothing there); with it, a checkpoint without one starts from
+    init_scale, as a fresh fp16 run does. Everything else loads."""
+    state = _in(saved).replace(step=5)
+    if state.scaler.scale is not None:  # a scale and tracker a fresh state would not have
+        tracker = torch.tensor(3, dtype=torch.int32)
+        state = state.replace(
+            scaler=state.scaler.replace(scale=torch.tensor(2.0), growth_tracker=tracker)
+        )
+    with torch.no_grad():
+        state.params["0.weight"].add_(1.0)
+    resumed = ft.load_checkpoint(ft.save_checkpoint(state, tmp_path), _in(loaded))
+    assert resumed.step == 5
+    assert torch.equal(resumed.params["0.weight"], state.params["0.weight"])
+    if loaded is _FP16:
+        assert float(resumed.scaler.scale) == 8.0 and int(resumed.scaler.growth_tracker) == 0
+    else:
+        assert resumed.scaler.scale is None and resumed.scaler.growth_tracker is None
+    x = torch.randn(2, 3)
+    grads, stats = ft.accumulate_grads(resumed, [x], lambda m, b: (m(b).pow(2).sum(), 2))
+    ft.clip_and_step(resumed, grads, lr=0.1, stats=stats)  # the scaler fits the strategy
+
+
+@pytest.mark.parametrize("kept", ["scaler.scale", "scaler.growth_tracker"])
+@pytest.mark.parametrize("how", ["null", "absent"])
+def test_half_a_loss_scale_is_refused(tmp_path, kept, how):
+    """A save writes the scale and its growth tracker together; one without the other loaded
+    the scale with a fresh tracker (or the reverse) without a word."""
+    path = ft.save_checkpoint(_in(_FP16), tmp_path)
+    other = next(n for n in ("scaler.scale", "scaler.growth_tracker") if n != kept)
+    edit_state_json(
+        path,
+        lambda m: m["fields"].pop(other) if how == "absent" else m["fields"].update({other: None}),
+    )
+    for precision in (_FP16, "fp32"):
+        with pytest.raises(ft.CheckpointError, match=rf"'{kept}' is saved without '{other}'"):
+            ft.load_checkpoint(path, _in(precision))

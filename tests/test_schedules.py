@@ -42,7 +42,8 @@ SPECIFIC = {
 def _hf_lrs(name, warmup, total, kw, peak, n):
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak)
     with warnings.catch_warnings():
-        # HF warns when WSD gets both num_training_steps and num_stable_steps (the latter wins).
+        # HF warns whenever WSD gets both num_training_steps and num_stable_steps, even when they
+        # agree (the latter wins); ftrain raises when they disagree, so CASES make them agree.
         warnings.filterwarnings("ignore", "Both num_training_steps", UserWarning)
         sched = get_scheduler(
             name,
@@ -69,8 +70,16 @@ def _defined(name, kw, warmup, total):
     return not (name == "polynomial" and warmup == total)
 
 
+def _total(kw, warmup, total):
+    """WSD with num_stable_steps fixes the total: warmup + stable + decay (a disagreeing
+    total_steps raises, test_wsd_total_and_stable_steps_must_agree)."""
+    if "num_stable_steps" in kw:
+        return warmup + kw["num_stable_steps"] + kw["num_decay_steps"]
+    return total
+
+
 CASES = [
-    (n, k, w, t)
+    (n, k, w, _total(k, w, t))
     for n, ks in SPECIFIC.items()
     for k in ks
     for w, t in SETTINGS
@@ -91,6 +100,28 @@ def test_equals_transformers_get_scheduler_at_every_step(name, kw, warmup, total
     assert ft.schedule_lr(
         n - 1, name=name, peak_lr=peak, warmup_steps=warmup, total_steps=total, **kw
     ) == pytest.approx(hf[-1], rel=1e-12, abs=1e-18)
+
+
+def test_wsd_total_and_stable_steps_must_agree():
+    # HF only warns and keeps num_stable_steps, so a disagreeing total_steps was ignored.
+    wsd = ft.schedules.warmup_stable_decay
+    for name in ("total_steps", "num_stable_steps"):
+        with pytest.raises(ValueError, match=name):
+            wsd(1.0, 2, 10, num_decay_steps=3, num_stable_steps=4)
+    with pytest.raises(ValueError, match=r"total_steps \(10\) != .* num_stable_steps \(6\)"):
+        ft.schedules.from_name(
+            "warmup_stable_decay",
+            peak_lr=1.0,
+            warmup_steps=2,
+            total_steps=10,
+            num_decay_steps=3,
+            num_stable_steps=6,
+        )
+    both = wsd(1.0, 2, 10, num_decay_steps=3, num_stable_steps=5)
+    only_total = wsd(1.0, 2, 10, num_decay_steps=3)
+    only_stable = wsd(1.0, 2, num_decay_steps=3, num_stable_steps=5)
+    for s in range(14):
+        assert both(s) == only_total(s) == only_stable(s)
 
 
 def test_named_factories_and_step_zero():

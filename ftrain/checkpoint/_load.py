@@ -108,6 +108,11 @@ def load_checkpoint(
     strategy). Parameters, buffers and optimizer state are copied into its tensors and the
     counters are replaced; frozen parameters keep their values. `state` is consumed.
 
+    The strategy's precision may differ from the saving run's (fp16 to bf16 on new hardware):
+    a state without loss scaling drops the checkpoint's loss scale, and an fp16 state loading
+    a checkpoint without one starts from its `LossScaling.init_scale`, as a fresh run does.
+    Such a resume is not bit-exact; the checkpoint does not record the precision.
+
     Args:
         path: a `root/step-<N>` directory, e.g. from `latest_checkpoint`.
         state: the freshly created state to load into.
@@ -124,7 +129,8 @@ def load_checkpoint(
             parameter and optimizer-state difference.
         ValueError: inside `ft.optim.swap_ema(state)` (load before or after the block).
 
-        CheckpointError: when the checkpoint is incomplete, corrupted or not a checkpoint.
+        CheckpointError: when the checkpoint is incomplete, corrupted or not a checkpoint
+            (a loss scale saved without its growth tracker included).
 
     A checkpoint written with one number of data-parallel ranks loads with another, whole
     (DDP, one process) or sharded (FSDP) either way: torch.distributed.checkpoint reshards.
@@ -668,6 +674,7 @@ def _fields(meta: dict[str, Any], state: TrainState) -> tuple[dict[str, Any], li
     out: dict[str, Any] = {}
     diffs: list[str] = []
     saved = meta["fields"]
+    _check_scaler_pair(saved)
     hints = field_hints(type(state))
     for name, current in L.leaves(state).items():
         if name not in saved:
@@ -676,7 +683,8 @@ def _fields(meta: dict[str, Any], state: TrainState) -> tuple[dict[str, Any], li
         malformed = CheckpointError(f"state field {name!r} is malformed: {value!r}")
         if hint == "tensor?" and (value is None or current is None):
             # e.g. the float16 loss scale, saved by an fp16 run and resumed in bf16 or the
-            # other way round: the new run keeps its own (fresh) value.
+            # other way round (a documented change of precision, docs/checkpoints.md): the new
+            # run keeps its own value, None or a fresh init_scale.
             if value is not None and not is_saved_tensor(value):
                 raise malformed
             continue
@@ -698,3 +706,16 @@ def _fields(meta: dict[str, Any], state: TrainState) -> tuple[dict[str, Any], li
         else:
             raise malformed
     return L.with_leaves(state, out), diffs
+
+
+def _check_scaler_pair(saved: dict[str, Any]) -> None:
+    """Refuse a loss scale saved without its growth tracker or the reverse: a save writes both
+    or neither, and half would resume a scale with a fresh tracker (or none at all)."""
+    names = ("scaler.scale", "scaler.growth_tracker")
+    present = [saved.get(n) is not None for n in names]
+    if present[0] != present[1]:
+        has, lacks = names if present[0] else names[::-1]
+        raise CheckpointError(
+            f"state field {has!r} is saved without {lacks!r}: a save writes both or neither "
+            "(a forged or edited state.json)"
+        )
