@@ -334,7 +334,7 @@ def causal_targets(batch: Mapping[str, Any]) -> torch.Tensor:
     targets = F.pad(labels, (-1, 1), value=IGNORE_INDEX)
     mask = batch.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.shape == labels.shape:
-        targets = targets.masked_fill(mask == 0, IGNORE_INDEX)
+        targets.masked_fill_(mask == 0, IGNORE_INDEX)  # in place: the pad made a new tensor
     return targets
 
 
