@@ -191,13 +191,20 @@ def test_wandb_sink_offline_run_files_hold_config_once_and_every_metric(tmp_path
 
 def test_wandb_sink_keeps_the_steps_a_rollback_makes_again(tmp_path, monkeypatch):
     """W&B drops a record whose `step=` is below one already logged (with a warning of its
-    own): the steps after a guard rollback were lost until training passed the undone ones."""
+    own): the steps after a guard rollback were lost until training passed the undone ones.
+    (One offline run, ~10 s to start here, also holds two refusals: a record's `global_step`
+    became `train/global_step`, overwritten by the step; a record sent after close() was
+    dropped without an error.)"""
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     sink = ft.logging.WandbSink(tmp_path / "run", project="t")
+    with pytest.raises(ValueError, match="'global_step' is logged as 'train/global_step'"):
+        sink.log({"step": 1, "global_step": 7})
     for step, loss in [(1, 3.0), (2, 2.0), (3, 9.0), (2, 2.5), (3, 1.5)]:  # rolled back to 1
         sink.log({"step": step, "loss": loss})
     sink.close()
+    with pytest.raises(ValueError, match="WandbSink is closed"):
+        sink.log({"step": 4, "eval_loss": 1.0})
     (path,) = (tmp_path / "run").glob("wandb/offline-run-*/run-*.wandb")
     got = []
     for rec in _finished_records(path):
