@@ -169,7 +169,8 @@ def train_and_export(args, model, optimizer, strategy, train, val) -> float:
         raise ValueError(f"--batch-size {args.batch_size} is not divisible by {world} ranks")
     batch_size = args.batch_size // world  # per rank: the global batch stays the same
     lr = ft.schedules.cosine_with_min_lr(1e-3, 100, args.max_iters, min_lr=1e-4)
-    if args.out and (ckpt := ft.latest_checkpoint(args.out)) is not None:
+    # strategy=: every rank found the same checkpoint, or none (node-local folders raise)
+    if args.out and (ckpt := ft.latest_checkpoint(args.out, strategy=state.strategy)):
         state = ft.load_checkpoint(ckpt, state)
         if state.seed != args.seed:  # the checkpoint's seed orders the data: --seed would not act
             raise ValueError(

@@ -19,7 +19,9 @@ def test_ranks_that_see_different_checkpoints_all_refuse_to_resume(tmp_path):
     """Node-local run folders: each rank would resume from its own copy (another step, other
     parameters) and train on silently. The ranks compare the step and the checkpoint's digest
     in one all-reduce at load, and every rank raises CheckpointError when they differ; ranks
-    that read equal copies resume."""
+    that read equal copies resume. `latest_checkpoint(root, strategy=...)` refuses on every
+    rank when one found no checkpoint (it would skip the load and start afresh) or the steps
+    differ."""
     script = Path(__file__).parent / "workers" / "ckpt_ranks_child.py"
     port, procs = _free_port(), []
     for rank in (0, 1):
@@ -44,3 +46,12 @@ def test_ranks_that_see_different_checkpoints_all_refuse_to_resume(tmp_path):
         for case in ("step differs", "parameters differ"):
             assert lines[case].startswith("refused: the 2 ranks opened different checkpoints"), out
         assert f"step {5 + rank}" in lines["step differs"], out
+        # latest_checkpoint(strategy=...): the ranks agree on what they found, or all refuse.
+        assert lines["latest agrees"] == "found step-5", out
+        assert lines["latest on no rank"] == "found None", out
+        assert lines["latest on one rank"].startswith("refused: 1 of 2 ranks found a checkpoint")
+        this = "step-5" if rank == 0 else "none"
+        assert f"(this rank: {this})" in lines["latest on one rank"], out
+        assert lines["latest step differs"].startswith(
+            "refused: the 2 ranks found checkpoints of different steps"
+        ), out

@@ -92,7 +92,8 @@ def main(
         ft.strategies.on_preemption() as preempt,  # SIGTERM (k8s, torchrun), SIGUSR1 (SLURM)
     ):
         state = build(strategy)
-        if (ckpt := ft.latest_checkpoint(args.run_dir)) is not None:  # committed ones only
+        # Committed ones only, and the same on every rank (a node-local folder raises).
+        if (ckpt := ft.latest_checkpoint(args.run_dir, strategy=strategy)) is not None:
             state = ft.load_checkpoint(ckpt, state)
         start = state.step
 

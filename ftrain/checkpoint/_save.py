@@ -629,7 +629,9 @@ def _check_save_args(state: Any, root: Any, metrics: Any, best_metric: Any, **fl
             raise TypeError(f"{name} must be True or False, got {flag!r}")
 
 
-def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
+def latest_checkpoint(
+    root: str | os.PathLike[str], *, strategy: Strategy | None = None
+) -> Path | None:
     """Return the most recently committed checkpoint under `root`, or None.
 
     In a run that never went back this is the one with the highest step. After a rollback
@@ -638,23 +640,81 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     commit marker (a save cut short) are ignored. A background save of this process into
     `root` still in flight is waited for: it is the newest (and its error is raised).
 
+    Without `strategy` it reads the folder of the process that calls it and talks to no other
+    rank. With one, every rank (every process, under tensor parallelism) must call it: one small
+    all-reduce checks that all of them found a checkpoint of the same step, or none. A rank
+    whose folder holds none (node-local run folders, a copy lagging behind) would otherwise
+    skip `load_checkpoint` and start afresh while the others resume, and its next collective
+    would meet theirs (gloo aborts, NCCL may hang).
+
+    Args:
+        root: the run folder that `save_checkpoint` writes into.
+        strategy: the run's strategy, to agree across ranks (a host sync, once).
+
     Raises:
         ValueError: if `root` is itself a checkpoint (it holds a `state.json` or a commit
             marker): the run would otherwise start afresh. Pass its parent, or load it.
-        CheckpointError: the failure of a background save (see `save_checkpoint`).
+        CheckpointError: the failure of a background save (see `save_checkpoint`); with
+            `strategy`, on every rank, when the ranks found checkpoints of different steps or
+            some found none.
 
     Example:
         >>> import ftrain as ft
         >>> ft.latest_checkpoint("/nonexistent/run") is None
         True
     """
-    raise_pending_save_error()
-    _check_root(root)
-    _check_run_folder(Path(root), "or load it directly with load_checkpoint(path, state)")
-    if _in_flight_into(Path(root)):  # else: the checkpoint before the one this process saved
-        wait_for_checkpoint()
-    found = committed(Path(root))
-    return found[-1][1] if found else None
+    if strategy is not None and not isinstance(strategy, Strategy):
+        raise TypeError(f"strategy must be an ft.strategies.Strategy or None, got {strategy!r}")
+    found: list[tuple[int, Path]] = []
+    try:
+        raise_pending_save_error()
+        _check_root(root)
+        _check_run_folder(Path(root), "or load it directly with load_checkpoint(path, state)")
+        if _in_flight_into(Path(root)):  # else: the checkpoint before this process's save
+            wait_for_checkpoint()
+        found = committed(Path(root))
+    except Exception:
+        if strategy is not None:  # the other ranks wait in the all-reduce: meet them there
+            _agree_on_latest(None, strategy, root, failed=True)
+        raise
+    latest = found[-1] if found else None
+    if strategy is not None:
+        _agree_on_latest(latest, strategy, root)
+    return latest[1] if latest else None
+
+
+def _agree_on_latest(
+    latest: tuple[int, Path] | None, strategy: Strategy, root: Any, *, failed: bool = False
+) -> None:
+    """Raise `CheckpointError` on every rank unless all found a checkpoint of one step, or
+    none. The step's 24-bit pieces and their squares are summed: equal on every rank iff
+    n * sum(x^2) == sum(x)^2."""
+    step = latest[0] if latest else 0
+    pieces = [(step >> 24) & 0xFFFFFF, step & 0xFFFFFF]
+    flat = [1, int(failed), int(latest is not None), *pieces, *(x * x for x in pieces)]
+    local = torch.tensor(flat, dtype=torch.int64, device=strategy.device)
+    ranks, failures, found, *rest = strategy.sum_over_processes(local).tolist()
+    if failed:
+        return  # this rank raises its own error
+    where = f"{latest[1].name}" if latest else "none"
+    if failures:
+        raise CheckpointError(
+            f"{failures} of {ranks} ranks failed to look for a checkpoint under {root}; see "
+            "their errors"
+        )
+    if found not in (0, ranks):
+        raise CheckpointError(
+            f"{found} of {ranks} ranks found a checkpoint under {root} (this rank: {where}): a "
+            "rank without one would start afresh while the others resume; give every rank the "
+            "same run folder (shared storage)"
+        )
+    sums, squares = rest[:2], rest[2:]
+    if any(ranks * q != t * t for t, q in zip(sums, squares, strict=True)):
+        raise CheckpointError(
+            f"the {ranks} ranks found checkpoints of different steps under {root} (this rank: "
+            f"{where}): each would resume from its own; give every rank the same run folder "
+            "(shared storage)"
+        )
 
 
 def latest_cadence_checkpoint(root: str | os.PathLike[str]) -> Path | None:

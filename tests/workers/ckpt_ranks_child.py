@@ -43,6 +43,21 @@ def main(tmp: Path, rank: int) -> None:
         except ft.CheckpointError as e:
             print(f"{case}: refused: {str(e).splitlines()[0]}", flush=True)
         del state
+    # latest_checkpoint(strategy=...) agrees before anything is loaded: a rank whose folder
+    # holds none would skip load_checkpoint, start afresh, and meet the others' collectives.
+    (tmp / f"empty-node{rank}").mkdir()
+    folders = {
+        "latest agrees": "same checkpoint-node{r}",
+        "latest on one rank": "same checkpoint-node0" if rank == 0 else "empty-node1",
+        "latest step differs": "step differs-node{r}",
+        "latest on no rank": "empty-node{r}",
+    }
+    for case, folder in folders.items():
+        try:
+            found = ft.latest_checkpoint(tmp / folder.format(r=rank), strategy=strategy)
+            print(f"{case}: found {found.name if found else None}", flush=True)
+        except ft.CheckpointError as e:
+            print(f"{case}: refused: {str(e).splitlines()[0]}", flush=True)
     # close(), not a bare destroy_process_group(): a refused load's traceback can keep a DDP
     # model alive past the destroy, and a gloo group freed at interpreter exit aborts the
     # process ("terminate called without an active exception", seen once in CI).
