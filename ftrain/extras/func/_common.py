@@ -11,7 +11,14 @@ from torch import nn
 
 from ftrain.losses import LossFn
 
-__all__ = ["FuncError", "check_int", "check_model", "check_number", "is_number"]
+__all__ = [
+    "FuncError",
+    "check_int",
+    "check_model",
+    "check_number",
+    "check_per_example",
+    "is_number",
+]
 
 
 class FuncError(RuntimeError):
@@ -43,6 +50,22 @@ def check_model(model: nn.Module) -> None:
                 f"{name or 'the model'} is {type(m).__name__} in training mode: it mixes the "
                 "examples of a batch, so per-example gradients are not defined. Put it in eval "
                 "mode (model.eval()) or replace it by GroupNorm/LayerNorm "
+                "(opacus.validators.ModuleValidator.fix does that)"
+            )
+
+
+def check_per_example(model: nn.Module) -> None:
+    """`check_model`, and refuse batch norm that normalises with the batch's statistics in eval
+    mode too (`track_running_stats=False`): one example alone is then normalised by its own
+    statistics, so its gradient is not its part of the batch's (nor what Opacus refuses)."""
+    check_model(model)
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is None:
+            raise FuncError(
+                f"{name or 'the model'} is {type(m).__name__} without running statistics "
+                "(track_running_stats=False): it normalises with the batch's statistics in eval "
+                "mode too, so it mixes the examples of a batch and per-example gradients are "
+                "not defined. Replace it by GroupNorm/LayerNorm "
                 "(opacus.validators.ModuleValidator.fix does that)"
             )
 

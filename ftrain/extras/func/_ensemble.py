@@ -31,8 +31,9 @@ class Ensemble(nn.Module):
     Only member 0's modules run (on every member's weights), so the members must be alike:
     the same module classes at the same names, the same settings (plain attributes such as
     `p`, `eps`, `negative_slope`, `training`; a function attribute by its qualified name), the
-    same parameter and buffer names, shapes, dtypes, devices and `requires_grad`. Hooks and
-    values captured in closures are not compared.
+    same parameter and buffer names, shapes, dtypes, devices and `requires_grad`, and equal
+    tensor attributes that are not buffers (`self.scale = torch.tensor(s)`: member 0's would
+    run for all). Hooks and values captured in closures are not compared.
 
     Args:
         members: K >= 1 modules of identical structure (e.g. built with different seeds).
@@ -147,12 +148,35 @@ def _settings(module: nn.Module) -> dict[str, Any]:
         if a.startswith("_"):
             continue
         if isinstance(v, _PLAIN) or (
-            isinstance(v, tuple) and all(isinstance(x, _PLAIN) for x in v)
+            isinstance(v, (tuple, list)) and all(isinstance(x, _PLAIN) for x in v)
         ):
             out[a] = v
+        elif isinstance(v, torch.Tensor):  # a tensor attribute that is no buffer: member 0's ran
+            out[a] = _Value(v)
         elif callable(v) and not isinstance(v, nn.Module) and hasattr(v, "__qualname__"):
             out[a] = f"{getattr(v, '__module__', '?')}.{v.__qualname__}"
     return out
+
+
+class _Value:
+    """A tensor attribute compared by value (NaN equal to NaN); a large one shown by its shape."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t.detach()
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, _Value)
+            and (self.t.dtype, self.t.shape, self.t.device)
+            == (other.t.dtype, other.t.shape, other.t.device)
+            and torch.equal(self.t.isnan(), other.t.isnan())
+            and torch.equal(self.t.nan_to_num(0.0), other.t.nan_to_num(0.0))
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(self.t) if self.t.numel() <= 4 else f"a tensor of shape {list(self.t.shape)}"
 
 
 def _first_difference(want: dict[str, Any], got: dict[str, Any], k: int) -> str | None:

@@ -19,6 +19,7 @@ from ftrain.extras.func._common import (
     check_int,
     check_model,
     check_number,
+    check_per_example,
 )
 from ftrain.extras.func._ensemble import Ensemble
 from ftrain.grads import Stats, batch_counts
@@ -47,7 +48,7 @@ def _example_fn(state: TrainState, loss_fn: LossFn | None, *, vectorize: bool) -
     so that data-dependent Python control flow in the model works.
     """
     model = state.strategy.unwrap(state.model)
-    check_model(model)
+    check_per_example(model)
     lm = _LossModule(model, _resolved(state, loss_fn))
 
     def loss(params: dict[str, torch.Tensor], batch: Any) -> Any:
@@ -118,6 +119,9 @@ def _validate_chunk(chunk_size: int | None) -> None:
 def _run(state: TrainState, fn: Any, params: dict[str, torch.Tensor], chunk: Any) -> Any:
     leaves, _ = tree_flatten(chunk)
     versions = [t._version for t in leaves]
+    model = state.strategy.unwrap(state.model)
+    owned = [*model.named_parameters(), *model.named_buffers()]
+    owned_versions = [t._version for _, t in owned]
     try:
         with state.strategy.autocast():
             out = fn(params, chunk)
@@ -138,6 +142,15 @@ def _run(state: TrainState, fn: Any, params: dict[str, torch.Tensor], chunk: Any
             "the loss modified the batch in place (e.g. x.mul_(...) on an input): the caller's "
             "batch would change; use out-of-place ops on inputs"
         )
+    # vmap refuses such a write; one example at a time (chunk_size=1) it went through: the
+    # model's state changed by each example alone (not private, and not the batch's update).
+    for (name, t), v in zip(owned, owned_versions, strict=True):
+        if t._version != v:
+            raise FuncError(
+                f"the model wrote {name!r} in place during forward (a running statistic, an "
+                "Embedding's max_norm renorm): per-example gradients must not change the "
+                "model. Keep state out of forward (track_running_stats=False, max_norm=None)"
+            )
     return out
 
 
@@ -357,7 +370,9 @@ def private_grads(
     folder) to resume bit-exactly: the noise is then a pure function of the key and where the
     run stands (seed, step, epoch, data cursor) and of the mechanism (`noise_multiplier`,
     `max_norm`, `expected_batch_size`), so the runs of a sweep over them draw independent
-    noise. Apply it with `clip_and_step(state, grads, lr=..., stats=stats)` and no `max_norm`
+    noise. Like `accumulate_grads` (in whose place it goes), it puts a model in eval mode in
+    training mode first (dropout on; a BatchNorm in training mode is then refused). Apply it with
+    `clip_and_step(state, grads, lr=..., stats=stats)` and no `max_norm`
     there (clipping is done per example here). Memory: per-example gradients of `chunk_size`
     examples at a time.
 
@@ -390,6 +405,10 @@ def private_grads(
     _check_single_process(state)
     if len(micro) == 0:
         raise ValueError("micro is empty: pass the list of micro-batches yielded by make_batches")
+    # In place of accumulate_grads, so in its mode: an eval-mode model (HF from_pretrained)
+    # trained with dropout off, unlike the same run without DP.
+    if not state.model.training:
+        state.model.train()
     fn = _example_fn(state, loss_fn, vectorize=chunk_size != 1)
     trainable, device = _trainable(state), state.strategy.device
     params = _params(trainable)

@@ -86,12 +86,21 @@ def inner_adam(
             g = grads[n]
             new_mu[n] = b1 * mu[n] + (1 - b1) * g
             new_nu[n] = b2 * nu[n] + (1 - b2) * g * g
-            denom = (new_nu[n] / (1 - b2**t)).sqrt() + eps
+            denom = _sqrt(new_nu[n] / (1 - b2**t)) + eps
             p = p * (1 - lr * weight_decay) if weight_decay else p
             new_params[n] = p - lr * (new_mu[n] / (1 - b1**t)) / denom
         return new_params, (new_mu, new_nu)
 
     return InnerOptimizer(init, update)
+
+
+def _sqrt(v: torch.Tensor) -> torch.Tensor:
+    """`v.sqrt()` whose derivative at 0 is 0, not inf: an entry whose gradient is exactly zero
+    (a dead ReLU unit, an unused embedding row) has `v = 0` and `dv/dg = 0`, and inf * 0 made
+    the whole meta-gradient NaN (every MAML step skipped). 0 is the derivative of
+    `sqrt(g^2) = |g|` that autograd gives `abs` at 0."""
+    positive = v > 0
+    return torch.where(positive, torch.where(positive, v, 1.0).sqrt(), 0.0)
 
 
 def functional_loss(
@@ -167,7 +176,9 @@ def maml_loss(
     `inner_steps` differentiable steps on the support batch; the returned loss is the query
     loss of the adapted parameters, `(loss_sum, num_items)`. Its gradient, which
     `accumulate_grads` computes with plain autograd, is the meta-gradient with respect to the
-    initial parameters: the README loop then meta-trains the initialization.
+    initial parameters: the README loop then meta-trains the initialization. Under
+    `torch.no_grad` (`evaluate`) the support steps still take gradients, and the loss is the
+    query loss after adaptation.
 
     Args:
         loss_fn: the per-task loss; `ft.losses.default_loss` if None.
@@ -185,10 +196,15 @@ def maml_loss(
         if not (isinstance(task, Mapping) and {"support", "query"} <= set(task)):
             raise KeyError("maml_loss needs tasks as dicts with 'support' and 'query' batches")
         params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        adapted = inner_loop(
-            model, params, [task["support"]] * inner_steps, loss_fn,
-            optimizer=opt, lr=inner_lr, first_order=first_order,
-        )  # fmt: skip
+        # Adaptation needs gradients also where the caller has none (`evaluate` runs under
+        # no_grad, and raised "does not require grad"): evaluated, the loss is the query loss
+        # after adaptation, as in training; the query loss itself runs in the caller's mode.
+        meta = torch.is_grad_enabled()
+        with torch.enable_grad():
+            adapted = inner_loop(
+                model, params, [task["support"]] * inner_steps, loss_fn,
+                optimizer=opt, lr=inner_lr, first_order=first_order or not meta,
+            )  # fmt: skip
         return functional_loss(model, adapted, task["query"], loss_fn)
 
     return fn
