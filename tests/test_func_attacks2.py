@@ -33,6 +33,20 @@ def test_private_grads_train_an_eval_mode_model_as_accumulate_grads_does():
     assert all(torch.equal(in_train[n], in_eval[n]) for n in in_train)
 
 
+def test_a_frozen_batch_norm_is_frozen_alone_and_the_error_says_how():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)).eval()
+    state = ft.TrainState.create(model, ft.optim.sgd())
+    batch = {"x": torch.randn(5, 3), "y": torch.randn(5, 1)}
+    # model.eval() as a whole no longer freezes it: private_grads trains the model.
+    with pytest.raises(ft.func.FuncError, match=re.escape("model.get_submodule('1').eval()")):
+        ft.func.private_grads(state, [batch], mse, max_norm=1.0, noise_multiplier=0.0)
+    model[1].eval()
+    before = model[1].running_mean.clone()
+    ft.func.private_grads(state, [batch], mse, max_norm=1.0, noise_multiplier=0.0)
+    assert torch.equal(model[1].running_mean, before) and not model[1].training
+
+
 def test_batch_norm_without_running_statistics_is_refused_in_eval_mode_too():
     # track_running_stats=False normalises with the batch's statistics in eval mode as well:
     # per-example gradients normalised one example alone, silently not the batch's parts.

@@ -48,8 +48,10 @@ def check_model(model: nn.Module) -> None:
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training:
             raise FuncError(
                 f"{name or 'the model'} is {type(m).__name__} in training mode: it mixes the "
-                "examples of a batch, so per-example gradients are not defined. Put it in eval "
-                "mode (model.eval()) or replace it by GroupNorm/LayerNorm "
+                "examples of a batch, so per-example gradients are not defined. Put it alone "
+                f"in eval mode (model.train(); model.get_submodule({name!r}).eval(): "
+                "private_grads, like accumulate_grads, puts a model in eval mode as a whole in "
+                "training mode) or replace it by GroupNorm/LayerNorm "
                 "(opacus.validators.ModuleValidator.fix does that)"
             )
 
