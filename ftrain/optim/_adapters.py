@@ -83,7 +83,9 @@ def from_torch(optimizer_cls: Callable[..., torch.optim.Optimizer], **kwargs: An
 
     def init(params: Params) -> TorchOptimizerState:
         names = {id(p): n for n, p in params.items()}
-        return TorchOptimizerState(optimizer_cls(list(params.values()), lr=0.0, **kwargs), names)
+        optimizer = optimizer_cls(list(params.values()), lr=0.0, **kwargs)
+        _check_groups(optimizer, names)
+        return TorchOptimizerState(optimizer, names)
 
     def update(
         grads: Grads,
@@ -110,6 +112,27 @@ def from_torch(optimizer_cls: Callable[..., torch.optim.Optimizer], **kwargs: An
 
     _describes(update, lambda names: _torch_settings(optimizer_cls, kwargs))
     return Optimizer(init, update)
+
+
+def _check_groups(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> None:
+    """Refuse, at `init`, an optimizer (a factory's) that leaves a parameter out (it would
+    never train), holds a tensor that is no trainable parameter, or gives a param group its
+    own lr (each update writes the step's lr into every group)."""
+    held = [id(p) for p in _all_params(optimizer)]
+    missing = [n for i, n in names.items() if i not in held]
+    if missing or len(held) != len(set(held)) or not set(held) <= names.keys():
+        raise ValueError(
+            f"from_torch: the optimizer must hold each trainable parameter once, got "
+            f"{len(held)} tensors for {len(names)} parameters (missing: {missing[:5]}); "
+            "to train only some parameters freeze the others (requires_grad=False), or give "
+            "each group its own optimizer with ft.optim.partition"
+        )
+    lrs = [g.get("lr") for g in optimizer.param_groups]
+    if any(lr != 0.0 for lr in lrs):
+        raise ValueError(
+            f"from_torch: param groups with their own lr {lrs} would be overwritten by each "
+            "update's lr; use ft.optim.partition(..., lr_factors=...) for per-group lr"
+        )
 
 
 # How a torch optimizer runs, not what it computes: free to change across a resume.
@@ -174,6 +197,12 @@ def from_torchopt(tx: Any) -> Optimizer:
     ) -> Any:
         if _skip_on_host(found_inf):
             return state
+        if len(grads) != len(params):  # a torchopt update takes every parameter's gradient
+            raise ValueError(
+                f"from_torchopt: no gradient for {[n for n in params if n not in grads][:5]} "
+                "this step; a torchopt transformation updates every parameter, so it cannot "
+                "skip one as torch.optim does: use ft.optim.adamw/from_torch, or freeze them"
+            )
         ps = tuple(params.values())
         gs = tuple(grads[n] for n in params)
         with torch.no_grad():

@@ -263,6 +263,28 @@ def _masker(mask: Mask) -> Callable[[str], bool]:
     return names.__contains__
 
 
+# Name prefixes of the wrappers whose parameters ftrain names without them: torch.compile's
+# `_orig_mod.` and DDP's `module.` (TrainState.params holds the unwrapped module's names).
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+
+
+def check_mask_names(mask: Mask, params: Params) -> None:
+    """Refuse, at `init`, a mask that names parameters through a wrapper (`_orig_mod.0.weight`
+    for `0.weight`): no name would match, and weight decay would silently apply to none."""
+    if mask is None or callable(mask):
+        return
+    for name in mask:
+        if name in params:
+            continue
+        for prefix in _WRAPPER_PREFIXES:
+            if name.startswith(prefix) and name[len(prefix) :] in params:
+                raise ValueError(
+                    f"mask names {name!r}, but the parameter is {name[len(prefix) :]!r} (the "
+                    f"state names the unwrapped model's parameters): build the mask from the "
+                    f"model before torch.compile/DDP wraps it, e.g. ft.optim.decay_mask(model)"
+                )
+
+
 class _Groups:
     """Split (present) parameter names by device, dtype and decay; cached per set of names.
 
@@ -303,6 +325,7 @@ def _adam(
     groups = _Groups(decays)
 
     def init(params: Params) -> AdamState:
+        check_mask_names(mask, params)
         steps, counts = _counters(params)
         return AdamState(
             steps=steps,
@@ -473,6 +496,7 @@ def sgd(
     damped = bool(momentum) and dampening != 0
 
     def init(params: Params) -> SGDState | DampedSGDState:
+        check_mask_names(mask, params)
         if momentum == 0:
             return SGDState(momentum={})
         buffers = {n: torch.zeros_like(p) for n, p in params.items()}
@@ -504,8 +528,19 @@ def sgd(
                     found_inf=found_inf,
                 )  # fmt: skip
                 continue
+            ps = _local(_take(params, names))
+            if ps[0].dtype in _HALF and ps[0].device.type == "cpu":  # see _plain_sgd
+                _plain_sgd(
+                    ps,
+                    _local(_take(grads, names)),
+                    _local(_take(state.momentum, names)) if momentum else [],
+                    lr=lr, momentum=momentum, nesterov=nesterov,
+                    weight_decay=weight_decay if decay else 0.0, maximize=maximize,
+                    found_inf=found_inf,
+                )  # fmt: skip
+                continue
             torch._fused_sgd_(
-                _local(_take(params, names)),
+                ps,
                 _local(_take(grads, names)),
                 _local(_take(state.momentum, names)) if momentum else [],
                 weight_decay=weight_decay if decay else 0.0,
@@ -539,6 +574,42 @@ def _wrong_sgd_state(state: Any, momentum: float, dampening: float) -> None:
         f"sgd(momentum={momentum}, dampening={dampening}) updates an ft.optim.{want}, got "
         f"{type(state).__name__}: build the state with this optimizer's init (TrainState.create)"
     )
+
+
+# torch 2.13's CPU `_fused_sgd_` leaves the vectorised part of a float16/bfloat16 tensor
+# unchanged (only the last numel % 16 elements move, `torch.optim.SGD(fused=True)` too): such
+# groups take `_plain_sgd`, torch's for-loop update.
+_HALF = frozenset({torch.float16, torch.bfloat16})
+
+
+def _plain_sgd(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    buffers: list[torch.Tensor],
+    *,
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+    weight_decay: float,
+    maximize: bool,
+    found_inf: torch.Tensor | None,
+) -> None:
+    """`torch.optim.SGD`'s update without dampening, op for op as its for-loop path (`buf`
+    starts at zero, so its first update `momentum * 0 + g` is the gradient, as torch's clone);
+    a step with `found_inf` nonzero changes nothing, without a host sync."""
+    keep = None if found_inf is None else found_inf == 0
+    for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+        g = g.neg() if maximize else g
+        g = g.add(p, alpha=weight_decay) if weight_decay else g
+        if momentum:
+            buf = buffers[i]
+            new = buf.mul(momentum).add_(g)
+            buf.copy_(new if keep is None else torch.where(keep, new, buf))
+            g = g.add(new, alpha=momentum) if nesterov else new
+        if keep is None:
+            p.add_(g, alpha=-lr)
+        else:
+            p.copy_(torch.where(keep, p.add(g, alpha=-lr), p))
 
 
 def _damped_sgd(

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 __all__ = ["EmaState", "ema", "ema_decay", "ema_swapped", "live_tensors", "swap_ema"]
 
+_HALF = frozenset({torch.float16, torch.bfloat16})
+
 
 class EmaState(NamedTuple):
     """State of `ema`: the wrapped optimizer's state and the average of each parameter."""
@@ -123,6 +125,13 @@ def ema(
         return dtype
 
     def init(params: Params) -> EmaState:
+        half = {n: str(p.dtype) for n, p in params.items() if p.dtype in _HALF}
+        if half:  # (1 - decay) * (param - ema) is mostly below their rounding step
+            raise ValueError(
+                f"ema averages each parameter in its own dtype, and a float16/bfloat16 average "
+                f"stalls (most updates round away): {dict(list(half.items())[:5])}; train "
+                f"float32 parameters (precision='bf16' autocasts them) to use ema"
+            )
         average = {n: p.detach().clone() for n, p in params.items()}
         return EmaState(optimizer.init(params), average)
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from ftrain.optim._base import (
     Grads,
@@ -19,6 +20,7 @@ from ftrain.optim._base import (
     _masker,
     _no_decay,
     _number,
+    check_mask_names,
 )
 from ftrain.strategies import local_grad_norm
 
@@ -26,15 +28,18 @@ __all__ = ["add_decayed_weights", "clip", "clip_by_global_norm", "decay_mask", "
 
 
 def _stateless(
-    fn: Callable[[Grads, Params], Grads], settings: Callable[[list[str]], Settings]
+    fn: Callable[[Grads, Params], Grads],
+    settings: Callable[[list[str]], Settings],
+    init: Callable[[Params], Any] = lambda params: (),
 ) -> Transform:
-    """A transform without state; `settings` describes it (`ft.optim.describe`)."""
+    """A transform without state (`init` may check the parameters); `settings` describes it
+    (`ft.optim.describe`)."""
 
     def update(grads: Grads, state: Any, params: Params) -> tuple[Grads, Any]:
         return fn(grads, params), state
 
     _describes(update, settings)
-    return Transform(lambda params: (), update)
+    return Transform(init, update)
 
 
 def scale(factor: float) -> Transform:
@@ -91,10 +96,14 @@ def add_decayed_weights(weight_decay: float, *, mask: Mask = None) -> Transform:
         )
         return grads
 
+    def init(params: Params) -> tuple[()]:
+        check_mask_names(mask, params)
+        return ()
+
     return _stateless(apply, lambda names: {
         "kind": "add_decayed_weights", "weight_decay": weight_decay,
         **_no_decay(decays, names, weight_decay),
-    })  # fmt: skip
+    }, init)  # fmt: skip
 
 
 # HF Trainer's rule (Trainer.get_decay_parameter_names): no decay inside LayerNorm modules, nor
@@ -117,6 +126,7 @@ def decay_mask(model: nn.Module) -> frozenset[str]:
         >>> sorted(ft.optim.decay_mask(m))
         ['0.weight']
     """
+    model = _unwrapped(model)
     names = set()
     for mod_name, module in model.named_modules():
         if isinstance(module, nn.LayerNorm):
@@ -126,3 +136,14 @@ def decay_mask(model: nn.Module) -> frozenset[str]:
             if not any(p.search(full.lower()) for p in _NO_DECAY):
                 names.add(full)
     return frozenset(names)
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The module inside torch.compile's and DDP's wrappers, whose names the state uses."""
+    while True:
+        inner = getattr(model, "_orig_mod", None)
+        if inner is None and isinstance(model, DistributedDataParallel):
+            inner = model.module
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
