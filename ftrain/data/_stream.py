@@ -73,8 +73,15 @@ class _Shards(Source):
         takes = sharded and _takes(data.shard, "contiguous")
         self._shard_kw = {"contiguous": True} if takes else {}
         self._stages = _hf_stages(data, self.num_shards)
+        # A seeded ds.shuffle draws the same order every epoch unless told the epoch
+        # (HF's Trainer calls set_epoch): each shard is opened at the epoch being read.
+        self._reshuffles = any("shuffle_buffer" in stage for stage in self._stages)
 
-    def _open(self, shard: int) -> Iterable[Any]:
+    def _open(self, shard: int, epoch: int) -> Iterable[Any]:
+        if self._reshuffles:  # shard() makes a new dataset: the caller's keeps its epoch
+            part = self.data.shard(self.num_shards, shard, **self._shard_kw)
+            part.set_epoch(epoch)
+            return part
         if self.num_shards == 1:
             return self.data
         return self.data.shard(self.num_shards, shard, **self._shard_kw)
@@ -124,7 +131,7 @@ class _Shards(Source):
             yield prev, {"shard": n, "row": 0}
 
     def _rows(self, shard: int, skip: int, seed: int, epoch: int, shuffle: bool) -> Iterator[Any]:
-        it = _seeded_reads(iter(self._open(shard)), seed, epoch, shard)
+        it = _seeded_reads(iter(self._open(shard, epoch)), seed, epoch, shard)
         if not shuffle:
             return islice(it, skip, None)
         return self._windows(it, shard, skip, seed, epoch)
@@ -355,6 +362,7 @@ class _Pack(Source):
         if skip:  # resuming inside a row: it must still be there, and longer than the offset
             rows = _past(rows, skip, self.key)
         for row, after in rows:
+            _unpadded(row, "concat")
             if "labels" in row and list(row["labels"]) != list(row[self.key]):
                 # concat makes labels = input_ids: a prompt mask would be lost
                 raise ValueError(
@@ -380,6 +388,7 @@ class _Pack(Source):
         kept: list[dict[str, Any]] = []
         length = 0
         for row, after in rows:
+            _unpadded(row, "examples")
             ids = list(row[self.key])
             n = min(len(ids), self.block_size)
             if kept and length + n > self.block_size:
@@ -390,6 +399,21 @@ class _Pack(Source):
             before = after
         if length:  # rows without tokens alone make no block (pack_examples drops them)
             yield pack_examples(kept, self.block_size)[0], {"src": before, "tok": 0}
+
+
+def _unpadded(row: Any, mode: str) -> None:
+    """Refuse a row whose attention_mask marks padding: packing keeps only its tokens, so the
+    padding would become content (and pack_examples' own check would never see the mask)."""
+    mask = row.get("attention_mask") if isinstance(row, Mapping) else None
+    if mask is None:
+        return
+    arrays = (torch.Tensor, np.ndarray)
+    if bool((mask == 0).any()) if isinstance(mask, arrays) else 0 in list(mask):
+        raise ValueError(
+            f'pack(mode="{mode}"): a row\'s attention_mask marks padding, which packing would '
+            "keep as tokens (it keeps the token column only). Encode the rows unpadded "
+            "(tokenizer(..., padding=False)) before packing"
+        )
 
 
 def _past(rows: Items, skip: int, key: str) -> Items:
