@@ -65,3 +65,47 @@ def test_a_seeded_hf_shuffle_reshuffles_every_epoch_and_resumes_exactly(num_shar
     first = [next(it), next(it)]
     state = _advance(_advance(state, first[0]), first[1])
     assert _xs(first) + _xs(ft.make_batches(ds, state, **kw)) == epochs[1]
+
+
+# --- pad_collate and pack_examples: arguments that acted as another value than the one given
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"pad_id": 0.5}, r"pad_id must be an int, got 0.5"),  # padded with 0
+        ({"pad_id": None}, r"pad_id must be an int, got None \(a tokenizer without a pad"),
+        ({"label_pad_id": True}, r"label_pad_id must be an int, got True"),
+        ({"attention_mask": "no"}, r"attention_mask must be True or False, got 'no'"),
+    ],
+)
+def test_pad_collate_refuses_arguments_it_would_read_as_other_values(kw, match):
+    with pytest.raises(TypeError, match=match):
+        ft.data.pad_collate(**kw)
+
+
+@pytest.mark.parametrize("multiple", [True, 2.5, 0])
+def test_pad_collate_refuses_a_pad_to_multiple_of_that_is_not_a_positive_int(multiple):
+    with pytest.raises(ValueError, match=r"pad_to_multiple_of must be an int >= 1"):
+        ft.data.pad_collate(pad_to_multiple_of=multiple)
+
+
+@pytest.mark.parametrize("max_length", [True, 2.5, 0])
+def test_pack_examples_refuses_a_max_length_that_is_not_a_positive_int(max_length):
+    rows = [{"input_ids": [1, 2], "labels": [1, 2]}]
+    with pytest.raises(ValueError, match=r"max_length must be an int >= 1"):
+        ft.data.pack_examples(rows, max_length)
+
+
+def test_an_empty_row_keeps_the_batch_integer():
+    batch = ft.data.pad_collate()(
+        [{"input_ids": [], "labels": []}, {"input_ids": [1, 2], "labels": [1, 2]}]
+    )
+    assert batch["input_ids"].dtype == batch["labels"].dtype == torch.long  # were float32
+    assert batch["labels"].tolist() == [[-100, -100], [1, 2]]
+
+
+def test_a_field_that_is_a_sequence_then_a_scalar_raises_naming_it():
+    rows = [{"input_ids": [1], "label": [1]}, {"input_ids": [2], "label": 3}]
+    with pytest.raises(TypeError, match=r"collate: cannot make a tensor of field 'label'"):
+        ft.data.pad_collate()(rows)

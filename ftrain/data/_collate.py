@@ -53,8 +53,18 @@ def pad_collate(
     """
     if padding_side not in ("right", "left"):
         raise ValueError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
-    if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
-        raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of!r}")
+    # A float pad is cast to the ids' integer dtype (0.5 pads with 0), True pads with 1, a
+    # truthy string turns the mask on: each would act as another value than the one given.
+    for name, value in (("pad_id", pad_id), ("label_pad_id", label_pad_id)):
+        if not _is_int(value):
+            hint = " (a tokenizer without a pad token?)" if value is None else ""
+            raise TypeError(f"{name} must be an int, got {value!r}{hint}")
+    if pad_to_multiple_of is not None and not (
+        _is_int(pad_to_multiple_of) and pad_to_multiple_of >= 1
+    ):
+        raise ValueError(f"pad_to_multiple_of must be an int >= 1, got {pad_to_multiple_of!r}")
+    if not isinstance(attention_mask, bool):
+        raise TypeError(f"attention_mask must be True or False, got {attention_mask!r}")
     pads = {"input_ids": pad_id, "labels": label_pad_id, "attention_mask": 0}
 
     def collate(rows: list[Any]) -> Batch:
@@ -82,6 +92,10 @@ def pad_collate(
         return out
 
     return collate
+
+
+def _is_int(value: Any) -> bool:
+    return hasattr(value, "__index__") and not isinstance(value, (bool, torch.Tensor))
 
 
 def _refuse_left_padded_targets(rows: list[Any]) -> None:
@@ -142,7 +156,7 @@ def _column(rows: list[Any], key: str, pad: int, side: str, multiple: int | None
         if values[0].dim() == 0:
             return torch.stack(values)
         return _pad(values, pad, side, multiple)
-    except (TypeError, ValueError, RuntimeError) as e:
+    except (TypeError, ValueError, RuntimeError, IndexError) as e:  # IndexError: a scalar
         kinds = sorted({type(v).__name__ for v in raw})
         raise TypeError(
             f"collate: cannot make a tensor of field {key!r} ({'/'.join(kinds)} values): {e}. "
@@ -165,7 +179,9 @@ def _pad(values: list[torch.Tensor], pad: int, side: str, multiple: int | None) 
         length = -(-length // multiple) * multiple
     # The rows' common dtype, as torch.stack gives scalars: row 0's alone truncated a later
     # row's floats (labels [1, 0] then [0.5, 1.5] became [0, 1]).
-    dtype = functools.reduce(torch.promote_types, (v.dtype for v in values))
+    # An empty row ([] is float32 to torch) says nothing of the dtype: it made input_ids float.
+    typed = [v for v in values if v.numel()] or values
+    dtype = functools.reduce(torch.promote_types, (v.dtype for v in typed))
     out = values[0].new_full((len(values), length, *values[0].shape[1:]), pad, dtype=dtype)
     for i, v in enumerate(values):
         if side == "right":
@@ -201,8 +217,8 @@ def pack_examples(
         >>> pack_examples(rows, max_length=5)[0]["labels"]
         [-100, 2, 3, -100, 5]
     """
-    if max_length < 1:
-        raise ValueError(f"max_length must be >= 1, got {max_length!r}")
+    if not (_is_int(max_length) and max_length >= 1):  # True would pack 1-token rows
+        raise ValueError(f"max_length must be an int >= 1, got {max_length!r}")
     packed: list[dict[str, list[int]]] = []
     current: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
     seen = cut = 0
