@@ -109,3 +109,14 @@ def test_a_field_that_is_a_sequence_then_a_scalar_raises_naming_it():
     rows = [{"input_ids": [1], "label": [1]}, {"input_ids": [2], "label": 3}]
     with pytest.raises(TypeError, match=r"collate: cannot make a tensor of field 'label'"):
         ft.data.pad_collate()(rows)
+
+
+# --- a shuffle buffer given where no rows are read was ignored
+
+
+def test_a_shuffle_buffer_for_a_source_that_is_already_one_raises():
+    rows = ft.data.IterableRows([{"input_ids": [i, i]} for i in range(8)])
+    for source in (ft.data.stream(rows, shuffle_buffer=2), ft.data.pack(rows, block_size=2)):
+        with pytest.raises(ValueError, match=r"shuffle_buffer=40 for data that is already a"):
+            ft.data.stream(source, shuffle_buffer=40)  # kept its own buffer (2, or 1000) before
+        assert ft.data.stream(source) is source

@@ -296,14 +296,15 @@ def _plain(value: Any) -> bool:
     return True
 
 
-def stream(data: Any, *, shuffle_buffer: int = 1000) -> Source:
+def stream(data: Any, *, shuffle_buffer: int | None = None) -> Source:
     """Wrap an iterable dataset for `make_batches`, choosing the shuffle buffer size.
 
     Shards are `data.num_shards` / `data.shard(num_shards, index)` (a `datasets`
     `IterableDataset`: one per file; `.reshard()` gives one per parquet row group); a torch
     `IterableDataset` without them is one shard. Resuming re-reads the consumed part of the
-    current shard only. A raw iterable dataset passed to `make_batches` gets
-    `shuffle_buffer=1000`.
+    current shard only. `shuffle_buffer` is 1000 when None, as for a raw iterable dataset
+    passed to `make_batches`. A source (`ft.data.stream`, `pack`, `mix`) is returned as it is,
+    so `shuffle_buffer` raises for one: its rows are shuffled by the streams it reads.
 
     Example:
         >>> import torch, ftrain as ft
@@ -316,13 +317,20 @@ def stream(data: Any, *, shuffle_buffer: int = 1000) -> Source:
         [[0, 1, 2], [3, 4, 5]]
     """
     if isinstance(data, Source):
+        if shuffle_buffer is not None:  # it would be ignored: the source shuffles its own reads
+            raise ValueError(
+                f"shuffle_buffer={shuffle_buffer!r} for data that is already a source (of "
+                "ft.data.stream, pack or mix): its rows are shuffled by the streams it reads, "
+                "with their own buffers. Pass shuffle_buffer to the innermost "
+                "ft.data.stream(ds, shuffle_buffer=...)"
+            )
         return data
     if not is_stream(data):
         raise TypeError(
             f"data must be a datasets.IterableDataset or a torch IterableDataset, got "
             f"{type(data).__name__}"
         )
-    return _Shards(data, buffer=shuffle_buffer)
+    return _Shards(data, buffer=1000 if shuffle_buffer is None else shuffle_buffer)
 
 
 class _Pack(Source):
