@@ -120,3 +120,14 @@ def test_a_shuffle_buffer_for_a_source_that_is_already_one_raises():
         with pytest.raises(ValueError, match=r"shuffle_buffer=40 for data that is already a"):
             ft.data.stream(source, shuffle_buffer=40)  # kept its own buffer (2, or 1000) before
         assert ft.data.stream(source) is source
+
+
+def test_pad_collate_refuses_an_attention_mask_of_another_length_than_input_ids():
+    rows = [
+        {"input_ids": [1, 2, 3], "attention_mask": [1, 1]},
+        {"input_ids": [4], "attention_mask": [1]},
+    ]
+    with pytest.raises(ValueError, match=r"row 0 has 3 input_ids but an attention_mask of 2"):
+        ft.data.pad_collate()(rows)  # a (2, 3) input_ids with a (2, 2) mask, which a model took
+    rows[0]["attention_mask"] = torch.tensor([1, 1, 0])
+    assert ft.data.pad_collate()(rows)["attention_mask"].tolist() == [[1, 1, 0], [1, 0, 0]]

@@ -85,6 +85,8 @@ def pad_collate(
                     f"not (row 0 has {', '.join(map(repr, rows[0]))}); every row needs the "
                     "same fields"
                 )
+        if "input_ids" in out and "attention_mask" in out:
+            _refuse_unequal_masks(rows)
         if attention_mask and "input_ids" in out and "attention_mask" not in out:
             _refuse_packed(rows)
             masks = [torch.ones(len(r["input_ids"]), dtype=torch.long) for r in rows]
@@ -96,6 +98,19 @@ def pad_collate(
 
 def _is_int(value: Any) -> bool:
     return hasattr(value, "__index__") and not isinstance(value, (bool, torch.Tensor))
+
+
+def _refuse_unequal_masks(rows: list[Any]) -> None:
+    """Refuse a row whose attention_mask has another length than its input_ids (truncated
+    apart?): each is padded on its own, and models take the mismatched mask without a word."""
+    for i, row in enumerate(rows):
+        ids, mask = row["input_ids"], row["attention_mask"]
+        if not (_is_text(mask) or _is_text(ids)) and len(ids) != len(mask):
+            raise ValueError(
+                f"collate: row {i} has {len(ids)} input_ids but an attention_mask of {len(mask)} "
+                "(truncated apart?): the mask would cover other tokens. Cut or build both "
+                "together, or drop attention_mask and let pad_collate make it"
+            )
 
 
 def _refuse_left_padded_targets(rows: list[Any]) -> None:
