@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import operator
+import os
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -223,7 +224,9 @@ class TrainState:
                 `loss_fn` not callable.
             ValueError: if the model has no trainable parameter, `seed` is outside
                 [0, 2**63), or other processes of the job got another `seed` (one small
-                collective at setup).
+                collective at setup); without `strategy` in a job of several processes (an
+                initialised process group or a launcher's `WORLD_SIZE` above 1), where the
+                default would train each process alone on every row.
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -240,7 +243,9 @@ class TrainState:
             raise TypeError(f"strategy must be an ft.strategies.Strategy, got {strategy!r}")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be a function (model, batch) -> ..., got {loss_fn!r}")
-        strategy = SingleDevice() if strategy is None else strategy
+        if strategy is None:
+            _refuse_default_in_a_job()
+            strategy = SingleDevice()
         _same_seed_on_every_process(seed, strategy)
         model = strategy.setup(model)
         params = _trainable(strategy.unwrap(model))
@@ -510,3 +515,24 @@ def _walk(obj: Any, prefix: str) -> dict[str, Any]:
 def next_epoch(state: TrainState) -> TrainState:
     """Return `state` at the start of the next epoch (`epoch + 1`, cursor 0, no data position)."""
     return state.replace(epoch=state.epoch + 1, data=state.data.replace(cursor=0, position=None))
+
+
+def _refuse_default_in_a_job() -> None:
+    """Refuse the default `SingleDevice()` in a job of several processes: each would train
+    alone on every row (no gradient sync, and `make_batches` shards by the state's strategy),
+    silently. A process that means to train alone says so with `SingleDevice()`."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+    else:
+        try:  # torchrun, srun via export_launcher_env, ...: the group is not set up yet
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+        except ValueError:
+            world = 1  # not ours to judge here: from_env reports a malformed WORLD_SIZE
+    if world > 1:
+        raise ValueError(
+            f"TrainState.create got no strategy in a job of {world} processes: the default "
+            "SingleDevice() would train each process alone on every row (no gradient sync, "
+            "make_batches shards nothing); pass strategy=ft.strategies.from_env('ddp') (or "
+            "'fsdp', ...), or strategy=ft.strategies.SingleDevice() to train each alone"
+        )

@@ -91,3 +91,18 @@ def test_next_epoch_resets_cursor():
     s = _state().replace(data=_state().data.replace(cursor=7), epoch=1)
     t = ft.next_epoch(s)
     assert (t.epoch, t.data.cursor) == (2, 0)
+
+
+def test_create_without_a_strategy_in_a_job_of_several_processes_raises(monkeypatch):
+    """torchrun without `strategy=`: the default SingleDevice() trained every process alone
+    on every row (no gradient sync, make_batches sharding nothing), without a word."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="got no strategy in a job of 2 processes"):
+        ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+    # Saying so trains this process alone; one process, or a malformed variable, is no job.
+    ft.TrainState.create(
+        torch.nn.Linear(2, 1), ft.optim.sgd(), strategy=ft.strategies.SingleDevice()
+    )
+    for world in ("1", "x"):
+        monkeypatch.setenv("WORLD_SIZE", world)
+        ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())

@@ -142,6 +142,8 @@ def test_a_model_already_distributed_is_refused_by_single_device(two_ranks):
     for got in two_ranks:
         assert "wrapped in DistributedDataParallel" in got["hand_wrapped_ddp"].get("error", "")
         assert "parameters are distributed tensors" in got["hand_sharded"].get("error", "")
+        # No strategy at all in a group of 2: every rank trained alone on every row.
+        assert "got no strategy in a job of 2 processes" in got["default_in_group"]["error"]
 
 
 @pytest.mark.slow

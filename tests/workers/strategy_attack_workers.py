@@ -73,7 +73,8 @@ def _override(rank: int) -> float:
 def _hand_wrapped_ddp(rank: int) -> float:
     from torch.nn.parallel import DistributedDataParallel
 
-    state = ft.TrainState.create(DistributedDataParallel(_mlp()), ft.optim.sgd())
+    single = ft.strategies.SingleDevice()  # said so: the default in a group raises first
+    state = ft.TrainState.create(DistributedDataParallel(_mlp()), ft.optim.sgd(), strategy=single)
     grads, _ = ft.accumulate_grads(state, _half(rank, 2), _mse)
     return float(local_norm(grads))
 
@@ -81,7 +82,8 @@ def _hand_wrapped_ddp(rank: int) -> float:
 def _hand_sharded() -> str:
     from torch.distributed.fsdp import fully_shard
 
-    state = ft.TrainState.create(fully_shard(_mlp()), ft.optim.sgd())
+    single = ft.strategies.SingleDevice()
+    state = ft.TrainState.create(fully_shard(_mlp()), ft.optim.sgd(), strategy=single)
     return type(state.strategy).__name__
 
 
@@ -127,6 +129,7 @@ def ranks(rank: int, world: int, port: int, out: str) -> None:
     _attempt(results, "override", lambda: _override(rank))
     _attempt(results, "hand_wrapped_ddp", lambda: _hand_wrapped_ddp(rank))
     _attempt(results, "hand_sharded", _hand_sharded)
+    _attempt(results, "default_in_group", lambda: ft.TrainState.create(_mlp(), ft.optim.sgd()))
     group = dist.new_group([0])  # every rank takes part in making it; rank 1 is not a member
     _attempt(results, "non_member", lambda: _non_member(group) if rank == 1 else "member")
     dist.barrier()

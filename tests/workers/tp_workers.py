@@ -106,7 +106,9 @@ def tp_run(rank: int, world: int, port: int, out: str) -> None:
     result.update(losses=losses + more_losses, norms=norms + more_norms, eval=evaluate(state))
     params = whole(state)
     if rank == 0:  # one process (no collective) takes the TP checkpoint on to RESUME_AT
-        one = ft.TrainState.create(tiny_llama(), ft.optim.adamw(), seed=3)
+        one = ft.TrainState.create(
+            tiny_llama(), ft.optim.adamw(), seed=3, strategy=ft.strategies.SingleDevice()
+        )  # the one-process reference, in the group
         one = ft.load_checkpoint(root / "tp" / f"step-{SAVE_AT}", one)
         one, _, _ = train(one, steps=RESUME_AT, batch_size=4)
         ft.save_checkpoint(one, root / "one")
