@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from ftrain.optim._base import (
     Grads,
@@ -22,7 +21,7 @@ from ftrain.optim._base import (
     _number,
     check_mask_names,
 )
-from ftrain.strategies import local_grad_norm
+from ftrain.strategies import bare_module, local_grad_norm
 
 __all__ = ["add_decayed_weights", "clip", "clip_by_global_norm", "decay_mask", "scale"]
 
@@ -126,7 +125,7 @@ def decay_mask(model: nn.Module) -> frozenset[str]:
         >>> sorted(ft.optim.decay_mask(m))
         ['0.weight']
     """
-    model = _unwrapped(model)
+    model = bare_module(model)
     names = set()
     for mod_name, module in model.named_modules():
         if isinstance(module, nn.LayerNorm):
@@ -136,14 +135,3 @@ def decay_mask(model: nn.Module) -> frozenset[str]:
             if not any(p.search(full.lower()) for p in _NO_DECAY):
                 names.add(full)
     return frozenset(names)
-
-
-def _unwrapped(model: nn.Module) -> nn.Module:
-    """The module inside torch.compile's and DDP's wrappers, whose names the state uses."""
-    while True:
-        inner = getattr(model, "_orig_mod", None)
-        if inner is None and isinstance(model, DistributedDataParallel):
-            inner = model.module
-        if not isinstance(inner, nn.Module):
-            return model
-        model = inner

@@ -2,6 +2,7 @@
 
 from ftrain.strategies._base import SingleDevice as SingleDevice
 from ftrain.strategies._base import Strategy as Strategy
+from ftrain.strategies._base import bare_module as bare_module
 from ftrain.strategies._base import default_device as default_device
 from ftrain.strategies._base import local_grad_norm as local_grad_norm
 from ftrain.strategies._ddp import DDP as DDP
@@ -25,6 +26,7 @@ __all__ = [
     "SingleDevice",
     "Strategy",
     "active_preemption",
+    "bare_module",
     "default_device",
     "from_env",
     "gather_whole",

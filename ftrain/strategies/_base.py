@@ -341,6 +341,21 @@ def uncompiled(model: nn.Module) -> nn.Module:
     return inner if isinstance(inner, nn.Module) else model
 
 
+def bare_module(model: nn.Module) -> nn.Module:
+    """The module inside `torch.compile`'s and DDP's wrappers (nested either way), whose
+    parameter names the state uses: names taken from the wrapper gain `_orig_mod.` or
+    `module.` and match no parameter of the state."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    while True:
+        inner = getattr(model, "_orig_mod", None)
+        if inner is None and isinstance(model, DistributedDataParallel):
+            inner = model.module
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
 # Attribute readers for C-level checks over many tensors (a Python loop is microseconds a step).
 _TENSOR = frozenset({torch.Tensor})
 _DEVICE = attrgetter("device")
