@@ -48,6 +48,10 @@ KINDS: dict[str, st.SearchStrategy[Any]] = {
     # types
     "not-a-number": st.one_of(_junk, st.just(1 + 2j)),
     "not-an-int": st.one_of(_junk, st.sampled_from([2.5, 2.0, "3", math.nan])),
+    # where None means the default
+    "not-an-int-nor-none": st.one_of(
+        st.text(max_size=4), st.just(Opaque()), st.sampled_from([2.5, 2.0, "3", math.nan, [1]])
+    ),
     "tensor": st.just(torch.tensor(0.5)),  # a device tensor where a Python number is wanted
     "bool": st.booleans(),  # where a number is wanted: True is not 1
     "not-a-bool": st.one_of(
@@ -382,7 +386,8 @@ TABLE: tuple[Row, ...] = (
     Row("schedule_lr", "name", "choice"),
     # --- streams
     Row("data.stream", "data", "not-data"),
-    *(Row("data.stream", "shuffle_buffer", k) for k in (*INT, "zero", "negative-int")),
+    *(Row("data.stream", "shuffle_buffer", k)
+      for k in ("not-an-int-nor-none", "bool", "zero", "negative-int")),  # None: 1000
     Row("data.pack", "data", "not-data"),
     *(Row("data.pack", "block_size", k) for k in (*INT, "zero", "negative-int")),
     Row("data.pack", "mode", "choice"),
