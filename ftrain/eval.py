@@ -264,14 +264,20 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
         >>> model.training
         True
     """
+    with _in_eval(model), torch.no_grad():
+        yield
+
+
+@contextlib.contextmanager
+def _in_eval(model: nn.Module) -> Iterator[None]:
+    """`model` in eval mode for the block; each submodule's own previous mode afterwards."""
     # Each module's own flag: model.train(True) afterwards would also switch a submodule the
     # caller froze with .eval() (a BatchNorm whose running statistics must stay) back to
     # training, and the next steps would silently update it.
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
-        with torch.no_grad():
-            yield
+        yield
     finally:
         model.train(modes[0][1])
         for m, training in modes:  # in pre-order: a parent before its children
@@ -359,8 +365,9 @@ def predict(
     gives every sample to exactly one rank, and a rank without rows adds none). Axes beyond the
     first that differ between ranks (each rank pads its own sequences) are padded with -100,
     as HF's Trainer does. `gather=False` yields only this rank's rows instead. The model is in
-    eval mode without gradients while the iterator runs, and in its previous mode once it is
-    exhausted or closed.
+    eval mode while the iterator runs, and in its previous mode once it is exhausted or closed;
+    each batch's forward runs without gradients and under the strategy's autocast, but the
+    code between batches (the loop body) runs with the caller's grad mode and precision.
 
     Args:
         state: the state to predict with (not consumed).
@@ -381,10 +388,15 @@ def predict(
     strategy = state.strategy if strategy is None else strategy
     output_fn = _default_outputs if output_fn is None else output_fn
     model = state.model
-    with eval_mode(model), strategy.autocast():
+    # The model stays in eval mode across the yields; no_grad and autocast hold only around
+    # each batch's forward: entered across a yield, they were the caller's too, so the loop
+    # body ran without gradients and its float32 matmuls in bf16 (grad mode and autocast are
+    # thread-wide, not the generator's).
+    with _in_eval(model):
         for batch in flatten_batches(batches):
             batch, weight = weighted(batch)
-            outputs = dict(output_fn(model, strategy.to_device(batch)))
+            with torch.no_grad(), strategy.autocast():
+                outputs = dict(output_fn(model, strategy.to_device(batch)))
             if gather and strategy.world_size > 1:
                 # Gathered name by name: names that differ would pair one rank's rows with
                 # another's of another output, or leave a rank waiting in a gather.

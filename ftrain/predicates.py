@@ -105,7 +105,7 @@ def track_best(
     metrics: Mapping[str, float] | float,
     *,
     metric: str = "eval_loss",
-    mode: str = "min",
+    mode: str | None = None,
     threshold: float = 0.0,
 ) -> TrainState:
     """Fold one evaluation into `state.early_stopping` (best metric, its step, patience).
@@ -125,13 +125,16 @@ def track_best(
         state: the state after the step that was evaluated.
         metrics: a dict holding `metric`, or the value itself.
         metric: which entry of `metrics`.
-        mode: "min" or "max".
+        mode: "min" or "max". None (default): "min" for a metric whose name ends in "loss"
+            (HF's `greater_is_better` rule); for a score that is better higher (accuracy, F1,
+            ...) it raises instead of ranking the worst score best: pass the mode.
         threshold: minimum absolute improvement that resets the patience counter.
 
     Raises:
         TypeError: for a `state` that is not a `TrainState`, a `metric` that is not a str, or
             a value that is not a number.
-        ValueError: for a bad `mode` or `threshold`.
+        ValueError: for a bad `mode` or `threshold`, and for no `mode` with a `metric`
+            named like a score that is better higher (`accuracy`, `f1`, `auc`, ...).
         KeyError: when `metrics` does not hold `metric`.
         ValueError: for a `metric` or `mode` other than the ones the state ranks already
             (`state.early_stopping.metric`/`.mode`, recorded by the first call).
@@ -140,7 +143,7 @@ def track_best(
             one the best so far was computed with (`state.early_stopping.loss`).
     """
     _check_state(state)
-    if mode not in ("min", "max"):
+    if mode is not None and mode not in ("min", "max"):
         raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
     if not isinstance(metric, str):
         raise TypeError(f"metric must be a str (a key of metrics), got {metric!r}")
@@ -153,6 +156,7 @@ def track_best(
         _check_loss(state, metrics, metric)
     else:
         value = metrics
+    mode = _mode(metric) if mode is None else mode
     if not (_real(value) or (isinstance(value, torch.Tensor) and value.numel() == 1)):
         raise TypeError(
             f"metrics must be a number or a dict holding metric={metric!r} as a number, "
@@ -199,6 +203,48 @@ def track_best(
     if better:
         return _stopping(state, best_metric=value, best_step=state.step, patience_counter=counter)
     return _stopping(state, patience_counter=counter)
+
+
+# Names of scores that are better higher. HF's Trainer takes greater_is_better=True for any
+# metric whose name does not end in "loss"; ftrain's default was "min" for every metric, so
+# track_best(state, m, metric="eval_accuracy") kept the worst accuracy as the best.
+_HIGHER = (
+    "acc",
+    "f1",
+    "precision",
+    "recall",
+    "auc",
+    "bleu",
+    "rouge",
+    "match",
+    "mcc",
+    "matthews",
+    "score",
+    "map",
+    "ndcg",
+    "r2",
+    "iou",
+    "dice",
+    "kappa",
+    "spearman",
+    "pearson",
+    "reward",
+    "win",
+)
+
+
+def _mode(metric: Any) -> str:
+    """The mode `track_best` ranks by when none is given: "min", unless the name is a score."""
+    if not isinstance(metric, str) or metric.endswith("loss"):
+        return "min"
+    words = metric.lower().replace("-", "_").split("_")
+    if any(w.startswith(h) for w in words for h in _HIGHER):
+        raise ValueError(
+            f"track_best(metric={metric!r}) needs mode: {metric!r} looks like a score that is "
+            "better higher, and the default mode='min' would keep the worst as the best; pass "
+            "mode='max' (or mode='min' if lower is better)"
+        )
+    return "min"
 
 
 def _check_loss(state: TrainState, metrics: Mapping[str, Any], metric: str) -> None:

@@ -1,0 +1,96 @@
+"""Evaluation, prediction and best-metric ranking: each test is a silent wrong result that the
+tree gave before (a second round after test_eval_attacks.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ftrain as ft
+
+# --- predict ---------------------------------------------------------------------------------
+
+
+def _linear_state(**kw):
+    torch.manual_seed(0)
+    return ft.TrainState.create(torch.nn.Linear(3, 2), ft.optim.sgd(), **kw)
+
+
+def _outputs(model, batch):
+    return {"y": model(batch["x"])}
+
+
+BATCHES = [{"x": torch.randn(4, 3)} for _ in range(3)]
+
+
+def test_the_loop_body_of_predict_runs_with_the_callers_grad_mode():
+    """predict's no_grad was held across its yields: the caller's loop body (and anything it
+    did after a `next(it)`) ran without gradients; a model output there had no grad_fn."""
+    state = _linear_state()
+    it = ft.predict(state, BATCHES, _outputs)
+    for out in it:
+        assert out["y"].shape == (4, 2)
+        assert torch.is_grad_enabled()
+        assert state.model(torch.randn(2, 3)).requires_grad
+    assert torch.is_grad_enabled()
+
+
+def test_the_loop_body_of_predict_runs_without_the_strategys_autocast():
+    """predict's bf16 autocast was held across its yields: the caller's float32 metric code in
+    the loop body ran its matmuls in bf16 without a word."""
+    strategy = ft.strategies.SingleDevice("cpu", precision="bf16")
+    state = _linear_state(strategy=strategy)
+    w = torch.randn(2, 2)
+    seen = []
+
+    def outputs(model, batch):
+        seen.append(torch.is_autocast_enabled("cpu"))  # the forward still runs under autocast
+        return _outputs(model, batch)
+
+    for out in ft.predict(state, BATCHES, outputs):
+        assert not torch.is_autocast_enabled("cpu")
+        assert (torch.from_numpy(out["y"]) @ w).dtype == torch.float32
+    assert seen == [True, True, True]
+
+
+def test_predict_keeps_the_model_in_eval_mode_across_batches_and_no_grad_in_the_forward():
+    state = _linear_state()
+    state.model.train()
+    grads = []
+
+    def outputs(model, batch):
+        grads.append(torch.is_grad_enabled())
+        return _outputs(model, batch)
+
+    it = ft.predict(state, BATCHES, outputs)
+    next(it)
+    assert not state.model.training  # documented: eval mode while the iterator runs
+    list(it)
+    assert state.model.training and grads == [False, False, False]
+
+
+# --- track_best ------------------------------------------------------------------------------
+
+
+def test_track_best_without_mode_refuses_a_score_that_is_better_higher():
+    """track_best(state, m, metric="eval_accuracy") ranked with the default mode='min': after
+    accuracies 0.5, 0.9, 0.4 the best was 0.4 (HF's Trainer takes greater_is_better=True for
+    any metric not ending in "loss")."""
+    state = ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd())
+    for metric in ("eval_accuracy", "eval_f1", "eval_roc_auc", "eval_exact_match", "eval_bleu"):
+        with pytest.raises(ValueError, match=rf"track_best\(metric='{metric}'\) needs mode"):
+            ft.track_best(state, {metric: 0.5}, metric=metric)
+    for acc in (0.5, 0.9, 0.4):
+        state = ft.track_best(state, {"eval_accuracy": acc}, metric="eval_accuracy", mode="max")
+    assert state.early_stopping.best_metric == 0.9
+    # losses (and other names) keep the default "min"
+    s = ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd())
+    for loss in (0.5, 0.9, 0.4):
+        s = ft.track_best(s, {"eval_loss": loss})
+    assert (s.early_stopping.best_metric, s.early_stopping.mode) == (0.4, "min")
+    assert (
+        ft.track_best(
+            s.replace(early_stopping=ft.state.EarlyStoppingState()), 3.0, metric="eval_ppl"
+        ).early_stopping.mode
+        == "min"
+    )
