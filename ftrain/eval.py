@@ -127,9 +127,12 @@ def evaluate(
             tokens = tokens and _token_labels(batch)
             parts, scorer = _batch_sums(state.model, batch, loss_fn, metrics_fn, own)
             for name, (s, n) in parts.items():
-                pair = weight * torch.stack(
+                pair = torch.stack(
                     [torch.as_tensor(x, device=strategy.device).double() for x in (s, n)]
                 )
+                # zeros, not 0 * pair: a stand-in's NaN (a mean over its 0 items, times 0)
+                # made the global sum NaN on several ranks, where one process was finite.
+                pair = pair if weight else torch.zeros_like(pair)
                 sums[name] = sums[name] + pair if name in sums else pair
     if not sums:
         raise ValueError("evaluate got no batches")

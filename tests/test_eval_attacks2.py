@@ -94,3 +94,26 @@ def test_track_best_without_mode_refuses_a_score_that_is_better_higher():
         ).early_stopping.mode
         == "min"
     )
+
+
+# --- evaluate --------------------------------------------------------------------------------
+
+
+def test_a_stand_in_batch_whose_loss_is_nan_counts_nothing():
+    """A rank without rows in the final global micro-batch runs a ZeroWeight stand-in (a copy of
+    one real row) and counted it as 0 * its sums: a loss written as mean * count is NaN on a
+    row whose labels are all -100, and 0 * NaN made the global eval_loss NaN on two ranks where
+    one process reported a finite loss."""
+    torch.manual_seed(0)
+    state = ft.TrainState.create(torch.nn.Linear(3, 4), ft.optim.sgd())
+
+    def loss_fn(model, batch):
+        n = (batch["labels"] != -100).sum()
+        return torch.nn.functional.cross_entropy(model(batch["x"]), batch["labels"]) * n, n
+
+    real = {"x": torch.randn(4, 3), "labels": torch.tensor([1, 2, -100, 3])}
+    stand_in = ft.data.ZeroWeight({"x": real["x"][2:3], "labels": real["labels"][2:3]})
+    alone = ft.evaluate(state, [real], loss_fn)
+    ranked = ft.evaluate(state, [real, stand_in], loss_fn)
+    assert ranked["eval_loss"] == pytest.approx(alone["eval_loss"], rel=1e-12)
+    assert ranked["eval_items"] == alone["eval_items"] == 3
