@@ -112,7 +112,8 @@ def evaluate(
         ValueError: with no batches; when both `loss_fn` and a `metrics_fn` returning
             `"loss"` are given; when `metrics_fn` returns a name evaluate reports itself
             (`items`, `loss_fn`, `ppl`, and `metrics_loss` where that holds its loss); or, with
-            several ranks, when `metrics_fn` returns other names on one rank than on another.
+            several ranks, when `metrics_fn` returns other names on one rank than on another;
+            when `metrics_fn` returns `"loss"` on some batches and not on others.
     """
     _check_args(state, batches, loss_fn, metrics_fn, perplexity, strategy)
     strategy = state.strategy if strategy is None else strategy
@@ -125,7 +126,10 @@ def evaluate(
             batch, weight = weighted(batch)  # a ZeroWeight stand-in runs and counts nothing
             batch = strategy.to_device(batch)
             tokens = tokens and _token_labels(batch)
-            parts, scorer = _batch_sums(state.model, batch, loss_fn, metrics_fn, own)
+            parts, fn = _batch_sums(state.model, batch, loss_fn, metrics_fn, own)
+            if scorer is not None and fn is not scorer:
+                raise ValueError(_LOSS_CHANGED.format(now=loss_name(fn), was=loss_name(scorer)))
+            scorer = fn
             for name, (s, n) in parts.items():
                 pair = torch.stack(
                     [torch.as_tensor(x, device=strategy.device).double() for x in (s, n)]
@@ -177,6 +181,11 @@ def _same_names_on_every_rank(names: list[str], strategy: Strategy, problem: str
         raise ValueError(problem.format(names=[name for name in names if name != "loss"]))
 
 
+_LOSS_CHANGED = (
+    "evaluate: metrics_fn returned 'loss' on some batches and not on others, so eval_loss would "
+    "sum {was} on some batches with {now} on others; return 'loss' from metrics_fn on every "
+    "batch (with (0, 0) where a batch has no items), or on none"
+)
 _METRICS_DIFFER = (
     "evaluate: metrics_fn returned other names on this rank ({names}) than on another rank; "
     "each name is summed over the ranks, so every rank must return every name, with (0, 0) "

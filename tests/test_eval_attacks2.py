@@ -117,3 +117,27 @@ def test_a_stand_in_batch_whose_loss_is_nan_counts_nothing():
     ranked = ft.evaluate(state, [real, stand_in], loss_fn)
     assert ranked["eval_loss"] == pytest.approx(alone["eval_loss"], rel=1e-12)
     assert ranked["eval_items"] == alone["eval_items"] == 3
+
+
+def test_a_metrics_loss_on_some_batches_only_is_refused_not_mixed_with_the_default_loss():
+    """A metrics_fn that returned "loss" on the first batch only: eval_loss summed its loss
+    there with the default loss on the other batches (53.9 for a model whose loss is 4.1),
+    named ftrain.losses.default_loss, with an eval_ppl of the mixture."""
+    from helpers import ragged_rows, tiny_gpt2
+
+    state = ft.TrainState.create(tiny_gpt2(), ft.optim.sgd())
+    calls = []
+
+    def metrics_fn(model, batch):
+        calls.append(1)
+        out = {"rows": (torch.tensor(float(len(batch["labels"]))), 1)}
+        if len(calls) == 1:
+            out["loss"] = (torch.tensor(1000.0), 1)
+        return out
+
+    batches = list(ft.make_batches(ragged_rows(6), batch_size=3, shuffle=False))
+    with pytest.raises(ValueError, match="evaluate: metrics_fn returned 'loss' on some batches"):
+        ft.evaluate(state, batches, metrics_fn=metrics_fn)
+    # the same name on every batch is fine either way
+    kept = ft.evaluate(state, batches, metrics_fn=lambda m, b: {"rows": (len(b["labels"]), 1)})
+    assert kept["eval_loss"] == pytest.approx(ft.evaluate(state, batches)["eval_loss"])
