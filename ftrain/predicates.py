@@ -156,7 +156,7 @@ def track_best(
         _check_loss(state, metrics, metric)
     else:
         value = metrics
-    mode = _mode(metric) if mode is None else mode
+    mode = best_mode(metric) if mode is None else mode
     if not (_real(value) or (isinstance(value, torch.Tensor) and value.numel() == 1)):
         raise TypeError(
             f"metrics must be a number or a dict holding metric={metric!r} as a number, "
@@ -233,14 +233,20 @@ _HIGHER = (
 )
 
 
-def _mode(metric: Any) -> str:
-    """The mode `track_best` ranks by when none is given: "min", unless the name is a score."""
+def best_mode(metric: Any, caller: str = "track_best", name: str = "metric") -> str:
+    """The mode a metric is ranked by when none is given (`track_best`, `save_checkpoint`):
+    "min", unless the name looks like a score that is better higher, which raises.
+
+    Raises:
+        ValueError: for a `metric` named like a score (`accuracy`, `f1`, `auc`, ...): the
+            default "min" would keep the worst as the best; the caller must pass its mode.
+    """
     if not isinstance(metric, str) or metric.endswith("loss"):
         return "min"
     words = metric.lower().replace("-", "_").split("_")
     if any(w.startswith(h) for w in words for h in _HIGHER):
         raise ValueError(
-            f"track_best(metric={metric!r}) needs mode: {metric!r} looks like a score that is "
+            f"{caller}({name}={metric!r}) needs mode: {metric!r} looks like a score that is "
             "better higher, and the default mode='min' would keep the worst as the best; pass "
             "mode='max' (or mode='min' if lower is better)"
         )

@@ -469,3 +469,20 @@ def test_a_commit_survives_another_writer_rotating_the_newest_checkpoint_away(
     ft.save_checkpoint(state.replace(step=3), tmp_path)
     monkeypatch.undo()
     assert ft.latest_checkpoint(tmp_path) == tmp_path / "step-3"
+
+
+def test_a_score_ranked_without_a_mode_is_refused(tmp_path):
+    """`best_metric="eval_accuracy"` with the default mode="min" kept the checkpoint of the
+    worst accuracy as the best, without a word (track_best refuses the same)."""
+    with pytest.raises(ValueError, match=r"save_checkpoint\(best_metric='eval_accuracy'\) needs"):
+        ft.save_checkpoint(
+            _state(1), tmp_path, metrics={"eval_accuracy": 0.5}, best_metric="eval_accuracy"
+        )
+    for acc in (0.5, 0.9, 0.4):
+        ft.save_checkpoint(
+            _state(1), tmp_path / "max", metrics={"eval_accuracy": acc},
+            best_metric="eval_accuracy", mode="max", keep_last=0,
+        )  # fmt: skip
+    ft.save_checkpoint(
+        _state(1), tmp_path / "loss", metrics={"eval_loss": 1.0}, best_metric="eval_loss"
+    )

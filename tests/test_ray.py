@@ -176,6 +176,9 @@ def test_checkpoint_config_refuses_what_ray_cannot_keep_and_bad_values():
         ray_ft.checkpoint_config(keep_last=-1)
     with pytest.raises(ValueError, match="mode must be 'min' or 'max'"):
         ray_ft.checkpoint_config(best_metric="loss", mode="best")  # type: ignore[arg-type]
+    # A score ranked by the default "min": Ray kept the worst accuracy as the best.
+    with pytest.raises(ValueError, match=r"checkpoint_config\(best_metric='eval_accuracy'\) needs"):
+        ray_ft.checkpoint_config(best_metric="eval_accuracy")
 
 
 def test_a_ray_without_train_v2_is_a_clear_error(monkeypatch):

@@ -49,6 +49,7 @@ from ftrain.checkpoint._io import (
     write_text,
 )
 from ftrain.checkpoint._verify import check_savable
+from ftrain.predicates import best_mode
 from ftrain.process_state import STATE
 from ftrain.state import TrainState
 from ftrain.strategies import Strategy, active_preemption
@@ -71,7 +72,7 @@ def save_checkpoint(
     keep_last: int | None = None,
     keep_best: int | None = None,
     best_metric: str | None = None,
-    mode: Literal["min", "max"] = "min",
+    mode: Literal["min", "max"] | None = None,
     checksum: bool = True,
     blocking: bool = True,
 ) -> Path:
@@ -91,7 +92,9 @@ def save_checkpoint(
         best_metric: the metric that ranks checkpoints; `metrics` must hold it. A save without
             it (a preemption save) still keeps the best, ranked as the newest save in `root`
             that had one ranked (recorded in its state.json).
-        mode: "min" if lower `best_metric` is better, "max" otherwise.
+        mode: "min" if lower `best_metric` is better, "max" otherwise. None (default): "min",
+            except for a `best_metric` named like a score that is better higher (accuracy, F1,
+            ...), which raises rather than keep the worst checkpoint as the best.
         checksum: record each file's SHA-256 so `load_checkpoint` can detect corruption.
         blocking: False copies the tensors and returns while a background thread writes them;
             at most one save is in flight, and its error is raised by the next
@@ -134,13 +137,23 @@ def save_checkpoint(
         'step-0'
     """
     _check_save_args(state, root, metrics, best_metric, checksum=checksum, blocking=blocking)
-    job = _Job(Path(root), state.step, keep_last, keep_best, best_metric, mode, checksum)
+    job = _Job(
+        Path(root),
+        state.step,
+        keep_last,
+        keep_best,
+        best_metric,
+        "min" if mode is None else mode,
+        checksum,
+    )
     job.preemption_only = _off_cadence(state.step)  # read now: the predicate was just asked
     if best_metric is not None and best_metric not in (metrics or {}):
         raise ValueError(
             f"best_metric={best_metric!r} is not in metrics (keys: {sorted(metrics or {})}): "
             f"pass metrics={{{best_metric!r}: value}} to rank this checkpoint, or no best_metric"
         )
+    if mode is None:  # "min", unless the metric is a score: the worst would be kept as best
+        job.mode = best_mode(best_metric, "save_checkpoint", "best_metric")
     # A consumed state raises ConsumedStateError here (naming the step function that consumed
     # it), before any collective: every rank's loop consumed its state alike.
     _ = state.params

@@ -30,6 +30,7 @@ from typing import Any, Literal
 import torch
 
 import ftrain as ft
+from ftrain.predicates import best_mode
 from ftrain.process_state import STATE
 from ftrain.state import TrainState
 
@@ -87,7 +88,7 @@ def checkpoint_config(
     keep_last: int | None = None,
     keep_best: int | None = None,
     best_metric: str | None = None,
-    mode: Literal["min", "max"] = "min",
+    mode: Literal["min", "max"] | None = None,
 ) -> Any:
     """Ray's `CheckpointConfig` for ftrain's retention terms: Ray owns retention.
 
@@ -106,7 +107,9 @@ def checkpoint_config(
         keep_best: how many best checkpoints to keep (needs `best_metric`).
         best_metric: the metric that ranks checkpoints; pass it in `save_and_report`'s
             `metrics` at every save.
-        mode: "min" if a lower `best_metric` is better.
+        mode: "min" if a lower `best_metric` is better, "max" otherwise. None (default):
+            "min", except for a `best_metric` named like a score that is better higher
+            (accuracy, F1, ...), which raises (as `save_checkpoint`).
 
     Returns:
         A `ray.train.CheckpointConfig` for `RunConfig(checkpoint_config=...)`.
@@ -121,7 +124,11 @@ def checkpoint_config(
         >>> c.num_to_keep, c.checkpoint_score_attribute, c.checkpoint_score_order
         (2, 'eval_loss', 'min')
     """
-    ft.checkpoint.check_retention(keep_last, keep_best, best_metric, mode)
+    ft.checkpoint.check_retention(
+        keep_last, keep_best, best_metric, "min" if mode is None else mode
+    )
+    if mode is None:  # Ray would keep the worst accuracy as the best
+        mode = best_mode(best_metric, "checkpoint_config", "best_metric")  # type: ignore[assignment]
     if best_metric is not None and keep_last is not None and keep_last >= 2:
         raise ValueError(
             f"keep_last={keep_last} with best_metric={best_metric!r}: Ray's CheckpointConfig "
