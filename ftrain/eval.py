@@ -261,10 +261,13 @@ def _token_labels(batch: Any) -> bool:
 
 
 @contextlib.contextmanager
-def eval_mode(model: nn.Module) -> Iterator[None]:
+def eval_mode(model: nn.Module, *, no_grad: bool = True) -> Iterator[None]:
     """Run the block with `model` in eval mode and without gradients; each submodule's previous
     mode comes back afterwards, even on error (a submodule the caller keeps in eval mode inside
-    a training model, such as a frozen BatchNorm, stays in eval mode).
+    a training model, such as a frozen BatchNorm, stays in eval mode). `no_grad=False` leaves
+    the grad mode alone: a generator that yields inside the block would otherwise turn the
+    caller's gradients off too (grad mode is thread-wide); it holds `torch.no_grad()` around
+    its own work instead.
 
     Example:
         >>> import torch
@@ -276,7 +279,7 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
         >>> model.training
         True
     """
-    with _in_eval(model), torch.no_grad():
+    with _in_eval(model), torch.no_grad() if no_grad else contextlib.nullcontext():
         yield
 
 

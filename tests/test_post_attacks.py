@@ -139,3 +139,31 @@ def test_chunked_loss_keeps_no_weight_gradient_for_a_frozen_head():
     want = torch.autograd.grad(plain, [p for p in model.parameters() if p.requires_grad])
     for g, w in zip(grads, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_the_loop_body_of_generate_runs_with_the_callers_grad_mode_and_precision():
+    # generate held no_grad and the strategy's autocast across its yields: both are
+    # thread-wide, so the caller's loop body ran without gradients and in bf16.
+    model = _llama()
+    strategy = ft.strategies.SingleDevice(precision="bf16")
+    state = ft.TrainState.create(model, ft.optim.sgd(), strategy=strategy)
+    batches = ft.make_batches([{"input_ids": [5, 6, 7]}], batch_size=1, shuffle=False)
+    w = torch.ones(3, 3, requires_grad=True)
+    for out in ft.generate(state, batches, max_new_tokens=2, do_sample=False):
+        y = torch.ones(1, 3) @ w
+        assert torch.is_grad_enabled() and y.requires_grad
+        assert y.dtype == torch.float32
+        assert not model.training  # eval mode holds across the yields
+        assert len(out["token_ids"][0]) == 2
+    assert torch.is_grad_enabled()
+
+
+def test_multiple_choice_metrics_refuses_a_subject_index_outside_the_subjects():
+    model = _llama()
+    rows = [{"input_ids": [5, 6, 7, 8], "labels": [-100, -100, -100, 8], "subject": 2}]
+    state = ft.TrainState.create(model, ft.optim.sgd())
+    metrics_fn = ft.multiple_choice_metrics(choice_ids=[8, 9], subjects=["a", "b"])
+    with pytest.raises(ValueError, match=r"subject index is outside \[0, 2\)"):
+        ft.evaluate(
+            state, ft.make_batches(rows, batch_size=1, shuffle=False), metrics_fn=metrics_fn
+        )

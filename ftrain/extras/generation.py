@@ -235,12 +235,17 @@ def generate(
     if not enc_dec:
         _check_lengths(model, kwargs)
     inputs = _forward_names(model)
-    with eval_mode(state.model), strategy.autocast():
+    # Eval mode across the yields; no_grad and autocast only around each batch's generation
+    # (held across a yield they were the caller's too: its loop body ran without gradients
+    # and its float32 matmuls in bf16).
+    with eval_mode(state.model, no_grad=False):
         for batch in flatten_batches(batches):
             batch, weight = weighted(batch)
             _check_batch(batch, inputs, model, enc_dec)
             batch = strategy.to_device(batch)
-            new = _trim(_new_tokens(generate_fn, batch, pad_id, enc_dec, kwargs, stops), eos)
+            with torch.no_grad(), strategy.autocast():
+                new = _new_tokens(generate_fn, batch, pad_id, enc_dec, kwargs, stops)
+            new = _trim(new, eos)
             if gather and strategy.world_size > 1:
                 new = strategy.gather_rows(new[: None if weight else 0])
             elif not weight:
@@ -412,6 +417,13 @@ def multiple_choice_metrics(
         if names:
             if "subject" not in batch:
                 raise ValueError("multiple_choice_metrics with subjects needs 'subject' rows")
+            subject = batch["subject"]
+            if ((subject < 0) | (subject >= len(names))).any():  # a host sync, as above
+                raise ValueError(
+                    f"multiple_choice_metrics: a row's subject index is outside [0, "
+                    f"{len(names)}) (subjects={names}): it would count in eval_accuracy and "
+                    "in no subject's"
+                )
             for i, name in enumerate(names):  # every name on every rank: evaluate sums by name
                 mine = batch["subject"] == i
                 out[f"accuracy_{name}"] = ((correct & mine).sum(), (answered & mine).sum())
