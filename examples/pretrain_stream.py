@@ -43,6 +43,30 @@ def write_shards(directory: Path, *, shards: int, fmt: str, max_chars: int | Non
     return paths
 
 
+def shards_for(directory: Path, *, shards: int, fmt: str, max_chars: int | None) -> list[str]:
+    """The shards `--shards/--format/--max-chars` describe: written once, then reused; shards
+    written with other flags (a reused --out) raise instead of being read as these."""
+    flags = {"shards": shards, "format": fmt, "max_chars": max_chars}
+    manifest = directory / "shards.json"
+    found = sorted(directory.glob("part-*.*"))
+    if not found:
+        paths = write_shards(directory, shards=shards, fmt=fmt, max_chars=max_chars)
+        manifest.write_text(json.dumps(flags), encoding="utf-8")
+        return paths
+    made = (  # a folder from before the manifest: its count and format tell that much
+        json.loads(manifest.read_text(encoding="utf-8")) if manifest.exists()
+        else {"shards": len(found), "format": found[0].suffix[1:], "max_chars": max_chars}
+    )  # fmt: skip
+    if diff := [k for k in flags if made.get(k) != flags[k]]:
+        said = ", ".join(f"--{k.replace('_', '-')} {made.get(k)}" for k in diff)
+        asked = ", ".join(f"--{k.replace('_', '-')} {flags[k]}" for k in diff)
+        raise ValueError(
+            f"{directory} holds shards written with {said}, not {asked}: a resumed run reads "
+            "the data it started on; pass those flags, or another --out"
+        )
+    return [str(p) for p in found]
+
+
 def load_stream(paths: list[str], fmt: str, vocab: dict[str, int]) -> Any:
     """A `datasets` streaming dataset of token ids (one shard per parquet row group)."""
     import datasets
@@ -87,18 +111,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--stop-at", type=int, default=None, help="exit at this step (a kill)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.stop_at is not None and not 0 < args.stop_at < args.steps:  # it would never stop
+        p.error(f"--stop-at {args.stop_at} is not a step before --steps {args.steps}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse(argv)
     out = Path(args.out)
     vocab = {c: i + 1 for i, c in enumerate(sorted(set(TEXT.read_text(encoding="utf-8"))))}
-    paths = sorted(str(p) for p in (out / "data").glob(f"part-*.{args.format}"))
-    if not paths:
-        paths = write_shards(
-            out / "data", shards=args.shards, fmt=args.format, max_chars=args.max_chars
-        )
+    paths = shards_for(out / "data", shards=args.shards, fmt=args.format, max_chars=args.max_chars)
     train_ds = ft.data.pack(load_stream(paths, args.format, vocab), block_size=args.block_size)
     model = build_model(len(vocab) + 1, args.block_size)
     steps, losses = args.steps, []
@@ -109,6 +132,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if (ckpt := ft.latest_checkpoint(out)) is not None:
         state = ft.load_checkpoint(ckpt, state)
         print(f"resumed from {ckpt} (epoch {state.epoch}, micro-batch {state.data.cursor})")
+        if args.stop_at is not None and args.stop_at <= state.step:  # passed: it would not stop
+            raise ValueError(f"--stop-at {args.stop_at}, but {ckpt} is at step {state.step}")
     while state.step < steps:
         for micro in ft.make_batches(
             train_ds, state, batch_size=args.batch_size, accum=args.accum, num_workers=args.workers,

@@ -26,6 +26,7 @@ draw them with `python -m ftrain plot runs/shakespeare_char/metrics.jsonl -o cur
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import time
 from pathlib import Path
@@ -161,6 +162,51 @@ def load(path: Path, block: int) -> tuple[CharWindows, CharWindows, int]:
     return CharWindows(ids[:split], block), CharWindows(ids[split:], block), len(chars)
 
 
+def schedule(max_iters: int) -> ft.schedules.Schedule:
+    """nanoGPT's: 100 warmup steps to 1e-3, cosine decay to 1e-4 at `max_iters`."""
+    return ft.schedules.cosine_with_min_lr(1e-3, 100, max_iters, min_lr=1e-4)
+
+
+def run_record(args: argparse.Namespace) -> dict[str, object]:
+    """The flags a resume must repeat, saved with each checkpoint (beside its eval_loss)."""
+    digest = int(hashlib.sha256(Path(args.data).read_bytes()).hexdigest()[:12], 16)  # < 2**53
+    return {"max_iters": args.max_iters, "batch_size": args.batch_size, "data_digest": digest}
+
+
+def refuse_another_run(args: argparse.Namespace, ckpt: Path, state: ft.TrainState) -> None:
+    """Raise when the flags cannot continue the run `ckpt` was saved from: the resumed run would
+    be neither that run nor the one the flags describe."""
+    if state.seed != args.seed:  # the checkpoint's seed orders the data: --seed would not act
+        raise ValueError(
+            f"--seed {args.seed}, but {ckpt} was trained with --seed {state.seed}: a resumed "
+            f"run keeps its checkpoint's seed; pass --seed {state.seed}, or another --out"
+        )
+    if state.step > args.max_iters:  # nothing would train; val_loss would be a longer run's
+        raise ValueError(
+            f"--max-iters {args.max_iters}, but {ckpt} already trained {state.step} steps: pass "
+            f"--max-iters {state.step} or more to go on, or another --out for a shorter run"
+        )
+    saved, now = ft.checkpoint.read_meta(ckpt)["metrics"], run_record(args)  # older: none
+    if saved.get("data_digest", now["data_digest"]) != now["data_digest"]:
+        raise ValueError(
+            f"--data {args.data} holds another text than {ckpt} was trained on: the resumed run "
+            "would train on both; pass the run's --data, or another --out for a new run"
+        )
+    if saved.get("batch_size", args.batch_size) != args.batch_size:
+        raise ValueError(
+            f"--batch-size {args.batch_size}, but {ckpt} was trained with --batch-size "
+            f"{saved['batch_size']}: the resumed run would mix the two; pass --batch-size "
+            f"{saved['batch_size']}, or another --out for a new run"
+        )
+    old, new = schedule(saved.get("max_iters", args.max_iters)), schedule(args.max_iters)
+    if any(old(t) != new(t) for t in range(state.step)):  # equal during warmup
+        raise ValueError(
+            f"--max-iters {args.max_iters}, but {ckpt} was trained {state.step} steps of a "
+            f"learning-rate schedule decaying over {saved['max_iters']}: the resumed run would "
+            f"follow neither schedule; pass --max-iters {saved['max_iters']}, or another --out"
+        )
+
+
 def train_and_export(args, model, optimizer, strategy, train, val) -> float:
     """Train (resuming from the newest checkpoint), evaluate, export; return the val loss."""
     state = ft.TrainState.create(model, optimizer, seed=args.seed, strategy=strategy)
@@ -168,15 +214,11 @@ def train_and_export(args, model, optimizer, strategy, train, val) -> float:
     if args.batch_size % world:
         raise ValueError(f"--batch-size {args.batch_size} is not divisible by {world} ranks")
     batch_size = args.batch_size // world  # per rank: the global batch stays the same
-    lr = ft.schedules.cosine_with_min_lr(1e-3, 100, args.max_iters, min_lr=1e-4)
+    lr = schedule(args.max_iters)
     # strategy=: every rank found the same checkpoint, or none (node-local folders raise)
     if args.out and (ckpt := ft.latest_checkpoint(args.out, strategy=state.strategy)):
         state = ft.load_checkpoint(ckpt, state)
-        if state.seed != args.seed:  # the checkpoint's seed orders the data: --seed would not act
-            raise ValueError(
-                f"--seed {args.seed}, but {ckpt} was trained with --seed {state.seed}: a resumed "
-                f"run keeps its checkpoint's seed; pass --seed {state.seed}, or another --out"
-            )
+        refuse_another_run(args, ckpt, state)
         if main_rank:
             print(f"resumed from {ckpt} (step {state.step})", flush=True)
 
@@ -195,7 +237,7 @@ def train_and_export(args, model, optimizer, strategy, train, val) -> float:
         state, every=args.log_interval, total_steps=args.max_iters, sinks=[jsonl] if jsonl else [],
         epoch_size=ft.data.num_micro_batches(len(train), batch_size, world_size=world),
     )  # fmt: skip
-    start = time.perf_counter()
+    record, start = run_record(args), time.perf_counter()  # the flags saved with checkpoints
     while state.step < args.max_iters:
         for micro in ft.make_batches(train, state, batch_size=batch_size):
             grads, stats = ft.accumulate_grads(state, micro, next_char_loss)
@@ -208,7 +250,7 @@ def train_and_export(args, model, optimizer, strategy, train, val) -> float:
                 logger.log({"step": state.step, **metrics})
                 if args.out:  # in the background, except the last save of the run
                     ft.save_checkpoint(
-                        state, args.out, metrics=metrics, keep_last=args.keep_last,
+                        state, args.out, metrics={**metrics, **record}, keep_last=args.keep_last,
                         best_metric="eval_loss", blocking=state.step >= args.max_iters,
                     )  # fmt: skip
             if state.step >= args.max_iters:
