@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -86,8 +86,10 @@ class DDP(ProcessGroupStrategy):
         return self.setup(copy.deepcopy(self.unwrap(model)))
 
     def grad_sync(self, model: nn.Module, *, final: bool) -> contextlib.AbstractContextManager[Any]:
-        if final or self.sync_every_micro or not isinstance(model, DistributedDataParallel):
+        if not isinstance(model, DistributedDataParallel):
             return contextlib.nullcontext()
+        if final or self.sync_every_micro:
+            return _reduced(model)
         if self._kwargs.get("static_graph"):  # torch's reducer fails an internal assert there
             raise ValueError(
                 "DDP(static_graph=True) cannot skip the gradient sync of the non-final "
@@ -101,3 +103,23 @@ class DDP(ProcessGroupStrategy):
 
     def drop_gathered(self, model: nn.Module) -> None:
         pass  # every rank holds whole parameters: nothing gathered
+
+
+@contextlib.contextmanager
+def _reduced(model: DistributedDataParallel) -> Iterator[None]:
+    """Around a backward that reduces: afterwards, raise unless DDP reduced every bucket.
+
+    A parameter that got no gradient on this rank (a branch or an MoE expert this rank's rows
+    did not take) leaves its bucket unreduced without `find_unused_parameters=True`: this rank
+    kept its own gradients, or its peers reduced other tensors with it, and torch only raised
+    at the next forward, after the wrong update. A local flag check: no collective, no sync."""
+    yield
+    try:
+        model.reducer._check_reducer_finalized()
+    except RuntimeError as e:
+        raise RuntimeError(
+            "DDP: some parameters got no gradient in this backward on this rank (unused in "
+            "the forward, e.g. a branch or an MoE expert its rows did not take), so their "
+            "gradients were not averaged over the ranks; pass find_unused_parameters=True to "
+            "ft.strategies.DDP (or from_env), or make every parameter take part in the loss"
+        ) from e

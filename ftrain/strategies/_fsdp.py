@@ -28,6 +28,7 @@ __all__ = [
     "gradient_sync",
     "hf_blocks",
     "local_shard",
+    "reduce_unused",
 ]
 
 
@@ -136,6 +137,7 @@ class FSDP(ProcessGroupStrategy):
             if is_block(module):
                 fully_shard(module, **self._kwargs)
         fully_shard(model, **self._kwargs)
+        reduce_unused(model)
         return model
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -173,6 +175,15 @@ class FSDP(ProcessGroupStrategy):
 
     def drop_gathered(self, model: nn.Module) -> None:
         drop_gathered(model)
+
+
+def reduce_unused(model: nn.Module) -> None:
+    """Have every `fully_shard`ed unit of `model` reduce-scatter a zero gradient for a
+    parameter that got none on this rank. FSDP2 otherwise reduces only the gradients present:
+    where ranks use different parameters (MoE experts, a branch taken on one rank), their
+    reduce-scatters hold other tensors, and two parameters of one size (rank 0's expert 0,
+    rank 1's expert 1) were summed into each other without an error."""
+    model.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
 
 
 @contextlib.contextmanager

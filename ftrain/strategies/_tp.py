@@ -30,6 +30,7 @@ from ftrain.strategies._fsdp import (
     gradient_sync,
     hf_blocks,
     local_shard,
+    reduce_unused,
 )
 from ftrain.strategies._group import ProcessGroupStrategy
 
@@ -224,6 +225,7 @@ class TP(ProcessGroupStrategy):
                 if is_block(module):
                     fully_shard(module, mesh=self.mesh["dp"])
             fully_shard(model, mesh=self.mesh["dp"])
+            reduce_unused(model)
         return model
 
     def unwrap(self, model: nn.Module) -> nn.Module:

@@ -1,0 +1,52 @@
+"""Strategies x parameters that only some ranks use in a step (a branch, an MoE expert): the
+gradients must equal one process's on the same global batch, or the step must raise.
+
+Reproduced first (numbers in the docstrings). The 2-rank checks run in one launch of
+tests/workers/strategy_attack2_workers.py (gloo on CPU, bounded by a timeout), whose results
+the tests below read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """Each rank's record of the 2-rank launch (bounded: never hangs)."""
+    import strategy_attack2_workers as W
+    from launch import run_ranks
+
+    out = tmp_path_factory.mktemp("attacks2") / "results"
+    run_ranks(W.ranks, str(out), timeout=120)
+    return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
+
+
+def _exact(record: dict) -> None:
+    assert "error" not in record and record["missing"] == [], record
+    assert all(v <= 1e-6 for k, v in record.items() if k != "missing"), record
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["fsdp", "hsdp"])
+def test_fsdp_with_experts_used_on_one_rank_equals_one_process(two_ranks, kind):
+    """Rank 0's rows take expert a, rank 1's expert b (same shapes): FSDP2 reduce-scattered
+    rank 0's gradient of a with rank 1's of b: each rank held a gradient of one expert only,
+    and after one SGD step the parameters were up to 0.24 off one process's, without an error
+    (where the shapes differ, the ranks died in gloo with SIGABRT)."""
+    for got in two_ranks:
+        _exact(got[kind])
+
+
+@pytest.mark.slow
+def test_ddp_with_a_parameter_unused_on_a_rank_raises_at_that_step(two_ranks):
+    """Without find_unused_parameters DDP left the bucket unreduced: each rank applied its own
+    gradient of its own expert (0.16 and 0.48 off one process), and torch raised only at the
+    next forward, after the replicas had drifted apart (and a checkpoint taken in between
+    saved rank 0's)."""
+    for got in two_ranks:
+        assert "pass find_unused_parameters=True" in got["ddp"].get("error", ""), got["ddp"]
+        _exact(got["ddp_find"])
