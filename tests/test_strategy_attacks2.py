@@ -1,5 +1,6 @@
 """Strategies x parameters that only some ranks use in a step (a branch, an MoE expert): the
-gradients must equal one process's on the same global batch, or the step must raise.
+gradients must equal one process's on the same global batch, or the step must raise; and
+`from_env(timeout=)` in a group initialised before, which must apply or raise.
 
 Reproduced first (numbers in the docstrings). The 2-rank checks run in one launch of
 tests/workers/strategy_attack2_workers.py (gloo on CPU, bounded by a timeout), whose results
@@ -50,3 +51,14 @@ def test_ddp_with_a_parameter_unused_on_a_rank_raises_at_that_step(two_ranks):
     for got in two_ranks:
         assert "pass find_unused_parameters=True" in got["ddp"].get("error", ""), got["ddp"]
         _exact(got["ddp_find"])
+
+
+@pytest.mark.slow
+def test_from_env_refuses_a_timeout_the_existing_group_does_not_have(two_ranks):
+    """In a group initialised before (30 s), `from_env(timeout=3 s)` returned a DDP whose
+    group kept 30 s: the timeout was dropped without a word."""
+    for got in two_ranks:
+        assert "timeout=datetime.timedelta(seconds=3) cannot apply" in got["timeout_other"].get(
+            "error", ""
+        ), got["timeout_other"]
+        assert got["timeout_same"] == {"value": "DDP"}

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from ftrain.strategies._base import SingleDevice
 from ftrain.strategies._ddp import DDP
 from ftrain.strategies._fsdp import FSDP
-from ftrain.strategies._group import collective_timeout, join_group
+from ftrain.strategies._group import collective_timeout, group_timeout, join_group
 from ftrain.strategies._tp import TP
 
 __all__ = ["from_env"]
@@ -41,14 +41,16 @@ def from_env(
         timeout: how long a collective may wait before the process fails (default: the
             FTRAIN_COLLECTIVE_TIMEOUT environment variable in seconds, else 10 minutes), so
             that one rank's crash ends the others instead of hanging them (one process has
-            no collectives to time out). Applies when this call creates the group.
+            no collectives to time out). Applies when this call creates the group; with a
+            group initialised before, a timeout other than the group's raises.
         **kwargs: passed to the strategy. In one process `device` and `precision` go to
             `SingleDevice`; the kind's own `sync_every_micro` (ddp, fsdp), `replicate=1` (fsdp),
             `dp=1` and a valid `plan` (tp) mean nothing there (the whole model is in the one
             process) and are accepted; any other keyword raises rather than being dropped.
 
     Raises:
-        ValueError: for an unknown `kind` or a non-positive timeout; WORLD_SIZE or RANK that
+        ValueError: for an unknown `kind` or a non-positive timeout, or a timeout other than
+            that of a process group initialised before (it cannot change); WORLD_SIZE or RANK that
             are not integers, a world below 1 or a rank outside it; without WORLD_SIZE, a srun
             step of several tasks (each would train alone: call
             `ftrain.extras.cluster.export_launcher_env()` first), the batch script of an
@@ -62,6 +64,8 @@ def from_env(
         collective_timeout(timeout)
     if not dist.is_initialized() and _world_size() <= 1:  # a group made by hand is taken
         return _single(kind, kwargs)
+    if timeout is not None and dist.is_initialized():
+        _refuse_other_timeout(timeout)
     owns = join_group(f"from_env({kind!r})", timeout=timeout)
     try:
         strategy = _KINDS[kind](**kwargs)
@@ -71,6 +75,19 @@ def from_env(
         raise
     strategy.owns_group = owns  # close() destroys the group only if from_env created it
     return strategy
+
+
+def _refuse_other_timeout(timeout: timedelta) -> None:
+    """A group initialised before keeps the timeout it was made with: a different `timeout`
+    here was dropped without a word (a dead peer then hung the survivors for the group's 30
+    minutes, not the seconds asked for)."""
+    current = group_timeout()
+    if current is not None and current != timeout:
+        raise ValueError(
+            f"timeout={timeout!r} cannot apply: the process group was initialised before "
+            f"from_env, with a collective timeout of {current!r}; pass timeout= to "
+            "torch.distributed.init_process_group instead, or drop it here"
+        )
 
 
 def _env_int(name: str, default: int) -> int:

@@ -25,7 +25,13 @@ from ftrain.precision import Precision
 from ftrain.strategies import _dcp, _placement
 from ftrain.strategies._base import _precision_repr, host_copies, move_to
 
-__all__ = ["ProcessGroupStrategy", "collective_timeout", "join_group", "local_device"]
+__all__ = [
+    "ProcessGroupStrategy",
+    "collective_timeout",
+    "group_timeout",
+    "join_group",
+    "local_device",
+]
 
 TIMEOUT_ENV = "FTRAIN_COLLECTIVE_TIMEOUT"
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -74,6 +80,18 @@ def collective_timeout(timeout: timedelta | None = None) -> timedelta:
             f"year), got {raw!r}"
         )
     return timedelta(seconds=seconds)
+
+
+def group_timeout() -> timedelta | None:
+    """The collective timeout of the initialised default group, or None where torch does not
+    say."""
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        timeout = group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+    return timeout if isinstance(timeout, timedelta) else None
 
 
 def join_group(name: str, *, timeout: timedelta | None = None) -> bool:

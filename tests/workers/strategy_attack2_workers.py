@@ -73,13 +73,22 @@ def _error(results: dict, rank: int, name: str, make) -> None:
         results[name] = {"error": f"{type(e).__name__}: {e}"}
 
 
+def _from_env(seconds: float) -> dict:
+    """`from_env(timeout=...)` in a group initialised before with a timeout of 30 s."""
+    try:
+        with ft.strategies.from_env("ddp", timeout=timedelta(seconds=seconds)) as strategy:
+            return {"value": type(strategy).__name__}
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
 def ranks(rank: int, world: int, port: int, out: str) -> None:
     """One rank of tests/test_strategy_attacks2.py's 2-rank launch, each check in OUT.<rank>."""
     import torch.distributed as dist
 
     rank_env(rank, world, port)
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
-    results: dict = {}
+    results: dict = {"timeout_other": _from_env(3), "timeout_same": _from_env(30)}
     _error(results, rank, "fsdp", ft.strategies.FSDP)
     _error(results, rank, "hsdp", lambda: ft.strategies.FSDP(replicate=2))
     _error(results, rank, "ddp_find", lambda: ft.strategies.DDP(find_unused_parameters=True))
