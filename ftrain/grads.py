@@ -304,19 +304,22 @@ def _check_args(state: Any, micro: Any, loss_fn: Any, strategy: Any) -> None:
         _check_override(state.strategy, strategy)
 
 
-_LAYOUT = attrgetter("device", "rank", "world_size", "grad_reduce_factor")
+_LAYOUT = attrgetter("device", "rank", "world_size", "grad_reduce_factor", "precision")
 
 
 def _check_override(own: Strategy, other: Strategy) -> None:
     """`strategy=` must reduce as the one that set the model up: the model's backward reduces
     (DDP averages, FSDP reduce-scatters) by the state's strategy, and the item count and its
     undoing would come from the other, so a SingleDevice override of a DDP state divides by this
-    rank's count, and a DDP override of a SingleDevice state scales unreduced gradients."""
+    rank's count, and a DDP override of a SingleDevice state scales unreduced gradients. The
+    precision too: an fp16 override of an fp32 state ran the forward in float16 without the
+    state's loss scale (small gradients flushed to zero)."""
     if type(other) is not type(own) or _LAYOUT(other) != _LAYOUT(own):
         raise ValueError(
             f"strategy={other!r} differs from the strategy that set the model up, "
-            f"{own!r}: its gradients are reduced by the latter, so the counts and reduction "
-            "would not match; drop strategy= (the state's is used), or create the state with it"
+            f"{own!r}: its gradients are reduced (and its loss scaled) by the latter, so the "
+            "counts, reduction or precision would not match; drop strategy= (the state's is "
+            "used), or create the state with it"
         )
 
 

@@ -61,6 +61,11 @@ def test_an_override_strategy_laid_out_otherwise_is_refused():
 
     with pytest.raises(ValueError, match="differs from the strategy that set the model up"):
         ft.accumulate_grads(state, batch, loss, strategy=FakeRank(1, 2))
+    # Another precision: an fp16 forward without the state's (absent) loss scale flushed small
+    # gradients to zero.
+    fp16 = ft.strategies.SingleDevice(state.strategy.device, precision="fp16")
+    with pytest.raises(ValueError, match="differs from the strategy that set the model up"):
+        ft.accumulate_grads(state, batch, loss, strategy=fp16)
     # The same layout is accepted (another instance of the same kind on the same device).
     ft.accumulate_grads(
         state, batch, loss, strategy=ft.strategies.SingleDevice(state.strategy.device)

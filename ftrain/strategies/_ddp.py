@@ -114,8 +114,11 @@ def _reduced(model: DistributedDataParallel) -> Iterator[None]:
     kept its own gradients, or its peers reduced other tensors with it, and torch only raised
     at the next forward, after the wrong update. A local flag check: no collective, no sync."""
     yield
+    check = getattr(model.reducer, "_check_reducer_finalized", None)  # private: torch 2.x
+    if check is None:
+        return
     try:
-        model.reducer._check_reducer_finalized()
+        check()
     except RuntimeError as e:
         raise RuntimeError(
             "DDP: some parameters got no gradient in this backward on this rank (unused in "
