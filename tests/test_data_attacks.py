@@ -5,16 +5,7 @@ import pytest
 import torch
 
 import ftrain as ft
-
-
-def _state(**kw):
-    return ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd(), **kw)
-
-
-def _advance(state, group):
-    """What clip_and_step does to state.data after a group: cursor and position."""
-    d = state.data
-    return state.replace(data=d.replace(cursor=d.cursor + len(group), position=group.position))
+from test_data_crossings import _advance, _state  # a state and clip_and_step's data advance
 
 
 def _xs(groups):
