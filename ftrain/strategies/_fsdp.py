@@ -183,7 +183,10 @@ def reduce_unused(model: nn.Module) -> None:
     where ranks use different parameters (MoE experts, a branch taken on one rank), their
     reduce-scatters hold other tensors, and two parameters of one size (rank 0's expert 0,
     rank 1's expert 1) were summed into each other without an error."""
-    model.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
+    setter = getattr(model, "set_reduce_scatter_unused_params", None)
+    if setter is None:  # an older torch lacks it: there every parameter must get a gradient
+        return
+    setter(True)
 
 
 @contextlib.contextmanager
