@@ -7,7 +7,9 @@ of odd rows; the SFT collator's BOS and EOS."""
 
 from __future__ import annotations
 
+import collections
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -139,6 +141,38 @@ def test_a_router_loss_the_default_loss_would_leave_out_raises():
     with torch.no_grad():
         loss_sum, n = ft.losses.default_loss(model, batch)
         torch.testing.assert_close(loss_sum / n, model(**batch).loss)
+
+
+class _Outputs:
+    """A model output that is neither a dataclass nor a tuple, holding a router loss."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits, self.aux_loss = logits, logits.sum()
+
+
+class _Routed(torch.nn.Module):
+    def __init__(self, wrap: Any) -> None:
+        super().__init__()
+        self.emb, self.wrap = torch.nn.Embedding(10, 10), wrap
+
+    def forward(self, input_ids: torch.Tensor) -> Any:
+        return self.wrap(self.emb(input_ids))
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [_Outputs, lambda logits: collections.namedtuple("Out", "logits aux_loss")(logits, logits)],
+    ids=["object", "namedtuple"],
+)
+def test_a_router_loss_on_an_output_of_your_own_type_raises(wrap):
+    """The router fields are read by type (a ModelOutput that declares none is not asked,
+    issue 30); an output of another type is still asked for each, a namedtuple included."""
+    batch = {"input_ids": torch.tensor([[1, 2, 3]]), "labels": torch.tensor([[1, 2, 3]])}
+    with pytest.raises(ValueError, match=r"returned aux_loss"):
+        ft.losses.causal_lm_loss()(_Routed(wrap), batch)
+    plain = _Routed(lambda logits: (logits,))  # a plain tuple holds no router field
+    loss, n = ft.losses.causal_lm_loss()(plain, batch)
+    assert int(n) == 2 and torch.isfinite(loss)
 
 
 def test_packed_rows_stay_apart_in_a_model_whose_config_caches():
