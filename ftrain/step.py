@@ -139,7 +139,8 @@ def clip_and_step(
     given; a step whose `stats` counted no item is skipped like a
     non-finite one (nothing was learned: no weight decay either). With float16 loss scaling,
     an overflow always skips the update and `state.scaler` advances by
-    `torch.amp.GradScaler`'s rule (`ft.precision`).
+    `torch.amp.GradScaler`'s rule (`ft.precision`); a step that counted no item leaves it as it
+    is (it measured nothing).
 
     Args:
         state: consumed unless `donate=False`.
@@ -230,6 +231,10 @@ def clip_and_step(
         assert scaler.scale is not None and scaler.growth_tracker is not None
         assert overflow is not None
         scale, growth = update_loss_scale(scaler.scale, scaler.growth_tracker, overflow, scaling)
+        if num_items is not None:  # a step that counted nothing measured nothing: kept as is
+            empty = num_items == 0
+            scale = torch.where(empty, scaler.scale, scale)
+            growth = torch.where(empty, scaler.growth_tracker, growth)
         changes["scaler"] = ScalerState(scale=scale, growth_tracker=growth)
     if stats is not None:
         d = state.data

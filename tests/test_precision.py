@@ -179,6 +179,30 @@ def test_fp16_skipped_step_leaves_parameters_unchanged():
         assert torch.equal(p, before[n])
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_fp16_a_step_that_counted_nothing_leaves_the_loss_scale_as_it_is(compile):
+    """A step whose micro-batches counted no item is skipped, and measured nothing about
+    overflow: it neither grows the scale nor counts toward growth (it counted toward it, so
+    empty steps could double the scale without a single update that had not overflowed)."""
+    rule = Precision(torch.float16, LossScaling(init_scale=2.0**10, growth_interval=2))
+    state = ft.TrainState.create(
+        _model(), ft.optim.adamw(), strategy=ft.strategies.SingleDevice("cpu", precision=rule)
+    )
+    empty = lambda model, b: (model(b[0]).float().sum() * 0.0, 0)  # noqa: E731
+    for _ in range(3):
+        grads, stats = ft.accumulate_grads(state, _batches(1, 1.0), empty)
+        state, info = ft.clip_and_step(state, grads, lr=1e-2, stats=stats, compile=compile)
+        assert bool(info.skipped)
+        assert float(state.scaler.scale) == 2.0**10
+        assert int(state.scaler.growth_tracker) == 0
+    # A step that counted items still follows GradScaler's rule.
+    for _ in range(2):
+        grads, stats = ft.accumulate_grads(state, _batches(1, 1.0), _sse)
+        state, info = ft.clip_and_step(state, grads, lr=1e-2, stats=stats, compile=compile)
+        assert not bool(info.skipped)
+    assert float(state.scaler.scale) == 2.0**11 and int(state.scaler.growth_tracker) == 0
+
+
 def test_fp16_loss_scale_is_checkpointed_and_resume_is_exact(tmp_path):
     batches = _batches(12, target_scale=100.0)
     rule = Precision(torch.float16, LossScaling(growth_interval=3))
