@@ -170,7 +170,12 @@ def schedule(max_iters: int) -> ft.schedules.Schedule:
 def run_record(args: argparse.Namespace) -> dict[str, object]:
     """The flags a resume must repeat, saved with each checkpoint (beside its eval_loss)."""
     digest = int(hashlib.sha256(Path(args.data).read_bytes()).hexdigest()[:12], 16)  # < 2**53
-    return {"max_iters": args.max_iters, "batch_size": args.batch_size, "data_digest": digest}
+    return {
+        "max_iters": args.max_iters,
+        "batch_size": args.batch_size,
+        "data_digest": digest,
+        "eval_iters": args.eval_iters,
+    }
 
 
 def refuse_another_run(args: argparse.Namespace, ckpt: Path, state: ft.TrainState) -> None:
@@ -197,6 +202,12 @@ def refuse_another_run(args: argparse.Namespace, ckpt: Path, state: ft.TrainStat
             f"--batch-size {args.batch_size}, but {ckpt} was trained with --batch-size "
             f"{saved['batch_size']}: the resumed run would mix the two; pass --batch-size "
             f"{saved['batch_size']}, or another --out for a new run"
+        )
+    if saved.get("eval_iters", args.eval_iters) != args.eval_iters:  # the best is by eval_loss
+        raise ValueError(
+            f"--eval-iters {args.eval_iters}, but {ckpt} was evaluated on --eval-iters "
+            f"{saved['eval_iters']} batches: the best checkpoint would be picked among losses "
+            f"over different batches; pass --eval-iters {saved['eval_iters']}, or another --out"
         )
     old, new = schedule(saved.get("max_iters", args.max_iters)), schedule(args.max_iters)
     if any(old(t) != new(t) for t in range(state.step)):  # equal during warmup
@@ -298,9 +309,12 @@ def main(argv: list[str] | None = None) -> float:
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--out", default="runs/shakespeare_char", help="checkpoints; '' for none")
     p.add_argument(
-        "--keep-last", type=at_least(0), default=1, help="newest checkpoints kept (+ the best)"
+        "--keep-last", type=at_least(0), help="newest checkpoints kept (+ the best); default 1"
     )
     args = p.parse_args(argv)
+    if args.keep_last is not None and not args.out:
+        p.error("--keep-last keeps checkpoints in --out, and --out '' writes none")
+    args.keep_last = 1 if args.keep_last is None else args.keep_last
 
     train, val, vocab = load(args.data, args.block_size)
     torch.manual_seed(args.seed)

@@ -54,7 +54,9 @@ def test_shakespeare_char_refuses_another_max_iters_past_the_warmup(tmp_path):
     """After the 100 warmup steps the cosine decays over --max-iters: resuming with another one
     followed neither schedule (the checks on a checkpoint at step 150 of a 200-step run)."""
     example = load_example("shakespeare_char")
-    args = example.argparse.Namespace(seed=0, max_iters=200, batch_size=2, data=example.DATA)
+    args = example.argparse.Namespace(
+        seed=0, max_iters=200, batch_size=2, data=example.DATA, eval_iters=20
+    )
     state = ft.TrainState.create(torch.nn.Linear(2, 2), ft.optim.sgd(), seed=0).replace(step=150)
     ckpt = ft.save_checkpoint(state, tmp_path, metrics=example.run_record(args))
     example.refuse_another_run(args, ckpt, state)  # the same flags go on
@@ -62,6 +64,17 @@ def test_shakespeare_char_refuses_another_max_iters_past_the_warmup(tmp_path):
         example.refuse_another_run(
             example.argparse.Namespace(**{**vars(args), "max_iters": 300}), ckpt, state
         )
+
+
+def test_shakespeare_char_refuses_another_eval_iters_on_resume(four_steps, capsys):
+    """The best checkpoint is picked by eval_loss: a resume evaluating on another number of
+    batches ranked losses over different data (accepted before)."""
+    example = load_example("shakespeare_char")
+    with pytest.raises(ValueError, match=r"--eval-iters 2, but .* on --eval-iters 1 batches"):
+        example.main([*four_steps, "--max-iters", "6", "--eval-iters", "2"])
+    with pytest.raises(SystemExit):  # accepted and ignored before
+        example.main([*TINY, "--max-iters", "1", "--out", "", "--keep-last", "3"])
+    assert "--keep-last keeps checkpoints in --out" in capsys.readouterr().err
 
 
 STREAM = ["--steps", "2", "--batch-size", "2", "--accum", "1", "--workers", "0"]
