@@ -460,3 +460,33 @@ def test_mix_weights_of_any_finite_scale_and_zero_weights():
 
     assert sources([1e308, 1e308]) == sources([1, 1]) == sources([np.float32(2), 2])
     assert sources([1, 0]) == [0] * 30  # a zero weight leaves its source unread
+
+
+class EpochOrdered(torch.utils.data.IterableDataset):
+    """A torch IterableDataset that orders its rows by the epoch it is told (`set_epoch`, as
+    HF's Trainer calls it on a dataset that has one)."""
+
+    def __init__(self):
+        self.epoch = 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        order = torch.randperm(8, generator=torch.Generator().manual_seed(self.epoch)).tolist()
+        for i in order:
+            yield {"idx": i, "input_ids": [i + 1, i + 2]}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_torch_stream_with_set_epoch_is_told_the_epoch(workers):
+    """It was never told: every epoch read the rows in epoch 0's order."""
+    kw = {"batch_size": 2, "accum": 1, "shuffle": False, "num_workers": workers}
+    orders = [_ids(list(ft.make_batches(EpochOrdered(), epoch=e, **kw))) for e in (0, 1)]
+    for e, groups in enumerate(orders):
+        ids = [i for g in groups for i in g]
+        expected = torch.randperm(8, generator=torch.Generator().manual_seed(e)).tolist()
+        assert ids == expected
+    full = list(ft.make_batches(EpochOrdered(), epoch=1, **kw))
+    resumed = list(_resumed(EpochOrdered(), full[1], 2, epoch=1, **kw))  # mid-epoch 1
+    assert _ids(resumed) == _ids(full[2:])

@@ -80,11 +80,16 @@ class _Shards(Source):
     def _open(self, shard: int, epoch: int) -> Iterable[Any]:
         if self._reshuffles:  # shard() makes a new dataset: the caller's keeps its epoch
             part = self.data.shard(self.num_shards, shard, **self._shard_kw)
-            part.set_epoch(epoch)
-            return part
-        if self.num_shards == 1:
-            return self.data
-        return self.data.shard(self.num_shards, shard, **self._shard_kw)
+        elif self.num_shards == 1:
+            part = self.data
+        else:
+            part = self.data.shard(self.num_shards, shard, **self._shard_kw)
+        # A dataset with `set_epoch` is told the epoch it is read at, as HF's Trainer tells it
+        # (a torch IterableDataset that orders its rows by epoch repeated epoch 0's order).
+        set_epoch = getattr(part, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+        return part
 
     def describe(self, shuffle: bool) -> dict[str, Any]:
         out: dict[str, Any] = {"stage": "shards", "shards": self.num_shards}
