@@ -47,6 +47,17 @@ def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Ten
     return loss, torch.tensor(len(batch["y"]))
 
 
+def per_rank_batch(world: int) -> int:
+    """Each rank's share of GLOBAL_BATCH; a world that does not divide it raises, rather than
+    training a smaller global batch (4 // 3 = 1 row a rank is 3 rows, not 4) without a word."""
+    if GLOBAL_BATCH % world:
+        raise ValueError(
+            f"GLOBAL_BATCH={GLOBAL_BATCH} rows cannot be split evenly over {world} ranks: start "
+            f"a number of ranks that divides it, or change GLOBAL_BATCH"
+        )
+    return GLOBAL_BATCH // world
+
+
 def loop(
     state: ft.TrainState,
     total: int,
@@ -57,11 +68,9 @@ def loop(
     on_step: Callable[[ft.TrainState], None] | None = None,
 ) -> ft.TrainState:
     """The README loop; `save(state)` every `save_every` steps, at the end and on preemption."""
-    data, strategy = rows(), state.strategy
+    data, batch_size = rows(), per_rank_batch(state.strategy.world_size)
     while state.step < total and not (preempt is not None and preempt.requested):
-        for micro in ft.make_batches(
-            data, state, batch_size=GLOBAL_BATCH // strategy.world_size, accum=2
-        ):
+        for micro in ft.make_batches(data, state, batch_size=batch_size, accum=2):
             grads, stats = ft.accumulate_grads(state, micro, loss_fn)
             state, _ = ft.clip_and_step(state, grads, stats=stats, lr=1e-2, max_norm=1.0)
             if on_step is not None:  # the tests' fault injection
