@@ -1,12 +1,17 @@
 """The cluster engines read wrong, third round (examples/cluster, ftrain.extras.ray): a world
-size that does not divide the example's global batch."""
+size that does not divide the example's global batch, a reported `step` metric that Ray and the
+checkpoint disagree on, torchrun's 30 s shutdown inside the pod's grace period, the Ray
+example's documented flags."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+import yaml
 
 import ftrain as ft
-from cluster_launch import load_example
+from cluster_launch import ROOT, load_example
+from ftrain.extras import ray as ray_ft
 
 train = load_example("train")
 
@@ -29,3 +34,30 @@ def test_a_world_size_that_does_not_divide_the_global_batch_is_refused_by_name()
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_a_world_size_that_divides_the_global_batch_gives_each_rank_its_share(world):
     assert train.per_rank_batch(world) * world == train.GLOBAL_BATCH
+
+
+@pytest.fixture
+def fake_worker(monkeypatch):
+    """ray.train as a worker sees it, with `report` recording its calls (no cluster)."""
+    import ray.train
+
+    from ftrain.process_state import STATE
+
+    reports = []
+    monkeypatch.setattr(STATE, "ray_reported", None)
+    monkeypatch.setattr(ray.train, "get_context", lambda: type("C", (), {"get_world_rank": int}))
+    monkeypatch.setattr(ray.train, "report", lambda metrics, **kw: reports.append((metrics, kw)))
+    return reports
+
+
+def test_a_step_metric_other_than_the_states_step_is_refused_not_overwritten(tmp_path, fake_worker):
+    """metrics={"step": 7} at state.step 2 was kept as 7 in the checkpoint and reported to Ray
+    as 2: the two records of one checkpoint disagreed without a word."""
+    state = train.build().replace(step=2)
+    with pytest.raises(ValueError, match=r"metrics\['step'\]=7 .* state\.step=2"):
+        ray_ft.save_and_report(state, tmp_path, metrics={"step": 7, "loss": 1.0})
+    assert fake_worker == [] and not list(tmp_path.iterdir())  # refused before saving
+    path = ray_ft.save_and_report(state, tmp_path, metrics={"step": torch.tensor(2), "loss": 1.0})
+    ((metrics, _),) = fake_worker
+    assert metrics == {"step": 2, "loss": 1.0}
+    assert ft.checkpoint.read_meta(path)["metrics"] == {"step": 2, "loss": 1.0}

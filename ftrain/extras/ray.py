@@ -174,14 +174,15 @@ def save_and_report(
         root: a local staging folder for the checkpoints before Ray uploads them.
         metrics: numbers recorded in the checkpoint and reported to Ray (rank 0's are kept
             with the checkpoint; `CheckpointConfig.checkpoint_score_attribute` ranks by them);
-            0-dim tensors are read as numbers here (a host sync, at the save).
+            0-dim tensors are read as numbers here (a host sync, at the save). Ray hears
+            `step=state.step` besides them: a "step" of another value raises.
         upload: "async" or "sync" (Ray's `CheckpointUploadMode`).
 
     Returns:
         The local checkpoint folder (gone once an async upload finished).
 
     Raises:
-        ValueError: for another `upload`.
+        ValueError: for another `upload`, or a `metrics["step"]` other than `state.step`.
         RuntimeError: outside a Ray Train worker, or when a rank cannot see the checkpoint.
     """
     if upload not in ("async", "sync"):
@@ -191,6 +192,12 @@ def save_and_report(
     numbers = {
         k: v.item() if isinstance(v, torch.Tensor) else v for k, v in (metrics or {}).items()
     }
+    if numbers.get("step", state.step) != state.step:  # Ray hears state.step under that name
+        raise ValueError(
+            f"metrics['step']={numbers['step']!r} but state.step={state.step}: save_and_report "
+            "reports the checkpoint to Ray with step=state.step, so the checkpoint and Ray "
+            "would disagree; drop 'step' from metrics or name your count otherwise"
+        )
     stage = Path(root) / f"{STAGING_PREFIX}{state.step}"
     path = ft.save_checkpoint(state, stage, metrics=numbers)
     strategy = state.strategy
