@@ -61,3 +61,23 @@ def test_a_step_metric_other_than_the_states_step_is_refused_not_overwritten(tmp
     ((metrics, _),) = fake_worker
     assert metrics == {"step": 2, "loss": 1.0}
     assert ft.checkpoint.read_meta(path)["metrics"] == {"step": 2, "loss": 1.0}
+
+
+def test_the_pytorchjob_lets_torchrun_wait_for_the_save_through_the_pods_grace():
+    """Kubernetes sends SIGTERM to torchrun (the pod's command), which forwards it and SIGKILLs
+    its workers `--shutdown-timeout` seconds later (30 by default), whatever
+    terminationGracePeriodSeconds says: the manifest promised 120 s to save and gave 30."""
+    from torch.distributed.run import get_args_parser
+
+    job = yaml.safe_load((ROOT / "examples" / "cluster" / "pytorchjob.yaml").read_text())
+    for name, spec in job["spec"]["pytorchReplicaSpecs"].items():
+        pod = spec["template"]["spec"]
+        (container,) = pod["containers"]
+        args = get_args_parser().parse_args(container["command"][1:])
+        env = {e["name"]: e["value"] for e in container.get("env", [])}
+        timeout = args.shutdown_timeout
+        if timeout is None:
+            timeout = int(env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+        grace = pod["terminationGracePeriodSeconds"]
+        # Most of the grace for the workers, a little for torchrun to exit before the SIGKILL.
+        assert grace - 30 <= timeout < grace, (name, timeout, grace)
