@@ -81,3 +81,25 @@ def test_the_pytorchjob_lets_torchrun_wait_for_the_save_through_the_pods_grace()
         grace = pod["terminationGracePeriodSeconds"]
         # Most of the grace for the workers, a little for torchrun to exit before the SIGKILL.
         assert grace - 30 <= timeout < grace, (name, timeout, grace)
+
+
+def test_the_ray_examples_documented_flags_reach_the_trainer(monkeypatch):
+    """train_ray.py's docstring names --save-every and --max-failures; the parser had neither."""
+    train_ray = load_example("train_ray")
+    seen = {}
+
+    class Fit:
+        def fit(self):
+            return type("Result", (), {"checkpoint": None})
+
+    def trainer(storage, name, **kw):
+        seen.update(kw, storage=storage, name=name)
+        return Fit()
+
+    monkeypatch.setattr(train_ray, "trainer", trainer)
+    monkeypatch.setattr(train_ray.ray, "init", lambda **kw: None)
+    monkeypatch.setattr(train_ray.ray, "shutdown", lambda: None)
+    argv = ["/s", "--save-every", "3", "--max-failures", "5", "--keep-last", "4", "--steps", "9"]
+    assert train_ray.main(argv) == 0
+    assert {k: seen[k] for k in ("save_every", "max_failures", "keep_last", "steps")} == {
+        "save_every": 3, "max_failures": 5, "keep_last": 4, "steps": 9}  # fmt: skip

@@ -1,6 +1,7 @@
 """The README loop under Ray Train's TorchTrainer: fault tolerance from reported checkpoints.
 
     python examples/cluster/train_ray.py STORAGE [--workers 2] [--strategy ddp|fsdp]
+        [--steps 24] [--save-every 4] [--keep-last 2] [--max-failures 3]
 
 Ray starts one worker per rank and sets up torch.distributed; `from_env` joins that group.
 Every `--save-every` steps each rank calls `save_and_report`: the checkpoint is written into a
@@ -101,13 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp")
     parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--save-every", type=int, default=4)
+    parser.add_argument("--keep-last", type=int, default=2)
+    parser.add_argument("--max-failures", type=int, default=3)
     args = parser.parse_args(argv)
     ray_ft.require_ray()  # a clear error for a Ray that cannot work
     # The workers import train.py from this folder.
     ray.init(runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(HERE), *sys.path])}})
     try:
         result = trainer(args.storage, args.name, workers=args.workers, strategy=args.strategy,
-                         steps=args.steps).fit()  # fmt: skip
+                         steps=args.steps, save_every=args.save_every, keep_last=args.keep_last,
+                         max_failures=args.max_failures).fit()  # fmt: skip
         print(f"finished: {result.checkpoint}")
     finally:
         ray.shutdown()
