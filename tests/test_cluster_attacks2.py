@@ -103,3 +103,65 @@ def test_the_ray_examples_documented_flags_reach_the_trainer(monkeypatch):
     assert train_ray.main(argv) == 0
     assert {k: seen[k] for k in ("save_every", "max_failures", "keep_last", "steps")} == {
         "save_every": 3, "max_failures": 5, "keep_last": 4, "steps": 9}  # fmt: skip
+
+
+@pytest.fixture
+def ranked_by(monkeypatch):
+    """Ray's worker context of a run whose RunConfig ranks checkpoints by a metric."""
+    import ray.train
+    from ray.train.v2._internal.execution import context
+
+    def rank_by(metric, mode="min"):
+        config = ray.train.CheckpointConfig(
+            num_to_keep=1, checkpoint_score_attribute=metric, checkpoint_score_order=mode
+        )
+        run = type("Run", (), {"checkpoint_config": config})
+        ctx = type("Ctx", (), {"train_run_context": type("T", (), {"run_config": run})})
+        monkeypatch.setattr(context, "get_train_context", lambda: ctx)
+
+    return rank_by
+
+
+def test_a_save_without_the_metric_ray_ranks_by_is_refused_not_ranked_best(
+    tmp_path, fake_worker, ranked_by
+):
+    """Ray scores a checkpoint reported without `checkpoint_score_attribute` as -inf, which in
+    mode "min" is the best: a preemption save with metrics={} became the one best checkpoint
+    Ray keeps, and the real best was deleted (Ray only logged an error in its controller)."""
+    ranked_by("eval_loss")
+    state = train.build().replace(step=3)
+    with pytest.raises(ValueError, match=r"metrics lack 'eval_loss', the metric Ray ranks"):
+        ray_ft.save_and_report(state, tmp_path, metrics={"loss": 1.0})
+    assert fake_worker == [] and not list(tmp_path.iterdir())  # refused before saving
+    ray_ft.save_and_report(state, tmp_path, metrics={"eval_loss": float("nan")})  # unranked
+    ray_ft.save_and_report(state.replace(step=4), tmp_path, metrics={"eval_loss": 0.5})
+    assert [m["step"] for m, _ in fake_worker] == [3, 4]
+
+
+class Rank1(ft.strategies.SingleDevice):
+    """Rank 1 of a group whose rank 0 voted `refused` in the save's all-reduce."""
+
+    refused = 0.0  # set after TrainState.create, whose own checks vote too
+
+    @property
+    def process_rank(self) -> int:
+        return 1
+
+    def sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor + self.refused
+
+
+def test_rank_0s_metrics_are_checked_and_every_rank_refuses_together(
+    tmp_path, fake_worker, ranked_by
+):
+    """Rank 0's metrics are the ones kept and reported (other ranks may pass none): a rank that
+    raised alone would leave the others waiting in the save's collectives."""
+    ranked_by("eval_loss")
+    strategy = Rank1("cpu")
+    state = train.build(strategy).replace(step=5)
+    ray_ft.save_and_report(state, tmp_path, metrics={"step": 9})  # rank 0 said its were fine
+    strategy.refused = 1.0
+    state = state.replace(step=6)
+    with pytest.raises(ValueError, match=r"rank 0 refused its metrics .* no rank saved"):
+        ray_ft.save_and_report(state, tmp_path, metrics={"eval_loss": 1.0})
+    assert not (tmp_path / "report-6").exists()

@@ -145,6 +145,9 @@ def test_ray_keeps_what_checkpoint_config_says_and_its_storage_is_a_run_folder(r
     steps = sorted(int(p.name[5:]) for p in storage.glob("step-*"))
     assert steps == list(range(HALF - 1, TOTAL + 1)), steps
     assert ft.latest_checkpoint(storage) == storage / f"step-{TOTAL}"
+    # A worker finds its run's CheckpointConfig (no public Ray API says it), where
+    # save_and_report reads the metric that checkpoints must hold.
+    assert "rank 0: the run keeps 2" in events(ray_run, "fit1")
     staged = [p for p in (ray_run / "staging").rglob("step-*") if p.is_dir()]
     assert all(int(p.name[5:]) <= KILL for p in staged), staged  # the uploads removed theirs
 

@@ -106,7 +106,7 @@ def checkpoint_config(
         keep_last: the number of newest checkpoints to keep, or None for all.
         keep_best: how many best checkpoints to keep (needs `best_metric`).
         best_metric: the metric that ranks checkpoints; pass it in `save_and_report`'s
-            `metrics` at every save.
+            `metrics` at every save (it raises without it; NaN leaves a save unranked).
         mode: "min" if a lower `best_metric` is better, "max" otherwise. None (default):
             "min", except for a `best_metric` named like a score that is better higher
             (accuracy, F1, ...), which raises (as `save_checkpoint`).
@@ -175,14 +175,17 @@ def save_and_report(
         metrics: numbers recorded in the checkpoint and reported to Ray (rank 0's are kept
             with the checkpoint; `CheckpointConfig.checkpoint_score_attribute` ranks by them);
             0-dim tensors are read as numbers here (a host sync, at the save). Ray hears
-            `step=state.step` besides them: a "step" of another value raises.
+            `step=state.step` besides them: a "step" of another value raises. When the run
+            ranks checkpoints (`checkpoint_config(best_metric=...)`), they must hold that
+            metric (NaN: unranked, as a preemption save without an evaluation).
         upload: "async" or "sync" (Ray's `CheckpointUploadMode`).
 
     Returns:
         The local checkpoint folder (gone once an async upload finished).
 
     Raises:
-        ValueError: for another `upload`, or a `metrics["step"]` other than `state.step`.
+        ValueError: for another `upload`, a `metrics["step"]` other than `state.step`, or
+            metrics without the metric the run's `CheckpointConfig` ranks by.
         RuntimeError: outside a Ray Train worker, or when a rank cannot see the checkpoint.
     """
     if upload not in ("async", "sync"):
@@ -192,12 +195,7 @@ def save_and_report(
     numbers = {
         k: v.item() if isinstance(v, torch.Tensor) else v for k, v in (metrics or {}).items()
     }
-    if numbers.get("step", state.step) != state.step:  # Ray hears state.step under that name
-        raise ValueError(
-            f"metrics['step']={numbers['step']!r} but state.step={state.step}: save_and_report "
-            "reports the checkpoint to Ray with step=state.step, so the checkpoint and Ray "
-            "would disagree; drop 'step' from metrics or name your count otherwise"
-        )
+    _refuse_metrics(numbers, state)
     stage = Path(root) / f"{STAGING_PREFIX}{state.step}"
     path = ft.save_checkpoint(state, stage, metrics=numbers)
     strategy = state.strategy
@@ -223,6 +221,55 @@ def save_and_report(
     if strategy.process_rank == 0:
         _remove_empty_stages(Path(root), keep=stage)
     return path
+
+
+def _refuse_metrics(metrics: Mapping[str, Any], state: TrainState) -> None:
+    """Collective: refuse rank 0's metrics (those the checkpoint keeps and Ray hears) on every
+    rank together, so that no rank waits in the save for one that raised."""
+    strategy = state.strategy
+    problem = _metrics_problem(metrics, state.step) if strategy.process_rank == 0 else None
+    refused = torch.tensor(float(problem is not None), device=strategy.device)
+    if float(strategy.sum_over_processes(refused)) > 0:  # host sync: saving is the place
+        raise ValueError(problem or "save_and_report: rank 0 refused its metrics (its error "
+                         "says why); no rank saved")  # fmt: skip
+
+
+def _metrics_problem(metrics: Mapping[str, Any], step: int) -> str | None:
+    """What is wrong with the metrics of a save at `step`, or None.
+
+    Ray hears `step=state.step`: another "step" would make the checkpoint and Ray disagree. A
+    save without the metric Ray ranks by scores -inf, which in mode "min" ranks it the best
+    (Ray keeps it and deletes the real best, only logging an error in its controller); NaN is
+    Ray's "no value": ranked last, kept while it is the newest."""
+    if metrics.get("step", step) != step:
+        return (
+            f"metrics['step']={metrics['step']!r} but state.step={step}: save_and_report "
+            "reports the checkpoint to Ray with step=state.step, so the checkpoint and Ray "
+            "would disagree; drop 'step' from metrics or name your count otherwise"
+        )
+    config = _run_checkpoint_config()
+    metric = None if config is None else config.checkpoint_score_attribute
+    if metric is not None and metric not in metrics:
+        return (
+            f"metrics lack {metric!r}, the metric Ray ranks this run's checkpoints by "
+            "(checkpoint_config(best_metric=...)): Ray would rank this checkpoint as the best "
+            f"in mode 'min' (the worst in 'max'); pass metrics={{{metric!r}: value}} at every "
+            f"save, or {{{metric!r}: float('nan')}} to leave it unranked (Ray ranks NaN last)"
+        )
+    return None
+
+
+def _run_checkpoint_config() -> Any:
+    """This run's `RunConfig.checkpoint_config`, from Ray Train V2's worker context (no public
+    API says it; tests/workers/ray_driver.py checks it is found with the tested Ray), or None
+    where this Ray keeps it elsewhere."""
+    try:
+        from ray.train.v2._internal.execution import context as ray_context
+
+        run_config = ray_context.get_train_context().train_run_context.run_config
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+    return run_config.checkpoint_config
 
 
 def _unseen_anywhere(stage: Path, path: Path, strategy: ft.strategies.Strategy) -> bool:

@@ -72,6 +72,11 @@ class Faults:
 
     def __call__(self, state) -> None:
         rank = state.strategy.rank
+        if state.step == 1 and rank == 0 and self._once("config"):
+            from ftrain.extras import ray as ray_ft  # save_and_report reads the ranking there
+
+            config = ray_ft._run_checkpoint_config()
+            self.log(f"rank 0: the run keeps {getattr(config, 'num_to_keep', 'no config')}")
         if state.step == PREEMPT and rank == 1 and self._once("preempted"):
             self.log(f"rank {rank}: SIGTERM after step {state.step}")
             os.kill(os.getpid(), signal.SIGTERM)  # the handler only sets ftrain's flag
