@@ -165,3 +165,11 @@ def test_rank_0s_metrics_are_checked_and_every_rank_refuses_together(
     with pytest.raises(ValueError, match=r"rank 0 refused its metrics .* no rank saved"):
         ray_ft.save_and_report(state, tmp_path, metrics={"eval_loss": 1.0})
     assert not (tmp_path / "report-6").exists()
+
+
+def test_the_ray_examples_trainer_refuses_a_hook_it_does_not_call():
+    """`trainer(**hooks)` put any keyword into the workers' config: a misspelt `on_stpe=` was
+    carried along and never called."""
+    train_ray = load_example("train_ray")
+    with pytest.raises(TypeError, match=r"on_stpe.*on_step, log"):
+        train_ray.trainer("/s", "run", on_stpe=print)

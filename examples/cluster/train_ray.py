@@ -75,6 +75,8 @@ def trainer(
     **hooks: Callable[..., Any],
 ) -> TorchTrainer:
     """The TorchTrainer of this example (`hooks`: `on_step`, `log`, for the tests)."""
+    if unknown := sorted(set(hooks) - {"on_step", "log"}):
+        raise TypeError(f"trainer() got hooks {unknown}; the workers call on_step, log")
     config = {
         "steps": steps,
         "save_every": save_every,
