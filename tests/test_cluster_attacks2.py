@@ -173,3 +173,13 @@ def test_the_ray_examples_trainer_refuses_a_hook_it_does_not_call():
     train_ray = load_example("train_ray")
     with pytest.raises(TypeError, match=r"on_stpe.*on_step, log"):
         train_ray.trainer("/s", "run", on_stpe=print)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), True, "5"])
+def test_a_timeout_that_is_not_a_positive_number_is_refused_in_the_main_thread_too(bad):
+    """In the main thread `run_in_main_thread` just runs the call: a timeout_s of -1 or "5"
+    went unread there, and failed as a misleading TimeoutError from Ray's thread."""
+    with pytest.raises(ValueError, match=r"timeout_s must be a number > 0"):
+        ray_ft.run_in_main_thread(lambda: None, timeout_s=bad)
+    with pytest.raises(ValueError, match=r"timeout_s must be a number > 0"):
+        ray_ft.on_preemption(timeout_s=bad)

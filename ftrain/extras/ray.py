@@ -294,12 +294,8 @@ def wait_for_reports(timeout_s: float | None = None) -> None:
             then, with the checkpoints registered so far).
         ValueError: for a `timeout_s` that is not a number > 0 or None.
     """
-    if timeout_s is not None and (
-        isinstance(timeout_s, bool)
-        or not isinstance(timeout_s, (int, float))
-        or not timeout_s > 0  # NaN fails too
-    ):
-        raise ValueError(f"timeout_s must be a number > 0 or None, got {timeout_s!r}")
+    if timeout_s is not None:
+        _check_timeout(timeout_s, "a number > 0 or None")
     train = require_ray()
     _in_worker(train, "wait_for_reports")
     registered = train.get_all_reported_checkpoints(
@@ -313,6 +309,11 @@ def wait_for_reports(timeout_s: float | None = None) -> None:
             f"save_and_report reported) within timeout_s={timeout_s}: its upload is still in "
             "flight; a group restarted now would resume from an older checkpoint"
         )
+
+
+def _check_timeout(timeout_s: Any, allowed: str = "a number > 0") -> None:
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be {allowed}, got {timeout_s!r}")  # NaN fails too
 
 
 def restore(state: TrainState, *, strict: bool = True) -> TrainState:
@@ -375,7 +376,9 @@ def run_in_main_thread(fn: Callable[[], Any], *, timeout_s: float = 60.0) -> Any
         TimeoutError: if the main thread did not run Python code within `timeout_s`; the call
             then never runs (it stays queued, and does nothing when it comes due), so a failed
             `on_preemption` installs no handler later behind the caller's back.
+        ValueError: for a `timeout_s` that is not a number > 0 (in the main thread too).
     """
+    _check_timeout(timeout_s)
     if threading.current_thread() is threading.main_thread():
         return fn()
     done, lock = threading.Event(), threading.Lock()
@@ -469,7 +472,8 @@ def on_preemption(
         timeout_s: how long to wait for the main thread to install the handlers.
 
     Raises:
-        ValueError, TypeError: as `ft.strategies.on_preemption`.
+        ValueError, TypeError: as `ft.strategies.on_preemption`; a ValueError too for a
+            `timeout_s` that is not a number > 0.
         TimeoutError: see `run_in_main_thread`.
     """
     inner = run_in_main_thread(lambda: ft.strategies.on_preemption(signals), timeout_s=timeout_s)
