@@ -152,10 +152,15 @@ class Rank1(ft.strategies.SingleDevice):
 
 
 def test_rank_0s_metrics_are_checked_and_every_rank_refuses_together(
-    tmp_path, fake_worker, ranked_by
+    tmp_path, fake_worker, ranked_by, monkeypatch
 ):
     """Rank 0's metrics are the ones kept and reported (other ranks may pass none): a rank that
     raised alone would leave the others waiting in the save's collectives."""
+    import ray.train
+
+    monkeypatch.setattr(
+        ray.train, "get_context", lambda: type("C", (), {"get_world_rank": staticmethod(lambda: 1)})
+    )
     ranked_by("eval_loss")
     strategy = Rank1("cpu")
     state = train.build(strategy).replace(step=5)
@@ -183,3 +188,21 @@ def test_a_timeout_that_is_not_a_positive_number_is_refused_in_the_main_thread_t
         ray_ft.run_in_main_thread(lambda: None, timeout_s=bad)
     with pytest.raises(ValueError, match=r"timeout_s must be a number > 0"):
         ray_ft.on_preemption(timeout_s=bad)
+
+
+def test_a_state_that_does_not_span_rays_group_is_refused_before_it_reports(
+    tmp_path, fake_worker, monkeypatch
+):
+    """Ray worker 1 with a state on SingleDevice() (TrainState.create's own suggestion for
+    "train each alone"): it said process rank 0, so it reported a checkpoint of its own, and
+    Ray merged every worker's files into one step-N folder."""
+    import ray.train
+
+    worker = type("C", (), {"get_world_rank": lambda self: 1, "get_world_size": lambda self: 2})
+    monkeypatch.setattr(ray.train, "get_context", lambda: worker())
+    state = train.build(ft.strategies.SingleDevice("cpu"))
+    with pytest.raises(
+        RuntimeError, match=r"process rank 0, but this is Ray Train worker 1 of 2.*from_env"
+    ):
+        ray_ft.save_and_report(state, tmp_path)
+    assert fake_worker == [] and not list(tmp_path.iterdir())

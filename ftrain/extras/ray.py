@@ -186,12 +186,14 @@ def save_and_report(
     Raises:
         ValueError: for another `upload`, a `metrics["step"]` other than `state.step`, or
             metrics without the metric the run's `CheckpointConfig` ranks by.
-        RuntimeError: outside a Ray Train worker, or when a rank cannot see the checkpoint.
+        RuntimeError: outside a Ray Train worker, when a rank cannot see the checkpoint, or
+            for a state whose strategy does not span Ray's group (another process rank than
+            the worker's: `SingleDevice()` in each worker).
     """
     if upload not in ("async", "sync"):
         raise ValueError(f"upload must be 'async' or 'sync', got {upload!r}")
     train = require_ray()
-    _in_worker(train, "save_and_report")
+    _refuse_other_group(_in_worker(train, "save_and_report"), state.strategy)
     numbers = {
         k: v.item() if isinstance(v, torch.Tensor) else v for k, v in (metrics or {}).items()
     }
@@ -342,14 +344,31 @@ def restore(state: TrainState, *, strict: bool = True) -> TrainState:
         return ft.load_checkpoint(directory, state, strict=strict)
 
 
-def _in_worker(train: Any, name: str) -> None:
+def _in_worker(train: Any, name: str) -> Any:
+    """Ray Train's context of this worker (raises outside one)."""
     try:
-        train.get_context().get_world_rank()
+        context = train.get_context()
+        context.get_world_rank()
     except Exception as e:  # Ray raises its own error outside a worker
         raise RuntimeError(
             f"ftrain.extras.ray.{name} runs inside TorchTrainer's train_loop_per_worker (a Ray "
             f"Train worker); here there is none ({type(e).__name__}: {e})"
         ) from e
+    return context
+
+
+def _refuse_other_group(context: Any, strategy: ft.strategies.Strategy) -> None:
+    """Refuse a state whose strategy is not Ray's group (a `SingleDevice()` in each worker):
+    every worker would be process rank 0, train alone and report a checkpoint of its own, and
+    Ray would merge their files into one folder."""
+    rank = context.get_world_rank()
+    if strategy.process_rank != rank:
+        raise RuntimeError(
+            f"the state's strategy ({strategy!r}) is process rank {strategy.process_rank}, but "
+            f"this is Ray Train worker {rank} of {context.get_world_size()}: the strategy does "
+            "not span Ray's process group, so each worker trains alone and would report its own "
+            "checkpoint; build the state with ft.strategies.from_env('ddp') (or 'fsdp', ...)"
+        )
 
 
 def _remove_empty_stages(root: Path, *, keep: Path) -> None:
