@@ -305,6 +305,10 @@ def test_retention_arguments_are_validated(tmp_path):
         ft.save_checkpoint(state, tmp_path, keep_last=-1)
     with pytest.raises(ValueError, match="keep_best needs best_metric"):
         ft.save_checkpoint(state, tmp_path, keep_best=2)
+    # keep_last=None keeps every checkpoint: keep_best=2 was accepted and deleted nothing
+    with pytest.raises(ValueError, match=r"keep_best=2 with keep_last=None deletes nothing"):
+        ft.save_checkpoint(state, tmp_path, metrics={"loss": 1.0}, keep_best=2, best_metric="loss")
+    assert not list(tmp_path.iterdir())  # refused before anything was written
     with pytest.raises(ValueError, match="mode"):
         ft.save_checkpoint(state, tmp_path, best_metric="x", mode="lowest")
     with pytest.raises(TypeError, match="metrics must map names to numbers"):

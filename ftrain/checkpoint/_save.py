@@ -88,7 +88,7 @@ def save_checkpoint(
         keep_last: keep this many most recently committed checkpoints (None keeps all; 0 keeps
             only the one just written and the best).
         keep_best: also keep this many best by `metrics[best_metric]`; defaults to 1 when
-            `best_metric` is given.
+            `best_metric` is given. Given with `keep_last=None` (which keeps all) it raises.
         best_metric: the metric that ranks checkpoints; `metrics` must hold it. A save without
             it (a preemption save) still keeps the best, ranked as the newest save in `root`
             that had one ranked (recorded in its state.json).
@@ -173,8 +173,9 @@ def save_checkpoint(
 def check_retention(keep_last: Any, keep_best: Any, best_metric: Any, mode: Any) -> None:
     """Raise a `ValueError` naming the first retention argument `save_checkpoint` refuses:
     `keep_last` (an int >= 0 or None), `keep_best` (an int >= 1 or None, only with
-    `best_metric`), `mode` ("min" or "max"). For integrations that hand retention to another
-    owner (`ftrain.extras.ray.checkpoint_config`) and must refuse what ftrain refuses.
+    `best_metric` and a `keep_last`), `mode` ("min" or "max"). For integrations that hand
+    retention to another owner (`ftrain.extras.ray.checkpoint_config`) and must refuse what
+    ftrain refuses.
 
     Example:
         >>> from ftrain.checkpoint import check_retention
@@ -190,6 +191,11 @@ def check_retention(keep_last: Any, keep_best: Any, best_metric: Any, mode: Any)
         raise ValueError(f"keep_best must be an int >= 1 or None, got {keep_best!r}")
     if keep_best is not None and best_metric is None:
         raise ValueError("keep_best needs best_metric, the metrics key that ranks checkpoints")
+    if keep_best is not None and keep_last is None:  # it would be ignored: all are kept
+        raise ValueError(
+            f"keep_best={keep_best} with keep_last=None deletes nothing (None keeps every "
+            "checkpoint); pass keep_last too (keep_last=0 keeps the newest and the best only)"
+        )
     if mode not in ("min", "max"):
         raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
     if mode == "max" and best_metric is None:  # nothing ranked: it would be ignored

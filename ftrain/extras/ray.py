@@ -97,9 +97,9 @@ def checkpoint_config(
     `num_to_keep` by one rule, so:
 
     - `keep_last=N` alone: the N newest (`num_to_keep=N`; 0 keeps the newest, as in ftrain);
-    - `best_metric` with `keep_best=K` (default 1) and `keep_last` of 0, 1 or None: the newest
+    - `best_metric` with `keep_best=K` (default 1) and `keep_last` of 0 or 1: the newest
       and the K best by `metrics[best_metric]` (`checkpoint_score_attribute`); with
-      `keep_last=None` nothing is deleted, as in ftrain;
+      `keep_last=None` nothing is deleted, as in ftrain (and an explicit `keep_best` raises);
     - nothing: every checkpoint stays.
 
     Args:
