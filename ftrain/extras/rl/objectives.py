@@ -65,6 +65,17 @@ def _check_finite(rewards: torch.Tensor) -> None:
         )
 
 
+def _exact(rewards: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+    """The rewards in float64, and the dtype to return advantages in (float32 at least).
+
+    Means in the rewards' own dtype round: 1000.1 three times has a float32 mean one ulp off,
+    and `(r - mean) / (std + 1e-4)` turns that ulp into advantages of +-0.35 for a group whose
+    rewards are all equal. In float64 a sum of n float32 (or half) values is exact, so its mean
+    is the value itself and equal rewards give 0 exactly."""
+    out = torch.promote_types(rewards.dtype, torch.float32)
+    return rewards.to(torch.float64), out
+
+
 def _grouped(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
     if rewards.shape[0] % num_generations:
         raise ValueError(
@@ -99,6 +110,9 @@ def group_advantages(
     several ranks, `rewards` are this rank's rows, in rank order of the global batch: they are
     gathered, groups formed over all of them (a prompt's completions may lie on different
     ranks) and this rank's advantages returned.
+    Computed in float64, so a group of equal rewards gets advantages of exactly 0 (in the
+    rewards' dtype its mean can round by an ulp, which the division by `std + 1e-4` would blow
+    up); returned in the rewards' dtype, float32 at least.
 
     Raises:
         ValueError: for `num_generations < 2` (every advantage would be 0), rewards that are
@@ -116,13 +130,14 @@ def group_advantages(
     local = rewards.shape[0]
     rewards, start = _global(rewards, strategy)
     _check_finite(rewards)
+    rewards, dtype = _exact(rewards)
     grouped = _grouped(rewards, num_generations)
     adv = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)).view(-1)
     if scale == "group":
         adv = adv / (_nanstd(grouped, 1).repeat_interleave(num_generations) + 1e-4)
     elif scale == "batch":
         adv = adv / (_nanstd(rewards) + 1e-4)
-    return torch.nan_to_num(adv, nan=0.0)[start : start + local]
+    return torch.nan_to_num(adv, nan=0.0)[start : start + local].to(dtype)
 
 
 def rloo_advantages(
@@ -139,6 +154,7 @@ def rloo_advantages(
     `normalize_advantages`). Groups, NaN rewards and `strategy` as in `group_advantages`. TRL's
     RLOO subtracts `beta * sum_t (old_logp - ref_logp)` from the rewards first: do that on
     `rewards` before calling.
+    Computed in float64 and returned as `group_advantages` returns them.
 
     Raises:
         ValueError: as `group_advantages`, and for a `normalize` that is not a bool.
@@ -154,13 +170,14 @@ def rloo_advantages(
     local = rewards.shape[0]
     rewards, start = _global(rewards, strategy)
     _check_finite(rewards)
+    rewards, dtype = _exact(rewards)
     grouped = _grouped(rewards, num_generations)
     n = (~torch.isnan(grouped)).sum(1, keepdim=True)
     baseline = (torch.nansum(grouped, 1, keepdim=True) - grouped) / (n - 1)
     adv = (grouped - baseline).view(-1)
     if normalize:
         adv = (adv - torch.nanmean(adv)) / (_nanstd(adv) + 1e-4)
-    return torch.nan_to_num(adv, nan=0.0)[start : start + local]
+    return torch.nan_to_num(adv, nan=0.0)[start : start + local].to(dtype)
 
 
 def kl_k3(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:

