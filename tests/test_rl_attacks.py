@@ -207,4 +207,4 @@ def test_a_rollout_from_before_the_new_fields_still_loads_and_works():
     (batch,) = ft.rl.rollout_batches([old], [torch.zeros(6)], reference=frozen)
     assert "max_new_tokens" not in batch
     with pytest.raises(ValueError, match="dr_grpo' needs max_completion_length"):
-        ft.accumulate_grads(state, [batch], ft.rl.policy_loss(loss_type="dr_grpo"))
+        ft.accumulate_grads(state, [batch], ft.rl.policy_loss(loss_type="dr_grpo", beta=0.04))

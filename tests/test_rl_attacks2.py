@@ -57,3 +57,52 @@ def test_equal_rewards_give_zero_advantages_not_rounding_over_1e4(value, dtype):
     assert ft.rl.group_advantages(same, 3, scale="batch").abs().max().item() == 0.0
     assert ft.rl.rloo_advantages(same, 3, normalize=True).abs().max().item() == 0.0
     assert ft.rl.rloo_advantages(same, 3).abs().max().item() == 0.0
+
+
+# --- a reference whose KL is dropped -----------------------------------------------------------
+
+
+def test_a_reference_with_beta_0_is_refused_not_ignored():
+    """`rollout_batches(reference=ref)` computes `ref_logps` for a KL; `policy_loss()`'s
+    default `beta=0.0` dropped them without a word (no KL penalty while the user paid for a
+    reference forward and believed one applied)."""
+    state = ft.TrainState.create(_model(), ft.optim.adamw(), seed=0)
+    rollout = _rollout(state)
+    ref = _model().eval().requires_grad_(False)
+    micro = ft.rl.rollout_batches([rollout], [torch.ones(6)], reference=ref)
+    with pytest.raises(ValueError, match=r"policy_loss\(beta=0\.0\) would ignore"):
+        ft.accumulate_grads(state, micro, ft.rl.policy_loss())
+    ft.accumulate_grads(state, micro, ft.rl.policy_loss(beta=0.04))  # the KL applies
+    plain = ft.rl.rollout_batches([rollout], [torch.ones(6)])
+    ft.accumulate_grads(state, plain, ft.rl.policy_loss())  # no reference, no KL: fine
+
+
+# --- dropout in the policy's forward -----------------------------------------------------------
+
+
+def test_policy_loss_refuses_a_policy_that_runs_dropout():
+    """`sample` computes the old log-probs in eval mode and `rollout_batches` the reference's
+    too, while `accumulate_grads` runs the policy in training mode: with dropout the ratio is not
+    1 before any update (clipping acts on dropout noise) and the KL compares a dropped-out
+    forward with a clean one. It ran silently; now it raises, naming dropout."""
+    state = ft.TrainState.create(_model(dropout=0.3), ft.optim.adamw(), seed=0)
+    rollout = _rollout(state)
+    micro = ft.rl.rollout_batches([rollout], [torch.ones(6)])
+    # what it did: a ratio away from 1 at the very first update
+    state.model.train()
+    logps = ft.rl.token_logps(state.model, micro[0])
+    mask = rollout.completion_mask.bool()
+    assert (logps - rollout.logps)[mask].abs().max() > 1e-3
+    with pytest.raises(ValueError, match=r"dropout.*attention_dropout=0\.3"):
+        ft.accumulate_grads(state, micro, ft.rl.policy_loss())
+    # an nn.Dropout module (GPT-2's, a LoRA adapter's) counts too
+    model = _model()
+    model.model.layers[0].mlp.act_fn = torch.nn.Sequential(torch.nn.SiLU(), torch.nn.Dropout(0.1))
+    state = ft.TrainState.create(model, ft.optim.adamw(), seed=0)
+    micro = ft.rl.rollout_batches([_rollout(state)], [torch.ones(6)])
+    with pytest.raises(ValueError, match=r"dropout.*model\.layers\.0\.mlp\.act_fn\.1"):
+        ft.accumulate_grads(state, micro, ft.rl.policy_loss())
+    # dropout of probability 0 is no dropout
+    state = ft.TrainState.create(_model(dropout=0.0), ft.optim.adamw(), seed=0)
+    micro = ft.rl.rollout_batches([_rollout(state)], [torch.ones(6)])
+    ft.accumulate_grads(state, micro, ft.rl.policy_loss())

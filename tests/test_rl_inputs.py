@@ -204,7 +204,7 @@ def test_temperature_follows_the_rollout(state):
     same = ft.rl.policy_loss(beta=0.1, temperature=0.7)(state.model, batch)
     assert torch.equal(got[0], same[0])
     with pytest.raises(ValueError, match=r"policy_loss\(temperature=1.0\) differs from the batch"):
-        ft.rl.policy_loss(temperature=1.0)(state.model, batch)
+        ft.rl.policy_loss(beta=0.1, temperature=1.0)(state.model, batch)
     with pytest.raises(ValueError, match=r"rollout_batches\(temperature=1.0\) differs from rol"):
         ft.rl.rollout_batches([r], [torch.zeros(n)], reference=ref, temperature=1.0)
     with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
@@ -218,7 +218,7 @@ def test_temperature_follows_the_rollout(state):
         rtol=0, atol=0,
     )  # fmt: skip
     with pytest.raises(ValueError, match="the batch's temperature must be a finite number > 0"):
-        ft.rl.policy_loss()(state.model, {**batch, "temperature": -1.0})
+        ft.rl.policy_loss(beta=0.1)(state.model, {**batch, "temperature": -1.0})
 
 
 def test_temperature_reaches_accumulate_grads(state):

@@ -345,9 +345,11 @@ def policy_loss(
     must equal the batch's. The batch is what `rollout_batches`
     builds: prompt and completion ids and masks, `advantages`, `old_logps` (absent: the
     current log-probs detached, ratio 1, as TRL when `num_iterations=1`) and, with `beta > 0`,
-    `ref_logps`. `dr_grpo` divides by `max_completion_length`, by default the batch's
-    `max_new_tokens` (its rollout's, as TRL uses one `max_completion_length` for sampling and
-    the loss); a value given here must equal it. Defaults are `GRPOConfig`'s.
+    `ref_logps` (which `beta=0` refuses to ignore). The policy must not drop out (its old and
+    reference log-probs were computed in eval mode). `dr_grpo` divides by
+    `max_completion_length`, by default the batch's `max_new_tokens` (its rollout's, as TRL
+    uses one `max_completion_length` for sampling and the loss); a value given here must equal
+    it. Defaults are `GRPOConfig`'s.
 
     Raises:
         ValueError: for an unknown `loss_type`; with `dr_grpo`, a `max_completion_length` that
@@ -356,7 +358,11 @@ def policy_loss(
             batch without one); a `beta`, `epsilon` or
             `epsilon_high` that is not a finite number >= 0, a `delta` that is not a finite
             number > 1, a `temperature` that is not a finite number > 0 (or, when the loss
-            runs, differs from the batch's), a `bias_correction_kl` that is not a bool.
+            runs, differs from the batch's), a `bias_correction_kl` that is not a bool; when
+            the loss runs, `beta=0` with `ref_logps` in the batch (the KL would be dropped),
+            and a policy that runs dropout (a dropout module of p > 0 or a config's
+            `attention_dropout` > 0, in training mode) while the batch holds `old_logps` or
+            `beta > 0`.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
@@ -370,7 +376,18 @@ def policy_loss(
     if not isinstance(bias_correction_kl, bool):
         raise ValueError(f"bias_correction_kl must be a bool, got {bias_correction_kl!r}")
 
+    clean: set[int] = set()  # models checked for dropout (a walk of the modules, once each)
+
     def loss_fn(model: nn.Module, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        if beta == 0.0 and "ref_logps" in batch:
+            raise ValueError(
+                f"policy_loss(beta={beta!r}) would ignore the batch's ref_logps, which "
+                "rollout_batches(reference=...) computed for a KL penalty: pass beta > 0 for "
+                "the KL to the reference, or drop reference= (no KL, no reference forward)"
+            )
+        if id(model) not in clean and ("old_logps" in batch or beta != 0.0):
+            _check_no_dropout(model)
+            clean.add(id(model))
         logps = token_logps(model, batch, temperature=_temperature(batch, temperature))
         old = batch.get("old_logps")
         old = logps.detach() if old is None else old
@@ -395,6 +412,41 @@ def policy_loss(
         )
 
     return loss_fn
+
+
+_DROPOUTS = (
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+)
+
+
+def _check_no_dropout(model: nn.Module) -> None:
+    """Refuse a policy that drops out in its training-mode forward: `sample` computed the old
+    log-probs and `rollout_batches` the reference's in eval mode, so the ratio would not be 1
+    before any update (clipping acting on dropout noise) and the KL would compare a
+    dropped-out forward with a clean one. Dropout modules of p > 0 and an HF config's
+    `attention_dropout` (a functional dropout in Llama-family attention) count."""
+    for name, module in model.named_modules():
+        if not module.training:
+            continue
+        where = None
+        if isinstance(module, _DROPOUTS) and module.p > 0:
+            where = f"module {name!r} (p={module.p})"
+        rate = getattr(getattr(module, "config", None), "attention_dropout", 0.0)
+        if where is None and isinstance(rate, (int, float)) and rate > 0:
+            where = f"the config's attention_dropout={rate}"
+        if where is not None:
+            raise ValueError(
+                f"policy_loss: the policy runs dropout in its training-mode forward ({where}), "
+                "while its old_logps (sampled in eval mode) and ref_logps (computed in eval "
+                "mode) have none: the ratio is not 1 before any update and clipping acts on "
+                "dropout noise. Build the model without dropout (TRL's disable_dropout): set "
+                "p=0 on its dropout modules and the config's dropout rates to 0"
+            )
 
 
 def _temperature(batch: Mapping[str, Any], given: float | None) -> float:
