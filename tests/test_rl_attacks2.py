@@ -106,3 +106,23 @@ def test_policy_loss_refuses_a_policy_that_runs_dropout():
     state = ft.TrainState.create(_model(dropout=0.0), ft.optim.adamw(), seed=0)
     micro = ft.rl.rollout_batches([_rollout(state)], [torch.ones(6)])
     ft.accumulate_grads(state, micro, ft.rl.policy_loss())
+
+
+# --- data-parallel ranks drawing the same samples ------------------------------------------------
+
+
+def test_ranks_passing_the_same_index_are_refused_on_every_rank(tmp_path):
+    """Completions are seeded by their number `index[i] * G + g`, not by the rank: two ranks
+    passing their local row numbers (index=[0, 1] each) drew the same random numbers for their
+    completions, silently (correlated samples; identical ones for equal prompts). Now every
+    rank raises, after one gather of the numbers; distinct numbers sample as before."""
+    import rl_attack2_workers
+    from launch import run_ranks
+
+    run_ranks(rl_attack2_workers.same_index_on_both_ranks, str(tmp_path), timeout=120)
+    for rank in (0, 1):
+        text = (tmp_path / f"same-{rank}.txt").read_text()
+        assert "completion numbers [0, 1, 2, 3] are sampled on more than one" in text, text
+        assert "index" in text
+    assert (tmp_path / "distinct-0.txt").read_text() == "[0, 1, 2, 3]"
+    assert (tmp_path / "distinct-1.txt").read_text() == "[4, 5, 6, 7]"

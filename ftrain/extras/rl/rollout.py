@@ -280,7 +280,9 @@ def sample(
         ValueError: for a bad sampling argument; an `index` of the wrong length, not of
             ints, negative or with repeats; an `attention_mask` of another shape than
             `input_ids`; zero-length prompts or prompt rows that are all padding; no pad id;
-            prompts holding the pad id without an `attention_mask`; logits that are not finite
+            prompts holding the pad id without an `attention_mask`; with several data-parallel
+            ranks, completion numbers that another rank samples too (on every rank, after
+            one gather of the numbers); logits that are not finite
             (NaN or inf) at a sampled token.
     """
     _check_sampling(temperature, top_k, top_p, max_new_tokens)
@@ -294,6 +296,8 @@ def sample(
     completions = [i * num_generations + g for i in idx for g in range(num_generations)]
     pad_id, stop = _pad_id(model, pad_token_id), _stop_ids(model, stop_token_ids)
     ids, mask = strategy.to_device(left_pad(ids, mask, pad_id=pad_id))
+    if strategy.world_size > 1:
+        _check_distinct_over_ranks(completions, strategy, ids.device)
     u = _uniforms(state.seed, state.step, completions, max_new_tokens).to(ids.device)
     with eval_mode(state.model), torch.no_grad(), strategy.autocast():
         tokens, logps = _decode(
@@ -332,6 +336,24 @@ def sample(
         precision=strategy.precision,
         trained=frozenset(map(id, state.params.values())),
     )
+
+
+def _check_distinct_over_ranks(completions: list[int], strategy: Strategy, device: Any) -> None:
+    """Refuse completion numbers that another data-parallel rank samples too: seeds follow the
+    numbers, not the rank, so ranks passing their local row numbers as `index` would draw the
+    same random numbers. One gather (and host sync); every rank sees every rank's numbers and
+    raises alike, so none waits in the decode's collectives."""
+    every = strategy.gather_rows(torch.tensor(completions, dtype=torch.int64, device=device))
+    values, counts = torch.unique(every, return_counts=True)
+    dup = values[counts > 1].tolist()
+    if dup:
+        raise ValueError(
+            f"completion numbers {dup[:8]}{' ...' if len(dup) > 8 else ''} are sampled on more "
+            f"than one of the {strategy.world_size} data-parallel ranks (index[i] * "
+            "num_generations + g): those ranks would draw the same random numbers. Give index "
+            "as the prompts' global positions (e.g. their dataset row numbers, which "
+            "make_batches splits among the ranks), not each rank's local row numbers"
+        )
 
 
 def _decode(
