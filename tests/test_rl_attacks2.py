@@ -126,3 +126,23 @@ def test_ranks_passing_the_same_index_are_refused_on_every_rank(tmp_path):
         assert "index" in text
     assert (tmp_path / "distinct-0.txt").read_text() == "[0, 1, 2, 3]"
     assert (tmp_path / "distinct-1.txt").read_text() == "[4, 5, 6, 7]"
+
+
+# --- preference log-probs of left-padded rows --------------------------------------------------
+
+
+def test_sequence_logps_of_a_left_padded_row_equal_the_unpadded_rows():
+    """With labels copied from the input ids (no -100 at the pads), `sequence_logps` scored the
+    pads' targets: the last pad "predicting" the row's first token and each pad its neighbour,
+    so a row's DPO log-prob (and its length average) depended on how much padding the rows
+    batched with it added. The core's loss drops those targets (`ft.losses.causal_targets`);
+    now the preference log-probs do too."""
+    model = tiny_llama(dtype=torch.float64).eval()
+    row = torch.tensor([[5, 6, 7, 8]])
+    alone = {"input_ids": row, "labels": row, "attention_mask": torch.ones_like(row)}
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8]])
+    padded = {"input_ids": ids, "labels": ids, "attention_mask": (ids != 0).long()}
+    for average in (False, True):
+        want = ft.preference.sequence_logps(model, alone, average=average)
+        got = ft.preference.sequence_logps(model, padded, average=average)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)

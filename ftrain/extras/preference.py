@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ftrain.eval import eval_mode
-from ftrain.losses import IGNORE_INDEX, LossFn, model_logits, upcast
+from ftrain.losses import IGNORE_INDEX, LossFn, causal_targets, model_logits, upcast
 
 __all__ = [
     "dpo_loss",
@@ -217,9 +217,11 @@ def sequence_logps(
     model: nn.Module, batch: Mapping[str, Any], *, average: bool = False
 ) -> torch.Tensor:
     """Per-sequence sum (or mean) of the log-probs of the label tokens (not -100), after the
-    causal shift: shape (batch,)."""
+    causal shift: shape (batch,). A padding position (`attention_mask` 0) predicts nothing, as
+    in the core's loss (`ft.losses.causal_targets`): with left padding the pads' targets would
+    otherwise count, and a row's log-prob would depend on the rows padded with it."""
     logits = upcast(model_logits(model, batch))[:, :-1]
-    labels = batch["labels"][:, 1:]
+    labels = causal_targets(batch)[:, :-1]
     keep = labels != IGNORE_INDEX
     token = torch.gather(
         logits.log_softmax(-1), 2, torch.where(keep, labels, 0).unsqueeze(-1)
