@@ -146,3 +146,50 @@ def test_sequence_logps_of_a_left_padded_row_equal_the_unpadded_rows():
         want = ft.preference.sequence_logps(model, alone, average=average)
         got = ft.preference.sequence_logps(model, padded, average=average)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+# --- dropout in a preference policy ------------------------------------------------------------
+
+
+def _pairs():
+    ids = torch.tensor([[5, 6, 7, 8], [5, 6, 9, 10]])
+    labels = torch.tensor([[-100, -100, 7, 8], [-100, -100, 9, 10]])
+    mask = torch.ones_like(ids)
+    return {
+        "chosen_input_ids": ids[:1],
+        "chosen_labels": labels[:1],
+        "chosen_attention_mask": mask[:1],
+        "rejected_input_ids": ids[1:],
+        "rejected_labels": labels[1:],
+        "rejected_attention_mask": mask[1:],
+    }
+
+
+def test_dpo_refuses_a_policy_that_runs_dropout_against_its_reference():
+    """DPO's margin compares the policy's log-probs with a reference's computed in eval mode
+    (or precomputed): a policy that drops out (in training mode, as accumulate_grads runs it)
+    started with a non-zero margin and a loss away from log 2 with policy == reference (the DPO
+    authors and TRL's `disable_dropout=True` turn it off). It ran silently; now it raises.
+    A reference-free loss (SimPO) has no such comparison: dropout is left alone there."""
+    import functools
+
+    policy = tiny_llama(dtype=torch.float64, dropout=0.3)
+    reference = tiny_llama(dtype=torch.float64).eval().requires_grad_(False)
+    state = ft.TrainState.create(policy, ft.optim.adamw(), seed=0)
+    dpo = functools.partial(ft.preference.dpo_loss, beta=0.1)
+    with pytest.raises(ValueError, match=r"dropout.*attention_dropout=0\.3"):
+        ft.accumulate_grads(
+            state, [_pairs()], ft.preference.preference_loss(dpo, reference=reference)
+        )
+    with torch.no_grad():
+        pre = {
+            f"reference_{side}": ft.preference.sequence_logps(
+                reference, {k.removeprefix(f"{side}_"): v for k, v in _pairs().items() if side in k}
+            )
+            for side in ("chosen", "rejected")
+        }
+    with pytest.raises(ValueError, match=r"dropout"):
+        ft.accumulate_grads(state, [_pairs() | pre], ft.preference.preference_loss(dpo))
+    ft.accumulate_grads(state, [_pairs()], ft.preference.preference_loss(ft.preference.simpo_loss))
+    clean = ft.TrainState.create(tiny_llama(dtype=torch.float64), ft.optim.adamw(), seed=0)
+    ft.accumulate_grads(clean, [_pairs()], ft.preference.preference_loss(dpo, reference=reference))

@@ -264,8 +264,10 @@ def preference_loss(
             from the loss_fn, when a loss with a reference gets neither `reference` nor
             precomputed log-probs, when a reference-free loss gets precomputed ones, when
             those are not of shape (batch,), when `loss` does not return one value per
-            pair, or when `reference` shares a trained parameter with the policy (e.g. the
-            base of a PEFT policy, whose adapters still run: it is not a fixed reference).
+            pair, when `reference` shares a trained parameter with the policy (e.g. the
+            base of a PEFT policy, whose adapters still run: it is not a fixed reference), or
+            when a loss with reference log-probs gets a policy that runs dropout (a dropout
+            module of p > 0 or a config's `attention_dropout` > 0, in training mode).
     """
     if not callable(loss):
         raise TypeError(f"loss must be a function such as ft.preference.dpo_loss, got {loss!r}")
@@ -287,6 +289,7 @@ def preference_loss(
         )
 
     apart: set[int] = set()  # policies checked against `reference` (once each: a walk of both)
+    clean: set[int] = set()  # policies checked for dropout (once each: a walk of the modules)
 
     def loss_fn(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         chosen, rejected = _side(batch, "chosen"), _side(batch, "rejected")
@@ -305,6 +308,9 @@ def preference_loss(
                     sequence_logps(reference, chosen, average=average),
                     sequence_logps(reference, rejected, average=average),
                 )
+        if refs and id(model) not in clean:
+            _check_no_dropout(model)
+            clean.add(id(model))
         if not refs and needs:
             raise ValueError(
                 f"{_name(loss)} needs reference log-probs: pass preference_loss(..., "
@@ -320,6 +326,41 @@ def preference_loss(
         return per_pair.sum(), torch.tensor(per_pair.shape[0], device=per_pair.device)
 
     return loss_fn
+
+
+_DROPOUTS = (
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+)
+
+
+def _check_no_dropout(model: nn.Module) -> None:
+    """Refuse a policy that drops out in its training-mode forward when its log-probs are
+    compared with a reference's (run in eval mode, or precomputed): with policy == reference
+    the margin would not be 0 nor the DPO loss log 2, and every margin carries dropout noise
+    (the DPO authors and TRL's `disable_dropout=True` turn dropout off). Dropout modules of
+    p > 0 and an HF config's `attention_dropout` (Llama-family attention) count."""
+    for name, module in model.named_modules():
+        if not module.training:
+            continue
+        where = None
+        if isinstance(module, _DROPOUTS) and module.p > 0:
+            where = f"module {name!r} (p={module.p})"
+        rate = getattr(getattr(module, "config", None), "attention_dropout", 0.0)
+        if where is None and isinstance(rate, (int, float)) and rate > 0:
+            where = f"the config's attention_dropout={rate}"
+        if where is not None:
+            raise ValueError(
+                f"preference_loss: the policy runs dropout in its training-mode forward "
+                f"({where}), while its reference log-probs have none: the margins compare a "
+                "dropped-out forward with a clean one (not 0 with policy == reference). Build "
+                "the model without dropout (TRL's disable_dropout): set p=0 on its dropout "
+                "modules and the config's dropout rates to 0"
+            )
 
 
 def _check_apart(model: nn.Module, reference: nn.Module) -> None:
