@@ -193,3 +193,49 @@ def test_dpo_refuses_a_policy_that_runs_dropout_against_its_reference():
     ft.accumulate_grads(state, [_pairs()], ft.preference.preference_loss(ft.preference.simpo_loss))
     clean = ft.TrainState.create(tiny_llama(dtype=torch.float64), ft.optim.adamw(), seed=0)
     ft.accumulate_grads(clean, [_pairs()], ft.preference.preference_loss(dpo, reference=reference))
+
+
+# --- what lies outside the completion mask ------------------------------------------------------
+
+
+def _no_pad_model() -> torch.nn.Module:
+    """A model that never emits its pad token (its logit is -inf, as for a suppressed or
+    padded-vocabulary id): the pads after a stop token have log-prob -inf."""
+    m = _model()
+    m.generation_config.pad_token_id = 60
+
+    def never_pad(module, args, out):
+        return out.index_fill(-1, torch.tensor([60]), -float("inf"))
+
+    m.lm_head.register_forward_hook(never_pad)
+    return m
+
+
+def test_tokens_after_the_stop_do_not_reach_the_loss_even_at_log_prob_minus_inf():
+    """The per-token loss was masked by multiplying with the completion mask: a pad after a stop
+    token of log-prob -inf made the k3 KL `exp(ref - logp)` NaN there, and NaN * 0 is NaN, so
+    the loss and every gradient were NaN and each update was skipped (beta > 0), silently.
+    Positions outside the mask are now inert: the loss equals the one with any other token
+    there."""
+    import copy
+
+    policy = _no_pad_model()
+    reference = copy.deepcopy(policy).eval().requires_grad_(False)
+    state = ft.TrainState.create(policy, ft.optim.adamw(), seed=0)
+    rollout = _rollout(state, max_new_tokens=12)
+    assert (rollout.completion_mask == 0).any()  # some rows stopped early
+    adv = ft.rl.group_advantages(torch.arange(6.0), 2)
+    (batch,) = ft.rl.rollout_batches([rollout], [adv], reference=reference)
+    loss_fn = ft.rl.policy_loss(beta=0.04)
+    with torch.no_grad():
+        assert torch.isinf(ft.rl.token_logps(policy, batch)).any()
+    loss, _ = loss_fn(policy, batch)
+    assert torch.isfinite(loss)
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in policy.parameters())
+    other = dict(batch)
+    outside = batch["completion_mask"] == 0
+    other["completion_ids"] = batch["completion_ids"].masked_fill(outside, 6)
+    other["ref_logps"] = batch["ref_logps"].masked_fill(outside, float("nan"))
+    other["old_logps"] = batch["old_logps"].masked_fill(outside, -float("inf"))
+    torch.testing.assert_close(loss_fn(policy, other)[0], loss, rtol=0, atol=1e-12)

@@ -312,10 +312,12 @@ def reduce_loss(
         assert max_completion_length is not None
         _check_width(per_token.shape[-1], max_completion_length)
     m = mask.to(per_token.dtype)
-    total = (per_token * m).sum()
+    # selected, not multiplied: a NaN or inf outside the mask would survive `* 0`
+    kept = torch.where(mask.bool(), per_token, 0.0)
+    total = kept.sum()
     rows = torch.tensor(per_token.shape[0], device=per_token.device)
     if loss_type == "grpo":
-        return ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).sum(), rows
+        return (kept.sum(-1) / m.sum(-1).clamp(min=1.0)).sum(), rows
     if loss_type == "bnpo":
         return total / m.sum().clamp(min=1.0), torch.ones((), device=per_token.device)
     if loss_type == "dr_grpo":
@@ -388,9 +390,14 @@ def policy_loss(
         if id(model) not in clean and ("old_logps" in batch or beta != 0.0):
             _check_no_dropout(model)
             clean.add(id(model))
+        # Positions outside the mask are made inert before any arithmetic: a token there (the
+        # pad after a stop) may have log-prob -inf, and a masked NaN is still NaN (NaN * 0),
+        # in the loss and in every gradient.
+        inside = batch["completion_mask"].bool()
         logps = token_logps(model, batch, temperature=_temperature(batch, temperature))
+        logps = torch.where(inside, logps, 0.0)
         old = batch.get("old_logps")
-        old = logps.detach() if old is None else old
+        old = logps.detach() if old is None else torch.where(inside, old, 0.0)
         per_token = clipped_objective(
             logps, old, batch["advantages"], epsilon=epsilon, epsilon_high=epsilon_high, delta=delta
         )
@@ -400,7 +407,7 @@ def policy_loss(
                     "policy_loss with beta > 0 needs ref_logps in the batch: "
                     "rollout_batches(..., reference=ref_model)"
                 )
-            kl = kl_k3(logps, batch["ref_logps"])
+            kl = kl_k3(logps, torch.where(inside, batch["ref_logps"], 0.0))
             per_token = per_token + beta * (
                 kl * torch.exp(logps - old) if bias_correction_kl else kl
             )
