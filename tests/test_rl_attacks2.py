@@ -239,3 +239,27 @@ def test_tokens_after_the_stop_do_not_reach_the_loss_even_at_log_prob_minus_inf(
     other["ref_logps"] = batch["ref_logps"].masked_fill(outside, float("nan"))
     other["old_logps"] = batch["old_logps"].masked_fill(outside, -float("inf"))
     torch.testing.assert_close(loss_fn(policy, other)[0], loss, rtol=0, atol=1e-12)
+
+
+# --- max_completion_length with a loss that does not divide by it ------------------------------
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo"])
+def test_max_completion_length_is_checked_for_every_loss_type(loss_type):
+    """Only `dr_grpo` divides by `max_completion_length`; with the other loss types any value
+    was accepted and dropped (0, "abc", or a length other than the rollouts'), though the
+    example passes it for every `--loss-type`. Now it is what it says for every loss type:
+    validated, and checked against the batch's `max_new_tokens` and width."""
+    with pytest.raises(ValueError, match="max_completion_length must be an int >= 1"):
+        ft.rl.policy_loss(loss_type=loss_type, max_completion_length=0)
+    with pytest.raises(ValueError, match="max_completion_length must be an int >= 1"):
+        ft.rl.policy_loss(loss_type=loss_type, max_completion_length="4")
+    state = ft.TrainState.create(_model(), ft.optim.adamw(), seed=0)
+    micro = ft.rl.rollout_batches([_rollout(state)], [torch.ones(6)])
+    with pytest.raises(ValueError, match=r"policy_loss\(max_completion_length=8\) differs"):
+        ft.accumulate_grads(
+            state, micro, ft.rl.policy_loss(loss_type=loss_type, max_completion_length=8)
+        )
+    ft.accumulate_grads(
+        state, micro, ft.rl.policy_loss(loss_type=loss_type, max_completion_length=4)
+    )

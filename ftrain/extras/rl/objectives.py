@@ -251,8 +251,8 @@ def _check_max_len(max_completion_length: int | None) -> None:
 def _check_width(width: int, max_completion_length: int) -> None:
     if width > max_completion_length:
         raise ValueError(
-            f"loss_type='dr_grpo': completions are {width} tokens wide, more than "
-            f"max_completion_length={max_completion_length}; pass the max_new_tokens the "
+            f"completions are {width} tokens wide, more than max_completion_length="
+            f"{max_completion_length} (dr_grpo's divisor); pass the max_new_tokens the "
             "rollouts were sampled with"
         )
 
@@ -276,9 +276,9 @@ def _max_len(batch: Mapping[str, Any], given: int | None, width: int) -> int:
     if own is not None and own != given:
         raise ValueError(
             f"policy_loss(max_completion_length={given!r}) differs from the batch's "
-            f"max_new_tokens {own!r}, the cap its rollout was sampled with: dr_grpo would "
-            f"scale the loss and its gradient by {own}/{given}; leave max_completion_length="
-            "None (the batch's), or sample with max_new_tokens equal to it"
+            f"max_new_tokens {own!r}, the cap its rollout was sampled with (with dr_grpo the "
+            f"loss and its gradient would be scaled by {own}/{given}); leave "
+            "max_completion_length=None (the batch's), or sample with max_new_tokens equal to it"
         )
     return given
 
@@ -351,13 +351,13 @@ def policy_loss(
     reference log-probs were computed in eval mode). `dr_grpo` divides by
     `max_completion_length`, by default the batch's `max_new_tokens` (its rollout's, as TRL
     uses one `max_completion_length` for sampling and the loss); a value given here must equal
-    it. Defaults are `GRPOConfig`'s.
+    it, with any loss type (the others do not divide by it). Defaults are `GRPOConfig`'s.
 
     Raises:
-        ValueError: for an unknown `loss_type`; with `dr_grpo`, a `max_completion_length` that
-            is not None or an int >= 1 (or, when the loss runs, is smaller than the
-            completions' width, differs from the batch's `max_new_tokens`, or is None in a
-            batch without one); a `beta`, `epsilon` or
+        ValueError: for an unknown `loss_type`; a `max_completion_length` that is not None
+            or an int >= 1 (or, when the loss runs, is smaller than the completions' width or
+            differs from the batch's `max_new_tokens`; with `dr_grpo`, is None in a batch
+            without one); a `beta`, `epsilon` or
             `epsilon_high` that is not a finite number >= 0, a `delta` that is not a finite
             number > 1, a `temperature` that is not a finite number > 0 (or, when the loss
             runs, differs from the batch's), a `bias_correction_kl` that is not a bool; when
@@ -370,6 +370,12 @@ def policy_loss(
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
     if loss_type == "dr_grpo" and max_completion_length is not None:
         _check_max_len(max_completion_length)
+    elif max_completion_length is not None and not (
+        _is_int(max_completion_length) and max_completion_length >= 1
+    ):
+        raise ValueError(
+            f"max_completion_length must be an int >= 1 or None, got {max_completion_length!r}"
+        )
     if not (_is_finite(beta) and beta >= 0):
         raise ValueError(f"beta must be a finite number >= 0, got {beta!r}")
     _check_clip(epsilon, epsilon_high, delta)
@@ -412,7 +418,9 @@ def policy_loss(
                 kl * torch.exp(logps - old) if bias_correction_kl else kl
             )
         length = max_completion_length
-        if loss_type == "dr_grpo":
+        if loss_type == "dr_grpo" or max_completion_length is not None:
+            # the other loss types do not divide by it, but a value given is still checked
+            # against the rollouts' (never accepted and dropped)
             length = _max_len(batch, max_completion_length, per_token.shape[-1])
         return reduce_loss(
             per_token, batch["completion_mask"], loss_type=loss_type, max_completion_length=length
