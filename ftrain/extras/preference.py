@@ -16,6 +16,7 @@ import functools
 import inspect
 import math
 import numbers
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -288,8 +289,11 @@ def preference_loss(
             "takes the policy's log-probs only: the reference would be ignored; drop it"
         )
 
-    apart: set[int] = set()  # policies checked against `reference` (once each: a walk of both)
-    clean: set[int] = set()  # policies checked for dropout (once each: a walk of the modules)
+    # policies checked against `reference` (once each: a walk of both), held weakly as below
+    apart: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+    # models checked for dropout, once each (a walk of the modules); held weakly, as an
+    # id could be reused by a later model
+    clean: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     def loss_fn(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         chosen, rejected = _side(batch, "chosen"), _side(batch, "rejected")
@@ -299,18 +303,18 @@ def preference_loss(
         pr = sequence_logps(model, rejected, average=average)
         refs = _references(batch, pc, needs)
         if not refs and reference is not None and needs is not False:
-            if id(model) not in apart:
+            if model not in apart:
                 _check_apart(model, reference)
-                apart.add(id(model))
+                apart.add(model)
             # The reference is fixed: dropout in it would make every log-prob noisy.
             with eval_mode(reference):
                 refs = (
                     sequence_logps(reference, chosen, average=average),
                     sequence_logps(reference, rejected, average=average),
                 )
-        if refs and id(model) not in clean:
+        if refs and model not in clean:
             _check_no_dropout(model)
-            clean.add(id(model))
+            clean.add(model)
         if not refs and needs:
             raise ValueError(
                 f"{_name(loss)} needs reference log-probs: pass preference_loss(..., "

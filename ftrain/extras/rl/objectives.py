@@ -8,6 +8,7 @@ checked against TRL's own code in tests/test_rl.py.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -384,7 +385,9 @@ def policy_loss(
     if not isinstance(bias_correction_kl, bool):
         raise ValueError(f"bias_correction_kl must be a bool, got {bias_correction_kl!r}")
 
-    clean: set[int] = set()  # models checked for dropout (a walk of the modules, once each)
+    # models checked for dropout, once each (a walk of the modules); held weakly, as an
+    # id could be reused by a later model
+    clean: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     def loss_fn(model: nn.Module, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         if beta == 0.0 and "ref_logps" in batch:
@@ -393,9 +396,9 @@ def policy_loss(
                 "rollout_batches(reference=...) computed for a KL penalty: pass beta > 0 for "
                 "the KL to the reference, or drop reference= (no KL, no reference forward)"
             )
-        if id(model) not in clean and ("old_logps" in batch or beta != 0.0):
+        if model not in clean and ("old_logps" in batch or beta != 0.0):
             _check_no_dropout(model)
-            clean.add(id(model))
+            clean.add(model)
         # Positions outside the mask are made inert before any arithmetic: a token there (the
         # pad after a stop) may have log-prob -inf, and a masked NaN is still NaN (NaN * 0),
         # in the loss and in every gradient.
