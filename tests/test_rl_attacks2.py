@@ -263,3 +263,13 @@ def test_max_completion_length_is_checked_for_every_loss_type(loss_type):
     ft.accumulate_grads(
         state, micro, ft.rl.policy_loss(loss_type=loss_type, max_completion_length=4)
     )
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.0])
+def test_token_logps_names_a_bad_chunk_rows(bad):
+    """chunk_rows=-1 gave torch.cat's "expected a non-empty list", 0 range()'s error, True
+    and 2.0 ran or failed as Python saw fit; now ftrain's message names the argument."""
+    state = ft.TrainState.create(_model(), ft.optim.adamw(), seed=0)
+    (batch,) = ft.rl.rollout_batches([_rollout(state)], [torch.ones(6)])
+    with pytest.raises(ValueError, match="chunk_rows must be an int >= 1"):
+        ft.rl.token_logps(state.model, batch, chunk_rows=bad)

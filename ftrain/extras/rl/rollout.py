@@ -424,7 +424,12 @@ def token_logps(
     (`logits_to_keep`). Log-probs are `logit - logsumexp(logits)` over `chunk_rows` rows at a
     time: without gradients (reference and old log-probs) no full-vocabulary float32
     log-softmax of the batch exists at once.
+
+    Raises:
+        ValueError: for a `chunk_rows` that is not an int >= 1.
     """
+    if not (_is_int(chunk_rows) and chunk_rows >= 1):
+        raise ValueError(f"chunk_rows must be an int >= 1, got {chunk_rows!r}")
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
