@@ -273,3 +273,22 @@ def test_token_logps_names_a_bad_chunk_rows(bad):
     (batch,) = ft.rl.rollout_batches([_rollout(state)], [torch.ones(6)])
     with pytest.raises(ValueError, match="chunk_rows must be an int >= 1"):
         ft.rl.token_logps(state.model, batch, chunk_rows=bad)
+
+
+@pytest.mark.parametrize(
+    ("kw", "phrase"),
+    [
+        (dict(stop_token_ids=[61]), r"stop_token_ids \[61\] are not token ids of the model's 61"),
+        (dict(stop_token_ids=-1), r"stop_token_ids must be ints >= 0, got \[-1\]"),
+        (dict(stop_token_ids=True), r"stop_token_ids must be ints >= 0, got \[True\]"),
+        (dict(pad_token_id=True), r"pad_token_id must be an int >= 0, got True"),
+        (dict(pad_token_id=61), r"pad_token_id 61 is not a token id of the model's 61"),
+    ],
+)
+def test_sample_refuses_stop_and_pad_ids_that_are_no_tokens(kw, phrase):
+    """A stop id outside the vocabulary (or -1) never matched: every completion ran to
+    max_new_tokens and counted as truncated, silently; `True` stopped at token 1 and padded
+    with it. Now each raises, naming the argument."""
+    state = ft.TrainState.create(_model(), ft.optim.adamw(), seed=0)
+    with pytest.raises(ValueError, match=phrase):
+        _rollout(state, **kw)

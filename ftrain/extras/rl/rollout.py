@@ -219,7 +219,12 @@ def _stop_ids(model: nn.Module, stop_token_ids: Sequence[int] | int | None) -> l
         stop_token_ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if stop_token_ids is None:
         return []
-    return [stop_token_ids] if isinstance(stop_token_ids, int) else list(stop_token_ids)
+    single = _is_int(stop_token_ids) or isinstance(stop_token_ids, bool)
+    ids: list[Any] = [stop_token_ids] if single else list(stop_token_ids)  # type: ignore[arg-type]
+    if not all(_is_int(i) and i >= 0 for i in ids):
+        # True would stop at token 1, -1 never
+        raise ValueError(f"stop_token_ids must be ints >= 0, got {ids!r}")
+    return [int(i) for i in ids]
 
 
 def _pad_id(model: nn.Module, pad_token_id: int | None) -> int:
@@ -229,6 +234,15 @@ def _pad_id(model: nn.Module, pad_token_id: int | None) -> int:
         raise ValueError(
             "sample needs a pad token id: pass pad_token_id=... or set it in the "
             "model's generation_config"
+        )
+    if not (_is_int(pad_token_id) and pad_token_id >= 0):
+        raise ValueError(f"pad_token_id must be an int >= 0, got {pad_token_id!r}")
+    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+    rows = getattr(embeddings, "num_embeddings", None)
+    if isinstance(rows, int) and pad_token_id >= rows:
+        raise ValueError(
+            f"pad_token_id {pad_token_id} is not a token id of the model's {rows} (its input "
+            "embeddings): padded prompts and finished rows would feed it to the model"
         )
     return int(pad_token_id)
 
@@ -282,7 +296,8 @@ def sample(
             `input_ids`; zero-length prompts or prompt rows that are all padding; no pad id;
             prompts holding the pad id without an `attention_mask`; with several data-parallel
             ranks, completion numbers that another rank samples too (on every rank, after
-            one gather of the numbers); logits that are not finite
+            one gather of the numbers); stop or pad ids that are not ints >= 0 or not token
+            ids of the model; logits that are not finite
             (NaN or inf) at a sampled token.
     """
     _check_sampling(temperature, top_k, top_p, max_new_tokens)
@@ -381,6 +396,12 @@ def _decode(
     if g > 1:
         cache.batch_repeat_interleave(g)
         logits, mask, pos = (t.repeat_interleave(g, 0) for t in (logits, mask, pos))
+    outside = [i for i in stop if i >= logits.shape[-1]]
+    if outside:
+        raise ValueError(
+            f"stop_token_ids {outside} are not token ids of the model's {logits.shape[-1]} "
+            "(its logits): no completion would ever stop at them"
+        )
     stop_t = torch.tensor(stop, device=ids.device, dtype=ids.dtype)
     done = torch.zeros(mask.shape[0], dtype=torch.bool, device=ids.device)
     next_pos = pos[:, -1:] + 1
