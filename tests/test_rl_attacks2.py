@@ -292,3 +292,13 @@ def test_sample_refuses_stop_and_pad_ids_that_are_no_tokens(kw, phrase):
     state = ft.TrainState.create(_model(), ft.optim.adamw(), seed=0)
     with pytest.raises(ValueError, match=phrase):
         _rollout(state, **kw)
+
+
+def test_kto_refuses_both_weights_zero():
+    """desirable_weight=0 and undesirable_weight=0 made every KTO loss 0 (nothing trained)."""
+    x = torch.zeros(2)
+    with pytest.raises(ValueError, match="desirable_weight and undesirable_weight are both 0"):
+        ft.preference.kto_loss(
+            x, x, torch.tensor([True, False]), kl=0.0, desirable_weight=0, undesirable_weight=0
+        )
+    ft.preference.kto_loss(x, x, torch.tensor([True, False]), kl=0.0, desirable_weight=0)

@@ -202,6 +202,10 @@ def kto_loss(
     _positive("beta", beta)
     _nonnegative("desirable_weight", desirable_weight)
     _nonnegative("undesirable_weight", undesirable_weight)
+    if desirable_weight == 0 and undesirable_weight == 0:
+        raise ValueError(
+            "desirable_weight and undesirable_weight are both 0: every KTO loss would be 0"
+        )
     if not isinstance(desirable, torch.Tensor) or desirable.dtype != torch.bool:
         raise TypeError(
             f"desirable must be a bool tensor, got {getattr(desirable, 'dtype', desirable)!r}"
