@@ -302,3 +302,10 @@ def test_kto_refuses_both_weights_zero():
             x, x, torch.tensor([True, False]), kl=0.0, desirable_weight=0, undesirable_weight=0
         )
     ft.preference.kto_loss(x, x, torch.tensor([True, False]), kl=0.0, desirable_weight=0)
+
+
+def test_reduce_loss_keeps_a_fractional_mask_as_weights_and_drops_nan_outside():
+    per_token = torch.tensor([[1.0, 2.0, float("nan")], [4.0, float("inf"), 6.0]])
+    mask = torch.tensor([[1.0, 0.5, 0.0], [1.0, 0.0, 1.0]])
+    got, items = ft.rl.reduce_loss(per_token, mask, loss_type="dapo")
+    assert got.item() == 1.0 + 1.0 + 4.0 + 6.0 and items.item() == 3.5

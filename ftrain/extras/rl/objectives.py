@@ -314,7 +314,7 @@ def reduce_loss(
         _check_width(per_token.shape[-1], max_completion_length)
     m = mask.to(per_token.dtype)
     # selected, not multiplied: a NaN or inf outside the mask would survive `* 0`
-    kept = torch.where(mask.bool(), per_token, 0.0)
+    kept = torch.where(mask.bool(), per_token * m, 0.0)  # a fractional mask still weighs
     total = kept.sum()
     rows = torch.tensor(per_token.shape[0], device=per_token.device)
     if loss_type == "grpo":
