@@ -20,6 +20,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import ftrain as ft
+from ftrain.extras.cli import at_least
 
 PROMPTS, NEW, VOCAB = 16, 64, 8000
 
@@ -51,13 +52,13 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--generations", type=int, default=4)
+    p.add_argument("--rounds", type=at_least(1), default=5)
+    p.add_argument("--generations", type=at_least(1), default=4)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=1)
-    a = p.parse_args()
+    p.add_argument("--threads", type=at_least(1), default=1)
+    a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     model, prompts, G = _model(a.device), _prompts(a.device), a.generations
     state = ft.TrainState.create(model, ft.optim.sgd(), seed=0,

@@ -309,3 +309,20 @@ def test_reduce_loss_keeps_a_fractional_mask_as_weights_and_drops_nan_outside():
     mask = torch.tensor([[1.0, 0.5, 0.0], [1.0, 0.0, 1.0]])
     got, items = ft.rl.reduce_loss(per_token, mask, loss_type="dapo")
     assert got.item() == 1.0 + 1.0 + 4.0 + 6.0 and items.item() == 3.5
+
+
+@pytest.mark.parametrize("flag", ["--rounds", "--generations", "--threads"])
+def test_bench_rollout_refuses_a_count_below_one_naming_its_flag(flag, capsys):
+    """--rounds 0 warmed both samplers up, then failed in statistics.median ("no median for
+    empty data"); --threads 0 in torch. Now argparse names the flag before any work."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "bench" / "bench_rollout.py"
+    spec = importlib.util.spec_from_file_location("bench_rollout", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as e:
+        module.main([flag, "0"])
+    assert e.value.code == 2
+    assert f"argument {flag}: must be an integer >= 1, got 0" in capsys.readouterr().err
