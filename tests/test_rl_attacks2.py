@@ -326,3 +326,15 @@ def test_bench_rollout_refuses_a_count_below_one_naming_its_flag(flag, capsys):
         module.main([flag, "0"])
     assert e.value.code == 2
     assert f"argument {flag}: must be an integer >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_clean_eval_mode_pass_does_not_vouch_for_training():
+    """The dropout check runs once per model; a first call in eval mode (no dropout runs) must
+    not let a later training-mode call through."""
+    state = ft.TrainState.create(_model(dropout=0.3), ft.optim.adamw(), seed=0)
+    micro = ft.rl.rollout_batches([_rollout(state)], [torch.ones(6)])
+    loss_fn = ft.rl.policy_loss()
+    state.model.eval()
+    loss_fn(state.model, micro[0])
+    with pytest.raises(ValueError, match="dropout"):
+        ft.accumulate_grads(state, micro, loss_fn)

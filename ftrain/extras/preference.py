@@ -318,7 +318,8 @@ def preference_loss(
                 )
         if refs and model not in clean:
             _check_no_dropout(model)
-            clean.add(model)
+            if model.training:  # an eval-mode pass says nothing of training
+                clean.add(model)
         if not refs and needs:
             raise ValueError(
                 f"{_name(loss)} needs reference log-probs: pass preference_loss(..., "

@@ -398,7 +398,8 @@ def policy_loss(
             )
         if model not in clean and ("old_logps" in batch or beta != 0.0):
             _check_no_dropout(model)
-            clean.add(model)
+            if model.training:  # an eval-mode pass says nothing of training
+                clean.add(model)
         # Positions outside the mask are made inert before any arithmetic: a token there (the
         # pad after a stop) may have log-prob -inf, and a masked NaN is still NaN (NaN * 0),
         # in the loss and in every gradient.
