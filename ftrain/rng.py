@@ -6,8 +6,16 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from torch import nn
 
-__all__ = ["default_generators", "dropout_seed", "dropout_seeds", "restored"]
+__all__ = [
+    "default_generators",
+    "disable_dropout",
+    "dropout_seed",
+    "dropout_seeds",
+    "dropout_sites",
+    "restored",
+]
 
 _MASK64 = (1 << 64) - 1
 
@@ -72,3 +80,66 @@ def restored(gens: list[torch.Generator]) -> Iterator[None]:
     finally:
         for g, s in zip(gens, saved, strict=True):
             g.set_state(s)
+
+
+_DROPOUTS = (
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+)
+
+
+def _rates(module: nn.Module) -> list[tuple[str, float]]:
+    """A module's functional dropout rates above 0: float attributes named like a drop rate
+    (HF's `attention_dropout`, `dropout` and `activation_dropout` in T5/BART layers,
+    `layerdrop`, timm's `drop_prob`), which its forward passes to a functional dropout."""
+    return [
+        (k, v)
+        for k, v in vars(module).items()
+        if "drop" in k and type(v) is float and v > 0 and not k.startswith("_")
+    ]
+
+
+def dropout_sites(model: nn.Module) -> list[str]:
+    """Where `model` drops out in its training-mode forward: dropout modules of p > 0 and
+    drop rates above 0 that a module's forward passes to a functional dropout (HF's
+    `attention_dropout`, T5's and BART's `dropout`), as "name (p=...)"; modules in eval mode
+    are not listed. Empty when the forward is deterministic in training mode (as far as
+    modules say: a forward that calls `torch.rand` itself is not seen).
+
+    Example:
+        >>> import torch
+        >>> from ftrain.rng import disable_dropout, dropout_sites
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1))
+        >>> dropout_sites(model)
+        ["'1' (p=0.1)"]
+        >>> dropout_sites(disable_dropout(model))
+        []
+    """
+    sites = []
+    for name, module in model.named_modules():
+        if not module.training:
+            continue
+        if isinstance(module, _DROPOUTS):
+            if module.p > 0:
+                sites.append(f"{name!r} (p={module.p})")
+            continue
+        sites += [f"{name + '.' if name else ''}{k} (p={v})" for k, v in _rates(module)]
+    return sites
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Set every rate `dropout_sites` finds to 0, in place, and return `model` (TRL's
+    `disable_dropout`): for post-training whose log-probs are compared with ones computed
+    without dropout (`ft.rl.policy_loss`, `ft.preference.preference_loss` with a reference).
+    """
+    for module in model.modules():
+        if isinstance(module, _DROPOUTS):
+            module.p = 0.0
+            continue
+        for k, _ in _rates(module):
+            setattr(module, k, 0.0)
+    return model

@@ -93,7 +93,7 @@ def test_policy_loss_refuses_a_policy_that_runs_dropout():
     logps = ft.rl.token_logps(state.model, micro[0])
     mask = rollout.completion_mask.bool()
     assert (logps - rollout.logps)[mask].abs().max() > 1e-3
-    with pytest.raises(ValueError, match=r"dropout.*attention_dropout=0\.3"):
+    with pytest.raises(ValueError, match=r"dropout.*attention_dropout \(p=0\.3\)"):
         ft.accumulate_grads(state, micro, ft.rl.policy_loss())
     # an nn.Dropout module (GPT-2's, a LoRA adapter's) counts too
     model = _model()
@@ -177,7 +177,7 @@ def test_dpo_refuses_a_policy_that_runs_dropout_against_its_reference():
     reference = tiny_llama(dtype=torch.float64).eval().requires_grad_(False)
     state = ft.TrainState.create(policy, ft.optim.adamw(), seed=0)
     dpo = functools.partial(ft.preference.dpo_loss, beta=0.1)
-    with pytest.raises(ValueError, match=r"dropout.*attention_dropout=0\.3"):
+    with pytest.raises(ValueError, match=r"dropout.*attention_dropout \(p=0\.3\)"):
         ft.accumulate_grads(
             state, [_pairs()], ft.preference.preference_loss(dpo, reference=reference)
         )
@@ -191,6 +191,8 @@ def test_dpo_refuses_a_policy_that_runs_dropout_against_its_reference():
     with pytest.raises(ValueError, match=r"dropout"):
         ft.accumulate_grads(state, [_pairs() | pre], ft.preference.preference_loss(dpo))
     ft.accumulate_grads(state, [_pairs()], ft.preference.preference_loss(ft.preference.simpo_loss))
+    ft.rng.disable_dropout(policy)  # what the error says to do: the same state trains
+    ft.accumulate_grads(state, [_pairs()], ft.preference.preference_loss(dpo, reference=reference))
     clean = ft.TrainState.create(tiny_llama(dtype=torch.float64), ft.optim.adamw(), seed=0)
     ft.accumulate_grads(clean, [_pairs()], ft.preference.preference_loss(dpo, reference=reference))
 
@@ -338,3 +340,52 @@ def test_a_clean_eval_mode_pass_does_not_vouch_for_training():
     loss_fn(state.model, micro[0])
     with pytest.raises(ValueError, match="dropout"):
         ft.accumulate_grads(state, micro, loss_fn)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "t5", "bart", "llama"])
+def test_dropout_sites_finds_each_architectures_dropout_and_disable_dropout_removes_it(arch):
+    """T5's and BART's layers keep float rates that their forward passes to a functional
+    dropout (`self.dropout`, `activation_dropout`), Llama's attention `attention_dropout`,
+    GPT-2 nn.Dropout modules: each is found, and after `disable_dropout` two training-mode
+    forwards are equal."""
+    from transformers import (
+        BartConfig,
+        BartForConditionalGeneration,
+        GPT2Config,
+        GPT2LMHeadModel,
+        T5Config,
+        T5ForConditionalGeneration,
+    )
+
+    small = {"vocab_size": 32, "d_model": 16}
+    model = {
+        "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=2)),
+        "t5": lambda: T5ForConditionalGeneration(
+            T5Config(**small, d_kv=8, d_ff=16, num_layers=1, num_heads=2, dropout_rate=0.2)
+        ),
+        "bart": lambda: BartForConditionalGeneration(
+            BartConfig(
+                **small,
+                encoder_layers=1,
+                decoder_layers=1,
+                encoder_attention_heads=2,
+                decoder_attention_heads=2,
+                encoder_ffn_dim=16,
+                decoder_ffn_dim=16,
+                dropout=0.2,
+                activation_dropout=0.2,
+                attention_dropout=0.2,
+            )
+        ),
+        "llama": lambda: tiny_llama(dtype=torch.float64, dropout=0.3),
+    }[arch]().train()
+    assert ft.rng.dropout_sites(model)
+    assert ft.rng.disable_dropout(model) is model
+    assert ft.rng.dropout_sites(model) == []
+    ids = torch.tensor([[1, 2, 3, 4]])
+    kw = {"decoder_input_ids": ids} if arch in ("t5", "bart") else {}
+    torch.manual_seed(0)
+    a = model(input_ids=ids, **kw).logits
+    torch.manual_seed(1)
+    b = model(input_ids=ids, **kw).logits
+    torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -26,6 +26,7 @@ from torch import nn
 
 from ftrain.eval import eval_mode
 from ftrain.losses import IGNORE_INDEX, LossFn, causal_targets, model_logits, upcast
+from ftrain.rng import dropout_sites
 
 __all__ = [
     "dpo_loss",
@@ -337,39 +338,20 @@ def preference_loss(
     return loss_fn
 
 
-_DROPOUTS = (
-    nn.Dropout,
-    nn.Dropout1d,
-    nn.Dropout2d,
-    nn.Dropout3d,
-    nn.AlphaDropout,
-    nn.FeatureAlphaDropout,
-)
-
-
 def _check_no_dropout(model: nn.Module) -> None:
     """Refuse a policy that drops out in its training-mode forward when its log-probs are
     compared with a reference's (run in eval mode, or precomputed): with policy == reference
     the margin would not be 0 nor the DPO loss log 2, and every margin carries dropout noise
-    (the DPO authors and TRL's `disable_dropout=True` turn dropout off). Dropout modules of
-    p > 0 and an HF config's `attention_dropout` (Llama-family attention) count."""
-    for name, module in model.named_modules():
-        if not module.training:
-            continue
-        where = None
-        if isinstance(module, _DROPOUTS) and module.p > 0:
-            where = f"module {name!r} (p={module.p})"
-        rate = getattr(getattr(module, "config", None), "attention_dropout", 0.0)
-        if where is None and isinstance(rate, (int, float)) and rate > 0:
-            where = f"the config's attention_dropout={rate}"
-        if where is not None:
-            raise ValueError(
-                f"preference_loss: the policy runs dropout in its training-mode forward "
-                f"({where}), while its reference log-probs have none: the margins compare a "
-                "dropped-out forward with a clean one (not 0 with policy == reference). Build "
-                "the model without dropout (TRL's disable_dropout): set p=0 on its dropout "
-                "modules and the config's dropout rates to 0"
-            )
+    (the DPO authors and TRL's `disable_dropout=True` turn dropout off; `ft.rng.dropout_sites`)."""
+    sites = dropout_sites(model)
+    if sites:
+        shown = ", ".join(sites[:3]) + (f" and {len(sites) - 3} more" if len(sites) > 3 else "")
+        raise ValueError(
+            f"preference_loss: the policy runs dropout in its training-mode forward "
+            f"({shown}), while its reference log-probs have none: the margins compare a "
+            "dropped-out forward with a clean one (not 0 with policy == reference). Call "
+            "ft.rng.disable_dropout(model) before training (TRL's disable_dropout)"
+        )
 
 
 def _check_apart(model: nn.Module, reference: nn.Module) -> None:

@@ -17,6 +17,7 @@ from torch import nn
 
 from ftrain.extras.rl.rollout import _is_finite, _is_int, token_logps
 from ftrain.losses import LossFn
+from ftrain.rng import dropout_sites
 from ftrain.strategies import Strategy
 
 __all__ = [
@@ -433,39 +434,24 @@ def policy_loss(
     return loss_fn
 
 
-_DROPOUTS = (
-    nn.Dropout,
-    nn.Dropout1d,
-    nn.Dropout2d,
-    nn.Dropout3d,
-    nn.AlphaDropout,
-    nn.FeatureAlphaDropout,
-)
-
-
 def _check_no_dropout(model: nn.Module) -> None:
     """Refuse a policy that drops out in its training-mode forward: `sample` computed the old
     log-probs and `rollout_batches` the reference's in eval mode, so the ratio would not be 1
     before any update (clipping acting on dropout noise) and the KL would compare a
-    dropped-out forward with a clean one. Dropout modules of p > 0 and an HF config's
-    `attention_dropout` (a functional dropout in Llama-family attention) count."""
-    for name, module in model.named_modules():
-        if not module.training:
-            continue
-        where = None
-        if isinstance(module, _DROPOUTS) and module.p > 0:
-            where = f"module {name!r} (p={module.p})"
-        rate = getattr(getattr(module, "config", None), "attention_dropout", 0.0)
-        if where is None and isinstance(rate, (int, float)) and rate > 0:
-            where = f"the config's attention_dropout={rate}"
-        if where is not None:
-            raise ValueError(
-                f"policy_loss: the policy runs dropout in its training-mode forward ({where}), "
-                "while its old_logps (sampled in eval mode) and ref_logps (computed in eval "
-                "mode) have none: the ratio is not 1 before any update and clipping acts on "
-                "dropout noise. Build the model without dropout (TRL's disable_dropout): set "
-                "p=0 on its dropout modules and the config's dropout rates to 0"
-            )
+    dropped-out forward with a clean one (`ft.rng.dropout_sites`)."""
+    sites = dropout_sites(model)
+    if sites:
+        raise ValueError(
+            f"policy_loss: the policy runs dropout in its training-mode forward "
+            f"({_listed(sites)}), while its old_logps (sampled in eval mode) and ref_logps "
+            "(computed in eval mode) have none: the ratio is not 1 before any update and "
+            "clipping acts on dropout noise. Call ft.rng.disable_dropout(model) before "
+            "training (TRL's disable_dropout)"
+        )
+
+
+def _listed(sites: list[str]) -> str:
+    return ", ".join(sites[:3]) + (f" and {len(sites) - 3} more" if len(sites) > 3 else "")
 
 
 def _temperature(batch: Mapping[str, Any], given: float | None) -> float:
