@@ -68,6 +68,15 @@ def left_pad(
     return ids, mask
 
 
+def _right_pad(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`left_pad`'s mirror: each row's tokens (mask 1) moved to the left end, in order."""
+    order = torch.argsort(attention_mask.eq(0).to(torch.int8), dim=1, stable=True)
+    mask = attention_mask.gather(1, order)
+    return torch.where(mask.bool(), input_ids.gather(1, order), pad_id), mask
+
+
 def _check_unmasked(input_ids: torch.Tensor, pad_id: int) -> None:
     rows = (input_ids == pad_id).any(1).nonzero().view(-1).tolist()  # host sync, once per batch
     if rows:
@@ -177,7 +186,8 @@ def generate(
     answers. For encoder-decoder models (T5, BART) the prompt is the encoder's input and the
     new tokens are the decoder's output (without its start token), as
     `Seq2SeqTrainer(predict_with_generate=True)` gives. Rows are left-padded here for
-    decoder-only models whatever side they were padded on, so
+    decoder-only models and right-padded for encoder-decoders (whose encoder may have absolute
+    positions) whatever side they were padded on, so
     `make_batches(prompts, batch_size=..., shuffle=False)` with the default collate works. The
     model runs unwrapped from DDP, in eval mode without gradients, under the strategy's
     autocast. With several data-parallel ranks every rank generates its own share
@@ -319,8 +329,9 @@ def _new_tokens(
     """The generated tokens of a batch of prompts, without the prompt.
 
     Decoder-only: prompts left-padded, the output continues them. Encoder-decoder (T5, BART):
-    the prompt is the encoder's input (padding either side, masked), the output is the
-    decoder's, which starts with the decoder start token. With `stops`, each row ends where one
+    the prompt is the encoder's input, right-padded (an encoder with absolute positions reads
+    a left-padded prompt from another position), the output is the decoder's, which starts
+    with the decoder start token. With `stops`, each row ends where one
     of them first held (-100 after it)."""
     recorder = None
     if stops is not None:
@@ -333,6 +344,11 @@ def _new_tokens(
         if mask is None:
             _check_unmasked(ids, pad_id)  # the encoder would attend to the padding
             mask = torch.ones_like(ids)
+        else:
+            # Right-padded whatever side they came on: an encoder with absolute positions
+            # (BART, Marian) read a left-padded prompt from position k, not 0, and completed it
+            # otherwise than the prompt alone.
+            ids, mask = _right_pad(ids, mask, pad_id)
         width = 1  # the decoder start token
     else:
         ids, mask = left_pad(batch["input_ids"], batch.get("attention_mask"), pad_id=pad_id)

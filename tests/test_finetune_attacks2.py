@@ -1,0 +1,52 @@
+"""Silent failures of everyday fine-tuning, third pass (generation, evaluation, collation and the
+examples): each pinned by what the same data gives without the trap, usually the rows alone."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import ftrain as ft
+
+
+def _quiet(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' config notes on tiny models
+        return fn(*args, **kwargs)
+
+
+def _bart():
+    """A 1-layer BART (learned absolute positions; pad 1, eos 2 = decoder start), no dropout;
+    init_std=0.5 so that greedy completions differ between prompts."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(0)
+    cfg = BartConfig(
+        vocab_size=20, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+        max_position_embeddings=32, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+        decoder_start_token_id=2, forced_bos_token_id=None, dropout=0.0, init_std=0.5,
+    )  # fmt: skip
+    return _quiet(BartForConditionalGeneration, cfg)
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 2], [11, 12, 2], [13, 14, 15, 2]]
+
+
+def _generated(state, batch, **kwargs):
+    return next(iter(ft.generate(state, [batch], max_new_tokens=6, **kwargs)))["token_ids"]
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_an_encoder_decoders_padded_prompts_complete_as_they_do_alone(side):
+    # BART's encoder has absolute positions: a left-padded prompt started at position 4, not 0,
+    # and its completion changed ([9, 11, 11, 9, 9, 2] for [9, 9, 9, 9, 9, 2] alone).
+    state = ft.TrainState.create(_bart(), ft.optim.adamw(), seed=0)
+    alone = [_generated(state, {"input_ids": torch.tensor([p])})[0] for p in PROMPTS]
+    batch = ft.pad_collate(pad_id=1, padding_side=side)([{"input_ids": p} for p in PROMPTS])
+    assert _generated(state, batch) == alone
+    assert _generated(state, batch, num_beams=2) == [
+        _generated(state, {"input_ids": torch.tensor([p])}, num_beams=2)[0] for p in PROMPTS
+    ]
