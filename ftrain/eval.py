@@ -20,6 +20,7 @@ from ftrain.losses import (
     IGNORE_INDEX,
     LossFn,
     _base_model,
+    _decoder_inputs,
     _defaults,
     default_loss,
     loss_for,
@@ -353,13 +354,33 @@ def _default_outputs(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
     if not isinstance(batch, Mapping):
         raise TypeError("predict needs output_fn for batches that are not dicts")
     try:
-        classifier = _defaults(model)[0] is _CLASSIFY
+        kind = _defaults(model)[0]
     except TypeError:  # a module of your own: run as it comes
-        classifier = False
-    out = {"logits": model_logits(model, padded_as_model(model, batch) if classifier else batch)}
+        kind = None
+    if kind is _SEQ2SEQ:
+        batch = _with_decoder_inputs(model, batch)
+    out = {
+        "logits": model_logits(model, padded_as_model(model, batch) if kind is _CLASSIFY else batch)
+    }
     if "labels" in batch:
         out["labels"] = batch["labels"]
     return out
+
+
+def _with_decoder_inputs(model: nn.Module, batch: Mapping[str, Any]) -> Mapping[str, Any]:
+    """An encoder-decoder's batch with the decoder inputs its labels give (as the loss builds
+    them): `model_logits` leaves the labels out of the call, and without decoder inputs BART
+    decodes its own `input_ids` shifted (logits of another sequence) and T5 raises."""
+    if batch.get("decoder_input_ids") is not None or batch.get("decoder_inputs_embeds") is not None:
+        return batch
+    if batch.get("labels") is None:
+        raise ValueError(
+            f"predict: {type(_base_model(model)).__name__} is an encoder-decoder, and the batch "
+            "has no labels or decoder_input_ids to feed its decoder (without them BART decodes "
+            "its own input_ids); put labels in the batch for the logits of the labels, or use "
+            "ft.generate for completions"
+        )
+    return {**batch, "decoder_input_ids": _decoder_inputs(model, batch["labels"])}
 
 
 def predict(
@@ -388,7 +409,8 @@ def predict(
         state: the state to predict with (not consumed).
         batches: e.g. `make_batches(test, batch_size=64, shuffle=False)`.
         output_fn: `(model, batch) -> {name: tensor}`; by default the model's logits plus the
-            batch's labels when it has them. Return only what you need (`argmax` rather than
+            batch's labels when it has them (an encoder-decoder's decoder reads its labels as
+            the loss feeds them; a batch with neither labels nor `decoder_input_ids` raises). Return only what you need (`argmax` rather than
             logits) to move less to the host.
         gather: gather every rank's rows (a collective: all ranks must iterate together).
         strategy: overrides `state.strategy`.

@@ -50,3 +50,31 @@ def test_an_encoder_decoders_padded_prompts_complete_as_they_do_alone(side):
     assert _generated(state, batch, num_beams=2) == [
         _generated(state, {"input_ids": torch.tensor([p])}, num_beams=2)[0] for p in PROMPTS
     ]
+
+
+SEQ2SEQ_ROWS = [
+    {"input_ids": [5, 6, 7, 8, 2], "labels": [9, 10, 2]},
+    {"input_ids": [11, 12, 2], "labels": [13, 14, 15, 16, 2]},
+]
+
+
+@pytest.mark.parametrize("model_fn", [_bart, "t5"])
+def test_predict_gives_an_encoder_decoder_the_decoder_inputs_of_its_labels(model_fn):
+    # predict left the labels out of the call and gave no decoder inputs: BART then decoded its
+    # own input_ids shifted (logits of the right shape, of another sequence), T5 raised its own
+    # unclear error. The Trainer's prediction_step gets the logits of the labels.
+    from helpers import tiny_t5
+
+    model = tiny_t5(vocab_size=20) if model_fn == "t5" else model_fn()
+    state = ft.TrainState.create(model, ft.optim.adamw(), seed=0)
+    batch = ft.pad_collate(pad_id=model.config.pad_token_id)(SEQ2SEQ_ROWS)
+    with torch.no_grad():
+        want = model.eval()(**batch).logits
+    out = next(iter(ft.predict(state, [batch])))
+    torch.testing.assert_close(torch.from_numpy(out["logits"]), want)
+    assert out["labels"].tolist() == batch["labels"].tolist()
+    prompts = {k: v for k, v in batch.items() if k != "labels"}
+    with pytest.raises(
+        ValueError, match=r"predict: .*encoder-decoder.* no labels or decoder_input_ids"
+    ):
+        next(iter(ft.predict(state, [prompts])))
