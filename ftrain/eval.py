@@ -410,8 +410,8 @@ def predict(
         batches: e.g. `make_batches(test, batch_size=64, shuffle=False)`.
         output_fn: `(model, batch) -> {name: tensor}`; by default the model's logits plus the
             batch's labels when it has them (an encoder-decoder's decoder reads its labels as
-            the loss feeds them; a batch with neither labels nor `decoder_input_ids` raises). Return only what you need (`argmax` rather than
-            logits) to move less to the host.
+            the loss feeds them; a batch with neither labels nor `decoder_input_ids` raises).
+            Return only what you need (`argmax` rather than logits) to move less to the host.
         gather: gather every rank's rows (a collective: all ranks must iterate together).
         strategy: overrides `state.strategy`.
 
