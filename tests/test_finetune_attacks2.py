@@ -78,3 +78,42 @@ def test_predict_gives_an_encoder_decoder_the_decoder_inputs_of_its_labels(model
         ValueError, match=r"predict: .*encoder-decoder.* no labels or decoder_input_ids"
     ):
         next(iter(ft.predict(state, [prompts])))
+
+
+@pytest.fixture(scope="module")
+def small_tok():
+    text = "the quick brown fox jumps over the lazy dog and then the cat sat on a mat "
+    return ft.sft.train_tokenizer([text[i:] + text[:i] for i in range(0, 64, 4)], 300)
+
+
+def test_sft_collator_cuts_on_the_tokenizers_truncation_side(small_tok):
+    # A tokenizer set to truncation_side="left" (keep the end of a long prompt, next to the
+    # response) was cut on the right anyway: the prompt's end was lost without a word.
+    tok = small_tok
+    prompt = " the quick brown fox jumps over the lazy dog"
+    p = tok(prompt, add_special_tokens=False)["input_ids"]
+    a = tok(" and then the cat sat", add_special_tokens=False)["input_ids"]
+    row = {"input": prompt, "output": " and then the cat sat"}
+    tok.truncation_side = "left"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ft.sft.TruncationWarning)
+            got = ft.sft.SFTCollator(tok, source_max_len=4, target_max_len=3).encode(row)
+    finally:
+        tok.truncation_side = "right"
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    assert got["input_ids"] == [bos, *p[-3:], *[*a, eos][-3:]]
+    assert got["labels"] == [-100] * 4 + [*a, eos][-3:]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ft.sft.TruncationWarning)
+        right = ft.sft.SFTCollator(tok, source_max_len=4, target_max_len=3).encode(row)
+    assert right["input_ids"] == [bos, *p[:3], *a[:3]]  # qlora.py's cut, as before
+
+
+def test_alpaca_refuses_a_missing_output_rather_than_train_on_the_text_none():
+    # str(None): a row with no output trained the model to answer "None".
+    with pytest.raises(ValueError, match="alpaca: the example's 'output' is None"):
+        ft.sft.alpaca({"instruction": "Add 2 and 3.", "output": None})
+    with pytest.raises(ValueError, match="alpaca: the example's 'instruction' is None"):
+        ft.sft.alpaca({"instruction": None, "output": "5"})
+    assert ft.sft.alpaca({"instruction": "Add 2 and 3.", "output": 5})["output"] == "5"

@@ -69,7 +69,14 @@ def alpaca(example: Mapping[str, Any]) -> Row:
 
     Raises:
         KeyError: without `instruction` or `output`.
+        ValueError: if `instruction` or `output` is None (it would become the text "None").
     """
+    for key in ("instruction", "output"):
+        if key in example and example[key] is None:  # str(None) would train the text "None"
+            raise ValueError(
+                f"alpaca: the example's {key!r} is None (a missing value): it would become the "
+                "text 'None'; drop such rows (dataset.filter) or fill them"
+            )
     has_input = bool(example.get("input", ""))
     template = ALPACA_PROMPT_DICT["prompt_input" if has_input else "prompt_no_input"]
     prompt = template.format(instruction=example["instruction"], input=example.get("input", ""))
@@ -129,13 +136,14 @@ class SFTCollator:
 
     `encode` makes one row: `[BOS] + prompt` truncated to `source_max_len` tokens, then
     `response + [EOS]` truncated to `target_max_len` (a truncated response loses its EOS, as in
-    qlora.py); labels are the response tokens, with -100 over the prompt unless
-    `train_on_source`. Calling the collator on a list of rows (raw, or already encoded) pads
-    them: `input_ids` with the tokenizer's pad token, `labels` with -100, and an
-    `attention_mask` from the real lengths (qlora.py compares ids with the pad id, which is
-    wrong when pad and EOS share an id). Packed rows (`ft.data.pack_examples`, which carry
-    `position_ids`) are padded as `packed_collate` pads them, without an attention mask, so
-    that HF models keep their examples apart.
+    qlora.py), each cut at its end; with the tokenizer's `truncation_side="left"`, at its start
+    instead (the prompt keeps its BOS, the response its EOS); labels are the response tokens,
+    with -100 over the prompt unless `train_on_source`. Calling the collator on a list of rows
+    (raw, or already encoded) pads them: `input_ids` with the tokenizer's pad token, `labels`
+    with -100, and an `attention_mask` from the real lengths (qlora.py compares ids with the
+    pad id, which is wrong when pad and EOS share an id). Packed rows (`ft.data.pack_examples`,
+    which carry `position_ids`) are padded as `packed_collate` pads them, without an attention
+    mask, so that HF models keep their examples apart.
 
     Truncation is counted, never silent: `truncated` holds the running counts of rows encoded
     and of prompts and responses cut, and the first call that cuts anything issues a
@@ -217,11 +225,22 @@ class SFTCollator:
             source, target = bos + list(p), list(a) + eos
             cut_prompts += len(source) > self.source_max_len
             cut_responses += len(target) > self.target_max_len
-            source, target = source[: self.source_max_len], target[: self.target_max_len]
+            source, target = self._cut(bos, list(p), target)
             labels = source if self.train_on_source else [IGNORE_INDEX] * len(source)
             out.append({"input_ids": source + target, "labels": labels + target})
         self._count(len(out), cut_prompts, cut_responses)
         return out
+
+    def _cut(self, bos: list[int], prompt: list[int], target: list[int]) -> tuple[list, list]:
+        """`[BOS] + prompt` and `target` cut to their limits on the tokenizer's
+        `truncation_side`: "right" (qlora.py's) keeps the starts, "left" the ends (the prompt's
+        after its BOS, which stays)."""
+        if getattr(self.tokenizer, "truncation_side", "right") != "left":
+            source = bos + prompt
+            return source[: self.source_max_len], target[: self.target_max_len]
+        keep = self.source_max_len - len(bos)
+        source = bos[: self.source_max_len] + (prompt[-keep:] if keep > 0 else [])
+        return source, target[-self.target_max_len :]
 
     def _count(self, rows: int, prompts: int, responses: int) -> None:
         tally, old = self._tally, self._tally.counts
@@ -230,8 +249,9 @@ class SFTCollator:
         )
         if (prompts or responses) and not tally.warned:
             tally.warned = True
+            side = "starts" if getattr(self.tokenizer, "truncation_side", "") == "left" else "ends"
             warnings.warn(
-                f"SFTCollator cut the ends of {prompts} of {rows} prompts ([BOS] + input) to "
+                f"SFTCollator cut the {side} of {prompts} of {rows} prompts ([BOS] + input) to "
                 f"source_max_len={self.source_max_len} and of {responses} of {rows} responses "
                 f"(output + [EOS]) to target_max_len={self.target_max_len}; raise the limits or "
                 "shorten the rows. collator.truncated keeps the running counts; this warning "
