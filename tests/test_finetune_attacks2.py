@@ -117,3 +117,21 @@ def test_alpaca_refuses_a_missing_output_rather_than_train_on_the_text_none():
     with pytest.raises(ValueError, match="alpaca: the example's 'instruction' is None"):
         ft.sft.alpaca({"instruction": None, "output": "5"})
     assert ft.sft.alpaca({"instruction": "Add 2 and 3.", "output": 5})["output"] == "5"
+
+
+@pytest.mark.parametrize(
+    "option", ["output_scores", "output_logits", "output_attentions", "output_hidden_states"]
+)
+def test_generate_refuses_outputs_it_would_drop(option):
+    # Passed on to model.generate, computed, and thrown away: generate yields token ids and text.
+    from transformers import GenerationConfig
+
+    state = ft.TrainState.create(_bart(), ft.optim.adamw(), seed=0)
+    batch = {"input_ids": torch.tensor([PROMPTS[1]])}
+    for kwargs in (
+        {option: True, "return_dict_in_generate": True, "max_new_tokens": 2},
+        {"generation_config": GenerationConfig(max_new_tokens=2, **{option: True})},
+    ):
+        with pytest.raises(ValueError, match=f"generate: {option}=True asks for outputs"):
+            next(iter(ft.generate(state, [batch], **kwargs)))
+    assert _generated(state, batch, **{option: False})  # False asks for nothing: accepted

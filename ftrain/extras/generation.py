@@ -34,6 +34,8 @@ _UNUSED = ("labels", "decoder_input_ids", "decoder_attention_mask")
 # Settings that count the prompt, padding included, in a decoder-only model's output length,
 # and the ones that count new tokens only.
 _LENGTHS = MappingProxyType({"max_length": "max_new_tokens", "min_length": "min_new_tokens"})
+# Settings that ask model.generate for outputs besides the tokens, which generate drops.
+_DROPPED = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
 
 def left_pad(
@@ -220,7 +222,9 @@ def generate(
     Raises:
         TypeError: if the model has no `generate`, `generate_kwargs` sets the prompts, or a
             batch is not a dict with `input_ids`.
-        ValueError: if no pad token id is known; for a decoder-only model, for `max_length`
+        ValueError: if no pad token id is known; for `output_scores`, `output_logits`,
+            `output_attentions` or `output_hidden_states` (outputs it does not yield); for a
+            decoder-only model, for `max_length`
             or `min_length` as above; for `stop_strings` without `tokenizer` or set in a
             `generation_config`, and `stopping_criteria` or `stop_strings` with `num_beams` > 1;
             for a batch holding inputs generation would leave out,
@@ -239,6 +243,7 @@ def generate(
     _set_pad(kwargs, pad_id)
     if strategy.world_size > 1:
         kwargs.setdefault("synced_gpus", True)
+    _refuse_dropped(model, kwargs)
     eos = _eos_ids(model, kwargs)
     stops = _stop_criteria(model, kwargs, tokenizer)
     enc_dec = getattr(getattr(model, "config", None), "is_encoder_decoder", False) is True
@@ -265,6 +270,18 @@ def generate(
             if tokenizer is not None:
                 result["text"] = tokenizer.batch_decode(token_ids, skip_special_tokens=True)
             yield result
+
+
+def _refuse_dropped(model: nn.Module, kwargs: Mapping[str, Any]) -> None:
+    """Refuse settings asking for scores, logits, attentions or hidden states: `model.generate`
+    would compute them and `generate` yield the tokens only."""
+    for name in _DROPPED:
+        if _setting(model, kwargs, name):
+            raise ValueError(
+                f"generate: {name}=True asks for outputs besides the tokens (from the keywords, "
+                "the generation_config or the model's), which ft.generate does not yield; call "
+                "model.generate yourself for them, or drop the setting"
+            )
 
 
 def _check_lengths(model: nn.Module, kwargs: Mapping[str, Any]) -> None:
