@@ -63,6 +63,21 @@ def flatten_batches(batches: Iterable[Any]) -> Iterator[Any]:
             yield item
 
 
+def nonempty(batches: Iterable[Any], caller: str) -> Iterator[Any]:
+    """Yield `batches`; raise at the end if there were none (as `evaluate` does): a loader that
+    drops its only, short batch left `predict` and `generate` yielding nothing, and metrics
+    over no outputs read 0 or NaN."""
+    empty = True
+    for batch in batches:
+        empty = False
+        yield batch
+    if empty:
+        raise ValueError(
+            f"{caller} got no batches (an eval set smaller than the batch size, with "
+            "drop_last=True?)"
+        )
+
+
 def evaluate(
     state: TrainState,
     batches: Iterable[Any],
@@ -419,8 +434,9 @@ def predict(
         `{name: np.ndarray}` per batch (a host sync per batch, by nature).
 
     Raises:
-        ValueError: if the outputs of one batch disagree on the number of samples, or (when
-            gathering) `output_fn` returns other names on one rank than on another.
+        ValueError: with no batches; if the outputs of one batch disagree on the number of
+            samples, or (when gathering) `output_fn` returns other names on one rank than on
+            another.
     """
     strategy = state.strategy if strategy is None else strategy
     output_fn = _default_outputs if output_fn is None else output_fn
@@ -430,7 +446,7 @@ def predict(
     # body ran without gradients and its float32 matmuls in bf16 (grad mode and autocast are
     # thread-wide, not the generator's).
     with _in_eval(model):
-        for batch in flatten_batches(batches):
+        for batch in nonempty(flatten_batches(batches), "predict"):
             batch, weight = weighted(batch)
             with torch.no_grad(), strategy.autocast():
                 outputs = dict(output_fn(model, strategy.to_device(batch)))

@@ -135,3 +135,23 @@ def test_generate_refuses_outputs_it_would_drop(option):
         with pytest.raises(ValueError, match=f"generate: {option}=True asks for outputs"):
             next(iter(ft.generate(state, [batch], **kwargs)))
     assert _generated(state, batch, **{option: False})  # False asks for nothing: accepted
+
+
+def test_predict_and_generate_refuse_no_batches_as_evaluate_does():
+    # An eval set smaller than the batch in a DataLoader with drop_last=True (make_batches
+    # raises itself): evaluate raised, but predict and generate yielded nothing, and an accuracy
+    # over their (no) outputs read 0 or NaN.
+    from helpers import tiny_t5
+
+    state = ft.TrainState.create(tiny_t5(vocab_size=20), ft.optim.adamw(), seed=0)
+
+    def loader():
+        collate = ft.pad_collate()
+        return torch.utils.data.DataLoader(SEQ2SEQ_ROWS, 4, drop_last=True, collate_fn=collate)
+
+    with pytest.raises(ValueError, match="evaluate got no batches"):
+        ft.evaluate(state, loader())
+    with pytest.raises(ValueError, match=r"predict got no batches \(.*drop_last"):
+        list(ft.predict(state, loader()))
+    with pytest.raises(ValueError, match=r"generate got no batches \(.*drop_last"):
+        list(ft.generate(state, loader(), max_new_tokens=2))
