@@ -48,19 +48,30 @@ OutputFn = Callable[[nn.Module, Any], Mapping[str, torch.Tensor]]
 
 
 def flatten_batches(batches: Iterable[Any]) -> Iterator[Any]:
-    """Yield one batch at a time from `make_batches`' groups (`MicroBatches`, or lists), or from a
-    plain iterable of batches, as `evaluate` and `predict` read them.
+    """Yield one batch at a time from `make_batches`' groups (`MicroBatches`, or lists of
+    batches), or from a plain iterable of batches, as `evaluate` and `predict` read them.
+
+    A list is a group when each of its items is a batch (a dict, list, tuple or `MicroBatches`);
+    any other list is one batch: a DataLoader over a `TensorDataset` yields `[x, y]`, which was
+    read as two batches (x, then y, each unpacked into two of its rows by a `loss_fn`).
 
     Example:
+        >>> import torch
         >>> from ftrain.eval import flatten_batches
-        >>> list(flatten_batches([[1, 2], [3], 4]))
-        [1, 2, 3, 4]
+        >>> list(flatten_batches([[{"a": 1}, {"a": 2}], {"a": 3}]))
+        [{'a': 1}, {'a': 2}, {'a': 3}]
+        >>> len(list(flatten_batches([[torch.zeros(2, 3), torch.ones(2)]])))  # one [x, y] batch
+        1
     """
     for item in batches:
-        if isinstance(item, (list, MicroBatches)):
+        if isinstance(item, MicroBatches) or (isinstance(item, list) and _is_group(item)):
             yield from item
         else:
             yield item
+
+
+def _is_group(items: list[Any]) -> bool:
+    return all(isinstance(x, (Mapping, list, tuple, MicroBatches)) for x in items)
 
 
 def nonempty(batches: Iterable[Any], caller: str) -> Iterator[Any]:
