@@ -181,3 +181,34 @@ def test_evaluate_and_predict_read_a_dataloaders_list_batches_whole():
     # Groups of micro-batches are still read batch by batch, as make_batches yields them.
     groups = [[(x[:3], y[:3]), (x[3:], y[3:])]]
     assert ft.evaluate(state, groups, loss_fn)["eval_loss"] == pytest.approx(want)
+
+
+def test_accumulate_grads_given_a_dataloaders_x_y_batch_is_loud_or_right():
+    # NOT FIXED HERE (ftrain/grads.py belongs to another owner): the [x, y] batch of a
+    # DataLoader over a TensorDataset, passed as `micro` (a plain loop's `for batch in loader`),
+    # is taken for two micro-batches, x then y, each unpacked by the loss_fn into two of its
+    # rows: a wrong gradient, no error. Either refuse a list of tensors as micro-batches
+    # (naming micro) or train on the batch.
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+
+    def loss_fn(m, batch):
+        inputs, targets = batch
+        return F.mse_loss(m(inputs), targets, reduction="sum"), torch.tensor(targets.numel())
+
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=2)
+    batch = next(iter(loader))
+    model.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    want = model.weight.grad.clone()
+    model.zero_grad()
+    state = ft.TrainState.create(model, ft.optim.adamw(), seed=0)
+    try:
+        grads, _ = ft.accumulate_grads(state, batch, loss_fn)
+    except (TypeError, ValueError) as e:
+        assert "micro" in str(e)
+    else:
+        torch.testing.assert_close(grads["weight"], want)
