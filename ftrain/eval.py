@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -74,19 +75,39 @@ def _is_group(items: list[Any]) -> bool:
     return all(isinstance(x, (Mapping, list, tuple, MicroBatches)) for x in items)
 
 
-def nonempty(batches: Iterable[Any], caller: str) -> Iterator[Any]:
-    """Yield `batches`; raise at the end if there were none (as `evaluate` does): a loader that
-    drops its only, short batch left `predict` and `generate` yielding nothing, and metrics
-    over no outputs read 0 or NaN."""
+def prediction_batches(batches: Iterable[Any], caller: str) -> Iterator[Any]:
+    """`flatten_batches` for `predict` and `generate`, whose outputs come in batch order.
+
+    Raises:
+        ValueError: for groups that `make_batches` shuffled (its default, for training): the
+            outputs would not line up with the dataset's rows, as the Trainer's `predict`
+            (which never shuffles) gives them; and, at the end, if there were no batches (an
+            eval set smaller than the batch size with drop_last=True: metrics over no outputs
+            read 0 or NaN), as `evaluate` raises.
+    """
     empty = True
-    for batch in batches:
-        empty = False
-        yield batch
+    for item in batches:
+        if isinstance(item, MicroBatches) and _shuffled(item.position):
+            raise ValueError(
+                f"{caller}: make_batches shuffled these rows (shuffle=True, its default), so the "
+                "outputs would come in another order than the dataset's rows; pass "
+                "make_batches(..., shuffle=False)"
+            )
+        for batch in flatten_batches([item]):
+            empty = False
+            yield batch
     if empty:
         raise ValueError(
             f"{caller} got no batches (an eval set smaller than the batch size, with "
             "drop_last=True?)"
         )
+
+
+def _shuffled(position: str | None) -> bool:
+    try:
+        return position is not None and json.loads(position).get("shuffle") is True
+    except (ValueError, AttributeError):  # not a position make_batches wrote
+        return False
 
 
 def evaluate(
@@ -445,7 +466,8 @@ def predict(
         `{name: np.ndarray}` per batch (a host sync per batch, by nature).
 
     Raises:
-        ValueError: with no batches; if the outputs of one batch disagree on the number of
+        ValueError: with no batches, or batches `make_batches` shuffled (the outputs would
+            not line up with the dataset); if the outputs of one batch disagree on the number of
             samples, or (when gathering) `output_fn` returns other names on one rank than on
             another.
     """
@@ -457,7 +479,7 @@ def predict(
     # body ran without gradients and its float32 matmuls in bf16 (grad mode and autocast are
     # thread-wide, not the generator's).
     with _in_eval(model):
-        for batch in nonempty(flatten_batches(batches), "predict"):
+        for batch in prediction_batches(batches, "predict"):
             batch, weight = weighted(batch)
             with torch.no_grad(), strategy.autocast():
                 outputs = dict(output_fn(model, strategy.to_device(batch)))

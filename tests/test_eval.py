@@ -186,7 +186,7 @@ def test_predict_streams_exact_per_sample_outputs():
         np.testing.assert_allclose(logits, model.lin(x).numpy(), rtol=1e-6)
     np.testing.assert_array_equal(labels, y.numpy())
 
-    four = list(ft.make_batches(rows[:4], batch_size=4))
+    four = list(ft.make_batches(rows[:4], batch_size=4, shuffle=False))
     it = ft.predict(state, four, lambda m, b: {"pred": m(b["x"]).argmax(-1)})
     assert next(it)["pred"].shape == (4,)
     it.close()

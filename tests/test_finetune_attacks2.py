@@ -212,3 +212,20 @@ def test_accumulate_grads_given_a_dataloaders_x_y_batch_is_loud_or_right():
         assert "micro" in str(e)
     else:
         torch.testing.assert_close(grads["weight"], want)
+
+
+def test_predict_and_generate_refuse_shuffled_batches():
+    # make_batches shuffles by default (it is the training loader): predict and generate then
+    # yielded outputs in a shuffled order, and zipped with the dataset (the Trainer's
+    # trainer.predict(test) never shuffles) every prediction met another row's answer.
+    from helpers import tiny_t5
+
+    state = ft.TrainState.create(tiny_t5(vocab_size=20), ft.optim.adamw(), seed=0)
+    rows = SEQ2SEQ_ROWS * 2
+    with pytest.raises(ValueError, match=r"predict: .* shuffled .* shuffle=False"):
+        next(iter(ft.predict(state, ft.make_batches(rows, batch_size=2))))
+    with pytest.raises(ValueError, match=r"generate: .* shuffled .* shuffle=False"):
+        next(iter(ft.generate(state, ft.make_batches(rows, batch_size=2), max_new_tokens=2)))
+    ordered = ft.make_batches(rows, batch_size=2, shuffle=False)
+    assert len(list(ft.predict(state, ordered))) == 2
+    assert ft.evaluate(state, ft.make_batches(rows, batch_size=2))["eval_items"] == 16

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ftrain.data import weighted
-from ftrain.eval import MetricsFn, eval_mode, flatten_batches, nonempty
+from ftrain.eval import MetricsFn, eval_mode, prediction_batches
 from ftrain.losses import IGNORE_INDEX, causal_targets, model_logits, upcast
 from ftrain.state import TrainState
 from ftrain.strategies import Strategy
@@ -222,10 +222,11 @@ def generate(
     Raises:
         TypeError: if the model has no `generate`, `generate_kwargs` sets the prompts, or a
             batch is not a dict with `input_ids`.
-        ValueError: with no batches; if no pad token id is known; for `output_scores`,
-            `output_logits`, `output_attentions` or `output_hidden_states` (outputs it does not
-            yield); for a decoder-only model, for `max_length`
-            or `min_length` as above; for `stop_strings` without `tokenizer` or set in a
+        ValueError: with no batches, or batches `make_batches` shuffled (the completions
+            would not line up with the prompts' rows); if no pad token id is known; for
+            `output_scores`, `output_logits`, `output_attentions` or `output_hidden_states`
+            (outputs it does not yield); for a decoder-only model, for `max_length` or
+            `min_length` as above; for `stop_strings` without `tokenizer` or set in a
             `generation_config`, and `stopping_criteria` or `stop_strings` with `num_beams` > 1;
             for a batch holding inputs generation would leave out,
             (decoder-only) prompts that hold their labels, or `input_ids` holding the pad id
@@ -254,7 +255,7 @@ def generate(
     # (held across a yield they were the caller's too: its loop body ran without gradients
     # and its float32 matmuls in bf16).
     with eval_mode(state.model, no_grad=False):
-        for batch in nonempty(flatten_batches(batches), "generate"):
+        for batch in prediction_batches(batches, "generate"):
             batch, weight = weighted(batch)
             _check_batch(batch, inputs, model, enc_dec)
             batch = strategy.to_device(batch)
