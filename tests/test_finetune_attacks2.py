@@ -229,3 +229,34 @@ def test_predict_and_generate_refuse_shuffled_batches():
     ordered = ft.make_batches(rows, batch_size=2, shuffle=False)
     assert len(list(ft.predict(state, ordered))) == 2
     assert ft.evaluate(state, ft.make_batches(rows, batch_size=2))["eval_items"] == 16
+
+
+def test_seq2seq_loss_of_left_padded_labels_is_loud_or_right():
+    # NOT FIXED HERE (ftrain/losses.py belongs to another owner): DataCollatorForSeq2Seq pads
+    # labels on the tokenizer's padding_side; left-padded, the decoder reads padding between
+    # its start token and the target (no decoder mask), so a row's loss depends on the rows
+    # padded with it (20.904 for 20.755 alone here). pad_collate refuses left-padded targets;
+    # the loss takes them from any collator. Either refuse labels whose -100 padding comes
+    # before the target (naming padding), or score the rows as they score alone.
+    from transformers import DataCollatorForSeq2Seq
+
+    from ftrain.losses import default_loss
+    from helpers import digit_tokenizer, tiny_t5
+
+    model, tok = tiny_t5(vocab_size=16).eval(), digit_tokenizer()
+    rows = [
+        {"input_ids": [5, 6, 7, 8], "labels": [8, 7, 6, 5, 1]},
+        {"input_ids": [9, 10], "labels": [10, 9, 1]},
+    ]
+    with torch.no_grad():
+        collate = DataCollatorForSeq2Seq(tok, model=model, return_tensors="pt")
+        alone = sum(float(default_loss(model, collate([r]))[0]) for r in rows)
+        tok.padding_side = "left"
+        batch = DataCollatorForSeq2Seq(tok, model=model, return_tensors="pt")(rows)
+        assert batch["labels"][1, 0] == -100  # left-padded
+        try:
+            loss, _ = default_loss(model, batch)
+        except ValueError as e:
+            assert "pad" in str(e)
+        else:
+            assert float(loss) == pytest.approx(alone, rel=1e-5)
