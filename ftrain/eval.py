@@ -251,11 +251,7 @@ def _check_args(
 ) -> None:
     if not isinstance(state, TrainState):
         raise TypeError(f"state must be an ft.TrainState, got {type(state).__name__}")
-    if isinstance(batches, (str, bytes, Mapping)) or not isinstance(batches, Iterable):
-        raise TypeError(
-            f"batches must be an iterable of batches (make_batches(val, batch_size=...) or a "
-            f"list), got {type(batches).__name__}"
-        )
+    _check_batches(batches)
     for name, fn in (("loss_fn", loss_fn), ("metrics_fn", metrics_fn)):
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be a function (model, batch) -> ..., got {fn!r}")
@@ -263,6 +259,32 @@ def _check_args(
         raise TypeError(f"perplexity must be True, False or None, got {perplexity!r}")
     if strategy is not None and not isinstance(strategy, Strategy):
         raise TypeError(f"strategy must be an ft.strategies.Strategy, got {strategy!r}")
+
+
+def _check_batches(batches: Any) -> None:
+    # A tensor is iterable too: its rows were read as batches, one output per row.
+    if isinstance(batches, (str, bytes, Mapping, torch.Tensor)) or not isinstance(
+        batches, Iterable
+    ):
+        raise TypeError(
+            f"batches must be an iterable of batches (make_batches(val, batch_size=...) or a "
+            f"list), got {type(batches).__name__}; wrap a single batch: [batch]"
+        )
+
+
+def check_prediction_args(
+    state: Any, batches: Any, *, gather: Any, strategy: Any, output_fn: Any = None
+) -> None:
+    """Check `predict`'s and `generate`'s arguments as `evaluate` checks its own.
+
+    Raises:
+        TypeError: for an argument of the wrong type (named in the message).
+    """
+    _check_args(state, batches, None, None, None, strategy)
+    if output_fn is not None and not callable(output_fn):
+        raise TypeError(f"output_fn must be a function (model, batch) -> dict, got {output_fn!r}")
+    if not isinstance(gather, bool):
+        raise TypeError(f"gather must be True or False, got {gather!r}")
 
 
 def _batch_sums(
@@ -466,11 +488,13 @@ def predict(
         `{name: np.ndarray}` per batch (a host sync per batch, by nature).
 
     Raises:
+        TypeError: for an argument of the wrong type (named in the message).
         ValueError: with no batches, or batches `make_batches` shuffled (the outputs would
             not line up with the dataset); if the outputs of one batch disagree on the number of
             samples, or (when gathering) `output_fn` returns other names on one rank than on
             another.
     """
+    check_prediction_args(state, batches, gather=gather, strategy=strategy, output_fn=output_fn)
     strategy = state.strategy if strategy is None else strategy
     output_fn = _default_outputs if output_fn is None else output_fn
     model = state.model

@@ -260,3 +260,30 @@ def test_seq2seq_loss_of_left_padded_labels_is_loud_or_right():
             assert "pad" in str(e)
         else:
             assert float(loss) == pytest.approx(alone, rel=1e-5)
+
+
+def test_predict_and_generate_check_their_arguments_as_evaluate_does():
+    # A single tensor passed as `batches` was iterated row by row: predict yielded one output
+    # per row, each row's features read as its samples; gather="no" (truthy) gathered.
+    model = torch.nn.Linear(4, 3)
+    state = ft.TrainState.create(model, ft.optim.adamw(), seed=0)
+    batch = {"x": torch.randn(2, 4), "labels": torch.tensor([0, 1])}
+
+    def out(m, b):
+        return {"p": m(b["x"] if isinstance(b, dict) else b)}
+
+    for bad in (torch.randn(3, 4), batch):
+        with pytest.raises(TypeError, match="batches must be an iterable of batches"):
+            list(ft.predict(state, bad, out))
+        with pytest.raises(TypeError, match="batches must be an iterable of batches"):
+            ft.evaluate(state, bad, lambda m, b: (m(b).sum(), torch.tensor(1)))
+        with pytest.raises(TypeError, match="batches must be an iterable of batches"):
+            list(ft.generate(state, bad))
+    with pytest.raises(TypeError, match="gather must be True or False, got 'no'"):
+        list(ft.predict(state, [batch], out, gather="no"))
+    with pytest.raises(TypeError, match="gather must be True or False, got 'no'"):
+        list(ft.generate(state, [batch], gather="no"))
+    with pytest.raises(TypeError, match="output_fn must be a function"):
+        list(ft.predict(state, [batch], "logits"))
+    with pytest.raises(TypeError, match=r"state must be an ft\.TrainState"):
+        list(ft.predict(model, [batch], out))

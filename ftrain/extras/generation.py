@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ftrain.data import weighted
-from ftrain.eval import MetricsFn, eval_mode, prediction_batches
+from ftrain.eval import MetricsFn, check_prediction_args, eval_mode, prediction_batches
 from ftrain.losses import IGNORE_INDEX, causal_targets, model_logits, upcast
 from ftrain.state import TrainState
 from ftrain.strategies import Strategy
@@ -220,8 +220,9 @@ def generate(
         returns), plus `"text"` with a tokenizer.
 
     Raises:
-        TypeError: if the model has no `generate`, `generate_kwargs` sets the prompts, or a
-            batch is not a dict with `input_ids`.
+        TypeError: for an argument of the wrong type (named in the message); if the model
+            has no `generate`, `generate_kwargs` sets the prompts, or a batch is not a dict
+            with `input_ids`.
         ValueError: with no batches, or batches `make_batches` shuffled (the completions
             would not line up with the prompts' rows); if no pad token id is known; for
             `output_scores`, `output_logits`, `output_attentions` or `output_hidden_states`
@@ -232,6 +233,7 @@ def generate(
             (decoder-only) prompts that hold their labels, or `input_ids` holding the pad id
             without an `attention_mask` (padding read as prompt text; see `left_pad`).
     """
+    check_prediction_args(state, batches, gather=gather, strategy=strategy)
     strategy = state.strategy if strategy is None else strategy
     model = strategy.unwrap(state.model)
     generate_fn: Any = getattr(model, "generate", None)
