@@ -287,3 +287,16 @@ def test_predict_and_generate_check_their_arguments_as_evaluate_does():
         list(ft.predict(state, [batch], "logits"))
     with pytest.raises(TypeError, match=r"state must be an ft\.TrainState"):
         list(ft.predict(model, [batch], out))
+
+
+def test_neftune_twice_on_one_model_is_refused():
+    # A second call (a notebook cell run again, a resume path that calls it as well) added a
+    # second hook: two draws of noise, sqrt(2) times the alpha asked for, without a word.
+    from helpers import tiny_llama
+
+    model = tiny_llama()
+    handle = ft.sft.neftune(model, 5.0)
+    with pytest.raises(ValueError, match=r"neftune: .* already has NEFTune noise"):
+        ft.sft.neftune(model, 5.0)
+    handle.remove()
+    ft.sft.neftune(model, 1.0).remove()  # removed, it may be added again

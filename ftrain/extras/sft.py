@@ -324,13 +324,25 @@ def neftune(model: Any, alpha: float = 5.0) -> Any:
     `TrainingArguments(neftune_noise_alpha=alpha)`. Registers a forward hook on
     `model.get_input_embeddings()` (no noise in eval mode, so evaluation and generation are
     unaffected) and returns its handle: `handle.remove()` turns NEFTune off.
+
+    Raises:
+        ValueError: if `alpha` is not a finite number >= 0, or the embeddings already have
+            NEFTune noise (a second call would add it twice).
     """
     _check_alpha(alpha)
     embeddings = model.get_input_embeddings()
+    # A second hook would draw noise twice (sqrt(2) times the alpha asked for).
+    if any(getattr(h, "_ftrain_neftune", False) for h in embeddings._forward_hooks.values()):
+        raise ValueError(
+            f"neftune: {type(model).__name__}'s input embeddings already has NEFTune noise (a "
+            "second hook would add noise twice); call .remove() on the first handle before "
+            "adding it again"
+        )
 
     def hook(module: torch.nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
         return neftune_noise(output, alpha) if module.training else output
 
+    hook._ftrain_neftune = True  # type: ignore[attr-defined]
     return embeddings.register_forward_hook(hook)
 
 
