@@ -470,7 +470,9 @@ def predict(
     gives every sample to exactly one rank, and a rank without rows adds none). Axes beyond the
     first that differ between ranks (each rank pads its own sequences) are padded with -100,
     as HF's Trainer does. `gather=False` yields only this rank's rows instead. The model is in
-    eval mode while the iterator runs, and in its previous mode once it is exhausted or closed;
+    eval mode while the iterator runs (each batch's forward in eval mode even if the loop body
+    switched it to training mode, e.g. by a training step), and in its previous mode once it is
+    exhausted or closed;
     each batch's forward runs without gradients and under the strategy's autocast, but the
     code between batches (the loop body) runs with the caller's grad mode and precision.
 
@@ -505,7 +507,10 @@ def predict(
     with _in_eval(model):
         for batch in prediction_batches(batches, "predict"):
             batch, weight = weighted(batch)
-            with torch.no_grad(), strategy.autocast():
+            # The loop body may have put the model back in training mode (accumulate_grads
+            # does): this batch's forward still runs in eval mode, the body keeps its mode.
+            again = _in_eval(model) if model.training else contextlib.nullcontext()
+            with again, torch.no_grad(), strategy.autocast():
                 outputs = dict(output_fn(model, strategy.to_device(batch)))
             if gather and strategy.world_size > 1:
                 # Gathered name by name: names that differ would pair one rank's rows with

@@ -300,3 +300,39 @@ def test_neftune_twice_on_one_model_is_refused():
         ft.sft.neftune(model, 5.0)
     handle.remove()
     ft.sft.neftune(model, 1.0).remove()  # removed, it may be added again
+
+
+def test_predict_and_generate_run_each_batch_in_eval_mode_whatever_the_loop_body_did():
+    # A training step inside the loop over predict (accumulate_grads puts the model in training
+    # mode) left the next batches' forward with dropout on: other outputs, without a word.
+    import numpy as np
+
+    from helpers import tiny_llama
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    state = ft.TrainState.create(model, ft.optim.sgd(), seed=0)
+    x = torch.randn(4, 4)
+    batches = [{"x": x}, {"x": x}]
+
+    def out(m, b):
+        return {"y": m(b["x"])}
+
+    with torch.no_grad():
+        want = model[0](x).numpy()
+    it = ft.predict(state, batches, out)
+    first = next(it)
+    model.train()  # what accumulate_grads does in the loop body
+    second = next(it)
+    np.testing.assert_allclose(first["y"], want, rtol=1e-6)
+    np.testing.assert_allclose(second["y"], want, rtol=1e-6)
+
+    llama = tiny_llama(dropout=0.5)
+    state = ft.TrainState.create(llama, ft.optim.sgd(), seed=0)
+    prompt = {"input_ids": torch.tensor([[5, 6, 7, 8]])}
+    alone = next(iter(ft.generate(state, [prompt], max_new_tokens=4, pad_token_id=0)))
+    it = ft.generate(state, [prompt] * 3, max_new_tokens=4, pad_token_id=0)
+    assert next(it) == alone
+    for _ in range(2):
+        llama.train()
+        assert next(it) == alone

@@ -8,6 +8,7 @@ position, accuracy per subject, and `mean_over_subjects` for the mean of those a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import math
@@ -261,7 +262,10 @@ def generate(
             batch, weight = weighted(batch)
             _check_batch(batch, inputs, model, enc_dec)
             batch = strategy.to_device(batch)
-            with torch.no_grad(), strategy.autocast():
+            # Eval mode again if the loop body switched to training (a training step does):
+            # dropout would otherwise run in the generation.
+            again = eval_mode(state.model, no_grad=False) if state.model.training else None
+            with again or contextlib.nullcontext(), torch.no_grad(), strategy.autocast():
                 new = _new_tokens(generate_fn, batch, pad_id, enc_dec, kwargs, stops)
             new = _trim(new, eos)
             if gather and strategy.world_size > 1:
