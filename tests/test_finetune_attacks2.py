@@ -336,3 +336,16 @@ def test_predict_and_generate_run_each_batch_in_eval_mode_whatever_the_loop_body
     for _ in range(2):
         llama.train()
         assert next(it) == alone
+
+
+def test_generate_leaves_a_decoder_prompt_out_of_the_new_tokens():
+    # decoder_input_ids=... (a decoder prompt: forced language or task tokens) came back as
+    # generated tokens: only the decoder start token was cut.
+    state = ft.TrainState.create(_bart(), ft.optim.adamw(), seed=0)
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 2]])}
+    prompt = torch.tensor([[2, 9, 9]])  # the start token, then the decoder's prompt
+    with torch.no_grad():
+        full = state.model.generate(**batch, decoder_input_ids=prompt, max_new_tokens=6)
+    new = full[0, 3:].tolist()
+    new = new[: new.index(2) + 1] if 2 in new else new  # up to the first eos, as generate ends
+    assert _generated(state, batch, decoder_input_ids=prompt) == [new]

@@ -187,7 +187,8 @@ def generate(
     `position_ids`, ...) raise rather than be left out, and so, for a decoder-only model, does
     a training batch whose labels mark tokens of its `input_ids`: its prompts hold their
     answers. For encoder-decoder models (T5, BART) the prompt is the encoder's input and the
-    new tokens are the decoder's output (without its start token), as
+    new tokens are the decoder's output (without its start token, or without the
+    `decoder_input_ids` passed as a keyword: a decoder prompt), as
     `Seq2SeqTrainer(predict_with_generate=True)` gives. Rows are left-padded here for
     decoder-only models and right-padded for encoder-decoders (whose encoder may have absolute
     positions) whatever side they were padded on, so
@@ -373,7 +374,10 @@ def _new_tokens(
             # (BART, Marian) read a left-padded prompt from position k, not 0, and completed it
             # otherwise than the prompt alone.
             ids, mask = _right_pad(ids, mask, pad_id)
-        width = 1  # the decoder start token
+        # The decoder start token, or the decoder prompt the caller passed (forced language or
+        # task tokens): generate returns it in front of the new tokens.
+        prompt = kwargs.get("decoder_input_ids")
+        width = prompt.shape[-1] if isinstance(prompt, torch.Tensor) else 1
     else:
         ids, mask = left_pad(batch["input_ids"], batch.get("attention_mask"), pad_id=pad_id)
         width = ids.shape[1]
