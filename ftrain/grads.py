@@ -218,6 +218,9 @@ def accumulate_grads(
         `Stats` with the global mean loss and counts.
 
     Raises:
+        TypeError: if `micro` is a single batch (a dict, a tensor), or a list or tuple of
+            tensors of different dtypes: a DataLoader's `[x, y]` batch passed without its
+            wrapping list (each tensor would be taken for a micro-batch).
         ValueError: if `micro` is empty, `strategy` is not laid out like `state.strategy`
             (another type, device, rank, world size or reduction: the model was set up by
             the state's strategy, whose backward reduces the gradients), or a parameter frozen
@@ -296,12 +299,33 @@ def _check_args(state: Any, micro: Any, loss_fn: Any, strategy: Any) -> None:
         )
     if len(micro) == 0:
         raise ValueError("micro is empty: pass the list of micro-batches yielded by make_batches")
+    if type(micro) in (list, tuple) and len(micro) > 1 and all(map(_is_tensor, micro)):
+        _check_tensor_micro(micro)
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable (model, batch) or None, got {loss_fn!r}")
     if strategy is not None and not isinstance(strategy, Strategy):
         raise TypeError(f"strategy must be an ft.strategies.Strategy, got {strategy!r}")
     if strategy is not None and strategy is not state.strategy:
         _check_override(state.strategy, strategy)
+
+
+def _is_tensor(x: object) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def _check_tensor_micro(micro: Sequence[torch.Tensor]) -> None:
+    """Refuse single-tensor micro-batches of different dtypes: that is a DataLoader's batch
+    of a TensorDataset, `[x, y]` (features and labels), passed without its wrapping list: each
+    tensor was taken for a micro-batch, indexed or unpacked by a loss_fn into rows of x, then
+    of y (a wrong gradient, no error). Tensors of one dtype may be micro-batches of one step
+    (chunks of a batch) and pass."""
+    dtypes = {t.dtype for t in micro}
+    if len(dtypes) > 1:
+        raise TypeError(
+            f"micro is a {type(micro).__name__} of {len(micro)} tensors of different dtypes "
+            f"({', '.join(sorted(str(d) for d in dtypes))}): a DataLoader's [x, y] batch passed "
+            "as micro-batches? Wrap one batch as [batch] (each micro-batch is one whole batch)"
+        )
 
 
 _LAYOUT = attrgetter("device", "rank", "world_size", "grad_reduce_factor", "precision")

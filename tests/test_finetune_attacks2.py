@@ -183,35 +183,30 @@ def test_evaluate_and_predict_read_a_dataloaders_list_batches_whole():
     assert ft.evaluate(state, groups, loss_fn)["eval_loss"] == pytest.approx(want)
 
 
-def test_accumulate_grads_given_a_dataloaders_x_y_batch_is_loud_or_right():
-    # NOT FIXED HERE (ftrain/grads.py belongs to another owner): the [x, y] batch of a
-    # DataLoader over a TensorDataset, passed as `micro` (a plain loop's `for batch in loader`),
-    # is taken for two micro-batches, x then y, each unpacked by the loss_fn into two of its
-    # rows: a wrong gradient, no error. Either refuse a list of tensors as micro-batches
-    # (naming micro) or train on the batch.
+def test_accumulate_grads_refuses_a_dataloaders_x_y_batch_passed_as_micro_batches():
+    """The [x, y] batch of a DataLoader over a TensorDataset, passed as `micro` (a plain loop's
+    `for batch in loader` without the wrapping list), was taken for two micro-batches, x then
+    y, each indexed by the loss_fn into rows: a wrong gradient, no error. Features and labels
+    of different dtypes now raise; tensors of one dtype may be micro-batches (chunks of one
+    batch) and still pass: a regression's float [x, y] stays ambiguous."""
     import torch.nn.functional as F
 
     torch.manual_seed(0)
-    model = torch.nn.Linear(4, 4)
-    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    model = torch.nn.Linear(4, 3)
+    x, y = torch.randn(4, 4), torch.tensor([0, 2, 1, 0])
 
     def loss_fn(m, batch):
-        inputs, targets = batch
-        return F.mse_loss(m(inputs), targets, reduction="sum"), torch.tensor(targets.numel())
+        return F.cross_entropy(m(batch[0]), batch[1], reduction="sum"), batch[1].numel()
 
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=2)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
     batch = next(iter(loader))
-    model.zero_grad()
-    F.mse_loss(model(x), y).backward()
-    want = model.weight.grad.clone()
-    model.zero_grad()
     state = ft.TrainState.create(model, ft.optim.adamw(), seed=0)
-    try:
-        grads, _ = ft.accumulate_grads(state, batch, loss_fn)
-    except (TypeError, ValueError) as e:
-        assert "micro" in str(e)
-    else:
-        torch.testing.assert_close(grads["weight"], want)
+    with pytest.raises(TypeError, match=r"micro is a list of 2 tensors of different dtypes"):
+        ft.accumulate_grads(state, batch, loss_fn)
+    _, stats = ft.accumulate_grads(state, [batch], loss_fn)  # wrapped: one micro-batch
+    assert int(stats.num_items) == 4
+    chunks = [x[:2], x[2:]]  # single-tensor micro-batches of one dtype pass
+    ft.accumulate_grads(state, chunks, lambda m, t: (m(t).sum(), t.shape[0]))
 
 
 def test_predict_and_generate_refuse_shuffled_batches():
@@ -231,17 +226,16 @@ def test_predict_and_generate_refuse_shuffled_batches():
     assert ft.evaluate(state, ft.make_batches(rows, batch_size=2))["eval_items"] == 16
 
 
-def test_seq2seq_loss_of_left_padded_labels_is_loud_or_right():
-    # NOT FIXED HERE (ftrain/losses.py belongs to another owner): DataCollatorForSeq2Seq pads
-    # labels on the tokenizer's padding_side; left-padded, the decoder reads padding between
-    # its start token and the target (no decoder mask), so a row's loss depends on the rows
-    # padded with it (20.904 for 20.755 alone here). pad_collate refuses left-padded targets;
-    # the loss takes them from any collator. Either refuse labels whose -100 padding comes
-    # before the target (naming padding), or score the rows as they score alone.
+def test_a_collator_that_left_pads_an_encoder_decoders_labels_is_refused():
+    """DataCollatorForSeq2Seq pads labels on its tokenizer's padding_side: left-padded, the
+    decoder reads padding between its start token and the target (no decoder mask), so a row's
+    loss depended on the rows padded with it (20.904 for 20.755 alone here). pad_collate
+    refuses left-padded targets; make_batches now refuses such a collator for an
+    encoder-decoder (the collator's model, else the state's), and leaves causal LMs alone."""
     from transformers import DataCollatorForSeq2Seq
 
     from ftrain.losses import default_loss
-    from helpers import digit_tokenizer, tiny_t5
+    from helpers import digit_tokenizer, tiny_llama, tiny_t5
 
     model, tok = tiny_t5(vocab_size=16).eval(), digit_tokenizer()
     rows = [
@@ -254,12 +248,18 @@ def test_seq2seq_loss_of_left_padded_labels_is_loud_or_right():
         tok.padding_side = "left"
         batch = DataCollatorForSeq2Seq(tok, model=model, return_tensors="pt")(rows)
         assert batch["labels"][1, 0] == -100  # left-padded
-        try:
-            loss, _ = default_loss(model, batch)
-        except ValueError as e:
-            assert "pad" in str(e)
-        else:
-            assert float(loss) == pytest.approx(alone, rel=1e-5)
+        assert float(default_loss(model, batch)[0]) != pytest.approx(alone, rel=1e-5)  # why
+    state = ft.TrainState.create(model, ft.optim.adamw(), seed=0)
+    for collator, given in [
+        (DataCollatorForSeq2Seq(tok, model=model, return_tensors="pt"), None),
+        (DataCollatorForSeq2Seq(tok, return_tensors="pt"), state),  # the state's model
+    ]:
+        with pytest.raises(ValueError, match=r"pads the labels on the left .* encoder-decoder"):
+            ft.make_batches(rows, given, batch_size=2, collate_fn=collator, shuffle=False)
+    causal = ft.TrainState.create(tiny_llama(), ft.optim.adamw(), seed=0)
+    lm_rows = [{"input_ids": r["input_ids"], "labels": r["input_ids"]} for r in rows]
+    groups = ft.make_batches(lm_rows, causal, batch_size=2, collate_fn=DataCollatorForSeq2Seq(tok))
+    assert next(iter(groups))[0]["labels"][1, 0] == -100  # a causal LM's left padding is fine
 
 
 def test_predict_and_generate_check_their_arguments_as_evaluate_does():

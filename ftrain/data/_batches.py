@@ -36,7 +36,7 @@ from ftrain.data._common import (
 from ftrain.data._content import content_digest
 from ftrain.data._stream import stream_groups
 from ftrain.state import TrainState
-from ftrain.strategies import Strategy
+from ftrain.strategies import Strategy, bare_module
 
 __all__ = ["find_batch_size", "is_out_of_memory", "make_batches"]
 
@@ -140,6 +140,7 @@ def make_batches(
         [[2, 2], [1]]
     """
     _check_kinds(state, strategy, collate_fn, shuffle, drop_last, group_by_length)
+    _check_label_side(collate_fn, state)
     _check_grouping(data, shuffle, group_by_length, lengths)
     where = _where(state, seed=seed, epoch=epoch, start=start, strategy=strategy)
     seed, epoch, start, stream_pos, strategy = where
@@ -176,6 +177,31 @@ def _check_kinds(
     for name, flag in flags.items():
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be True or False, got {flag!r}")
+
+
+def _check_label_side(collate_fn: Any, state: Any) -> None:
+    """Refuse HF's `DataCollatorForSeq2Seq` padding the labels of an encoder-decoder on the
+    left (it pads them on its tokenizer's `padding_side`): the decoder would read padding
+    between its start token and the target, whose first token is then predicted from a pad,
+    and a row's loss depends on the rows padded with it. (`pad_collate` refuses the same.)
+    The model is the collator's `model`, else the state's; a causal LM is left alone."""
+    tokenizer = getattr(collate_fn, "tokenizer", None)
+    if getattr(tokenizer, "padding_side", None) != "left":
+        return
+    if not hasattr(collate_fn, "label_pad_token_id"):  # not a collator that pads labels
+        return
+    model = getattr(collate_fn, "model", None)
+    if model is None and state is not None:
+        model = state.model
+    config = getattr(bare_module(model), "config", None) if model is not None else None
+    if getattr(config, "is_encoder_decoder", False) is True:
+        raise ValueError(
+            f"collate_fn ({type(collate_fn).__name__}) pads the labels on the left (its "
+            "tokenizer's padding_side='left'): an encoder-decoder's decoder would read the "
+            "padding before the target, and predict the target's first token from a pad. Set "
+            "tokenizer.padding_side = 'right' (ft.generate pads prompts itself), or use "
+            "ft.data.pad_collate()"
+        )
 
 
 def _check_grouping(data: Any, shuffle: bool, grouped: bool, lengths: Any) -> None:
