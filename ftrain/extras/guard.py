@@ -41,6 +41,7 @@ from ftrain.checkpoint import (
     latest_cadence_checkpoint,
     latest_checkpoint,
     load_checkpoint,
+    step_dirs,
     wait_for_checkpoint,
 )
 from ftrain.data import MicroBatches
@@ -221,8 +222,9 @@ class SpikeGuard:
         Raises:
             ValueError: for `skip < 1`, or an int `skip` on a stream (whose position after the
                 skipped micro-batches only the group knows).
-            GuardError: when `max_rollbacks` rollbacks were done already (the state is then
-                not consumed).
+            GuardError: when `max_rollbacks` rollbacks were done already, or when the newest
+                checkpoint is past the state's step (one of a run this one branched from, before
+                this run saved its first): the state is then not consumed.
         """
         skip, position = _skipped(state, skip)
         if state.rollbacks >= self.max_rollbacks:
@@ -240,6 +242,7 @@ class SpikeGuard:
         # refused load). Every rank lists it once every rank is past its wait.
         state.strategy.barrier()
         path, passed = _target(root)
+        _check_not_ahead(path, root, step)
         if path is not None:
             state = cast(GuardedState, load_checkpoint(path, state))  # keeps the class
         log.warning(
@@ -260,6 +263,23 @@ def _target(root: str | os.PathLike[str]) -> tuple[Path | None, Path | None]:
     """
     path, newest = latest_cadence_checkpoint(root), latest_checkpoint(root)
     return path, (newest if newest != path else None)
+
+
+def _check_not_ahead(path: Path | None, root: str | os.PathLike[str], step: int) -> None:
+    """Refuse a rollback target past `step`: within one run every checkpoint is at or before
+    the step observing the spike, so a newer one belongs to another branch (a run resumed from
+    an earlier checkpoint of this folder that has not saved yet), and loading it would jump
+    forward into weights this run never trained."""
+    if path is None:
+        return
+    saved = next((s for s, p in step_dirs(root) if p == path), None)
+    if saved is not None and saved > step:
+        raise GuardError(
+            f"loss guard: the checkpoint to roll back to, {path} (step {saved}) is past this "
+            f"state's step {step}: it belongs to another run in the folder (this one resumed "
+            "from an earlier checkpoint and has not saved since). Rolling back to it would move "
+            "forward; save a checkpoint of this run first, or train it in its own folder"
+        )
 
 
 def _read(stats: Stats | float) -> tuple[float, float | None]:
