@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from ftrain.data import MicroBatches, ZeroWeight, weighted
 from ftrain.losses import LossFn, _defaults, _items_before_forward, default_loss
+from ftrain.optim import ema_swapped
 from ftrain.rng import default_generators, dropout_seeds
 from ftrain.state import TrainState, _Lease, unfrozen
 from ftrain.strategies import Strategy, active_preemption
@@ -65,11 +66,14 @@ class Grads(dict[str, torch.Tensor]):
         (True, True)
     """
 
-    __slots__ = ("lease",)
+    __slots__ = ("lease", "of_ema_average")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.lease = _Lease("these gradients were")
+        # Taken inside `ft.optim.swap_ema`: the gradient of the average, which `clip_and_step`
+        # refuses to apply to the live weights.
+        self.of_ema_average = False
 
     @property
     def consumed(self) -> bool:
@@ -251,6 +255,7 @@ def accumulate_grads(
     loss_sum, num_items, _, _ = sums.unbind()
     _, _, num_tokens, num_samples = sums.long().unbind()
     grads = Grads({n: p.grad for n, p in params.items() if p.grad is not None})
+    grads.of_ema_average = ema_swapped(state)
     if grads and not divided:
         # Backends that average over ranks (DDP) have multiplied by grad_reduce_factor; undo it,
         # and the loss scale. A step without items keeps its (zero) gradient as it is. (No

@@ -173,7 +173,8 @@ def clip_and_step(
             `stats.num_items` that is neither a tensor nor a number, or a gradient whose name,
             shape, dtype or device does not match its parameter (checked on the host, no sync).
         ConsumedStateError: if `state` or `grads` was already consumed.
-        ValueError: inside `ft.optim.swap_ema(state)` (the model holds the average there).
+        ValueError: inside `ft.optim.swap_ema(state)` (the model holds the average there), or
+            for gradients `accumulate_grads` took inside it (the average's gradients).
     """
     _validate(lr, max_norm, compile, skip_nonfinite=skip_nonfinite, donate=donate)
     _check_types(state, grads, stats)
@@ -184,6 +185,12 @@ def clip_and_step(
         )
     if isinstance(grads, Grads):
         grads.check()
+        if grads.of_ema_average:  # taken at the average: applied to the live weights after it
+            raise ValueError(
+                "clip_and_step got gradients accumulate_grads took inside "
+                "ft.optim.swap_ema(state), where the model held the EMA average: they are the "
+                "average's, not the live weights'; compute them outside the block"
+            )
     if not donate:
         state = snapshot(state)
     params, strategy = state.params, state.strategy

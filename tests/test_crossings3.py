@@ -63,3 +63,23 @@ def test_a_guard_rollback_never_moves_forward_to_a_checkpoint_of_another_branch(
         guard.rollback(branch, tmp_path, skip=micro)
     assert branch.step == 2 and branch.rollbacks == 0  # not consumed: still usable
     del state
+
+
+# --- EMA x the step ------------------------------------------------------------------------------
+
+
+def test_gradients_taken_inside_swap_ema_are_not_applied_after_it():
+    # Inside the block the model holds the average: accumulate_grads took its gradient there,
+    # and clip_and_step after the block applied it to the live weights, without a word.
+    state = ft.TrainState.create(_linear(), ft.optim.ema(ft.optim.sgd(), decay=0.5))
+    state = _train(state, 2)
+    micro = [_collate(ROWS[:4])]
+    live = {n: p.detach().clone() for n, p in state.params.items()}
+    with ft.optim.swap_ema(state):
+        grads, stats = ft.accumulate_grads(state, micro, _mse)
+    with pytest.raises(ValueError, match=r"accumulate_grads took inside ft.optim.swap_ema"):
+        ft.clip_and_step(state, grads, stats=stats, lr=0.1)
+    assert all(torch.equal(p, live[n]) for n, p in state.params.items())  # nothing applied
+    grads, stats = ft.accumulate_grads(state, micro, _mse)  # after the block: the live weights
+    state, _ = ft.clip_and_step(state, grads, stats=stats, lr=0.1)
+    assert state.step == 3
