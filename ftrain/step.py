@@ -175,9 +175,19 @@ def clip_and_step(
         ConsumedStateError: if `state` or `grads` was already consumed.
         ValueError: inside `ft.optim.swap_ema(state)` (the model holds the average there), or
             for gradients `accumulate_grads` took inside it (the average's gradients).
+        ValueError: for `max_norm` with an `ft.func.Ensemble` model (one norm over all the
+            members; `ft.func.clip_members` clips each by its own).
     """
     _validate(lr, max_norm, compile, skip_nonfinite=skip_nonfinite, donate=donate)
     _check_types(state, grads, stats)
+    if max_norm is not None and getattr(type(state.model), "per_member_gradients", False):
+        # ft.func.Ensemble: one global norm would clip each member by all members' gradients.
+        raise ValueError(
+            f"clip_and_step(max_norm={max_norm}) on an ft.func.Ensemble would clip every member "
+            "by the norm of all the members' gradients together, "
+            "unlike separate runs: clip each member with ft.func.clip_members(grads, max_norm) "
+            "and pass max_norm=None"
+        )
     if ema_swapped(state):  # the update would train the average and pull the live weights in
         raise ValueError(
             "clip_and_step(state) inside ft.optim.swap_ema(state): the model holds the EMA "

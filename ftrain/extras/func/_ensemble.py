@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -49,6 +49,10 @@ class Ensemble(nn.Module):
         >>> tuple(ens(torch.randn(5, 3)).shape), ens.num_members
         ((4, 5, 2), 4)
     """
+
+    # Read by `clip_and_step`, which refuses `max_norm` for such a model: one norm over every
+    # member's gradient would couple the members (`clip_members` clips each by its own).
+    per_member_gradients: ClassVar[bool] = True
 
     def __init__(self, members: Sequence[nn.Module]) -> None:
         super().__init__()
@@ -264,10 +268,11 @@ def _pair(out: tuple[Any, Any]) -> tuple[torch.Tensor, torch.Tensor]:
 def clip_members(grads: Mapping[str, torch.Tensor], max_norm: float | None) -> torch.Tensor:
     """Clip each member's gradient to its own global norm `max_norm`, in place.
 
-    `clip_and_step(max_norm=...)` would clip the whole ensemble by one norm; call this instead
-    (and no `max_norm` there). Same coefficient as `torch.nn.utils.clip_grad_norm_`. None
-    measures the norms without clipping. A member whose norm is not finite is the one a
-    `sweep` skips (`clip_and_step`'s `info.skipped` says only that some member did).
+    `clip_and_step(max_norm=...)` would clip the whole ensemble by one norm (it raises for an
+    `Ensemble`); call this instead, and no `max_norm` there. Same coefficient as
+    `torch.nn.utils.clip_grad_norm_`. None measures the norms without clipping. A member whose
+    norm is not finite is the one a `sweep` skips (`clip_and_step`'s `info.skipped` says only
+    that some member did).
 
     Returns:
         The members' pre-clip norms, shape `(K,)` (a device tensor).
