@@ -102,3 +102,24 @@ def test_clip_and_step_max_norm_on_an_ensemble_is_refused_and_clip_members_is_th
     norms = ft.func.clip_members(grads, 1.0)
     state, _ = ft.clip_and_step(state, grads, stats=stats, lr=0.1)
     assert norms.shape == (2,) and state.step == 1
+
+
+# --- trackers x ranks ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["mlflow", "wandb"])
+def test_a_tracker_built_without_rank_on_a_launched_rank_1_stays_quiet(tmp_path, monkeypatch, kind):
+    # "Both do nothing on ranks other than 0, so every rank can build them", but `rank`
+    # defaulted to 0: under torchrun every rank that built one without rank= logged every
+    # record into the run (twice per step with 2 ranks), or opened a run of its own.
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("RANK", "1")  # what torchrun sets (no process group here)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    run = tmp_path / "run"
+    if kind == "mlflow":
+        sink = ft.logging.MLflowSink(run, tracking_uri=(tmp_path / "mlruns").as_uri())
+    else:
+        sink = ft.logging.WandbSink(run, mode="offline")
+    sink.log({"step": 1, "loss": 1.0})
+    sink.close()
+    assert sink.run_id is None and not run.exists()

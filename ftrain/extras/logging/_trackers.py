@@ -4,7 +4,8 @@ Both log the hyperparameters once, when the run is created, and every numeric fi
 record at its `step` (a nested dict's fields under `outer/inner`). The tracker's run id is kept
 in a small file in the run folder, so a restarted job (e.g. one resumed from
 `ft.latest_checkpoint`) continues the same tracker run instead of opening a new one. Both do
-nothing on ranks other than 0, so every rank can build them.
+nothing on processes other than rank 0 (the launcher's rank unless `rank=` says otherwise), so
+every rank can build them.
 """
 
 from __future__ import annotations
@@ -15,10 +16,22 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from ftrain.extras.logging._sinks import _scalars, _step, _tag
 from ftrain.state import TrainState
 
 __all__ = ["MLflowSink", "WandbSink"]
+
+
+def _process_rank(rank: int | None) -> int:
+    """`rank`, or when None this process's rank in the job: the process group's when one is
+    set up, else the launcher's `RANK` (torchrun, accelerate launch), else 0."""
+    if rank is not None:
+        return rank
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0") or 0)
 
 
 def _read_id(path: Path) -> str | None:
@@ -53,7 +66,10 @@ class MLflowSink:
         run_name: display name of a new run.
         params: hyperparameters, logged once when the run is created. A restart must pass the
             same values (MLflow params are immutable).
-        rank: this process's data-parallel rank; the sink does nothing unless it is 0.
+        rank: this process's rank (`state.strategy.process_rank`); the sink does nothing
+            unless it is 0. None: the job's rank (the process group's, else the launcher's
+            `RANK`, else 0); pass 0 on every process to log from each (independent runs, each
+            in its own `run_dir`).
 
     Raises:
         ValueError: if a restart passes params, an `experiment` or a `run_name` that differ
@@ -68,13 +84,13 @@ class MLflowSink:
         experiment: str = "ftrain",
         run_name: str | None = None,
         params: Mapping[str, Any] | None = None,
-        rank: int = 0,
+        rank: int | None = None,
     ) -> None:
         self.run_id: str | None = None
         self.resumed = False
         self._client: Any = None
         self._closed = False  # a record after close() would be dropped: it raises instead
-        if rank != 0:
+        if _process_rank(rank) != 0:
             return
         try:
             from mlflow.tracking import MlflowClient
@@ -187,7 +203,10 @@ class WandbSink:
         run_dir: the run's folder (e.g. the checkpoint root).
         project: the W&B project.
         params: hyperparameters, the run's config, logged once when the run is created.
-        rank: this process's data-parallel rank; the sink does nothing unless it is 0.
+        rank: this process's rank (`state.strategy.process_rank`); the sink does nothing
+            unless it is 0. None: the job's rank (the process group's, else the launcher's
+            `RANK`, else 0); pass 0 on every process to log from each (independent runs, each
+            in its own `run_dir`).
         **init_kwargs: passed on to `wandb.init` (e.g. `mode`, `entity`, `name`, `settings`).
     """
 
@@ -197,14 +216,14 @@ class WandbSink:
         *,
         project: str = "ftrain",
         params: Mapping[str, Any] | None = None,
-        rank: int = 0,
+        rank: int | None = None,
         **init_kwargs: Any,
     ) -> None:
         self.run_id: str | None = None
         self.resumed = False
         self._run: Any = None
         self._closed = False  # a record after close() would be dropped: it raises instead
-        if rank != 0:
+        if _process_rank(rank) != 0:
             return
         taken = {"id", "resume", "dir", "config", "project"} & set(init_kwargs)
         if taken:
