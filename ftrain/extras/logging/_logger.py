@@ -42,7 +42,8 @@ class Logger:
         epoch_size: micro-batches per epoch, for a fractional `epoch` (e.g.
             `ft.data.num_micro_batches(len(train), batch_size, world_size=W)`). None: learned
             from the state when the first epoch ends (the cursor of its last step); until then
-            `epoch` is the whole number of epochs done.
+            `epoch` is the whole number of epochs done, also in a run resumed mid-epoch (whose
+            records then differ from the uninterrupted run's: pass it for equal ones).
         flops_per_token: passed to `emit` (adds `flops_per_second`).
         peak_flops: passed to `emit` (adds `mfu`, with `flops_per_token`).
 
