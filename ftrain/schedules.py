@@ -647,6 +647,11 @@ class Plateau:
     """Reduce the lr when a metric stops improving, as a pure state transition.
 
     Same rule as `torch.optim.lr_scheduler.ReduceLROnPlateau` (HF "reduce_lr_on_plateau").
+    The `PlateauState` is yours to carry, and no checkpoint holds it unless you put it in one:
+    a resumed run that calls `init` again starts over at the initial lr. Keep its four values
+    as plain fields of a `TrainState` subclass (checkpoints save a subclass's plain fields, as
+    for `ft.guard.GuardedState`; a `PlateauState` field itself is refused) and rebuild it with
+    `PlateauState(lr, best, num_bad, cooldown_left)` after `load_checkpoint`.
 
     Example:
         >>> import ftrain as ft
