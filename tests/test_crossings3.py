@@ -123,3 +123,23 @@ def test_a_tracker_built_without_rank_on_a_launched_rank_1_stays_quiet(tmp_path,
     sink.log({"step": 1, "loss": 1.0})
     sink.close()
     assert sink.run_id is None and not run.exists()
+
+
+def test_one_ema_optimizer_reused_for_a_float64_model_weighs_its_average_in_float64():
+    # The skip-aware weight's dtype was cached by parameter names only: after a float32 model,
+    # a float64 one with the same names got a float32 weight (1 - 0.9999 rounded: 2.6e-12
+    # off after one step), unlike a fresh optimizer.
+    def one_step(opt, dtype):
+        model = _linear().to(dtype)
+        state = ft.TrainState.create(model, opt)
+        x = X[:4].to(dtype)
+        grads, stats = ft.accumulate_grads(state, [x], lambda m, b: (m(b).sum(), 4))
+        state, _ = ft.clip_and_step(state, grads, stats=stats, lr=1.0)
+        return state.opt_state.ema
+
+    reused = ft.optim.ema(ft.optim.sgd(), decay=0.9999, warmup=False)
+    one_step(reused, torch.float32)
+    got = one_step(reused, torch.float64)
+    want = one_step(ft.optim.ema(ft.optim.sgd(), decay=0.9999, warmup=False), torch.float64)
+    for n in want:
+        assert torch.equal(got[n], want[n]), n

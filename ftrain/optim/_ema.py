@@ -108,14 +108,16 @@ def ema(
     if not isinstance(warmup, bool):
         raise TypeError(f"warmup must be True or False, got {warmup!r}")
 
-    weight_dtypes: dict[tuple[str, ...], torch.dtype] = {}
+    weight_dtypes: dict[tuple[Any, ...], torch.dtype] = {}
 
     def weight_dtype(
         names: list[str], averages: list[torch.Tensor], found_inf: torch.Tensor
     ) -> torch.dtype:
         # The skip-aware weight is a tensor: in float32 it would round 1 - decay (2.5e-8 off
-        # at 0.9999), which float64 averages would see. The widest dtype, cached per names.
-        key = tuple(names)
+        # at 0.9999), which float64 averages would see. The widest dtype, cached per names and
+        # dtypes: one optimizer that trained a float32 model and then a float64 one with the
+        # same names weighed the float64 average in float32.
+        key = (tuple(names), averages[0].dtype if averages else None, found_inf.dtype)
         dtype = weight_dtypes.get(key)
         if dtype is None:
             dtype = found_inf.dtype
