@@ -143,3 +143,22 @@ def test_one_ema_optimizer_reused_for_a_float64_model_weighs_its_average_in_floa
     want = one_step(ft.optim.ema(ft.optim.sgd(), decay=0.9999, warmup=False), torch.float64)
     for n in want:
         assert torch.equal(got[n], want[n]), n
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="ft.func.sweep cannot describe its settings: the hook (ftrain.optim._base._describes) "
+    "is private to ftrain.optim; needs a public one there (reported)",
+)
+def test_a_sweep_checkpoint_refuses_a_resume_with_other_member_settings(tmp_path):
+    # A plain adamw(weight_decay=0.1) checkpoint refuses adamw(weight_decay=0.5) by name; a
+    # sweep records no settings, so other lr_factors or member weight decays loaded silently.
+    def state(wd, factor):
+        opt = ft.func.sweep([ft.optim.adamw(), ft.optim.adamw(weight_decay=wd)],
+                            lr_factors=[1.0, factor])  # fmt: skip
+        return ft.TrainState.create(ft.func.Ensemble([_linear(0), _linear(1)]), opt)
+
+    path = ft.save_checkpoint(state(0.1, 2.0), tmp_path)
+    for wd, factor in ((0.1, 3.0), (0.5, 2.0)):
+        with pytest.raises(ft.checkpoint.CheckpointMismatchError):
+            ft.load_checkpoint(path, state(wd, factor))
