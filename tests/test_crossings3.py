@@ -162,3 +162,16 @@ def test_a_sweep_checkpoint_refuses_a_resume_with_other_member_settings(tmp_path
     for wd, factor in ((0.1, 3.0), (0.5, 2.0)):
         with pytest.raises(ft.checkpoint.CheckpointMismatchError):
             ft.load_checkpoint(path, state(wd, factor))
+
+
+def test_private_gradients_are_not_taken_inside_swap_ema():
+    # private_grads returns a plain dict: taken inside the block (the average's gradients),
+    # clip_and_step after it applied them to the live weights, as with accumulate_grads.
+    state = ft.TrainState.create(_linear(), ft.optim.ema(ft.optim.sgd(), decay=0.5))
+    micro = [_collate(ROWS[:4])]
+    kw = {"max_norm": 1.0, "noise_multiplier": 0.0}
+    with ft.optim.swap_ema(state), pytest.raises(ValueError, match=r"private_grads.*swap_ema"):
+        ft.func.private_grads(state, micro, _mse, **kw)
+    grads, stats = ft.func.private_grads(state, micro, _mse, **kw)
+    state, _ = ft.clip_and_step(state, grads, stats=stats, lr=0.1)
+    assert state.step == 1

@@ -24,6 +24,7 @@ from ftrain.extras.func._common import (
 from ftrain.extras.func._ensemble import Ensemble
 from ftrain.grads import Stats, batch_counts
 from ftrain.losses import LossFn, default_loss
+from ftrain.optim import ema_swapped
 from ftrain.process_state import STATE
 from ftrain.rng import default_generators, dropout_seed, restored
 from ftrain.state import TrainState, unfrozen
@@ -398,11 +399,18 @@ def private_grads(
         TypeError: for a `noise_key` that is not bytes, an int or None.
         FuncError: as `per_sample_grads`; for several ranks or float16 loss scaling (not
             supported).
+        ValueError: inside `ft.optim.swap_ema(state)` (the model holds the EMA average).
     """
     _validate_private(max_norm, noise_multiplier, expected_batch_size)
     key = noise_key_bytes(noise_key)
     _validate_chunk(chunk_size)
     _check_single_process(state)
+    if ema_swapped(state):  # a plain dict, which clip_and_step cannot tell from live gradients
+        raise ValueError(
+            "private_grads(state) inside ft.optim.swap_ema(state): the model holds the EMA "
+            "average until the block ends, and the step would apply its gradients to the live "
+            "weights; compute them outside the block"
+        )
     if len(micro) == 0:
         raise ValueError("micro is empty: pass the list of micro-batches yielded by make_batches")
     # In place of accumulate_grads, so in its mode: an eval-mode model (HF from_pretrained)
