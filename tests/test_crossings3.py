@@ -175,3 +175,15 @@ def test_private_gradients_are_not_taken_inside_swap_ema():
     grads, stats = ft.func.private_grads(state, micro, _mse, **kw)
     state, _ = ft.clip_and_step(state, grads, stats=stats, lr=0.1)
     assert state.step == 1
+
+
+def test_a_resumed_wandb_run_refuses_changed_params_as_mlflow_does(tmp_path):
+    # MLflowSink raised for params that differ from the resumed run's; WandbSink passed no
+    # config on resume, so a restart with lr=0.2 kept the run's lr=0.1 without a word.
+    run = tmp_path / "run"
+    ft.logging.WandbSink(run, params={"lr": 0.1, "wd": 0.0}, mode="offline").close()
+    with pytest.raises(ValueError, match=r"params differ.*'lr': \('0.1', '0.2'\)"):
+        ft.logging.WandbSink(run, params={"lr": 0.2}, mode="offline")
+    again = ft.logging.WandbSink(run, params={"lr": 0.1, "seed": 3}, mode="offline")
+    assert again.resumed and again._run.config["seed"] == 3  # a new key is added
+    again.close()

@@ -10,6 +10,7 @@ every rank can build them.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Mapping
@@ -39,10 +40,14 @@ def _read_id(path: Path) -> str | None:
 
 
 def _write_id(path: Path, run_id: str) -> None:
+    _write_text(path, run_id + "\n")
+
+
+def _write_text(path: Path, text: str) -> None:
     # Written atomically: a crash leaves the old file or the new one, never half of one.
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(run_id + "\n", encoding="utf-8")
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
 
 
@@ -182,6 +187,24 @@ def _closed(sink: object, closed: bool) -> None:
         )
 
 
+def _logged_params(path: Path, given: dict[str, str], run_id: str | None) -> dict[str, str]:
+    """The params a resumed W&B run was given (as strings), checked against `given`; empty for
+    a run whose params file is missing (written before ftrain kept one)."""
+    try:
+        logged = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(logged, dict):
+        return {}
+    changed = {k: (logged[k], v) for k, v in given.items() if k in logged and logged[k] != v}
+    if changed:
+        raise ValueError(
+            f"params differ from those of the resumed W&B run {run_id} (logged, given): "
+            f"{changed}; pass the run's params or use a new run_dir"
+        )
+    return {str(k): str(v) for k, v in logged.items()}
+
+
 GLOBAL_STEP = "train/global_step"  # W&B: the x-axis of every metric (`WandbSink`)
 
 
@@ -202,12 +225,17 @@ class WandbSink:
     Args:
         run_dir: the run's folder (e.g. the checkpoint root).
         project: the W&B project.
-        params: hyperparameters, the run's config, logged once when the run is created.
+        params: hyperparameters, the run's config, logged once when the run is created (kept
+            in `<run_dir>/wandb_run_params.json`). A restart must pass the same values; new
+            keys are added to the config.
         rank: this process's rank (`state.strategy.process_rank`); the sink does nothing
             unless it is 0. None: the job's rank (the process group's, else the launcher's
             `RANK`, else 0); pass 0 on every process to log from each (independent runs, each
             in its own `run_dir`).
         **init_kwargs: passed on to `wandb.init` (e.g. `mode`, `entity`, `name`, `settings`).
+
+    Raises:
+        ValueError: if a restart passes params that differ from the stored run's.
     """
 
     def __init__(
@@ -237,10 +265,19 @@ class WandbSink:
         id_file = run_dir / "wandb_run_id"
         stored = _read_id(id_file)
         self.resumed = stored is not None
+        # W&B takes no config on resume (offline it cannot read the run's): the params are
+        # kept beside the id and a restart's compared with them, as MLflowSink does.
+        params_file = run_dir / "wandb_run_params.json"
+        given = {k: str(v) for k, v in (params or {}).items()}
+        logged = _logged_params(params_file, given, stored) if self.resumed else {}
+        new = {k: v for k, v in (params or {}).items() if k not in logged}
         config = None if self.resumed else dict(params or {})  # the resumed run has its config
         self._run = wandb.init(project=project, dir=str(run_dir), id=stored, resume="allow",
                                config=config, **init_kwargs)  # fmt: skip
         self.run_id = self._run.id
+        if self.resumed and new:
+            self._run.config.update(new)
+        _write_text(params_file, json.dumps({**logged, **given}, sort_keys=True))
         if not self.resumed:
             _write_id(id_file, self.run_id)
         # The optimizer step is a metric that the others are plotted against (HF's
