@@ -187,3 +187,17 @@ def test_a_resumed_wandb_run_refuses_changed_params_as_mlflow_does(tmp_path):
     again = ft.logging.WandbSink(run, params={"lr": 0.1, "seed": 3}, mode="offline")
     assert again.resumed and again._run.config["seed"] == 3  # a new key is added
     again.close()
+
+
+def test_a_profiler_built_without_rank_names_its_trace_by_the_launched_rank(tmp_path, monkeypatch):
+    # "build one per rank to profile each", but rank defaulted to 0: every rank wrote a
+    # `rank0.*` trace into the folder, and each rank's traces() listed the others' too.
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    prof = ft.logging.Profiler(tmp_path / "prof", steps=(3, 3), warmup=1)
+    state = ft.TrainState.create(_linear(), ft.optim.sgd(), strategy=ft.strategies.SingleDevice())
+    for _ in range(3):
+        state = _train(state, 1)
+        prof.step(state)
+    (trace,) = prof.traces()
+    assert trace.name.startswith("rank1.")

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ftrain.extras.logging._trackers import _process_rank
 from ftrain.state import TrainState
 
 __all__ = ["Profiler"]
@@ -34,6 +35,7 @@ class Profiler:
             `first - warmup - 1`.
         warmup: steps run under the profiler before recording.
         rank: names the trace's worker (`rank<k>`); build one per rank to profile each.
+            None: the job's rank (the process group's, else the launcher's `RANK`, else 0).
         **profile_kwargs: passed on to `torch.profiler.profile` (e.g. `record_shapes=True`,
             `profile_memory=True`, `with_stack=True`, `activities=[...]`).
 
@@ -54,7 +56,7 @@ class Profiler:
         *,
         steps: tuple[int, int],
         warmup: int = 1,
-        rank: int = 0,
+        rank: int | None = None,
         **profile_kwargs: Any,
     ) -> None:
         if not (isinstance(steps, (tuple, list)) and len(steps) == 2 and all(map(_int, steps))):
@@ -71,7 +73,7 @@ class Profiler:
             )
         self.logdir, self.first, self.last, self.warmup = Path(logdir), first, last, warmup
         self.window = (first - warmup, last)
-        self.rank, self.profile_kwargs = rank, profile_kwargs
+        self.rank, self.profile_kwargs = _process_rank(rank), profile_kwargs
         self.done = False
         self._prof: Any = None
         self._seen = False
