@@ -272,7 +272,7 @@ def _check_not_ahead(path: Path | None, root: str | os.PathLike[str], step: int)
     forward into weights this run never trained."""
     if path is None:
         return
-    saved = next((s for s, p in step_dirs(root) if p == path), None)
+    saved = next((s for s, p in step_dirs(root) if p.name == path.name), None)
     if saved is not None and saved > step:
         raise GuardError(
             f"loss guard: the checkpoint to roll back to, {path} (step {saved}) is past this "
