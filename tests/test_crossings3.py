@@ -113,13 +113,15 @@ def test_a_tracker_built_without_rank_on_a_launched_rank_1_stays_quiet(tmp_path,
     # defaulted to 0: under torchrun every rank that built one without rank= logged every
     # record into the run (twice per step with 2 ranks), or opened a run of its own.
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("RANK", "1")  # what torchrun sets (no process group here)
     monkeypatch.setenv("WORLD_SIZE", "2")
     run = tmp_path / "run"
     if kind == "mlflow":
         sink = ft.logging.MLflowSink(run, tracking_uri=(tmp_path / "mlruns").as_uri())
     else:
-        sink = ft.logging.WandbSink(run, mode="offline")
+        sink = ft.logging.WandbSink(run)  # (returns before W&B is set up)
     sink.log({"step": 1, "loss": 1.0})
     sink.close()
     assert sink.run_id is None and not run.exists()
@@ -177,14 +179,16 @@ def test_private_gradients_are_not_taken_inside_swap_ema():
     assert state.step == 1
 
 
-def test_a_resumed_wandb_run_refuses_changed_params_as_mlflow_does(tmp_path):
+def test_a_resumed_wandb_run_refuses_changed_params_as_mlflow_does(tmp_path, monkeypatch):
     # MLflowSink raised for params that differ from the resumed run's; WandbSink passed no
     # config on resume, so a restart with lr=0.2 kept the run's lr=0.1 without a word.
+    monkeypatch.setenv("WANDB_MODE", "offline")  # as tests/test_trackers.py (W&B's settings
+    monkeypatch.setenv("WANDB_SILENT", "true")  # are process-wide once set up)
     run = tmp_path / "run"
-    ft.logging.WandbSink(run, params={"lr": 0.1, "wd": 0.0}, mode="offline").close()
+    ft.logging.WandbSink(run, params={"lr": 0.1, "wd": 0.0}).close()
     with pytest.raises(ValueError, match=r"params differ.*'lr': \('0.1', '0.2'\)"):
-        ft.logging.WandbSink(run, params={"lr": 0.2}, mode="offline")
-    again = ft.logging.WandbSink(run, params={"lr": 0.1, "seed": 3}, mode="offline")
+        ft.logging.WandbSink(run, params={"lr": 0.2})
+    again = ft.logging.WandbSink(run, params={"lr": 0.1, "seed": 3})
     assert again.resumed and again._run.config["seed"] == 3  # a new key is added
     again.close()
 
