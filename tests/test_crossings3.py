@@ -4,6 +4,8 @@ gave a silent wrong result; now it is right or it raises."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -205,3 +207,22 @@ def test_a_profiler_built_without_rank_names_its_trace_by_the_launched_rank(tmp_
         prof.step(state)
     (trace,) = prof.traces()
     assert trace.name.startswith("rank1.")
+
+
+def test_a_run_that_raises_inside_the_logger_is_not_marked_finished(tmp_path, monkeypatch):
+    # Logger.__exit__ on an error closes the sinks, and MLflowSink.close() marked the crashed
+    # run FINISHED (MLflow's own `with start_run()` marks it FAILED, W&B's `with init()` exits 1).
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = (tmp_path / "mlruns").as_uri()
+    state = ft.TrainState.create(_linear(), ft.optim.sgd())
+    statuses = []
+    for fail in (True, False):
+        sink = ft.logging.MLflowSink(tmp_path / f"run{fail}", tracking_uri=uri)
+        with pytest.raises(RuntimeError) if fail else contextlib.nullcontext():  # noqa: SIM117
+            with ft.logging.Logger(state, every=1, sinks=[sink], progress=False):
+                if fail:
+                    raise RuntimeError("diverged")
+        statuses.append(MlflowClient(uri).get_run(sink.run_id).info.status)
+    assert statuses == ["FAILED", "FINISHED"]

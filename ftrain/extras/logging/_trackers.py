@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -173,8 +174,11 @@ class MLflowSink:
         self._client.log_batch(self.run_id, metrics=metrics)
 
     def close(self) -> None:
+        """End the run: FINISHED, or FAILED when closed while an exception is being handled
+        (a `Logger` block that raised), as MLflow's own `with mlflow.start_run()` does."""
         if self._client is not None:
-            self._client.set_terminated(self.run_id, status="FINISHED")
+            status = "FINISHED" if sys.exc_info()[0] is None else "FAILED"
+            self._client.set_terminated(self.run_id, status=status)
             self._client, self._closed = None, True
 
 
@@ -304,6 +308,8 @@ class WandbSink:
         self._run.log({**tags, GLOBAL_STEP: step})
 
     def close(self) -> None:
+        """Finish the run: exit code 1 when closed while an exception is being handled (a
+        `Logger` block that raised), as W&B's own `with wandb.init()` does; 0 otherwise."""
         if self._run is not None:
-            self._run.finish()
+            self._run.finish(exit_code=0 if sys.exc_info()[0] is None else 1)
             self._run, self._closed = None, True
