@@ -226,3 +226,15 @@ def test_a_run_that_raises_inside_the_logger_is_not_marked_finished(tmp_path, mo
                     raise RuntimeError("diverged")
         statuses.append(MlflowClient(uri).get_run(sink.run_id).info.status)
     assert statuses == ["FAILED", "FINISHED"]
+
+
+def test_swap_ema_of_a_sweep_of_ema_optimizers_does_not_advise_what_sweep_refuses():
+    # docs/research.md suggests sweep([ema(adamw()), ...]); swap_ema then said "wrap the
+    # optimizer: ft.optim.ema(...)", which ema refuses for a sweep.
+    ens = ft.func.Ensemble([_linear(0), _linear(1)])
+    state = ft.TrainState.create(ens, ft.func.sweep([ft.optim.ema(ft.optim.adamw())] * 2))
+    with (
+        pytest.raises(TypeError, match=r"one per member \(ft.func.sweep of ema"),
+        ft.optim.swap_ema(state),
+    ):
+        pass

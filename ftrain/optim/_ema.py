@@ -170,6 +170,13 @@ def ema(
 def _find(opt_state: Any) -> EmaState:
     if isinstance(opt_state, EmaState):
         return opt_state
+    if isinstance(opt_state, tuple) and any(isinstance(s, EmaState) for s in opt_state):
+        # ft.func.sweep([ema(...), ...]): the advice below (wrap in ema) is what sweep refuses.
+        raise TypeError(
+            "swap_ema swaps one ft.optim.ema average, and this state's optimizer holds one per "
+            "member (ft.func.sweep of ema optimizers): swapping them in is not supported; "
+            "evaluate a member's average from its EmaState.ema"
+        )
     raise TypeError(
         f"swap_ema needs a state whose optimizer is ft.optim.ema(...), got an optimizer state "
         f"of type {type(opt_state).__name__}; wrap the optimizer: ft.optim.ema(ft.optim.adamw())"
