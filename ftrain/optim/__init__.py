@@ -13,6 +13,7 @@ from ftrain.optim._base import adam as adam
 from ftrain.optim._base import adamw as adamw
 from ftrain.optim._base import chain as chain
 from ftrain.optim._base import describe as describe
+from ftrain.optim._base import described as described
 from ftrain.optim._base import self_skipping as self_skipping
 from ftrain.optim._base import sgd as sgd
 from ftrain.optim._ema import EmaState as EmaState
@@ -54,6 +55,7 @@ __all__ = [
     "clip_by_global_norm",
     "decay_mask",
     "describe",
+    "described",
     "ema",
     "ema_decay",
     "ema_swapped",

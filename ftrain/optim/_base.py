@@ -146,6 +146,14 @@ def _describes(update: Callable[..., Any], how: Callable[[list[str]], Settings |
     setattr(update, _DESCRIBE, how)
 
 
+def described(optimizer: Optimizer, how: Callable[[list[str]], Settings | None]) -> Optimizer:
+    """Attach `how` (parameter names -> the settings as JSON) to an optimizer built from parts
+    (`ft.func.sweep`), so that `describe` reports it and a checkpoint refuses a resume with
+    other settings, as it does for ftrain's own optimizers. Returns `optimizer`."""
+    _describes(optimizer.update, how)
+    return optimizer
+
+
 # An optimizer whose update decides from the gradients it is given which of its slices skip a
 # step (`ft.func.sweep`: each member's own non-finite gradient). Inside `partition` each group
 # would decide on its part of the gradients (a member skipping in one group, stepping in

@@ -12,7 +12,7 @@ from torch.func import functional_call, stack_module_state, vmap
 
 from ftrain.extras.func._common import check_model, check_number, is_number
 from ftrain.losses import LossFn
-from ftrain.optim import Optimizer, self_skipping
+from ftrain.optim import Optimizer, describe, described, self_skipping
 
 __all__ = ["Ensemble", "clip_members", "ensemble_loss", "sweep"]
 
@@ -354,7 +354,12 @@ def sweep(
             for i, opt in enumerate(optimizers)
         )
 
-    return self_skipping(Optimizer(init, update))  # partition and ema refuse to wrap it
+    def settings(names: list[str]) -> dict[str, Any]:  # a checkpoint refuses other settings
+        members = [describe(opt, names) for opt in optimizers]
+        return {"kind": "sweep", "lr_factors": factors, "members": members}
+
+    # partition and ema refuse to wrap it
+    return described(self_skipping(Optimizer(init, update)), settings)
 
 
 def _member_skips(
