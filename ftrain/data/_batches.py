@@ -26,6 +26,7 @@ from ftrain.data._common import (
     Spec,
     ZeroWeight,
     _fetch,
+    agree_over_ranks,
     epoch_order,
     is_stream,
     length_grouped_order,
@@ -150,16 +151,48 @@ def make_batches(
     loading = Loading.check(num_workers, prefetch_factor, pin_memory)
     collate = pad_collate() if collate_fn is None else collate_fn
     spec = Spec(batch_size, accum, seed, epoch, shuffle, drop_last, collate, rank, world)
+    given = _given(spec, start, stream_pos, group_by_length)
     if is_stream(data):
-        return stream_groups(data, spec, start=start, position=stream_pos, loading=loading)
+        return stream_groups(
+            data,
+            spec,
+            start=start,
+            position=stream_pos,
+            loading=loading,
+            agree=given,
+            strategy=strategy,
+        )
     n = len(data)
+    lens = _lengths(data, lengths) if group_by_length else None
+    content = content_digest(data, n) if n else None
+    agree_over_ranks(strategy, {"rows": n, "content": content, **given, "lengths": _digest(lens)})
     if n == 0:
         raise ValueError("data is empty: an epoch would yield nothing and the loop would never end")
-    lens = _lengths(data, lengths) if group_by_length else None
-    pos = _map_position(n, spec, start, stream_pos, lens, content_digest(data, n))
+    pos = _map_position(n, spec, start, stream_pos, lens, content)
     micro = _MicroBatches(data, _order(n, spec, pos, lens), spec, pos, _total(n, spec, start, pos))
     position = json.dumps(pos, separators=(",", ":"))
     return _groups(_load(micro, range(start, len(micro)), loading), accum, position)
+
+
+def _given(spec: Spec, start: int, position: str | None, grouped: bool) -> dict[str, Any]:
+    """What every rank must be given alike (`agree_over_ranks`), besides the data."""
+    return {
+        "batch_size": spec.batch_size,
+        "accum": spec.accum,
+        "seed": spec.seed,
+        "epoch": spec.epoch,
+        "start": start,
+        "position": position,
+        "shuffle": spec.shuffle,
+        "drop_last": spec.drop_last,
+        "group_by_length": grouped,
+    }
+
+
+def _digest(lengths: Sequence[int] | None) -> str | None:
+    if lengths is None:
+        return None
+    return hashlib.sha256(np.asarray(lengths, np.int64).tobytes()).hexdigest()[:16]
 
 
 def _check_kinds(
@@ -354,7 +387,7 @@ def _fresh(n: int, spec: Spec, lens: Sequence[int] | None, content: str | None) 
     group = digest = None
     if lens is not None:  # HF groups by the per-step batch; the order depends on every length
         group = rows * spec.accum
-        digest = hashlib.sha256(np.asarray(lens, np.int64).tobytes()).hexdigest()[:16]
+        digest = _digest(lens)
     return {
         "version": P.VERSION,
         "kind": "map",

@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
+import json
 import random
 import signal
 from collections.abc import Callable, Iterator, Sequence
@@ -15,10 +17,11 @@ import numpy as np
 import torch
 
 from ftrain.rng import dropout_seed
-from ftrain.strategies import active_preemption
+from ftrain.strategies import Strategy, active_preemption
 
 __all__ = [
     "MicroBatches",
+    "agree_over_ranks",
     "Source",
     "ZeroWeight",
     "epoch_order",
@@ -107,6 +110,54 @@ class ZeroWeight(NamedTuple):
 def weighted(batch: Any) -> tuple[Batch, float]:
     """`(batch, 1.0)`, or `(stand-in row, 0.0)` for a `ZeroWeight`: run it, count nothing."""
     return (batch.batch, 0.0) if isinstance(batch, ZeroWeight) else (batch, 1.0)
+
+
+def agree_over_ranks(strategy: Strategy | None, given: dict[str, Any]) -> None:
+    """Raise unless every process of the job was given the same `given` (data and settings).
+
+    Each data-parallel rank takes its own part of one global order, and the ranks of a
+    tensor-parallel group the same part: ranks given other data (a per-rank split), another
+    batch size, accum, start, drop_last, ... read the same rows, leave rows unread, or run
+    other numbers of micro-batches, which DDP trains on without a word. One small collective
+    over every process (a host sync once per `make_batches` call, never per step); nothing
+    outside an initialised process group of several processes.
+    """
+    dist = torch.distributed
+    if strategy is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_world_size() == 1:
+        return
+    # Two 16-bit digests per value and their squares: sums exact in float64 up to 2^21
+    # processes, and n * sum(d^2) == sum(d)^2 only if every process has the same d.
+    mine = [1.0]
+    for value in given.values():
+        text = json.dumps(value, sort_keys=True, default=repr)
+        key = hashlib.blake2b(text.encode(), digest_size=4).digest()
+        for d in (int.from_bytes(key[:2], "little"), int.from_bytes(key[2:], "little")):
+            mine += [float(d), float(d * d)]
+    total = torch.tensor(mine, dtype=torch.float64, device=strategy.device)
+    got = strategy.sum_over_processes(total).tolist()  # host sync, once per make_batches call
+    n = got[0]
+    differ = [
+        name
+        for i, name in enumerate(given)
+        if any(n * got[4 * i + j + 2] != got[4 * i + j + 1] ** 2 for j in (0, 2))
+    ]
+    if differ:
+        shown = ", ".join(f"{k}={_short(given[k])}" for k in differ)
+        raise ValueError(
+            f"make_batches was given other {', '.join(differ)} on this rank ({shown}) than on "
+            "another: the data and settings must be the same on every rank, which each take "
+            "their own part of one global order (else ranks read the same rows, leave rows "
+            "unread, or run different numbers of micro-batches). Pass every rank the whole "
+            "dataset (not a per-rank split such as split_dataset_by_node) and the same "
+            "settings; make_batches(data, state, ...) with strategy=state.strategy splits it"
+        )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class Spec(NamedTuple):

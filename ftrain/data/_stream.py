@@ -35,12 +35,14 @@ from ftrain.data._common import (
     Source,
     Spec,
     ZeroWeight,
+    agree_over_ranks,
     epoch_order,
     is_stream,
     run_loader,
     seeded,
 )
 from ftrain.rng import dropout_seed
+from ftrain.strategies import Strategy
 
 __all__ = ["IterableRows", "mix", "pack", "stream", "stream_groups"]
 
@@ -710,11 +712,20 @@ def _fits(pos: dict[str, Any], start: int, spec: Spec, about: dict[str, Any]) ->
 
 
 def stream_groups(
-    data: Any, spec: Spec, *, start: int, position: str | None, loading: Loading
+    data: Any,
+    spec: Spec,
+    *,
+    start: int,
+    position: str | None,
+    loading: Loading,
+    agree: dict[str, Any],
+    strategy: Strategy | None,
 ) -> Iterator[MicroBatches]:
-    """make_batches for an iterable source: groups of `accum` micro-batches with positions."""
+    """make_batches for an iterable source: groups of `accum` micro-batches with positions.
+    Every rank must read the same global stream with the same settings (`agree`)."""
     source = stream(data)
     about = source.describe(spec.shuffle)
+    agree_over_ranks(strategy, {"data": P.digest(about), **agree})
     pos = _resume(start, position, spec, source, about)
     micro = _MicroStream(source, spec, pos, start, _head(spec, about))
     if loading.num_workers == 0 and not loading.pin_memory:

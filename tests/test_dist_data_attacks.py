@@ -1,0 +1,62 @@
+"""Distributed strategies x the data pipeline: data-parallel ranks never read the same rows,
+never run different numbers of micro-batches without an error, and tensor-parallel ranks of
+one group read the same rows.
+
+The 2-rank checks run in one launch of tests/workers/dist_data_workers.py (gloo on CPU,
+bounded by a timeout), whose records the tests below read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """Each rank's record of the 2-rank launch (bounded: never hangs)."""
+    import dist_data_workers as W
+    from launch import run_ranks
+
+    out = tmp_path_factory.mktemp("ddata") / "results"
+    run_ranks(W.ranks, str(out), timeout=120)
+    return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
+
+
+def test_ranks_given_the_same_data_read_disjoint_rows_in_equal_counts(two_ranks):
+    a, b = (r["same"]["groups"] for r in two_ranks)
+    assert [len(g) for g in a] == [len(g) for g in b]
+    rows = [x for r in (a, b) for g in r for m in g for x in m]
+    assert sorted(rows) == list(range(1, 11))
+
+
+@pytest.mark.parametrize(
+    "check, names",
+    [
+        ("rows", "rows"),
+        ("accum", "accum"),
+        ("batch_size", "batch_size"),
+        ("drop_last", "drop_last"),
+        ("start", "start"),
+        ("content", "content"),
+    ],
+)
+def test_ranks_given_other_data_or_settings_raise_naming_them(two_ranks, check, names):
+    """Each rank was given its own part of the data (n = 5 and 4 rows), its own accum, batch
+    size, drop_last, start, or rows of other contents: make_batches yielded without a word,
+    and the ranks read overlapping rows, or ran 5 and 4 micro-batches (DDP trains on: each
+    rank's final backward meets the other's), e.g. rank 1 starting its next epoch while rank 0
+    was still in this one."""
+    for got in two_ranks:
+        error = got[check].get("error", "")
+        assert "on every rank" in error and names in error, got[check]
+
+
+def test_tensor_parallel_ranks_of_one_group_read_the_same_rows(two_ranks):
+    a, b = (r["tp_same"]["groups"] for r in two_ranks)
+    assert a == b and sorted(x for g in a for m in g for x in m) == list(range(1, 7))
+    for got in two_ranks:
+        error = got["tp_rows"].get("error", "")
+        assert "on every rank" in error and "rows" in error, got["tp_rows"]

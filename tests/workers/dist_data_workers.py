@@ -1,0 +1,51 @@
+"""The ranks of tests/test_dist_data_attacks.py: `make_batches` on two gloo ranks (CPU) when
+the ranks were given other data or settings. Each check records the groups' row ids a rank
+read, or the message ftrain raised."""
+
+from __future__ import annotations
+
+import gc
+import json
+from datetime import timedelta
+from pathlib import Path
+
+import ftrain as ft
+from helpers import rank_env
+
+
+def _rows(n: int) -> list[dict]:
+    return [{"input_ids": [i + 1]} for i in range(n)]
+
+
+def _read(strategy, data, **kw) -> dict:
+    """The row ids of every micro-batch of every group, or ftrain's message."""
+    try:
+        groups = ft.make_batches(data, strategy=strategy, shuffle=False, **kw)
+        return {"groups": [[b["input_ids"].flatten().tolist() for b in g] for g in groups]}
+    except Exception as e:  # the test asserts on ftrain's own message
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def ranks(rank: int, world: int, port: int, out: str) -> None:
+    """One rank of the 2-rank launch; each check in OUT.<rank>."""
+    import torch.distributed as dist
+
+    rank_env(rank, world, port)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    results: dict = {}
+    with ft.strategies.DDP() as ddp:
+        results["same"] = _read(ddp, _rows(10), batch_size=2, accum=2)
+        # each rank given its own part of the data (split_dataset_by_node of a map-style set)
+        results["rows"] = _read(ddp, _rows(10)[rank::2][: 5 - rank], batch_size=1, accum=1)
+        results["accum"] = _read(ddp, _rows(8), batch_size=1, accum=1 + rank)
+        results["batch_size"] = _read(ddp, _rows(8), batch_size=1 + rank)
+        results["drop_last"] = _read(ddp, _rows(7), batch_size=2, drop_last=bool(rank))
+        results["start"] = _read(ddp, _rows(8), batch_size=1, start=rank)
+        results["content"] = _read(ddp, _rows(8) if rank else _rows(9)[1:], batch_size=1)
+    with ft.strategies.TP() as tp:  # dp=1: both processes are one data-parallel rank
+        results["tp_same"] = _read(tp, _rows(6), batch_size=2)
+        results["tp_rows"] = _read(tp, _rows(6 + rank), batch_size=2)
+    Path(f"{out}.{rank}").write_text(json.dumps(results))
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
