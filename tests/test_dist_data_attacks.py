@@ -60,3 +60,17 @@ def test_tensor_parallel_ranks_of_one_group_read_the_same_rows(two_ranks):
     for got in two_ranks:
         error = got["tp_rows"].get("error", "")
         assert "on every rank" in error and "rows" in error, got["tp_rows"]
+
+
+def test_a_2d_mesh_gives_one_tensor_parallel_group_the_same_rows_and_groups_their_own(tmp_path):
+    """TP(dp=2) on 4 processes: processes 0, 1 are data-parallel rank 0, processes 2, 3 rank 1
+    (checked and right)."""
+    import dist_data_workers as W
+    from launch import run_ranks
+
+    run_ranks(W.tp_2d, str(tmp_path / "r"), world=4, timeout=120)
+    got = [json.loads((tmp_path / f"r.{p}").read_text()) for p in range(4)]
+    assert [g["dp_rank"] for g in got] == [0, 0, 1, 1]
+    assert got[0]["groups"] == got[1]["groups"] and got[2]["groups"] == got[3]["groups"]
+    rows = [x for g in (got[0], got[2]) for grp in g["groups"] for m in grp for x in m]
+    assert sorted(rows) == list(range(1, 11))

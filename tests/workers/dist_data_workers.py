@@ -49,3 +49,17 @@ def ranks(rank: int, world: int, port: int, out: str) -> None:
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def tp_2d(rank: int, world: int, port: int, out: str) -> None:
+    """One of 4 processes: TP(dp=2), a (dp, tp) mesh of 2 x 2; its rows in OUT.<rank>."""
+    import torch.distributed as dist
+
+    rank_env(rank, world, port)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    with ft.strategies.TP(dp=2) as tp:
+        got = _read(tp, _rows(10), batch_size=2, accum=2)
+        got["dp_rank"] = tp.rank
+    Path(f"{out}.{rank}").write_text(json.dumps(got))
+    dist.barrier()
+    dist.destroy_process_group()
