@@ -54,6 +54,15 @@ def test_ranks_given_other_data_or_settings_raise_naming_them(two_ranks, check, 
         assert "on every rank" in error and names in error, got[check]
 
 
+def test_ddp_over_a_device_mesh_of_other_ranks_than_its_data_split_is_refused(two_ranks):
+    """DDP(device_mesh=mesh["dp"]) of a (dp, tp) = (1, 2) mesh: torch's DDP reduced over the
+    mesh's group (one process each), while the strategy kept the default group's rank and
+    world size, so make_batches gave the two processes of one tensor-parallel group other
+    rows and each trained alone: after one step the replicas' weights were 0.5 and 0.9."""
+    for got in two_ranks:
+        assert "device_mesh" in got["ddp_mesh"].get("error", ""), got["ddp_mesh"]
+
+
 def test_tensor_parallel_ranks_of_one_group_read_the_same_rows(two_ranks):
     a, b = (r["tp_same"]["groups"] for r in two_ranks)
     assert a == b and sorted(x for g in a for m in g for x in m) == list(range(1, 7))

@@ -43,7 +43,9 @@ class DDP(ProcessGroupStrategy):
             joined from the environment torchrun or `accelerate launch` set (RANK,
             WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and without those this names them.
         TypeError: for a `sync_every_micro` that is not a bool.
-        ValueError: for a `process_group` this process is not a member of; at a non-final
+        ValueError: for a `device_mesh` in `ddp_kwargs` (torch's DDP would reduce over the
+            mesh's group, while the data split, losses and counts follow `process_group`); for
+            a `process_group` this process is not a member of; at a non-final
             micro-batch, for `static_graph=True` without `sync_every_micro` (torch's
             `no_sync` fails an internal assert there).
     """
@@ -59,6 +61,15 @@ class DDP(ProcessGroupStrategy):
     ) -> None:
         if not isinstance(sync_every_micro, bool):  # a string such as "no" would be truthy
             raise TypeError(f"sync_every_micro must be True or False, got {sync_every_micro!r}")
+        if ddp_kwargs.get("device_mesh") is not None:  # checked before joining a group
+            raise ValueError(
+                "DDP got device_mesh=: torch's DDP would average gradients over the mesh's "
+                "group, while make_batches splits the rows, and the losses and item counts are "
+                "summed, over process_group (the default group when None), so ranks would read "
+                "rows they do not reduce with and replicas drift apart. Pass the group to "
+                "average over as process_group= (its ranks are the data-parallel ranks), or "
+                "ft.strategies.TP(dp=...) for tensor x data parallelism"
+            )
         super().__init__("DDP", device, process_group, precision)
         self.sync_every_micro = sync_every_micro
         self._kwargs = ddp_kwargs

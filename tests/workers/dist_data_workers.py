@@ -26,6 +26,36 @@ def _read(strategy, data, **kw) -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+def _ddp_mesh() -> dict:
+    """DDP(device_mesh=) of a (dp, tp) = (1, 2) mesh's "dp" dimension: one SGD step on the
+    rows make_batches gives this rank; the weight after it, or ftrain's message."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    try:
+        with ft.strategies.DDP(device_mesh=mesh["dp"]) as ddp:
+            torch.manual_seed(0)
+            state = ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd(), strategy=ddp)
+            data = [(torch.tensor([float(i)]), torch.tensor([1.0])) for i in range(4)]
+            mse = lambda m, b: (((m(b[0]) - b[1]) ** 2).sum(), b[1].numel())  # noqa: E731
+            micro = next(ft.make_batches(data, state, batch_size=2, collate_fn=_stack))
+            grads, stats = ft.accumulate_grads(state, micro, mse)
+            state, _ = ft.clip_and_step(state, grads, lr=0.1, stats=stats)
+            out = {"weight": float(state.params["weight"].detach().item())}
+            del state, grads, stats
+            gc.collect()
+            return out
+    except Exception as e:  # the test asserts on ftrain's own message
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _stack(rows: list) -> tuple:
+    import torch
+
+    return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+
+
 def ranks(rank: int, world: int, port: int, out: str) -> None:
     """One rank of the 2-rank launch; each check in OUT.<rank>."""
     import torch.distributed as dist
@@ -42,6 +72,7 @@ def ranks(rank: int, world: int, port: int, out: str) -> None:
         results["drop_last"] = _read(ddp, _rows(7), batch_size=2, drop_last=bool(rank))
         results["start"] = _read(ddp, _rows(8), batch_size=1, start=rank)
         results["content"] = _read(ddp, _rows(8) if rank else _rows(9)[1:], batch_size=1)
+    results["ddp_mesh"] = _ddp_mesh()
     with ft.strategies.TP() as tp:  # dp=1: both processes are one data-parallel rank
         results["tp_same"] = _read(tp, _rows(6), batch_size=2)
         results["tp_rows"] = _read(tp, _rows(6 + rank), batch_size=2)
