@@ -41,11 +41,13 @@ def test_ranks_given_the_same_data_read_disjoint_rows_in_equal_counts(two_ranks)
         ("drop_last", "drop_last"),
         ("start", "start"),
         ("content", "content"),
+        ("subset", "subset"),
     ],
 )
 def test_ranks_given_other_data_or_settings_raise_naming_them(two_ranks, check, names):
     """Each rank was given its own part of the data (n = 5 and 4 rows), its own accum, batch
-    size, drop_last, start, or rows of other contents: make_batches yielded without a word,
+    size, drop_last, start, rows of other contents, or a torch Subset of its own rows (whose
+    rows are not digested): make_batches yielded without a word,
     and the ranks read overlapping rows, or ran 5 and 4 micro-batches (DDP trains on: each
     rank's final backward meets the other's), e.g. rank 1 starting its next epoch while rank 0
     was still in this one."""

@@ -33,6 +33,7 @@ from ftrain.data._common import (
     num_micro_batches,
     run_loader,
     seeded,
+    several_processes,
 )
 from ftrain.data._content import content_digest
 from ftrain.data._stream import stream_groups
@@ -165,7 +166,9 @@ def make_batches(
     n = len(data)
     lens = _lengths(data, lengths) if group_by_length else None
     content = content_digest(data, n) if n else None
-    agree_over_ranks(strategy, {"rows": n, "content": content, **given, "lengths": _digest(lens)})
+    subset = _subset(data) if several_processes(strategy) else None
+    rows = {"rows": n, "content": content, "subset": subset, "lengths": _digest(lens)}
+    agree_over_ranks(strategy, {**rows, **given})
     if n == 0:
         raise ValueError("data is empty: an epoch would yield nothing and the loop would never end")
     pos = _map_position(n, spec, start, stream_pos, lens, content)
@@ -193,6 +196,20 @@ def _digest(lengths: Sequence[int] | None) -> str | None:
     if lengths is None:
         return None
     return hashlib.sha256(np.asarray(lengths, np.int64).tobytes()).hexdigest()[:16]
+
+
+def _subset(data: Any) -> str | None:
+    """A digest of the indices of a torch `Subset` (nested ones too), whose rows are not read
+    for the content digest: a per-rank `Subset` split is then refused like other rows."""
+    h, found = hashlib.sha256(), False
+    while isinstance(data, torch.utils.data.Subset):
+        idx = data.indices
+        if isinstance(idx, range):  # random_split's are lists; a range need not be spelled out
+            h.update(f"range({idx.start},{idx.stop},{idx.step});".encode())
+        else:
+            h.update(np.asarray(idx, np.int64).tobytes() + b";")
+        data, found = data.dataset, True
+    return h.hexdigest()[:16] if found else None
 
 
 def _check_kinds(

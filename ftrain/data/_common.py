@@ -21,7 +21,6 @@ from ftrain.strategies import Strategy, active_preemption
 
 __all__ = [
     "MicroBatches",
-    "agree_over_ranks",
     "Source",
     "ZeroWeight",
     "epoch_order",
@@ -112,6 +111,14 @@ def weighted(batch: Any) -> tuple[Batch, float]:
     return (batch.batch, 0.0) if isinstance(batch, ZeroWeight) else (batch, 1.0)
 
 
+def several_processes(strategy: Strategy | None) -> bool:
+    """Whether `make_batches` runs with a strategy in a process group of several processes
+    (where `agree_over_ranks` checks)."""
+    dist = torch.distributed
+    ready = strategy is not None and dist.is_available() and dist.is_initialized()
+    return ready and dist.get_world_size() > 1
+
+
 def agree_over_ranks(strategy: Strategy | None, given: dict[str, Any]) -> None:
     """Raise unless every process of the job was given the same `given` (data and settings).
 
@@ -122,10 +129,7 @@ def agree_over_ranks(strategy: Strategy | None, given: dict[str, Any]) -> None:
     over every process (a host sync once per `make_batches` call, never per step); nothing
     outside an initialised process group of several processes.
     """
-    dist = torch.distributed
-    if strategy is None or not (dist.is_available() and dist.is_initialized()):
-        return
-    if dist.get_world_size() == 1:
+    if strategy is None or not several_processes(strategy):
         return
     # Two 16-bit digests per value and their squares: sums exact in float64 up to 2^21
     # processes, and n * sum(d^2) == sum(d)^2 only if every process has the same d.

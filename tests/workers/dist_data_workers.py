@@ -9,6 +9,8 @@ import json
 from datetime import timedelta
 from pathlib import Path
 
+import torch
+
 import ftrain as ft
 from helpers import rank_env
 
@@ -29,7 +31,6 @@ def _read(strategy, data, **kw) -> dict:
 def _ddp_mesh() -> dict:
     """DDP(device_mesh=) of a (dp, tp) = (1, 2) mesh's "dp" dimension: one SGD step on the
     rows make_batches gives this rank; the weight after it, or ftrain's message."""
-    import torch
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
@@ -51,8 +52,6 @@ def _ddp_mesh() -> dict:
 
 
 def _stack(rows: list) -> tuple:
-    import torch
-
     return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
 
 
@@ -71,6 +70,8 @@ def ranks(rank: int, world: int, port: int, out: str) -> None:
         results["batch_size"] = _read(ddp, _rows(8), batch_size=1 + rank)
         results["drop_last"] = _read(ddp, _rows(7), batch_size=2, drop_last=bool(rank))
         results["start"] = _read(ddp, _rows(8), batch_size=1, start=rank)
+        split = torch.utils.data.Subset(_rows(8), range(rank, 8, 2))  # a per-rank split
+        results["subset"] = _read(ddp, split, batch_size=1)
         results["content"] = _read(ddp, _rows(8) if rank else _rows(9)[1:], batch_size=1)
     results["ddp_mesh"] = _ddp_mesh()
     with ft.strategies.TP() as tp:  # dp=1: both processes are one data-parallel rank
