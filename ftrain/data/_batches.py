@@ -119,6 +119,8 @@ def make_batches(
             `num_workers`, `prefetch_factor` without workers, `pin_memory` without CUDA, and
             a missing `strategy` under an initialised multi-rank process group (a default group
             may hold tensor-parallel ranks that must read the same rows, so it is not guessed),
+            processes of a multi-rank group given other data or settings than each other
+            (checked with one small collective per call, so every process calls together),
             `seed`/`epoch`/`start`/`strategy` given together with a `state`, a `batch_size`
             other than `state.data.batch_size` (the size `find_batch_size` settled on), a
             strategy whose `rank` is not in `[0, world_size)`, a stream
