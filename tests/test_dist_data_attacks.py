@@ -56,6 +56,17 @@ def test_ranks_given_other_data_or_settings_raise_naming_them(two_ranks, check, 
         assert "on every rank" in error and names in error, got[check]
 
 
+def test_evaluate_over_a_short_last_batch_counts_the_real_rows_only(two_ranks):
+    """5 rows, 2 a rank: rank 1 evaluates a stand-in copy of row 4 (loss 16) that must count
+    nothing (checked and right)."""
+    for got in two_ranks:
+        ddp, one = got["eval"]["ddp"], got["eval"]["one"]
+        assert ddp["eval_loss"] == one["eval_loss"] == 6.0 and ddp["eval_items"] == 5
+        # rows per real batch: [0, 1], [4] on rank 0, [2, 3] on rank 1 (the stand-in: none)
+        assert ddp["eval_rows"] == one["eval_rows"] == 5 / 3
+        assert ddp["eval_big"] == one["eval_big"] == 0.2
+
+
 def test_ddp_over_a_device_mesh_of_other_ranks_than_its_data_split_is_refused(two_ranks):
     """DDP(device_mesh=mesh["dp"]) of a (dp, tp) = (1, 2) mesh: torch's DDP reduced over the
     mesh's group (one process each), while the strategy kept the default group's rank and

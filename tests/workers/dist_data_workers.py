@@ -51,6 +51,25 @@ def _ddp_mesh() -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+def _evaluate(strategy) -> dict:
+    """evaluate over 5 rows, 2 a rank: rank 1's share of the last global micro-batch is a
+    stand-in (a copy of row 4, whose loss is 16), against one process over the 5 rows."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    data = [(torch.tensor([float(i)]), torch.tensor([float(i)])) for i in range(5)]
+    mse = lambda m, b: (((m(b[0]) - b[1]) ** 2).sum(), b[1].numel())  # noqa: E731
+    rows = lambda m, b: {"rows": (b[0].shape[0], 1), "big": ((b[1] > 3).sum(), b[0].shape[0])}  # noqa: E731
+    got = {}
+    for name, s in (("ddp", strategy), ("one", ft.strategies.SingleDevice("cpu"))):
+        state = ft.TrainState.create(model, ft.optim.sgd(), strategy=s)
+        batches = ft.make_batches(data, batch_size=2, shuffle=False, collate_fn=_stack, strategy=s)
+        got[name] = ft.evaluate(state, batches, mse, metrics_fn=rows)
+        del state
+        gc.collect()
+    return got
+
+
 def _stack(rows: list) -> tuple:
     return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
 
@@ -73,6 +92,7 @@ def ranks(rank: int, world: int, port: int, out: str) -> None:
         split = torch.utils.data.Subset(_rows(8), range(rank, 8, 2))  # a per-rank split
         results["subset"] = _read(ddp, split, batch_size=1)
         results["content"] = _read(ddp, _rows(8) if rank else _rows(9)[1:], batch_size=1)
+        results["eval"] = _evaluate(ddp)
     results["ddp_mesh"] = _ddp_mesh()
     with ft.strategies.TP() as tp:  # dp=1: both processes are one data-parallel rank
         results["tp_same"] = _read(tp, _rows(6), batch_size=2)
