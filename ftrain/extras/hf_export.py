@@ -190,6 +190,9 @@ def _save_module(
     module: nn.Module, tmp: Path, tokenizer: Any, full: dict[str, torch.Tensor] | None
 ) -> None:
     save = getattr(module, "save_pretrained", None)
+    if full is None:  # (sharded: the gathered tensors share no storage with the module's)
+        trained = [n for n, p in module.named_parameters() if p.requires_grad]
+        _refuse_dropped_weights(module, trained)
     if callable(save):
         save(tmp) if full is None else save(tmp, state_dict=full)
     elif full is None:
@@ -267,6 +270,7 @@ def export_checkpoint(
     _check_fits(path, model, saved, meta, bool(adapters), base=base, guessed=guessed)
     _cast_to_recorded(model, meta, saved)
     live = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    _refuse_dropped_weights(model, [n for n, _ in model.named_parameters() if n in saved])
     with torch.no_grad():
         for n, t in saved.items():
             live[n].copy_(t)
@@ -295,6 +299,41 @@ def _cast_to_recorded(
             if n in buffers and buffers[n].dtype != t.dtype:
                 owner, _, leaf = n.rpartition(".")
                 setattr(model.get_submodule(owner), leaf, buffers[n].to(t.dtype))
+
+
+def _refuse_dropped_weights(module: nn.Module, trained: list[str]) -> None:
+    """Raise if a PEFT model's `save_pretrained` would leave out one of its `trained` parameters.
+
+    PEFT writes the adapters (and `modules_to_save`) only: a base parameter unfrozen by hand
+    (`lm_head.weight.requires_grad_(True)`) is trained, saved in checkpoints, and silently
+    missing from the adapter, which then computes another function than the trained model.
+    What PEFT writes is taken from PEFT itself (its tensors share the parameters' storage).
+    """
+    configs = getattr(module, "peft_config", None)
+    if not isinstance(configs, dict) or not configs:
+        return
+    from peft import get_peft_model_state_dict
+
+    written = {
+        t.data_ptr()
+        for name in configs
+        for t in get_peft_model_state_dict(module, adapter_name=name).values()
+    }
+    params = dict(module.named_parameters())
+    dropped = [
+        n
+        for n in trained
+        if n in params and "prompt_encoder" not in n  # prompt learning saves a computed tensor
+        and params[n].numel() and params[n].data_ptr() not in written
+    ]  # fmt: skip
+    if dropped:
+        raise ValueError(
+            f"the PEFT adapter would not hold {len(dropped)} trained parameter(s) of the base "
+            f"model, e.g. {dropped[:3]} (unfrozen by hand: PEFT saves adapters and "
+            "modules_to_save only), so the exported adapter would not compute what was "
+            "trained: train them through LoraConfig(modules_to_save=[...]), or export a full "
+            "model (ft.export_pretrained(..., merge=True))"
+        )
 
 
 def _save_pretrained(model: Any, tmp: Path) -> None:

@@ -1,0 +1,45 @@
+"""Checkpoint attacks, third session: forged files, exports and retention (docs/checkpoints.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+import ftrain as ft
+from helpers import ragged_rows, tiny_llama
+
+ROWS = ragged_rows(16, seed=1)
+
+
+def train(state, steps):
+    for micro in ft.make_batches(ROWS, batch_size=4, accum=2, seed=0):
+        grads, stats = ft.accumulate_grads(state, micro)
+        state, _ = ft.clip_and_step(state, grads, stats=stats, lr=1e-2)
+        if state.step >= steps:
+            break
+    return state
+
+
+def _lora(**kw):
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **kw)
+    return get_peft_model(tiny_llama(), cfg)
+
+
+def test_an_adapter_export_never_drops_a_base_weight_unfrozen_by_hand(tmp_path):
+    # PEFT's save_pretrained writes adapters and modules_to_save only: an lm_head unfrozen by
+    # hand was trained and checkpointed, and silently missing from the exported adapter.
+    model = _lora()
+    model.base_model.model.lm_head.weight.requires_grad_(True)
+    state = train(ft.TrainState.create(model, ft.optim.adamw()), 1)
+    with pytest.raises(ValueError, match=r"would not hold 1 trained parameter.*lm_head"):
+        ft.export_pretrained(state, tmp_path / "a")
+    ckpt = ft.save_checkpoint(state, tmp_path / "run")
+    with pytest.raises(ValueError, match=r"would not hold 1 trained parameter.*lm_head"):
+        ft.export_checkpoint(ckpt, tmp_path / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    # The ways the message names work: modules_to_save, or a merged full model.
+    ft.export_pretrained(state, tmp_path / "merged", merge=True)
+    kept = train(ft.TrainState.create(_lora(modules_to_save=["lm_head"]), ft.optim.adamw()), 1)
+    ft.export_pretrained(kept, tmp_path / "c")
+    ft.export_checkpoint(ft.save_checkpoint(kept, tmp_path / "run2"), tmp_path / "d")
