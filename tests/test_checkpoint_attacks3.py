@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
+import torch
 
 import ftrain as ft
 from helpers import ragged_rows, tiny_llama
@@ -43,3 +47,36 @@ def test_an_adapter_export_never_drops_a_base_weight_unfrozen_by_hand(tmp_path):
     kept = train(ft.TrainState.create(_lora(modules_to_save=["lm_head"]), ft.optim.adamw()), 1)
     ft.export_pretrained(kept, tmp_path / "c")
     ft.export_checkpoint(ft.save_checkpoint(kept, tmp_path / "run2"), tmp_path / "d")
+
+
+@pytest.fixture
+def alarm():
+    """Fail a call that hangs (a FIFO read blocks forever) instead of hanging the suite."""
+
+    def fire(*_):
+        raise TimeoutError("hung")
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.alarm(10)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def test_rotation_reads_a_stray_folders_state_json_as_load_does_never_hanging(tmp_path, alarm):
+    # Rotation read each committed folder's state.json with read_text: a FIFO there (or a link
+    # to /dev/zero) hung every later save with keep_last; now unreadable = unranked.
+    state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+    stray = tmp_path / "step-3"
+    stray.mkdir()
+    (stray / "COMMITTED").write_text("{}")
+    os.mkfifo(stray / "state.json")
+    (tmp_path / "step-4").mkdir()
+    (tmp_path / "step-4" / "COMMITTED").write_text("{}")
+    (tmp_path / "step-4" / "state.json").symlink_to("/dev/zero")
+    path = ft.save_checkpoint(
+        state, tmp_path, keep_last=1, metrics={"eval_loss": 1.0, "eval_loss_fn": "ce"},
+        best_metric="eval_loss",
+    )  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+    assert ft.latest_checkpoint(tmp_path) == path

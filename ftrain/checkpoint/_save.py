@@ -20,7 +20,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -43,6 +42,7 @@ from ftrain.checkpoint._io import (
     CheckpointError,
     fsync_tree,
     publish_dir,
+    read_json,
     sha256_file,
     write_json,
     write_safetensors,
@@ -833,21 +833,20 @@ def _rotate(job: _Job, keep_last: int) -> None:
 
 
 def _saved_meta(path: Path) -> Mapping[str, Any]:
-    """A committed checkpoint's state.json, or {} if unreadable (rotation never fails on it)."""
+    """A committed checkpoint's state.json, or {} if unreadable (rotation never fails on it).
+
+    Read as `load_checkpoint` reads it (a regular file inside the folder, at most 64 MiB): a
+    FIFO or a link to /dev/zero in a stray `step-<N>` folder hung every later save."""
     try:
-        meta = json.loads((path / L.STATE_FILE).read_text(encoding="utf-8"))
+        meta = read_json(path / L.STATE_FILE)
         return meta if isinstance(meta, dict) else {}
-    except (OSError, ValueError, RecursionError):  # a damaged or forged file: unranked
+    except CheckpointError:  # a damaged or forged file: unranked
         return {}
 
 
 def _saved_metrics(path: Path) -> Mapping[str, Any]:
     """The metrics a committed checkpoint recorded ({} when unreadable: it ranks nothing)."""
-    try:
-        meta = json.loads((path / L.STATE_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return _metrics(meta) if isinstance(meta, dict) else {}
+    return _metrics(_saved_meta(path))
 
 
 def _check_one_loss(job: _Job, metrics: Mapping[str, Any] | None) -> None:
