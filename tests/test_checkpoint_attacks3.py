@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import signal
 
@@ -9,6 +11,7 @@ import pytest
 import torch
 
 import ftrain as ft
+from ftrain.extras.cli import main
 from helpers import ragged_rows, tiny_llama
 
 ROWS = ragged_rows(16, seed=1)
@@ -80,3 +83,34 @@ def test_rotation_reads_a_stray_folders_state_json_as_load_does_never_hanging(tm
     )  # fmt: skip
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
     assert ft.latest_checkpoint(tmp_path) == path
+
+
+def _reseal(path, edit):
+    meta = json.loads((path / "state.json").read_text())
+    edit(meta)
+    data = json.dumps(meta).encode()
+    (path / "state.json").write_bytes(data)
+    (path / "COMMITTED").write_text(json.dumps({"state.json": hashlib.sha256(data).hexdigest()}))
+
+
+def test_a_metric_beyond_floats_range_is_refused_not_a_crash_of_rotation_or_inspect(
+    tmp_path, capsys
+):
+    # An int metric of 10**400 (forged, or passed by a user) made math.isfinite raise
+    # OverflowError: inspect printed a traceback, and every later save with keep_last raised
+    # after committing (its rotation never ran again).
+    state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+    with pytest.raises(ValueError, match=r"metrics\['eval_loss'\] is an int beyond float"):
+        ft.save_checkpoint(state, tmp_path, metrics={"eval_loss": 10**400})
+    assert list(tmp_path.iterdir()) == []
+    first = ft.save_checkpoint(state, tmp_path, metrics={"eval_loss": 1.0})
+    _reseal(first, lambda meta: meta["metrics"].update(eval_loss=10**400))
+    assert main(["inspect", str(tmp_path)]) == 1
+    assert "malformed 'metrics'" in capsys.readouterr().out
+    with pytest.raises(ft.CheckpointError, match="malformed 'metrics'"):
+        ft.load_checkpoint(first, ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd()))
+    later = ft.save_checkpoint(
+        state.replace(step=1), tmp_path, keep_last=1, metrics={"eval_loss": 2.0},
+        best_metric="eval_loss",
+    )  # fmt: skip
+    assert [p.name for p in tmp_path.iterdir()] == [later.name]

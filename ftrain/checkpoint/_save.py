@@ -640,6 +640,11 @@ def _check_save_args(state: Any, root: Any, metrics: Any, best_metric: Any, **fl
                     f"metrics must map names to numbers (a 0-dim tensor is fine; a str only "
                     f"under a '..._fn' name, as evaluate's eval_loss_fn), got {k!r}: {v!r}"
                 )
+            if isinstance(v, int) and not -(2**1023) < v < 2**1023:
+                raise ValueError(
+                    f"metrics[{k!r}] is an int beyond float's range; a checkpoint could not "
+                    "rank it (pass float(value) or a smaller number)"
+                )
     if best_metric is not None and not isinstance(best_metric, str):
         raise TypeError(f"best_metric must be a metrics key (str) or None, got {best_metric!r}")
     _check_run_folder(Path(root), "the folder that holds the run's checkpoints")
@@ -799,14 +804,23 @@ def retained(
     keep.update([s for s in steps if s not in preemption_only][-1:])
     if best_metric is not None:
         scored = [
-            (float(m[best_metric]), s)
-            for s, m in checkpoints
-            if isinstance(m.get(best_metric), (int, float)) and math.isfinite(m[best_metric])
+            (float(m[best_metric]), s) for s, m in checkpoints if _rankable(m.get(best_metric))
         ]
         # Ties go to the older checkpoint, as the first to reach a value is the best (HF).
         scored.sort(key=lambda vs: (vs[0] if mode == "min" else -vs[0], vs[1]))
         keep.update(s for _, s in scored[: max(keep_best or 1, 1)])
     return keep
+
+
+def _rankable(value: Any) -> bool:
+    """A finite number: what ranks. An int beyond float's range (a forged state.json) does not
+    (`math.isfinite` raised OverflowError, and every later save's rotation failed)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _rotate(job: _Job, keep_last: int) -> None:
