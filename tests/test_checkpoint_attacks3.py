@@ -114,3 +114,34 @@ def test_a_metric_beyond_floats_range_is_refused_not_a_crash_of_rotation_or_insp
         best_metric="eval_loss",
     )  # fmt: skip
     assert [p.name for p in tmp_path.iterdir()] == [later.name]
+
+
+def _llama(**settings):
+    from transformers import LlamaForCausalLM
+
+    cfg = tiny_llama().config
+    for k, v in settings.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(1)
+    return LlamaForCausalLM(cfg)
+
+
+def test_a_model_of_the_same_tensors_built_from_another_config_is_a_mismatch(tmp_path):
+    # Same names, shapes and dtypes, another activation (or RoPE base, norm epsilon): the
+    # tensors matched, so the resume went on silently training another function.
+    path = ft.save_checkpoint(ft.TrainState.create(_llama(), ft.optim.adamw()), tmp_path)
+    other = ft.TrainState.create(_llama(hidden_act="gelu"), ft.optim.adamw())
+    with pytest.raises(ft.checkpoint.CheckpointMismatchError) as info:
+        ft.load_checkpoint(path, other)
+    assert info.value.summary == (
+        "the model's config differs from the checkpoint's: hidden_act 'silu' in the "
+        "checkpoint, 'gelu' in the model"
+    )
+    assert info.value.differences == [
+        "model config hidden_act: checkpoint has 'silu', model has 'gelu'"
+    ]
+    with pytest.warns(ft.checkpoint.CheckpointMismatchWarning, match="model config hidden_act"):
+        ft.load_checkpoint(path, other, strict=False)
+    # Runtime switches and dropout change no function: a resume may change them.
+    same = _llama(use_cache=False, attention_dropout=0.1)
+    ft.load_checkpoint(path, ft.TrainState.create(same, ft.optim.adamw()))

@@ -6,6 +6,7 @@ failed load leaves the state as it was.
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from pathlib import Path
@@ -60,6 +61,7 @@ def _count(differences: list[str]) -> str:
         "mis-shaped": 0,
         "optimizer setting(s) changed": 0,
         "adapter setting(s) changed": 0,
+        "model config setting(s) changed": 0,
     }
     for d in differences:
         kind = "missing" if "missing" in d else "unexpected" if "unexpected" in d else None
@@ -67,26 +69,74 @@ def _count(differences: list[str]) -> str:
             kind = "optimizer setting(s) changed"
         elif d.startswith(_ADAPTER):
             kind = "adapter setting(s) changed"
+        elif d.startswith(_CONFIG):
+            kind = "model config setting(s) changed"
         kinds[kind or "mis-shaped"] += 1
     parts = [f"{n} {kind}" for kind, n in kinds.items() if n]
     return "checkpoint does not fit the state: " + ", ".join(parts) + " (details below)"
 
 
+_CONFIG = "model config "  # how each line of `_config_diffs` opens
+# HF config keys that do not change the function the weights compute: names and versions,
+# runtime switches (a resume may turn the cache off for gradient checkpointing, or pick another
+# attention kernel: the `_` keys), the init scale, label names (their count shows in the
+# tensors), and dropout, which changes training, not the function (as for adapters).
+_CONFIG_SKIP = frozenset(
+    {
+        "transformers_version", "torch_dtype", "dtype", "architectures", "use_cache",
+        "output_attentions", "output_hidden_states", "return_dict", "torchscript",
+        "initializer_range", "id2label", "label2id",
+    }
+)  # fmt: skip
+
+
+def _config_compared(key: Any) -> bool:
+    if not isinstance(key, str) or key.startswith("_") or key in _CONFIG_SKIP:
+        return False
+    return "dropout" not in key and not key.endswith("_pdrop")
+
+
+def _model_config(module: torch.nn.Module) -> dict[str, Any] | None:
+    """The model's HF config as the checkpoint's config.json holds it (JSON), or None."""
+    to_json = getattr(getattr(module, "config", None), "to_json_string", None)
+    if not callable(to_json):
+        return None
+    ours = json.loads(to_json())
+    return ours if isinstance(ours, dict) else None
+
+
+def _changed_config(saved: Any, module: torch.nn.Module) -> list[tuple[str, Any, Any]]:
+    """(key, checkpoint's value, model's value) for each compared HF config setting that both
+    record and that differs; empty without two configs. `saved` comes from the file."""
+    ours = _model_config(module)
+    if not isinstance(saved, dict) or ours is None:
+        return []
+    keys = sorted(k for k in saved.keys() & ours.keys() if _config_compared(k))
+    return [(k, saved[k], ours[k]) for k in keys if saved[k] != ours[k]]
+
+
+def _config_diffs(saved: Any, module: torch.nn.Module) -> list[str]:
+    """One line per HF config setting that differs (`_changed_config`): a model of the same
+    tensors built with another activation, RoPE base or norm epsilon computes another
+    function, and resuming it would train on silently."""
+    return [
+        f"{_CONFIG}{k}: checkpoint has {_short(a)}, model has {_short(b)}"
+        for k, a, b in _changed_config(saved, module)
+    ]
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _config_cause(opened: Opened, module: torch.nn.Module) -> str | None:
     """'config differs: hidden_size 64 in the checkpoint, 32 in the model' when both have an
     HF config and they differ, else None."""
-    to_dict = getattr(getattr(module, "config", None), "to_dict", None)
-    if opened.config is None or not callable(to_dict):
-        return None
-    ours = to_dict()
-    skip = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures"}
-    keys = sorted(k for k in opened.config.keys() & ours.keys() if k not in skip)
-    changed = [k for k in keys if opened.config[k] != ours[k]]
+    changed = _changed_config(opened.config, module)
     if not changed:
         return None
-    parts = [
-        f"{k} {opened.config[k]!r} in the checkpoint, {ours[k]!r} in the model" for k in changed
-    ]
+    parts = [f"{k} {_short(a)} in the checkpoint, {_short(b)} in the model" for k, a, b in changed]
     more = f" (+{len(parts) - 3} more)" if len(parts) > 3 else ""
     return "the model's config differs from the checkpoint's: " + "; ".join(parts[:3]) + more
 
@@ -164,6 +214,8 @@ def load_checkpoint(
         settings = _settings_diffs(meta.get(L.SETTINGS), ours)
     adapter = _adapter_diffs(meta.get("peft"), L.peft_config(module))
     diffs += opt_diffs + field_diffs + settings + adapter
+    if not diffs:  # else the config's difference opens the message (`_config_cause`) already
+        diffs = _config_diffs(opened.config, module)
     if diffs and strict:
         cause = (
             _config_cause(opened, module)
@@ -180,8 +232,8 @@ def load_checkpoint(
     if diffs:
         warnings.warn(
             f"load_checkpoint({path}) found {len(diffs)} difference(s) (what does not fit was "
-            "skipped; the state of an optimizer or adapter with other settings was loaded): "
-            + "; ".join(diffs),
+            "skipped; the state of an optimizer or adapter with other settings, and the tensors "
+            "of a model with another config, were loaded): " + "; ".join(diffs),
             CheckpointMismatchWarning,
             stacklevel=2,
         )
