@@ -145,3 +145,22 @@ def test_a_model_of_the_same_tensors_built_from_another_config_is_a_mismatch(tmp
     # Runtime switches and dropout change no function: a resume may change them.
     same = _llama(use_cache=False, attention_dropout=0.1)
     ft.load_checkpoint(path, ft.TrainState.create(same, ft.optim.adamw()))
+
+
+def test_an_export_with_overwrite_never_replaces_a_run_folder_or_a_checkpoint(tmp_path, capsys):
+    # overwrite=True with the run folder (or the checkpoint) as the target replaced it with
+    # the export: every checkpoint deleted, and latest_checkpoint then found none.
+    state = ft.TrainState.create(_llama(), ft.optim.sgd())
+    root = tmp_path / "run"
+    path = ft.save_checkpoint(state, root)
+    for target in (root, path):
+        with pytest.raises(ValueError, match=r"would replace .* which is a (run folder|checkp)"):
+            ft.export_pretrained(state, target, overwrite=True)
+        with pytest.raises(ValueError, match="export to a directory of its own"):
+            ft.export_checkpoint(path, target, overwrite=True)
+    assert main(["export", str(path), "--to", str(root), "--overwrite"]) == 1
+    assert "which is a run folder" in capsys.readouterr().err
+    assert ft.latest_checkpoint(root) == path
+    ft.load_checkpoint(path, ft.TrainState.create(_llama(), ft.optim.sgd()))
+    ft.export_pretrained(state, tmp_path / "out")
+    ft.export_pretrained(state, tmp_path / "out", overwrite=True)  # an export: replaced

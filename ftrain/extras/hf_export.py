@@ -19,6 +19,7 @@ from ftrain.checkpoint import (
     CheckpointError,
     open_checkpoint,
     read_model_tensors,
+    step_dirs,
     write_atomically,
 )
 from ftrain.optim import EmaState, ema_swapped, swap_ema
@@ -88,12 +89,27 @@ def export_pretrained(
     full = strategy.full_state_dict(module) if together else None
     try:
         if strategy.process_rank == 0:
+            _refuse_replacing_checkpoints(directory, overwrite)
             write = lambda tmp: _save_module(module, tmp, tokenizer, full)  # noqa: E731
             write_atomically(directory, write, overwrite=overwrite)
     finally:
         if together:
             strategy.barrier()
     return directory
+
+
+def _refuse_replacing_checkpoints(directory: Path, overwrite: bool) -> None:
+    """Refuse to replace a checkpoint or a run folder with an export (`overwrite=True` with the
+    run folder, or the checkpoint itself, as the target deleted every checkpoint in it)."""
+    if not overwrite or not directory.is_dir():
+        return
+    is_checkpoint = (directory / "state.json").exists() or (directory / "COMMITTED").exists()
+    if is_checkpoint or step_dirs(directory):
+        what = "a checkpoint" if is_checkpoint else "a run folder of step-<N> checkpoints"
+        raise ValueError(
+            f"overwrite=True would replace {directory}, which is {what}, with the export "
+            "(deleting it): export to a directory of its own"
+        )
 
 
 def _needs_swap(state: TrainState, weights: str | None) -> bool:
@@ -245,6 +261,7 @@ def export_checkpoint(
     if weights not in (None, "live", "ema"):
         raise ValueError(f"weights must be 'ema', 'live' or None, got {weights!r}")
     path = Path(path)
+    _refuse_replacing_checkpoints(Path(directory), overwrite)
     # The one validator: marker, state.json, files, sizes, checksums and config.json.
     opened = open_checkpoint(path, keep=("model", "optimizer") if weights == "ema" else ("model",))
     if weights is None and opened.ema_averages:
