@@ -99,17 +99,25 @@ def export_pretrained(
 
 
 def _refuse_replacing_checkpoints(directory: Path, overwrite: bool) -> None:
-    """Refuse to replace a checkpoint or a run folder with an export (`overwrite=True` with the
-    run folder, or the checkpoint itself, as the target deleted every checkpoint in it)."""
+    """Refuse to replace a checkpoint, a run folder or a folder of runs with an export
+    (`overwrite=True` with the run folder as the target deleted every checkpoint in it)."""
     if not overwrite or not directory.is_dir():
         return
-    is_checkpoint = (directory / "state.json").exists() or (directory / "COMMITTED").exists()
-    if is_checkpoint or step_dirs(directory):
-        what = "a checkpoint" if is_checkpoint else "a run folder of step-<N> checkpoints"
+    what = _holds_checkpoints(directory)
+    if what is None:
+        runs = (_holds_checkpoints(p) for p in directory.iterdir() if p.is_dir())
+        what = "a folder of runs" if any(runs) else None
+    if what is not None:
         raise ValueError(
             f"overwrite=True would replace {directory}, which is {what}, with the export "
             "(deleting it): export to a directory of its own"
         )
+
+
+def _holds_checkpoints(directory: Path) -> str | None:
+    if (directory / "state.json").exists() or (directory / "COMMITTED").exists():
+        return "a checkpoint"
+    return "a run folder of step-<N> checkpoints" if step_dirs(directory) else None
 
 
 def _needs_swap(state: TrainState, weights: str | None) -> bool:
