@@ -166,3 +166,18 @@ def test_an_export_with_overwrite_never_replaces_a_run_folder_or_a_checkpoint(tm
     ft.load_checkpoint(path, ft.TrainState.create(_llama(), ft.optim.sgd()))
     ft.export_pretrained(state, tmp_path / "out")
     ft.export_pretrained(state, tmp_path / "out", overwrite=True)  # an export: replaced
+
+
+def test_another_compute_dtype_in_a_quantization_config_is_another_precision_not_a_mismatch(
+    tmp_path,
+):
+    def quantized(**settings):
+        model = _llama()
+        q = {"quant_method": "bitsandbytes", "bnb_4bit_quant_type": "nf4", "_load_in_4bit": True}
+        model.config.quantization_config = {**q, **settings}
+        return ft.TrainState.create(model, ft.optim.adamw())
+
+    path = ft.save_checkpoint(quantized(bnb_4bit_compute_dtype="bfloat16"), tmp_path)
+    ft.load_checkpoint(path, quantized(bnb_4bit_compute_dtype="float16"))
+    with pytest.raises(ft.checkpoint.CheckpointMismatchError, match="quantization_config"):
+        ft.load_checkpoint(path, quantized(bnb_4bit_quant_type="fp4"))

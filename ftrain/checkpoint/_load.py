@@ -112,7 +112,19 @@ def _changed_config(saved: Any, module: torch.nn.Module) -> list[tuple[str, Any,
     if not isinstance(saved, dict) or ours is None:
         return []
     keys = sorted(k for k in saved.keys() & ours.keys() if _config_compared(k))
-    return [(k, saved[k], ours[k]) for k in keys if saved[k] != ours[k]]
+    return [(k, saved[k], ours[k]) for k in keys if _compared(saved[k]) != _compared(ours[k])]
+
+
+def _compared(value: Any, depth: int = 0) -> Any:
+    """A nested config value without what is not compared: a `quantization_config` resumed
+    with another `bnb_4bit_compute_dtype` is another precision, which is no difference."""
+    if not isinstance(value, dict) or depth > 16:
+        return value
+    return {
+        k: _compared(v, depth + 1)
+        for k, v in value.items()
+        if _config_compared(k) and "dtype" not in k
+    }
 
 
 def _config_diffs(saved: Any, module: torch.nn.Module) -> list[str]:
