@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import signal
 
@@ -171,3 +172,51 @@ def test_another_compute_dtype_in_a_quantization_config_is_another_precision_not
     ft.load_checkpoint(path, quantized(bnb_4bit_compute_dtype="float16"))
     with pytest.raises(ft.checkpoint.CheckpointMismatchError, match="quantization_config"):
         ft.load_checkpoint(path, quantized(bnb_4bit_quant_type="fp4"))
+
+
+def _covered_once(parts, full):
+    """The oracle: every element of `full` lies in exactly one box (points enumerated)."""
+    import itertools
+
+    for point in itertools.product(*[range(n) for n in full]):
+        inside = sum(
+            all(o <= x < o + s for x, o, s in zip(point, off, shape, strict=True))
+            for off, shape in parts
+        )
+        if inside != 1:
+            return False
+    return sum(math.prod(shape) for _, shape in parts) == math.prod(full)
+
+
+def test_the_shard_cover_check_is_exact_and_linear_in_the_shards():
+    """`_tiles` compared every pair of shards: a forged sharded checkpoint of ~100k one-element
+    shard files took about an hour to refuse. It counts the cells of the grid the shards'
+    edges cut instead; random boxes and grid tilings agree with an element-by-element count."""
+    import itertools
+    import random
+
+    from ftrain.checkpoint._verify import _tiles
+
+    rng = random.Random(0)
+    tilings = 0
+    for _ in range(3000):
+        full = [rng.randint(0, 4) for _ in range(rng.randint(1, 3))]
+        parts = []
+        for _ in range(rng.randint(0, 5)):
+            off = [rng.randint(0, n) for n in full]
+            parts.append((off, [rng.randint(0, n - o) for o, n in zip(off, full, strict=True)]))
+        if rng.random() < 0.3 and all(full):  # a grid of uneven shards, as DCP writes
+            cuts = [sorted({0, n, *rng.sample(range(1, n), rng.randint(0, n - 1))}) for n in full]
+            ranges = [range(len(c) - 1) for c in cuts]
+            parts = [
+                ([c[i] for c, i in zip(cuts, at, strict=True)],
+                 [c[i + 1] - c[i] for c, i in zip(cuts, at, strict=True)])
+                for at in itertools.product(*ranges)
+            ]  # fmt: skip
+        assert _tiles(parts, full) == _covered_once(parts, full), (parts, full)
+        tilings += _covered_once(parts, full)
+    assert tilings > 500  # the grids and some random ones
+    n = 100_000
+    ones = [([i], [1]) for i in range(n)]
+    assert _tiles(ones, [n])
+    assert not _tiles([*ones[:5], ([4], [1]), *ones[6:]], [n])  # one shard twice, one missing
