@@ -302,14 +302,31 @@ class _Groups:
 
     def __init__(self, decays: Callable[[str], bool]) -> None:
         self._decays = decays
-        self._cache: dict[tuple[str, ...], list[tuple[bool, list[str]]]] = {}
+        self._cache: dict[tuple[Any, ...], list[tuple[bool, list[str]]]] = {}
+        self._layout: dict[str, tuple[torch.device, torch.dtype]] = {}
+        self._by_layout = False
+
+    def seen(self, params: Params) -> None:
+        """Note, at `init`, where and in what dtype the parameters of a new state are.
+
+        One optimizer object may serve several states (a float32 run, then the model converted
+        to bfloat16 in part): a split cached by name alone would then group a bfloat16 tensor
+        with float32 ones (the CPU's fused SGD leaves most of it untrained). From the first
+        name met in another placement on, each step's key holds the layout too.
+        """
+        for n, p in params.items():
+            where = (p.device, p.dtype)
+            if self._layout.setdefault(n, where) != where:
+                self._by_layout = True
 
     def __call__(self, grads: Grads, params: Params) -> list[tuple[bool, list[str]]]:
-        key = tuple(grads)
+        key: tuple[Any, ...] = tuple(grads)
+        if self._by_layout:
+            key = (key, tuple((params[n].device, params[n].dtype) for n in key))
         groups = self._cache.get(key)
         if groups is None:
             split: dict[tuple[torch.device, torch.dtype, bool], list[str]] = {}
-            for name in key:
+            for name in grads:
                 p = params[name]
                 split.setdefault((p.device, p.dtype, self._decays(name)), []).append(name)
             groups = [(decay, names) for (_, _, decay), names in split.items()]
@@ -334,6 +351,7 @@ def _adam(
 
     def init(params: Params) -> AdamState:
         check_mask_names(mask, params)
+        groups.seen(params)
         steps, counts = _counters(params)
         return AdamState(
             steps=steps,
@@ -505,6 +523,7 @@ def sgd(
 
     def init(params: Params) -> SGDState | DampedSGDState:
         check_mask_names(mask, params)
+        groups.seen(params)
         if momentum == 0:
             return SGDState(momentum={})
         buffers = {n: torch.zeros_like(p) for n, p in params.items()}
