@@ -109,6 +109,8 @@ def ema(
         raise TypeError(f"warmup must be True or False, got {warmup!r}")
 
     weight_dtypes: dict[tuple[Any, ...], torch.dtype] = {}
+    dtypes_seen: dict[str, torch.dtype] = {}  # each name's dtype at `init`, over all states
+    by_dtypes = False  # set once a name came back in another dtype
 
     def weight_dtype(
         names: list[str], averages: list[torch.Tensor], found_inf: torch.Tensor
@@ -116,8 +118,12 @@ def ema(
         # The skip-aware weight is a tensor: in float32 it would round 1 - decay (2.5e-8 off
         # at 0.9999), which float64 averages would see. The widest dtype, cached per names and
         # dtypes: one optimizer that trained a float32 model and then a float64 one with the
-        # same names weighed the float64 average in float32.
-        key = (tuple(names), averages[0].dtype if averages else None, found_inf.dtype)
+        # same names weighed the float64 average in float32. The first average's dtype keys
+        # the common case; a name `init` met in two dtypes (a float32 "a" and "b", then a
+        # float32 "a" with a float64 "b") keys them all.
+        first = averages[0].dtype if averages else None
+        layout = tuple(a.dtype for a in averages) if by_dtypes else first
+        key = (tuple(names), layout, found_inf.dtype)
         dtype = weight_dtypes.get(key)
         if dtype is None:
             dtype = found_inf.dtype
@@ -134,6 +140,9 @@ def ema(
                 f"stalls (most updates round away): {dict(list(half.items())[:5])}; train "
                 f"float32 parameters (precision='bf16' autocasts them) to use ema"
             )
+        nonlocal by_dtypes
+        for n, p in params.items():
+            by_dtypes |= dtypes_seen.setdefault(n, p.dtype) != p.dtype
         average = {n: p.detach().clone() for n, p in params.items()}
         return EmaState(optimizer.init(params), average)
 
