@@ -247,6 +247,8 @@ class TrainState:
             _refuse_default_in_a_job()
             strategy = SingleDevice()
         _same_seed_on_every_process(seed, strategy)
+        if strategy.precision.loss_scaling is not None:
+            _refuse_half_masters(model)
         model = strategy.setup(model)
         params = _trainable(strategy.unwrap(model))
         if not params:
@@ -420,6 +422,22 @@ def unfrozen(state: TrainState) -> list[str]:
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+def _refuse_half_masters(model: nn.Module) -> None:
+    """Float16 loss scaling keeps float32 parameters (autocast computes in float16): a
+    float16 parameter gets the scaled gradient in float16, which overflows at the first scale
+    (65536 times a gradient of 1 is inf), so every step was skipped and the scale halved on, with
+    no update. `torch.amp.GradScaler` refuses them too."""
+    half = [n for n, p in model.named_parameters() if p.requires_grad and p.dtype == torch.float16]
+    if half:
+        shown = ", ".join(repr(n) for n in half[:3]) + (" ..." if len(half) > 3 else "")
+        raise ValueError(
+            f"precision='fp16' (loss scaling) needs float32 trainable parameters, got float16 "
+            f"{shown}: autocast computes in float16 while the weights and their gradients stay "
+            "float32; build the model in float32 (model.float()), or train float16 weights "
+            "with precision='fp32' and no scaling"
+        )
 
 
 def _trainable(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -295,3 +295,19 @@ def test_bf16_drift_across_batch_splits_is_bf16_rounding():
     for parts in (2, 4):
         assert rel(grads("fp32", parts), grads("fp32", 1)) < 1e-6
         assert 1e-4 < rel(grads("bf16", parts), grads("bf16", 1)) < 1e-2
+
+
+def test_fp16_loss_scaling_refuses_float16_parameters():
+    """The scaled float16 gradients of float16 parameters overflowed at the first scale: every
+    step was skipped and the scale halved on (nan, inf, inf...), without an update. Refused
+    now, as torch.amp.GradScaler refuses to unscale float16 gradients."""
+    model = _model().half()
+    with pytest.raises(ValueError, match=r"precision='fp16' \(loss scaling\) needs float32"):
+        ft.TrainState.create(
+            model, ft.optim.adamw(), strategy=ft.strategies.SingleDevice("cpu", precision="fp16")
+        )
+    frozen = _model()
+    frozen[0].half().requires_grad_(False)  # frozen float16 weights are no master weights
+    ft.TrainState.create(
+        frozen, ft.optim.adamw(), strategy=ft.strategies.SingleDevice("cpu", precision="fp16")
+    )
