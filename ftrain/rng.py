@@ -92,15 +92,31 @@ _DROPOUTS = (
 )
 
 
-def _rates(module: nn.Module) -> list[tuple[str, float]]:
-    """A module's functional dropout rates above 0: float attributes named like a drop rate
-    (HF's `attention_dropout`, `dropout` and `activation_dropout` in T5/BART layers,
-    `layerdrop`, timm's `drop_prob`), which its forward passes to a functional dropout."""
+def _rates(holder: object) -> list[tuple[str, float]]:
+    """Functional dropout rates above 0 that a module (or its HF `config`) holds: float
+    attributes named like a drop rate (HF's `attention_dropout`, `dropout` and
+    `activation_dropout` in T5/BART layers, `hidden_dropout`, `layerdrop`, GPT-2's `*_pdrop`,
+    timm's `drop_prob`), which a forward passes to a functional dropout."""
     return [
         (k, v)
-        for k, v in vars(module).items()
+        for k, v in vars(holder).items()
         if "drop" in k and type(v) is float and v > 0 and not k.startswith("_")
     ]
+
+
+def _holders(model: nn.Module) -> Iterator[tuple[str, object]]:
+    """(name, object) of each training-mode module that is no dropout module, and of each HF
+    config such a module reads at forward time (Falcon reads `self.config.attention_dropout`
+    there), each config once."""
+    configs: set[int] = set()
+    for name, module in model.named_modules():
+        if not module.training or isinstance(module, _DROPOUTS):
+            continue
+        yield name, module
+        config = getattr(module, "config", None)
+        if config is not None and not isinstance(config, nn.Module) and id(config) not in configs:
+            configs.add(id(config))
+            yield (f"{name}.config" if name else "config"), config
 
 
 def dropout_sites(model: nn.Module) -> list[str]:
@@ -119,27 +135,26 @@ def dropout_sites(model: nn.Module) -> list[str]:
         >>> dropout_sites(disable_dropout(model))
         []
     """
-    sites = []
-    for name, module in model.named_modules():
-        if not module.training:
-            continue
-        if isinstance(module, _DROPOUTS):
-            if module.p > 0:
-                sites.append(f"{name!r} (p={module.p})")
-            continue
-        sites += [f"{name + '.' if name else ''}{k} (p={v})" for k, v in _rates(module)]
+    sites = [
+        f"{name!r} (p={m.p})"
+        for name, m in model.named_modules()
+        if m.training and isinstance(m, _DROPOUTS) and m.p > 0
+    ]
+    for name, holder in _holders(model):
+        sites += [f"{name + '.' if name else ''}{k} (p={v})" for k, v in _rates(holder)]
     return sites
 
 
 def disable_dropout(model: nn.Module) -> nn.Module:
-    """Set every rate `dropout_sites` finds to 0, in place, and return `model` (TRL's
-    `disable_dropout`): for post-training whose log-probs are compared with ones computed
-    without dropout (`ft.rl.policy_loss`, `ft.preference.preference_loss` with a reference).
+    """Set every rate `dropout_sites` finds to 0 (the model's HF config's rates too), in
+    place, and return `model` (TRL's `disable_dropout`): for post-training whose log-probs
+    are compared with ones computed without dropout (`ft.rl.policy_loss`,
+    `ft.preference.preference_loss` with a reference).
     """
     for module in model.modules():
         if isinstance(module, _DROPOUTS):
             module.p = 0.0
-            continue
-        for k, _ in _rates(module):
-            setattr(module, k, 0.0)
+    for _, holder in _holders(model):
+        for k, _ in _rates(holder):
+            setattr(holder, k, 0.0)
     return model

@@ -342,7 +342,7 @@ def test_a_clean_eval_mode_pass_does_not_vouch_for_training():
         ft.accumulate_grads(state, micro, loss_fn)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "t5", "bart", "llama"])
+@pytest.mark.parametrize("arch", ["gpt2", "t5", "bart", "llama", "falcon"])
 def test_dropout_sites_finds_each_architectures_dropout_and_disable_dropout_removes_it(arch):
     """T5's and BART's layers keep float rates that their forward passes to a functional
     dropout (`self.dropout`, `activation_dropout`), Llama's attention `attention_dropout`,
@@ -351,6 +351,8 @@ def test_dropout_sites_finds_each_architectures_dropout_and_disable_dropout_remo
     from transformers import (
         BartConfig,
         BartForConditionalGeneration,
+        FalconConfig,
+        FalconForCausalLM,
         GPT2Config,
         GPT2LMHeadModel,
         T5Config,
@@ -378,6 +380,18 @@ def test_dropout_sites_finds_each_architectures_dropout_and_disable_dropout_remo
             )
         ),
         "llama": lambda: tiny_llama(dtype=torch.float64, dropout=0.3),
+        "falcon": lambda: FalconForCausalLM(  # reads its rates from self.config in forward
+            FalconConfig(
+                vocab_size=32,
+                hidden_size=16,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                attention_dropout=0.3,
+                hidden_dropout=0.2,
+                parallel_attn=False,
+                new_decoder_architecture=False,
+            )
+        ),
     }[arch]().train()
     assert ft.rng.dropout_sites(model)
     assert ft.rng.disable_dropout(model) is model
