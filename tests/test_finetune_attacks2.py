@@ -349,3 +349,28 @@ def test_generate_leaves_a_decoder_prompt_out_of_the_new_tokens():
     new = full[0, 3:].tolist()
     new = new[: new.index(2) + 1] if 2 in new else new  # up to the first eos, as generate ends
     assert _generated(state, batch, decoder_input_ids=prompt) == [new]
+    # A prompt without the start token: HF puts it in front, and the prompt's last token was
+    # returned as generated (the cut counted the prompt only).
+    with torch.no_grad():
+        full = state.model.generate(**batch, decoder_input_ids=prompt[:, 1:], max_new_tokens=6)
+    assert full[0, :3].tolist() == [2, 9, 9]
+    new = full[0, 3:].tolist()
+    new = new[: new.index(2) + 1] if 2 in new else new
+    assert _generated(state, batch, decoder_input_ids=prompt[:, 1:]) == [new]
+
+
+def test_generate_takes_a_model_whose_config_outputs_hidden_states():
+    """HF copies a model config's output_hidden_states into its generation_config: a model
+    built to return hidden states in its training forward could not generate (refused as if
+    generate had been asked for them); a keyword asking for them still raises."""
+    from helpers import tiny_llama
+
+    model = tiny_llama()
+    model.config.output_hidden_states = True
+    model.generation_config.output_hidden_states = True
+    state = ft.TrainState.create(model, ft.optim.adamw(), seed=0)
+    batch = {"input_ids": torch.tensor([[5, 6, 7]])}
+    out = next(iter(ft.generate(state, [batch], max_new_tokens=2, do_sample=False)))
+    assert len(out["token_ids"][0]) <= 2
+    with pytest.raises(ValueError, match=r"output_hidden_states=True asks for outputs"):
+        next(iter(ft.generate(state, [batch], max_new_tokens=2, output_hidden_states=True)))

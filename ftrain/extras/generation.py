@@ -284,7 +284,14 @@ def _refuse_dropped(model: nn.Module, kwargs: Mapping[str, Any]) -> None:
     """Refuse settings asking for scores, logits, attentions or hidden states: `model.generate`
     would compute them and `generate` yield the tokens only."""
     for name in _DROPPED:
-        if _setting(model, kwargs, name):
+        # output_attentions / output_hidden_states in the model's own config (HF copies them
+        # into its generation_config) serve its training forward: only asked of generate here.
+        asked = (
+            _setting(model, kwargs, name)
+            if name.startswith(("output_scores", "output_logits"))
+            else kwargs.get(name, getattr(kwargs.get("generation_config"), name, None))
+        )
+        if asked:
             raise ValueError(
                 f"generate: {name}=True asks for outputs besides the tokens (from the keywords, "
                 "the generation_config or the model's), which ft.generate does not yield; call "
@@ -374,15 +381,21 @@ def _new_tokens(
             # (BART, Marian) read a left-padded prompt from position k, not 0, and completed it
             # otherwise than the prompt alone.
             ids, mask = _right_pad(ids, mask, pad_id)
-        # The decoder start token, or the decoder prompt the caller passed (forced language or
-        # task tokens): generate returns it in front of the new tokens.
-        prompt = kwargs.get("decoder_input_ids")
-        width = prompt.shape[-1] if isinstance(prompt, torch.Tensor) else 1
     else:
         ids, mask = left_pad(batch["input_ids"], batch.get("attention_mask"), pad_id=pad_id)
-        width = ids.shape[1]
-    out = generate_fn(input_ids=ids, attention_mask=mask, **kwargs)
-    new = getattr(out, "sequences", out)[:, width:]
+    result = generate_fn(input_ids=ids, attention_mask=mask, **kwargs)
+    out = getattr(result, "sequences", result)
+    width = ids.shape[1]
+    if enc_dec:
+        # The decoder start token, or the decoder prompt the caller passed (forced language or
+        # task tokens), which generate returns in front of the new tokens: behind the start
+        # token when the prompt did not begin with it (HF puts it there).
+        prompt = kwargs.get("decoder_input_ids")
+        width = 1
+        if isinstance(prompt, torch.Tensor):
+            w = prompt.shape[-1]
+            width = w if torch.equal(out[:, :w], prompt.to(out.device)) else w + 1
+    new = out[:, width:]
     return new if recorder is None else recorder.trim(new, width)
 
 
