@@ -170,7 +170,8 @@ def make_batches(
     content = content_digest(data, n) if n else None
     subset = _subset(data) if several_processes(strategy) else None
     rows = {"rows": n, "content": content, "subset": subset, "lengths": _digest(lens)}
-    agree_over_ranks(strategy, {**rows, **given})
+    # The keys of a stream's call too, in its order: one collective of one size on every rank
+    agree_over_ranks(strategy, {"data": None, **rows, **given})
     if n == 0:
         raise ValueError("data is empty: an epoch would yield nothing and the loop would never end")
     pos = _map_position(n, spec, start, stream_pos, lens, content)

@@ -725,7 +725,9 @@ def stream_groups(
     Every rank must read the same global stream with the same settings (`agree`)."""
     source = stream(data)
     about = source.describe(spec.shuffle)
-    agree_over_ranks(strategy, {"data": P.digest(about), **agree})
+    # The same keys, in the same order, as a map-style call: one collective of one size
+    rows = {"rows": None, "content": None, "subset": None, "lengths": None}
+    agree_over_ranks(strategy, {"data": P.digest(about), **rows, **agree})
     pos = _resume(start, position, spec, source, about)
     micro = _MicroStream(source, spec, pos, start, _head(spec, about))
     if loading.num_workers == 0 and not loading.pin_memory:

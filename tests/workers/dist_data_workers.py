@@ -92,6 +92,11 @@ def ranks(rank: int, world: int, port: int, out: str) -> None:
         split = torch.utils.data.Subset(_rows(8), range(rank, 8, 2))  # a per-rank split
         results["subset"] = _read(ddp, split, batch_size=1)
         results["content"] = _read(ddp, _rows(8) if rank else _rows(9)[1:], batch_size=1)
+        # a stream on one rank, the same rows as a list on the other: one collective of one
+        # size on both (the stream's check sent fewer values: a mismatched all-reduce)
+        rows = _rows(8)
+        data = ft.data.IterableRows(rows) if rank else rows
+        results["stream"] = _read(ddp, data, batch_size=1)
         results["eval"] = _evaluate(ddp)
     results["ddp_mesh"] = _ddp_mesh()
     with ft.strategies.TP() as tp:  # dp=1: both processes are one data-parallel rank
