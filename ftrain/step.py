@@ -180,7 +180,9 @@ def clip_and_step(
     """
     _validate(lr, max_norm, compile, skip_nonfinite=skip_nonfinite, donate=donate)
     _check_types(state, grads, stats)
-    if max_norm is not None and getattr(type(state.model), "per_member_gradients", False):
+    if max_norm is not None and getattr(
+        type(state.strategy.unwrap(state.model)), "per_member_gradients", False
+    ):
         # ft.func.Ensemble: one global norm would clip each member by all members' gradients.
         raise ValueError(
             f"clip_and_step(max_norm={max_norm}) on an ft.func.Ensemble would clip every member "
@@ -249,7 +251,7 @@ def clip_and_step(
         assert overflow is not None
         scale, growth = update_loss_scale(scaler.scale, scaler.growth_tracker, overflow, scaling)
         if num_items is not None:  # a step that counted nothing measured nothing: kept as is
-            empty = num_items == 0
+            empty = (num_items == 0).to(scaler.scale.device, non_blocking=True)  # a host count
             scale = torch.where(empty, scaler.scale, scale)
             growth = torch.where(empty, scaler.growth_tracker, growth)
         changes["scaler"] = ScalerState(scale=scale, growth_tracker=growth)
