@@ -268,8 +268,9 @@ def _target(root: str | os.PathLike[str]) -> tuple[Path | None, Path | None]:
 def _check_not_ahead(path: Path | None, root: str | os.PathLike[str], step: int) -> None:
     """Refuse a rollback target past `step`: within one run every checkpoint is at or before
     the step observing the spike, so a newer one belongs to another branch (a run resumed from
-    an earlier checkpoint of this folder that has not saved yet), and loading it would jump
-    forward into weights this run never trained."""
+    an earlier checkpoint of this folder), and loading it would jump forward into weights this
+    run never trained. (It is refused until this run's step passes the other branch's newest
+    checkpoint, even after this run saved: the target is the folder's newest checkpoint.)"""
     if path is None:
         return
     saved = next((s for s, p in step_dirs(root) if p.name == path.name), None)
@@ -277,8 +278,8 @@ def _check_not_ahead(path: Path | None, root: str | os.PathLike[str], step: int)
         raise GuardError(
             f"loss guard: the checkpoint to roll back to, {path} (step {saved}) is past this "
             f"state's step {step}: it belongs to another run in the folder (this one resumed "
-            "from an earlier checkpoint and has not saved since). Rolling back to it would move "
-            "forward; save a checkpoint of this run first, or train it in its own folder"
+            "from an earlier checkpoint). Rolling back to it would move forward; train a "
+            "resumed branch in its own folder (copy the checkpoint it starts from there)"
         )
 
 

@@ -72,8 +72,9 @@ def _exact(rewards: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
 
     Means in the rewards' own dtype round: 1000.1 three times has a float32 mean one ulp off,
     and `(r - mean) / (std + 1e-4)` turns that ulp into advantages of +-0.35 for a group whose
-    rewards are all equal. In float64 a sum of n float32 (or half) values is exact, so its mean
-    is the value itself and equal rewards give 0 exactly."""
+    rewards are all equal. In float64 the sum of n equal float32 (or half) values is n times
+    the value exactly (for any group size below 2**29), so its mean is the value itself and
+    equal rewards give 0 exactly; unequal ones round far below float32's precision."""
     out = torch.promote_types(rewards.dtype, torch.float32)
     return rewards.to(torch.float64), out
 
