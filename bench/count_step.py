@@ -42,7 +42,7 @@ def _steps(loop: str, regime: str) -> tuple[Any, list[Any]]:
     return step, data
 
 
-def opcodes(loop: str, regime: str, steps: int = 20, top: int = 25) -> None:
+def opcodes(loop: str, regime: str, steps: int = 20, top: int = int(os.environ.get("TOP", 25))) -> None:
     step, data = _steps(loop, regime)
     counts: collections.Counter[str] = collections.Counter()
 

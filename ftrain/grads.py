@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from _collections_abc import dict_items, dict_keys, dict_values
 from collections.abc import Iterator, Mapping, Sequence
-from operator import attrgetter
+from operator import attrgetter, methodcaller
 from typing import Any, NamedTuple
 
 import torch
@@ -239,7 +239,9 @@ def accumulate_grads(
             "(ft.TrainState.create(model, optimizer, ...), then load or carry over what to keep)"
         )
     strategy = state.strategy if strategy is None else strategy
-    model, params = state.model, state.params
+    held = state.tensors_  # one lease check for the model and parameters (issue 30)
+    held.lease.check()
+    model, params = held.model, held.params
     if not model.training:
         model.train()
     for p in params.values():
@@ -254,9 +256,8 @@ def accumulate_grads(
     # truncated to 0 made clip_and_step skip a step that counted some).
     loss_sum, num_items, _, _ = sums.unbind()
     _, _, num_tokens, num_samples = sums.long().unbind()
-    grads = Grads({n: p.grad for n, p in params.items() if p.grad is not None})
-    grads.of_ema_average = ema_swapped(state)
-    if grads and not divided:
+    got = {n: p.grad for n, p in params.items() if p.grad is not None}
+    if got and not divided:
         # Backends that average over ranks (DDP) have multiplied by grad_reduce_factor; undo it,
         # and the loss scale. A step without items keeps its (zero) gradient as it is. (No
         # multiply by a factor of 1.) The divisor is the float64 sum, not the int64 count: a
@@ -268,7 +269,9 @@ def accumulate_grads(
         factor, scale = strategy.grad_reduce_factor, state.scaler.scale
         norm = norm if factor == 1 else norm * factor
         norm = norm if scale is None else norm * scale
-        torch._foreach_div_(list(grads.values()), norm)
+        torch._foreach_div_(list(got.values()), norm)
+    grads = Grads(got)
+    grads.of_ema_average = ema_swapped(state)
     # The mean over zero items is undefined: NaN, and clip_and_step skips such a step.
     stats = Stats(
         loss=(loss_sum / num_items).float(),
@@ -297,7 +300,9 @@ def _preview(names: list[str]) -> str:
 def _check_args(state: Any, micro: Any, loss_fn: Any, strategy: Any) -> None:
     if not isinstance(state, TrainState):
         raise TypeError(f"state must be a TrainState, got {type(state).__name__}")
-    if isinstance(micro, (Mapping, str, bytes, torch.Tensor)) or not isinstance(micro, Sequence):
+    if type(micro) not in _SEQUENCES and (
+        isinstance(micro, (Mapping, str, bytes, torch.Tensor)) or not isinstance(micro, Sequence)
+    ):
         raise TypeError(
             f"micro must be the micro-batches of one step (what make_batches yields, or a list "
             f"of batches), got {type(micro).__name__}; wrap a single batch: [batch]"
@@ -312,6 +317,9 @@ def _check_args(state: Any, micro: Any, loss_fn: Any, strategy: Any) -> None:
         raise TypeError(f"strategy must be an ft.strategies.Strategy, got {strategy!r}")
     if strategy is not None and strategy is not state.strategy:
         _check_override(state.strategy, strategy)
+
+
+_SEQUENCES = frozenset({list, tuple, MicroBatches})  # the usual micro: no ABC checks (issue 30)
 
 
 def _is_tensor(x: object) -> bool:
@@ -363,7 +371,7 @@ def _forward_backward(
     beyond 2**24); counts known on the host stay host ints. Each small device op and Python
     call is microseconds of a small model's step (issues 12 and 30).
     """
-    model, device, scale = state.model, strategy.device, state.scaler.scale
+    model, device, scale = state.tensors_.model, strategy.device, state.scaler.scale
     inv = _inverse_count(state, micro, loss_fn, strategy) if scale is None else None
     if loss_fn is default_loss:
         loss_fn = _defaults(model)[1]
@@ -496,12 +504,12 @@ def _inverse_count(
     can count its items from the batches before any forward and the model is large enough for
     that to pay (`COUNT_FIRST_NUMEL`); None otherwise. The same decision on every rank: it
     depends on the model and the batches' structure only (a ZeroWeight stand-in counts 0)."""
-    if not _at_least(state.params, COUNT_FIRST_NUMEL):
+    if not _at_least(state.tensors_.params, COUNT_FIRST_NUMEL):
         return None
     counts = []
     for batch in micro:
         batch, weight = weighted(batch)
-        n = _items_before_forward(loss_fn, batch, state.model)
+        n = _items_before_forward(loss_fn, batch, state.tensors_.model)
         if n is None:
             return None
         counts.append(n if weight else n * 0)
@@ -513,13 +521,12 @@ def _inverse_count(
 
 
 def _at_least(params: Mapping[str, torch.Tensor], numel: int) -> bool:
-    """Whether the parameters hold at least `numel` elements (stops counting there)."""
-    n = 0
-    for p in params.values():
-        n += p.numel()
-        if n >= numel:
-            return True
-    return False
+    """Whether the parameters hold at least `numel` elements (summed in C: a loop stopping
+    there was 80 bytecodes of a small model's step, issue 30)."""
+    return sum(map(_NUMEL, params.values())) >= numel
+
+
+_NUMEL = methodcaller("numel")
 
 
 def _reduce(totals: torch.Tensor, strategy: Strategy) -> torch.Tensor:

@@ -24,6 +24,11 @@ import torch
 
 __all__ = ["LossScaling", "Precision", "update_loss_scale"]
 
+# The context of a step part that needs none (full precision, no gradient sync to skip): one
+# shared instance, stateless and reentrant (a new one per micro-batch was a Python call a
+# context, issue 30).
+NO_CONTEXT: contextlib.nullcontext[None] = contextlib.nullcontext()
+
 
 @dataclasses.dataclass(frozen=True)
 class LossScaling:
@@ -122,7 +127,7 @@ class Precision:
     def autocast(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
         """`torch.autocast` to `dtype` on `device`'s type, or a no-op at full precision."""
         if self.dtype is None:
-            return contextlib.nullcontext()
+            return NO_CONTEXT
         return torch.autocast(device.type, dtype=self.dtype)
 
 

@@ -34,6 +34,10 @@ Caches of pure lookups: they never change a result, so `snapshot()` leaves them 
     `forward_inputs`  a model -> the keyword arguments its (innermost) `forward` names (None
         when it takes any: `**kwargs` only) and those it requires. Owner: `ftrain.losses`
         (`model_inputs`). Weak keys: an entry goes with its model.
+    `model_calls`  a model -> for each tuple of batch keys it was called with (up to 64), the
+        keys `model_inputs` passed on and whether `use_cache=False` was added. Filled only
+        where nothing was dropped and no `position_ids` were read. Owner: `ftrain.losses`
+        (`_call`). Weak keys: an entry goes with its model.
     `default_losses`  a model -> `loss_for(model)` and the loss `accumulate_grads` runs for it
         under the default loss (the same, its item count left in the loss's dtype). Owner:
         `ftrain.losses`. Weak keys: an entry goes with its model.
@@ -108,6 +112,9 @@ class ProcessState:
     optimizer_twins: _Weak[Callable[..., Any], Any] = field(default_factory=_Weak)
     compiled_steps: _Weak[Callable[..., Any], Any] = field(default_factory=_Weak)
     forward_inputs: _Weak[Any, tuple[frozenset[str] | None, frozenset[str]]] = field(
+        default_factory=_Weak
+    )
+    model_calls: _Weak[Any, dict[tuple[str, ...], tuple[tuple[str, ...], bool]]] = field(
         default_factory=_Weak
     )
     default_losses: _Weak[Any, tuple[Any, Any]] = field(default_factory=_Weak)

@@ -47,8 +47,16 @@ def dropout_seeds(seed: int, step: int, rank: int, count: int) -> list[int]:
     """
     h = _step_part(seed, step)
     rank &= _MASK64
-    mix = _splitmix64
-    return [mix(mix(h ^ i) ^ rank) >> 1 for i in range(count)]  # _micro_seed, inlined
+    m, seeds = _MASK64, []
+    for i in range(count):  # _micro_seed with both _splitmix64 rounds inlined (issue 30)
+        x = ((h ^ i) + 0x9E3779B97F4A7C15) & m
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+        x = ((x ^ (x >> 31) ^ rank) + 0x9E3779B97F4A7C15) & m
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+        seeds.append((x ^ (x >> 31)) >> 1)
+    return seeds
 
 
 def _step_part(seed: int, step: int) -> int:

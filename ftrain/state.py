@@ -69,19 +69,24 @@ def _replaced(obj: Any, changes: dict[str, Any]) -> Any:
     replace a state and its data position every step (issue 30)."""
     cls = type(obj)
     fields = cls.__dataclass_fields__
-    init = cls.__init__.__code__
-    plain = (
-        init.co_filename == "<string>"  # dataclasses' generated __init__ ...
-        and init.co_argcount + init.co_kwonlyargcount == len(fields) + 1  # ... of every field
-        and not hasattr(cls, "__post_init__")
-        and hasattr(obj, "__dict__")
-    )
+    plain = cls in _PLAIN or (_plain(cls) and hasattr(obj, "__dict__"))
     if not (plain and fields.keys() >= changes.keys()):
         return dataclasses.replace(obj, **changes)  # its errors for a name that is no field
     new = object.__new__(cls)
     new.__dict__.update(obj.__dict__)
     new.__dict__.update(changes)
     return new
+
+
+def _plain(cls: type) -> bool:
+    """Whether `_replaced` may copy a `cls` instance's `__dict__` (see there)."""
+    init = cls.__init__.__code__  # type: ignore[misc]
+    return (
+        init.co_filename == "<string>"  # dataclasses' generated __init__ ...
+        and init.co_argcount + init.co_kwonlyargcount
+        == len(cls.__dataclass_fields__) + 1  # type: ignore[attr-defined]  # ... of every field
+        and not hasattr(cls, "__post_init__")
+    )
 
 
 class _SubState:
@@ -342,6 +347,11 @@ class TrainState:
         lease.consume(by, self.step)
         return _replaced(self, fields)
 
+
+# ftrain's own states, checked once at import (the step functions replace two a step).
+_PLAIN = frozenset(
+    c for c in (TrainState, DataState, EarlyStoppingState, ScalerState) if _plain(c)
+)
 
 # The types of TrainState's own fields that `replace` checks (the step functions' `consume`
 # does not: its values come from the library). Plain values are range-checked at save.

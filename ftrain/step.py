@@ -49,7 +49,7 @@ def _validate(lr: float, max_norm: float | None, compile: bool, **flags: bool) -
 def _check_types(state: Any, grads: Any, stats: Any) -> None:
     if not isinstance(state, TrainState):
         raise TypeError(f"state must be a TrainState, got {type(state).__name__}")
-    if not isinstance(grads, Mapping):
+    if not isinstance(grads, dict) and not isinstance(grads, Mapping):  # dict: no ABC check
         raise TypeError(
             f"grads must be the mapping accumulate_grads returned, got {type(grads).__name__}"
         )
@@ -180,8 +180,10 @@ def clip_and_step(
     """
     _validate(lr, max_norm, compile, skip_nonfinite=skip_nonfinite, donate=donate)
     _check_types(state, grads, stats)
+    held = state.tensors_  # one lease check for the model, parameters and optimizer state
+    held.lease.check()
     if max_norm is not None and getattr(
-        type(state.strategy.unwrap(state.model)), "per_member_gradients", False
+        type(state.strategy.unwrap(held.model)), "per_member_gradients", False
     ):
         # ft.func.Ensemble: one global norm would clip each member by all members' gradients.
         raise ValueError(
@@ -195,6 +197,7 @@ def clip_and_step(
             "clip_and_step(state) inside ft.optim.swap_ema(state): the model holds the EMA "
             "average until the block ends; step outside the block"
         )
+    given: Mapping[str, torch.Tensor] = grads
     if isinstance(grads, Grads):
         grads.check()
         if grads.of_ema_average:  # taken at the average: applied to the live weights after it
@@ -203,16 +206,20 @@ def clip_and_step(
                 "ft.optim.swap_ema(state), where the model held the EMA average: they are the "
                 "average's, not the live weights'; compute them outside the block"
             )
+        # Checked once: a plain dict of the same tensors from here on (each read of a `Grads`
+        # checks its lease again, a dozen Python calls a step: issue 30).
+        given = dict.copy(grads)
     if not donate:
         state = snapshot(state)
-    params, strategy = state.params, state.strategy
+        held = state.tensors_
+    params, strategy = held.params, state.strategy
     scaling = strategy.precision.loss_scaling
     if (scaling is None) != (state.scaler.scale is None):
         raise ValueError(
             "the strategy's loss scaling and state.scaler disagree: create the state with "
             "the strategy that trains it (TrainState.create(..., strategy=...))"
         )
-    applied = _check_grads(grads, params)
+    applied = _check_grads(given, params)
     # With loss scaling an overflow is expected now and then: always skip it.
     check_finite = skip_nonfinite or scaling is not None
     # A step that counted no item is skipped (its gradient is 0/0), unless its Stats says it
@@ -226,7 +233,7 @@ def clip_and_step(
                 state, applied, lr=float(lr), max_norm=max_norm, check_finite=check_finite,
                 num_items=num_items,
             )  # fmt: skip
-            opt_state = state.opt_state
+            opt_state = held.opt_state
         else:
             norm = _eager_norm_and_clip(state, applied, max_norm)
             if scaling is not None:  # the loss scale's rule reads the overflow on its own
@@ -236,12 +243,12 @@ def clip_and_step(
                 overflow, skip = None, _skip(norm, num_items, check_finite)
             found_inf = None if skip is None else skip.float()  # the fused kernels' form
             opt_state = state.optimizer.update(
-                applied, state.opt_state, params, lr=float(lr), step=state.step, found_inf=found_inf
+                applied, held.opt_state, params, lr=float(lr), step=state.step, found_inf=found_inf
             )
     # The shards changed in place: whole copies that a forward without a backward gathered
     # (an evaluation between accumulate_grads and this step; FSDP2 keeps the root's) go, or
     # the next forward computes with the weights from before the step.
-    strategy.drop_gathered(state.model)
+    strategy.drop_gathered(held.model)
     if donate:
         _release(grads, params, state.step)
     changes: dict[str, object] = {"opt_state": opt_state, "step": state.step + 1}

@@ -16,7 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from ftrain.precision import Precision
+from ftrain.precision import NO_CONTEXT, Precision
 from ftrain.strategies import _dcp, _placement
 
 __all__ = ["SingleDevice", "Strategy", "default_device"]
@@ -230,7 +230,7 @@ class SingleDevice:
         return move_to(batch, self.device)
 
     def grad_sync(self, model: nn.Module, *, final: bool) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext()
+        return NO_CONTEXT
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         return self.precision.autocast(self.device)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ftrain.precision import Precision
+from ftrain.precision import NO_CONTEXT, Precision
 from ftrain.strategies._base import local_grad_norm, uncompiled
 from ftrain.strategies._group import ProcessGroupStrategy
 
@@ -98,7 +98,7 @@ class DDP(ProcessGroupStrategy):
 
     def grad_sync(self, model: nn.Module, *, final: bool) -> contextlib.AbstractContextManager[Any]:
         if not isinstance(model, DistributedDataParallel):
-            return contextlib.nullcontext()
+            return NO_CONTEXT
         if final or self.sync_every_micro:
             return _reduced(model)
         if self._kwargs.get("static_graph"):  # torch's reducer fails an internal assert there

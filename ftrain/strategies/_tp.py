@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ftrain.precision import Precision
+from ftrain.precision import NO_CONTEXT, Precision
 from ftrain.strategies import _dcp
 from ftrain.strategies._base import uncompiled
 from ftrain.strategies._fsdp import (
@@ -238,7 +238,7 @@ class TP(ProcessGroupStrategy):
         )
 
     def grad_sync(self, model: nn.Module, *, final: bool) -> contextlib.AbstractContextManager[Any]:
-        return gradient_sync(model, final) if self.dp > 1 else contextlib.nullcontext()
+        return gradient_sync(model, final) if self.dp > 1 else NO_CONTEXT
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         # Over the data-parallel ranks only: the tensor-parallel ones hold the same values.
