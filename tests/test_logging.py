@@ -257,6 +257,83 @@ def test_sinks_compose_and_reject_non_sinks(tmp_path):
         ft.logging.Sinks(print)
 
 
+class _Recorder:
+    """A user's sink: records how it was closed; `plain` ones have the old `close(self)`."""
+
+    def __init__(self, closes, name, *, fail_log=False, fail_close=False):
+        self.closes, self.name, self.fail_log, self.fail_close = closes, name, fail_log, fail_close
+
+    def step(self, state):
+        pass
+
+    def log(self, record):
+        if self.fail_log:
+            raise OSError(f"{self.name} could not send the record")
+
+    def close(self, *, failed=False):
+        self.closes.append((self.name, failed))
+        if self.fail_close:
+            raise OSError(f"{self.name} could not close")
+
+
+class _Plain(_Recorder):
+    def close(self):
+        self.closes.append((self.name, "plain"))
+
+
+def test_logger_tells_sinks_that_take_it_whether_the_run_failed():
+    state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+    for raised in (False, True):
+        closes = []
+        sinks = [_Recorder(closes, "kw"), _Plain(closes, "plain")]
+        try:
+            with ft.logging.Logger(state, every=1, sinks=sinks, progress=False) as logger:
+                if raised:
+                    raise RuntimeError("the block failed")
+        except RuntimeError:
+            pass
+        logger.close()  # a plain close is a normal finish (the trackers ignore a second one)
+        assert closes == [("kw", raised), ("plain", "plain"), ("kw", False), ("plain", "plain")]
+    closes = []
+    logger = ft.logging.Logger(state, every=1, sinks=[_Recorder(closes, "kw")], progress=False)
+    logger.close(failed=True)
+    assert closes == [("kw", True)]
+
+
+def test_sinks_close_every_sink_when_one_fails_to_close():
+    """One sink that raised while closing left the sinks after it open (an MLflow run stayed
+    RUNNING)."""
+    closes = []
+    sink = ft.logging.Sinks(
+        _Recorder(closes, "a", fail_close=True),
+        _Recorder(closes, "b", fail_close=True),
+        _Plain(closes, "c"),
+    )
+    with pytest.raises(OSError, match="a could not close"):  # the first error
+        sink.close()
+    assert closes == [("a", False), ("b", False), ("c", "plain")]
+    closes = []
+    with (
+        pytest.raises(RuntimeError),
+        ft.logging.Sinks(_Recorder(closes, "kw"), _Plain(closes, "p")),
+    ):
+        raise RuntimeError("the block failed")
+    assert closes == [("kw", True), ("p", "plain")]
+
+
+def test_logger_close_closes_the_sinks_as_failed_when_the_last_record_is_refused():
+    """A final record that a sink refused left every sink open."""
+    state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+    closes = []
+    sinks = [_Recorder(closes, "kw", fail_log=True), _Plain(closes, "plain")]
+    logger = ft.logging.Logger(state, every=10, sinks=sinks, progress=False, first=False)
+    stats = _stats(1.0)
+    logger.step(_advance(state, stats), stats, _info())  # step 1 of 10: not a log step
+    with pytest.raises(OSError, match="kw could not send the record"):
+        logger.close()  # emits step 1, which the sink refuses: the run did not finish
+    assert closes == [("kw", True), ("plain", "plain")]
+
+
 def test_plot_cli_writes_a_png(tmp_path):
     path = tmp_path / "metrics.jsonl"
     sink = ft.logging.JSONLSink(path)

@@ -23,12 +23,13 @@ class Logger:
     and on log steps (`should_log(state, every=..., total_steps=..., first=...)`, and the last
     step, `total_steps`) reads the window back in one sync and sends the record to the sinks.
     Records from elsewhere (eval metrics) go through `logger.log(record)`. `close()` emits the
-    steps since the last record (a run that stopped early), unless it closes on an error. A
-    state whose step is not past the last one logged (a guard rollback, a checkpoint reloaded
-    in the loop) starts a new window at the restored state, as a resumed run does: the steps
-    that were undone are in no record. So does a first step that does not follow the state the
-    logger was built with (a checkpoint loaded after building it). The parts (`window`,
-    `update`, `emit`, the sinks) stay public for anything this does not cover.
+    steps since the last record (a run that stopped early), unless it closes on an error
+    (`with logger:` whose block raised, or `close(failed=True)`: the trackers then end their
+    runs as failed). A state whose step is not past the last one logged (a guard rollback, a
+    checkpoint reloaded in the loop) starts a new window at the restored state, as a resumed
+    run does: the steps that were undone are in no record. So does a first step that does not
+    follow the state the logger was built with (a checkpoint loaded after building it). The
+    parts (`window`, `update`, `emit`, the sinks) stay public for anything this does not cover.
 
     Args:
         state: where training starts or resumes: the bar starts at `state.step`, and only
@@ -157,25 +158,33 @@ class Logger:
             raise TypeError(f"a record's 'step' must be an int >= 0, got {step!r}")
         self.sink.log(record)
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
         """Emit the steps since the last record, if any (a run that stopped before a log step),
-        then close the bar and every sink."""
-        if self._state is not None:
-            self.flush(self._state)
-        self._close()
+        then close the bar and every sink: the trackers end their runs as finished.
 
-    def _close(self) -> None:
+        Args:
+            failed: the run ended on an error (what `with logger:` passes when its block
+                raised): nothing is emitted (the last state may be half-updated) and the
+                trackers end their runs as failed. Only this says so: a close that runs inside
+                an `except` block of the caller's is a normal finish.
+        """
+        try:
+            if not failed and self._state is not None:
+                self.flush(self._state)
+        except BaseException:
+            self._close(failed=True)  # a record that could not be sent: the run did not finish
+            raise
+        self._close(failed=failed)
+
+    def _close(self, *, failed: bool) -> None:
         self._state = None  # a second close emits nothing
-        self.sink.close()
+        self.sink.close(failed=failed)
 
     def __enter__(self) -> Logger:
         return self
 
     def __exit__(self, kind: object, *exc: object) -> None:
-        if kind is None:
-            self.close()
-        else:  # on an error the last state may be half-updated: close without reading it
-            self._close()
+        self.close(failed=kind is not None)
 
     def _learn_epoch_size(self, state: TrainState) -> None:
         # The epoch's last step left the cursor at the number of micro-batches in it.

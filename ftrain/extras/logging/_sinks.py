@@ -2,13 +2,17 @@
 
 A sink's `step(state)` runs after every step and must not read device tensors (it may move a
 progress bar); `log(record)` receives each emitted record (train or eval: a dict with `step`);
-`close()` flushes. Build sinks on the main rank only (`state.strategy.rank == 0`), or rely on
+`close()` flushes. A `close` with a keyword `failed` (`close(self, *, failed=False)`) is told how
+the run ended: `failed=True` when a `Logger` (or `Sinks`) `with` block raised or
+`logger.close(failed=True)` was called, False otherwise; a `close(self)` without it is called
+without it. Build sinks on the main rank only (`state.strategy.rank == 0`), or rely on
 `ProgressBar`, which turns itself off elsewhere. `ft.logging.Logger` drives them all with one
 call per step.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import numbers
@@ -74,15 +78,47 @@ class Sinks:
         for s in self.sinks:
             s.log(record)
 
-    def close(self) -> None:
-        for s in self.sinks:
-            s.close()
+    def close(self, *, failed: bool = False) -> None:
+        """Close every sink, also when one raises (the first error is raised after the rest
+        are closed), passing `failed` to those whose `close` takes it."""
+        _close_all(self.sinks, failed)
 
     def __enter__(self) -> Sinks:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: object, *exc: object) -> None:
+        self.close(failed=kind is not None)
+
+
+def _close_all(sinks: tuple[Sink, ...], failed: bool) -> None:
+    # One sink that failed to close (a full disk, a tracker server down) left those after it
+    # open: an MLflow run stayed RUNNING. The rest are closed before its error is raised.
+    error: Exception | None = None
+    for s in sinks:
+        try:
+            _close_sink(s, failed=failed)
+        except Exception as e:
+            error = error or e
+    if error is not None:
+        raise error
+
+
+def _close_sink(sink: Sink, *, failed: bool) -> None:
+    """Close `sink`: with `failed=failed` when its `close` takes a `failed` argument, else
+    without arguments (a sink written for the plain `close(self)` protocol)."""
+    if _takes_failed(sink.close):
+        sink.close(failed=failed)  # type: ignore[call-arg]
+    else:
+        sink.close()
+
+
+def _takes_failed(close: Any) -> bool:
+    try:
+        param = inspect.signature(close).parameters.get("failed")
+    except (TypeError, ValueError):  # a callable without a signature (a builtin)
+        return False
+    kinds = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return param is not None and param.kind in kinds
 
 
 class JSONLSink:
