@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -173,13 +172,21 @@ class MLflowSink:
         metrics = [Metric(k, v, now, step) for k, v in _scalars(record).items()]
         self._client.log_batch(self.run_id, metrics=metrics)
 
-    def close(self) -> None:
-        """End the run: FINISHED, or FAILED when closed while an exception is being handled
-        (a `Logger` block that raised), as MLflow's own `with mlflow.start_run()` does."""
+    def close(self, *, failed: bool = False) -> None:
+        """End the run: FINISHED, or FAILED with `failed=True` (what `Logger` passes when its
+        `with` block raised, as MLflow's own `with mlflow.start_run()` ends a run). A second
+        close does nothing; a record sent after one raises, on every rank.
+
+        Args:
+            failed: the run ended on an error. Only this decides: a close that runs inside an
+                unrelated `except` block (`sys.exc_info()` set) is a normal finish.
+        """
         if self._client is not None:
-            status = "FINISHED" if sys.exc_info()[0] is None else "FAILED"
-            self._client.set_terminated(self.run_id, status=status)
-            self._client, self._closed = None, True
+            self._client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+            self._client = None
+        # Off rank 0 too: else a record after close raised on rank 0 only, which then left the
+        # job while the other ranks went on to their next collective and hung.
+        self._closed = True
 
 
 def _closed(sink: object, closed: bool) -> None:
@@ -307,9 +314,16 @@ class WandbSink:
             )
         self._run.log({**tags, GLOBAL_STEP: step})
 
-    def close(self) -> None:
-        """Finish the run: exit code 1 when closed while an exception is being handled (a
-        `Logger` block that raised), as W&B's own `with wandb.init()` does; 0 otherwise."""
+    def close(self, *, failed: bool = False) -> None:
+        """Finish the run: exit code 0, or 1 with `failed=True` (what `Logger` passes when its
+        `with` block raised, as W&B's own `with wandb.init()` finishes a run). A second close
+        does nothing; a record sent after one raises, on every rank.
+
+        Args:
+            failed: the run ended on an error. Only this decides: a close that runs inside an
+                unrelated `except` block (`sys.exc_info()` set) is a normal finish.
+        """
         if self._run is not None:
-            self._run.finish(exit_code=0 if sys.exc_info()[0] is None else 1)
-            self._run, self._closed = None, True
+            self._run.finish(exit_code=1 if failed else 0)
+            self._run = None
+        self._closed = True  # off rank 0 too, as in MLflowSink.close

@@ -1,0 +1,133 @@
+"""How a tracker run ends: finished or failed from what the caller says (`Logger`'s `with` block
+raised, `close(failed=True)`), never from an exception that happens to be handled around the
+close; read back from the MLflow store and the W&B offline files."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ftrain as ft
+from test_trackers import _finished_records
+
+
+@pytest.fixture
+def mlflow_uri(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # as in test_trackers.py
+    return (tmp_path / "mlruns").as_uri()
+
+
+def _status(uri, sink):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(uri).get_run(sink.run_id).info.status
+
+
+def _steps(logger, n=2):
+    """`n` steps of a tiny regression, each folded into `logger` (a log record every step)."""
+    state = ft.TrainState.create(torch.nn.Linear(3, 1), ft.optim.sgd(), seed=0)
+    batch = [(torch.ones(4, 3), torch.zeros(4, 1))]
+
+    def loss_fn(model, b):
+        return ((model(b[0]) - b[1]) ** 2).sum(), torch.tensor(4)
+
+    for _ in range(n):
+        grads, stats = ft.accumulate_grads(state, batch, loss_fn)
+        state, info = ft.clip_and_step(state, grads, stats=stats, lr=0.1)
+        logger.step(state, stats, info)
+    return state
+
+
+def _logger(sink):
+    state = ft.TrainState.create(torch.nn.Linear(3, 1), ft.optim.sgd(), seed=0)
+    return ft.logging.Logger(state, every=1, sinks=[sink], progress=False)
+
+
+def test_mlflow_close_inside_an_unrelated_except_block_finishes_the_run(tmp_path, mlflow_uri):
+    """`close()` read `sys.exc_info()`: a clean run closed in an `except` block that handled
+    something else (a user's Ctrl-C handler, a retry after an OOM) was marked FAILED."""
+    sink = ft.logging.MLflowSink(tmp_path / "a", tracking_uri=mlflow_uri)
+    logger = _logger(sink)
+    try:
+        _steps(logger)
+        raise KeyboardInterrupt  # the user stops a healthy run
+    except KeyboardInterrupt:
+        logger.close()
+    assert _status(mlflow_uri, sink) == "FINISHED"
+
+    retried = ft.logging.MLflowSink(tmp_path / "b", tracking_uri=mlflow_uri)
+    try:
+        raise MemoryError("the first attempt ran out of memory")
+    except MemoryError:
+        with _logger(retried) as logger:  # the retry, which succeeds
+            _steps(logger)
+    assert _status(mlflow_uri, retried) == "FINISHED"
+
+
+def test_mlflow_run_fails_only_when_told_and_a_second_close_keeps_the_outcome(tmp_path, mlflow_uri):
+    raised = ft.logging.MLflowSink(tmp_path / "a", tracking_uri=mlflow_uri)
+    with pytest.raises(RuntimeError, match="diverged"), _logger(raised) as logger:
+        _steps(logger)
+        raise RuntimeError("diverged")
+    logger.close()  # a `finally: logger.close()` after the block: the run stays FAILED
+    assert _status(mlflow_uri, raised) == "FAILED"
+
+    told = ft.logging.MLflowSink(tmp_path / "b", tracking_uri=mlflow_uri)
+    logger = _logger(told)
+    _steps(logger)
+    logger.close(failed=True)  # without `with`: `except BaseException: close(failed=True)`
+    logger.close()
+    assert _status(mlflow_uri, told) == "FAILED"
+
+    # The failed run resumed by a restart is running again, and a clean close finishes it.
+    resumed = ft.logging.MLflowSink(tmp_path / "b", tracking_uri=mlflow_uri)
+    assert resumed.resumed and resumed.run_id == told.run_id
+    assert _status(mlflow_uri, resumed) == "RUNNING"
+    try:
+        raise ValueError("handled by the caller, unrelated to the run")
+    except ValueError:
+        resumed.close()
+    assert _status(mlflow_uri, resumed) == "FINISHED"
+
+
+def test_trackers_refuse_a_record_after_close_on_every_rank(tmp_path, mlflow_uri):
+    """Off rank 0 a closed tracker dropped the record that rank 0 refused: rank 0 left the job
+    with the error while the others went on (and hung at their next collective)."""
+    for quiet in (
+        ft.logging.MLflowSink(tmp_path / "m", tracking_uri=mlflow_uri, rank=1),
+        ft.logging.WandbSink(tmp_path / "w", rank=1),
+    ):
+        quiet.log({"step": 1, "loss": 1.0})  # off rank 0: dropped
+        quiet.close(failed=True)
+        quiet.close()
+        with pytest.raises(ValueError, match=f"{type(quiet).__name__} is closed"):
+            quiet.log({"step": 2, "loss": 1.0})
+        assert quiet.run_id is None
+    assert not (tmp_path / "m").exists() and not (tmp_path / "w").exists()
+
+
+def _exit_code(run_dir):
+    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    exits = [r for r in _finished_records(path) if r.WhichOneof("record_type") == "exit"]
+    (code,) = [r.exit.exit_code for r in exits]
+    return code
+
+
+def test_wandb_exit_code_comes_from_the_logger_block_not_the_handled_exception(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    clean = ft.logging.WandbSink(tmp_path / "clean", project="t")
+    logger = _logger(clean)
+    try:
+        _steps(logger)
+        raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        logger.close()  # was exit code 1: an exception was being handled
+    failed = ft.logging.WandbSink(tmp_path / "failed", project="t")
+    with pytest.raises(RuntimeError), _logger(failed) as logger:
+        _steps(logger)
+        raise RuntimeError("diverged")
+    assert _exit_code(tmp_path / "clean") == 0
+    assert _exit_code(tmp_path / "failed") == 1
