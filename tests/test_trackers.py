@@ -111,6 +111,24 @@ def test_mlflow_sink_refuses_changed_params_and_is_silent_off_rank_0(tmp_path, m
         ft.logging.MLflowSink(other, tracking_uri=uri)
 
 
+def test_mlflow_sink_resumes_a_run_whose_long_param_mlflow_truncated(tmp_path, mlflow_uri):
+    """MLflow keeps a param value's first 6000 characters: the restart compared the whole value
+    with them and refused to resume ("params differ"), on every restart."""
+    from mlflow.tracking import MlflowClient
+
+    files = ",".join(f"shard-{i:05d}.parquet" for i in range(400))  # 8000 characters
+    root = tmp_path / "run"
+    first = ft.logging.MLflowSink(root, tracking_uri=mlflow_uri, params={"files": files})
+    first.close()
+    logged = MlflowClient(mlflow_uri).get_run(first.run_id).data.params["files"]
+    assert len(files) > len(logged) and files.startswith(logged)
+    again = ft.logging.MLflowSink(root, tracking_uri=mlflow_uri, params={"files": files})
+    assert again.resumed and again.run_id == first.run_id
+    again.close()
+    with pytest.raises(ValueError, match=r"params differ.*'files'"):  # a real change still raises
+        ft.logging.MLflowSink(root, tracking_uri=mlflow_uri, params={"files": "x" + files})
+
+
 def _wandb_records(path):
     """Protobuf records of a .wandb file (W&B's LevelDB-style log: 32 KiB blocks of chunks with
     a 7-byte header: crc32, length, type 1 full / 2 first / 3 middle / 4 last)."""

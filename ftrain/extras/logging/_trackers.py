@@ -146,7 +146,13 @@ class MLflowSink:
                     "use a new run_dir for a new run"
                 )
         logged = run.data.params
-        changed = {k: (logged[k], v) for k, v in params.items() if k in logged and logged[k] != v}
+        # MLflow keeps a long value's first MAX_PARAM_VAL_LENGTH characters (with a warning): a
+        # restart compared the whole value with them and refused every resume of such a run.
+        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH as kept
+
+        changed = {
+            k: (logged[k], v) for k, v in params.items() if k in logged and logged[k] != v[:kept]
+        }
         if changed:
             raise ValueError(
                 f"params differ from those of the resumed MLflow run {run_id} "
