@@ -131,3 +131,17 @@ def test_wandb_exit_code_comes_from_the_logger_block_not_the_handled_exception(
         raise RuntimeError("diverged")
     assert _exit_code(tmp_path / "clean") == 0
     assert _exit_code(tmp_path / "failed") == 1
+
+
+def test_mlflow_run_whose_params_mlflow_refuses_ends_failed(tmp_path, mlflow_uri):
+    """The run was created, then its params refused: it stayed RUNNING, with its id in no
+    file (a restart makes another)."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    with pytest.raises(MlflowException, match="lr@peak"):
+        ft.logging.MLflowSink(tmp_path / "a", tracking_uri=mlflow_uri, params={"lr@peak": 0.1})
+    client = MlflowClient(mlflow_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("ftrain").experiment_id])
+    assert run.info.status == "FAILED"
+    assert not (tmp_path / "a" / "mlflow_run_id").exists()

@@ -113,7 +113,13 @@ class MLflowSink:
             self.run_id = self._client.create_run(exp_id, run_name=run_name).info.run_id
             from mlflow.entities import Param
 
-            self._client.log_batch(self.run_id, params=[Param(k, v) for k, v in params.items()])
+            try:
+                self._client.log_batch(self.run_id, params=[Param(k, v) for k, v in params.items()])
+            except Exception:
+                # A param MLflow refuses (a name with "@", a key that is no string): the run,
+                # whose id is in no file, stayed RUNNING for good; each retry added another.
+                self._client.set_terminated(self.run_id, status="FAILED")
+                raise
             _write_id(id_file, self.run_id)
 
     def _reopen(
