@@ -187,7 +187,7 @@ class MLflowSink:
     def close(self, *, failed: bool = False) -> None:
         """End the run: FINISHED, or FAILED with `failed=True` (what `Logger` passes when its
         `with` block raised, as MLflow's own `with mlflow.start_run()` ends a run). A second
-        close does nothing; a record sent after one raises, on every rank.
+        close does nothing; a record sent after one raises (off rank 0 every record is dropped).
 
         Args:
             failed: the run ended on an error. Only this decides: a close that runs inside an
@@ -195,10 +195,7 @@ class MLflowSink:
         """
         if self._client is not None:
             self._client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
-            self._client = None
-        # Off rank 0 too: else a record after close raised on rank 0 only, which then left the
-        # job while the other ranks went on to their next collective and hung.
-        self._closed = True
+            self._client, self._closed = None, True
 
 
 def _closed(sink: object, closed: bool) -> None:
@@ -329,7 +326,7 @@ class WandbSink:
     def close(self, *, failed: bool = False) -> None:
         """Finish the run: exit code 0, or 1 with `failed=True` (what `Logger` passes when its
         `with` block raised, as W&B's own `with wandb.init()` finishes a run). A second close
-        does nothing; a record sent after one raises, on every rank.
+        does nothing; a record sent after one raises (off rank 0 every record is dropped).
 
         Args:
             failed: the run ended on an error. Only this decides: a close that runs inside an
@@ -337,5 +334,4 @@ class WandbSink:
         """
         if self._run is not None:
             self._run.finish(exit_code=1 if failed else 0)
-            self._run = None
-        self._closed = True  # off rank 0 too, as in MLflowSink.close
+            self._run, self._closed = None, True
