@@ -104,6 +104,9 @@ def test_trackers_off_rank_0_take_the_outcome_and_do_nothing(tmp_path, mlflow_ur
         quiet.log({"step": 3, "loss": 1.0})
         assert quiet.run_id is None
     assert not (tmp_path / "m").exists() and not (tmp_path / "w").exists()
+    # The arguments WandbSink sets itself were refused on rank 0 only.
+    with pytest.raises(TypeError, match=r"WandbSink sets \['id'\] itself"):
+        ft.logging.WandbSink(tmp_path / "w", id="x", rank=1)
 
 
 def _exit_code(run_dir):

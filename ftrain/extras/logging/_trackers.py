@@ -271,11 +271,12 @@ class WandbSink:
         self.resumed = False
         self._run: Any = None
         self._closed = False  # a record after close() would be dropped: it raises instead
-        if _process_rank(rank) != 0:
-            return
+        # Checked on every rank: a check on rank 0 only stopped it while the others trained on.
         taken = {"id", "resume", "dir", "config", "project"} & set(init_kwargs)
         if taken:
             raise TypeError(f"WandbSink sets {sorted(taken)} itself; use run_dir/params/project")
+        if _process_rank(rank) != 0:
+            return
         try:
             import wandb
         except ImportError as e:  # pragma: no cover - exercised only without the extra
