@@ -136,14 +136,17 @@ class SFTCollator:
 
     `encode` makes one row: `[BOS] + prompt` truncated to `source_max_len` tokens, then
     `response + [EOS]` truncated to `target_max_len` (a truncated response loses its EOS, as in
-    qlora.py), each cut at its end; with the tokenizer's `truncation_side="left"`, at its start
-    instead (the prompt keeps its BOS, the response its EOS); labels are the response tokens,
-    with -100 over the prompt unless `train_on_source`. Calling the collator on a list of rows
-    (raw, or already encoded) pads them: `input_ids` with the tokenizer's pad token, `labels`
-    with -100, and an `attention_mask` from the real lengths (qlora.py compares ids with the
-    pad id, which is wrong when pad and EOS share an id). Packed rows (`ft.data.pack_examples`,
-    which carry `position_ids`) are padded as `packed_collate` pads them, without an attention
-    mask, so that HF models keep their examples apart.
+    qlora.py), each cut at its end; with the tokenizer's `truncation_side="left"` the prompt is
+    cut at its start instead (it keeps its BOS and the end next to the response), and the
+    response still at its end: the loss trains the response from its first token, as TRL's
+    `truncation_mode="keep_end"` keeps the prompt's end and the completion's start (cutting the
+    response's start would train the model to begin its answer mid-sentence). Labels are the
+    response tokens, with -100 over the prompt unless `train_on_source`. Calling the collator on
+    a list of rows (raw, or already encoded) pads them: `input_ids` with the tokenizer's pad
+    token, `labels` with -100, and an `attention_mask` from the real lengths (qlora.py compares
+    ids with the pad id, which is wrong when pad and EOS share an id). Packed rows
+    (`ft.data.pack_examples`, which carry `position_ids`) are padded as `packed_collate` pads
+    them, without an attention mask, so that HF models keep their examples apart.
 
     Truncation is counted, never silent: `truncated` holds the running counts of rows encoded
     and of prompts and responses cut, and the first call that cuts anything issues a
@@ -232,15 +235,16 @@ class SFTCollator:
         return out
 
     def _cut(self, bos: list[int], prompt: list[int], target: list[int]) -> tuple[list, list]:
-        """`[BOS] + prompt` and `target` cut to their limits on the tokenizer's
-        `truncation_side`: "right" (qlora.py's) keeps the starts, "left" the ends (the prompt's
-        after its BOS, which stays)."""
-        if getattr(self.tokenizer, "truncation_side", "right") != "left":
-            source = bos + prompt
-            return source[: self.source_max_len], target[: self.target_max_len]
-        keep = self.source_max_len - len(bos)
-        source = bos[: self.source_max_len] + (prompt[-keep:] if keep > 0 else [])
-        return source, target[-self.target_max_len :]
+        """`[BOS] + prompt` and `target` cut to their limits. The prompt on the tokenizer's
+        `truncation_side`: "right" (qlora.py's) keeps its start, "left" its end (after its BOS,
+        which stays). The response always keeps its start: the labels begin where the prompt
+        ends, so a response cut at its start would train an answer that starts mid-way."""
+        if _left(self.tokenizer):
+            keep = self.source_max_len - len(bos)
+            source = bos[: self.source_max_len] + (prompt[-keep:] if keep > 0 else [])
+        else:
+            source = (bos + prompt)[: self.source_max_len]
+        return source, target[: self.target_max_len]
 
     def _count(self, rows: int, prompts: int, responses: int) -> None:
         tally, old = self._tally, self._tally.counts
@@ -249,13 +253,13 @@ class SFTCollator:
         )
         if (prompts or responses) and not tally.warned:
             tally.warned = True
-            side = "starts" if getattr(self.tokenizer, "truncation_side", "") == "left" else "ends"
+            side = "starts" if _left(self.tokenizer) else "ends"
             warnings.warn(
                 f"SFTCollator cut the {side} of {prompts} of {rows} prompts ([BOS] + input) to "
-                f"source_max_len={self.source_max_len} and of {responses} of {rows} responses "
-                f"(output + [EOS]) to target_max_len={self.target_max_len}; raise the limits or "
-                "shorten the rows. collator.truncated keeps the running counts; this warning "
-                "is issued once per collator",
+                f"source_max_len={self.source_max_len} and the ends of {responses} of {rows} "
+                f"responses (output + [EOS]) to target_max_len={self.target_max_len}; raise the "
+                "limits or shorten the rows. collator.truncated keeps the running counts; this "
+                "warning is issued once per collator",
                 TruncationWarning,
                 stacklevel=3,
             )
@@ -274,6 +278,11 @@ class SFTCollator:
             pad_to_multiple_of=self.pad_to_multiple_of,
             attention_mask=not packed,
         )(rows)
+
+
+def _left(tokenizer: Any) -> bool:
+    """Whether the tokenizer truncates on the left (`truncation_side="left"`)."""
+    return getattr(tokenizer, "truncation_side", "right") == "left"
 
 
 def packed_collate(pad_id: int, pad_to_multiple_of: int | None = None) -> Callable[..., Any]:
