@@ -54,7 +54,12 @@ def flatten_batches(batches: Iterable[Any]) -> Iterator[Any]:
 
     A list is a group when each of its items is a batch (a dict, list, tuple or `MicroBatches`);
     any other list is one batch: a DataLoader over a `TensorDataset` yields `[x, y]`, which was
-    read as two batches (x, then y, each unpacked into two of its rows by a `loss_fn`).
+    read as two batches (x, then y, each unpacked into two of its rows by a `loss_fn`). A list
+    of dicts that share no key is refused: it is one batch split into parts (a DataLoader's
+    default collate turns `(inputs, labels)` rows into `[inputs, labels]`), not a group.
+
+    Raises:
+        ValueError: for a group of dicts where one shares no key with the first (see above).
 
     Example:
         >>> import torch
@@ -66,6 +71,7 @@ def flatten_batches(batches: Iterable[Any]) -> Iterator[Any]:
     """
     for item in batches:
         if isinstance(item, MicroBatches) or (isinstance(item, list) and _is_group(item)):
+            _check_parts(item, "a batch")
             yield from item
         else:
             yield item
@@ -73,6 +79,25 @@ def flatten_batches(batches: Iterable[Any]) -> Iterator[Any]:
 
 def _is_group(items: list[Any]) -> bool:
     return all(isinstance(x, (Mapping, list, tuple, MicroBatches)) for x in items)
+
+
+def _check_parts(items: Any, what: str) -> None:
+    """Refuse dicts that share no key with the first dict of `items`: the parts of one batch
+    (`(inputs, labels)`), each of which would be read as a batch of its own (metrics of the
+    inputs alone, then of the labels alone), as `accumulate_grads` refuses an `[x, y]` batch of
+    tensors passed as its micro-batches."""
+    dicts = [x for x in items if isinstance(x, Mapping) and x]
+    first = set(dicts[0]) if dicts else set()
+    if any(first.isdisjoint(d) for d in dicts[1:]):
+        keys = [sorted(d) for d in dicts]
+        raise ValueError(
+            f"{what} is a {type(items).__name__} of {len(dicts)} dicts that share no key "
+            f"({keys}): the parts of one batch, e.g. (inputs, labels), which would be read as "
+            f"{len(dicts)} batches (a DataLoader's default collate turns a dataset's "
+            "(inputs, labels) rows into [inputs, labels]). Merge them into one dict "
+            "({**inputs, **labels}, in a collate_fn), or return a tuple from the collate_fn for "
+            "a loss_fn or output_fn that takes (inputs, labels); wrap a single batch: [batch]"
+        )
 
 
 def prediction_batches(batches: Iterable[Any], caller: str) -> Iterator[Any]:
@@ -157,7 +182,10 @@ def evaluate(
 
     Raises:
         TypeError: for an argument of the wrong type (named in the message).
-        ValueError: with no batches; when both `loss_fn` and a `metrics_fn` returning
+        ValueError: with no batches; for the parts of one batch given as batches (dicts
+            that share no key, e.g. the `[inputs, labels]` a DataLoader yields for
+            `(inputs, labels)` rows: see `flatten_batches`); when both `loss_fn` and a
+            `metrics_fn` returning
             `"loss"` are given; when `metrics_fn` returns a name evaluate reports itself
             (`items`, `loss_fn`, `ppl`, and `metrics_loss` where that holds its loss); or, with
             several ranks, when `metrics_fn` returns other names on one rank than on another;
@@ -270,6 +298,8 @@ def _check_batches(batches: Any) -> None:
             f"batches must be an iterable of batches (make_batches(val, batch_size=...) or a "
             f"list), got {type(batches).__name__}; wrap a single batch: [batch]"
         )
+    if isinstance(batches, (list, tuple)):  # evaluate(state, (inputs, labels)): one batch's parts
+        _check_parts(batches, "batches")
 
 
 def check_prediction_args(
@@ -491,8 +521,9 @@ def predict(
 
     Raises:
         TypeError: for an argument of the wrong type (named in the message).
-        ValueError: with no batches, or batches `make_batches` shuffled (the outputs would
-            not line up with the dataset); if the outputs of one batch disagree on the number of
+        ValueError: with no batches, batches `make_batches` shuffled (the outputs would
+            not line up with the dataset), or the parts of one batch given as batches (as
+            `evaluate`); if the outputs of one batch disagree on the number of
             samples, or (when gathering) `output_fn` returns other names on one rank than on
             another.
     """
