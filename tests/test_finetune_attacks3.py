@@ -116,3 +116,119 @@ def test_inputs_labels_batches_as_tuples_or_merged_dicts_evaluate_as_one_batch()
     assert ft.evaluate(state, dicts)["eval_loss"] == pytest.approx(want, rel=1e-5)
     got = ft.evaluate(state, tuples, loss_fn=_pair_loss)["eval_loss"]
     assert got == pytest.approx(want, rel=1e-5)
+
+
+def _quiet(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' notes on tiny configs
+        return fn(*args, **kwargs)
+
+
+def _llama_classifier(seed=0):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_labels=3, pad_token_id=0,
+    )  # fmt: skip
+    return _quiet(LlamaForSequenceClassification, cfg)
+
+
+def _bart_classifier(seed=0):
+    from transformers import BartConfig, BartForSequenceClassification
+
+    torch.manual_seed(seed)
+    cfg = BartConfig(
+        vocab_size=32, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, num_labels=3,
+        max_position_embeddings=32, pad_token_id=1, bos_token_id=0, eos_token_id=2, dropout=0.0,
+    )  # fmt: skip
+    return _quiet(BartForSequenceClassification, cfg)
+
+
+def _model(name):
+    from helpers import tiny_bert_tagger, tiny_llama, tiny_t5
+
+    return {
+        "llama": tiny_llama, "t5": tiny_t5, "tagger": tiny_bert_tagger,
+        "llama_cls": _llama_classifier, "bart_cls": _bart_classifier,
+    }[name]()  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name, wrapper",
+    [
+        ("llama", "PeftModelForCausalLM"),
+        ("t5", "PeftModelForSeq2SeqLM"),
+        ("llama_cls", "PeftModelForSequenceClassification"),
+        ("bart_cls", "PeftModelForSequenceClassification"),
+        ("tagger", "PeftModelForTokenClassification"),
+    ],
+)
+def test_lora_takes_the_task_type_of_the_models_head(name, wrapper):
+    # CAUSAL_LM was the default for every model: T5 got PeftModelForCausalLM, and classifiers
+    # raised from deep in PEFT (no prepare_inputs_for_generation).
+    model = _quiet(ft.lora.apply, _model(name), r=2, alpha=4)
+    assert type(model).__name__ == wrapper
+    trained = {n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n}
+    if name in ("llama", "t5"):
+        assert not trained  # adapters only
+    else:  # the new head trains in full, with no adapter on it
+        head = {"llama_cls": "score", "bart_cls": "classification_head", "tagger": "classifier"}
+        assert trained and all(f".{head[name]}.modules_to_save." in n for n in trained)
+        assert not any("lora_" in n and f".{head[name]}." in n for n, _ in model.named_parameters())
+
+
+def test_lora_refuses_a_task_type_that_contradicts_the_head():
+    with pytest.raises(ValueError, match=r"task_type='CAUSAL_LM', but T5ForConditionalGeneration "):
+        ft.lora.apply(_model("t5"), r=2, task_type="CAUSAL_LM")
+    with pytest.raises(ValueError, match=r"drop task_type \(it is inferred: 'SEQ_CLS'\)"):
+        ft.lora.apply(_model("llama_cls"), r=2, task_type="CAUSAL_LM")
+    from peft import TaskType
+
+    model = _quiet(ft.lora.apply, _model("t5"), r=2, task_type=TaskType.SEQ_2_SEQ_LM)
+    assert type(model).__name__ == "PeftModelForSeq2SeqLM"
+
+
+@pytest.mark.parametrize("task_type", [None, "SEQ_CLS"])
+@pytest.mark.parametrize("name", ["llama_cls", "bart_cls"])
+def test_a_lora_classifiers_trained_head_is_saved_with_its_adapter(name, task_type, tmp_path):
+    # BART's head (classification_head) is not one of PEFT's guesses (classifier, score): it
+    # stayed frozen at its random init, and a reloaded adapter came with another random head.
+    from peft import PeftModel
+
+    base = _model(name)
+    base.save_pretrained(tmp_path / "base")
+    cls = type(base)
+    state = ft.TrainState.create(
+        _quiet(
+            ft.lora.apply, cls.from_pretrained(tmp_path / "base"), r=2, alpha=4, task_type=task_type
+        ),
+        ft.optim.adamw(weight_decay=0.0),
+        seed=0,
+    )
+    g = torch.Generator().manual_seed(1)
+    eos = [base.config.eos_token_id]  # BART's classifier reads the last eos
+    rows = [
+        {"input_ids": torch.randint(3, 30, (5,), generator=g).tolist() + eos, "labels": i % 3}
+        for i in range(8)
+    ]
+    pad = base.config.pad_token_id
+    batch = ft.pad_collate(pad_id=pad)(rows)
+    before = ft.evaluate(state, [batch])["eval_loss"]
+    for _ in range(3):
+        grads, stats = ft.accumulate_grads(state, [batch])
+        state, _ = ft.clip_and_step(state, grads, lr=0.05, stats=stats)
+    assert ft.evaluate(state, [batch])["eval_loss"] < before - 0.05
+    head = {"llama_cls": "score", "bart_cls": "classification_head"}[name]
+    trained = state.model.get_base_model().get_submodule(head).modules_to_save["default"]
+    base_head = base.get_submodule(head)
+    assert not all(map(torch.equal, trained.state_dict().values(), base_head.state_dict().values()))
+    with torch.no_grad():
+        want = state.model.eval()(**batch).logits
+    ft.export_pretrained(state, tmp_path / "adapter")
+    loaded = PeftModel.from_pretrained(cls.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
+    with torch.no_grad():
+        got = loaded.eval()(**batch).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

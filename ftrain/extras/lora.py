@@ -52,13 +52,22 @@ def apply(
     dropout: float = 0.0,
     targets: list[str] | str | None = None,
     bias: Literal["none", "all", "lora_only"] = "none",
-    task_type: str = "CAUSAL_LM",
+    task_type: str | None = None,
     **lora_kwargs: Any,
 ) -> nn.Module:
     """Wrap `model` with LoRA adapters (`peft.get_peft_model`); only the adapters train.
 
     Defaults are qlora.py's (`lora_r=64`, `lora_alpha=16`, `lora_dropout=0.0`, every linear
     layer but the head).
+
+    PEFT's task type follows the model's head, as `ft.losses.loss_for` reads it: `CAUSAL_LM`
+    for causal LMs, `SEQ_2_SEQ_LM` for encoder-decoders (T5, BART), `SEQ_CLS` for
+    `*ForSequenceClassification`, `TOKEN_CLS` for `*ForTokenClassification`, `QUESTION_ANS` for
+    `*ForQuestionAnswering`, and none (a plain `PeftModel`) for other models. A classifier's
+    head is new (randomly initialised): its modules, every top-level module with parameters
+    beside the backbone (`classifier`, `score`, BART's `classification_head`, ...), go into
+    `modules_to_save`, so they train in full (no adapter on them) and the adapter saves them;
+    left frozen they would stay random, and a reloaded adapter would get another random head.
 
     Args:
         model: an HF model (full precision, or from `load_4bit`).
@@ -67,8 +76,10 @@ def apply(
         dropout: dropout on the adapters' input.
         targets: module names to adapt; `find_all_linear_names(model)` by default.
         bias: passed to `peft.LoraConfig`.
-        task_type: passed to `peft.LoraConfig`.
-        **lora_kwargs: passed to `peft.LoraConfig`.
+        task_type: PEFT's task type (a `peft.TaskType` or its name); None (default) infers it
+            from the model as above. One that contradicts the model's head raises.
+        **lora_kwargs: passed to `peft.LoraConfig`; a classifier's `modules_to_save` get its
+            head's modules added.
 
     Raises:
         ValueError: for `r` not an int >= 1, `alpha` not a finite number > 0 (`alpha=0` scales
@@ -76,7 +87,8 @@ def apply(
             name in a `targets` list that matches no module (PEFT adapts the others and drops
             it silently), no linear layer to adapt by default (e.g. GPT-2's `Conv1D` layers:
             pass `targets`), a `modules_to_save` name that matches no module (PEFT skips it
-            silently), or a model that already holds PEFT adapters.
+            silently), a model that already holds PEFT adapters, a `task_type` other than the
+            model's head, or a classifier whose head cannot be found (pass `modules_to_save`).
         ImportError: without peft (`pip install 'ftrain[hf]'`).
     """
     _check_hyperparameters(r, alpha, dropout)
@@ -87,6 +99,9 @@ def apply(
     _check_model(model)
     targets = _targets(model, targets)
     _check_modules_to_save(model, lora_kwargs.get("modules_to_save"))
+    task_type = _task_type(model, task_type)
+    if task_type in _CLASSIFIERS:
+        lora_kwargs["modules_to_save"] = _with_heads(model, lora_kwargs.get("modules_to_save"))
     config = LoraConfig(
         r=r,
         lora_alpha=alpha,
@@ -97,6 +112,75 @@ def apply(
         **lora_kwargs,
     )
     return get_peft_model(model, config)
+
+
+# `ft.losses.loss_for`'s losses (by factory name) and the PEFT task type of their heads.
+_TASKS = {
+    "causal_lm_loss": "CAUSAL_LM",
+    "seq2seq_loss": "SEQ_2_SEQ_LM",
+    "classification_loss": "SEQ_CLS",
+    "token_classification_loss": "TOKEN_CLS",  # *ForTokenClassification only (not masked LMs)
+}
+_CLASSIFIERS = ("SEQ_CLS", "TOKEN_CLS", "QUESTION_ANS")
+
+
+def _inferred_task(model: nn.Module) -> str | None:
+    """PEFT's task type for `model`'s head, as `loss_for` reads the head; None if unknown."""
+    from ftrain.losses import loss_for, loss_name
+
+    names = [c.__name__ for c in type(model).__mro__]
+    if any(n.endswith("ForQuestionAnswering") for n in names):
+        return "QUESTION_ANS"
+    try:
+        factory = loss_name(loss_for(model)).split(".<locals>")[0].rsplit(".", 1)[-1]
+    except TypeError:  # a model loss_for does not know: PEFT's plain PeftModel
+        return None
+    task = _TASKS.get(factory)
+    if task == "TOKEN_CLS" and not any(n.endswith("ForTokenClassification") for n in names):
+        return None  # masked LMs (BERT's `cls` head is pretrained): no classifier to save
+    return task
+
+
+def _task_type(model: nn.Module, given: Any) -> str | None:
+    """The task type to use: the model's, or `given` when it agrees (or the model's is
+    unknown). PEFT's default, CAUSAL_LM, wrapped T5 and classifiers in PeftModelForCausalLM:
+    a classifier's new head stayed frozen and random, and was not saved with the adapter."""
+    inferred = _inferred_task(model)
+    if given is None:
+        return inferred
+    name = getattr(given, "value", given)
+    if not isinstance(name, str):
+        raise TypeError(f"task_type must be a peft.TaskType, its name or None, got {given!r}")
+    if inferred is not None and name != inferred:
+        raise ValueError(
+            f"ft.lora.apply task_type={name!r}, but {type(model).__name__} is a "
+            f"{inferred} model (PEFT's {name} wrapper would read its batches, generate or save "
+            f"its head as another task's); drop task_type (it is inferred: {inferred!r})"
+        )
+    return name
+
+
+def _with_heads(model: nn.Module, names: Any) -> list[str]:
+    """`names` plus the modules of a classifier's new head: the top-level modules with
+    parameters beside the backbone (`model.base_model_prefix`), else PEFT's own guesses."""
+    prefix = getattr(model, "base_model_prefix", None)
+    backbone = getattr(model, prefix, None) if isinstance(prefix, str) and prefix else None
+    heads = [
+        name
+        for name, child in model.named_children()
+        if backbone is not None and child is not backbone and any(True for _ in child.parameters())
+    ]
+    if backbone is None:
+        keys = [key for key, _ in model.named_modules()]
+        heads = [h for h in ("classifier", "score") if any(k.endswith(h) for k in keys)]
+    if not heads and not names:
+        raise ValueError(
+            f"ft.lora.apply found no head in {type(model).__name__} (no module beside its "
+            "backbone, none named 'classifier' or 'score'): its classifier would stay frozen "
+            "(random, if new) and the adapter would not save it; pass modules_to_save=[...] "
+            "naming it"
+        )
+    return list(dict.fromkeys([*(names or []), *heads]))
 
 
 def _check_model(model: nn.Module) -> None:
