@@ -232,3 +232,38 @@ def test_a_lora_classifiers_trained_head_is_saved_with_its_adapter(name, task_ty
     with torch.no_grad():
         got = loaded.eval()(**batch).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _sampled(state, batch, **kwargs):
+    out = ft.generate(state, [batch], max_new_tokens=8, do_sample=True, pad_token_id=0, **kwargs)
+    return next(iter(out))["token_ids"]
+
+
+@pytest.mark.parametrize("name", ["llama", "t5"])
+def test_sampled_generation_is_reproducible_and_leaves_the_global_stream_alone(name):
+    # do_sample drew from torch's global generator: the same call twice sampled other tokens,
+    # a resumed run sampled otherwise, and every later draw (dropout, data) moved.
+    model = _model(name)
+    state = ft.TrainState.create(model, ft.optim.adamw(), seed=0)
+    batch = {"input_ids": torch.tensor([[5, 6, 7], [8, 9, 10]])}
+    torch.manual_seed(123)
+    first = _sampled(state, batch)
+    after = torch.rand(4)
+    torch.manual_seed(123)
+    assert torch.equal(torch.rand(4), after)  # the caller's stream did not move
+    assert _sampled(state, batch) == first
+    resumed = ft.TrainState.create(_model(name), ft.optim.adamw(), seed=0)  # same weights
+    assert _sampled(resumed, batch) == first
+    assert _sampled(state, batch, seed=0) == first  # seed defaults to state.seed
+    draws = {str(_sampled(state, batch, seed=s)) for s in range(1, 6)}
+    assert len(draws | {str(first)}) > 1  # another seed, other samples
+
+
+def test_generate_refuses_a_bad_seed_and_a_generator():
+    state = _llama_state()
+    batch = {"input_ids": torch.tensor([[5, 6, 7]])}
+    for bad in (-1, 1.5, True, "0"):
+        with pytest.raises(ValueError, match=rf"seed must be an int >= 0, got {bad!r}"):
+            _sampled(state, batch, seed=bad)
+    with pytest.raises(TypeError, match=r"takes no generator; pass seed=\.\.\."):
+        _sampled(state, batch, generator=torch.Generator())

@@ -23,6 +23,7 @@ from torch import nn
 from ftrain.data import weighted
 from ftrain.eval import MetricsFn, check_prediction_args, eval_mode, prediction_batches
 from ftrain.losses import IGNORE_INDEX, causal_targets, model_logits, upcast
+from ftrain.rng import default_generators, dropout_seed, restored
 from ftrain.state import TrainState
 from ftrain.strategies import Strategy
 
@@ -37,6 +38,8 @@ _UNUSED = ("labels", "decoder_input_ids", "decoder_attention_mask")
 _LENGTHS = MappingProxyType({"max_length": "max_new_tokens", "min_length": "min_new_tokens"})
 # Settings that ask model.generate for outputs besides the tokens, which generate drops.
 _DROPPED = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+# Keeps generation's sampling seeds apart from the dropout seeds of the same numbers.
+_GENERATE_SALT = 0x6E4E_7A11
 
 
 def left_pad(
@@ -177,6 +180,7 @@ def generate(
     tokenizer: Any = None,
     gather: bool = True,
     strategy: Strategy | None = None,
+    seed: int | None = None,
     **generate_kwargs: Any,
 ) -> Iterator[dict[str, list[Any]]]:
     """Complete every prompt with `model.generate`; yield the new tokens (and text) per batch.
@@ -200,12 +204,23 @@ def generate(
     generate in lockstep (`synced_gpus=True`, which FSDP needs: its forward passes are
     collectives), so every rank must iterate the same batches.
 
+    Sampling (`do_sample=True`, from the keywords or the model's `generation_config`) is
+    reproducible and leaves torch's global random stream alone: batch `i` on rank `r` draws from
+    the default generators (CPU and the strategy's device) seeded by
+    `ftrain.rng.dropout_seed(seed ^ salt, i, 0, r)`, and they get their previous state back
+    afterwards. The same call gives the same completions, in this process or a resumed one,
+    and the training steps draw the same dropout as without it (HF's `model.generate` draws
+    from the global stream: each call samples anew, and moves every later draw). The same
+    batches on the same ranks give the same samples; another batch size, another split of
+    rows. Pass another `seed` (e.g. `state.step`) for fresh draws.
+
     Args:
         state: the state whose model generates (not consumed).
         batches: batches of prompts, e.g. `make_batches(prompts, batch_size=8, shuffle=False)`.
         tokenizer: decodes the new tokens into `text` (special tokens skipped) when given.
         gather: gather every rank's rows (a collective); False yields this rank's only.
         strategy: overrides `state.strategy`.
+        seed: the sampling seed (an int >= 0); None (default): `state.seed`.
         **generate_kwargs: for `model.generate`, e.g. `max_new_tokens=32, do_sample=False`.
             `pad_token_id` defaults to the model's, else the tokenizer's. `stopping_criteria`
             and `stop_strings` (with `tokenizer`) end each row where they first hold, as for
@@ -223,8 +238,9 @@ def generate(
 
     Raises:
         TypeError: for an argument of the wrong type (named in the message); if the model
-            has no `generate`, `generate_kwargs` sets the prompts, or a batch is not a dict
-            with `input_ids`.
+            has no `generate`, `generate_kwargs` sets the prompts or a `generator` (use
+            `seed`), or a batch is not a dict with `input_ids`.
+        ValueError: for `seed` not an int >= 0.
         ValueError: with no batches, or batches `make_batches` shuffled (the completions
             would not line up with the prompts' rows); if no pad token id is known; for
             `output_scores`, `output_logits`, `output_attentions` or `output_hidden_states`
@@ -236,6 +252,7 @@ def generate(
             without an `attention_mask` (padding read as prompt text; see `left_pad`).
     """
     check_prediction_args(state, batches, gather=gather, strategy=strategy)
+    seed = _check_seed(state.seed if seed is None else seed, generate_kwargs)
     strategy = state.strategy if strategy is None else strategy
     model = strategy.unwrap(state.model)
     generate_fn: Any = getattr(model, "generate", None)
@@ -258,15 +275,20 @@ def generate(
     # Eval mode across the yields; no_grad and autocast only around each batch's generation
     # (held across a yield they were the caller's too: its loop body ran without gradients
     # and its float32 matmuls in bf16).
+    gens = default_generators(strategy.device)
     with eval_mode(state.model, no_grad=False):
-        for batch in prediction_batches(batches, "generate"):
+        for i, batch in enumerate(prediction_batches(batches, "generate")):
             batch, weight = weighted(batch)
             _check_batch(batch, inputs, model, enc_dec)
             batch = strategy.to_device(batch)
             # Eval mode again if the loop body switched to training (a training step does):
             # dropout would otherwise run in the generation.
             again = eval_mode(state.model, no_grad=False) if state.model.training else None
-            with again or contextlib.nullcontext(), torch.no_grad(), strategy.autocast():
+            # Sampling seeded by the batch's position; the caller's random stream put back.
+            context = again or contextlib.nullcontext()
+            with context, torch.no_grad(), strategy.autocast(), restored(gens):
+                for g in gens:
+                    g.manual_seed(dropout_seed(seed ^ _GENERATE_SALT, i, 0, strategy.rank))
                 new = _new_tokens(generate_fn, batch, pad_id, enc_dec, kwargs, stops)
             new = _trim(new, eos)
             if gather and strategy.world_size > 1:
@@ -278,6 +300,19 @@ def generate(
             if tokenizer is not None:
                 result["text"] = tokenizer.batch_decode(token_ids, skip_special_tokens=True)
             yield result
+
+
+def _check_seed(seed: Any, kwargs: Mapping[str, Any]) -> int:
+    """The sampling seed, checked; a `generator` keyword is refused (HF's generate takes none:
+    it would reach the model's forward, or be ignored)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"generate: seed must be an int >= 0, got {seed!r}")
+    if "generator" in kwargs:
+        raise TypeError(
+            "generate: model.generate takes no generator; pass seed=... (an int), from which "
+            "ft.generate seeds each batch's sampling"
+        )
+    return seed
 
 
 def _refuse_dropped(model: nn.Module, kwargs: Mapping[str, Any]) -> None:
