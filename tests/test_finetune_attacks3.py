@@ -267,3 +267,26 @@ def test_generate_refuses_a_bad_seed_and_a_generator():
             _sampled(state, batch, seed=bad)
     with pytest.raises(TypeError, match=r"takes no generator; pass seed=\.\.\."):
         _sampled(state, batch, generator=torch.Generator())
+
+
+def test_lora_gives_models_without_a_known_head_a_plain_peft_model():
+    # CAUSAL_LM for every model made PEFT look for prepare_inputs_for_generation on a masked LM
+    # or a module of one's own, and raise from deep inside; their heads are not new either.
+    from transformers import BertConfig, BertForMaskedLM
+
+    class Own(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.proj(x)
+
+    cfg = BertConfig(
+        vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32,
+    )  # fmt: skip
+    for model in (Own(), _quiet(BertForMaskedLM, cfg)):
+        wrapped = ft.lora.apply(model, r=2)
+        assert type(wrapped).__name__ == "PeftModel"
+        assert all("lora_" in n for n, p in wrapped.named_parameters() if p.requires_grad)
