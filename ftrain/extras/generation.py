@@ -209,10 +209,10 @@ def generate(
     the default generators (CPU and the strategy's device) seeded by
     `ftrain.rng.dropout_seed(seed ^ salt, i, 0, r)`, and they get their previous state back
     afterwards. The same call gives the same completions, in this process or a resumed one,
-    and the training steps draw the same dropout as without it (HF's `model.generate` draws
-    from the global stream: each call samples anew, and moves every later draw). The same
-    batches on the same ranks give the same samples; another batch size, another split of
-    rows. Pass another `seed` (e.g. `state.step`) for fresh draws.
+    and whatever the caller draws from the global stream afterwards is what it would draw
+    without the call (HF's `model.generate` draws from that stream: each call samples anew, and
+    moves every later draw). The same batches on the same ranks give the same samples; another
+    batch size samples other ones. Pass another `seed` (e.g. `state.step`) for fresh draws.
 
     Args:
         state: the state whose model generates (not consumed).
