@@ -139,8 +139,9 @@ class SFTCollator:
     qlora.py), each cut at its end; with the tokenizer's `truncation_side="left"` the prompt is
     cut at its start instead (it keeps its BOS and the end next to the response), and the
     response still at its end: the loss trains the response from its first token, as TRL's
-    `truncation_mode="keep_end"` keeps the prompt's end and the completion's start (cutting the
-    response's start would train the model to begin its answer mid-sentence). Labels are the
+    `DPOTrainer` keeps a prompt's last `max_prompt_length` tokens and a completion's first
+    `max_completion_length` (cutting the response's start would train the model to begin its
+    answer mid-sentence). Labels are the
     response tokens, with -100 over the prompt unless `train_on_source`. Calling the collator on
     a list of rows (raw, or already encoded) pads them: `input_ids` with the tokenizer's pad
     token, `labels` with -100, and an `attention_mask` from the real lengths (qlora.py compares
