@@ -59,7 +59,7 @@ def flatten_batches(batches: Iterable[Any]) -> Iterator[Any]:
     default collate turns `(inputs, labels)` rows into `[inputs, labels]`), not a group.
 
     Raises:
-        ValueError: for a group of dicts where one shares no key with the first (see above).
+        TypeError: for a group of dicts where one shares no key with the first (see above).
 
     Example:
         >>> import torch
@@ -90,7 +90,7 @@ def _check_parts(items: Any, what: str) -> None:
     first = set(dicts[0]) if dicts else set()
     if any(first.isdisjoint(d) for d in dicts[1:]):
         keys = [sorted(d) for d in dicts]
-        raise ValueError(
+        raise TypeError(
             f"{what} is a {type(items).__name__} of {len(dicts)} dicts that share no key "
             f"({keys}): the parts of one batch, e.g. (inputs, labels), which would be read as "
             f"{len(dicts)} batches (a DataLoader's default collate turns a dataset's "
@@ -181,11 +181,11 @@ def evaluate(
         `eval_<name>` per metric. Every value is a float except `eval_loss_fn`, a string.
 
     Raises:
-        TypeError: for an argument of the wrong type (named in the message).
-        ValueError: with no batches; for the parts of one batch given as batches (dicts
-            that share no key, e.g. the `[inputs, labels]` a DataLoader yields for
-            `(inputs, labels)` rows: see `flatten_batches`); when both `loss_fn` and a
-            `metrics_fn` returning
+        TypeError: for an argument of the wrong type (named in the message); for the parts
+            of one batch given as batches (dicts that share no key, e.g. the
+            `[inputs, labels]` a DataLoader yields for `(inputs, labels)` rows: see
+            `flatten_batches`), as `accumulate_grads` refuses an `[x, y]` batch of tensors.
+        ValueError: with no batches; when both `loss_fn` and a `metrics_fn` returning
             `"loss"` are given; when `metrics_fn` returns a name evaluate reports itself
             (`items`, `loss_fn`, `ppl`, and `metrics_loss` where that holds its loss); or, with
             several ranks, when `metrics_fn` returns other names on one rank than on another;
@@ -520,10 +520,10 @@ def predict(
         `{name: np.ndarray}` per batch (a host sync per batch, by nature).
 
     Raises:
-        TypeError: for an argument of the wrong type (named in the message).
-        ValueError: with no batches, batches `make_batches` shuffled (the outputs would
-            not line up with the dataset), or the parts of one batch given as batches (as
-            `evaluate`); if the outputs of one batch disagree on the number of
+        TypeError: for an argument of the wrong type (named in the message), or the parts
+            of one batch given as batches (as `evaluate`).
+        ValueError: with no batches, or batches `make_batches` shuffled (the outputs would
+            not line up with the dataset); if the outputs of one batch disagree on the number of
             samples, or (when gathering) `output_fn` returns other names on one rank than on
             another.
     """

@@ -92,9 +92,9 @@ def test_a_dataloaders_inputs_labels_batch_is_refused_not_read_as_two_batches(ru
         "evaluate": lambda b: ft.evaluate(state, b, loss_fn=_pair_loss),
         "predict": lambda b: list(ft.predict(state, b, lambda m, x: {"n": torch.ones(2)})),
     }[run]
-    with pytest.raises(ValueError, match=r"a batch is a list of 2 dicts that share no key"):
+    with pytest.raises(TypeError, match=r"a batch is a list of 2 dicts that share no key"):
         go(loader)
-    with pytest.raises(ValueError, match=r"Merge them into one dict \(\{\*\*inputs, \*\*labels\}"):
+    with pytest.raises(TypeError, match=r"Merge them into one dict \(\{\*\*inputs, \*\*labels\}"):
         go(rows[0])  # one (inputs, labels) row passed as the batches: each dict a "batch"
 
 
