@@ -101,7 +101,7 @@ def test_sft_collator_cuts_on_the_tokenizers_truncation_side(small_tok):
             got = ft.sft.SFTCollator(tok, source_max_len=4, target_max_len=3).encode(row)
     finally:
         tok.truncation_side = "right"
-    bos, eos = tok.bos_token_id, tok.eos_token_id
+    bos = tok.bos_token_id
     # The response keeps its start (test_finetune_attacks3: its start is what the loss trains).
     assert got["input_ids"] == [bos, *p[-3:], *a[:3]]
     assert got["labels"] == [-100] * 4 + a[:3]
