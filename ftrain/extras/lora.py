@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+from types import MappingProxyType
 from typing import Any, Literal
 
 import torch
@@ -115,12 +116,14 @@ def apply(
 
 
 # `ft.losses.loss_for`'s losses (by factory name) and the PEFT task type of their heads.
-_TASKS = {
-    "causal_lm_loss": "CAUSAL_LM",
-    "seq2seq_loss": "SEQ_2_SEQ_LM",
-    "classification_loss": "SEQ_CLS",
-    "token_classification_loss": "TOKEN_CLS",  # *ForTokenClassification only (not masked LMs)
-}
+_TASKS = MappingProxyType(
+    {
+        "causal_lm_loss": "CAUSAL_LM",
+        "seq2seq_loss": "SEQ_2_SEQ_LM",
+        "classification_loss": "SEQ_CLS",
+        "token_classification_loss": "TOKEN_CLS",  # *ForTokenClassification (not masked LMs)
+    }
+)
 _CLASSIFIERS = ("SEQ_CLS", "TOKEN_CLS", "QUESTION_ANS")
 
 
