@@ -4,7 +4,8 @@
 root/step-<N>/
   model.safetensors      trainable parameters and persistent buffers, by module name
   optimizer.safetensors  optimizer-state tensors, by path (`mu/lm_head.weight`)
-  state.json             counters, metrics, versions, fingerprint, file checksums
+  state.json             counters, metrics, versions, fingerprint, file checksums, the
+                         frozen weights' sums (`_frozen`)
   config.json            the model's HF config, when it has one (for export; generation
                          config, class and adapters are in state.json)
   COMMITTED              written last: the digest of state.json
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ftrain.checkpoint import _frozen
 from ftrain.checkpoint._io import CheckpointError
 from ftrain.checkpoint._tree import Node, flatten_tree
 from ftrain.optim import describe, live_tensors
@@ -52,6 +54,7 @@ SHARDED_CONFIG = "config_file"  # sharded layout: config.json's size and digest 
 GENERATION = "generation_config"  # the model's GenerationConfig as `save_pretrained` writes it
 MODEL_CLASS = "model_class"  # the HF model's class name (a classifier's config may not say)
 ADAPTERS = "peft_adapters"  # every PEFT adapter's config by name ("peft": the active one's)
+FROZEN = _frozen.KEY  # each frozen parameter's [sum, sum of squares] (since 2026-11-27)
 
 PLAIN = (bool, int, float, str)  # JSON values
 # TrainState fields that are not plain values: handled as tensors/objects, or not saved at all.
@@ -61,7 +64,8 @@ NOT_PLAIN = frozenset({"tensors_", "optimizer", "strategy"})
 def model_tensors(module: nn.Module, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Trainable parameters plus persistent buffers (e.g. BatchNorm statistics) by name.
 
-    Frozen parameters are not saved: they come from the model the state is loaded into.
+    Frozen parameters are not saved: they come from the model the state is loaded into (their
+    sums are recorded, `_frozen`).
     """
     persistent = module.state_dict(keep_vars=True).keys()
     buffers = {n: b for n, b in module.named_buffers() if n in persistent}
@@ -137,10 +141,13 @@ class Contents:
 def collect(state: Any, metrics: Mapping[str, Any] | None, *, sharded: bool) -> Contents:
     """The tensors (live, not copied) and the JSON of a checkpoint of `state`.
 
-    Counters and metrics that are tensors stay tensors (no host sync): `_save._ready` reads them.
+    Counters, metrics and the frozen weights' sums that are tensors stay tensors (no host
+    sync): `_save._ready` reads them. Collective under a sharded layout (the frozen sums).
     """
 
     module = state.strategy.unwrap(state.model)
+    # First, before anything that may fail on one process only: collective when sharded.
+    frozen = _frozen.frozen_sums(_frozen.frozen_parameters(module), state.strategy)
     params, opt_state = live_tensors(state)  # the live weights, inside `swap_ema` too
     opt_flat = flatten_tree(opt_state)
     model = {n: t.detach() for n, t in model_tensors(module, dict(params)).items()}
@@ -157,6 +164,7 @@ def collect(state: Any, metrics: Mapping[str, Any] | None, *, sharded: bool) -> 
         "params": table,
         "fingerprint": fingerprint(table),
         "optimizer": {p: _entry(v) for p, v in opt_flat.items()},
+        FROZEN: frozen,  # a `_frozen.Sums` of device tensors until `_save._ready` reads it
     }
     settings = describe(state.optimizer, list(params))
     if settings is not None:  # compared by load_checkpoint (None: one ftrain cannot describe)

@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 import torch
 
+from ftrain.checkpoint import _frozen
 from ftrain.checkpoint import _layout as L
 from ftrain.checkpoint._io import (
     CheckpointError,
@@ -79,7 +80,8 @@ def save_checkpoint(
     """Write `state` to `root/step-<state.step>/` atomically, then rotate old checkpoints.
 
     Saves the trainable parameters, persistent buffers and optimizer state (safetensors) and
-    every counter (JSON); frozen parameters are not saved. See docs/checkpoints.md.
+    every counter (JSON); frozen parameters are not saved, their sums are (`load_checkpoint`
+    checks that it loads onto the same base model). See docs/checkpoints.md.
 
     Args:
         state: not consumed; training may continue from it.
@@ -288,7 +290,7 @@ def _stage(contents: L.Contents, strategy: Strategy, *, copy: bool) -> L.Content
     if sys.byteorder != "little":  # pragma: no cover - safetensors stores little-endian
         raise CheckpointError("checkpoints are written on little-endian machines only")
     whole = [] if contents.meta.get("sharded") else [contents.model, contents.optim]
-    counters: list[torch.Tensor] = []  # the 0-dim tensors in the counters and metrics, in order
+    counters: list[torch.Tensor] = []  # the counters', metrics' and frozen sums' tensors, in order
     _map_values(contents.meta, counters.append)
     tensors = [t for part in whole for t in part.values()]
     hosts, wait = strategy.to_host([*tensors, *counters], copy=copy)
@@ -315,13 +317,17 @@ def _ready(staged: L.Contents) -> L.Contents:
     """Wait for the staging copies, then read the counters and metrics as numbers."""
     if staged.ready is not None:
         staged.ready()
-    meta = _map_values(staged.meta, lambda t: t.item())  # host sync: saving is the place
+    meta = _map_values(staged.meta, lambda t: t.tolist())  # host sync: saving is the place
+    frozen = meta.get(L.FROZEN)
+    if isinstance(frozen, _frozen.Sums):
+        meta[L.FROZEN] = frozen.as_json()
     return dataclasses.replace(staged, meta=meta, ready=None)
 
 
 def _map_values(meta: dict[str, Any], fn: Callable[[torch.Tensor], Any]) -> dict[str, Any]:
-    """`meta` with `fn` applied to the 0-dim tensors `collect` left in its counters and
-    metrics: staged to the host first, then read as numbers (`Tensor.item`) by the writer."""
+    """`meta` with `fn` applied to the tensors `collect` left in its counters, metrics (0-dim)
+    and frozen sums: staged to the host first, then read as numbers (`Tensor.tolist`) by the
+    writer."""
     fields = {
         n: {**v, "value": fn(v["value"])}
         if isinstance(v, dict) and isinstance(v.get("value"), torch.Tensor)
@@ -329,6 +335,9 @@ def _map_values(meta: dict[str, Any], fn: Callable[[torch.Tensor], Any]) -> dict
         for n, v in meta["fields"].items()
     }
     metrics = {k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in meta["metrics"].items()}
+    frozen = meta.get(L.FROZEN)
+    if isinstance(frozen, _frozen.Sums):
+        return {**meta, "fields": fields, "metrics": metrics, L.FROZEN: frozen.map(fn)}
     return {**meta, "fields": fields, "metrics": metrics}
 
 

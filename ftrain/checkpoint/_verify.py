@@ -24,6 +24,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from ftrain.checkpoint import _frozen
 from ftrain.checkpoint import _layout as L
 from ftrain.checkpoint._io import (
     CheckpointError,
@@ -314,6 +315,9 @@ def validate_meta(meta: Any, path: Path) -> None:
     world = meta.get("world_size")
     need(type(world) is int and world >= 1, "'world_size' missing or not an int >= 1")
     need(all(_is_param_row(r) for r in meta["params"]), "malformed 'params' table")
+    if L.FROZEN in meta:  # absent in checkpoints written before 2026-11-27
+        problem = _frozen.check_record(meta[L.FROZEN], meta["params"])
+        need(problem is None, str(problem))
     metrics = meta["metrics"].values()
     need(all(isinstance(v, _SCALARS) and _float_sized(v) for v in metrics), "malformed 'metrics'")
     _validate_files(meta, need)
