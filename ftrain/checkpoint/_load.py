@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import torch
 
+from ftrain.checkpoint import _frozen
 from ftrain.checkpoint import _layout as L
 from ftrain.checkpoint._io import CheckpointError
 from ftrain.checkpoint._save import raise_pending_save_error
@@ -62,6 +63,7 @@ def _count(differences: list[str]) -> str:
         "optimizer setting(s) changed": 0,
         "adapter setting(s) changed": 0,
         "model config setting(s) changed": 0,
+        "frozen weights differ": 0,
     }
     for d in differences:
         kind = "missing" if "missing" in d else "unexpected" if "unexpected" in d else None
@@ -71,6 +73,8 @@ def _count(differences: list[str]) -> str:
             kind = "adapter setting(s) changed"
         elif d.startswith(_CONFIG):
             kind = "model config setting(s) changed"
+        elif d.startswith(_frozen.PREFIX):
+            kind = "frozen weights differ"
         kinds[kind or "mis-shaped"] += 1
     parts = [f"{n} {kind}" for kind, n in kinds.items() if n]
     return "checkpoint does not fit the state: " + ", ".join(parts) + " (details below)"
@@ -163,12 +167,18 @@ def load_checkpoint(
     *,
     strict: bool = True,
     verify: bool = True,
+    allow_other_base: bool = False,
 ) -> TrainState:
     """Load a checkpoint into `state`'s tensors (in place) and return the resumed state.
 
     `state` is the template: build it exactly as for a fresh run (same model, optimizer and
     strategy). Parameters, buffers and optimizer state are copied into its tensors and the
     counters are replaced; frozen parameters keep their values. `state` is consumed.
+
+    Frozen parameters are not saved (a LoRA checkpoint holds the adapters), so they must be
+    the ones the run trained on: their sums, recorded at save, are compared with the model's
+    (one pass over the frozen weights). A checkpoint written before they were recorded has
+    nothing to compare.
 
     The strategy's precision may differ from the saving run's (fp16 to bf16 on new hardware):
     a state without loss scaling drops the checkpoint's loss scale, and an fp16 state loading
@@ -182,13 +192,17 @@ def load_checkpoint(
         verify: check every file against the SHA-256 recorded at save. Turning it off skips
             reading whole files into memory (for very large checkpoints) but lets silent
             corruption of tensor data through.
+        allow_other_base: skip comparing the frozen weights with the checkpoint's, to load
+            on purpose onto another base model of the same architecture (adapters trained on
+            a base moved onto its chat variant).
 
     Returns:
         The state at the checkpoint's step, epoch and cursor.
 
     Raises:
         CheckpointMismatchError: (strict) listing every missing, unexpected or reshaped
-            parameter and optimizer-state difference.
+            parameter and optimizer-state difference, and the frozen parameters whose weights
+            differ from those the checkpoint was trained on.
         ValueError: inside `ft.optim.swap_ema(state)` (load before or after the block).
 
         CheckpointError: when the checkpoint is incomplete, corrupted or not a checkpoint
@@ -200,7 +214,7 @@ def load_checkpoint(
     keep `batch_size * ranks` the same across the change for the data order to continue
     exactly.
     """
-    _check_args(path, state, strict=strict, verify=verify)
+    _check_args(path, state, strict=strict, verify=verify, allow_other_base=allow_other_base)
     raise_pending_save_error()
     if ema_swapped(state):  # the swap back would exchange what was loaded
         raise ValueError(
@@ -214,6 +228,9 @@ def load_checkpoint(
     live_params = state.params
     live = L.model_tensors(module, dict(live_params))
     opt_flat = flatten_tree(state.opt_state)
+    # Collective when sharded: every rank opened the same checkpoint and compares alike.
+    saved_base = None if allow_other_base else meta.get(L.FROZEN)
+    base = _frozen.base_diffs(saved_base, meta["params"], module, state.strategy)
     if meta.get("sharded") is not True:
         _adam_counts_of_older_checkpoints(meta["optimizer"], tensors["optimizer"])
         _sgd_started_of_older_checkpoints(meta["optimizer"], tensors["optimizer"], opt_flat)
@@ -225,12 +242,13 @@ def load_checkpoint(
         ours = optimizer_settings(state.optimizer, list(live_params))
         settings = _settings_diffs(meta.get(L.SETTINGS), ours)
     adapter = _adapter_diffs(meta.get("peft"), L.peft_config(module))
-    diffs += opt_diffs + field_diffs + settings + adapter
+    diffs += base + opt_diffs + field_diffs + settings + adapter
     if not diffs:  # else the config's difference opens the message (`_config_cause`) already
         diffs = _config_diffs(opened.config, module)
     if diffs and strict:
         cause = (
             _config_cause(opened, module)
+            or _frozen.base_cause(base)
             or _cause(settings, _SETTING, *_CAUSES["optimizer"])
             or _cause(adapter, _ADAPTER, *_CAUSES["adapter"])
         )
@@ -245,7 +263,8 @@ def load_checkpoint(
         warnings.warn(
             f"load_checkpoint({path}) found {len(diffs)} difference(s) (what does not fit was "
             "skipped; the state of an optimizer or adapter with other settings, and the tensors "
-            "of a model with another config, were loaded): " + "; ".join(diffs),
+            "of a model with another config or other frozen weights, were loaded): "
+            + "; ".join(diffs),
             CheckpointMismatchWarning,
             stacklevel=2,
         )
