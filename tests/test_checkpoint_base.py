@@ -66,8 +66,8 @@ def test_a_checkpoint_refuses_a_base_with_other_frozen_weights(tmp_path):
     with pytest.raises(MISMATCH) as info:
         ft.load_checkpoint(path, _state(_mlp(1)))  # same names, shapes, dtypes: another init
     assert info.value.summary == (
-        f"{REFUSED} (2 parameter(s): 0.weight, 0.bias): it was trained on another base model; "
-        "build the model from the base the checkpoint was trained on, or pass "
+        f"{REFUSED} (2 parameter(s): 0.weight, 0.bias), which it does not hold: load into the "
+        "base model it was trained on (the same pretrained weights), or pass "
         "allow_other_base=True to load onto this one on purpose"
     )
     assert [d.split(":")[0] for d in info.value.differences] == [

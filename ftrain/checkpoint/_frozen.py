@@ -174,8 +174,8 @@ def base_cause(diffs: list[str]) -> str | None:
     more = f" (+{len(names) - 3} more)" if len(names) > 3 else ""
     return (
         f"the model's frozen weights differ from the checkpoint's ({len(names)} parameter(s): "
-        f"{', '.join(names[:3])}{more}): it was trained on another base model; build the model "
-        "from the base the checkpoint was trained on, or pass allow_other_base=True to load "
+        f"{', '.join(names[:3])}{more}), which it does not hold: load into the base model it "
+        "was trained on (the same pretrained weights), or pass allow_other_base=True to load "
         "onto this one on purpose"
     )
 
