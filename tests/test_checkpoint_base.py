@@ -249,14 +249,18 @@ def test_a_forged_record_of_an_integer_weight_is_refused(tmp_path, value):
         ft.load_checkpoint(path, _state(model))
 
 
-# --- several processes: DDP (rank 0 saves whole tensors) and FSDP (every rank its shards) ---
+# --- several processes: DDP (rank 0 saves whole tensors), FSDP (every rank its shards), HSDP
+# (every rank holds a replica: each part counted twice by the sum over processes)
+
+_KINDS = {"ddp": ("ddp", {}), "fsdp": ("fsdp", {}), "hsdp": ("fsdp", {"replicate": 2})}
 
 
-def _base_ranks(rank: int, world: int, port: int, root: str, kind: str) -> None:
+def _base_ranks(rank: int, world: int, port: int, root: str, case: str) -> None:
     """Every rank: a save, a load onto the same base, one onto another (refused on every rank,
     none left waiting in a collective), one with allow_other_base."""
     rank_env(rank, world, port)
-    with ft.strategies.from_env(kind, timeout=timedelta(seconds=60)) as strategy:
+    kind, kw = _KINDS[case]
+    with ft.strategies.from_env(kind, timeout=timedelta(seconds=60), **kw) as strategy:
         path = ft.save_checkpoint(_state(_mlp(0), strategy=strategy), Path(root))
         ft.load_checkpoint(path, _state(_mlp(0), strategy=strategy))
         try:
@@ -269,11 +273,11 @@ def _base_ranks(rank: int, world: int, port: int, root: str, kind: str) -> None:
         ft.load_checkpoint(path, _state(_mlp(0), strategy=strategy))  # still in step
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
-def test_every_rank_refuses_another_base_and_the_record_is_layout_free(tmp_path, kind):
-    run_ranks(_base_ranks, str(tmp_path), kind, world=2, timeout=150)
+@pytest.mark.parametrize("case", list(_KINDS))
+def test_every_rank_refuses_another_base_and_the_record_is_layout_free(tmp_path, case):
+    run_ranks(_base_ranks, str(tmp_path), case, world=2, timeout=150)
     path = ft.latest_checkpoint(tmp_path)
-    assert _meta(path).get("sharded", False) is (kind == "fsdp")
+    assert _meta(path).get("sharded", False) is (case != "ddp")
     # Summed shard by shard over 2 ranks at save, whole in one process here.
     ft.load_checkpoint(path, _state(_mlp(0)))
     with pytest.raises(MISMATCH, match=REFUSED):
