@@ -92,7 +92,7 @@ def frozen_sums(params: Sequence[tuple[str, torch.Tensor]], strategy: Strategy) 
 def _whole(table: torch.Tensor, params: list[torch.Tensor], strategy: Strategy) -> torch.Tensor:
     """Each process's part summed over processes, a part held r times divided by r."""
     table = strategy.sum_over_processes(table)
-    sizes = torch.tensor([max(p.numel(), 1) for p in params], device=table.device)
+    sizes = torch.stack([_filled(max(p.numel(), 1), table) for p in params])
     copies = (table[:, 2] // sizes).clamp_min(1).unsqueeze(1)  # exact: whole copies of each
     return table // copies if table.dtype == torch.int64 else table / copies
 
@@ -107,8 +107,13 @@ def _local_row(p: torch.Tensor, strategy: Strategy, want_exact: bool) -> torch.T
         x = chunk.to(dtype)
         total += x.sum()
         squares += (x * x).sum() if want_exact else torch.dot(x, x)  # no integer dot on CUDA
-    count = torch.tensor(part.numel(), dtype=dtype, device=part.device)
-    return torch.stack([total, squares, count]).to(strategy.device)
+    return torch.stack([total, squares, _filled(part.numel(), total)]).to(strategy.device)
+
+
+def _filled(n: int, like: torch.Tensor) -> torch.Tensor:
+    """`n` as a 0-dim tensor like `like`, filled on its device: `torch.tensor(n, device=...)`
+    copies from the host, which waits for the device (a background save must not)."""
+    return torch.full((), n, dtype=like.dtype, device=like.device)
 
 
 def _chunks(t: torch.Tensor) -> Iterator[torch.Tensor]:
