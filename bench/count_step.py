@@ -42,7 +42,7 @@ def _steps(loop: str, regime: str) -> tuple[Any, list[Any]]:
     return step, data
 
 
-def opcodes(loop: str, regime: str, steps: int = 20, top: int = int(os.environ.get("TOP", 25))) -> None:
+def opcodes(loop: str, regime: str, steps: int = 20, top: int = 25) -> None:
     step, data = _steps(loop, regime)
     counts: collections.Counter[str] = collections.Counter()
 
@@ -88,9 +88,12 @@ def main() -> None:
     p.add_argument(
         "--steps", type=int, help="steps counted (default: 20 traced, 300 under valgrind)"
     )
+    p.add_argument("--top", type=int, default=25, help="functions listed (opcodes)")
     args = p.parse_args()
-    count = opcodes if args.what == "opcodes" else instructions
-    count(args.loop, args.regime, *([args.steps] if args.steps else []))
+    if args.what == "opcodes":
+        opcodes(args.loop, args.regime, args.steps or 20, args.top)
+    else:
+        instructions(args.loop, args.regime, *([args.steps] if args.steps else []))
 
 
 if __name__ == "__main__":

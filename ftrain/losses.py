@@ -221,7 +221,7 @@ def _call(model: nn.Module, batch: Mapping[str, Any]) -> Any:
         plan = None if plans is None else plans.get(tuple(batch))
         if plan is not None:
             keep, no_cache = plan
-            inputs = dict(zip(keep, map(batch.__getitem__, keep)))
+            inputs = dict(zip(keep, map(batch.__getitem__, keep), strict=True))
             if no_cache:
                 inputs["use_cache"] = False
             return model(**inputs)

@@ -83,8 +83,7 @@ def _plain(cls: type) -> bool:
     init = cls.__init__.__code__  # type: ignore[misc]
     return (
         init.co_filename == "<string>"  # dataclasses' generated __init__ ...
-        and init.co_argcount + init.co_kwonlyargcount
-        == len(cls.__dataclass_fields__) + 1  # type: ignore[attr-defined]  # ... of every field
+        and init.co_argcount + init.co_kwonlyargcount == len(cls.__dataclass_fields__) + 1  # type: ignore[attr-defined]  # ... of every field
         and not hasattr(cls, "__post_init__")
     )
 
@@ -349,9 +348,7 @@ class TrainState:
 
 
 # ftrain's own states, checked once at import (the step functions replace two a step).
-_PLAIN = frozenset(
-    c for c in (TrainState, DataState, EarlyStoppingState, ScalerState) if _plain(c)
-)
+_PLAIN = frozenset(c for c in (TrainState, DataState, EarlyStoppingState, ScalerState) if _plain(c))
 
 # The types of TrainState's own fields that `replace` checks (the step functions' `consume`
 # does not: its values come from the library). Plain values are range-checked at save.
