@@ -137,3 +137,14 @@ def test_count_step_counts_the_python_opcodes_of_a_step():
     total = re.search(r"ftrain: (\d+) Python opcodes a step", out.stdout)
     assert total and int(total.group(1)) > 1000, out.stdout
     assert "ftrain/grads.py:" in out.stdout  # the functions are named
+
+
+@pytest.mark.slow
+def test_ab_revision_runs_another_revisions_loop_next_to_this_trees():
+    out = _forked("ab_revision.py", "HEAD", "--rounds=1", "--steps=2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"rev's package: .*ftrain_rev", out.stdout), out.stdout  # renamed, imported
+    rows = _rows(out.stdout)
+    for loop in ("raw", "rev", "ftrain", "raw#2", "rev#2", "ftrain#2"):
+        assert float(rows[loop][0]) > 0, out.stdout  # each loop ran and was timed
+    assert rows["raw"][2] == "**1.000**", out.stdout
