@@ -269,7 +269,13 @@ def accumulate_grads(
         factor, scale = strategy.grad_reduce_factor, state.scaler.scale
         norm = norm if factor == 1 else norm * factor
         norm = norm if scale is None else norm * scale
-        torch._foreach_div_(list(got.values()), norm)
+        divided_grads = list(got.values())
+        if _SINGLE_OR_HALF.issuperset(map(_DTYPE, divided_grads)):
+            # The kernels divide by the count cast to float32 (these dtypes' compute type)
+            # either way: cast once, and each tensor's division skips its mixed-dtype set-up
+            # (5 float32 tensors on the CPU: 11 -> 6 us, issue 30). Bit-identical results.
+            norm = norm.float()
+        torch._foreach_div_(divided_grads, norm)
     grads = Grads(got)
     grads.of_ema_average = ema_swapped(state)
     # The mean over zero items is undefined: NaN, and clip_and_step skips such a step.
@@ -285,6 +291,7 @@ def accumulate_grads(
     return grads, stats
 
 
+_SINGLE_OR_HALF = frozenset({torch.float32, torch.bfloat16, torch.float16})
 _OWN_LOSSES = default_loss.__module__  # "ftrain.losses": whole item counts
 
 

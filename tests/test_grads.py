@@ -422,3 +422,35 @@ def test_batch_counts_of_a_preference_batch_count_both_sides_without_padding():
              "rejected_attention_mask": torch.ones(2, 7, dtype=torch.long)}  # fmt: skip
     tokens, rows = batch_counts({**ids, **labels, **masks})
     assert int(tokens) == 22 and rows == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_the_division_by_a_fractional_item_count_is_the_float64_counts_in_every_dtype(dtype):
+    """The gradients are divided by the step's float64 item count (a weighted loss counts
+    fractional items). For float32 and half gradients the count is cast to float32 once before
+    the division (fewer kernel set-ups, issue 30): the same bits as dividing by the float64
+    count, which the kernel casts to float32 itself; float64 gradients keep the float64 count."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(7, 3).to(dtype)
+    xs = [torch.randn(5, 7, dtype=dtype), torch.randn(4, 7, dtype=dtype)]
+    weights = [0.3, 0.7 / 3]  # the count: 0.3 * 5 + 0.7 / 3 * 4, not a float32 number
+
+    def weighted(m, x):
+        w = weights[0] if x.shape[0] == 5 else weights[1]
+        loss = m(x).float().pow(2).sum().to(dtype) * w
+        return loss, torch.tensor(w * x.shape[0], dtype=torch.float64)
+
+    state = ft.TrainState.create(model, ft.optim.sgd())
+    grads, stats = ft.accumulate_grads(state, xs, weighted)
+    f64 = torch.float64
+    count = torch.tensor(0.3 * 5, dtype=f64) + torch.tensor(0.7 / 3 * 4, dtype=f64)
+    assert stats.num_items.dtype == torch.float64 and stats.num_items == count
+    ref = torch.nn.Linear(7, 3).to(dtype)
+    ref.load_state_dict(model.state_dict())
+    for x in xs:
+        loss, _ = weighted(ref, x)
+        loss.backward()
+    for n, p in ref.named_parameters():
+        expected = p.grad.clone()
+        torch._foreach_div_([expected], count)  # the float64 count, as the kernel takes it
+        assert torch.equal(grads[n], expected), n
