@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from ftrain.optim import Optimizer, ema_swapped
 from ftrain.rng import _splitmix64
@@ -85,6 +86,8 @@ def _plain(cls: type) -> bool:
         init.co_filename == "<string>"  # dataclasses' generated __init__ ...
         and init.co_argcount + init.co_kwonlyargcount == len(cls.__dataclass_fields__) + 1  # type: ignore[attr-defined]  # ... of every field
         and not hasattr(cls, "__post_init__")
+        # A slotted subclass's fields are slot descriptors, which hide a copied __dict__.
+        and not any("__slots__" in vars(c) for c in cls.__mro__[:-1])
     )
 
 
@@ -226,7 +229,8 @@ class TrainState:
         Raises:
             TypeError: if `model` is not an `nn.Module`, `optimizer` not an `Optimizer` or
                 `loss_fn` not callable.
-            ValueError: if the model has no trainable parameter, `seed` is outside
+            ValueError: if the model has no trainable parameter, or one not initialised yet
+                (a `torch.nn.Lazy*` module before its first forward), `seed` is outside
                 [0, 2**63), or other processes of the job got another `seed` (one small
                 collective at setup); without `strategy` in a job of several processes (an
                 initialised process group or a launcher's `WORLD_SIZE` above 1), where the
@@ -247,6 +251,7 @@ class TrainState:
             raise TypeError(f"strategy must be an ft.strategies.Strategy, got {strategy!r}")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be a function (model, batch) -> ..., got {loss_fn!r}")
+        _refuse_lazy(model)
         if strategy is None:
             _refuse_default_in_a_job()
             strategy = SingleDevice()
@@ -444,6 +449,19 @@ def _refuse_half_masters(model: nn.Module) -> None:
             f"{shown}: autocast computes in float16 while the weights and their gradients stay "
             "float32; build the model in float32 (model.float()), or train float16 weights "
             "with precision='fp32' and no scaling"
+        )
+
+
+def _refuse_lazy(model: nn.Module) -> None:
+    """Refuse parameters a `torch.nn.Lazy*` module has not shaped yet: the optimizer state and
+    `params` are taken at create (AdamW's moments failed inside `zeros_like`, a plain SGD state
+    at the first step, from torch's own message)."""
+    lazy = [n for n, p in model.named_parameters() if is_lazy(p)]
+    if lazy:
+        shown = ", ".join(repr(n) for n in lazy[:3]) + (" ..." if len(lazy) > 3 else "")
+        raise ValueError(
+            f"parameter {shown} is not initialised yet (a torch.nn.Lazy* module shapes it at its "
+            "first forward): run the model once on a batch, then create the TrainState"
         )
 
 

@@ -106,3 +106,34 @@ def test_create_without_a_strategy_in_a_job_of_several_processes_raises(monkeypa
     for world in ("1", "x"):
         monkeypatch.setenv("WORLD_SIZE", world)
         ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+
+
+def test_create_refuses_a_lazy_module_before_its_first_forward():
+    """A `LazyLinear` has no shape until its first forward: the optimizer state and params are
+    taken at create, so create refuses, naming the parameter (AdamW failed inside torch's
+    `zeros_like`; SGD, once the model was large, at the first step)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LazyLinear(3))
+    for optimizer in (ft.optim.sgd(), ft.optim.adamw()):
+        with pytest.raises(ValueError, match=r"'1\.weight', '1\.bias' is not initialised yet"):
+            ft.TrainState.create(model, optimizer)
+    model(torch.zeros(2, 4))  # shaped now
+    state = ft.TrainState.create(model, ft.optim.adamw())
+    loss_fn = lambda m, x: (m(x).sum(), torch.tensor(x.shape[0]))  # noqa: E731
+    grads, stats = ft.accumulate_grads(state, [torch.ones(2, 4)], loss_fn)
+    state, _ = ft.clip_and_step(state, grads, stats=stats, lr=0.1)
+    assert state.step == 1
+
+
+def test_replace_keeps_every_field_of_a_slotted_subclass():
+    """A `slots=True` dataclass subclass holds its fields in slots, not in `__dict__`: replace
+    copies it through `dataclasses.replace` (the `__dict__` copy lost every field)."""
+
+    @dataclasses.dataclass(frozen=True, slots=True, eq=False)
+    class Slotted(ft.TrainState):
+        tag: str = "a"
+
+    state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+    slotted = Slotted(**{f.name: getattr(state, f.name) for f in dataclasses.fields(state)})
+    moved = slotted.replace(epoch=3)
+    assert (moved.epoch, moved.step, moved.tag, type(moved)) == (3, 0, "a", Slotted)
+    assert moved.data is slotted.data
