@@ -292,3 +292,42 @@ def test_causal_lm_loss_equals_transformers_for_causal_lm_loss():
     logits = torch.zeros(2, 0, 13, requires_grad=True)
     loss, n = L.causal_lm_loss()(Fixed(), {"input_ids": empty, "labels": empty})
     assert float(loss.detach()) == 0 and int(n) == 0
+
+
+def test_the_keys_a_model_takes_are_remembered_only_where_the_call_is_the_same():
+    """`accumulate_grads`' forward remembers, per model and tuple of batch keys, the keys
+    `model_inputs` passed (issue 30): the second call passes the same arguments. A batch with
+    a key the forward does not take (warned each time), packed rows' `position_ids` (whose
+    check reads the values) and a dict subclass are not remembered."""
+    import warnings
+
+    from ftrain.losses import _call
+    from ftrain.process_state import STATE
+
+    seen = []
+
+    class Lm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=None):
+            seen.append((attention_mask is None, position_ids is None, use_cache))
+            return input_ids.float() * self.w
+
+    model = Lm()
+    ids = torch.tensor([[1, 2]])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    _call(model, batch)
+    assert STATE.model_calls[model] == {
+        ("input_ids", "attention_mask", "labels"): (("input_ids", "attention_mask"), True)
+    }
+    _call(model, dict(batch))
+    assert seen[0] == seen[1] == (False, True, False)  # the mask passed, use_cache=False added
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _call(model, {**batch, "id": ["a"]})
+        _call(model, {**batch, "id": ["a"]})
+    assert len(caught) == 2  # a dropped key warns every time: not remembered
+    _call(model, {"input_ids": ids, "position_ids": torch.tensor([[0, 1]]), "labels": ids})
+    assert len(STATE.model_calls[model]) == 1
