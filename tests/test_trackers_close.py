@@ -148,3 +148,47 @@ def test_mlflow_run_whose_params_mlflow_refuses_ends_failed(tmp_path, mlflow_uri
     (run,) = client.search_runs([client.get_experiment_by_name("ftrain").experiment_id])
     assert run.info.status == "FAILED"
     assert not (tmp_path / "a" / "mlflow_run_id").exists()
+
+
+def test_a_forwarding_wrapper_sink_passes_the_failure_on(tmp_path, mlflow_uri):
+    """A sink of yours that wraps a tracker and forwards `close(*args, **kwargs)` (renaming
+    keys, filtering records) gets `failed=` too: a crashed run ends FAILED through it (it ended
+    FINISHED: a `**kwargs` close was called without arguments). A positional-only `failed`
+    is passed positionally; a plain `close(self)` is called without arguments."""
+
+    class Prefix:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def step(self, state):
+            self.inner.step(state)
+
+        def log(self, record):
+            self.inner.log({k if k == "step" else f"train/{k}": v for k, v in record.items()})
+
+        def close(self, *args, **kwargs):
+            self.inner.close(*args, **kwargs)
+
+    closed = []
+
+    class Positional:
+        def step(self, state): ...
+        def log(self, record): ...
+        def close(self, failed, /):
+            closed.append(("positional", failed))
+
+    class Plain:
+        def step(self, state): ...
+        def log(self, record): ...
+        def close(self):
+            closed.append(("plain",))
+
+    sink = ft.logging.MLflowSink(tmp_path / "run", tracking_uri=mlflow_uri)
+    state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+    with pytest.raises(RuntimeError, match="training crashed"):
+        with ft.logging.Logger(
+            state, every=1, progress=False, sinks=[Prefix(sink), Positional(), Plain()]
+        ):
+            raise RuntimeError("training crashed")
+    assert _status(mlflow_uri, sink) == "FAILED"
+    assert closed == [("positional", True), ("plain",)]

@@ -2,10 +2,10 @@
 
 A sink's `step(state)` runs after every step and must not read device tensors (it may move a
 progress bar); `log(record)` receives each emitted record (train or eval: a dict with `step`);
-`close()` flushes. A `close` with a keyword `failed` (`close(self, *, failed=False)`) is told how
-the run ended: `failed=True` when a `Logger` (or `Sinks`) `with` block raised or
-`logger.close(failed=True)` was called, False otherwise; a `close(self)` without it is called
-without it. Build sinks on the main rank only (`state.strategy.rank == 0`), or rely on
+`close()` flushes. A `close` that takes `failed` (`close(self, *, failed=False)`, or `**kwargs`:
+a wrapper forwarding to a tracker sink) is told how the run ended: `failed=True` when a
+`Logger` (or `Sinks`) `with` block raised or `logger.close(failed=True)` was called, False
+otherwise; a `close(self)` without it is called without it. Build sinks on the main rank only (`state.strategy.rank == 0`), or rely on
 `ProgressBar`, which turns itself off elsewhere. `ft.logging.Logger` drives them all with one
 call per step.
 """
@@ -104,21 +104,31 @@ def _close_all(sinks: tuple[Sink, ...], failed: bool) -> None:
 
 
 def _close_sink(sink: Sink, *, failed: bool) -> None:
-    """Close `sink`: with `failed=failed` when its `close` takes a `failed` argument, else
-    without arguments (a sink written for the plain `close(self)` protocol)."""
-    if _takes_failed(sink.close):
+    """Close `sink`: with `failed=failed` when its `close` takes a `failed` argument or any
+    keyword (`**kwargs`: a wrapper forwarding to a tracker sink), positionally when its
+    `failed` is positional-only, else without arguments (the plain `close(self)` protocol)."""
+    how = _takes_failed(sink.close)
+    if how == "keyword":
         sink.close(failed=failed)  # type: ignore[call-arg]
+    elif how == "positional":
+        sink.close(failed)  # type: ignore[call-arg]
     else:
         sink.close()
 
 
-def _takes_failed(close: Any) -> bool:
+def _takes_failed(close: Any) -> str | None:
     try:
-        param = inspect.signature(close).parameters.get("failed")
+        params = inspect.signature(close).parameters
     except (TypeError, ValueError):  # a callable without a signature (a builtin)
-        return False
-    kinds = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return param is not None and param.kind in kinds
+        return None
+    param = params.get("failed")
+    if param is not None and param.kind is inspect.Parameter.POSITIONAL_ONLY:
+        return "positional"
+    if param is not None and param.kind is not inspect.Parameter.VAR_POSITIONAL:
+        return "keyword"
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return "keyword"
+    return None
 
 
 class JSONLSink:
