@@ -185,10 +185,11 @@ def test_a_forwarding_wrapper_sink_passes_the_failure_on(tmp_path, mlflow_uri):
 
     sink = ft.logging.MLflowSink(tmp_path / "run", tracking_uri=mlflow_uri)
     state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
-    with pytest.raises(RuntimeError, match="training crashed"):
-        with ft.logging.Logger(
-            state, every=1, progress=False, sinks=[Prefix(sink), Positional(), Plain()]
-        ):
-            raise RuntimeError("training crashed")
+    sinks = [Prefix(sink), Positional(), Plain()]
+    with (
+        pytest.raises(RuntimeError, match="training crashed"),
+        ft.logging.Logger(state, every=1, progress=False, sinks=sinks),
+    ):
+        raise RuntimeError("training crashed")
     assert _status(mlflow_uri, sink) == "FAILED"
     assert closed == [("positional", True), ("plain",)]

@@ -5,9 +5,9 @@ progress bar); `log(record)` receives each emitted record (train or eval: a dict
 `close()` flushes. A `close` that takes `failed` (`close(self, *, failed=False)`, or `**kwargs`:
 a wrapper forwarding to a tracker sink) is told how the run ended: `failed=True` when a
 `Logger` (or `Sinks`) `with` block raised or `logger.close(failed=True)` was called, False
-otherwise; a `close(self)` without it is called without it. Build sinks on the main rank only (`state.strategy.rank == 0`), or rely on
-`ProgressBar`, which turns itself off elsewhere. `ft.logging.Logger` drives them all with one
-call per step.
+otherwise; a `close(self)` without it is called without it. Build sinks on the main rank only
+(`state.strategy.rank == 0`), or rely on `ProgressBar`, which turns itself off elsewhere.
+`ft.logging.Logger` drives them all with one call per step.
 """
 
 from __future__ import annotations
