@@ -277,3 +277,26 @@ def test_export_checkpoint_refuses_config_with_base(tmp_path):
 
     with pytest.raises(ValueError, match="takes config or base, not both"):
         export_checkpoint(tmp_path / "step-0", tmp_path / "out", config=tmp_path, base=tmp_path)
+
+
+def test_rollback_onto_another_base_on_purpose_passes_allow_other_base(tmp_path):
+    """A run moved onto another base model on purpose (`load_checkpoint(...,
+    allow_other_base=True)`) rolls back to a checkpoint its first base wrote when the rollback
+    is told so too; without it the refusal names the way out (it had none: the guard's load
+    took no such argument)."""
+
+    def model(seed):
+        torch.manual_seed(seed)
+        m = nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 2))
+        m[0].requires_grad_(False)  # the frozen base
+        return m
+
+    state = ft.guard.GuardedState.create(model(0), ft.optim.adamw())
+    ft.save_checkpoint(state, tmp_path)  # step 0, on base A
+    template = ft.guard.GuardedState.create(model(1), ft.optim.adamw())  # base B
+    state = ft.load_checkpoint(ft.latest_checkpoint(tmp_path), template, allow_other_base=True)
+    guard = ft.guard.SpikeGuard()
+    with pytest.raises(ft.checkpoint.CheckpointMismatchError, match="allow_other_base=True"):
+        guard.rollback(state, tmp_path, skip=1)
+    state = guard.rollback(state, tmp_path, skip=1, allow_other_base=True)
+    assert (state.step, state.rollbacks, state.data.cursor) == (0, 1, 1)

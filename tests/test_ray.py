@@ -354,3 +354,24 @@ def test_wait_for_reports_raises_when_ray_times_out_before_registering(tmp_path,
                 ray_ft.wait_for_reports(timeout_s=bad)
     finally:
         mp.undo()
+
+
+def test_restore_passes_allow_other_base_to_the_load(tmp_path, fake_worker, monkeypatch):
+    """`restore(..., allow_other_base=True)` reaches `load_checkpoint` (a run moved onto
+    another base model on purpose); without it the base check refuses, naming the way out."""
+    import contextlib
+
+    import ray.train
+
+    def frozen_first(seed):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 2))
+        m[0].requires_grad_(False)
+        return ft.TrainState.create(m, ft.optim.sgd())
+
+    path = ft.save_checkpoint(frozen_first(0), tmp_path)
+    checkpoint = type("Checkpoint", (), {"as_directory": lambda self: contextlib.nullcontext(path)})
+    monkeypatch.setattr(ray.train, "get_checkpoint", checkpoint)
+    with pytest.raises(ft.checkpoint.CheckpointMismatchError, match="allow_other_base=True"):
+        ray_ft.restore(frozen_first(1))
+    assert ray_ft.restore(frozen_first(1), allow_other_base=True).step == 0

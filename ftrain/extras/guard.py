@@ -193,7 +193,12 @@ class SpikeGuard:
         }
 
     def rollback(
-        self, state: GuardedState, root: str | os.PathLike[str], *, skip: MicroBatches | int
+        self,
+        state: GuardedState,
+        root: str | os.PathLike[str],
+        *,
+        skip: MicroBatches | int,
+        allow_other_base: bool = False,
     ) -> GuardedState:
         """Load the newest checkpoint under `root` and move the data past `skip`, the
         micro-batches just observed (they start at `state.data.cursor`).
@@ -218,6 +223,9 @@ class SpikeGuard:
                 number of micro-batches (`len(micro)`) does as well: the state's map position
                 is kept, so the data resumes at the row after the skipped micro-batches even
                 when the batch size changed earlier in the epoch.
+            allow_other_base: as `ft.load_checkpoint`'s: for a run resumed onto another base
+                model on purpose (`load_checkpoint(..., allow_other_base=True)`), whose newest
+                checkpoint may still be one written on the first base.
 
         Raises:
             ValueError: for `skip < 1`, or an int `skip` on a stream (whose position after the
@@ -244,7 +252,9 @@ class SpikeGuard:
         path, passed = _target(root)
         _check_not_ahead(path, root, step)
         if path is not None:
-            state = cast(GuardedState, load_checkpoint(path, state))  # keeps the class
+            state = cast(  # keeps the class
+                GuardedState, load_checkpoint(path, state, allow_other_base=allow_other_base)
+            )
         log.warning(
             "loss guard: rollback %d at step %d (epoch %d): %s%s; skipping micro-batches [%d, %d)",
             rollbacks, step, epoch,

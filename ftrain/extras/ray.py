@@ -318,7 +318,9 @@ def _check_timeout(timeout_s: Any, allowed: str = "a number > 0") -> None:
         raise ValueError(f"timeout_s must be {allowed}, got {timeout_s!r}")  # NaN fails too
 
 
-def restore(state: TrainState, *, strict: bool = True) -> TrainState:
+def restore(
+    state: TrainState, *, strict: bool = True, allow_other_base: bool = False
+) -> TrainState:
     """`state` loaded from Ray's newest registered checkpoint, or `state` itself if none.
 
     `ray.train.get_checkpoint()` is what a restarted worker group resumes from (after a lost
@@ -330,6 +332,8 @@ def restore(state: TrainState, *, strict: bool = True) -> TrainState:
     Args:
         state: a freshly built state (same model and optimizer) to load into.
         strict: as `ft.load_checkpoint`'s.
+        allow_other_base: as `ft.load_checkpoint`'s (a base model other than the one the
+            checkpoint was trained on, on purpose).
 
     Raises:
         RuntimeError: outside a Ray Train worker.
@@ -341,7 +345,9 @@ def restore(state: TrainState, *, strict: bool = True) -> TrainState:
     if checkpoint is None:
         return state
     with checkpoint.as_directory() as directory:
-        return ft.load_checkpoint(directory, state, strict=strict)
+        return ft.load_checkpoint(
+            directory, state, strict=strict, allow_other_base=allow_other_base
+        )
 
 
 def _in_worker(train: Any, name: str) -> Any:
