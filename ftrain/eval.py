@@ -55,11 +55,13 @@ def flatten_batches(batches: Iterable[Any]) -> Iterator[Any]:
     A list is a group when each of its items is a batch (a dict, list, tuple or `MicroBatches`);
     any other list is one batch: a DataLoader over a `TensorDataset` yields `[x, y]`, which was
     read as two batches (x, then y, each unpacked into two of its rows by a `loss_fn`). A list
-    of dicts that share no key is refused: it is one batch split into parts (a DataLoader's
-    default collate turns `(inputs, labels)` rows into `[inputs, labels]`), not a group.
+    of exactly two dicts that share no key, where a batch was expected, is refused: it is one
+    batch split into parts (a DataLoader's default collate turns `(inputs, labels)` rows into
+    `[inputs, labels]`), not a group. Batches of tasks whose keys differ, given one by one,
+    are read one by one.
 
     Raises:
-        TypeError: for a group of dicts where one shares no key with the first (see above).
+        TypeError: for a list of two dicts that share no key in place of a batch (see above).
 
     Example:
         >>> import torch
@@ -82,21 +84,28 @@ def _is_group(items: list[Any]) -> bool:
 
 
 def _check_parts(items: Any, what: str) -> None:
-    """Refuse dicts that share no key with the first dict of `items`: the parts of one batch
-    (`(inputs, labels)`), each of which would be read as a batch of its own (metrics of the
+    """Refuse `items` if it is exactly two dicts that share no key: the parts of one batch,
+    `(inputs, labels)`, each of which would be read as a batch of its own (metrics of the
     inputs alone, then of the labels alone), as `accumulate_grads` refuses an `[x, y]` batch of
     tensors passed as its micro-batches."""
-    dicts = [x for x in items if isinstance(x, Mapping) and x]
-    first = set(dicts[0]) if dicts else set()
-    if any(first.isdisjoint(d) for d in dicts[1:]):
-        keys = [sorted(d) for d in dicts]
+    # Only a pair: a DataLoader's default collate turns each (inputs, labels) row's tuple into
+    # one list of its two fields, so its parts always come as two. Batches of several tasks
+    # (keys that differ from task to task) are a list of any length, which is read batch by
+    # batch as an iterator of them is: refusing those too (any dict disjoint from the first)
+    # broke multi-task evaluation that accumulate_grads accepts.
+    if len(items) != 2 or not all(isinstance(x, Mapping) and x for x in items):
+        return
+    first, second = items
+    if set(first).isdisjoint(second):
         raise TypeError(
-            f"{what} is a {type(items).__name__} of {len(dicts)} dicts that share no key "
-            f"({keys}): the parts of one batch, e.g. (inputs, labels), which would be read as "
-            f"{len(dicts)} batches (a DataLoader's default collate turns a dataset's "
-            "(inputs, labels) rows into [inputs, labels]). Merge them into one dict "
-            "({**inputs, **labels}, in a collate_fn), or return a tuple from the collate_fn for "
-            "a loss_fn or output_fn that takes (inputs, labels); wrap a single batch: [batch]"
+            f"{what} is a {type(items).__name__} of 2 dicts that share no key "
+            f"({sorted(first)} and {sorted(second)}): the parts of one batch, e.g. "
+            "(inputs, labels), which would be read as 2 batches (a DataLoader's default collate "
+            "turns a dataset's (inputs, labels) rows into [inputs, labels]). Merge them into one "
+            "dict ({**inputs, **labels}, in a collate_fn), or return a tuple from the collate_fn "
+            "for a loss_fn or output_fn that takes (inputs, labels); wrap a single batch: "
+            "[batch]. Two batches of tasks whose keys differ: give them in a flat list of "
+            "batches ([task_a, task_b, ...])"
         )
 
 
@@ -182,9 +191,10 @@ def evaluate(
 
     Raises:
         TypeError: for an argument of the wrong type (named in the message); for the parts
-            of one batch given as batches (dicts that share no key, e.g. the
+            of one batch given as batches (two dicts that share no key, e.g. the
             `[inputs, labels]` a DataLoader yields for `(inputs, labels)` rows: see
             `flatten_batches`), as `accumulate_grads` refuses an `[x, y]` batch of tensors.
+            Batches of several tasks whose keys differ, in a list, are read one by one.
         ValueError: with no batches; when both `loss_fn` and a `metrics_fn` returning
             `"loss"` are given; when `metrics_fn` returns a name evaluate reports itself
             (`items`, `loss_fn`, `ppl`, and `metrics_loss` where that holds its loss); or, with
@@ -298,7 +308,9 @@ def _check_batches(batches: Any) -> None:
             f"batches must be an iterable of batches (make_batches(val, batch_size=...) or a "
             f"list), got {type(batches).__name__}; wrap a single batch: [batch]"
         )
-    if isinstance(batches, (list, tuple)):  # evaluate(state, (inputs, labels)): one batch's parts
+    # evaluate(state, (inputs, labels)): one row's or batch's parts. A list of two tasks'
+    # batches is a list of batches, as an iterator of them is, so only a tuple is refused here.
+    if isinstance(batches, tuple):
         _check_parts(batches, "batches")
 
 
