@@ -1,6 +1,10 @@
-"""Silent failures of everyday fine-tuning, fifth pass: multi-task evaluation lists."""
+"""Silent failures of everyday fine-tuning, fifth pass: multi-task evaluation lists, LoRA on a
+multiple-choice model, and the loose ends of LoRA's task type and generate's seed."""
 
 from __future__ import annotations
+
+import json
+import warnings
 
 import pytest
 import torch
@@ -64,3 +68,101 @@ def test_two_dicts_sharing_no_key_in_place_of_a_batch_are_still_refused_by_their
         ft.evaluate(state, (inputs, labels), _task_loss)
     with pytest.raises(TypeError, match=r"give them in a flat list of batches"):
         list(ft.predict(state, [[inputs, labels]], lambda m, x: _rows(x)))
+
+
+def _quiet(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' notes on tiny configs
+        return fn(*args, **kwargs)
+
+
+def _bert_multiple_choice(path=None):
+    from transformers import BertConfig, BertForMultipleChoice
+
+    if path is not None:
+        return _quiet(BertForMultipleChoice.from_pretrained, path)
+    torch.manual_seed(0)
+    cfg = BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return _quiet(BertForMultipleChoice, cfg)
+
+
+def _choice_loss(model, batch):
+    out = model(**batch)  # HF's mean cross-entropy over the questions
+    n = batch["labels"].shape[0]
+    return out.loss * n, torch.tensor(n)
+
+
+def test_lora_trains_and_saves_a_multiple_choice_models_new_head(tmp_path):
+    # PEFT has no multiple-choice task type, and the head was only saved for SEQ_CLS-like
+    # types: the new classifier stayed frozen at its random init and out of the adapter.
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    base = _bert_multiple_choice()
+    base.save_pretrained(tmp_path / "base")
+    model = _quiet(ft.lora.apply, _bert_multiple_choice(tmp_path / "base"), r=2, alpha=4)
+    assert model.peft_config["default"].modules_to_save == ["classifier"]
+    trained = {n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n}
+    assert trained == {
+        "base_model.model.classifier.modules_to_save.default.weight",
+        "base_model.model.classifier.modules_to_save.default.bias",
+    }
+    state = ft.TrainState.create(model, ft.optim.adamw(weight_decay=0.0), seed=0)
+    g = torch.Generator().manual_seed(1)
+    batch = {
+        "input_ids": torch.randint(3, 50, (4, 3, 6), generator=g),
+        "labels": torch.arange(4) % 3,
+    }
+    for _ in range(3):
+        grads, stats = ft.accumulate_grads(state, [batch], _choice_loss)
+        state, _ = ft.clip_and_step(state, grads, lr=0.05, stats=stats)
+    head = state.model.get_base_model().classifier.modules_to_save["default"]
+    assert not torch.equal(head.weight, base.classifier.weight)  # it trained
+    with torch.no_grad():
+        want = state.model.eval()(**batch).logits
+    ft.export_pretrained(state, tmp_path / "adapter")
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert {k for k in saved if "classifier" in k} == {
+        "base_model.model.classifier.weight",
+        "base_model.model.classifier.bias",
+    }
+    loaded = PeftModel.from_pretrained(
+        _bert_multiple_choice(tmp_path / "base"), tmp_path / "adapter"
+    )
+    with torch.no_grad():
+        got = loaded.eval()(**batch).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _llama_classifier():
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_labels=3, pad_token_id=0,
+    )  # fmt: skip
+    return _quiet(LlamaForSequenceClassification, cfg)
+
+
+def test_lora_modules_to_save_names_each_module_once(tmp_path):
+    # PEFT's classifier wrapper appends its guesses to the names given: the adapter config
+    # said ['classifier', 'classifier', 'score'].
+    model = _quiet(ft.lora.apply, _llama_classifier(), r=2, modules_to_save=["score", "score"])
+    assert model.peft_config["default"].modules_to_save == ["score", "classifier"]
+    ft.export_pretrained(ft.TrainState.create(model, ft.optim.adamw()), tmp_path / "a")
+    config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    assert sorted(config["modules_to_save"]) == ["classifier", "score"]
+
+
+def test_lora_refuses_a_task_type_peft_does_not_know_as_unknown_not_contradicting():
+    # "seq_cls" was reported as contradicting the model's SEQ_CLS; PEFT knows no such name.
+    with pytest.raises(ValueError, match=r"task_type='seq_cls' is not one of PEFT's task types "):
+        ft.lora.apply(_llama_classifier(), r=2, task_type="seq_cls")
+    with pytest.raises(ValueError, match=r"did you mean 'SEQ_CLS'\?"):
+        ft.lora.apply(_llama_classifier(), r=2, task_type="seq_cls")
+    with pytest.raises(ValueError, match=r"task_type='SEQ' is not one of PEFT's task types"):
+        ft.lora.apply(torch.nn.Sequential(torch.nn.Linear(2, 2)), r=2, task_type="SEQ")

@@ -64,11 +64,13 @@ def apply(
     PEFT's task type follows the model's head, as `ft.losses.loss_for` reads it: `CAUSAL_LM`
     for causal LMs, `SEQ_2_SEQ_LM` for encoder-decoders (T5, BART), `SEQ_CLS` for
     `*ForSequenceClassification`, `TOKEN_CLS` for `*ForTokenClassification`, `QUESTION_ANS` for
-    `*ForQuestionAnswering`, and none (a plain `PeftModel`) for other models. A classifier's
-    head is new (randomly initialised): its modules, every top-level module with parameters
-    beside the backbone (`classifier`, `score`, BART's `classification_head`, ...), go into
-    `modules_to_save`, so they train in full (no adapter on them) and the adapter saves them;
-    left frozen they would stay random, and a reloaded adapter would get another random head.
+    `*ForQuestionAnswering`, and none (a plain `PeftModel`) for other models, including
+    `*ForMultipleChoice` (PEFT has no task type for it). A classifier's head (those four and
+    `*ForMultipleChoice`) is new (randomly initialised): its modules, every top-level module
+    with parameters beside the backbone (`classifier`, `score`, BART's `classification_head`,
+    ...), go into `modules_to_save` (each name once), so they train in full (no adapter on
+    them) and the adapter saves them; left frozen they would stay random, and a reloaded
+    adapter would get another random head.
 
     Args:
         model: an HF model (full precision, or from `load_4bit`).
@@ -77,8 +79,9 @@ def apply(
         dropout: dropout on the adapters' input.
         targets: module names to adapt; `find_all_linear_names(model)` by default.
         bias: passed to `peft.LoraConfig`.
-        task_type: PEFT's task type (a `peft.TaskType` or its name); None (default) infers it
-            from the model as above. One that contradicts the model's head raises.
+        task_type: PEFT's task type (a `peft.TaskType` or its name, in capitals as PEFT reads
+            it: `"SEQ_CLS"`); None (default) infers it from the model as above. One that
+            contradicts the model's head raises.
         **lora_kwargs: passed to `peft.LoraConfig`; a classifier's `modules_to_save` get its
             head's modules added.
 
@@ -89,7 +92,9 @@ def apply(
             it silently), no linear layer to adapt by default (e.g. GPT-2's `Conv1D` layers:
             pass `targets`), a `modules_to_save` name that matches no module (PEFT skips it
             silently), a model that already holds PEFT adapters, a `task_type` other than the
-            model's head, or a classifier whose head cannot be found (pass `modules_to_save`).
+            model's head or not one of PEFT's (`"seq_cls"`: PEFT refuses it too), or a
+            classifier whose head cannot be found (pass `modules_to_save`).
+        TypeError: for a `task_type` that is neither a `peft.TaskType`, a string nor None.
         ImportError: without peft (`pip install 'ftrain[hf]'`).
     """
     _check_hyperparameters(r, alpha, dropout)
@@ -101,7 +106,9 @@ def apply(
     targets = _targets(model, targets)
     _check_modules_to_save(model, lora_kwargs.get("modules_to_save"))
     task_type = _task_type(model, task_type)
-    if task_type in _CLASSIFIERS:
+    # A new head is told by the class, not the task type: PEFT has no task type for multiple
+    # choice, whose new classifier stayed frozen and random, and out of the adapter.
+    if task_type in _CLASSIFIERS or _has_new_head(model):
         lora_kwargs["modules_to_save"] = _with_heads(model, lora_kwargs.get("modules_to_save"))
     config = LoraConfig(
         r=r,
@@ -112,7 +119,12 @@ def apply(
         task_type=task_type,
         **lora_kwargs,
     )
-    return get_peft_model(model, config)
+    wrapped = get_peft_model(model, config)
+    # PEFT's classifier wrappers append their guesses ("classifier", "score") to the names
+    # given: ['classifier', 'classifier', 'score'] in the saved adapter_config.json.
+    if isinstance(config.modules_to_save, list):
+        config.modules_to_save[:] = dict.fromkeys(config.modules_to_save)
+    return wrapped
 
 
 # `ft.losses.loss_for`'s losses (by factory name) and the PEFT task type of their heads.
@@ -125,6 +137,18 @@ _TASKS = MappingProxyType(
     }
 )
 _CLASSIFIERS = ("SEQ_CLS", "TOKEN_CLS", "QUESTION_ANS")
+# HF's task heads that are new (randomly initialised) on a pretrained backbone, by class name
+# ending; multiple choice has no PEFT task type (a plain PeftModel) but its head is as new.
+_NEW_HEADS = (
+    "ForSequenceClassification",
+    "ForTokenClassification",
+    "ForQuestionAnswering",
+    "ForMultipleChoice",
+)
+
+
+def _has_new_head(model: nn.Module) -> bool:
+    return any(c.__name__.endswith(_NEW_HEADS) for c in type(model).__mro__)
 
 
 def _inferred_task(model: nn.Module) -> str | None:
@@ -151,9 +175,18 @@ def _task_type(model: nn.Module, given: Any) -> str | None:
     inferred = _inferred_task(model)
     if given is None:
         return inferred
+    from peft import TaskType
+
     name = getattr(given, "value", given)
     if not isinstance(name, str):
         raise TypeError(f"task_type must be a peft.TaskType, its name or None, got {given!r}")
+    names = [t.value for t in TaskType]
+    if name not in names:  # PEFT reads names as written: 'seq_cls' is no task type to it
+        close = [n for n in names if n == name.upper()]
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"ft.lora.apply task_type={given!r} is not one of PEFT's task types {names}{hint}"
+        )
     if inferred is not None and name != inferred:
         raise ValueError(
             f"ft.lora.apply task_type={name!r}, but {type(model).__name__} is a "
