@@ -262,8 +262,11 @@ def test_sampled_generation_is_reproducible_and_leaves_the_global_stream_alone(n
 def test_generate_refuses_a_bad_seed_and_a_generator():
     state = _llama_state()
     batch = {"input_ids": torch.tensor([[5, 6, 7]])}
-    for bad in (-1, 1.5, True, "0"):
-        with pytest.raises(ValueError, match=rf"seed must be an int >= 0, got {bad!r}"):
+    for bad in (1.5, True, "0"):  # the wrong type is a TypeError (STYLE 4)
+        with pytest.raises(TypeError, match=rf"seed must be an int, got {bad!r}"):
+            _sampled(state, batch, seed=bad)
+    for bad in (-1, 2**63):  # TrainState.create's range
+        with pytest.raises(ValueError, match=rf"seed must be in \[0, 2\*\*63\), got {bad}"):
             _sampled(state, batch, seed=bad)
     with pytest.raises(TypeError, match=r"takes no generator; pass seed=\.\.\."):
         _sampled(state, batch, generator=torch.Generator())

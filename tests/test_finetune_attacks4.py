@@ -3,6 +3,7 @@ multiple-choice model, and the loose ends of LoRA's task type and generate's see
 
 from __future__ import annotations
 
+import inspect
 import json
 import warnings
 
@@ -166,3 +167,13 @@ def test_lora_refuses_a_task_type_peft_does_not_know_as_unknown_not_contradictin
         ft.lora.apply(_llama_classifier(), r=2, task_type="seq_cls")
     with pytest.raises(ValueError, match=r"task_type='SEQ' is not one of PEFT's task types"):
         ft.lora.apply(torch.nn.Sequential(torch.nn.Linear(2, 2)), r=2, task_type="SEQ")
+
+
+def test_generates_docstring_says_which_devices_sampling_is_seeded_on():
+    # It promised "CPU and the strategy's device"; only the CPU and CUDA generators are seeded.
+    from ftrain.rng import default_generators
+
+    assert default_generators(torch.device("meta")) == [torch.default_generator]
+    doc = " ".join(inspect.getdoc(ft.generate).split())
+    assert "Only the CPU and CUDA generators are seeded" in doc
+    assert "on another device (MPS, XPU) sampling draws from that device's own default" in doc

@@ -206,13 +206,17 @@ def generate(
 
     Sampling (`do_sample=True`, from the keywords or the model's `generation_config`) is
     reproducible and leaves torch's global random stream alone: batch `i` on rank `r` draws from
-    the default generators (CPU and the strategy's device) seeded by
+    the default generators (CPU, and the strategy's CUDA device) seeded by
     `ftrain.rng.dropout_seed(seed ^ salt, i, 0, r)`, and they get their previous state back
     afterwards. The same call gives the same completions, in this process or a resumed one,
     and whatever the caller draws from the global stream afterwards is what it would draw
     without the call (HF's `model.generate` draws from that stream: each call samples anew, and
     moves every later draw). The same batches on the same ranks give the same samples; another
     batch size samples other ones. Pass another `seed` (e.g. `state.step`) for fresh draws.
+    Only the CPU and CUDA generators are seeded (`ftrain.rng.default_generators`, as for
+    dropout): on another device (MPS, XPU) sampling draws from that device's own default
+    generator, neither seeded nor restored, so it is not reproducible there and moves that
+    device's stream.
 
     Args:
         state: the state whose model generates (not consumed).
@@ -220,7 +224,8 @@ def generate(
         tokenizer: decodes the new tokens into `text` (special tokens skipped) when given.
         gather: gather every rank's rows (a collective); False yields this rank's only.
         strategy: overrides `state.strategy`.
-        seed: the sampling seed (an int >= 0); None (default): `state.seed`.
+        seed: the sampling seed (an int in [0, 2**63), as `TrainState.create` takes);
+            None (default): `state.seed`.
         **generate_kwargs: for `model.generate`, e.g. `max_new_tokens=32, do_sample=False`.
             `pad_token_id` defaults to the model's, else the tokenizer's. `stopping_criteria`
             and `stop_strings` (with `tokenizer`) end each row where they first hold, as for
@@ -239,8 +244,8 @@ def generate(
     Raises:
         TypeError: for an argument of the wrong type (named in the message); if the model
             has no `generate`, `generate_kwargs` sets the prompts or a `generator` (use
-            `seed`), or a batch is not a dict with `input_ids`.
-        ValueError: for `seed` not an int >= 0.
+            `seed`), `seed` is not an int, or a batch is not a dict with `input_ids`.
+        ValueError: for `seed` outside [0, 2**63).
         ValueError: with no batches, or batches `make_batches` shuffled (the completions
             would not line up with the prompts' rows); if no pad token id is known; for
             `output_scores`, `output_logits`, `output_attentions` or `output_hidden_states`
@@ -305,8 +310,11 @@ def generate(
 def _check_seed(seed: Any, kwargs: Mapping[str, Any]) -> int:
     """The sampling seed, checked; a `generator` keyword is refused (HF's generate takes none:
     it would reach the model's forward, or be ignored)."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"generate: seed must be an int >= 0, got {seed!r}")
+    # As TrainState.create checks its seed: the wrong type is a TypeError, not a ValueError.
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"generate: seed must be an int, got {seed!r}")
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"generate: seed must be in [0, 2**63), got {seed}")
     if "generator" in kwargs:
         raise TypeError(
             "generate: model.generate takes no generator; pass seed=... (an int), from which "
