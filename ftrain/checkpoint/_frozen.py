@@ -41,8 +41,40 @@ def exact(dtype: torch.dtype) -> bool:
 
 def frozen_parameters(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The frozen parameters a save records, by name (tied ones once). A parameter on the meta
-    device (offloaded by accelerate) has no values here: it is left out."""
-    return [(n, p) for n, p in module.named_parameters() if not p.requires_grad and not p.is_meta]
+    device (offloaded by accelerate) has no values here, and a modules-to-save wrapper's original
+    copy is not the base (`unread_originals`): both are left out."""
+    unread = unread_originals(module)
+    return [
+        (n, p)
+        for n, p in module.named_parameters()
+        if not p.requires_grad and not p.is_meta and n not in unread
+    ]
+
+
+def unread_originals(module: nn.Module) -> set[str]:
+    """The names of the parameters held only under a modules-to-save wrapper's `original_module`.
+
+    PEFT's `ModulesToSaveWrapper` (`modules_to_save`, the head `ft.lora.apply` adds to a
+    classifier) trains a copy and keeps the module it copied, frozen, for the adapter-disabled
+    forward. For a new head that original is drawn at random by every `from_pretrained`, so it
+    is no part of the base; the trained copy is saved. Duck-typed (the core does not import
+    peft): a module with `original_module` and `modules_to_save` attributes. A tensor also
+    reachable by another name (tied to a weight the forward reads) is kept.
+    """
+    heads = [
+        f"{n}.original_module." if n else "original_module."
+        for n, m in module.named_modules()
+        if hasattr(m, "original_module") and hasattr(m, "modules_to_save")
+    ]
+    if not heads:
+        return set()
+    names: dict[int, list[str]] = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    prefixes = tuple(heads)
+    return {
+        n for group in names.values() if all(x.startswith(prefixes) for x in group) for n in group
+    }
 
 
 class Sums:
@@ -135,10 +167,11 @@ def base_diffs(
     if not isinstance(saved, dict):
         return []
     rows = {r[0]: r for r in table}
+    unread = unread_originals(module)  # recorded by a save before they were left out
     params = [
         (n, p)
         for n, p in module.named_parameters()
-        if n in saved and not p.is_meta and _as_recorded(rows[n], p)
+        if n in saved and n not in unread and not p.is_meta and _as_recorded(rows[n], p)
     ]
     ours = frozen_sums(params, strategy).as_json()  # host sync: once per load
     sizes = {n: p.numel() for n, p in params}

@@ -1,0 +1,128 @@
+"""The base-model record, continued (docs/checkpoints.md, "The base model"): what it leaves out
+(a modules-to-save wrapper's original head)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import ftrain as ft
+
+MISMATCH = ft.checkpoint.CheckpointMismatchError
+REFUSED = "the model's frozen weights differ from the checkpoint's"
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+
+def _state(model: torch.nn.Module) -> ft.TrainState:
+    return ft.TrainState.create(model, ft.optim.adamw(), seed=0)
+
+
+def _meta(path: Path) -> dict:
+    return json.loads((path / "state.json").read_text())
+
+
+def _reseal(path: Path, edit) -> None:
+    meta = _meta(path)
+    edit(meta)
+    data = json.dumps(meta).encode()
+    (path / "state.json").write_bytes(data)
+    (path / "COMMITTED").write_text(json.dumps({"state.json": hashlib.sha256(data).hexdigest()}))
+
+
+# --- a LoRA classifier: the head's original copy is no part of the base --------------------------
+
+
+def _bert(directory: Path, seed: int) -> Path:
+    """A tiny pretrained backbone ("bert-base-uncased"), drawn from `seed`."""
+    torch.manual_seed(seed)
+    cfg = transformers.BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=16,
+    )  # fmt: skip
+    transformers.BertModel(cfg).save_pretrained(directory)
+    return directory
+
+
+def _classifier(backbone: Path, seed: int) -> torch.nn.Module:
+    """The training script's model line: the head is new, drawn from `seed` (each process's)."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(backbone, num_labels=3)
+    return ft.lora.apply(model, r=2, targets=["query", "value"])
+
+
+def _trained_classifier(backbone: Path, root: Path) -> tuple[Path, ft.TrainState]:
+    state = _state(_classifier(backbone, seed=1))
+    batch = {"input_ids": torch.randint(0, 50, (2, 6)), "labels": torch.tensor([0, 2])}
+    grads, stats = ft.accumulate_grads(state, [batch])
+    state, _ = ft.clip_and_step(state, grads, stats=stats, lr=1e-2)
+    return ft.save_checkpoint(state, root), state
+
+
+HEAD = "base_model.model.classifier"
+
+
+def test_a_lora_classifier_resumes_in_a_new_process(tmp_path):
+    """Was: refused. PEFT's modules-to-save wrapper keeps a frozen `original_module` copy of
+    the new head, which every `from_pretrained` draws at random again; the forward reads the
+    trained copy (saved), so the original is not recorded and the resume loads."""
+    backbone = _bert(tmp_path / "bert", seed=0)
+    path, trained = _trained_classifier(backbone, tmp_path / "run")
+    recorded = _meta(path)["frozen_sums"]
+    assert not [n for n in recorded if ".original_module." in n]
+    assert "base_model.model.bert.embeddings.word_embeddings.weight" in recorded
+    resumed = ft.load_checkpoint(path, _state(_classifier(backbone, seed=2)))  # another head
+    name = f"{HEAD}.modules_to_save.default.weight"
+    assert torch.equal(resumed.params[name], trained.params[name])
+
+
+def test_a_record_of_the_original_head_from_before_is_not_compared(tmp_path):
+    """A checkpoint saved while the original head was recorded (this morning's) resumes too."""
+    backbone = _bert(tmp_path / "bert", seed=0)
+    path, _ = _trained_classifier(backbone, tmp_path / "run")
+    forged = {f"{HEAD}.original_module.weight": [123.0, 456.0]}
+    _reseal(path, lambda meta: meta["frozen_sums"].update(forged))
+    ft.load_checkpoint(path, _state(_classifier(backbone, seed=2)))
+
+
+def test_a_lora_classifier_on_another_backbone_is_still_refused(tmp_path):
+    path, _ = _trained_classifier(_bert(tmp_path / "bert", seed=0), tmp_path / "run")
+    other = _bert(tmp_path / "other", seed=1)
+    with pytest.raises(MISMATCH, match=REFUSED) as info:
+        ft.load_checkpoint(path, _state(_classifier(other, seed=1)))
+    assert "base_model.model.bert.embeddings.word_embeddings.weight" in info.value.summary
+    assert not [d for d in info.value.differences if "original_module" in d]
+
+
+class _Wrapper(torch.nn.Module):
+    """Duck-typed like PEFT's ModulesToSaveWrapper: `original_module` and `modules_to_save`."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.original_module = module
+        self.modules_to_save = torch.nn.ModuleDict({"default": torch.nn.Linear(4, 4)})
+
+
+def test_an_original_module_tied_to_a_weight_the_forward_reads_is_still_recorded(tmp_path):
+    """Only tensors held under `original_module` alone are left out: one tied to another
+    module (an embedding that is also the LM head) is the base, and compared."""
+
+    def model(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        m = torch.nn.Module()
+        m.embed = _Wrapper(torch.nn.Embedding(4, 4))
+        m.head = torch.nn.Linear(4, 4, bias=False)
+        m.head.weight = m.embed.original_module.weight
+        m.other = _Wrapper(torch.nn.Linear(4, 4))
+        m.embed.original_module.requires_grad_(False)
+        m.other.original_module.requires_grad_(False)
+        return m
+
+    path = ft.save_checkpoint(_state(model(0)), tmp_path)
+    assert list(_meta(path)["frozen_sums"]) == ["embed.original_module.weight"]
+    with pytest.raises(MISMATCH, match=r"\(1 parameter\(s\): embed.original_module.weight\)"):
+        ft.load_checkpoint(path, _state(model(1)))
