@@ -1,5 +1,5 @@
 """The base-model record, continued (docs/checkpoints.md, "The base model"): what it leaves out
-(a modules-to-save wrapper's original head)."""
+(a modules-to-save wrapper's original head), and `ftrain export --base` comparing it."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import ftrain as ft
+from ftrain.extras.cli import main
 
 MISMATCH = ft.checkpoint.CheckpointMismatchError
 REFUSED = "the model's frozen weights differ from the checkpoint's"
@@ -126,3 +127,67 @@ def test_an_original_module_tied_to_a_weight_the_forward_reads_is_still_recorded
     assert list(_meta(path)["frozen_sums"]) == ["embed.original_module.weight"]
     with pytest.raises(MISMATCH, match=r"\(1 parameter\(s\): embed.original_module.weight\)"):
         ft.load_checkpoint(path, _state(model(1)))
+
+
+# --- ftrain export --base compares the base too --------------------------------------------------
+
+
+def _llama(directory: Path, seed: int) -> Path:
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(cfg).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def partly_frozen(tmp_path_factory):
+    """A checkpoint of a Llama trained on base A with layer 0 frozen, and bases A and B."""
+    root = tmp_path_factory.mktemp("export")
+    base_a, base_b = _llama(root / "base_a", 0), _llama(root / "base_b", 1)
+    model = transformers.LlamaForCausalLM.from_pretrained(base_a)
+    for n, p in model.named_parameters():
+        p.requires_grad_(n.startswith("lm_head") or "layers.1" in n)
+    return ft.save_checkpoint(_state(model), root / "run"), base_a, base_b
+
+
+def test_export_onto_another_base_is_refused(partly_frozen, tmp_path, capsys):
+    """Was: `export --base B` merged the trained layers onto B's frozen ones, exit 0."""
+    path, _, base_b = partly_frozen
+    out = tmp_path / "hf"
+    assert main(["export", str(path), "--base", str(base_b), "--to", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"error: {REFUSED} (" in err  # after transformers' progress bars
+    assert "frozen weights model.layers.0.mlp.up_proj.weight: checkpoint has sum " in err
+    assert "pass allow_other_base=True (export --allow-other-base) to export onto this base" in err
+    assert not out.exists()
+    with pytest.raises(MISMATCH, match=REFUSED):
+        ft.export_checkpoint(path, out, base=base_b)
+    with pytest.raises(TypeError, match="allow_other_base must be True or False, got 1"):
+        ft.export_checkpoint(path, out, base=base_b, allow_other_base=1)
+
+
+def test_export_onto_another_base_on_purpose_and_onto_its_own(partly_frozen, tmp_path, capsys):
+    path, base_a, base_b = partly_frozen
+    other, own = tmp_path / "other", tmp_path / "own"
+    argv = ["export", str(path), "--base", str(base_b), "--to", str(other), "--allow-other-base"]
+    assert main(argv) == 0
+    assert main(["export", str(path), "--base", str(base_a), "--to", str(own)]) == 0
+    capsys.readouterr()
+    load = transformers.LlamaForCausalLM.from_pretrained
+    frozen = "model.layers.0.mlp.up_proj.weight"
+    for directory, base in ((other, base_b), (own, base_a)):
+        exported = load(directory).get_parameter(frozen)
+        assert torch.equal(exported, load(base).get_parameter(frozen))
+
+
+def test_base_differences_names_what_load_would_refuse(partly_frozen):
+    path, base_a, base_b = partly_frozen
+    opened = ft.checkpoint.open_checkpoint(path, keep=())
+    load = transformers.LlamaForCausalLM.from_pretrained
+    assert ft.checkpoint.base_differences(opened, load(base_a)) == []
+    names = [d.split(":")[0] for d in ft.checkpoint.base_differences(opened, load(base_b))]
+    assert "frozen weights model.layers.0.self_attn.q_proj.weight" in names
+    assert not [n for n in names if "layers.1" in n or "lm_head" in n]  # trained: saved

@@ -2,8 +2,9 @@
 
 The loop needs `save_checkpoint`, `load_checkpoint`, `latest_checkpoint` (also at the top level,
 `ft.save_checkpoint`, ...). Tools that read checkpoints without a `TrainState` (the CLI, HF
-export) use `open_checkpoint`, `read_model_tensors`, `step_dirs` and `write_atomically`. A
-rollback to the newest checkpoint (the spike guard's) uses `latest_cadence_checkpoint`.
+export) use `open_checkpoint`, `read_model_tensors`, `base_differences`, `step_dirs` and
+`write_atomically`. A rollback to the newest checkpoint (the spike guard's) uses
+`latest_cadence_checkpoint`.
 
 HF export (`ft.export_pretrained`, `ft.export_checkpoint`) is an extra:
 `ftrain/extras/hf_export.py`.
@@ -13,6 +14,7 @@ from ftrain.checkpoint._io import CheckpointError as CheckpointError
 from ftrain.checkpoint._io import write_atomically as write_atomically
 from ftrain.checkpoint._load import CheckpointMismatchError as CheckpointMismatchError
 from ftrain.checkpoint._load import CheckpointMismatchWarning as CheckpointMismatchWarning
+from ftrain.checkpoint._load import base_differences as base_differences
 from ftrain.checkpoint._load import load_checkpoint as load_checkpoint
 from ftrain.checkpoint._load import read_model_tensors as read_model_tensors
 from ftrain.checkpoint._save import check_retention as check_retention
@@ -33,6 +35,7 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointMismatchWarning",
     "Opened",
+    "base_differences",
     "check_retention",
     "flatten_tree",
     "latest_cadence_checkpoint",

@@ -32,6 +32,7 @@ from ftrain.strategies import SingleDevice, Strategy
 __all__ = [
     "CheckpointMismatchError",
     "CheckpointMismatchWarning",
+    "base_differences",
     "load_checkpoint",
     "read_model_tensors",
 ]
@@ -41,17 +42,26 @@ class CheckpointMismatchError(CheckpointError):
     """The checkpoint does not fit the state; `differences` lists every mismatch.
 
     The message opens with one line saying why (`summary`): the model config's difference
-    from the checkpoint's when there is one, else counts of missing / unexpected / mis-shaped
-    entries. The full list follows.
+    from the checkpoint's when there is one, else (without a `cause`) the frozen weights'
+    (`base_differences`) when they differ, else counts of missing / unexpected / mis-shaped
+    entries. The full list follows, then `hint`: what to pass to go on anyway.
     """
 
-    def __init__(self, path: Path, differences: list[str], *, cause: str | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        differences: list[str],
+        *,
+        cause: str | None = None,
+        hint: str = "pass strict=False to load what matches",
+    ) -> None:
         self.differences = differences
-        self.summary = cause or _count(differences)
+        frozen = [d for d in differences if d.startswith(_frozen.PREFIX)]
+        self.summary = cause or _frozen.base_cause(frozen) or _count(differences)
         lines = "\n  ".join(differences)
         super().__init__(
             f"{self.summary}\ncheckpoint {path} does not match the state ({len(differences)} "
-            f"difference(s)):\n  {lines}\npass strict=False to load what matches"
+            f"difference(s)):\n  {lines}\n{hint}"
         )
 
 
@@ -459,6 +469,31 @@ def _check_args(path: Any, state: Any, **flags: Any) -> None:
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def base_differences(opened: Opened, module: torch.nn.Module) -> list[str]:
+    """One line per frozen parameter of `module` whose weights differ from the base `opened`
+    was trained on (its `frozen_sums`), as `load_checkpoint` compares them; empty when they
+    match or the checkpoint predates the record. For tools that put a checkpoint onto a base
+    model without a `TrainState` (`ft.export_checkpoint`). One process, any device.
+
+    Example:
+        >>> import tempfile, torch, ftrain as ft
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+        >>> _ = model[0].requires_grad_(False)
+        >>> state = ft.TrainState.create(model, ft.optim.sgd())
+        >>> path = ft.save_checkpoint(state, tempfile.mkdtemp())
+        >>> opened = ft.checkpoint.open_checkpoint(path, keep=())
+        >>> ft.checkpoint.base_differences(opened, model)
+        []
+        >>> with torch.no_grad():
+        ...     _ = model[0].bias.add_(1.0)
+        >>> [d.split(":")[0] for d in ft.checkpoint.base_differences(opened, model)]
+        ['frozen weights 0.bias']
+    """
+    device = next((p.device for p in module.parameters() if not p.is_meta), torch.device("cpu"))
+    meta = opened.meta
+    return _frozen.base_diffs(meta.get(L.FROZEN), meta["params"], module, SingleDevice(device))
 
 
 def read_model_tensors(

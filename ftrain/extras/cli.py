@@ -292,6 +292,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing --to directory")
     p.add_argument(
+        "--allow-other-base",
+        action="store_true",
+        help="export onto a --base whose frozen weights differ from those the checkpoint was "
+        "trained on (refused by default)",
+    )
+    p.add_argument(
         "--weights",
         choices=["ema", "live"],
         help="a run trained with ft.optim.ema: export the EMA average (what evaluation inside "
@@ -376,6 +382,7 @@ def _export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             base=args.base,
             overwrite=args.overwrite,
             weights=args.weights,
+            allow_other_base=args.allow_other_base,
         )
     except (CheckpointError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -17,6 +17,9 @@ from torch import nn
 
 from ftrain.checkpoint import (
     CheckpointError,
+    CheckpointMismatchError,
+    Opened,
+    base_differences,
     open_checkpoint,
     read_model_tensors,
     step_dirs,
@@ -240,6 +243,7 @@ def export_checkpoint(
     base: str | os.PathLike[str] | None = None,
     overwrite: bool = False,
     weights: Literal["live", "ema"] | None = None,
+    allow_other_base: bool = False,
 ) -> Path:
     """Export a checkpoint of an HF model without the training script (the CLI's `export`).
 
@@ -255,8 +259,15 @@ def export_checkpoint(
     refused. A checkpoint without an average has only the live weights (`weights=None` or
     "live").
 
+    The frozen parameters come from `base`, so it must be the base the run trained on: its
+    frozen weights are compared with the checkpoint's record, as `load_checkpoint` does
+    (docs/checkpoints.md, "The base model"); `allow_other_base=True` (`--allow-other-base`)
+    skips that, to merge the trained weights onto another base on purpose.
+
     Raises:
         CheckpointError: if the checkpoint is invalid or lacks parameters the model needs.
+        CheckpointMismatchError: if the frozen weights of `base` differ from those the
+            checkpoint was trained on (without `allow_other_base`).
         ValueError: for both `config` and `base` (the model comes from `base` then: `config`
             would be ignored); for an EMA checkpoint without `weights`, and `weights="ema"`
             for one without an EMA average of every trainable parameter.
@@ -268,6 +279,8 @@ def export_checkpoint(
         )
     if weights not in (None, "live", "ema"):
         raise ValueError(f"weights must be 'ema', 'live' or None, got {weights!r}")
+    if not isinstance(allow_other_base, bool):
+        raise TypeError(f"allow_other_base must be True or False, got {allow_other_base!r}")
     path = Path(path)
     _refuse_replacing_checkpoints(Path(directory), overwrite)
     # The one validator: marker, state.json, files, sizes, checksums and config.json.
@@ -293,7 +306,9 @@ def export_checkpoint(
     # A sharded checkpoint's, assembled from its shards; the averages in place with "ema".
     saved = read_model_tensors(opened, weights=weights or "live")
     _check_fits(path, model, saved, meta, bool(adapters), base=base, guessed=guessed)
-    _cast_to_recorded(model, meta, saved)
+    _cast_to_recorded(model, meta, saved)  # the dtypes the record's sums were taken in
+    if base is not None and not allow_other_base:
+        _refuse_other_base(opened, model)
     live = {**dict(model.named_buffers()), **dict(model.named_parameters())}
     _refuse_dropped_weights(model, [n for n, _ in model.named_parameters() if n in saved])
     with torch.no_grad():
@@ -302,6 +317,18 @@ def export_checkpoint(
     return write_atomically(
         directory, lambda tmp: _save_pretrained(model, tmp), overwrite=overwrite
     )
+
+
+def _refuse_other_base(opened: Opened, model: nn.Module) -> None:
+    """Raise if the frozen weights of the base loaded for `opened` differ from its record."""
+    differences = base_differences(opened, model)
+    if differences:
+        raise CheckpointMismatchError(
+            opened.path,
+            differences,
+            hint="pass allow_other_base=True (export --allow-other-base) to export onto this "
+            "base on purpose",
+        )
 
 
 def _cast_to_recorded(
