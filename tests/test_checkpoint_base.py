@@ -67,8 +67,12 @@ def test_a_checkpoint_refuses_a_base_with_other_frozen_weights(tmp_path):
         ft.load_checkpoint(path, _state(_mlp(1)))  # same names, shapes, dtypes: another init
     assert info.value.summary == (
         f"{REFUSED} (2 parameter(s): 0.weight, 0.bias), which it does not hold: load into the "
-        "base model it was trained on (the same pretrained weights), or pass "
-        "allow_other_base=True to load onto this one on purpose"
+        "base model it was trained on (the same pretrained weights). If it is that base, its "
+        "weights changed in memory before the save or this load: in place, by merging and "
+        "unmerging adapters (merge_adapter/unmerge_adapter round them) or by "
+        "resize_token_embeddings (random new rows); or drawn at random when the model was "
+        "built (a new head or layer, another adapter: seed both runs alike before building). "
+        "Pass allow_other_base=True to load onto this one on purpose"
     )
     assert [d.split(":")[0] for d in info.value.differences] == [
         "frozen weights 0.weight",

@@ -1,5 +1,6 @@
 """The base-model record, continued (docs/checkpoints.md, "The base model"): what it leaves out
-(a modules-to-save wrapper's original head), and `ftrain export --base` comparing it."""
+(a modules-to-save wrapper's original head), `ftrain export --base` comparing it, and what the
+refusal says when the base is the right one but its weights changed in memory."""
 
 from __future__ import annotations
 
@@ -191,3 +192,36 @@ def test_base_differences_names_what_load_would_refuse(partly_frozen):
     names = [d.split(":")[0] for d in ft.checkpoint.base_differences(opened, load(base_b))]
     assert "frozen weights model.layers.0.self_attn.q_proj.weight" in names
     assert not [n for n in names if "layers.1" in n or "lm_head" in n]  # trained: saved
+
+
+# --- the right base, changed in memory: the refusal names how ------------------------------------
+
+
+def test_a_merge_and_unmerge_before_the_save_is_named_as_a_cause(tmp_path):
+    """Was: "load into the base model it was trained on", which the user did. Merging and
+    unmerging the adapters (around a fast evaluation) rounds the base's weights in place: the
+    values do differ, so the load is refused, with that among the causes it names."""
+    base = tmp_path / "base"
+    _llama(base, 0)
+
+    def fresh() -> torch.nn.Module:
+        model = transformers.LlamaForCausalLM.from_pretrained(base)
+        return ft.lora.apply(model, r=4, alpha=8)
+
+    state = _state(fresh())
+    for adapter in state.model.parameters():
+        if adapter.requires_grad:
+            with torch.no_grad():
+                adapter.normal_(0, 0.5)  # trained adapters: B != 0, so a merge changes W
+    state.model.merge_adapter()
+    state.model.unmerge_adapter()
+    path = ft.save_checkpoint(state, tmp_path / "run")
+    with pytest.raises(MISMATCH, match=REFUSED) as info:
+        ft.load_checkpoint(path, _state(fresh()))
+    summary = info.value.summary
+    assert "If it is that base, its weights changed in memory before the save or this" in summary
+    assert "merging and unmerging adapters (merge_adapter/unmerge_adapter round them)" in summary
+    assert "resize_token_embeddings" in summary
+    assert "seed both runs alike before building" in summary
+    assert summary.endswith("Pass allow_other_base=True to load onto this one on purpose")
+    ft.load_checkpoint(path, _state(fresh()), allow_other_base=True)

@@ -213,7 +213,11 @@ def base_cause(diffs: list[str]) -> str | None:
     return (
         f"the model's frozen weights differ from the checkpoint's ({len(names)} parameter(s): "
         f"{', '.join(names[:3])}{more}), which it does not hold: load into the base model it "
-        "was trained on (the same pretrained weights), or pass allow_other_base=True to load "
+        "was trained on (the same pretrained weights). If it is that base, its weights changed "
+        "in memory before the save or this load: in place, by merging and unmerging adapters "
+        "(merge_adapter/unmerge_adapter round them) or by resize_token_embeddings (random new "
+        "rows); or drawn at random when the model was built (a new head or layer, another "
+        "adapter: seed both runs alike before building). Pass allow_other_base=True to load "
         "onto this one on purpose"
     )
 
