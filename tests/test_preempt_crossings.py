@@ -104,9 +104,9 @@ def test_sigterm_anywhere_around_a_rollback_with_background_saves_resumes_bit_eq
         hooks = {where: hook}
         if where == "load":  # the signal lands while the rollback reads the checkpoint
 
-            def load(path, state, hook=hook):
+            def load(path, state, hook=hook, **kw):
                 hook(state)
-                return original_load(path, state)
+                return original_load(path, state, **kw)
 
             guard_module.load_checkpoint = load  # restored below
         try:
@@ -223,11 +223,11 @@ def test_a_run_resumed_from_a_preemption_save_and_stopped_again_ends_bit_equal(
 
     original_load = guard_module.load_checkpoint
 
-    def load(path, state):
+    def load(path, state, **kw):
         assert path == root / "step-6"  # the guard's target, though step-7 is the newest
         if where != "after":
             stop(state)
-        return original_load(path, state)
+        return original_load(path, state, **kw)
 
     monkeypatch.setattr(guard_module, "load_checkpoint", load)
     rolled: list[int] = []
