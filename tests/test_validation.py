@@ -301,7 +301,10 @@ TABLE: tuple[Row, ...] = (
     *(Row("save_checkpoint", flag, "not-a-bool") for flag in ("checksum", "blocking")),
     Row("load_checkpoint", "path", "not-a-path"),
     Row("load_checkpoint", "state", "not-a-state"),
-    *(Row("load_checkpoint", flag, "not-a-bool") for flag in ("strict", "verify")),
+    *(
+        Row("load_checkpoint", flag, "not-a-bool")
+        for flag in ("strict", "verify", "allow_other_base")
+    ),
     Row("latest_checkpoint", "root", "not-a-path"),
     # --- cadence and early stopping
     *(Row(fn, "state", "not-a-state") for fn in ("should_log", "should_eval", "should_save")),
