@@ -4,8 +4,6 @@ refusal says when the base is the right one but its weights changed in memory.""
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ import torch
 
 import ftrain as ft
 from ftrain.extras.cli import main
+from test_checkpoint_base import _meta, _reseal
 
 MISMATCH = ft.checkpoint.CheckpointMismatchError
 REFUSED = "the model's frozen weights differ from the checkpoint's"
@@ -22,18 +21,6 @@ transformers = pytest.importorskip("transformers")
 
 def _state(model: torch.nn.Module) -> ft.TrainState:
     return ft.TrainState.create(model, ft.optim.adamw(), seed=0)
-
-
-def _meta(path: Path) -> dict:
-    return json.loads((path / "state.json").read_text())
-
-
-def _reseal(path: Path, edit) -> None:
-    meta = _meta(path)
-    edit(meta)
-    data = json.dumps(meta).encode()
-    (path / "state.json").write_bytes(data)
-    (path / "COMMITTED").write_text(json.dumps({"state.json": hashlib.sha256(data).hexdigest()}))
 
 
 # --- a LoRA classifier: the head's original copy is no part of the base --------------------------
