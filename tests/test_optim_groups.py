@@ -276,3 +276,33 @@ def test_a_checkpoint_saved_inside_swap_ema_holds_the_live_weights(tmp_path, blo
         ft.load_checkpoint(tmp_path / "a" / "step-3", state)  # the swap back would undo it
     assert all(torch.equal(p, live[n]) for n, p in state.params.items())
     assert not state.consumed
+
+
+def test_a_decay_mask_taken_before_lora_wrapped_the_model_is_refused():
+    """`decay_mask(model)` taken before `ft.lora.apply` (`get_peft_model`) names the base's
+    parameters, none of which is trainable under the adapters: weight decay applied to none,
+    silently. Refused at create, naming both sides; the mask taken after applies, and with
+    `weight_decay=0` the mask does nothing either way."""
+    pytest.importorskip("peft")
+    model = tiny_llama(torch.float32)
+    early = ft.optim.decay_mask(model)
+    model = ft.lora.apply(model, r=4, targets=["q_proj", "v_proj"])
+    for optimizer in (ft.optim.adamw(weight_decay=0.1, mask=early),
+                      ft.optim.sgd(weight_decay=0.1, mask=early)):  # fmt: skip
+        with pytest.raises(ValueError, match=r"mask names none of the trainable parameters"):
+            ft.TrainState.create(model, optimizer)
+    ft.TrainState.create(model, ft.optim.adamw(weight_decay=0.0, mask=early))
+    state = ft.TrainState.create(
+        model, ft.optim.adamw(weight_decay=0.1, mask=ft.optim.decay_mask(model))
+    )
+    assert ft.optim.describe(state.optimizer, list(state.params))["weight_decay"] == 0.1
+    assert not ft.optim.describe(state.optimizer, list(state.params)).get("no_decay")
+
+
+def test_lora_apply_names_its_own_argument_for_a_loraconfig_keyword():
+    """`target_modules=` (PEFT's name of `targets=`) reached PEFT twice: its TypeError named
+    neither this function nor the argument to use."""
+    pytest.importorskip("peft")
+    model = tiny_llama(torch.float32)
+    with pytest.raises(TypeError, match=r"takes alpha=, targets= as its own argument"):
+        ft.lora.apply(model, target_modules=["q_proj"], lora_alpha=8)

@@ -94,10 +94,21 @@ def apply(
             silently), a model that already holds PEFT adapters, a `task_type` other than the
             model's head or not one of PEFT's (`"seq_cls"`: PEFT refuses it too), or a
             classifier whose head cannot be found (pass `modules_to_save`).
-        TypeError: for a `task_type` that is neither a `peft.TaskType`, a string nor None.
+        TypeError: for a `task_type` that is neither a `peft.TaskType`, a string nor None, or
+            a `LoraConfig` keyword this function takes under its own name (`target_modules`:
+            pass `targets`; `lora_alpha`: `alpha`; `lora_dropout`: `dropout`).
         ImportError: without peft (`pip install 'ftrain[hf]'`).
     """
     _check_hyperparameters(r, alpha, dropout)
+    # PEFT's own names of this function's arguments: passed twice, PEFT's TypeError named
+    # neither the argument to use nor this function.
+    renamed = {"r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout",
+               "target_modules": "targets", "bias": "bias", "task_type": "task_type"}  # fmt: skip
+    if given := sorted(k for k in lora_kwargs if k in renamed):
+        raise TypeError(
+            f"ft.lora.apply takes {', '.join(f'{renamed[k]}=' for k in given)} as its own "
+            f"argument(s), not {', '.join(f'{k}=' for k in given)} among the LoraConfig keywords"
+        )
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as e:  # pragma: no cover - peft is part of the hf extra

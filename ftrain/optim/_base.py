@@ -276,9 +276,11 @@ def _masker(mask: Mask) -> Callable[[str], bool]:
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 
 
-def check_mask_names(mask: Mask, params: Params) -> None:
+def check_mask_names(mask: Mask, params: Params, weight_decay: float = 1.0) -> None:
     """Refuse, at `init`, a mask that names parameters through a wrapper (`_orig_mod.0.weight`
-    for `0.weight`): no name would match, and weight decay would silently apply to none."""
+    for `0.weight`), or (with weight decay) names none of the trainable parameters (taken
+    from the model before `get_peft_model` wrapped it): no name would match, and weight decay
+    would silently apply to none."""
     if mask is None or callable(mask):
         return
     for name in mask:
@@ -291,6 +293,15 @@ def check_mask_names(mask: Mask, params: Params) -> None:
                     f"state names the unwrapped model's parameters): build the mask from the "
                     f"model before torch.compile/DDP wraps it, e.g. ft.optim.decay_mask(model)"
                 )
+    if weight_decay and len(mask) and params and not any(n in params for n in mask):
+        named = ", ".join(repr(n) for n in sorted(mask)[:2])
+        trainable = ", ".join(repr(n) for n in list(params)[:2])
+        raise ValueError(
+            f"mask names none of the trainable parameters (it names {named}, ...; they are "
+            f"{trainable}, ...): weight decay would apply to none. Build the mask from the model "
+            "as it is trained, after get_peft_model or ft.lora.apply wrapped it "
+            "(ft.optim.decay_mask(model)), or pass weight_decay=0"
+        )
 
 
 class _Groups:
@@ -350,7 +361,7 @@ def _adam(
     groups = _Groups(decays)
 
     def init(params: Params) -> AdamState:
-        check_mask_names(mask, params)
+        check_mask_names(mask, params, weight_decay)
         groups.seen(params)
         steps, counts = _counters(params)
         return AdamState(
@@ -522,7 +533,7 @@ def sgd(
     damped = bool(momentum) and dampening != 0
 
     def init(params: Params) -> SGDState | DampedSGDState:
-        check_mask_names(mask, params)
+        check_mask_names(mask, params, weight_decay)
         groups.seen(params)
         if momentum == 0:
             return SGDState(momentum={})

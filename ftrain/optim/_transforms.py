@@ -96,7 +96,7 @@ def add_decayed_weights(weight_decay: float, *, mask: Mask = None) -> Transform:
         return grads
 
     def init(params: Params) -> tuple[()]:
-        check_mask_names(mask, params)
+        check_mask_names(mask, params, weight_decay)
         return ()
 
     return _stateless(apply, lambda names: {
