@@ -306,3 +306,23 @@ def test_lora_apply_names_its_own_argument_for_a_loraconfig_keyword():
     model = tiny_llama(torch.float32)
     with pytest.raises(TypeError, match=r"takes alpha=, targets= as its own argument"):
         ft.lora.apply(model, target_modules=["q_proj"], lora_alpha=8)
+
+
+def test_a_partition_group_whose_parameters_the_mask_leaves_out_is_not_refused():
+    """Under `partition`, a group's optimizer sees its parameters only: a decay mask of the
+    whole model that names none of them (a group of biases and norm weights) means no decay
+    there, as meant; the mask is checked against every trainable parameter of the state."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+    mask = ft.optim.decay_mask(model)  # {"0.weight"}
+    opt = ft.optim.partition(
+        {"matrices": ft.optim.sgd(), "rest": ft.optim.adamw(weight_decay=0.1, mask=mask)},
+        lambda name: "matrices" if name == "0.weight" else "rest",
+    )
+    state = ft.TrainState.create(model, opt)
+    assert set(state.opt_state.groups) == {"matrices", "rest"}
+    wrong = ft.optim.partition(
+        {"matrices": ft.optim.sgd(), "rest": ft.optim.adamw(weight_decay=0.1, mask=["x.weight"])},
+        lambda name: "matrices" if name == "0.weight" else "rest",
+    )
+    with pytest.raises(ValueError, match="mask names none of the trainable parameters"):
+        ft.TrainState.create(model, wrong)

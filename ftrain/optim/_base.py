@@ -276,6 +276,18 @@ def _masker(mask: Mask) -> Callable[[str], bool]:
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 
 
+class GroupParams(dict[str, torch.Tensor]):
+    """The parameters of one group of `partition`, with `whole`, every parameter the state
+    trains: what a group's mask is checked against (a model's decay mask may name none of one
+    group's parameters, as meant)."""
+
+    __slots__ = ("whole",)
+
+    def __init__(self, group: Mapping[str, torch.Tensor], whole: Params) -> None:
+        super().__init__(group)
+        self.whole = whole
+
+
 def check_mask_names(mask: Mask, params: Params, weight_decay: float = 1.0) -> None:
     """Refuse, at `init`, a mask that names parameters through a wrapper (`_orig_mod.0.weight`
     for `0.weight`), or (with weight decay) names none of the trainable parameters (taken
@@ -293,9 +305,10 @@ def check_mask_names(mask: Mask, params: Params, weight_decay: float = 1.0) -> N
                     f"state names the unwrapped model's parameters): build the mask from the "
                     f"model before torch.compile/DDP wraps it, e.g. ft.optim.decay_mask(model)"
                 )
-    if weight_decay and len(mask) and params and not any(n in params for n in mask):
+    pool = getattr(params, "whole", params)  # a partition group: the state's every parameter
+    if weight_decay and len(mask) and pool and not any(n in pool for n in mask):
         named = ", ".join(repr(n) for n in sorted(mask)[:2])
-        trainable = ", ".join(repr(n) for n in list(params)[:2])
+        trainable = ", ".join(repr(n) for n in list(pool)[:2])
         raise ValueError(
             f"mask names none of the trainable parameters (it names {named}, ...; they are "
             f"{trainable}, ...): weight decay would apply to none. Build the mask from the model "

@@ -16,6 +16,7 @@ from torch import nn
 
 from ftrain.optim._base import (
     Grads,
+    GroupParams,
     Optimizer,
     Params,
     Settings,
@@ -143,7 +144,9 @@ def partition(
             )
         return PartitionState(
             {
-                label: optimizers[label].init({n: params[n] for n in groups[label]})
+                label: optimizers[label].init(
+                    GroupParams({n: params[n] for n in groups[label]}, params)
+                )
                 for label in optimizers
             }
         )
