@@ -102,8 +102,7 @@ def apply(
     _check_hyperparameters(r, alpha, dropout)
     # PEFT's own names of this function's arguments: passed twice, PEFT's TypeError named
     # neither the argument to use nor this function.
-    renamed = {"r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout",
-               "target_modules": "targets", "bias": "bias", "task_type": "task_type"}  # fmt: skip
+    renamed = {"lora_alpha": "alpha", "lora_dropout": "dropout", "target_modules": "targets"}
     if given := sorted(k for k in lora_kwargs if k in renamed):
         raise TypeError(
             f"ft.lora.apply takes {', '.join(f'{renamed[k]}=' for k in given)} as its own "
