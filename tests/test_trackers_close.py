@@ -193,3 +193,24 @@ def test_a_forwarding_wrapper_sink_passes_the_failure_on(tmp_path, mlflow_uri):
         raise RuntimeError("training crashed")
     assert _status(mlflow_uri, sink) == "FAILED"
     assert closed == [("positional", True), ("plain",)]
+
+
+def test_file_sinks_refuse_a_record_after_close_naming_the_sink(tmp_path):
+    """A record sent after `close()` (the final evaluation after `logger.close()`): JSONLSink
+    raised Python's "I/O operation on closed file", TensorBoardSink opened a new events file
+    for it, quietly. Both refuse, as the trackers do, naming the sink; what was logged before
+    stays as written."""
+    jsonl = ft.logging.JSONLSink(tmp_path / "log.jsonl")
+    jsonl.log({"step": 1, "loss": 2.0})
+    jsonl.close()
+    with pytest.raises(ValueError, match=r"JSONLSink is closed: log before close\(\)"):
+        jsonl.log({"step": 2, "eval_loss": 1.0})
+    assert (tmp_path / "log.jsonl").read_text().splitlines() == ['{"step": 1, "loss": 2.0}']
+    pytest.importorskip("tensorboard")
+    board = ft.logging.TensorBoardSink(tmp_path / "tb")
+    board.log({"step": 1, "loss": 2.0})
+    board.close()
+    files = sorted((tmp_path / "tb").iterdir())
+    with pytest.raises(ValueError, match=r"TensorBoardSink is closed: log before close\(\)"):
+        board.log({"step": 2, "eval_loss": 1.0})
+    assert sorted((tmp_path / "tb").iterdir()) == files  # no new events file

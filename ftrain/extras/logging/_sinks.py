@@ -151,12 +151,17 @@ class JSONLSink:
         pass
 
     def log(self, record: Mapping[str, Any]) -> None:
+        if self._file.closed:  # Python's "I/O operation on closed file" named no sink
+            raise ValueError(_CLOSED.format(type(self).__name__))
         plain = _plain({**record, "step": _step(record)})
         self._file.write(json.dumps(plain, allow_nan=False) + "\n")
         self._file.flush()
 
     def close(self) -> None:
         self._file.close()
+
+
+_CLOSED = "{} is closed: log before close(), e.g. the final evaluation before logger.close()"
 
 
 def _cut_short(path: Path) -> bool:
@@ -274,6 +279,7 @@ class TensorBoardSink:
             ) from e
         self._writer = SummaryWriter(log_dir=str(logdir))
         self._last: int | None = None  # the step of the last `step(state)`
+        self._closed = False
 
     def step(self, state: TrainState) -> None:
         if self._last is None or state.step <= self._last:
@@ -288,6 +294,8 @@ class TensorBoardSink:
         self._last = state.step
 
     def log(self, record: Mapping[str, Any]) -> None:
+        if self._closed:  # the writer would open a new events file for it, quietly
+            raise ValueError(_CLOSED.format(type(self).__name__))
         step = _step(record)
         for k, v in _scalars(record).items():
             self._writer.add_scalar(_tag(k), v, step)
@@ -298,6 +306,7 @@ class TensorBoardSink:
 
     def close(self) -> None:
         self._writer.close()
+        self._closed = True
 
 
 def _step(record: Mapping[str, Any]) -> int:
