@@ -148,3 +148,37 @@ def test_ab_revision_runs_another_revisions_loop_next_to_this_trees():
     for loop in ("raw", "rev", "ftrain", "raw#2", "rev#2", "ftrain#2"):
         assert float(rows[loop][0]) > 0, out.stdout  # each loop ran and was timed
     assert rows["raw"][2] == "**1.000**", out.stdout
+
+
+def test_the_guarded_raw_loop_keeps_the_guarantees_it_stands_for(monkeypatch):
+    """bench_loop's `guarded` loop is the contract written by hand, against which ftrain's own
+    overhead is read: it must train what the README loop trains (to float rounding: it divides
+    each loss before backward, ftrain the gradients after), skip a non-finite step, leave the
+    caller's random stream as it was, and not predict a row's first token from a left pad."""
+    import copy
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import bench_loop
+
+    model, data, _ = bench_loop.build("mlp")
+    hand, ours = copy.deepcopy(model), copy.deepcopy(model)
+    guarded = bench_loop.guarded_loop(hand, 100)
+    readme = bench_loop.make_loop("ftrain", ours, data, 100)
+    left = [{**b, "attention_mask": b["attention_mask"].clone()} for b in data[2]]
+    left[0]["attention_mask"][:, :3] = 0  # a left-padded micro-batch
+    batches = [data[0], data[1], left, data[3]]
+    rng = torch.get_rng_state()
+    for k, micro in enumerate(batches):
+        guarded(micro, k)
+        readme(micro, k)
+    assert torch.equal(torch.get_rng_state(), rng)
+    for a, b in zip(hand.parameters(), ours.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        hand.fc1.weight[0, 0] = float("nan")  # a non-finite gradient: the step is skipped
+    before = [p.detach().clone() for p in hand.parameters()]
+    guarded(data[4], 4)
+    for a, p in zip(before, hand.parameters(), strict=True):
+        assert torch.equal(a.nan_to_num(), p.detach().nan_to_num())
