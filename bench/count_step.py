@@ -83,7 +83,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("what", choices=["opcodes", "instructions"])
-    p.add_argument("loop", choices=["raw", "exact", "ftrain"])
+    p.add_argument("loop", choices=["raw", "exact", "guarded", "ftrain"])
     p.add_argument("--regime", choices=bench_loop.REGIMES, default="mlp")
     p.add_argument(
         "--steps", type=int, help="steps counted (default: 20 traced, 300 under valgrind)"
