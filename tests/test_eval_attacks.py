@@ -105,7 +105,9 @@ def _pairs(n=4):
     lab_c[:, :3] = -100
     lab_r[:, :3] = -100
     return {"chosen_input_ids": ids_c, "chosen_labels": lab_c,
-            "rejected_input_ids": ids_r, "rejected_labels": lab_r}  # fmt: skip
+            "chosen_attention_mask": torch.ones_like(ids_c),
+            "rejected_input_ids": ids_r, "rejected_labels": lab_r,
+            "rejected_attention_mask": torch.ones_like(ids_r)}  # fmt: skip
 
 
 def _logps(model, batch, side):

@@ -35,7 +35,9 @@ def _pairs():
     lab_c, lab_r = ids_c.clone(), ids_r.clone()
     lab_c[:, :3] = lab_r[:, :3] = -100
     return {"chosen_input_ids": ids_c, "chosen_labels": lab_c,
-            "rejected_input_ids": ids_r, "rejected_labels": lab_r}  # fmt: skip
+            "chosen_attention_mask": torch.ones_like(ids_c),
+            "rejected_input_ids": ids_r, "rejected_labels": lab_r,
+            "rejected_attention_mask": torch.ones_like(ids_r)}  # fmt: skip
 
 
 def test_dpo_refuses_a_reference_that_shares_the_policys_adapters():

@@ -96,6 +96,8 @@ _PAIRS = {
     "chosen_labels": torch.tensor([[-100, -100, 6, 7, 8], [-100, -100, 3, 4, -100]]),
     "rejected_input_ids": torch.tensor([[1, 5, 6, 2, 0, 0], [1, 9, 3, 11, 12, 13]]),
     "rejected_labels": torch.tensor([[-100, -100, 6, 2, -100, -100], [-100, -100, 3, 11, 12, 13]]),
+    "chosen_attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]),
+    "rejected_attention_mask": torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]),
 }
 
 

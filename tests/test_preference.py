@@ -118,8 +118,12 @@ def _pair_batch():
     lab_c[:, :3] = -100  # the prompt
     lab_r[:, :3] = -100
     lab_r[0, 7:] = -100  # padding
+    mask_r = torch.ones_like(ids_r)
+    mask_r[0, 7:] = 0
     return {"chosen_input_ids": ids_c, "chosen_labels": lab_c,
-            "rejected_input_ids": ids_r, "rejected_labels": lab_r}  # fmt: skip
+            "chosen_attention_mask": torch.ones_like(ids_c),
+            "rejected_input_ids": ids_r, "rejected_labels": lab_r,
+            "rejected_attention_mask": mask_r}  # fmt: skip
 
 
 def test_sequence_logps_and_the_loss_fn_with_a_frozen_or_precomputed_reference():
@@ -161,3 +165,29 @@ def test_accumulated_pairs_equal_one_big_batch():
     g2, _ = ft.accumulate_grads(split, parts, loss_fn)
     for n in g1:
         torch.testing.assert_close(g2[n], g1[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+_ROWS = [
+    {"chosen_input_ids": [5, 6, 7, 8], "chosen_labels": [-100, -100, 7, 8],
+     "rejected_input_ids": [5, 6, 9], "rejected_labels": [-100, -100, 9]},
+    {"chosen_input_ids": [5, 6, 7, 8, 10, 11], "chosen_labels": [-100, -100, 7, 8, 10, 11],
+     "rejected_input_ids": [5, 6, 9, 12, 13], "rejected_labels": [-100, -100, 9, 12, 13]},
+]  # fmt: skip
+
+
+def test_a_batch_of_the_default_collate_is_refused_and_pair_collate_pads_each_side():
+    """The default collate pads `chosen_labels` (not a field named `labels`) with 0, a token,
+    and makes no mask: the short rows' padding counted as label tokens 0 in their log-probs."""
+    model = tiny_llama()
+    loss_fn = P.preference_loss(P.simpo_loss)
+    default = next(iter(ft.make_batches(_ROWS, batch_size=2, shuffle=False)))[0]
+    with pytest.raises(ValueError, match=r"need chosen_attention_mask.*pair_collate"):
+        loss_fn(model, default)
+    collate = P.pair_collate(pad_id=0)
+    batch = collate(_ROWS)
+    assert batch["chosen_labels"][0].tolist() == [-100, -100, 7, 8, -100, -100]
+    assert batch["rejected_attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+    alone = sum(loss_fn(model, collate([row]))[0] for row in _ROWS)
+    assert loss_fn(model, batch)[0].item() == pytest.approx(alone.item(), rel=1e-5)
+    refs = [{**r, "reference_chosen": -1.0, "reference_rejected": -2.0} for r in _ROWS]
+    assert collate(refs)["reference_chosen"].tolist() == [-1.0, -1.0]

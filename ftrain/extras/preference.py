@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ftrain.data import pad_collate
 from ftrain.eval import eval_mode
 from ftrain.losses import IGNORE_INDEX, LossFn, causal_targets, model_logits, upcast
 from ftrain.rng import dropout_sites
@@ -33,6 +34,7 @@ __all__ = [
     "ipo_loss",
     "kto_loss",
     "orpo_loss",
+    "pair_collate",
     "preference_loss",
     "sequence_logps",
     "simpo_loss",
@@ -241,6 +243,61 @@ def _side(batch: Mapping[str, Any], side: str) -> dict[str, Any]:
     return {k.removeprefix(prefix): v for k, v in batch.items() if k.startswith(prefix)}
 
 
+def pair_collate(pad_id: int, *, pad_to_multiple_of: int | None = None) -> Callable[..., Any]:
+    """Collate preference rows (`chosen_input_ids`, `chosen_labels`, the same for `rejected_`,
+    lists or tensors): each side padded as `ft.pad_collate` pads `input_ids` and `labels`
+    (labels with -100), with its own `chosen_attention_mask` / `rejected_attention_mask`.
+    Other fields (precomputed `reference_chosen` / `reference_rejected`) are stacked.
+
+    The default collate pads only fields named `input_ids` and `labels` as such: it would pad
+    `chosen_labels` with 0 (a token) and make no mask, which `preference_loss` refuses.
+
+    Example:
+        >>> import ftrain as ft
+        >>> rows = [{"chosen_input_ids": [5, 6], "chosen_labels": [-100, 6],
+        ...          "rejected_input_ids": [5], "rejected_labels": [5]},
+        ...         {"chosen_input_ids": [7], "chosen_labels": [7],
+        ...          "rejected_input_ids": [8, 9], "rejected_labels": [-100, 9]}]
+        >>> b = ft.preference.pair_collate(pad_id=0)(rows)
+        >>> b["chosen_labels"].tolist(), b["chosen_attention_mask"].tolist()
+        ([[-100, 6], [7, -100]], [[1, 1], [1, 0]])
+    """
+    pad = pad_collate(pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of)
+    sides = ("chosen_", "rejected_")
+
+    def collate(rows: list[Mapping[str, Any]]) -> dict[str, Any]:
+        if not rows:
+            raise ValueError("cannot collate an empty list of rows")
+        out: dict[str, Any] = {}
+        for prefix in sides:
+            part = pad([{k.removeprefix(prefix): v for k, v in r.items() if k.startswith(prefix)}
+                        for r in rows])  # fmt: skip
+            out.update({prefix + k: v for k, v in part.items()})
+        rest = [{k: v for k, v in r.items() if not k.startswith(sides)} for r in rows]
+        if rest[0]:
+            out.update(torch.utils.data.default_collate(rest))
+        return out
+
+    return collate
+
+
+def _check_masks(chosen: Mapping[str, Any], rejected: Mapping[str, Any]) -> None:
+    """Refuse a side without its attention mask: padding cannot be told from label tokens.
+
+    The default collate pads `chosen_labels` (not a field named `labels`) with 0, a token id,
+    and makes no mask for it: every padding position would count as a label token 0 in the
+    row's log-prob, which would then depend on the rows padded with it."""
+    for side, part in (("chosen", chosen), ("rejected", rejected)):
+        if not isinstance(part.get("attention_mask"), torch.Tensor):
+            raise ValueError(
+                f"preference batches need {side}_attention_mask (1 on tokens, 0 on padding): "
+                f"without it padding cannot be told from label tokens (the default collate "
+                f"pads {side}_labels with 0, a token, not -100). Collate with "
+                "collate_fn=ft.preference.pair_collate(pad_id=tokenizer.pad_token_id), or "
+                "give each row its masks"
+            )
+
+
 def preference_loss(
     loss: Callable[..., torch.Tensor],
     *,
@@ -249,8 +306,8 @@ def preference_loss(
 ) -> LossFn:
     """A `loss_fn(model, batch) -> (loss_sum, num_pairs)` from a pairwise preference loss.
 
-    The batch holds `chosen_input_ids`, `chosen_labels` (and optionally
-    `chosen_attention_mask`), the same for `rejected_`, and, for losses with a reference,
+    The batch holds `chosen_input_ids`, `chosen_labels` and `chosen_attention_mask`, the same
+    for `rejected_` (`pair_collate` pads rows so), and, for losses with a reference,
     either precomputed `reference_chosen` / `reference_rejected` log-probs (shape (batch,),
     computed with the same `average`) or a frozen `reference` model run here without
     gradients. Reference-free losses (`simpo_loss`, `orpo_loss`) get the policy log-probs only.
@@ -267,7 +324,9 @@ def preference_loss(
         TypeError: for a `loss` that is not a function, a `reference` that is not a module or
             an `average` that is not a bool or None.
         ValueError: when `reference` is given to a reference-free loss (it would be ignored);
-            from the loss_fn, when a loss with a reference gets neither `reference` nor
+            from the loss_fn, when a side has no attention mask (padding could not be told
+            from label tokens: the default collate pads `chosen_labels` with 0), when a loss
+            with a reference gets neither `reference` nor
             precomputed log-probs, when a reference-free loss gets precomputed ones, when
             those are not of shape (batch,), when `loss` does not return one value per
             pair, when `reference` shares a trained parameter with the policy (e.g. the
@@ -304,6 +363,7 @@ def preference_loss(
         chosen, rejected = _side(batch, "chosen"), _side(batch, "rejected")
         if "labels" not in chosen or "labels" not in rejected:
             raise KeyError("preference batches need chosen_labels and rejected_labels")
+        _check_masks(chosen, rejected)
         pc = sequence_logps(model, chosen, average=average)
         pr = sequence_logps(model, rejected, average=average)
         refs = _references(batch, pc, needs)
