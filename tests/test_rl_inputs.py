@@ -301,3 +301,18 @@ def test_an_inf_reward_on_one_rank_raises_on_every_rank(tmp_path):
         for rank in (0, 1):
             text = (tmp_path / f"{name}-{rank}.txt").read_text()
             assert "rewards hold inf at rows [6] of the global batch" in text, (name, rank)
+
+
+@pytest.mark.parametrize("advantages", [ft.rl.group_advantages, ft.rl.rloo_advantages])
+def test_advantages_without_a_strategy_under_several_ranks_are_refused(monkeypatch, advantages):
+    """Under a process group of several ranks `strategy=None` grouped this rank's rewards alone:
+    a group split over ranks broken, `scale="batch"` divided by this rank's std."""
+    import torch.distributed as dist
+
+    rewards = torch.tensor([1.0, 0.0, 2.0, 5.0])
+    local = advantages(rewards, 2, strategy=ft.strategies.SingleDevice())  # on purpose: allowed
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    with pytest.raises(ValueError, match=r"strategy is None under .* of 2 ranks.*state\.strategy"):
+        advantages(rewards, 2)
+    torch.testing.assert_close(advantages(rewards, 2, strategy=ft.strategies.SingleDevice()), local)

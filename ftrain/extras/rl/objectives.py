@@ -90,11 +90,30 @@ def _grouped(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
 
 def _global(rewards: torch.Tensor, strategy: Strategy | None) -> tuple[torch.Tensor, int]:
     """Every rank's rewards in rank order, and where this rank's start (host sync)."""
-    if strategy is None or strategy.world_size == 1:
+    if strategy is None:
+        _check_one_process()
+        return rewards, 0
+    if strategy.world_size == 1:
         return rewards, 0
     counts = strategy.gather_rows(torch.tensor([rewards.shape[0]], device=rewards.device))
     start = int(counts[: strategy.rank].sum())
     return strategy.gather_rows(rewards), start
+
+
+def _check_one_process() -> None:
+    """Refuse `strategy=None` under a process group of several ranks (as `make_batches` does):
+    each rank would form groups of its own rows only, splitting a prompt's group that lies on
+    several ranks, and `scale="batch"` (or RLOO's `normalize`) would divide by this rank's
+    std, not the global batch's as TRL does, silently."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            f"strategy is None under an initialised process group of {dist.get_world_size()} "
+            "ranks: the advantages would be computed from this rank's rewards alone (groups "
+            "split over ranks broken, batch statistics per rank). Pass strategy=state.strategy "
+            "(rewards gathered over the ranks), or strategy=ft.strategies.SingleDevice() for "
+            "this rank's rewards alone on purpose"
+        )
 
 
 def group_advantages(
@@ -120,7 +139,9 @@ def group_advantages(
     Raises:
         ValueError: for `num_generations < 2` (every advantage would be 0), rewards that are
             not a 1-D floating tensor of a multiple of `num_generations` rows, an inf reward
-            (NaN marks an unscorable completion), an unknown `scale`.
+            (NaN marks an unscorable completion), an unknown `scale`, `strategy=None` under an
+            initialised process group of several ranks (pass `state.strategy`, or
+            `ft.strategies.SingleDevice()` for this rank's rewards alone).
 
     Example:
         >>> import torch, ftrain as ft
