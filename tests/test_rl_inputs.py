@@ -316,3 +316,16 @@ def test_advantages_without_a_strategy_under_several_ranks_are_refused(monkeypat
     with pytest.raises(ValueError, match=r"strategy is None under .* of 2 ranks.*state\.strategy"):
         advantages(rewards, 2)
     torch.testing.assert_close(advantages(rewards, 2, strategy=ft.strategies.SingleDevice()), local)
+
+
+def test_sample_refuses_prompt_inputs_it_would_leave_out(state):
+    """Packed prompts' position_ids (or a VLM's pixel_values) were dropped: every row was decoded
+    as one prompt, the completions of other prompts than the ones given."""
+    ids = torch.tensor([[5, 9, 14, 20, 33, 7]])
+    packed = {"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]])}
+    with pytest.raises(ValueError, match=r"also hold \['position_ids'\], which LlamaForCausalLM"):
+        ft.rl.sample(state, packed, index=[0], max_new_tokens=2)
+    extra = {"input_ids": ids, "index": torch.tensor([3]), "labels": ids, "text": ["a"]}
+    got = ft.rl.sample(state, extra, index=[3], max_new_tokens=2)  # no model inputs: not read
+    want = ft.rl.sample(state, {"input_ids": ids}, index=[3], max_new_tokens=2)
+    assert torch.equal(got.completion_ids, want.completion_ids)

@@ -10,6 +10,7 @@ sample what one uninterrupted process samples.
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import sys
@@ -196,6 +197,32 @@ def _check_prompts(ids: Any, mask: Any) -> None:
             )
 
 
+# Prompt keys `sample` reads, and the ones a prompt batch may carry that are no model input it
+# drops (a row's answer or target for the reward; the teacher-forcing decoder inputs).
+_READ = ("input_ids", "attention_mask")
+_NOT_INPUTS = ("labels", "decoder_input_ids", "decoder_attention_mask")
+
+
+def _check_prompt_keys(model: nn.Module, prompts: Mapping[str, Any]) -> None:
+    """Refuse prompt keys the model's forward takes besides the ids and mask (images, token
+    types, packed rows' position ids): `sample` decodes from `input_ids` and `attention_mask`
+    alone and would drop them, sampling completions of other prompts than the ones given."""
+    get_base = getattr(model, "get_base_model", None)
+    inner = get_base() if callable(get_base) else model
+    inner = getattr(inner, "_orig_mod", inner)
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    params = inspect.signature(inner.forward).parameters.values()
+    taken = {p.name for p in params if p.kind in kinds}
+    left_out = sorted(k for k in prompts if k in taken and k not in (*_READ, *_NOT_INPUTS))
+    if left_out:
+        raise ValueError(
+            f"sample decodes from the prompts' input_ids and attention_mask, but the prompts "
+            f"also hold {left_out}, which {type(inner).__name__}'s forward takes and sampling "
+            "would leave out (completions of other prompts than these); drop them from the "
+            "prompts (sample computes the position ids from the mask)"
+        )
+
+
 def _uniforms(seed: int, step: int, completions: list[int], n: int) -> torch.Tensor:
     """(rows, n) uniforms in [0, 1), row r from the generator of completion `completions[r]`."""
     out = torch.empty(len(completions), n)
@@ -276,7 +303,8 @@ def sample(
     Args:
         state: whose model, `seed` and `step` sample (not consumed).
         prompts: `input_ids` and `attention_mask`, padded on either side; the mask may be
-            left out only when no row holds the pad id.
+            left out only when no row holds the pad id. Other keys (a row's `index`, its
+            answer) are not read; ones the model's forward takes raise.
         index: one global number per prompt.
         num_generations: completions per prompt (TRL's `num_generations`).
         max_new_tokens: TRL's `max_completion_length`.
@@ -298,7 +326,9 @@ def sample(
             ranks, completion numbers that another rank samples too (on every rank, after
             one gather of the numbers); stop or pad ids that are not ints >= 0 or not token
             ids of the model; logits that are not finite
-            (NaN or inf) at a sampled token.
+            (NaN or inf) at a sampled token; prompts holding inputs of the model's forward
+            besides `input_ids` and `attention_mask` (`pixel_values`, `position_ids`, ...),
+            which sampling would leave out.
     """
     _check_sampling(temperature, top_k, top_p, max_new_tokens)
     if not (_is_int(num_generations) and num_generations >= 1):
@@ -307,6 +337,7 @@ def sample(
     model = strategy.unwrap(state.model)
     ids, mask = prompts["input_ids"], prompts.get("attention_mask")
     _check_prompts(ids, mask)
+    _check_prompt_keys(model, prompts)
     idx = _check_index(index, ids.shape[0])
     completions = [i * num_generations + g for i in idx for g in range(num_generations)]
     pad_id, stop = _pad_id(model, pad_token_id), _stop_ids(model, stop_token_ids)
