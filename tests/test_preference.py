@@ -191,3 +191,27 @@ def test_a_batch_of_the_default_collate_is_refused_and_pair_collate_pads_each_si
     assert loss_fn(model, batch)[0].item() == pytest.approx(alone.item(), rel=1e-5)
     refs = [{**r, "reference_chosen": -1.0, "reference_rejected": -2.0} for r in _ROWS]
     assert collate(refs)["reference_chosen"].tolist() == [-1.0, -1.0]
+
+
+def test_a_label_at_a_padding_position_is_no_target():
+    """Rows that bring their masks pass the mask check, but the default collate still pads
+    `chosen_labels` with 0: the last real token was scored against the first pad's label."""
+    model = tiny_llama()
+    loss_fn = P.preference_loss(P.simpo_loss)
+    rows = [
+        {
+            **r,
+            **{
+                f"{s}_attention_mask": [1] * len(r[f"{s}_input_ids"])
+                for s in ("chosen", "rejected")
+            },
+        }
+        for r in _ROWS
+    ]
+    default = next(iter(ft.make_batches(rows, batch_size=2, shuffle=False)))[0]
+    assert default["chosen_labels"][0].tolist() == [-100, -100, 7, 8, 0, 0]  # padded with a token
+    alone = sum(loss_fn(model, P.pair_collate(pad_id=0)([row]))[0] for row in rows)
+    assert loss_fn(model, default)[0].item() == pytest.approx(alone.item(), rel=1e-5)
+    side = {k.removeprefix("chosen_"): v for k, v in default.items() if k.startswith("chosen_")}
+    want = P.sequence_logps(model, {k: v[:1, :4] for k, v in side.items()})
+    assert P.sequence_logps(model, side)[0].item() == pytest.approx(want.item(), rel=1e-5)

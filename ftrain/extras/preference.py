@@ -227,9 +227,14 @@ def sequence_logps(
     """Per-sequence sum (or mean) of the log-probs of the label tokens (not -100), after the
     causal shift: shape (batch,). A padding position (`attention_mask` 0) predicts nothing, as
     in the core's loss (`ft.losses.causal_targets`): with left padding the pads' targets would
-    otherwise count, and a row's log-prob would depend on the rows padded with it."""
+    otherwise count, and a row's log-prob would depend on the rows padded with it. Nor is it
+    predicted: a label there is padding (the default collate pads `chosen_labels` with 0)."""
     logits = upcast(model_logits(model, batch))[:, :-1]
     labels = causal_targets(batch)[:, :-1]
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.shape == batch["labels"].shape:
+        # the last real token would otherwise be scored against the first pad's label
+        labels = labels.masked_fill(mask[:, 1:].logical_not(), IGNORE_INDEX)
     keep = labels != IGNORE_INDEX
     token = torch.gather(
         logits.log_softmax(-1), 2, torch.where(keep, labels, 0).unsqueeze(-1)
