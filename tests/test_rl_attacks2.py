@@ -403,3 +403,29 @@ def test_dropout_sites_finds_each_architectures_dropout_and_disable_dropout_remo
     torch.manual_seed(1)
     b = model(input_ids=ids, **kw).logits
     torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_post_training_refuses_a_policy_that_still_adds_neftune_noise():
+    """The Trainer turns NEFTune off at the end of train(); ft.sft.neftune's hook stays until
+    its handle is removed, so an SFT stage's noise reached GRPO (the ratio not 1 before any
+    update) and DPO (margins of a noisy forward against a clean reference), silently."""
+    import functools
+
+    state = ft.TrainState.create(_model(), ft.optim.adamw(), seed=0)
+    rollout = _rollout(state)
+    handle = ft.sft.neftune(state.model, alpha=5.0)
+    assert ft.sft.neftune_sites(state.model) == ["model.embed_tokens"]
+    micro = ft.rl.rollout_batches([rollout], [torch.ones(6)])
+    with pytest.raises(ValueError, match=r"policy_loss: .*NEFTune noise .*model\.embed_tokens"):
+        ft.accumulate_grads(state, micro, ft.rl.policy_loss())
+    dpo = functools.partial(ft.preference.dpo_loss, beta=0.1)
+    reference = _model().eval().requires_grad_(False)
+    with pytest.raises(ValueError, match=r"preference_loss: .*NEFTune noise"):
+        ft.accumulate_grads(
+            state, [_pairs()], ft.preference.preference_loss(dpo, reference=reference)
+        )
+    ft.accumulate_grads(state, [_pairs()], ft.preference.preference_loss(ft.preference.simpo_loss))
+    handle.remove()  # what the errors say to do: the same state trains
+    assert ft.sft.neftune_sites(state.model) == []
+    ft.accumulate_grads(state, micro, ft.rl.policy_loss())
+    ft.accumulate_grads(state, [_pairs()], ft.preference.preference_loss(dpo, reference=reference))

@@ -26,6 +26,7 @@ from torch import nn
 
 from ftrain.data import pad_collate
 from ftrain.eval import eval_mode
+from ftrain.extras.sft import neftune_sites
 from ftrain.losses import IGNORE_INDEX, LossFn, causal_targets, model_logits, upcast
 from ftrain.rng import dropout_sites
 
@@ -337,7 +338,8 @@ def preference_loss(
             pair, when `reference` shares a trained parameter with the policy (e.g. the
             base of a PEFT policy, whose adapters still run: it is not a fixed reference), or
             when a loss with reference log-probs gets a policy that runs dropout (a dropout
-            module of p > 0 or a config's `attention_dropout` > 0, in training mode).
+            module of p > 0 or a config's `attention_dropout` > 0, in training mode) or
+            NEFTune noise (`ft.sft.neftune`, whose hook stays until its handle is removed).
     """
     if not callable(loss):
         raise TypeError(f"loss must be a function such as ft.preference.dpo_loss, got {loss!r}")
@@ -416,6 +418,15 @@ def _check_no_dropout(model: nn.Module) -> None:
             f"({shown}), while its reference log-probs have none: the margins compare a "
             "dropped-out forward with a clean one (not 0 with policy == reference). Call "
             "ft.rng.disable_dropout(model) before training (TRL's disable_dropout)"
+        )
+    noisy = neftune_sites(model)
+    if noisy:
+        raise ValueError(
+            f"preference_loss: the policy adds NEFTune noise to its input embeddings in its "
+            f"training-mode forward ({', '.join(noisy)}), while its reference log-probs have "
+            "none: the margins compare a noisy forward with a clean one. Remove the hook "
+            "before preference training (handle.remove() on what ft.sft.neftune returned; the "
+            "Trainer turns NEFTune off at the end of train())"
         )
 
 

@@ -39,6 +39,7 @@ __all__ = [
     "input_output",
     "neftune",
     "neftune_noise",
+    "neftune_sites",
     "packed_collate",
     "train_tokenizer",
 ]
@@ -354,6 +355,40 @@ def neftune(model: Any, alpha: float = 5.0) -> Any:
 
     hook._ftrain_neftune = True  # type: ignore[attr-defined]
     return embeddings.register_forward_hook(hook)
+
+
+def neftune_sites(model: torch.nn.Module) -> list[str]:
+    """The modules of `model` (names) that add `neftune` noise in its forward now: those in
+    training mode with a NEFTune hook. Empty when no noise is added (eval mode, or the hook's
+    handle removed).
+
+    Post-training that compares the policy's log-probs with ones computed without noise (the
+    old log-probs of `ft.rl.sample`, a reference's) refuses such a policy, as it refuses
+    dropout: unlike the Trainer, which turns NEFTune off at the end of `train()`, the hook
+    stays until its handle is removed, so an SFT stage's noise would reach the next stage.
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> class Lm(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.embed = torch.nn.Embedding(4, 2)
+        ...     def get_input_embeddings(self):
+        ...         return self.embed
+        >>> model = Lm()
+        >>> handle = ft.sft.neftune(model, alpha=5.0)
+        >>> ft.sft.neftune_sites(model)
+        ['embed']
+        >>> handle.remove()
+        >>> ft.sft.neftune_sites(model)
+        []
+    """
+    return [
+        name
+        for name, module in model.named_modules()
+        if module.training
+        and any(getattr(h, "_ftrain_neftune", False) for h in module._forward_hooks.values())
+    ]
 
 
 _CHAT_TEMPLATE = (

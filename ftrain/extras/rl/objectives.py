@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ftrain.extras.rl.rollout import _is_finite, _is_int, token_logps
+from ftrain.extras.sft import neftune_sites
 from ftrain.losses import LossFn
 from ftrain.rng import dropout_sites
 from ftrain.strategies import Strategy
@@ -387,8 +388,8 @@ def policy_loss(
             runs, differs from the batch's), a `bias_correction_kl` that is not a bool; when
             the loss runs, `beta=0` with `ref_logps` in the batch (the KL would be dropped),
             and a policy that runs dropout (a dropout module of p > 0 or a config's
-            `attention_dropout` > 0, in training mode) while the batch holds `old_logps` or
-            `beta > 0`.
+            `attention_dropout` > 0, in training mode) or NEFTune noise (`ft.sft.neftune`)
+            while the batch holds `old_logps` or `beta > 0`.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
@@ -469,6 +470,15 @@ def _check_no_dropout(model: nn.Module) -> None:
             "(computed in eval mode) have none: the ratio is not 1 before any update and "
             "clipping acts on dropout noise. Call ft.rng.disable_dropout(model) before "
             "training (TRL's disable_dropout)"
+        )
+    noisy = neftune_sites(model)
+    if noisy:
+        raise ValueError(
+            f"policy_loss: the policy adds NEFTune noise to its input embeddings in its "
+            f"training-mode forward ({_listed(noisy)}), while its old_logps (sampled in eval "
+            "mode) and ref_logps have none: the ratio is not 1 before any update. Remove the "
+            "hook before post-training (handle.remove() on what ft.sft.neftune returned; the "
+            "Trainer turns NEFTune off at the end of train())"
         )
 
 
