@@ -215,3 +215,24 @@ def test_a_label_at_a_padding_position_is_no_target():
     side = {k.removeprefix("chosen_"): v for k, v in default.items() if k.startswith("chosen_")}
     want = P.sequence_logps(model, {k: v[:1, :4] for k, v in side.items()})
     assert P.sequence_logps(model, side)[0].item() == pytest.approx(want.item(), rel=1e-5)
+
+
+def test_sequence_logps_refuses_an_encoder_decoder_model():
+    """With the decoder's inputs in the batch, T5's log-probs were scored after the causal shift
+    (decoder position t against labels[t + 1]): a number, silently wrong; without them HF's
+    error named the encoder's inputs."""
+    from helpers import tiny_t5
+
+    side = {
+        "input_ids": torch.tensor([[6, 7, 8]]),
+        "attention_mask": torch.ones(1, 3, dtype=torch.long),
+        "labels": torch.tensor([[3, 4, 5, 1]]),
+        "decoder_input_ids": torch.tensor([[0, 3, 4, 5]]),
+    }
+    names = r"(T5ForConditionalGeneration|PeftModelForSeq2SeqLM) is an encoder-decoder"
+    for model in (tiny_t5(), ft.lora.apply(tiny_t5(), r=2)):
+        with pytest.raises(ValueError, match=names):
+            P.sequence_logps(model, side)
+    batch = {f"{s}_{k}": v for s in ("chosen", "rejected") for k, v in side.items()}
+    with pytest.raises(ValueError, match="is an encoder-decoder model"):
+        P.preference_loss(P.simpo_loss)(tiny_t5(), batch)

@@ -229,7 +229,13 @@ def sequence_logps(
     causal shift: shape (batch,). A padding position (`attention_mask` 0) predicts nothing, as
     in the core's loss (`ft.losses.causal_targets`): with left padding the pads' targets would
     otherwise count, and a row's log-prob would depend on the rows padded with it. Nor is it
-    predicted: a label there is padding (the default collate pads `chosen_labels` with 0)."""
+    predicted: a label there is padding (the default collate pads `chosen_labels` with 0).
+
+    Raises:
+        ValueError: for an encoder-decoder model (T5, BART): its decoder's logits at position
+            t score `labels[t]`, unshifted, and its forward needs the decoder's inputs.
+    """
+    _refuse_encoder_decoder(model)
     logits = upcast(model_logits(model, batch))[:, :-1]
     labels = causal_targets(batch)[:, :-1]
     mask = batch.get("attention_mask")
@@ -242,6 +248,22 @@ def sequence_logps(
     ).squeeze(-1)
     total = (token * keep).sum(-1)
     return total / keep.sum(-1).clamp(min=1) if average else total
+
+
+def _refuse_encoder_decoder(model: nn.Module) -> None:
+    """Refuse a seq2seq model (looked for through DDP's `module`; PEFT and torch.compile
+    wrappers pass `config` on): the causal shift would score each decoder position against the
+    label after its own, silently (and without `decoder_input_ids` HF's error names the
+    encoder's inputs)."""
+    for m in (model, getattr(model, "module", None)):
+        if getattr(getattr(m, "config", None), "is_encoder_decoder", False) is True:
+            raise ValueError(
+                f"sequence_logps scores a causal LM (logits at t predict labels[t + 1]); "
+                f"{type(m).__name__} is an encoder-decoder model, whose decoder logits at t "
+                "score labels[t]: ftrain's preference losses take decoder-only models. Compute "
+                "the per-sequence log-probs of the decoder yourself and pass them to "
+                "ft.preference.dpo_loss (or another loss) directly"
+            )
 
 
 def _side(batch: Mapping[str, Any], side: str) -> dict[str, Any]:
