@@ -329,3 +329,19 @@ def test_sample_refuses_prompt_inputs_it_would_leave_out(state):
     got = ft.rl.sample(state, extra, index=[3], max_new_tokens=2)  # no model inputs: not read
     want = ft.rl.sample(state, {"input_ids": ids}, index=[3], max_new_tokens=2)
     assert torch.equal(got.completion_ids, want.completion_ids)
+
+
+def test_sample_and_token_logps_refuse_an_encoder_decoder_model():
+    """T5 got HF's error about the encoder's inputs ("exactly one of input_ids or
+    inputs_embeds"), from its decoder, which sampling never fed."""
+    from helpers import tiny_t5
+
+    model = tiny_t5()
+    model.generation_config.pad_token_id = 0
+    with pytest.raises(ValueError, match=r"sample takes a decoder-only .* T5ForConditionalGen"):
+        ft.rl.sample(_state(model), {"input_ids": torch.tensor([[5, 6, 7]])}, index=[0],
+                     max_new_tokens=2)  # fmt: skip
+    ids, ones = torch.tensor([[5, 6]]), torch.ones(1, 2, dtype=torch.long)
+    batch = {"prompt_ids": ids, "prompt_mask": ones, "completion_ids": ids, "completion_mask": ones}
+    with pytest.raises(ValueError, match="token_logps takes a decoder-only"):
+        ft.rl.token_logps(model, batch)

@@ -223,6 +223,18 @@ def _check_prompt_keys(model: nn.Module, prompts: Mapping[str, Any]) -> None:
         )
 
 
+def _refuse_encoder_decoder(model: nn.Module, what: str) -> None:
+    """Refuse a seq2seq model (T5, BART), looked for through DDP's `module` (PEFT and
+    torch.compile pass `config` on): sampling and `token_logps` continue the prompt in one
+    decoder-only sequence; HF's error for it names the encoder's inputs instead."""
+    for m in (model, getattr(model, "module", None)):
+        if getattr(getattr(m, "config", None), "is_encoder_decoder", False) is True:
+            raise ValueError(
+                f"{what} takes a decoder-only causal LM (the completion continues the prompt "
+                f"in one sequence); {type(m).__name__} is an encoder-decoder model"
+            )
+
+
 def _uniforms(seed: int, step: int, completions: list[int], n: int) -> torch.Tensor:
     """(rows, n) uniforms in [0, 1), row r from the generator of completion `completions[r]`."""
     out = torch.empty(len(completions), n)
@@ -328,13 +340,14 @@ def sample(
             ids of the model; logits that are not finite
             (NaN or inf) at a sampled token; prompts holding inputs of the model's forward
             besides `input_ids` and `attention_mask` (`pixel_values`, `position_ids`, ...),
-            which sampling would leave out.
+            which sampling would leave out; an encoder-decoder model (T5, BART).
     """
     _check_sampling(temperature, top_k, top_p, max_new_tokens)
     if not (_is_int(num_generations) and num_generations >= 1):
         raise ValueError(f"num_generations must be an int >= 1, got {num_generations!r}")
     strategy = state.strategy if strategy is None else strategy
     model = strategy.unwrap(state.model)
+    _refuse_encoder_decoder(model, "sample")
     ids, mask = prompts["input_ids"], prompts.get("attention_mask")
     _check_prompts(ids, mask)
     _check_prompt_keys(model, prompts)
@@ -478,10 +491,11 @@ def token_logps(
     log-softmax of the batch exists at once.
 
     Raises:
-        ValueError: for a `chunk_rows` that is not an int >= 1.
+        ValueError: for a `chunk_rows` that is not an int >= 1, an encoder-decoder model.
     """
     if not (_is_int(chunk_rows) and chunk_rows >= 1):
         raise ValueError(f"chunk_rows must be an int >= 1, got {chunk_rows!r}")
+    _refuse_encoder_decoder(model, "token_logps")
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
