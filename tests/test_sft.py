@@ -265,3 +265,17 @@ def test_neftune_hook_in_the_loop_is_seeded_and_removable():
     for n in plain:
         assert torch.equal(a[n], b[n])  # the noise follows the per-micro-batch seed
     assert any(not torch.equal(a[n], plain[n]) for n in plain)
+
+
+def test_a_response_that_already_ends_with_eos_is_refused_as_a_prompt_with_bos_is(tok):
+    """A response text holding the EOS token (`"...</s>"`) got a second EOS appended: the row
+    ended with two, and the model was trained to emit EOS after EOS."""
+    eos = tok.eos_token
+    with pytest.raises(ValueError, match="row 1: the response already ends with EOS"):
+        SFTCollator(tok).encode_batch(
+            [{"input": "a", "output": "b"}, {"input": "a", "output": "b" + eos}]
+        )
+    row = SFTCollator(tok, add_eos=False).encode({"input": "a", "output": "b" + eos})
+    assert row["input_ids"][-1] == tok.eos_token_id != row["input_ids"][-2]
+    with pytest.raises(ValueError, match="row 0: the prompt already starts with BOS"):
+        SFTCollator(tok).encode({"input": tok.bos_token + "a", "output": "b"})

@@ -164,7 +164,8 @@ class SFTCollator:
         train_on_source: also train on the prompt tokens.
         add_bos: start with the tokenizer's BOS (when it has one); a prompt that already
             starts with it (a chat template's) raises: pass False then.
-        add_eos: end the response with EOS (a tokenizer without one raises: pass False).
+        add_eos: end the response with EOS (a tokenizer without one raises: pass False); a
+            response that already ends with it raises: pass False then.
         pad_to_multiple_of: round padded lengths up to a multiple of this.
     """
 
@@ -226,6 +227,12 @@ class SFTCollator:
                 raise ValueError(
                     f"row {i}: the prompt already starts with BOS (a chat template writes it): "
                     "pass add_bos=False, or the row would start with two"
+                )
+            if eos and a[-1:] == eos:
+                raise ValueError(
+                    f"row {i}: the response already ends with EOS (its text holds the EOS "
+                    "token): pass add_eos=False, or strip it from the rows, or the row would "
+                    "end with two (trained to emit EOS after EOS)"
                 )
             source, target = bos + list(p), list(a) + eos
             cut_prompts += len(source) > self.source_max_len
