@@ -345,3 +345,21 @@ def test_sample_and_token_logps_refuse_an_encoder_decoder_model():
     batch = {"prompt_ids": ids, "prompt_mask": ones, "completion_ids": ids, "completion_mask": ones}
     with pytest.raises(ValueError, match="token_logps takes a decoder-only"):
         ft.rl.token_logps(model, batch)
+
+
+def test_sample_refuses_a_zero_weight_stand_in(state):
+    """The rank left without prompts at an epoch's end gets another rank's prompt as a
+    ZeroWeight: sample failed on it with a TypeError of tuple indices (unwrapped, it would be
+    sampled and trained twice); now ftrain's error says to drop the last batch."""
+
+    class Rank1(ft.strategies.SingleDevice):
+        rank, world_size = 1, 2
+
+    rows = [{"input_ids": [5, 6, i + 7], "index": i} for i in range(5)]
+    (*_, last) = ft.make_batches(rows, batch_size=2, shuffle=False, strategy=Rank1())
+    assert isinstance(last[0], ft.data.ZeroWeight)
+    stand_in = last[0]
+    with pytest.raises(ValueError, match=r"ZeroWeight stand-in .* drop_last=True"):
+        ft.rl.sample(state, stand_in, index=stand_in.batch["index"], max_new_tokens=2)
+    kept = ft.make_batches(rows, batch_size=2, shuffle=False, strategy=Rank1(), drop_last=True)
+    assert all(isinstance(p, dict) for micro in kept for p in micro)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ftrain.data import MicroBatches
+from ftrain.data import MicroBatches, ZeroWeight
 from ftrain.eval import eval_mode
 from ftrain.extras.generation import left_pad
 from ftrain.losses import upcast
@@ -340,11 +340,22 @@ def sample(
             ids of the model; logits that are not finite
             (NaN or inf) at a sampled token; prompts holding inputs of the model's forward
             besides `input_ids` and `attention_mask` (`pixel_values`, `position_ids`, ...),
-            which sampling would leave out; an encoder-decoder model (T5, BART).
+            which sampling would leave out; an encoder-decoder model (T5, BART); a
+            `ZeroWeight` stand-in of `make_batches` (use `drop_last=True` for prompts under
+            data parallelism).
     """
     _check_sampling(temperature, top_k, top_p, max_new_tokens)
     if not (_is_int(num_generations) and num_generations >= 1):
         raise ValueError(f"num_generations must be an int >= 1, got {num_generations!r}")
+    if isinstance(prompts, ZeroWeight):
+        # Another rank's prompt, no dict of prompts: indexing it failed with a TypeError of
+        # tuples, and unwrapped its completions would be sampled and trained twice.
+        raise ValueError(
+            "sample got a ZeroWeight stand-in (make_batches gives one to a rank left without "
+            "prompts in the final global micro-batch of an epoch: another rank's prompt, to be "
+            "run and counted for nothing), whose completions another rank samples and trains "
+            "on. Batch prompts with make_batches(..., drop_last=True) under data parallelism"
+        )
     strategy = state.strategy if strategy is None else strategy
     model = strategy.unwrap(state.model)
     _refuse_encoder_decoder(model, "sample")
