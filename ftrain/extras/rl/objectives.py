@@ -127,12 +127,13 @@ def group_advantages(
     """GRPO's advantages: each reward minus its group's mean, divided by the std plus 1e-4.
 
     `A_i = (r_i - mean_group(r)) / (std + 1e-4)` where std is the group's (`scale="group"`,
-    GRPO), the whole batch's (`"batch"`), or absent (`"none"`: Dr. GRPO, `A_i = r_i -
-    mean_group(r)`); std is Bessel-corrected. Rows `k*G .. k*G+G-1` form a group. NaN rewards
-    (unscorable completions) stay out of the means and get advantage 0. With a `strategy` of
-    several ranks, `rewards` are this rank's rows, in rank order of the global batch: they are
-    gathered, groups formed over all of them (a prompt's completions may lie on different
-    ranks) and this rank's advantages returned.
+    GRPO), the whole batch's (`"batch"`: the rewards of this call, so give it every rollout's
+    of a step at once, as TRL takes the generation batch's), or absent (`"none"`: Dr. GRPO,
+    `A_i = r_i - mean_group(r)`); std is Bessel-corrected. Rows `k*G .. k*G+G-1` form a
+    group. NaN rewards (unscorable completions) stay out of the means and get advantage 0.
+    With a `strategy` of several ranks, `rewards` are this rank's rows, in rank order of the
+    global batch: they are gathered, groups formed over all of them (a prompt's completions
+    may lie on different ranks) and this rank's advantages returned.
     Computed in float64, so a group of equal rewards gets advantages of exactly 0 (in the
     rewards' dtype its mean can round by an ulp, which the division by `std + 1e-4` would blow
     up); returned in the rewards' dtype, float32 at least.
