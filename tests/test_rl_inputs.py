@@ -363,3 +363,23 @@ def test_sample_refuses_a_zero_weight_stand_in(state):
         ft.rl.sample(state, stand_in, index=stand_in.batch["index"], max_new_tokens=2)
     kept = ft.make_batches(rows, batch_size=2, shuffle=False, strategy=Rank1(), drop_last=True)
     assert all(isinstance(p, dict) for micro in kept for p in micro)
+
+
+def test_rollouts_of_one_step_that_drew_the_same_numbers_are_refused(state):
+    """Micro-batches of one step given their local row numbers as `index` drew the same uniforms
+    for their first, second, ... prompts (sample checks one call and the ranks, not the calls
+    of one process): correlated completions, silently."""
+    first = {"input_ids": torch.tensor([[5, 9, 14], [7, 3, 22]])}
+    second = {"input_ids": torch.tensor([[8, 40, 2], [31, 2, 17]])}
+    local = [ft.rl.sample(state, p, index=[0, 1], max_new_tokens=3) for p in (first, second)]
+    with pytest.raises(
+        ValueError, match=r"rollouts 0 and 1 both hold completion number 0 .* step 0"
+    ):
+        ft.rl.rollout_batches(local, [torch.zeros(2), torch.zeros(2)])
+    rows = [
+        ft.rl.sample(state, p, index=i, max_new_tokens=3)
+        for p, i in ((first, [0, 1]), (second, [2, 3]))
+    ]
+    assert len(ft.rl.rollout_batches(rows, [torch.zeros(2), torch.zeros(2)])) == 2
+    later = ft.rl.sample(state.replace(step=1), second, index=[0, 1], max_new_tokens=3)
+    assert len(ft.rl.rollout_batches([local[0], later], [torch.zeros(2), torch.zeros(2)])) == 2

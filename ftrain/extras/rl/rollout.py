@@ -54,6 +54,9 @@ class Rollout:
     `precision`: the sampling strategy's, whose autocast `rollout_batches` runs the reference
     under so that old, reference and new log-probs are computed alike (None: full precision).
     Rollouts made before these two fields existed load with None (what they were used with).
+    `seed`, `step`: the state's when it was sampled, which with `completion_index` seeded each
+    row, so that `rollout_batches` refuses two rollouts that drew the same random numbers
+    (None: not recorded, for a rollout built by hand or made before these fields).
     `trained`: the ids of the parameters the sampling state trains (`state.params`, objects of
     this process), so that `rollout_batches` refuses a reference that shares one; empty for a
     rollout built by hand or pickled (ids mean nothing elsewhere), for which a reference must
@@ -70,6 +73,8 @@ class Rollout:
     temperature: float = 1.0
     max_new_tokens: int | None = None
     precision: Precision | None = None
+    seed: int | None = None
+    step: int | None = None
     trained: frozenset[int] = field(default=frozenset(), repr=False, compare=False)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -404,6 +409,8 @@ def sample(
         temperature=float(temperature),
         max_new_tokens=int(max_new_tokens),
         precision=strategy.precision,
+        seed=int(state.seed),
+        step=int(state.step),
         trained=frozenset(map(id, state.params.values())),
     )
 
@@ -595,6 +602,27 @@ def _idle_adapter_params(reference: nn.Module) -> set[int]:
     return idle
 
 
+def _check_distinct_draws(rollouts: Sequence[Rollout]) -> None:
+    """Refuse two rollouts holding one completion number sampled at the same seed and step:
+    they drew the same uniforms (`sample` checks the numbers within one call, and across
+    ranks; micro-batches of one step given their local row numbers as `index` repeat them)."""
+    seen: dict[tuple[int, int, int], int] = {}
+    for k, r in enumerate(rollouts):
+        seed, step = getattr(r, "seed", None), getattr(r, "step", None)
+        if seed is None or step is None:
+            continue
+        for c in r.completion_index.tolist():  # a host sync per rollout, outside the step
+            first = seen.setdefault((seed, step, c), k)
+            if first != k:
+                raise ValueError(
+                    f"rollouts {first} and {k} both hold completion number {c} (index[i] * "
+                    f"num_generations + g) sampled at step {step} with seed {seed}: they drew "
+                    "the same random numbers. Give sample's index as the prompts' global "
+                    "positions (e.g. their dataset row numbers), not each micro-batch's local "
+                    "row numbers"
+                )
+
+
 def rollout_batches(
     rollouts: Sequence[Rollout],
     advantages: Sequence[torch.Tensor],
@@ -628,7 +656,9 @@ def rollout_batches(
             `mask_truncated_completions`).
 
     Raises:
-        ValueError: for counts that differ, `advantages` of another shape or not finite, a
+        ValueError: for counts that differ, two rollouts that hold one completion number
+            sampled at the same seed and step (they drew the same random numbers: `index` not
+            the prompts' global positions), `advantages` of another shape or not finite, a
             `mask_truncated` that is not a bool, a `temperature` other than a rollout's, a
             `reference` that shares a parameter the policy trains (the policy itself, or the
             base of a LoRA policy, which runs its adapters: its log-probs would be the
@@ -647,6 +677,7 @@ def rollout_batches(
             f"got {len(rollouts)} rollouts, {len(advantages)} advantages"
             + ("" if prompts is None else f", {len(prompts)} prompt micro-batches")
         )
+    _check_distinct_draws(rollouts)
     out = []
     for k, (r, adv) in enumerate(zip(rollouts, advantages, strict=True)):
         n, t = r.completion_ids.shape
