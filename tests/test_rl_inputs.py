@@ -383,3 +383,18 @@ def test_rollouts_of_one_step_that_drew_the_same_numbers_are_refused(state):
     assert len(ft.rl.rollout_batches(rows, [torch.zeros(2), torch.zeros(2)])) == 2
     later = ft.rl.sample(state.replace(step=1), second, index=[0, 1], max_new_tokens=3)
     assert len(ft.rl.rollout_batches([local[0], later], [torch.zeros(2), torch.zeros(2)])) == 2
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo"])
+def test_reduce_loss_checks_a_max_completion_length_that_its_loss_type_does_not_use(loss_type):
+    """Only dr_grpo divides by max_completion_length; given with another loss type it was
+    accepted and dropped, whatever its value (policy_loss checks it against the rollouts)."""
+    per_token, mask = torch.ones(2, 3), torch.ones(2, 3)
+    with pytest.raises(ValueError, match=f"loss_type='{loss_type}' takes max_completion_length"):
+        ft.rl.reduce_loss(per_token, mask, loss_type=loss_type, max_completion_length=0)
+    with pytest.raises(ValueError, match="completions are 3 tokens wide, more than"):
+        ft.rl.reduce_loss(per_token, mask, loss_type=loss_type, max_completion_length=2)
+    # A value that fits changes nothing: these loss types do not divide by it.
+    got = ft.rl.reduce_loss(per_token, mask, loss_type=loss_type, max_completion_length=3)
+    want = ft.rl.reduce_loss(per_token, mask, loss_type=loss_type)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

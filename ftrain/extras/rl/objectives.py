@@ -266,10 +266,11 @@ def clipped_objective(
     return -torch.min(coef * adv, clipped * adv)
 
 
-def _check_max_len(max_completion_length: int | None) -> None:
+def _check_max_len(max_completion_length: int | None, loss_type: str = "dr_grpo") -> None:
     if not (_is_int(max_completion_length) and max_completion_length >= 1):  # type: ignore[operator]
+        need = "needs" if loss_type == "dr_grpo" else "takes"
         raise ValueError(
-            "loss_type='dr_grpo' needs max_completion_length= (an int >= 1), "
+            f"loss_type={loss_type!r} {need} max_completion_length= (an int >= 1), "
             f"got {max_completion_length!r}"
         )
 
@@ -278,8 +279,8 @@ def _check_width(width: int, max_completion_length: int) -> None:
     if width > max_completion_length:
         raise ValueError(
             f"completions are {width} tokens wide, more than max_completion_length="
-            f"{max_completion_length} (dr_grpo's divisor); pass the max_new_tokens the "
-            "rollouts were sampled with"
+            f"{max_completion_length} (dr_grpo's divisor; the longest completion otherwise); "
+            "pass the max_new_tokens the rollouts were sampled with"
         )
 
 
@@ -328,13 +329,16 @@ def reduce_loss(
     (`dapo`: when one generation batch makes one optimizer step, see docs/post_training.md).
 
     Raises:
-        ValueError: for an unknown `loss_type`; with `dr_grpo`, a `max_completion_length`
-            that is not an int >= 1 or is less than the completions' width.
+        ValueError: for an unknown `loss_type`; with `dr_grpo` (or given with another loss
+            type, which does not divide by it), a `max_completion_length` that is not an int
+            >= 1 or is less than the completions' width.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-    if loss_type == "dr_grpo":
-        _check_max_len(max_completion_length)
+    if loss_type == "dr_grpo" or max_completion_length is not None:
+        # Only dr_grpo divides by it; a value given with another loss type is still checked
+        # (accepted and dropped, a wrong one would go unnoticed), as policy_loss checks it.
+        _check_max_len(max_completion_length, loss_type)
         assert max_completion_length is not None
         _check_width(per_token.shape[-1], max_completion_length)
     m = mask.to(per_token.dtype)
