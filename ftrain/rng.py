@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 __all__ = [
+    "DeviceGenerator",
     "default_generators",
     "disable_dropout",
     "dropout_seed",
@@ -68,16 +71,76 @@ def _micro_seed(h: int, micro: int, rank: int) -> int:
     return _splitmix64(_splitmix64(h ^ (micro & _MASK64)) ^ (rank & _MASK64)) >> 1
 
 
-def default_generators(device: torch.device) -> list[torch.Generator]:
-    """The default generators that dropout on `device` draws from (the CPU one always)."""
-    gens = [torch.default_generator]
-    if device.type == "cuda":
-        gens.append(torch.cuda.default_generators[device.index or torch.cuda.current_device()])
+class DeviceGenerator(Protocol):
+    """What `default_generators` returns: a `torch.Generator`, or a device's module-level
+    generator (MPS keeps one behind `torch.mps.manual_seed`/`get_rng_state`)."""
+
+    def manual_seed(self, seed: int) -> Any: ...
+
+    def get_state(self) -> torch.Tensor: ...
+
+    def set_state(self, new_state: torch.Tensor) -> Any: ...
+
+
+class _ModuleGenerator:
+    """A device module's one default generator (`torch.mps`) as a `DeviceGenerator`."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+
+    def manual_seed(self, seed: int) -> None:
+        self.module.manual_seed(seed)
+
+    def get_state(self) -> torch.Tensor:
+        return self.module.get_rng_state()
+
+    def set_state(self, new_state: torch.Tensor) -> None:
+        self.module.set_rng_state(new_state)
+
+
+def default_generators(device: torch.device) -> list[DeviceGenerator]:
+    """The default generators that dropout on `device` draws from: the CPU one always, and
+    the accelerator's (CUDA, XPU, MTIA, MPS, ... through `torch.get_device_module`).
+
+    A device whose module has no default generator gets only the CPU one, with a
+    `RuntimeWarning`: dropout there is neither seeded nor restored, so a resumed run does not
+    draw the masks of the uninterrupted one.
+    """
+    gens: list[DeviceGenerator] = [torch.default_generator]
+    if device.type in ("cpu", "meta"):  # meta tensors draw nothing
+        return gens
+    try:
+        module: Any = torch.get_device_module(device.type)
+    except RuntimeError:
+        module = None
+    own = getattr(module, "default_generators", None)
+    if own is not None:
+        # (device.index or ...) took the current device for index 0, which need not be 0.
+        index = device.index if device.index is not None else module.current_device()
+        if index >= len(own) and callable(getattr(module, "init", None)):
+            module.init()  # the generators are made when the device is first used
+            own = module.default_generators
+        gens.append(own[index])
+    elif all(callable(getattr(module, f, None)) for f in _MODULE_RNG):
+        gens.append(_ModuleGenerator(module))  # MPS: one device, one generator
+    else:
+        warnings.warn(
+            f"ftrain.rng.default_generators: device type {device.type!r} has no default "
+            "generator that ftrain can seed (torch.get_device_module gives none with "
+            "default_generators or manual_seed/get_rng_state/set_rng_state): dropout on it is "
+            "neither seeded nor restored, so resume is not exact and each run draws other "
+            "masks; only the CPU generator is seeded",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return gens
 
 
+_MODULE_RNG = ("manual_seed", "get_rng_state", "set_rng_state")
+
+
 @contextlib.contextmanager
-def restored(gens: list[torch.Generator]) -> Iterator[None]:
+def restored(gens: Sequence[DeviceGenerator]) -> Iterator[None]:
     """Run the block, then put `gens` back in the state they had (the caller's stream)."""
     # Restore the generators afterwards, so the caller's random stream is untouched. (Seeding
     # the generators directly, not torch.manual_seed, avoids its lazy-CUDA bookkeeping, which
