@@ -271,3 +271,23 @@ def test_profiler_refuses_impossible_windows_and_resumes_mid_window(tmp_path):
     late.step(state.replace(step=9))  # resumed after the window: nothing to do
     late.close()
     assert late.traces() == []
+
+
+def test_a_resumed_wandb_run_refuses_another_project_or_name_as_mlflow_does(tmp_path, monkeypatch):
+    """The stored run id won silently over `project=`: W&B's resume="allow" started a new run
+    of that id in the other project (MLflowSink refuses another experiment or run_name)."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_ENTITY", raising=False)
+    root = tmp_path / "run"
+    first = ft.logging.WandbSink(root, project="baseline", name="a")
+    first.close()
+    with pytest.raises(ValueError, match="whose project is 'baseline', but project='ablation'"):
+        ft.logging.WandbSink(root, project="ablation")
+    with pytest.raises(ValueError, match="whose name is 'a', but name='b'"):
+        ft.logging.WandbSink(root, project="baseline", name="b")
+    monkeypatch.setenv("WANDB_ENTITY", "team")  # an entity, once the run has one
+    (root / "wandb_run_identity.json").write_text('{"entity": "me", "project": "baseline"}')
+    with pytest.raises(ValueError, match="whose entity is 'me', but entity='team'"):
+        ft.logging.WandbSink(root, project="baseline")
+    assert len(list(root.glob("wandb/offline-run-*"))) == 1  # nothing was started elsewhere

@@ -225,6 +225,31 @@ def _logged_params(path: Path, given: dict[str, str], run_id: str | None) -> dic
     return {str(k): str(v) for k, v in logged.items()}
 
 
+_IDENTITY = ("project", "entity", "name")  # where a W&B run lives, and its display name
+
+
+def _held_identity(
+    path: Path, asked: Mapping[str, str | None], id_file: Path, run_id: str | None
+) -> dict[str, str]:
+    """The project, entity and name of the W&B run a restart resumes (kept in `path`), checked
+    against those given; empty for a run without the file (made before ftrain kept one)."""
+    try:
+        held = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(held, dict):
+        return {}
+    held = {k: v for k, v in held.items() if k in _IDENTITY and isinstance(v, str) and v}
+    for arg, have in held.items():
+        if asked.get(arg) is not None and asked[arg] != have:
+            raise ValueError(
+                f"{id_file} names W&B run {run_id!r}, whose {arg} is {have!r}, but "
+                f"{arg}={asked[arg]!r} was given (W&B would start a new run of that id there): "
+                f"pass {arg}={have!r} to resume that run, or use a new run_dir for a new run"
+            )
+    return held
+
+
 GLOBAL_STEP = "train/global_step"  # W&B: the x-axis of every metric (`WandbSink`)
 
 
@@ -255,7 +280,10 @@ class WandbSink:
         **init_kwargs: passed on to `wandb.init` (e.g. `mode`, `entity`, `name`, `settings`).
 
     Raises:
-        ValueError: if a restart passes params that differ from the stored run's.
+        ValueError: if a restart passes params that differ from the stored run's, or a
+            `project`, `entity` (or `WANDB_ENTITY`) or `name` other than the stored run's
+            (kept in `<run_dir>/wandb_run_identity.json`): W&B would start a new run of that id
+            there.
     """
 
     def __init__(
@@ -291,6 +319,16 @@ class WandbSink:
         params_file = run_dir / "wandb_run_params.json"
         given = {k: str(v) for k, v in (params or {}).items()}
         logged = _logged_params(params_file, given, stored) if self.resumed else {}
+        # W&B's resume="allow" starts a new run under the stored id wherever it is asked to (in
+        # another project or entity): a resume that asks for another is refused, as MLflowSink
+        # refuses another experiment or run_name.
+        identity_file = run_dir / "wandb_run_identity.json"
+        asked = {
+            "project": project,
+            "entity": init_kwargs.get("entity") or os.environ.get("WANDB_ENTITY"),
+            "name": init_kwargs.get("name"),
+        }
+        held = _held_identity(identity_file, asked, id_file, stored) if self.resumed else {}
         new = {k: v for k, v in (params or {}).items() if k not in logged}
         config = None if self.resumed else dict(params or {})  # the resumed run has its config
         self._run = wandb.init(project=project, dir=str(run_dir), id=stored, resume="allow",
@@ -299,6 +337,9 @@ class WandbSink:
         if self.resumed and new:
             self._run.config.update(new)
         _write_text(params_file, json.dumps({**logged, **given}, sort_keys=True))
+        made = {k: getattr(self._run, k, None) for k in _IDENTITY}
+        made = {k: v for k, v in made.items() if isinstance(v, str) and v}  # offline: no entity
+        _write_text(identity_file, json.dumps({**made, **held}, sort_keys=True))
         if not self.resumed:
             _write_id(id_file, self.run_id)
         # The optimizer step is a metric that the others are plotted against (HF's
