@@ -186,7 +186,7 @@ def test_a_resumed_wandb_run_refuses_changed_params_as_mlflow_does(tmp_path, mon
     ft.logging.WandbSink(run, params={"lr": 0.1, "wd": 0.0}).close()
     with pytest.raises(ValueError, match=r"params differ.*'lr': \('0.1', '0.2'\)"):
         ft.logging.WandbSink(run, params={"lr": 0.2})
-    again = ft.logging.WandbSink(run, params={"lr": 0.1, "seed": 3})
+    again = ft.logging.WandbSink(run, params={"lr": 0.1, "seed": 3}, rank=0)
     assert again.resumed and again._run.config["seed"] == 3  # a new key is added
     again.close()
 

@@ -82,6 +82,7 @@ def test_mlflow_run_fails_only_when_told_and_a_second_close_keeps_the_outcome(tm
     # The failed run resumed by a restart is running again, and a clean close finishes it.
     resumed = ft.logging.MLflowSink(tmp_path / "b", tracking_uri=mlflow_uri)
     assert resumed.resumed and resumed.run_id == told.run_id
+    resumed.log({"step": 3, "loss": 1.0})  # (the run is reopened when the sink is first used)
     assert _status(mlflow_uri, resumed) == "RUNNING"
     try:
         raise ValueError("handled by the caller, unrelated to the run")
@@ -143,7 +144,9 @@ def test_mlflow_run_whose_params_mlflow_refuses_ends_failed(tmp_path, mlflow_uri
     from mlflow.tracking import MlflowClient
 
     with pytest.raises(MlflowException, match="lr@peak"):
-        ft.logging.MLflowSink(tmp_path / "a", tracking_uri=mlflow_uri, params={"lr@peak": 0.1})
+        ft.logging.MLflowSink(
+            tmp_path / "a", tracking_uri=mlflow_uri, params={"lr@peak": 0.1}, rank=0
+        )
     client = MlflowClient(mlflow_uri)
     (run,) = client.search_runs([client.get_experiment_by_name("ftrain").experiment_id])
     assert run.info.status == "FAILED"
@@ -214,3 +217,97 @@ def test_file_sinks_refuse_a_record_after_close_naming_the_sink(tmp_path):
     with pytest.raises(ValueError, match=r"TensorBoardSink is closed: log before close\(\)"):
         board.log({"step": 2, "eval_loss": 1.0})
     assert sorted((tmp_path / "tb").iterdir()) == files  # no new events file
+
+
+def _group_comes_up(monkeypatch, rank):
+    """The job's process group, set up after the sinks were built (`mp.spawn`, a launcher of
+    one's own that sets no `RANK`), as this process sees it: rank `rank` of 2."""
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: rank)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+
+
+@pytest.mark.parametrize("kind", ["mlflow", "wandb"])
+def test_a_tracker_built_before_the_process_group_takes_its_rank_when_first_used(
+    tmp_path, monkeypatch, mlflow_uri, kind
+):
+    """Built before `init_process_group` in a job launched without `RANK`, every rank took
+    itself for rank 0: each opened a run (and logged every record) into the same run_dir."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = tmp_path / "run"
+    if kind == "mlflow":
+        sink = ft.logging.MLflowSink(run, tracking_uri=mlflow_uri, params={"lr": 0.1})
+    else:
+        sink = ft.logging.WandbSink(run, params={"lr": 0.1})
+    state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd()).replace(step=1)
+    _group_comes_up(monkeypatch, rank=1)
+    sink.step(state)
+    sink.log({"step": 1, "loss": 1.0})
+    sink.close()
+    assert sink.run_id is None and not sink.resumed and not run.exists()
+    if kind == "mlflow":
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(mlflow_uri)
+        assert client.search_runs([e.experiment_id for e in client.search_experiments()]) == []
+
+
+def test_an_mlflow_sink_built_before_the_process_group_logs_on_rank_0(
+    tmp_path, monkeypatch, mlflow_uri
+):
+    monkeypatch.delenv("RANK", raising=False)
+    sink = ft.logging.MLflowSink(tmp_path / "run", tracking_uri=mlflow_uri, params={"lr": 0.1})
+    assert sink.run_id is None  # opened when first used, on rank 0
+    _group_comes_up(monkeypatch, rank=0)
+    sink.log({"step": 1, "loss": 1.0})
+    sink.close()
+    from mlflow.tracking import MlflowClient
+
+    got = MlflowClient(mlflow_uri).get_run(sink.run_id)
+    assert got.data.metrics == {"loss": 1.0} and got.data.params == {"lr": "0.1"}
+    assert (tmp_path / "run" / "mlflow_run_id").read_text().strip() == sink.run_id
+    # A restart's refusals are still raised when the sink is built, on every rank.
+    with pytest.raises(ValueError, match=r"params differ.*'lr'"):
+        ft.logging.MLflowSink(tmp_path / "run", tracking_uri=mlflow_uri, params={"lr": 0.2})
+
+
+def test_a_profiler_built_before_the_process_group_names_its_trace_by_its_rank(
+    tmp_path, monkeypatch
+):
+    monkeypatch.delenv("RANK", raising=False)
+    prof = ft.logging.Profiler(tmp_path / "prof", steps=(3, 3), warmup=1)
+    state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+    _group_comes_up(monkeypatch, rank=1)
+    prof.step(state.replace(step=1))  # the profiler starts (its rank is taken now)
+    monkeypatch.undo()  # (torch's profiler asks the faked group more than its rank)
+    for step in range(2, 4):
+        torch.ones(2).sum()
+        prof.step(state.replace(step=step))
+    (trace,) = prof.traces()
+    assert trace.name.startswith("rank1.")
+    assert sorted(p.name.split(".")[0] for p in (tmp_path / "prof").iterdir()) == ["rank1"]
+
+
+def test_an_mlflow_run_that_failed_to_open_on_first_use_is_opened_on_the_next(
+    tmp_path, monkeypatch, mlflow_uri
+):
+    """A run opened when the sink is first used: one that failed to open (a store down) must
+    not leave the sink dropping every later record as if it were off rank 0."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("RANK", raising=False)
+    sink = ft.logging.MLflowSink(tmp_path / "run", tracking_uri=mlflow_uri)
+    real = MlflowClient.create_run
+
+    def down(self, *args, **kwargs):
+        monkeypatch.setattr(MlflowClient, "create_run", real)  # up again for the next try
+        raise ConnectionError("tracking server down")
+
+    monkeypatch.setattr(MlflowClient, "create_run", down)
+    with pytest.raises(ConnectionError):
+        sink.log({"step": 1, "loss": 2.0})
+    sink.log({"step": 2, "loss": 1.0})
+    sink.close()
+    assert MlflowClient(mlflow_uri).get_run(sink.run_id).data.metrics == {"loss": 1.0}

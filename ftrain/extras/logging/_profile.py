@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ftrain.extras.logging._trackers import _process_rank
+from ftrain.extras.logging._trackers import _known_rank, _process_rank
 from ftrain.state import TrainState
 
 __all__ = ["Profiler"]
@@ -35,7 +35,8 @@ class Profiler:
             `first - warmup - 1`.
         warmup: steps run under the profiler before recording.
         rank: names the trace's worker (`rank<k>`); build one per rank to profile each.
-            None: the job's rank (the process group's, else the launcher's `RANK`, else 0).
+            None: the job's rank (the process group's, else the launcher's `RANK`, else 0),
+            taken when profiling starts if neither is set up when the profiler is built.
         **profile_kwargs: passed on to `torch.profiler.profile` (e.g. `record_shapes=True`,
             `profile_memory=True`, `with_stack=True`, `activities=[...]`).
 
@@ -73,7 +74,9 @@ class Profiler:
             )
         self.logdir, self.first, self.last, self.warmup = Path(logdir), first, last, warmup
         self.window = (first - warmup, last)
-        self.rank, self.profile_kwargs = _process_rank(rank), profile_kwargs
+        # None until the profiler starts when the rank is not known yet (a process group set
+        # up after building it): every rank named its trace rank0 then.
+        self.rank, self.profile_kwargs = _known_rank(rank), profile_kwargs
         self.done = False
         self._prof: Any = None
         self._seen = False
@@ -97,6 +100,7 @@ class Profiler:
 
     def _start(self) -> None:
         self.logdir.mkdir(parents=True, exist_ok=True)
+        self.rank = _process_rank(self.rank)
         schedule = torch.profiler.schedule(
             wait=0, warmup=self.warmup, active=self.last - self.first + 1, repeat=1
         )
@@ -119,7 +123,7 @@ class Profiler:
 
     def traces(self) -> list[Path]:
         """The trace files written so far."""
-        return sorted(self.logdir.glob(f"rank{self.rank}.*.pt.trace.json"))
+        return sorted(self.logdir.glob(f"rank{_process_rank(self.rank)}.*.pt.trace.json"))
 
 
 def _int(value: Any) -> bool:

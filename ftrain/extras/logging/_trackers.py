@@ -5,7 +5,8 @@ record at its `step` (a nested dict's fields under `outer/inner`). The tracker's
 in a small file in the run folder, so a restarted job (e.g. one resumed from
 `ft.latest_checkpoint`) continues the same tracker run instead of opening a new one. Both do
 nothing on processes other than rank 0 (the launcher's rank unless `rank=` says otherwise), so
-every rank can build them.
+every rank can build them, also before the process group is set up (the rank is then taken
+when the sink is first used).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +26,54 @@ from ftrain.state import TrainState
 __all__ = ["MLflowSink", "WandbSink"]
 
 
-def _process_rank(rank: int | None) -> int:
-    """`rank`, or when None this process's rank in the job: the process group's when one is
-    set up, else the launcher's `RANK` (torchrun, accelerate launch), else 0."""
+def _known_rank(rank: int | None) -> int | None:
+    """`rank`, or this process's rank in the job when it is known now: the process group's
+    when one is set up, else the launcher's `RANK` (torchrun, accelerate launch); None in a
+    process without either (a single process, or one whose process group is set up later)."""
     if rank is not None:
         return rank
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    return int(os.environ.get("RANK", "0") or 0)
+    env = os.environ.get("RANK")
+    return int(env) if env else None
+
+
+def _process_rank(rank: int | None) -> int:
+    """`_known_rank(rank)`, 0 when not known (no process group, no `RANK`: one process)."""
+    known = _known_rank(rank)
+    return 0 if known is None else known
+
+
+def _quiet() -> None:
+    pass
+
+
+class _Deferred:
+    """Opens a tracker's run when it is first used, where this process's rank was not known
+    when the sink was built (no process group yet, no `RANK`): built before
+    `init_process_group` in a job launched without `RANK` (`mp.spawn`, a launcher of one's
+    own), every rank took itself for rank 0 and logged, or opened a run of its own."""
+
+    def __init__(
+        self, known: int | None, open_run: Callable[[], None], quiet: Callable[[], None] = _quiet
+    ) -> None:
+        self._open: Callable[[], None] | None = None
+        self._quiet = quiet
+        if known is None:
+            self._open = open_run
+        else:
+            open_run()
+
+    def resolve(self) -> None:
+        """Open the run now if this process turns out to be rank 0, else go quiet (once)."""
+        if self._open is None:
+            return
+        if _process_rank(None) != 0:
+            self._open = None
+            self._quiet()
+            return
+        self._open()  # if it raises, the next use tries again (records are never dropped)
+        self._open = None
 
 
 def _read_id(path: Path) -> str | None:
@@ -73,8 +114,11 @@ class MLflowSink:
             same values (MLflow params are immutable).
         rank: this process's rank (`state.strategy.process_rank`); the sink does nothing
             unless it is 0. None: the job's rank (the process group's, else the launcher's
-            `RANK`, else 0); pass 0 on every process to log from each (independent runs, each
-            in its own `run_dir`).
+            `RANK`); with neither set up yet (one process, or a process group set up after
+            building the sink), the rank is taken when the sink is first used (`step`, `log`
+            or `close`), and only then is the run created or reopened: `run_id` is None until
+            then for a new run. Pass 0 on every process to log from each (independent runs,
+            each in its own `run_dir`), or the rank to open the run at once.
 
     Raises:
         ValueError: if a restart passes params, an `experiment` or a `run_name` that differ
@@ -95,86 +139,44 @@ class MLflowSink:
         self.resumed = False
         self._client: Any = None
         self._closed = False  # a record after close() would be dropped: it raises instead
-        if _process_rank(rank) != 0:
+        self._deferred = _Deferred(0, _quiet)
+        known = _known_rank(rank)
+        if known is not None and known != 0:
             return
         try:
             from mlflow.tracking import MlflowClient
         except ImportError as e:  # pragma: no cover - exercised only without the extra
             raise ImportError("MLflowSink needs mlflow: pip install 'ftrain[mlflow]'") from e
-        self._client = MlflowClient(tracking_uri)
         id_file = Path(run_dir) / "mlflow_run_id"
         params = {k: str(v) for k, v in (params or {}).items()}
         if (stored := _read_id(id_file)) is not None:
-            self.run_id, self.resumed = stored, True
-            self._reopen(stored, params, tracking_uri, id_file, experiment, run_name)
+            # Checked now, on every rank whose rank is not known yet: reading changes nothing.
+            client = MlflowClient(tracking_uri)
+            new = _check_resume(client, stored, params, tracking_uri, id_file, experiment, run_name)
+            self.run_id, self.resumed = stored, True  # known now: a fact of run_dir
+
+            def open_run() -> None:
+                self._client = client
+                _reopen(client, stored, new)
+
         else:
-            exp = self._client.get_experiment_by_name(experiment)
-            exp_id = exp.experiment_id if exp else self._client.create_experiment(experiment)
-            self.run_id = self._client.create_run(exp_id, run_name=run_name).info.run_id
-            from mlflow.entities import Param
 
-            try:
-                self._client.log_batch(self.run_id, params=[Param(k, v) for k, v in params.items()])
-            except Exception:
-                # A param MLflow refuses (a name with "@", a key that is no string): the run,
-                # whose id is in no file, stayed RUNNING for good; each retry added another.
-                self._client.set_terminated(self.run_id, status="FAILED")
-                raise
-            _write_id(id_file, self.run_id)
+            def open_run() -> None:
+                # Made here, on rank 0 only: a sqlite store is created (migrated) by the client.
+                self._client = MlflowClient(tracking_uri)
+                self.run_id = _create(self._client, id_file, experiment, run_name, params)
 
-    def _reopen(
-        self,
-        run_id: str,
-        params: dict[str, str],
-        uri: str | None,
-        id_file: Path,
-        experiment: str,
-        run_name: str | None,
-    ) -> None:
-        from mlflow.exceptions import MlflowException
+        self._deferred = _Deferred(known, open_run, self._quiet)
 
-        try:
-            run = self._client.get_run(run_id)
-        except MlflowException as e:
-            raise ValueError(
-                f"{id_file} names MLflow run {run_id!r}, which tracking_uri={uri!r} does not "
-                "hold; pass the tracking_uri that holds it, or delete the file to start a new run"
-            ) from e
-        # The stored run wins over experiment= and run_name=: one that asks for another would
-        # log into a run it did not ask for.
-        held = self._client.get_experiment(run.info.experiment_id).name
-        checks = (("experiment", experiment, held), ("run_name", run_name, run.info.run_name))
-        for arg, asked, have in checks:
-            if asked is not None and asked != have:
-                raise ValueError(
-                    f"{id_file} names MLflow run {run_id!r}, whose {arg} is {have!r}, but "
-                    f"{arg}={asked!r} was given: pass {arg}={have!r} to resume that run, or "
-                    "use a new run_dir for a new run"
-                )
-        logged = run.data.params
-        # MLflow keeps a long value's first MAX_PARAM_VAL_LENGTH characters (with a warning): a
-        # restart compared the whole value with them and refused every resume of such a run.
-        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH as kept
-
-        changed = {
-            k: (logged[k], v) for k, v in params.items() if k in logged and logged[k] != v[:kept]
-        }
-        if changed:
-            raise ValueError(
-                f"params differ from those of the resumed MLflow run {run_id} "
-                f"(logged, given): {changed}; pass the run's params or use a new run_dir"
-            )
-        new = {k: v for k, v in params.items() if k not in logged}
-        from mlflow.entities import Param
-
-        self._client.log_batch(run_id, params=[Param(k, v) for k, v in new.items()])
-        self._client.update_run(run_id, status="RUNNING")
+    def _quiet(self) -> None:
+        self.run_id, self.resumed = None, False  # not rank 0 after all: as if built with rank=
 
     def step(self, state: TrainState) -> None:
-        pass
+        self._deferred.resolve()
 
     def log(self, record: Mapping[str, Any]) -> None:
         step = _step(record)
+        self._deferred.resolve()
         if self._client is None:
             _closed(self, self._closed)
             return
@@ -193,9 +195,85 @@ class MLflowSink:
             failed: the run ended on an error. Only this decides: a close that runs inside an
                 unrelated `except` block (`sys.exc_info()` set) is a normal finish.
         """
+        self._deferred.resolve()
         if self._client is not None:
             self._client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
             self._client, self._closed = None, True
+
+
+def _create(
+    client: Any, id_file: Path, experiment: str, run_name: str | None, params: dict[str, str]
+) -> str:
+    """Create a new MLflow run with `params` and store its id in `id_file`."""
+    from mlflow.entities import Param
+
+    exp = client.get_experiment_by_name(experiment)
+    exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
+    run_id: str = client.create_run(exp_id, run_name=run_name).info.run_id
+    try:
+        client.log_batch(run_id, params=[Param(k, v) for k, v in params.items()])
+    except Exception:
+        # A param MLflow refuses (a name with "@", a key that is no string): the run,
+        # whose id is in no file, stayed RUNNING for good; each retry added another.
+        client.set_terminated(run_id, status="FAILED")
+        raise
+    _write_id(id_file, run_id)
+    return run_id
+
+
+def _check_resume(
+    client: Any,
+    run_id: str,
+    params: dict[str, str],
+    uri: str | None,
+    id_file: Path,
+    experiment: str,
+    run_name: str | None,
+) -> dict[str, str]:
+    """Check a restart's arguments against the stored run's (reading only); return the params
+    the run does not have yet."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = client.get_run(run_id)
+    except MlflowException as e:
+        raise ValueError(
+            f"{id_file} names MLflow run {run_id!r}, which tracking_uri={uri!r} does not "
+            "hold; pass the tracking_uri that holds it, or delete the file to start a new run"
+        ) from e
+    # The stored run wins over experiment= and run_name=: one that asks for another would
+    # log into a run it did not ask for.
+    held = client.get_experiment(run.info.experiment_id).name
+    checks = (("experiment", experiment, held), ("run_name", run_name, run.info.run_name))
+    for arg, asked, have in checks:
+        if asked is not None and asked != have:
+            raise ValueError(
+                f"{id_file} names MLflow run {run_id!r}, whose {arg} is {have!r}, but "
+                f"{arg}={asked!r} was given: pass {arg}={have!r} to resume that run, or "
+                "use a new run_dir for a new run"
+            )
+    logged = run.data.params
+    # MLflow keeps a long value's first MAX_PARAM_VAL_LENGTH characters (with a warning): a
+    # restart compared the whole value with them and refused every resume of such a run.
+    from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH as kept
+
+    changed = {
+        k: (logged[k], v) for k, v in params.items() if k in logged and logged[k] != v[:kept]
+    }
+    if changed:
+        raise ValueError(
+            f"params differ from those of the resumed MLflow run {run_id} "
+            f"(logged, given): {changed}; pass the run's params or use a new run_dir"
+        )
+    return {k: v for k, v in params.items() if k not in logged}
+
+
+def _reopen(client: Any, run_id: str, new: dict[str, str]) -> None:
+    """Add the params the resumed run does not have, and mark it running again."""
+    from mlflow.entities import Param
+
+    client.log_batch(run_id, params=[Param(k, v) for k, v in new.items()])
+    client.update_run(run_id, status="RUNNING")
 
 
 def _closed(sink: object, closed: bool) -> None:
@@ -275,8 +353,11 @@ class WandbSink:
             keys are added to the config.
         rank: this process's rank (`state.strategy.process_rank`); the sink does nothing
             unless it is 0. None: the job's rank (the process group's, else the launcher's
-            `RANK`, else 0); pass 0 on every process to log from each (independent runs, each
-            in its own `run_dir`).
+            `RANK`); with neither set up yet (one process, or a process group set up after
+            building the sink), the rank is taken when the sink is first used (`step`, `log`
+            or `close`), and only then is the run created or reopened: `run_id` is None until
+            then for a new run. Pass 0 on every process to log from each (independent runs,
+            each in its own `run_dir`), or the rank to open the run at once.
         **init_kwargs: passed on to `wandb.init` (e.g. `mode`, `entity`, `name`, `settings`).
 
     Raises:
@@ -303,22 +384,22 @@ class WandbSink:
         taken = {"id", "resume", "dir", "config", "project"} & set(init_kwargs)
         if taken:
             raise TypeError(f"WandbSink sets {sorted(taken)} itself; use run_dir/params/project")
-        if _process_rank(rank) != 0:
+        self._deferred = _Deferred(0, _quiet)
+        known = _known_rank(rank)
+        if known is not None and known != 0:
             return
         try:
             import wandb
         except ImportError as e:  # pragma: no cover - exercised only without the extra
             raise ImportError("WandbSink needs wandb: pip install 'ftrain[wandb]'") from e
         run_dir = Path(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
         id_file = run_dir / "wandb_run_id"
         stored = _read_id(id_file)
-        self.resumed = stored is not None
         # W&B takes no config on resume (offline it cannot read the run's): the params are
         # kept beside the id and a restart's compared with them, as MLflowSink does.
         params_file = run_dir / "wandb_run_params.json"
         given = {k: str(v) for k, v in (params or {}).items()}
-        logged = _logged_params(params_file, given, stored) if self.resumed else {}
+        logged = _logged_params(params_file, given, stored) if stored is not None else {}
         # W&B's resume="allow" starts a new run under the stored id wherever it is asked to (in
         # another project or entity): a resume that asks for another is refused, as MLflowSink
         # refuses another experiment or run_name.
@@ -328,32 +409,42 @@ class WandbSink:
             "entity": init_kwargs.get("entity") or os.environ.get("WANDB_ENTITY"),
             "name": init_kwargs.get("name"),
         }
-        held = _held_identity(identity_file, asked, id_file, stored) if self.resumed else {}
+        held = _held_identity(identity_file, asked, id_file, stored) if stored is not None else {}
         new = {k: v for k, v in (params or {}).items() if k not in logged}
-        config = None if self.resumed else dict(params or {})  # the resumed run has its config
-        self._run = wandb.init(project=project, dir=str(run_dir), id=stored, resume="allow",
-                               config=config, **init_kwargs)  # fmt: skip
-        self.run_id = self._run.id
-        if self.resumed and new:
-            self._run.config.update(new)
-        _write_text(params_file, json.dumps({**logged, **given}, sort_keys=True))
-        made = {k: getattr(self._run, k, None) for k in _IDENTITY}
-        made = {k: v for k, v in made.items() if isinstance(v, str) and v}  # offline: no entity
-        _write_text(identity_file, json.dumps({**made, **held}, sort_keys=True))
-        if not self.resumed:
-            _write_id(id_file, self.run_id)
-        # The optimizer step is a metric that the others are plotted against (HF's
-        # WandbCallback does the same), not W&B's own `step=`: W&B drops, with a warning of its
-        # own, a record whose `step` is below one already logged, so the steps a guard
-        # rollback makes again were lost.
-        self._run.define_metric(GLOBAL_STEP)
-        self._run.define_metric("*", step_metric=GLOBAL_STEP, step_sync=True)
+        config = None if stored is not None else dict(params or {})  # a resumed run has its own
+        self.run_id, self.resumed = stored, stored is not None  # known now: a fact of run_dir
+
+        def open_run() -> None:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self._run = wandb.init(project=project, dir=str(run_dir), id=stored, resume="allow",
+                                   config=config, **init_kwargs)  # fmt: skip
+            self.run_id = self._run.id
+            if self.resumed and new:
+                self._run.config.update(new)
+            _write_text(params_file, json.dumps({**logged, **given}, sort_keys=True))
+            made = {k: getattr(self._run, k, None) for k in _IDENTITY}
+            made = {k: v for k, v in made.items() if isinstance(v, str) and v}  # offline: no entity
+            _write_text(identity_file, json.dumps({**made, **held}, sort_keys=True))
+            if not self.resumed:
+                _write_id(id_file, self._run.id)
+            # The optimizer step is a metric that the others are plotted against (HF's
+            # WandbCallback does the same), not W&B's own `step=`: W&B drops, with a warning of
+            # its own, a record whose `step` is below one already logged, so the steps a guard
+            # rollback makes again were lost.
+            self._run.define_metric(GLOBAL_STEP)
+            self._run.define_metric("*", step_metric=GLOBAL_STEP, step_sync=True)
+
+        self._deferred = _Deferred(known, open_run, self._quiet)
+
+    def _quiet(self) -> None:
+        self.run_id, self.resumed = None, False  # not rank 0 after all: as if built with rank=
 
     def step(self, state: TrainState) -> None:
-        pass
+        self._deferred.resolve()
 
     def log(self, record: Mapping[str, Any]) -> None:
         step = _step(record)
+        self._deferred.resolve()
         if self._run is None:
             _closed(self, self._closed)
             return
@@ -374,6 +465,7 @@ class WandbSink:
             failed: the run ended on an error. Only this decides: a close that runs inside an
                 unrelated `except` block (`sys.exc_info()` set) is a normal finish.
         """
+        self._deferred.resolve()
         if self._run is not None:
             self._run.finish(exit_code=1 if failed else 0)
             self._run, self._closed = None, True
