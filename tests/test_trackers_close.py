@@ -137,20 +137,29 @@ def test_wandb_exit_code_comes_from_the_logger_block_not_the_handled_exception(
     assert _exit_code(tmp_path / "failed") == 1
 
 
-def test_mlflow_run_whose_params_mlflow_refuses_ends_failed(tmp_path, mlflow_uri):
-    """The run was created, then its params refused: it stayed RUNNING, with its id in no
-    file (a restart makes another)."""
-    from mlflow.exceptions import MlflowException
+def test_mlflow_names_mlflow_refuses_are_refused_before_anything_is_sent(tmp_path, mlflow_uri):
+    """A param MLflow refuses made a run that then ended FAILED (one more per retry); a metric
+    it refuses (an eval metric: first logged maybe hours into training) raised MLflow's
+    `metrics[0].name`, not the record's key. Both are refused by ftrain, naming the key."""
     from mlflow.tracking import MlflowClient
 
-    with pytest.raises(MlflowException, match="lr@peak"):
-        ft.logging.MLflowSink(
-            tmp_path / "a", tracking_uri=mlflow_uri, params={"lr@peak": 0.1}, rank=0
-        )
+    with pytest.raises(ValueError, match=r"MLflowSink: params key 'lr@peak' has a character"):
+        ft.logging.MLflowSink(tmp_path / "a", tracking_uri=mlflow_uri, params={"lr@peak": 0.1})
     client = MlflowClient(mlflow_uri)
-    (run,) = client.search_runs([client.get_experiment_by_name("ftrain").experiment_id])
-    assert run.info.status == "FAILED"
+    assert client.search_runs([e.experiment_id for e in client.search_experiments()]) == []
     assert not (tmp_path / "a" / "mlflow_run_id").exists()
+
+    sink = ft.logging.MLflowSink(tmp_path / "b", tracking_uri=mlflow_uri)
+    sink.log({"step": 1, "loss": 2.0})
+    bad = {"step": 7, "eval_loss": 1.0, "eval": {"acc@1": 0.5}}
+    with pytest.raises(ValueError, match=r"record at step 7 holds metric 'eval/acc@1', which has"):
+        sink.log(bad)
+    with pytest.raises(ValueError, match=r"metric 'eval/', which is no plain path"):
+        sink.log({"step": 7, "eval": {"": 0.5}})
+    sink.log({"step": 8, "eval_loss": 0.5})
+    sink.close()
+    history = client.get_metric_history(sink.run_id, "eval_loss")
+    assert [(m.step, m.value) for m in history] == [(8, 0.5)]  # none of the refused record
 
 
 def test_a_forwarding_wrapper_sink_passes_the_failure_on(tmp_path, mlflow_uri):

@@ -139,6 +139,7 @@ class MLflowSink:
         self.resumed = False
         self._client: Any = None
         self._closed = False  # a record after close() would be dropped: it raises instead
+        self._names: set[str] = set()  # metric names MLflow takes (checked once each)
         self._deferred = _Deferred(0, _quiet)
         known = _known_rank(rank)
         if known is not None and known != 0:
@@ -149,6 +150,8 @@ class MLflowSink:
             raise ImportError("MLflowSink needs mlflow: pip install 'ftrain[mlflow]'") from e
         id_file = Path(run_dir) / "mlflow_run_id"
         params = {k: str(v) for k, v in (params or {}).items()}
+        for k in params:  # before a run is made for them
+            _check_name(k, f"params key {k!r}", "rename the key")
         if (stored := _read_id(id_file)) is not None:
             # Checked now, on every rank whose rank is not known yet: reading changes nothing.
             client = MlflowClient(tracking_uri)
@@ -183,7 +186,11 @@ class MLflowSink:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(k, v, now, step) for k, v in _scalars(record).items()]
+        values = _scalars(record)
+        for k in values.keys() - self._names:  # each name once, before any of the record is sent
+            _check_name(k, f"the record at step {step} holds metric {k!r}, which", _RENAME)
+            self._names.add(k)
+        metrics = [Metric(k, v, now, step) for k, v in values.items()]
         self._client.log_batch(self.run_id, metrics=metrics)
 
     def close(self, *, failed: bool = False) -> None:
@@ -199,6 +206,36 @@ class MLflowSink:
         if self._client is not None:
             self._client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
             self._client, self._closed = None, True
+
+
+_RENAME = "rename it (a nested dict's key is logged as 'outer/inner')"
+
+
+def _check_name(name: Any, what: str, fix: str) -> None:
+    """Refuse a param or metric name that MLflow refuses, naming it and where it came from:
+    a param before a run is made for it (a run was made, then marked FAILED), a metric when
+    a record first holds it, before any of the record is sent (MLflow's refusal named
+    `metrics[i].name` of a batch, not the record's key)."""
+    from mlflow.utils.validation import (
+        MAX_ENTITY_KEY_LENGTH,
+        path_not_unique,
+        validate_param_and_metric_name,
+    )
+
+    if not isinstance(name, str):
+        problem = "is not a str"
+    elif not validate_param_and_metric_name(name):
+        problem = (
+            "has a character MLflow refuses (it takes letters, digits, _ - . / space, and : "
+            "off Windows)"
+        )
+    elif path_not_unique(name):
+        problem = "is no plain path (MLflow refuses an empty part, '.', '..', or a '/' at an end)"
+    elif len(name) > MAX_ENTITY_KEY_LENGTH:
+        problem = f"is longer than the {MAX_ENTITY_KEY_LENGTH} characters MLflow takes"
+    else:
+        return
+    raise ValueError(f"MLflowSink: {what} {problem}; {fix}")
 
 
 def _create(
