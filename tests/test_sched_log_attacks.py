@@ -69,6 +69,27 @@ def test_logger_refuses_a_step_that_skips_steps():
                     logger.step(state, stats, info)
 
 
+def test_logger_times_the_step_after_a_rollback_from_the_last_step_s_end(monkeypatch):
+    """After a rollback (or a checkpoint loaded after building the logger) the new window
+    opened when the step was already done: its tokens over no time at all, so the first
+    record's tokens_per_second was ~1e9 times the real one (4 tokens a second here)."""
+    import time
+
+    clock = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    state = _state()
+    logger = ft.logging.Logger(state, every=1, progress=False)
+    rates = []
+    for _ in range(3):
+        state, stats, info = _step(state)
+        clock[0] += 1.0  # each step takes a second
+        rates.append(logger.step(state, stats, info)["tokens_per_second"])
+    state, stats, info = _step(state.replace(step=1))  # rolled back to step 1, step 2 again
+    clock[0] += 1.0
+    rates.append(logger.step(state, stats, info)["tokens_per_second"])
+    assert rates == [4.0, 4.0, 4.0, 4.0]
+
+
 # --- sinks --------------------------------------------------------------------------------
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -105,6 +106,7 @@ class Logger:
         self._epoch, self._cursor = state.epoch, state.data.cursor
         self._state: TrainState | None = None  # the state of the last step folded in
         self._start_step = state.step  # the first step folded in should be the next one
+        self._since = self.window.start_time  # when the last step folded in ended (or now)
 
     def step(self, state: TrainState, stats: Stats, info: StepInfo) -> dict[str, Any] | None:
         """Fold in the step that made `state`; on a log step emit and return its record."""
@@ -118,9 +120,11 @@ class Logger:
         self._learn_epoch_size(state)
         self.sink.step(state)
         due = should_log(state, every=self.every, total_steps=self.total_steps, first=self.first)
-        if not (due or state.step == self.total_steps):  # the last step's record too
-            return None
-        return self.flush(state)  # the one host sync of a log step
+        record = None
+        if due or state.step == self.total_steps:  # the last step's record too
+            record = self.flush(state)  # the one host sync of a log step
+        self._since = time.perf_counter()
+        return record
 
     def _restart(self, state: TrainState, stats: Stats, last: int) -> None:
         """Open a new window where the step that made `state` started, after a discontinuity."""
@@ -134,8 +138,11 @@ class Logger:
         # The run went back (a rollback: the window holds undone steps), or this is the first
         # step and the state is not the one the logger was built with (a checkpoint loaded
         # after building it: the window counted tokens from that state's). Device
-        # arithmetic, no host sync.
+        # arithmetic, no host sync. The step's time runs from the end of the last call (or
+        # the logger's start): a window opened now held the step's tokens over no time at
+        # all, and its first record's tokens_per_second was thousands of times too high.
         self.window = window(state)._replace(
+            start_time=self._since,
             start_tokens=state.data.tokens_seen - stats.num_tokens,
             start_samples=state.data.samples_seen - stats.num_samples,
         )
