@@ -442,3 +442,22 @@ def test_checkpoint_retention_keeps_the_best_that_track_best_tracks(tmp_path):
         f"step-{state.early_stopping.best_step}",
         "step-4",
     ]
+
+
+def test_peak_memory_is_the_device_s_own_peak_not_the_host_rss(monkeypatch):
+    """Every device but CUDA reported the process's peak RSS as its peak memory (an XPU
+    run's records showed host memory)."""
+    import math
+    import types
+
+    real = torch.get_device_module
+    xpu = types.SimpleNamespace(max_memory_allocated=lambda device: 3 * 2**20)
+    mps = types.SimpleNamespace()  # no peak kept
+
+    def get_device_module(device=None):
+        return {"xpu": xpu, "mps": mps}.get(str(device)) or real(device)
+
+    monkeypatch.setattr(torch, "get_device_module", get_device_module)
+    assert ft.logging.peak_memory_mb("xpu") == 3.0
+    assert math.isnan(ft.logging.peak_memory_mb("mps"))
+    assert ft.logging.peak_memory_mb("cpu") > 1.0

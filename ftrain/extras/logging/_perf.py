@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import resource
 import sys
 
@@ -34,10 +35,20 @@ def flops_per_token(model: nn.Module) -> float:
 
 
 def peak_memory_mb(device: torch.device | str = "cpu") -> float:
-    """Peak memory so far in MiB: max allocated on a CUDA device, else the process's peak RSS."""
+    """Peak memory so far in MiB: the device's max allocated (CUDA, XPU, any device whose
+    `torch.get_device_module` has `max_memory_allocated`), the process's peak RSS on CPU, and
+    NaN on a device that keeps no peak (MPS): its memory is not the process's RSS, which was
+    reported for every device but CUDA."""
     device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # Linux reports KiB, macOS bytes.
-    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+    if device.type == "cpu":
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        # Linux reports KiB, macOS bytes.
+        return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+    try:
+        module = torch.get_device_module(device.type)
+    except RuntimeError:  # a device type torch has no module for
+        return math.nan
+    max_allocated = getattr(module, "max_memory_allocated", None)
+    if not callable(max_allocated):
+        return math.nan
+    return max_allocated(device) / 2**20
