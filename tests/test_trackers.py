@@ -267,6 +267,9 @@ def test_profiler_refuses_impossible_windows_and_resumes_mid_window(tmp_path):
     state = ft.TrainState.create(torch.nn.Linear(3, 1), ft.optim.sgd()).replace(step=4)
     with pytest.raises(ValueError, match="past step 4"):
         prof.step(state)
+    last = ft.logging.Profiler(tmp_path / "last", steps=(5, 6))
+    with pytest.raises(ValueError, match="past step 6"):  # resumed at 5: step 6 unprofiled
+        last.step(state.replace(step=6))
     late = ft.logging.Profiler(tmp_path / "late", steps=(5, 6))
     late.step(state.replace(step=9))  # resumed after the window: nothing to do
     late.close()

@@ -85,7 +85,9 @@ class Profiler:
         done_step = state.step  # a Python int: reading it is no host sync
         if not self._seen:
             self._seen = True
-            if self.first - self.warmup - 1 < done_step < self.last:
+            # Step `last` done first (a checkpoint at last - 1) is inside the window too: its
+            # steps ran unprofiled, and no trace was written, without a word.
+            if self.first - self.warmup - 1 < done_step <= self.last:
                 raise ValueError(
                     f"the profile window starts at step {self.first - self.warmup} but the loop "
                     f"is past step {done_step} (a resumed run?); choose later steps"
