@@ -186,7 +186,7 @@ def test_progress_prints_lines_without_a_terminal(capsys):
 def test_bar_keeps_the_train_loss_beside_eval_and_starts_at_the_resumed_step(capsys):
     state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd()).replace(step=50)
     logger = ft.logging.Logger(state, every=1, total_steps=100, progress=False)
-    bar = ft.logging.ProgressBar(100, initial=state.step, lines=False)
+    bar = ft.logging.ProgressBar(100, rank=0, initial=state.step, lines=False)
     logger.sink = ft.logging.Sinks(bar)
     assert "50/100" in capsys.readouterr().err  # not 0/100: rate and ETA count from 50
     logger.step(state.replace(step=51), _stats(1.5), _info(lr=3e-4))
@@ -461,3 +461,20 @@ def test_peak_memory_is_the_device_s_own_peak_not_the_host_rss(monkeypatch):
     assert ft.logging.peak_memory_mb("xpu") == 3.0
     assert math.isnan(ft.logging.peak_memory_mb("mps"))
     assert ft.logging.peak_memory_mb("cpu") > 1.0
+
+
+def test_a_progress_bar_built_without_rank_shows_on_rank_0_only(capsys, monkeypatch):
+    """`rank` defaulted to 0: a bar built on every process without rank= (which "turns itself
+    off elsewhere", says the module) printed every record on every rank."""
+    monkeypatch.setenv("RANK", "1")  # torchrun's
+    ft.logging.ProgressBar(10, lines=True).log({"step": 1, "loss": 2.0})
+    monkeypatch.delenv("RANK")
+    early = ft.logging.ProgressBar(10, lines=True)  # built before the process group is set up
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1)
+    early.log({"step": 1, "loss": 2.0})
+    assert not early.enabled and capsys.readouterr().out == ""
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+    shown = ft.logging.ProgressBar(10, lines=True)
+    shown.log({"step": 1, "loss": 2.0})
+    assert capsys.readouterr().out.startswith("step 1/10  loss 2")

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ftrain.extras.logging._trackers import _known_rank, _process_rank
+from ftrain.extras.logging._rank import _known_rank, _process_rank
 from ftrain.state import TrainState
 
 __all__ = ["Profiler"]

@@ -6,7 +6,8 @@ progress bar); `log(record)` receives each emitted record (train or eval: a dict
 a wrapper forwarding to a tracker sink) is told how the run ended: `failed=True` when a
 `Logger` (or `Sinks`) `with` block raised or `logger.close(failed=True)` was called, False
 otherwise; a `close(self)` without it is called without it. Build sinks on the main rank only
-(`state.strategy.rank == 0`), or rely on `ProgressBar`, which turns itself off elsewhere.
+(`state.strategy.rank == 0`), or rely on `ProgressBar`, which turns itself off elsewhere
+(built without `rank=`, it shows once it is first used, on the job's rank 0).
 `ft.logging.Logger` drives them all with one call per step.
 """
 
@@ -26,6 +27,7 @@ from typing import Any, Protocol, TextIO, runtime_checkable
 import numpy as np
 import torch
 
+from ftrain.extras.logging._rank import _known_rank, _process_rank
 from ftrain.state import TrainState
 
 __all__ = ["JSONLSink", "NullSink", "ProgressBar", "Sink", "Sinks", "TensorBoardSink"]
@@ -185,7 +187,9 @@ class ProgressBar:
     Args:
         total: total optimizer steps.
         enabled: force on or off; None: on for `rank` 0 only.
-        rank: this process's data-parallel rank.
+        rank: this process's rank (`state.strategy.process_rank`). None: the job's rank (the
+            process group's, else the launcher's `RANK`), taken when the bar is first used
+            if neither is set up when it is built; 0 in a single process.
         initial: the step training starts or resumes at (`state.step`).
         lines: print one line per record instead of a bar; None: when stderr is not a
             terminal.
@@ -205,24 +209,51 @@ class ProgressBar:
         total: int,
         *,
         enabled: bool | None = None,
-        rank: int = 0,
+        rank: int | None = None,
         initial: int = 0,
         lines: bool | None = None,
         file: TextIO | None = None,
     ) -> None:
-        self.enabled = rank == 0 if enabled is None else enabled
-        self.lines = self.enabled and (not sys.stderr.isatty() if lines is None else lines)
         self.total, self._file, self._start = total, file, time.perf_counter()
+        self._initial, self._enabled, self._lines = initial, enabled, lines
+        self._rank = _known_rank(rank)
         self._shown: dict[str, float] = {}
         self._bar: Any = None
-        if self.enabled and not self.lines:
-            try:
-                from tqdm.auto import tqdm
-            except ImportError as e:  # pragma: no cover - exercised only without the extra
-                raise ImportError("ProgressBar needs tqdm: pip install 'ftrain[progress]'") from e
-            self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+        self._on: tuple[bool, bool] | None = None  # (enabled, lines), once the rank is known
+        if enabled is not None or self._rank is not None:
+            self._resolve()
+
+    def _resolve(self) -> tuple[bool, bool]:
+        # Without rank= (and before the process group is set up, no RANK set) every process
+        # took rank 0's default and showed a bar: the rank is taken when the bar is first used.
+        if self._on is None:
+            on = _process_rank(self._rank) == 0 if self._enabled is None else self._enabled
+            lines = on and (not sys.stderr.isatty() if self._lines is None else self._lines)
+            self._on = (on, lines)
+            if on and not lines:
+                try:
+                    from tqdm.auto import tqdm
+                except ImportError as e:  # pragma: no cover - exercised only without the extra
+                    raise ImportError(
+                        "ProgressBar needs tqdm: pip install 'ftrain[progress]'"
+                    ) from e
+                self._bar = tqdm(
+                    total=self.total, initial=self._initial, unit="step", dynamic_ncols=True
+                )
+        return self._on
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this process shows progress."""
+        return self._resolve()[0]
+
+    @property
+    def lines(self) -> bool:
+        """Whether records are printed as lines (no bar)."""
+        return self._resolve()[1]
 
     def step(self, state: TrainState) -> None:
+        self._resolve()
         if self._bar is not None and state.step > self._bar.n:
             self._bar.update(state.step - self._bar.n)
 
