@@ -320,3 +320,19 @@ def test_an_mlflow_run_that_failed_to_open_on_first_use_is_opened_on_the_next(
     sink.log({"step": 2, "loss": 1.0})
     sink.close()
     assert MlflowClient(mlflow_uri).get_run(sink.run_id).data.metrics == {"loss": 1.0}
+
+
+@pytest.mark.parametrize("rank", ["0", 0.0, True, -1])
+def test_a_rank_that_is_no_int_is_refused_by_every_rank_taking_sink(tmp_path, mlflow_uri, rank):
+    """rank="0" (os.environ["RANK"] passed as is) is no 0: the trackers and the bar did nothing
+    on any rank, and the profiler named its trace rank0.0."""
+    match = r"rank must be an int >= 0 \(e\.g\. state\.strategy\.process_rank\) or None"
+    with pytest.raises(TypeError, match=match):
+        ft.logging.MLflowSink(tmp_path / "m", tracking_uri=mlflow_uri, rank=rank)
+    with pytest.raises(TypeError, match=match):
+        ft.logging.WandbSink(tmp_path / "w", rank=rank)
+    with pytest.raises(TypeError, match=match):
+        ft.logging.ProgressBar(10, rank=rank)
+    with pytest.raises(TypeError, match=match):
+        ft.logging.Profiler(tmp_path / "p", steps=(3, 4), rank=rank)
+    assert not (tmp_path / "m").exists() and not (tmp_path / "w").exists()

@@ -12,6 +12,11 @@ def _known_rank(rank: int | None) -> int | None:
     when one is set up, else the launcher's `RANK` (torchrun, accelerate launch); None in a
     process without either (a single process, or one whose process group is set up later)."""
     if rank is not None:
+        # rank="0" (os.environ["RANK"] passed as is) is no 0: the sink did nothing on any rank.
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise TypeError(
+                f"rank must be an int >= 0 (e.g. state.strategy.process_rank) or None, got {rank!r}"
+            )
         return rank
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()

@@ -104,6 +104,7 @@ class MLflowSink:
     Raises:
         ValueError: if a restart passes params, an `experiment` or a `run_name` that differ
             from the stored run's, or the stored run id is not in the tracking store.
+        TypeError: for a `rank` that is not an int >= 0 or None.
     """
 
     def __init__(
@@ -383,6 +384,7 @@ class WandbSink:
             `project`, `entity` (or `WANDB_ENTITY`) or `name` other than the stored run's
             (kept in `<run_dir>/wandb_run_identity.json`): W&B would start a new run of that id
             there.
+        TypeError: for a `rank` that is not an int >= 0 or None.
     """
 
     def __init__(
