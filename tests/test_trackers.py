@@ -294,3 +294,17 @@ def test_a_resumed_wandb_run_refuses_another_project_or_name_as_mlflow_does(tmp_
     with pytest.raises(ValueError, match="whose entity is 'me', but entity='team'"):
         ft.logging.WandbSink(root, project="baseline")
     assert len(list(root.glob("wandb/offline-run-*"))) == 1  # nothing was started elsewhere
+
+
+def test_wandb_sink_without_project_takes_wandb_project(tmp_path, monkeypatch):
+    """project="ftrain" was always passed to wandb.init, which wins over WANDB_PROJECT: a job
+    that set it (HF's WandbCallback reads it) logged into another project, silently."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_PROJECT", "from-env")
+    sink = ft.logging.WandbSink(tmp_path / "run", rank=0)
+    assert sink._run.project == "from-env"
+    sink.close()
+    monkeypatch.setenv("WANDB_PROJECT", "other")  # a restart in another project is refused
+    with pytest.raises(ValueError, match="whose project is 'from-env', but project='other'"):
+        ft.logging.WandbSink(tmp_path / "run")

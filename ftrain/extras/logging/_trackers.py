@@ -366,7 +366,8 @@ class WandbSink:
 
     Args:
         run_dir: the run's folder (e.g. the checkpoint root).
-        project: the W&B project.
+        project: the W&B project; None: `WANDB_PROJECT` (as HF's `WandbCallback` reads it),
+            else "ftrain".
         params: hyperparameters, the run's config, logged once when the run is created (kept
             in `<run_dir>/wandb_run_params.json`). A restart must pass the same values; new
             keys are added to the config.
@@ -391,7 +392,7 @@ class WandbSink:
         self,
         run_dir: str | os.PathLike[str],
         *,
-        project: str = "ftrain",
+        project: str | None = None,
         params: Mapping[str, Any] | None = None,
         rank: int | None = None,
         **init_kwargs: Any,
@@ -408,6 +409,9 @@ class WandbSink:
         known = _known_rank(rank)
         if known is not None and known != 0:
             return
+        # project="ftrain" was passed to wandb.init, which wins over WANDB_PROJECT: a run of a
+        # job that set it (as HF's docs say to) went to another project.
+        project = project if project is not None else os.environ.get("WANDB_PROJECT") or "ftrain"
         try:
             import wandb
         except ImportError as e:  # pragma: no cover - exercised only without the extra
