@@ -308,3 +308,21 @@ def test_wandb_sink_without_project_takes_wandb_project(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_PROJECT", "other")  # a restart in another project is refused
     with pytest.raises(ValueError, match="whose project is 'from-env', but project='other'"):
         ft.logging.WandbSink(tmp_path / "run")
+
+
+def test_mlflow_sink_without_experiment_takes_mlflow_experiment_name(
+    tmp_path, mlflow_uri, monkeypatch
+):
+    """experiment="ftrain" was always passed: a job that set MLFLOW_EXPERIMENT_NAME (read by
+    MLflow's own client and HF's MLflowCallback) logged into another experiment, silently."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "from-env")
+    sink = ft.logging.MLflowSink(tmp_path / "run", tracking_uri=mlflow_uri, rank=0)
+    sink.close()
+    client = MlflowClient(mlflow_uri)
+    run = client.get_run(sink.run_id)
+    assert client.get_experiment(run.info.experiment_id).name == "from-env"
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "other")
+    with pytest.raises(ValueError, match="whose experiment is 'from-env', but experiment='other'"):
+        ft.logging.MLflowSink(tmp_path / "run", tracking_uri=mlflow_uri)

@@ -89,7 +89,8 @@ class MLflowSink:
         run_dir: the run's folder (e.g. the checkpoint root).
         tracking_uri: where MLflow stores runs, e.g. `"sqlite:///runs/x/mlflow.db"`; None uses
             MLflow's default (`MLFLOW_TRACKING_URI`).
-        experiment: experiment name, created if missing.
+        experiment: experiment name, created if missing; None: `MLFLOW_EXPERIMENT_NAME` (as
+            HF's `MLflowCallback` reads it), else "ftrain".
         run_name: display name of a new run.
         params: hyperparameters, logged once when the run is created. A restart must pass the
             same values (MLflow params are immutable).
@@ -112,7 +113,7 @@ class MLflowSink:
         run_dir: str | os.PathLike[str],
         *,
         tracking_uri: str | None = None,
-        experiment: str = "ftrain",
+        experiment: str | None = None,
         run_name: str | None = None,
         params: Mapping[str, Any] | None = None,
         rank: int | None = None,
@@ -130,6 +131,10 @@ class MLflowSink:
             from mlflow.tracking import MlflowClient
         except ImportError as e:  # pragma: no cover - exercised only without the extra
             raise ImportError("MLflowSink needs mlflow: pip install 'ftrain[mlflow]'") from e
+        # experiment="ftrain" was always passed: MLFLOW_EXPERIMENT_NAME, set for MLflow's own
+        # client and HF's callback, was ignored and the run went to another experiment.
+        if experiment is None:
+            experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "ftrain"
         id_file = Path(run_dir) / "mlflow_run_id"
         params = {k: str(v) for k, v in (params or {}).items()}
         for k in params:  # before a run is made for them
