@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -243,7 +244,11 @@ def best_mode(metric: Any, caller: str = "track_best", name: str = "metric") -> 
     """
     if not isinstance(metric, str) or metric.endswith("loss"):
         return "min"
-    words = metric.lower().replace("-", "_").split("_")
+    # Words split at any character that is no letter or digit, and at a camelCase hump:
+    # "val/acc", "eval/accuracy" (a nested record's key), "val.f1", "valAcc" were one word
+    # each, ranked "min", and the worst score was kept as the best.
+    humps = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", metric)
+    words = re.split(r"[^a-z0-9]+", humps.lower()) + re.split(r"[^a-z0-9]+", metric.lower())
     if any(w.startswith(h) for w in words for h in _HIGHER):
         raise ValueError(
             f"{caller}({name}={metric!r}) needs mode: {metric!r} looks like a score that is "

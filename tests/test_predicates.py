@@ -174,3 +174,19 @@ def test_track_best_refuses_an_eval_loss_of_another_loss_than_the_best_s(tmp_pat
     with pytest.raises(ValueError, match="the two do not compare"):
         ft.track_best(resumed, ft.evaluate(resumed, batches, loss_fn=l1))
     assert ft.track_best(resumed, ft.evaluate(resumed, batches, loss_fn=mse)).step == 0
+
+
+@pytest.mark.parametrize(
+    "metric", ["val/acc", "eval/accuracy", "val.f1", "valAcc", "test/bleu", "eval/rouge1"]
+)
+def test_a_score_named_with_slashes_dots_or_camel_case_needs_a_mode_too(state, tmp_path, metric):
+    """Only "_" and "-" split a name into words: "val/acc" (Lightning's style, and a nested
+    record's key), "val.f1", "valAcc" were one word each, ranked with the default "min": the
+    worst score was kept as the best, and keep_best rotation deleted the best checkpoint."""
+    with pytest.raises(ValueError, match=rf"track_best\(metric='{metric}'\) needs mode"):
+        ft.track_best(state, {metric: 0.5}, metric=metric)
+    with pytest.raises(ValueError, match=rf"save_checkpoint\(best_metric='{metric}'\) needs"):
+        ft.save_checkpoint(state, tmp_path, metrics={metric: 0.5}, best_metric=metric)
+    assert ft.track_best(state, {metric: 0.5}, metric=metric, mode="max").early_stopping.mode
+    for name in ("val/loss", "eval/mae", "eval_rmse", "eval/perplexity"):  # still "min"
+        assert ft.track_best(state, {name: 1.0}, metric=name).early_stopping.mode == "min"
