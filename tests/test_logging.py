@@ -478,3 +478,47 @@ def test_a_progress_bar_built_without_rank_shows_on_rank_0_only(capsys, monkeypa
     shown = ft.logging.ProgressBar(10, lines=True)
     shown.log({"step": 1, "loss": 2.0})
     assert capsys.readouterr().out.startswith("step 1/10  loss 2")
+
+
+def test_sinks_give_every_sink_the_record_when_one_raises(tmp_path):
+    """A tracker that is down (its log raising) kept every sink after it from the record: a
+    loop that tolerates tracker outages (`except ConnectionError`) lost those records from the
+    JSONL log too, silently. Every sink gets it; the first error is raised after."""
+
+    class Down:
+        def step(self, state):
+            raise ConnectionError("tracker down at step")
+
+        def log(self, record):
+            raise ConnectionError("tracker down")
+
+        def close(self):
+            pass
+
+    class Steps:
+        def __init__(self):
+            self.seen = []
+
+        def step(self, state):
+            self.seen.append(state.step)
+
+        def log(self, record):
+            pass
+
+        def close(self):
+            pass
+
+    state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd()).replace(step=1)
+    steps = Steps()
+    sinks = ft.logging.Sinks(Down(), ft.logging.JSONLSink(tmp_path / "m.jsonl"), steps)
+    with pytest.raises(ConnectionError, match="tracker down at step"):
+        sinks.step(state)
+    for step in (1, 2):
+        with pytest.raises(ConnectionError, match="tracker down"):
+            sinks.log({"step": step, "loss": 2.0})
+    sinks.close()
+    assert steps.seen == [1]
+    assert ft.logging.read_jsonl(tmp_path / "m.jsonl") == [
+        {"step": 1, "loss": 2.0},
+        {"step": 2, "loss": 2.0},
+    ]

@@ -20,7 +20,7 @@ import numbers
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, TextIO, runtime_checkable
 
@@ -73,12 +73,13 @@ class Sinks:
         self.sinks = sinks
 
     def step(self, state: TrainState) -> None:
-        for s in self.sinks:
-            s.step(state)
+        """Call every sink's `step`, also when one raises (the first error is raised after)."""
+        _each(self.sinks, lambda s: s.step(state))
 
     def log(self, record: Mapping[str, Any]) -> None:
-        for s in self.sinks:
-            s.log(record)
+        """Send `record` to every sink, also when one raises (a tracker that is down): the sinks
+        after it lost the record before. The first error is raised after the rest have it."""
+        _each(self.sinks, lambda s: s.log(record))
 
     def close(self, *, failed: bool = False) -> None:
         """Close every sink, also when one raises (the first error is raised after the rest
@@ -92,17 +93,22 @@ class Sinks:
         self.close(failed=kind is not None)
 
 
-def _close_all(sinks: tuple[Sink, ...], failed: bool) -> None:
-    # One sink that failed to close (a full disk, a tracker server down) left those after it
-    # open: an MLflow run stayed RUNNING. The rest are closed before its error is raised.
+def _each(sinks: tuple[Sink, ...], call: Callable[[Sink], None]) -> None:
+    """`call` every sink; the first error is raised once every sink was called."""
     error: Exception | None = None
     for s in sinks:
         try:
-            _close_sink(s, failed=failed)
+            call(s)
         except Exception as e:
             error = error or e
     if error is not None:
         raise error
+
+
+def _close_all(sinks: tuple[Sink, ...], failed: bool) -> None:
+    # One sink that failed to close (a full disk, a tracker server down) left those after it
+    # open: an MLflow run stayed RUNNING. The rest are closed before its error is raised.
+    _each(sinks, lambda s: _close_sink(s, failed=failed))
 
 
 def _close_sink(sink: Sink, *, failed: bool) -> None:
