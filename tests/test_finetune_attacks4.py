@@ -170,10 +170,11 @@ def test_lora_refuses_a_task_type_peft_does_not_know_as_unknown_not_contradictin
 
 
 def test_generates_docstring_says_which_devices_sampling_is_seeded_on():
-    # It promised "CPU and the strategy's device"; only the CPU and CUDA generators are seeded.
+    # It promised "CPU and the strategy's device" when only CPU and CUDA were seeded; the
+    # accelerators' generators are seeded now (ftrain.rng.default_generators, tests/test_rng*).
     from ftrain.rng import default_generators
 
     assert default_generators(torch.device("meta")) == [torch.default_generator]
     doc = " ".join(inspect.getdoc(ft.generate).split())
-    assert "Only the CPU and CUDA generators are seeded" in doc
-    assert "on another device (MPS, XPU) sampling draws from that device's own default" in doc
+    assert "the CPU one and the accelerator's (CUDA, XPU, MPS, ...:" in doc
+    assert "a device without a generator ftrain can seed is named by a `RuntimeWarning`" in doc

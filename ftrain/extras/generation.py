@@ -206,17 +206,16 @@ def generate(
 
     Sampling (`do_sample=True`, from the keywords or the model's `generation_config`) is
     reproducible and leaves torch's global random stream alone: batch `i` on rank `r` draws from
-    the default generators (CPU, and the strategy's CUDA device) seeded by
+    the default generators (CPU, and the strategy's accelerator) seeded by
     `ftrain.rng.dropout_seed(seed ^ salt, i, 0, r)`, and they get their previous state back
     afterwards. The same call gives the same completions, in this process or a resumed one,
     and whatever the caller draws from the global stream afterwards is what it would draw
     without the call (HF's `model.generate` draws from that stream: each call samples anew, and
     moves every later draw). The same batches on the same ranks give the same samples; another
     batch size samples other ones. Pass another `seed` (e.g. `state.step`) for fresh draws.
-    Only the CPU and CUDA generators are seeded (`ftrain.rng.default_generators`, as for
-    dropout): on another device (MPS, XPU) sampling draws from that device's own default
-    generator, neither seeded nor restored, so it is not reproducible there and moves that
-    device's stream.
+    The generators seeded are the CPU one and the accelerator's (CUDA, XPU, MPS, ...:
+    `ftrain.rng.default_generators`, as for dropout); a device without a generator ftrain can
+    seed is named by a `RuntimeWarning`, and sampling there is not reproducible.
 
     Args:
         state: the state whose model generates (not consumed).
