@@ -486,3 +486,37 @@ def test_a_score_ranked_without_a_mode_is_refused(tmp_path):
     ft.save_checkpoint(
         _state(1), tmp_path / "loss", metrics={"eval_loss": 1.0}, best_metric="eval_loss"
     )
+
+
+def test_loading_the_path_a_background_save_is_writing_waits_for_it(tmp_path, monkeypatch):
+    """A run that went back saves a step again: its path still holds the older checkpoint of
+    that step until the background save commits. Loading (or opening) the path that
+    save_checkpoint returned read the old weights without a word."""
+    old = _state(3)
+    ft.save_checkpoint(old, tmp_path)
+    new = _state(3)
+    with torch.no_grad():
+        for p in new.params.values():
+            p.add_(1.0)
+    release = threading.Event()
+    real = _save.write_safetensors
+
+    def slow(tensors, path):  # the background save stays mid-write until released
+        if threading.current_thread().name == "ftrain-checkpoint":
+            release.wait(20)
+        real(tensors, path)
+
+    monkeypatch.setattr(_save, "write_safetensors", slow)
+    for read in ("load", "open"):
+        path = ft.save_checkpoint(new, tmp_path, blocking=False)
+        timer = threading.Timer(0.5, release.set)
+        timer.start()
+        if read == "load":
+            got = ft.load_checkpoint(path, _state()).params
+        else:
+            got = ft.checkpoint.read_model_tensors(ft.checkpoint.open_checkpoint(path))
+        timer.join()
+        release.clear()
+        assert process_state.STATE.save_in_flight is None  # waited for, and reported
+        for name, p in new.params.items():
+            assert torch.equal(got[name], p), name

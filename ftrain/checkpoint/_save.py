@@ -39,6 +39,9 @@ import torch
 
 from ftrain.checkpoint import _frozen
 from ftrain.checkpoint import _layout as L
+from ftrain.checkpoint._inflight import failure as _failure
+from ftrain.checkpoint._inflight import in_flight_into as _in_flight_into
+from ftrain.checkpoint._inflight import wait_for_checkpoint as wait_for_checkpoint
 from ftrain.checkpoint._io import (
     CheckpointError,
     fsync_tree,
@@ -456,33 +459,6 @@ def _all_ok(ok: bool, strategy: Strategy) -> bool:
     return bool(strategy.sum_over_processes(failed) == 0)  # host sync: saving is the place
 
 
-def _failure(message: str, cause: BaseException | None) -> CheckpointError:
-    """One error type for every failed save, blocking or not; an OSError cause keeps its
-    errno, and the error is an OSError too (code catching the disk-full OSError still does)."""
-    if cause is None:
-        return CheckpointError(f"{message} on another rank")
-    if not isinstance(cause, OSError):
-        error = CheckpointError(f"{message}: {type(cause).__name__}: {cause}")
-    else:
-        error = _OSCheckpointError(f"{message}: {cause}")
-        error.errno, error.strerror, error.filename = cause.errno, cause.strerror, cause.filename
-    error.__cause__ = cause
-    return error
-
-
-class _OSCheckpointError(CheckpointError, OSError):
-    """A CheckpointError caused by the operating system (disk full, permission denied).
-
-    Named CheckpointError: to its catcher it is one, that is also an OSError.
-    """
-
-    def __str__(self) -> str:  # the message, not OSError's "[Errno N] strerror: filename"
-        return str(self.args[0])
-
-
-_OSCheckpointError.__name__ = _OSCheckpointError.__qualname__ = "CheckpointError"
-
-
 # --- temporary directories: one per save, removed only by their owner ------------------------
 
 _HOST = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())[:64] or "host"
@@ -782,17 +758,6 @@ def _preemption_only(meta: Mapping[str, Any]) -> bool:
     return meta.get(L.PREEMPTION_ONLY) is True
 
 
-def _in_flight_into(root: Path) -> bool:
-    """Whether a background save of this process into `root` has not finished yet."""
-    bg = STATE.save_in_flight
-    if bg is None or bg.root is None or not bg.is_alive():
-        return False
-    try:
-        return os.path.realpath(bg.root) == os.path.realpath(root)
-    except (OSError, ValueError):  # an unreadable path: not the one being written
-        return False
-
-
 def retained(
     checkpoints: list[tuple[int, Mapping[str, Any]]],
     *,
@@ -957,28 +922,6 @@ def _start(job: _Job, write: Callable[[], Path]) -> None:
             # checkpoint call and the exit would wait for it forever.
             STATE.save_in_flight = None
             raise _failure(f"starting the background save of step {job.step} failed", e) from e
-
-
-def wait_for_checkpoint() -> Path | None:
-    """Block until the background save (if any) is written; return its path.
-
-    An exception while waiting (Ctrl-C) leaves the save in flight: the next checkpoint call
-    waits for it again and reports its outcome.
-
-    Raises:
-        CheckpointError: if the background save failed (the original error is its cause).
-    """
-    bg = STATE.save_in_flight
-    if bg is None:
-        return None
-    bg.join()
-    with STATE.save_lock:  # only one caller reports the outcome
-        mine = STATE.save_in_flight is bg
-        if mine:
-            STATE.save_in_flight = None
-    if mine and bg.error is not None:
-        raise _failure(f"background save of step {bg.step} failed", bg.error)
-    return bg.path
 
 
 def raise_pending_save_error() -> None:

@@ -26,6 +26,7 @@ import torch
 
 from ftrain.checkpoint import _frozen
 from ftrain.checkpoint import _layout as L
+from ftrain.checkpoint._inflight import wait_for_save_into
 from ftrain.checkpoint._io import (
     CheckpointError,
     check_header,
@@ -196,6 +197,9 @@ def read_config(path: Path, meta: dict[str, Any], *, verify: bool = True) -> dic
 
 
 def _meta_and_digest(path: Path) -> tuple[dict[str, Any], str]:
+    # A background save of this process may still be writing `path` (or replacing, or
+    # rotating it away): wait for it.
+    wait_for_save_into(path)
     try:
         if not stat.S_ISDIR(os.stat(path).st_mode):
             raise CheckpointError(_not_a_folder(path))

@@ -1,0 +1,90 @@
+"""The background save in flight (`STATE.save_in_flight`), as the readers of a run folder see
+it: waiting for it, and the one error type of every failed save.
+
+Apart from `_save` (which starts background saves) so that `_verify` can wait for one before it
+reads a checkpoint that the save may be writing, replacing or rotating away.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ftrain.checkpoint._io import CheckpointError
+from ftrain.process_state import STATE
+
+__all__ = ["failure", "in_flight_into", "wait_for_checkpoint", "wait_for_save_into"]
+
+
+def wait_for_checkpoint() -> Path | None:
+    """Block until the background save (if any) is written; return its path.
+
+    An exception while waiting (Ctrl-C) leaves the save in flight: the next checkpoint call
+    waits for it again and reports its outcome.
+
+    Raises:
+        CheckpointError: if the background save failed (the original error is its cause).
+    """
+    bg = STATE.save_in_flight
+    if bg is None:
+        return None
+    bg.join()
+    with STATE.save_lock:  # only one caller reports the outcome
+        mine = STATE.save_in_flight is bg
+        if mine:
+            STATE.save_in_flight = None
+    if mine and bg.error is not None:
+        raise failure(f"background save of step {bg.step} failed", bg.error)
+    return bg.path
+
+
+def wait_for_save_into(path: str | os.PathLike[str]) -> None:
+    """Wait for this process's background save if it writes into the run folder that holds
+    the checkpoint `path` (raising its failure as `wait_for_checkpoint` does).
+
+    Until it commits, `path` may not exist yet, may still be the older checkpoint of the same
+    step that the save replaces (a run that went back and saves that step again), or may be
+    rotated away by it: reading it meanwhile raised a misleading error or read the old
+    weights without a word.
+    """
+    path = Path(path)
+    if in_flight_into(path.parent) or in_flight_into(path):
+        wait_for_checkpoint()
+
+
+def in_flight_into(root: Path) -> bool:
+    """Whether a background save of this process into `root` has not finished yet."""
+    bg = STATE.save_in_flight
+    if bg is None or bg.root is None or not bg.is_alive():
+        return False
+    try:
+        return os.path.realpath(bg.root) == os.path.realpath(root)
+    except (OSError, ValueError):  # an unreadable path: not the one being written
+        return False
+
+
+def failure(message: str, cause: BaseException | None) -> CheckpointError:
+    """One error type for every failed save, blocking or not; an OSError cause keeps its
+    errno, and the error is an OSError too (code catching the disk-full OSError still does)."""
+    if cause is None:
+        return CheckpointError(f"{message} on another rank")
+    if not isinstance(cause, OSError):
+        error = CheckpointError(f"{message}: {type(cause).__name__}: {cause}")
+    else:
+        error = _OSCheckpointError(f"{message}: {cause}")
+        error.errno, error.strerror, error.filename = cause.errno, cause.strerror, cause.filename
+    error.__cause__ = cause
+    return error
+
+
+class _OSCheckpointError(CheckpointError, OSError):
+    """A CheckpointError caused by the operating system (disk full, permission denied).
+
+    Named CheckpointError: to its catcher it is one, that is also an OSError.
+    """
+
+    def __str__(self) -> str:  # the message, not OSError's "[Errno N] strerror: filename"
+        return str(self.args[0])
+
+
+_OSCheckpointError.__name__ = _OSCheckpointError.__qualname__ = "CheckpointError"
