@@ -140,6 +140,35 @@ def test_a_torch_dataset_of_your_own_is_not_read_for_it():
     assert Watched.reads == 2 and json.loads(group.position)["content"] is None
 
 
+@pytest.mark.parametrize("inner", ["list of dicts", "a torch dataset of your own"])
+def test_a_subset_of_another_split_is_refused_without_reading_rows_of_your_own(inner):
+    """`random_split` without a seeded generator draws another split in every run: the same
+    row count, other rows (some of them the validation split's), which a resume went on over
+    without a word (a Subset's rows were not digested)."""
+    reads = []
+
+    class Watched(torch.utils.data.Dataset):
+        def __len__(self):
+            return 2 * N
+
+        def __getitem__(self, i):
+            reads.append(i)
+            return {"input_ids": [i]}
+
+    base = [{"input_ids": [i]} for i in range(2 * N)] if inner == "list of dicts" else Watched()
+    split = lambda seed: torch.utils.data.random_split(  # noqa: E731
+        base, [N, N], generator=torch.Generator().manual_seed(seed)
+    )[0]
+    state = _at(split(0))  # read the first micro-batch's rows
+    reads.clear()
+    ft.make_batches(split(0), state, batch_size=2)  # the same split: resumes
+    with pytest.raises(ValueError, match="the same 24 rows, but a digest of a few") as e:
+        ft.make_batches(split(1), state, batch_size=2)
+    assert "random_split without a seeded generator" in str(e.value)
+    if inner != "list of dicts":
+        assert reads == [] and json.loads(state.data.position)["content"] is not None
+
+
 def test_the_digest_ignores_a_transform_set_on_a_datasets_dataset():
     """An on-the-fly transform may be random: the stored rows are digested, not its output."""
     data = _hf(8)

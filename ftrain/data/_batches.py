@@ -35,7 +35,7 @@ from ftrain.data._common import (
     seeded,
     several_processes,
 )
-from ftrain.data._content import content_digest
+from ftrain.data._content import content_digest, subset_digest
 from ftrain.data._stream import stream_groups
 from ftrain.state import TrainState
 from ftrain.strategies import Strategy, bare_module
@@ -168,7 +168,7 @@ def make_batches(
     n = len(data)
     lens = _lengths(data, lengths) if group_by_length else None
     content = content_digest(data, n) if n else None
-    subset = _subset(data) if several_processes(strategy) else None
+    subset = subset_digest(data) if several_processes(strategy) else None
     rows = {"rows": n, "content": content, "subset": subset, "lengths": _digest(lens)}
     # The keys of a stream's call too, in its order: one collective of one size on every rank
     agree_over_ranks(strategy, {"data": None, **rows, **given})
@@ -199,20 +199,6 @@ def _digest(lengths: Sequence[int] | None) -> str | None:
     if lengths is None:
         return None
     return hashlib.sha256(np.asarray(lengths, np.int64).tobytes()).hexdigest()[:16]
-
-
-def _subset(data: Any) -> str | None:
-    """A digest of the indices of a torch `Subset` (nested ones too), whose rows are not read
-    for the content digest: a per-rank `Subset` split is then refused like other rows."""
-    h, found = hashlib.sha256(), False
-    while isinstance(data, torch.utils.data.Subset):
-        idx = data.indices
-        if isinstance(idx, range):  # random_split's are lists; a range need not be spelled out
-            h.update(f"range({idx.start},{idx.stop},{idx.step});".encode())
-        else:
-            h.update(np.asarray(idx, np.int64).tobytes() + b";")
-        data, found = data.dataset, True
-    return h.hexdigest()[:16] if found else None
 
 
 def _check_kinds(
@@ -452,8 +438,9 @@ def _same_rows(saved: dict[str, Any], fresh: dict[str, Any], start: int) -> None
     raise ValueError(
         f"data holds other rows than when state.data.position was saved: the same {fresh['n']} "
         f"rows, but a digest of a few of them was {then!r} then and is {now!r} now (another "
-        "tokenizer, max_length or preprocessing?), so the resumed epoch would go on over other "
-        "rows. Resume with the data it was saved with; or restart the epoch, "
+        "tokenizer, max_length or preprocessing? another split, a torch Subset from "
+        "random_split without a seeded generator=?), so the resumed epoch would go on over "
+        "other rows. Resume with the data it was saved with; or restart the epoch, "
         "state.replace(data=state.data.replace(cursor=0, position=None)); or go on from "
         f"micro-batch {start} of this epoch over the new rows, unchecked (exact only with the "
         "same global batch), state.replace(data=state.data.replace(position=None))"

@@ -8,9 +8,10 @@ reads, whatever the size of the data.
 
 Only data whose rows are plain values in memory or on disk are read for it: a tensor or numpy
 array, a list or tuple of rows, a `TensorDataset`, a `datasets.Dataset` (its stored rows, in
-Arrow, without the formatting or transform set on it). A torch dataset of your own is not
-read (its `__getitem__` may be costly, random, or count its reads: rows are read when trained
-on, never skipped ones), and its positions hold no digest.
+Arrow, without the formatting or transform set on it), and a torch `Subset` by its indices (and
+what it picks from). A torch dataset of your own is not read (its `__getitem__` may be costly,
+random, or count its reads: rows are read when trained on, never skipped ones), and its
+positions hold no digest.
 
 Numbers are hashed by kind (bool, int, float, complex), shape and value, whatever holds them:
 `[[1, 2]]`, an int32 or int64 tensor and an int numpy array of those values hash alike (a
@@ -29,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["content_digest"]
+__all__ = ["content_digest", "subset_digest"]
 
 _SAMPLED = 6  # rows at places drawn from the row count, besides the first and the last
 _DEPTH = 32  # nesting beyond this is hashed by type only (rows are a few levels deep)
@@ -41,14 +42,40 @@ _TEXT = (str, type(None))
 
 def content_digest(data: Any, n: int) -> str | None:
     """A 16-hex-digit digest of a few rows of `data` (`n` rows), or None for data not read
-    for it (see the module docstring)."""
+    for it (see the module docstring).
+
+    A torch `Subset` (nested ones too) is digested by all its indices and the digest of the
+    dataset it picks from (whose own rows are read only if that is data read for it):
+    `random_split` without a seeded `generator` draws another split in every run, and a
+    resume would go on over other rows, some of them the validation split's.
+    """
+    h = hashlib.sha256(f"rows:{n}".encode())
+    picked = subset_digest(data)
+    if picked is not None:
+        inner = data
+        while isinstance(inner, torch.utils.data.Subset):
+            inner = inner.dataset
+        h.update(f"subset:{picked};of:{content_digest(inner, len(inner))};".encode())
+        return h.hexdigest()[:16]
     rows = _reader(data)
     if rows is None:
         return None
-    h = hashlib.sha256(f"rows:{n}".encode())
     for row in rows(_places(n)):
         _feed(h, row, 0)
     return h.hexdigest()[:16]
+
+
+def subset_digest(data: Any) -> str | None:
+    """A digest of the indices of a torch `Subset` (nested ones too), or None for other data."""
+    h, found = hashlib.sha256(), False
+    while isinstance(data, torch.utils.data.Subset):
+        idx = data.indices
+        if isinstance(idx, range):  # random_split's are lists; a range need not be spelled out
+            h.update(f"range({idx.start},{idx.stop},{idx.step});".encode())
+        else:
+            h.update(np.asarray(idx, np.int64).tobytes() + b";")
+        data, found = data.dataset, True
+    return h.hexdigest()[:16] if found else None
 
 
 def _places(n: int) -> list[int]:
