@@ -407,6 +407,48 @@ def test_a_long_file_list_keeps_the_position_short_and_still_names_the_change(tm
         _resumed(_hf(files[:-1]), group, 4, batch_size=4)
 
 
+class _ManyFiles(ft.data.Source):
+    """A custom source over many files, described by their names (its `describe`)."""
+
+    def __init__(self, paths, *, seen=False):
+        self.paths, self.seen = paths, seen
+
+    def describe(self, shuffle):
+        return {"stage": "custom", "paths": self.paths}
+
+    def items(self, epoch, pos, seed, shuffle):
+        for i in range(0 if pos is None else pos["i"], 40):
+            # `seen`: a position that lists what was read, where an index would do
+            yield {"idx": i}, {"i": i + 1} | ({"seen": "r" * (100_000 * i)} if self.seen else {})
+
+
+def test_a_custom_source_describing_many_files_saves_checkpoints_that_load(tmp_path):
+    """A custom Source listing its 40,000 files in describe() made every position over 1 MiB:
+    each checkpoint of the run was saved, and refused by load_checkpoint."""
+    paths = [f"/data/shard-{i:06d}.parquet" for i in range(40_000)]
+    state = ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd(), seed=0)
+    group = next(iter(ft.make_batches(_ManyFiles(paths), state, batch_size=4)))
+    state = state.replace(data=state.data.replace(cursor=1, position=group.position))
+    assert len(group.position) < 500
+    path = ft.save_checkpoint(state, tmp_path)
+    fresh = ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd(), seed=0)
+    loaded = ft.load_checkpoint(path, fresh)
+    assert _flat(ft.make_batches(_ManyFiles(paths), loaded, batch_size=4)) == list(range(4, 40))
+    with pytest.raises(ValueError, match=r"paths \{'n': 40000, .*\} -> \{'n': 39999"):
+        ft.make_batches(_ManyFiles(paths[:-1]), loaded, batch_size=4)
+
+
+def test_a_position_too_long_for_a_checkpoint_raises_at_once_and_is_never_saved(tmp_path):
+    with pytest.raises(ValueError, match=r"stream position after micro-batch 1 is .* characters"):
+        for _ in ft.make_batches(_ManyFiles([], seen=True), batch_size=20):
+            pass
+    state = ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd())
+    forged = json.dumps({"version": 2, "kind": "stream", "pad": "x" * (1 << 20)})
+    with pytest.raises(ft.CheckpointError, match=r"field 'data.position' could not be loaded"):
+        ft.save_checkpoint(state.replace(data=state.data.replace(position=forged)), tmp_path)
+    assert ft.latest_checkpoint(tmp_path) is None
+
+
 class ShardOnly(torch.utils.data.IterableDataset):
     """The torch shard protocol docs/data.md describes: `shard(num_shards, index)`, no more."""
 

@@ -408,8 +408,9 @@ def check_savable(state: TrainState) -> None:
     """Refuse, before anything is written, a state field that `load_checkpoint` would refuse.
 
     A value of another type than its field declares (a 0-dim tensor in a `float` field, a
-    float in an `int` field) or outside the field's range would be written and committed,
-    and `latest_checkpoint` would pick a checkpoint that no load accepts.
+    float in an `int` field) or outside the field's range, or a `data.position` that
+    `check_position` refuses (over 1 MiB), would be written and committed, and
+    `latest_checkpoint` would pick a checkpoint that no load accepts.
 
     Raises:
         CheckpointError: naming the field, what it holds and what it declares.
@@ -438,6 +439,14 @@ def check_savable(state: TrainState) -> None:
                 f"TrainState field {name!r} holds {_short(value)}, which a checkpoint could not "
                 f"load back: it {problem}"
             )
+    position = state.data.position
+    if isinstance(position, str):  # load_checkpoint runs the same check on it
+        try:
+            check_position(position)
+        except ValueError as e:
+            raise CheckpointError(
+                f"TrainState field 'data.position' could not be loaded back from a checkpoint: {e}"
+            ) from None
 
 
 def _declared(hint: set[type]) -> str:

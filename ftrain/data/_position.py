@@ -234,10 +234,29 @@ _ABOUT_CHARS = 2048  # above this, file lists are kept as a count and a digest
 
 def summary(description: dict[str, Any]) -> dict[str, Any]:
     """The readable part of a description kept in the position: whole, or with its file lists
-    replaced by their count and digest when it would make the position long."""
+    replaced by their count and digest when it would make the position long; then, if it is
+    still long (a custom `Source.describe` listing its 40,000 files), every long list of plain
+    values and every long string too. (The position's `fp` digests the whole description.)"""
     if len(json.dumps(description)) <= _ABOUT_CHARS:
         return description
-    return _short_files(description)
+    short = _short_files(description)
+    if len(json.dumps(short)) <= _ABOUT_CHARS:
+        return dict(short)
+    return dict(_short_values(short))
+
+
+def _short_values(d: Any, depth: int = 0) -> Any:
+    if depth > _MAX_DEPTH:
+        return {"digest": digest(d)}
+    if isinstance(d, str) and len(d) > 256:
+        return {"chars": len(d), "digest": digest(d)}
+    if isinstance(d, list) and len(d) > 16 and not any(isinstance(x, (dict, list)) for x in d):
+        return {"n": len(d), "digest": digest(d)}
+    if isinstance(d, list):
+        return [_short_values(x, depth + 1) for x in d]
+    if isinstance(d, dict):
+        return {k: _short_values(v, depth + 1) for k, v in d.items()}
+    return d
 
 
 def _short_files(d: Any) -> Any:

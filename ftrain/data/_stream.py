@@ -632,7 +632,15 @@ class _MicroStream(torch.utils.data.IterableDataset[tuple[Batch, str]]):
 
     def _position(self, cursor: int, pos: Pos) -> str:
         src = json.dumps(pos, separators=(",", ":"))
-        return f'{self.head[:-1]},"cursor":{cursor},"src":{src}}}'
+        out = f'{self.head[:-1]},"cursor":{cursor},"src":{src}}}'
+        if len(out) > P._MAX_CHARS:  # every checkpoint of the run would be refused at load
+            raise ValueError(
+                f"the stream position after micro-batch {cursor} is {len(out)} characters, more "
+                f"than the {P._MAX_CHARS} that a checkpoint's state.data.position may hold "
+                f"(load_checkpoint refuses it); its source position alone is {len(src)}: keep a "
+                "custom Source's positions small (an index, not the rows or files it read)"
+            )
+        return out
 
 
 def _head(spec: Spec, about: dict[str, Any]) -> str:
@@ -703,7 +711,8 @@ def _fits(pos: dict[str, Any], start: int, spec: Spec, about: dict[str, Any]) ->
         )
     # A position saved before in-memory shards' rows were described digests without them.
     if pos["fp"] != P.digest(about) and pos["fp"] != P.digest(P.without_shard_rows(about)):
-        changed = "; ".join(P.changes(pos["about"], about)) or "the sources changed"
+        now = P.summary(about)  # as the saved one was kept: long lists by count and digest
+        changed = "; ".join(P.changes(pos["about"], now)) or "the sources changed"
         raise ValueError(
             f"state.data.position was saved for other data, so resuming would not be exact: "
             f"{changed}. Resume with the data and settings it was saved with, or restart the "
