@@ -169,6 +169,26 @@ def test_a_subset_of_another_split_is_refused_without_reading_rows_of_your_own(i
         assert reads == [] and json.loads(state.data.position)["content"] is not None
 
 
+@pytest.mark.parametrize("kind", ["BatchEncoding", "UserDict"])
+def test_rows_that_are_mappings_but_not_dicts_are_digested_by_their_contents(kind):
+    """`[tokenizer(text) for text in texts]` is a list of BatchEncoding (a UserDict, not a
+    dict): its rows were hashed by their type alone, so a resume over another tokenizer or
+    max_length went on without a word."""
+    if kind == "BatchEncoding":
+        from transformers import BatchEncoding as Row
+    else:
+        from collections import UserDict as Row
+
+    def rows(max_length):
+        return [Row({"input_ids": r["input_ids"]}) for r in _rows(max_length)]
+
+    state = _at(rows(8))
+    ft.make_batches(rows(8), state, batch_size=2)  # the same rows: resumes
+    with pytest.raises(ValueError, match="the same 24 rows, but a digest of a few"):
+        ft.make_batches(rows(4), state, batch_size=2)
+    assert content_digest(rows(8), N) == content_digest(_rows(8), N)  # as the same dicts
+
+
 def test_the_digest_ignores_a_transform_set_on_a_datasets_dataset():
     """An on-the-fly transform may be random: the stored rows are digested, not its output."""
     data = _hf(8)

@@ -25,6 +25,7 @@ import datetime
 import decimal
 import hashlib
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -122,7 +123,7 @@ def _feed(h: Any, value: Any, depth: int) -> None:
         h.update(value)
     elif isinstance(value, _AS_TEXT):
         h.update(f"{type(value).__name__}:{value};".encode())
-    elif depth < _DEPTH and isinstance(value, dict):
+    elif depth < _DEPTH and isinstance(value, Mapping):  # a tokenizer's BatchEncoding too
         h.update(f"dict:{len(value)};".encode())
         for key in sorted(value, key=_order):  # 1 and "1" are two keys, in either order
             _feed(h, key, depth + 1)
