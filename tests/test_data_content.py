@@ -169,6 +169,24 @@ def test_a_subset_of_another_split_is_refused_without_reading_rows_of_your_own(i
         assert reads == [] and json.loads(state.data.position)["content"] is not None
 
 
+def test_a_concatenation_of_rows_of_other_contents_is_refused():
+    """A torch ConcatDataset (several tokenized sources) was not read for the digest: a resume
+    over its parts tokenized with another max_length went on without a word."""
+    half = N // 2
+
+    def data(max_length):
+        rows = _rows(max_length)
+        return torch.utils.data.ConcatDataset([rows[:half], rows[half:]])
+
+    state = _at(data(8))
+    ft.make_batches(data(8), state, batch_size=2)  # the same rows: resumes
+    with pytest.raises(ValueError, match="the same 24 rows, but a digest of a few"):
+        ft.make_batches(data(4), state, batch_size=2)
+    swapped = torch.utils.data.ConcatDataset(data(8).datasets[::-1])  # the parts' order
+    with pytest.raises(ValueError, match="the same 24 rows, but a digest of a few"):
+        ft.make_batches(swapped, state, batch_size=2)
+
+
 @pytest.mark.parametrize("kind", ["BatchEncoding", "UserDict"])
 def test_rows_that_are_mappings_but_not_dicts_are_digested_by_their_contents(kind):
     """`[tokenizer(text) for text in texts]` is a list of BatchEncoding (a UserDict, not a

@@ -8,10 +8,10 @@ reads, whatever the size of the data.
 
 Only data whose rows are plain values in memory or on disk are read for it: a tensor or numpy
 array, a list or tuple of rows, a `TensorDataset`, a `datasets.Dataset` (its stored rows, in
-Arrow, without the formatting or transform set on it), and a torch `Subset` by its indices (and
-what it picks from). A torch dataset of your own is not read (its `__getitem__` may be costly,
-random, or count its reads: rows are read when trained on, never skipped ones), and its
-positions hold no digest.
+Arrow, without the formatting or transform set on it), a torch `Subset` by its indices (and
+what it picks from), and a torch `ConcatDataset` by its parts. A torch dataset of your own is
+not read (its `__getitem__` may be costly, random, or count its reads: rows are read when
+trained on, never skipped ones), and its positions hold no digest.
 
 Numbers are hashed by kind (bool, int, float, complex), shape and value, whatever holds them:
 `[[1, 2]]`, an int32 or int64 tensor and an int numpy array of those values hash alike (a
@@ -48,7 +48,8 @@ def content_digest(data: Any, n: int) -> str | None:
     A torch `Subset` (nested ones too) is digested by all its indices and the digest of the
     dataset it picks from (whose own rows are read only if that is data read for it):
     `random_split` without a seeded `generator` draws another split in every run, and a
-    resume would go on over other rows, some of them the validation split's.
+    resume would go on over other rows, some of them the validation split's. A torch
+    `ConcatDataset` by the length and digest of each of its parts (None when no part is read).
     """
     h = hashlib.sha256(f"rows:{n}".encode())
     picked = subset_digest(data)
@@ -57,6 +58,14 @@ def content_digest(data: Any, n: int) -> str | None:
         while isinstance(inner, torch.utils.data.Subset):
             inner = inner.dataset
         h.update(f"subset:{picked};of:{content_digest(inner, len(inner))};".encode())
+        return h.hexdigest()[:16]
+    if isinstance(data, torch.utils.data.ConcatDataset):
+        # Each part as it would be alone: a concatenation of tokenized lists is read for it.
+        sizes = np.diff(data.cumulative_sizes, prepend=0).tolist()
+        parts = [(k, content_digest(d, k)) for d, k in zip(data.datasets, sizes, strict=True)]
+        if all(digest is None for _, digest in parts):
+            return None
+        h.update(f"concat:{parts!r};".encode())
         return h.hexdigest()[:16]
     rows = _reader(data)
     if rows is None:
