@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ftrain as ft
+from ftrain.data import _position as P
 from helpers import FakeRank
 
 SHARDS, PER_SHARD = 4, 7  # 28 rows
@@ -405,6 +406,36 @@ def test_a_long_file_list_keeps_the_position_short_and_still_names_the_change(tm
     assert len(group.position) < 500
     with pytest.raises(ValueError, match=r"shard files changed: 150 -> 149 files"):
         _resumed(_hf(files[:-1]), group, 4, batch_size=4)
+
+
+def _rows_of(shards):
+    for name in shards:
+        for i in range(5):
+            yield {"idx": 100 * (ord(name) - ord("a")) + i}
+
+
+def _generated(shards):
+    import datasets
+
+    return datasets.IterableDataset.from_generator(_rows_of, gen_kwargs={"shards": shards})
+
+
+def test_a_from_generator_stream_over_other_shards_is_refused_naming_them():
+    """`from_generator(gen, gen_kwargs={"shards": files})` reads no files ftrain can see: a
+    resume over other shards of the same count went on over other rows without a word."""
+    full = list(ft.make_batches(_generated(["a", "b"]), batch_size=3, shuffle=False))
+    rest = list(_resumed(_generated(["a", "b"]), full[1], 2, batch_size=3, shuffle=False))
+    assert _flat(full[:2]) + _flat(rest) == _flat(full)
+    with pytest.raises(ValueError, match=r"gen_kwargs \{'shards': \['a', 'b'\]\} -> .*'c'"):
+        _resumed(_generated(["a", "c"]), full[1], 2, batch_size=3, shuffle=False)
+    # A position saved before the arguments were described resumes as before.
+    pos = json.loads(full[1].position)
+    pos["about"] = P.without_generator_arguments(pos["about"])
+    pos["fp"] = P.digest(pos["about"])
+    old = ft.data.MicroBatches((), json.dumps(pos))
+    assert _flat(_resumed(_generated(["a", "b"]), old, 2, batch_size=3, shuffle=False)) == _flat(
+        rest
+    )
 
 
 class _ManyFiles(ft.data.Source):

@@ -276,11 +276,21 @@ def _short_files(d: Any) -> Any:
 def without_shard_rows(description: Any) -> Any:
     """`description` as ftrain described it before it counted in-memory shards' rows: what
     the positions saved then digest, so that their resume still checks (and continues)."""
+    return _without(description, "shard_rows")
+
+
+def without_generator_arguments(description: Any) -> Any:
+    """`description` as ftrain described it before it recorded a `from_generator` stream's
+    arguments (as `without_shard_rows`)."""
+    return _without(description, "gen_kwargs")
+
+
+def _without(description: Any, key: str) -> Any:
     if isinstance(description, list):
-        return [without_shard_rows(x) for x in description]
+        return [_without(x, key) for x in description]
     if not isinstance(description, dict):
         return description
-    return {k: without_shard_rows(v) for k, v in description.items() if k != "shard_rows"}
+    return {k: _without(v, key) for k, v in description.items() if k != key}
 
 
 _LABELS = MappingProxyType(
@@ -384,12 +394,42 @@ def data_rows(data: Any) -> list[int] | None:
     return [int(r) for r in rows if r is not None]
 
 
+def generator_arguments(data: Any) -> dict[str, Any] | None:
+    """The `gen_kwargs` of a `datasets.IterableDataset.from_generator` stream that are plain
+    JSON (its shards are the items of its list arguments: file names, URLs), or None for any
+    other data. Such data has no files whose names and sizes would show another source."""
+    root = _root(data)
+    owner = getattr(getattr(root, "generate_examples_fn", None), "__self__", None)
+    kwargs = getattr(root, "kwargs", None)
+    if type(owner).__name__ != "Generator" or not isinstance(kwargs, dict):
+        return None
+    plain = {str(k): v for k, v in kwargs.items() if _plain_json(v, 0)}
+    return plain or None
+
+
+def _plain_json(value: Any, depth: int) -> bool:
+    if value is None or isinstance(value, (bool, int, str)):
+        return True
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if depth < 8 and isinstance(value, (list, tuple)):
+        return all(_plain_json(v, depth + 1) for v in value)
+    if depth < 8 and isinstance(value, dict):
+        return all(isinstance(k, str) and _plain_json(v, depth + 1) for k, v in value.items())
+    return False
+
+
 def _root_kwargs(data: Any) -> dict[str, Any] | None:
+    kwargs = getattr(_root(data), "kwargs", None)
+    return kwargs if isinstance(kwargs, dict) else None
+
+
+def _root(data: Any) -> Any:
+    """The examples iterable at the root of a `datasets` pipeline (the one with `kwargs`)."""
     ex = getattr(data, "_ex_iterable", None)
     for _ in range(_MAX_DEPTH):  # down the chain of map/filter/shuffle wrappers
-        kwargs = getattr(ex, "kwargs", None)
-        if isinstance(kwargs, dict):
-            return kwargs
+        if isinstance(getattr(ex, "kwargs", None), dict):
+            return ex
         ex = getattr(ex, "ex_iterable", None)
         if ex is None:
             return None

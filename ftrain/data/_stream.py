@@ -101,6 +101,9 @@ class _Shards(Source):
         rows = P.data_rows(self.data)  # in memory: no file sizes show another length
         if rows is not None:
             out["shard_rows"] = rows
+        arguments = P.generator_arguments(self.data)  # from_generator: no files either
+        if arguments is not None:
+            out["gen_kwargs"] = arguments
         if self._stages:  # a datasets pipeline's take/skip/seeded shuffle: they pick the rows
             out["pipeline"] = self._stages
         if shuffle:  # the windows a resume re-derives
@@ -709,8 +712,10 @@ def _fits(pos: dict[str, Any], start: int, spec: Spec, about: dict[str, Any]) ->
             f"shuffle={spec.shuffle}, but state.data.position was saved with "
             f"shuffle={pos['shuffle']}: keep it when resuming"
         )
-    # A position saved before in-memory shards' rows were described digests without them.
-    if pos["fp"] != P.digest(about) and pos["fp"] != P.digest(P.without_shard_rows(about)):
+    # A position saved before in-memory shards' rows (or a from_generator stream's
+    # arguments) were described digests without them.
+    older = (P.without_shard_rows(about), P.without_generator_arguments(about))
+    if pos["fp"] not in {P.digest(about), *map(P.digest, older)}:
         now = P.summary(about)  # as the saved one was kept: long lists by count and digest
         changed = "; ".join(P.changes(pos["about"], now)) or "the sources changed"
         raise ValueError(
