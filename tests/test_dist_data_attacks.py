@@ -43,6 +43,7 @@ def test_ranks_given_the_same_data_read_disjoint_rows_in_equal_counts(two_ranks)
         ("content", "content"),
         ("subset", "subset"),
         ("stream", "data"),
+        ("generator", "data"),
     ],
 )
 def test_ranks_given_other_data_or_settings_raise_naming_them(two_ranks, check, names):

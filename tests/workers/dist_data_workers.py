@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import gc
 import json
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -70,6 +72,18 @@ def _evaluate(strategy) -> dict:
     return got
 
 
+def _rows_of(shards: list) -> Iterator[dict]:
+    for _ in shards:
+        for i in range(4):
+            yield {"input_ids": [i]}
+
+
+def _generated(shards: list) -> Any:
+    import datasets
+
+    return datasets.IterableDataset.from_generator(_rows_of, gen_kwargs={"shards": shards})
+
+
 def _stack(rows: list) -> tuple:
     return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
 
@@ -97,6 +111,8 @@ def ranks(rank: int, world: int, port: int, out: str) -> None:
         rows = _rows(8)
         data = ft.data.IterableRows(rows) if rank else rows
         results["stream"] = _read(ddp, data, batch_size=1)
+        # a from_generator stream given each rank's own list of shards (of the same count)
+        results["generator"] = _read(ddp, _generated([f"part-{rank}"]), batch_size=1)
         results["eval"] = _evaluate(ddp)
     results["ddp_mesh"] = _ddp_mesh()
     with ft.strategies.TP() as tp:  # dp=1: both processes are one data-parallel rank
