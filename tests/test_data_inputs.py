@@ -55,6 +55,40 @@ def test_interleave_datasets_raises_pointing_to_mix(tmp_path, strategy):
         ft.make_batches(mixed, batch_size=2, shuffle=False)
 
 
+def test_interleave_with_probabilities_needs_a_seed_and_its_settings_are_fingerprinted(tmp_path):
+    """interleave_datasets(probabilities=...) of one-file streams, without a seed: datasets
+    drew another mixture in every process, so each rank and each resume read other rows (the
+    same within one process, so a test in one process saw nothing)."""
+    import datasets
+
+    from ftrain.data import _position as P
+
+    a, b = _jsonl(tmp_path, "a", [8]), _jsonl(tmp_path, "b", [8], base=1000)
+    mixed = lambda **kw: datasets.interleave_datasets([a, b], **kw)  # noqa: E731
+    with pytest.raises(ValueError, match=r"interleave_datasets\(probabilities=\[0.5, 0.5\]\) wi"):
+        ft.make_batches(mixed(probabilities=[0.5, 0.5]), batch_size=2, shuffle=False)
+    seeded = mixed(probabilities=[0.5, 0.5], seed=7)
+    assert ft.data.stream(seeded).describe(False)["pipeline"] == [
+        {"interleave": 2, "stopping_strategy": "first_exhausted", "probabilities": [0.5, 0.5],
+         "seed": 7}
+    ]  # fmt: skip
+    state = ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd(), seed=0)
+    full = list(ft.make_batches(seeded, state, batch_size=2, shuffle=False))
+    moved = state.replace(data=state.data.replace(cursor=1, position=full[0].position))
+    rest = [i for g in ft.make_batches(seeded, moved, batch_size=2, shuffle=False) for b in g
+            for i in b["id"].tolist()]  # fmt: skip
+    assert [i for b in full[0] for i in b["id"].tolist()] + rest == _ids(seeded, shuffle=False)
+    for other in (mixed(probabilities=[0.3, 0.7], seed=7), mixed(probabilities=[0.5, 0.5], seed=8)):
+        with pytest.raises(ValueError, match=r"saved for other data.*pipeline"):
+            ft.make_batches(other, moved, batch_size=2, shuffle=False)
+    # A position saved before the interleave stage was described resumes as before.
+    pos = json.loads(full[0].position)
+    pos["about"] = P.without_interleave(pos["about"])
+    pos["fp"] = P.digest(pos["about"])
+    old = state.replace(data=state.data.replace(cursor=1, position=json.dumps(pos)))
+    assert len(list(ft.make_batches(seeded, old, batch_size=2, shuffle=False))) == len(full) - 1
+
+
 def test_concatenate_map_and_filter_keep_every_row_once(tmp_path):
     import datasets
 

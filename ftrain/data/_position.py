@@ -285,6 +285,24 @@ def without_generator_arguments(description: Any) -> Any:
     return _without(description, "gen_kwargs")
 
 
+def without_interleave(description: Any) -> Any:
+    """`description` as ftrain described it before it recorded a `datasets` interleave stage
+    (as `without_shard_rows`)."""
+    if isinstance(description, list):
+        return [without_interleave(x) for x in description]
+    if not isinstance(description, dict):
+        return description
+    out = {k: without_interleave(v) for k, v in description.items()}
+    stages = out.get("pipeline")
+    if isinstance(stages, list):
+        kept = [s for s in stages if not (isinstance(s, dict) and "interleave" in s)]
+        if kept:
+            out["pipeline"] = kept
+        else:
+            del out["pipeline"]
+    return out
+
+
 def _without(description: Any, key: str) -> Any:
     if isinstance(description, list):
         return [_without(x, key) for x in description]

@@ -205,6 +205,8 @@ def _hf_stages(data: Any, num_shards: int) -> list[dict[str, Any]]:
                 out.append({stage.lower(): n})
         if "BufferShuffledExamplesIterable" in names:
             out.append(_hf_shuffle(ex))
+        if "CyclingMultiSourcesExamplesIterable" in names:  # one shard: read as datasets does
+            out.append(_hf_interleave(ex))
         todo.append(getattr(ex, "ex_iterable", None))
         todo += list(getattr(ex, "ex_iterables", None) or [])[::-1]
     else:
@@ -220,20 +222,46 @@ def _hf_stages(data: Any, num_shards: int) -> list[dict[str, Any]]:
 def _hf_shuffle(ex: Any) -> dict[str, Any]:
     """A datasets buffer shuffle's settings; refused without a seed (one per process)."""
     buffer = getattr(ex, "buffer_size", None)
-    gen: Any = getattr(ex, "generator", None)
-    seq = getattr(getattr(gen, "bit_generator", None), "seed_seq", None)
-    entropy = getattr(seq, "entropy", None)
-    # Without a seed, numpy draws 128 random bits of entropy in each process: an int seed of
-    # 2**64 or more is taken for one of those.
-    if entropy is None or (isinstance(entropy, int) and entropy >= 2**64):
+    seeded = _hf_seed(getattr(ex, "generator", None))
+    if seeded is None:
         raise ValueError(
             f"data has ds.shuffle(buffer_size={buffer}) without a seed: datasets draws a new "
             "seed in every process, so a resume would lose or repeat rows. Shuffle with "
             "make_batches(shuffle=True) (the buffer is ft.data.stream(ds, shuffle_buffer=...)), "
             "or give the shuffle a seed: ds.shuffle(seed=..., buffer_size=...)"
         )
+    return {"shuffle_buffer": buffer, **seeded}
+
+
+def _hf_interleave(ex: Any) -> dict[str, Any]:
+    """A datasets interleave's settings; refused with probabilities but without a seed."""
+    out: dict[str, Any] = {"interleave": len(getattr(ex, "ex_iterables", None) or [])}
+    out["stopping_strategy"] = getattr(ex, "stopping_strategy", None)
+    if "RandomlyCyclingMultiSourcesExamplesIterable" not in {c.__name__ for c in type(ex).__mro__}:
+        return out
+    probabilities = _jsonable(getattr(ex, "probabilities", None))
+    seeded = _hf_seed(getattr(ex, "generator", None))
+    if seeded is None:
+        raise ValueError(
+            f"data has interleave_datasets(probabilities={probabilities}) without a seed: "
+            "datasets draws a new seed in every process, so every rank and every resume would "
+            "read another mixture of the sources (rows read twice or lost). Give it a seed, "
+            "interleave_datasets(..., seed=...), or mix streams with ft.data.mix([...], "
+            "weights=...), which is deterministic"
+        )
+    return {**out, "probabilities": probabilities, **seeded}
+
+
+def _hf_seed(gen: Any) -> dict[str, Any] | None:
+    """`{"seed", ["generator"]}` of a datasets stage's numpy generator, or None without a seed
+    (numpy then draws 128 random bits of entropy in each process: an int seed of 2**64 or
+    more is taken for one of those)."""
+    seq = getattr(getattr(gen, "bit_generator", None), "seed_seq", None)
+    entropy = getattr(seq, "entropy", None)
+    if entropy is None or (isinstance(entropy, int) and entropy >= 2**64):
+        return None
     state = P.digest(_jsonable(gen.bit_generator.state))
-    out: dict[str, Any] = {"shuffle_buffer": buffer, "seed": _jsonable(entropy)}
+    out: dict[str, Any] = {"seed": _jsonable(entropy)}
     try:
         fresh = P.digest(_jsonable(type(gen.bit_generator)(entropy).state))
     except (TypeError, ValueError):
@@ -713,8 +741,12 @@ def _fits(pos: dict[str, Any], start: int, spec: Spec, about: dict[str, Any]) ->
             f"shuffle={pos['shuffle']}: keep it when resuming"
         )
     # A position saved before in-memory shards' rows (or a from_generator stream's
-    # arguments) were described digests without them.
-    older = (P.without_shard_rows(about), P.without_generator_arguments(about))
+    # arguments, or a datasets interleave stage) were described digests without them.
+    older = (
+        P.without_shard_rows(about),
+        P.without_generator_arguments(about),
+        P.without_interleave(about),
+    )
     if pos["fp"] not in {P.digest(about), *map(P.digest, older)}:
         now = P.summary(about)  # as the saved one was kept: long lists by count and digest
         changed = "; ".join(P.changes(pos["about"], now)) or "the sources changed"
