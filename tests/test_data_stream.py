@@ -480,6 +480,37 @@ def test_a_position_too_long_for_a_checkpoint_raises_at_once_and_is_never_saved(
     assert ft.latest_checkpoint(tmp_path) is None
 
 
+class _Named(ft.data.Source):
+    """A custom source whose positions name the file they are in (what a load refuses)."""
+
+    def __init__(self, about=None):
+        self.about = about or {}
+
+    def describe(self, shuffle):
+        return {"stage": "custom", **self.about}
+
+    def items(self, epoch, pos, seed, shuffle):
+        for i in range(0 if pos is None else pos["row"], 10):
+            yield {"idx": i}, {"shard": "part-0.parquet", "row": i + 1}
+
+
+@pytest.mark.parametrize(
+    "source, why",
+    [
+        (_Named(), r"shard must be an int"),
+        (_Named({"max_len": math.inf}), r"Infinity is not a number"),
+    ],
+)
+def test_a_position_a_checkpoint_could_not_load_raises_at_the_micro_batch_that_makes_it(
+    tmp_path, source, why
+):
+    """A custom Source's position naming its file under the key "shard", or a describe()
+    holding an infinity, made positions that load_checkpoint refuses: every checkpoint of the
+    run was saved, and none could be resumed."""
+    with pytest.raises(ValueError, match=rf"after micro-batch 1 could not be loaded back.*{why}"):
+        next(iter(ft.make_batches(source, batch_size=2)))
+
+
 class ShardOnly(torch.utils.data.IterableDataset):
     """The torch shard protocol docs/data.md describes: `shard(num_shards, index)`, no more."""
 

@@ -671,6 +671,14 @@ class _MicroStream(torch.utils.data.IterableDataset[tuple[Batch, str]]):
                 f"(load_checkpoint refuses it); its source position alone is {len(src)}: keep a "
                 "custom Source's positions small (an index, not the rows or files it read)"
             )
+        try:  # what load_checkpoint checks: a few microseconds for a position this short
+            P.read_position(out)
+        except ValueError as e:
+            raise ValueError(
+                f"the stream position after micro-batch {cursor} could not be loaded back from "
+                f"a checkpoint ({e}): a custom Source's describe() and positions must be plain "
+                "JSON (finite numbers, nested at most 64 deep)"
+            ) from None
         return out
 
 
