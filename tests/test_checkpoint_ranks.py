@@ -55,3 +55,5 @@ def test_ranks_that_see_different_checkpoints_all_refuse_to_resume(tmp_path):
         assert lines["latest step differs"].startswith(
             "refused: the 2 ranks found checkpoints of different steps"
         ), out
+        # Rank 0's background save (DDP: it alone writes), loaded at once by every rank.
+        assert lines["background save"] == "new weights", out

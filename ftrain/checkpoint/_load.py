@@ -17,6 +17,7 @@ import torch
 
 from ftrain.checkpoint import _frozen
 from ftrain.checkpoint import _layout as L
+from ftrain.checkpoint._inflight import wait_for_save_into
 from ftrain.checkpoint._io import CheckpointError
 from ftrain.checkpoint._save import raise_pending_save_error
 from ftrain.checkpoint._tree import Node, describe, flatten_tree, unflatten
@@ -588,8 +589,14 @@ def _open_on_every_rank(path: Path, strategy: Strategy, *, verify: bool) -> Open
         return open_checkpoint(path, verify=verify)
     opened: Opened | None = None
     error: BaseException | None = None
+    try:  # with DDP only rank 0 writes: its background save into the folder commits first
+        wait_for_save_into(path)
+    except Exception as e:  # every rank must reach the barrier and the all-reduce below
+        error = e
+    strategy.barrier()  # then every rank opens what it committed, not the folder before it
     try:
-        opened = open_checkpoint(path, verify=verify)
+        if error is None:
+            opened = open_checkpoint(path, verify=verify)
     except Exception as e:  # every rank must reach the all-reduce below, or the others hang
         error = e
     # 24-bit pieces of (digest, step), and their squares: the values are equal on every rank

@@ -7,12 +7,14 @@ node-local disk), then joins the group and loads it. Prints one line per case.""
 from __future__ import annotations
 
 import sys
+import threading
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 
 import ftrain as ft
+from ftrain.checkpoint import _save
 
 CASES = {  # case -> (step, parameter offset) that rank r writes
     "same checkpoint": lambda r: (5, 0.0),
@@ -61,10 +63,44 @@ def main(tmp: Path, rank: int) -> None:
             print(f"{case}: found {found.name if found else None}", flush=True)
         except ft.CheckpointError as e:
             print(f"{case}: refused: {str(e).splitlines()[0]}", flush=True)
+    background_save_then_load(tmp / "shared", strategy)
     # close(), not a bare destroy_process_group(): a refused load's traceback can keep a DDP
     # model alive past the destroy, and a gloo group freed at interpreter exit aborts the
     # process ("terminate called without an active exception", seen once in CI).
     strategy.close()
+
+
+def background_save_then_load(root: Path, strategy: ft.strategies.Strategy) -> None:
+    """A run that went back saves step 5 again, in the background, and every rank loads it at
+    once: with DDP only rank 0 writes (and waits for its save), while rank 1 read the folder
+    before that save committed, the older step 5 (or, for a new step, no folder at all)."""
+    state = ft.TrainState.create(model(), ft.optim.adamw(), strategy=strategy)
+    ft.save_checkpoint(state.replace(step=5), root)  # the older step 5, committed
+    with torch.no_grad():
+        state.params["bias"].add_(1.0)
+    want = state.params["bias"].tolist()
+    release, real = threading.Event(), _save.write_safetensors
+
+    def slow(tensors: dict, path: Path) -> None:  # rank 0's writer, held until released
+        if threading.current_thread().name == "ftrain-checkpoint":
+            release.wait(30)
+        real(tensors, path)
+
+    _save.write_safetensors = slow
+    try:
+        path = ft.save_checkpoint(state.replace(step=5), root, blocking=False)
+        timer = threading.Timer(1.0, release.set)
+        timer.start()
+        fresh = ft.TrainState.create(model(), ft.optim.adamw(), strategy=strategy)
+        try:
+            got = ft.load_checkpoint(path, fresh).params["bias"].tolist()
+            print(f"background save: {'new' if got == want else 'old'} weights", flush=True)
+        except ft.CheckpointError as e:
+            print(f"background save: refused: {str(e).splitlines()[0]}", flush=True)
+        timer.join()
+        ft.wait_for_checkpoint()
+    finally:
+        _save.write_safetensors = real
 
 
 if __name__ == "__main__":
