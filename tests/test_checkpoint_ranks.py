@@ -57,3 +57,4 @@ def test_ranks_that_see_different_checkpoints_all_refuse_to_resume(tmp_path):
         ), out
         # Rank 0's background save (DDP: it alone writes), loaded at once by every rank.
         assert lines["background save"] == "new weights", out
+        assert lines["latest with a background save"] == "found step-9", out

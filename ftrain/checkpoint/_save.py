@@ -658,7 +658,8 @@ def latest_checkpoint(
 
     Args:
         root: the run folder that `save_checkpoint` writes into.
-        strategy: the run's strategy, to agree across ranks (a host sync, once).
+        strategy: the run's strategy, to agree across ranks (a barrier and a host sync,
+            once): with DDP, every rank then sees rank 0's background save into `root`.
 
     Raises:
         ValueError: if `root` is itself a checkpoint (it holds a `state.json` or a commit
@@ -675,17 +676,26 @@ def latest_checkpoint(
     if strategy is not None and not isinstance(strategy, Strategy):
         raise TypeError(f"strategy must be an ft.strategies.Strategy or None, got {strategy!r}")
     found: list[tuple[int, Path]] = []
+    error: Exception | None = None
     try:
         raise_pending_save_error()
         _check_root(root)
         _check_run_folder(Path(root), "or load it directly with load_checkpoint(path, state)")
         if _in_flight_into(Path(root)):  # else: the checkpoint before this process's save
             wait_for_checkpoint()
-        found = committed(Path(root))
-    except Exception:
+    except Exception as e:
+        error = e
+    if strategy is not None:  # with DDP only rank 0 writes: every rank lists once it committed
+        strategy.barrier()
+    try:
+        if error is None:
+            found = committed(Path(root))
+    except Exception as e:
+        error = e
+    if error is not None:
         if strategy is not None:  # the other ranks wait in the all-reduce: meet them there
             _agree_on_latest(None, strategy, root, failed=True)
-        raise
+        raise error
     latest = found[-1] if found else None
     if strategy is not None:
         _agree_on_latest(latest, strategy, root)

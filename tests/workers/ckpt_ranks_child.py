@@ -99,6 +99,17 @@ def background_save_then_load(root: Path, strategy: ft.strategies.Strategy) -> N
             print(f"background save: refused: {str(e).splitlines()[0]}", flush=True)
         timer.join()
         ft.wait_for_checkpoint()
+        release.clear()
+        ft.save_checkpoint(state.replace(step=9), root, blocking=False)
+        timer = threading.Timer(1.0, release.set)
+        timer.start()
+        try:
+            found = ft.latest_checkpoint(root, strategy=strategy)
+            print(f"latest with a background save: found {found.name if found else None}")
+        except ft.CheckpointError as e:
+            print(f"latest with a background save: refused: {str(e).splitlines()[0]}")
+        timer.join()
+        ft.wait_for_checkpoint()
     finally:
         _save.write_safetensors = real
 
