@@ -94,6 +94,23 @@ def test_default_collate_pads_and_masks():
     assert left["attention_mask"].tolist() == [[0, 1, 1, 1]]
 
 
+def test_packed_rows_that_carry_their_own_attention_mask_are_refused():
+    """Examples concatenated with their tokenizer's masks (all ones) and position_ids that
+    restart: pad_collate passed the mask on, and an HF model attended across the examples (a
+    mask it made itself was refused already)."""
+    packed = {"input_ids": [5, 6, 7, 8, 9], "position_ids": [0, 1, 2, 0, 1]}
+    row = packed | {"attention_mask": [1] * 5, "labels": [5, 6, 7, 8, 9]}
+    for collate in (pad_collate(), pad_collate(attention_mask=False)):
+        with pytest.raises(ValueError, match=r"row 1 holds packed examples .* token 3\) and an"):
+            collate([{**row, "position_ids": [0, 1, 2, 3, 4]}, row])
+    assert "attention_mask" not in pad_collate(attention_mask=False)([packed])
+    # A left-padded row: its position_ids are 0 up to its first real token, which is no packing.
+    left = {"input_ids": [0, 0, 7, 8], "attention_mask": [0, 0, 1, 1], "position_ids": [0, 0, 0, 1]}
+    assert pad_collate()([left])["position_ids"].tolist() == [[0, 0, 0, 1]]
+    vision = {"input_ids": [1, 2], "attention_mask": [1, 1], "position_ids": [[0, 1]] * 3}
+    assert pad_collate()([vision])["position_ids"].shape == (1, 3, 2)  # (3, L): not packing
+
+
 def test_group_by_length_equals_hf_length_grouped_sampler():
     from transformers.trainer_pt_utils import get_length_grouped_indices
 

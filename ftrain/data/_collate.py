@@ -42,7 +42,8 @@ def pad_collate(
         pad_to_multiple_of: round the padded length up to a multiple of this.
         attention_mask: create a mask for rows without one (off for packed rows, whose
             example boundaries HF models read from `position_ids`: rows whose `position_ids`
-            restart at 0 raise `ValueError` with it on, as their examples would see each other).
+            restart at 0 raise `ValueError` with it on, as their examples would see each other;
+            so do such rows that carry an `attention_mask` of their own, on or off).
 
     Example:
         >>> from ftrain.data import pad_collate
@@ -87,6 +88,7 @@ def pad_collate(
                 )
         if "input_ids" in out and "attention_mask" in out:
             _refuse_unequal_masks(rows)
+            _refuse_masked_packed(rows)
         if attention_mask and "input_ids" in out and "attention_mask" not in out:
             _refuse_packed(rows)
             masks = [torch.ones(len(r["input_ids"]), dtype=torch.long) for r in rows]
@@ -150,6 +152,29 @@ def _refuse_packed(rows: list[Any]) -> None:
                 "attention_mask made for it would let them attend to each other (HF models "
                 "read the boundaries from position_ids only without a mask): collate packed "
                 "rows with ft.sft.packed_collate(pad_id), or pad_collate(attention_mask=False)"
+            )
+
+
+def _refuse_masked_packed(rows: list[Any]) -> None:
+    """Refuse packed rows that carry an attention mask of their own (examples concatenated with
+    their tokenizer's masks): as with a mask made for them (`_refuse_packed`), the examples
+    would attend to each other. A restart counts only between two unmasked tokens, so the
+    position_ids of a left-padded row (0 at its first real token) are no packing."""
+    for i, row in enumerate(rows):
+        positions, mask = row.get("position_ids"), row["attention_mask"]
+        if positions is None or _is_text(positions) or _is_text(mask):
+            continue
+        p, m = torch.as_tensor(positions), torch.as_tensor(mask).bool()
+        if p.dim() != 1 or p.shape != m.shape:  # multimodal (3, L) positions: not packing
+            continue
+        restarts = (p[1:].eq(0) & m[1:] & m[:-1]).nonzero()
+        if len(restarts):
+            raise ValueError(
+                f"collate: row {i} holds packed examples (its position_ids restart at 0 at token "
+                f"{int(restarts[0]) + 1}) and an attention_mask over them, which lets them attend "
+                "to each other (HF models read the boundaries from position_ids only without a "
+                "mask): remove attention_mask from packed rows and collate them with "
+                "ft.sft.packed_collate(pad_id), or pad_collate(attention_mask=False)"
             )
 
 
