@@ -5,6 +5,7 @@ import gc
 import multiprocessing
 import random
 import socket
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -69,6 +70,33 @@ def test_augmentation_randomness_depends_on_epoch_and_rank_not_on_the_caller(ref
     assert (torch.rand(1), random.random()) == before
     ranks = [_flat(_batches(Augmented(20), batch_size=2, strategy=FakeRank(r, 2))) for r in (0, 1)]
     assert ranks[0][0][1] != ranks[1][0][1]
+
+
+def test_a_collator_with_a_generator_of_its_own_is_refused_and_works_without_its_seed():
+    """DataCollatorForLanguageModeling(seed=...), HF's way to reproducible masking, draws from
+    its own generator: under make_batches its masks restarted at a resume, were the same on
+    every rank, and changed with num_workers. Without a seed it draws from the generators
+    make_batches seeds per micro-batch, and is all three."""
+    from transformers import DataCollatorForLanguageModeling
+
+    text = (Path(__file__).parent.parent / "examples" / "data" / "tinyshakespeare.txt").read_text()
+    tok = ft.sft.train_tokenizer(text[:50_000].split("\n\n"), vocab_size=200)
+    tok.add_special_tokens({"mask_token": "[MASK]"})
+    rows = [{"input_ids": list(range(3, 19))} for _ in range(16)]
+
+    def masks(collator, rank=0, **kw):
+        groups = ft.make_batches(
+            rows, batch_size=4, collate_fn=collator, strategy=FakeRank(rank, 2), **kw
+        )
+        return [(b["labels"] != -100).tolist() for g in groups for b in g]
+
+    with pytest.raises(ValueError, match=r"DataCollatorForLanguageModeling\) draws from a gen"):
+        masks(DataCollatorForLanguageModeling(tok, mlm=True, seed=0))
+    collator = DataCollatorForLanguageModeling(tok, mlm=True)
+    run = masks(collator)
+    assert masks(collator, start=1) == run[1:]  # a resume draws the same masks
+    assert masks(collator, num_workers=2) == run
+    assert masks(collator, rank=1)[0] != run[0]  # and ranks draw their own
 
 
 def test_resume_with_workers_equals_the_uninterrupted_run_and_never_reads_skipped_rows(reference):

@@ -117,6 +117,8 @@ def make_batches(
         ValueError: for a non-positive `batch_size`/`accum`, a negative `start` or one beyond
             the epoch, an empty `data`, `drop_last` leaving no micro-batch, a negative
             `num_workers`, `prefetch_factor` without workers, `pin_memory` without CUDA, and
+            a `collate_fn` that draws from a generator of its own (HF's
+            `DataCollatorForLanguageModeling(seed=...)`: build it without a seed),
             a missing `strategy` under an initialised multi-rank process group (a default group
             may hold tensor-parallel ranks that must read the same rows, so it is not guessed),
             processes of a multi-rank group given other data or settings than each other
@@ -145,6 +147,7 @@ def make_batches(
     """
     _check_kinds(state, strategy, collate_fn, shuffle, drop_last, group_by_length)
     _check_label_side(collate_fn, state)
+    _check_own_generator(collate_fn)
     _check_grouping(data, shuffle, group_by_length, lengths)
     where = _where(state, seed=seed, epoch=epoch, start=start, strategy=strategy)
     seed, epoch, start, stream_pos, strategy = where
@@ -241,6 +244,23 @@ def _check_label_side(collate_fn: Any, state: Any) -> None:
             "tokenizer.padding_side = 'right' (ft.generate pads prompts itself), or use "
             "ft.data.pad_collate()"
         )
+
+
+def _check_own_generator(collate_fn: Any) -> None:
+    """Refuse a collator that draws from a generator of its own (HF's
+    `DataCollatorForLanguageModeling(seed=...)`): make_batches seeds the global generators per
+    micro-batch from `(seed, epoch, b, rank)`, which its generator ignores, so its masking
+    restarted on resume, was the same on every rank, and changed with `num_workers`."""
+    seed = getattr(collate_fn, "seed", None)
+    if seed is None or not hasattr(collate_fn, "generator"):
+        return
+    raise ValueError(
+        f"collate_fn ({type(collate_fn).__name__}) draws from a generator of its own "
+        f"(seed={seed!r}): its random masking would restart at every resume, repeat on every "
+        "data-parallel rank and change with num_workers. Build it without a seed: make_batches "
+        "seeds torch's, numpy's and Python's generators for each micro-batch from (seed, epoch, "
+        "micro-batch, rank), which makes its masking reproducible as it is"
+    )
 
 
 def _check_grouping(data: Any, shuffle: bool, grouped: bool, lengths: Any) -> None:
