@@ -192,8 +192,20 @@ def _find(opt_state: Any) -> EmaState:
     )
 
 
+def _running_stats(model: torch.nn.Module) -> list[str]:
+    """The buffers that training updates in the forward (BatchNorm's running statistics):
+    those of every module that tracks running statistics, by their names in `model`."""
+    return [
+        f"{prefix}.{b}" if prefix else b
+        for prefix, m in model.named_modules()
+        if getattr(m, "track_running_stats", False) is True
+        for b in ("running_mean", "running_var")
+        if isinstance(getattr(m, b, None), torch.Tensor)
+    ]
+
+
 @contextlib.contextmanager
-def swap_ema(state: TrainState) -> Iterator[TrainState]:
+def swap_ema(state: TrainState, *, live_buffers: bool = False) -> Iterator[TrainState]:
     """Put the EMA weights into the model for the block, then the live weights back.
 
     Inside, `ft.evaluate(state, ...)` evaluates and `ft.export_pretrained(state, dir)` exports
@@ -205,9 +217,21 @@ def swap_ema(state: TrainState) -> Iterator[TrainState]:
     with the average, every one after with the live weights; they come back even when the
     block raises.
 
+    `ema` averages the trainable parameters only (its optimizer never sees the buffers), so a
+    model with running statistics (BatchNorm) would evaluate the average with the statistics of
+    the live weights; timm's `ModelEmaV2` averages them instead. Such a model is refused unless
+    `live_buffers=True` says that the live buffers are meant (or that the block recomputes them,
+    e.g. with `torch.optim.swa_utils.update_bn`, which changes the live ones too).
+
+    Args:
+        state: a state whose optimizer is `ft.optim.ema(...)`.
+        live_buffers: accept the live buffers (running statistics) beside the averaged
+            parameters.
+
     Raises:
         TypeError: when the state's optimizer is not wrapped in `ft.optim.ema`.
-        ValueError: inside another `swap_ema` of the same state (it would swap back).
+        ValueError: inside another `swap_ema` of the same state (it would swap back); for a
+            model with running statistics without `live_buffers=True`.
 
     Example:
         >>> import torch, ftrain as ft
@@ -216,6 +240,17 @@ def swap_ema(state: TrainState) -> Iterator[TrainState]:
         ...     pass  # evaluate or export here
     """
     average = _find(state.opt_state).ema
+    if not isinstance(live_buffers, bool):
+        raise TypeError(f"live_buffers must be True or False, got {live_buffers!r}")
+    stats = [] if live_buffers else _running_stats(state.strategy.unwrap(state.model))
+    if stats:
+        raise ValueError(
+            f"swap_ema: ft.optim.ema averages the parameters, not the buffers, and the model's "
+            f"running statistics {stats[:4]} are the live weights' (timm's ModelEmaV2 averages "
+            f"them): the evaluation would not be the averaged model's. Pass "
+            f"swap_ema(state, live_buffers=True) to use them anyway, or to recompute them for "
+            f"the average inside the block (torch.optim.swa_utils.update_bn)"
+        )
     if _swapped(average):
         raise ValueError(
             "swap_ema(state) is already active for this state: the model holds the average "
