@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torchopt
 
 import ftrain as ft
 
@@ -46,3 +47,25 @@ def test_swap_ema_takes_a_model_without_running_statistics_as_before():
     state = ft.TrainState.create(model, ft.optim.ema(ft.optim.sgd()))
     with ft.optim.swap_ema(state):
         assert ft.optim.ema_swapped(state)
+
+
+@pytest.mark.parametrize(
+    ("make", "want"),
+    [
+        (lambda t: t.adam(lr=1e-3), r"tx scales its updates by 0\.001 \(its own lr\)"),
+        (lambda t: t.chain(t.clip_grad_norm(1.0), t.sgd(lr=0.5)), r"tx scales its updates by 0\.5"),
+        (lambda t: t.adamw(lr=lambda count: 1.0), r"tx has an lr schedule of its own"),
+    ],
+)
+def test_from_torchopt_refuses_a_transformation_with_an_lr_of_its_own(make, want):
+    # torchopt.adam(lr=1e-3) stepped by 1e-3 * clip_and_step's lr: 1e-6 at lr=1e-3, silently.
+    with pytest.raises(ValueError, match=rf"from_torchopt: {want}"):
+        ft.optim.from_torchopt(make(torchopt))
+
+
+def test_from_torchopt_applies_the_step_lr_once_and_keeps_adagrads_own_decay():
+    opt = ft.optim.from_torchopt(torchopt.sgd(lr=1.0))
+    p = {"w": torch.ones(2)}
+    opt.update({"w": torch.full((2,), 2.0)}, opt.init(p), p, lr=0.1, step=0)
+    torch.testing.assert_close(p["w"], torch.full((2,), 0.8))
+    ft.optim.from_torchopt(torchopt.adagrad(lr=1.0, lr_decay=0.1))  # a factor, not an lr

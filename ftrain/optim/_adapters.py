@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+import math
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -170,11 +172,17 @@ def _json(value: Any) -> Any:
 def from_torchopt(tx: Any) -> Optimizer:
     """Wrap a torchopt `GradientTransformation` built with `lr=1.0` (ftrain supplies the lr).
 
-    Updates are scaled by the step's lr and applied in place. Skipping a non-finite step costs
-    one host sync. Needs the `torchopt` extra.
+    Updates are scaled by the step's lr (`clip_and_step(lr=...)`) and applied in place: the
+    step's lr is the only one, so a transformation that scales by an lr of its own (torchopt's
+    `adam(lr=1e-3)`, any constant `scale` other than ±1, or an lr schedule) is refused rather
+    than applying two learning rates. Factors that are part of the algorithm (Adagrad's
+    `lr_decay`) are kept. Skipping a non-finite step costs one host sync. Needs the `torchopt`
+    extra.
 
     Raises:
         ImportError: when torchopt is not installed.
+        TypeError: for a `tx` that is no GradientTransformation.
+        ValueError: for a `tx` with an lr or lr schedule of its own.
     """
     try:
         import torchopt  # noqa: F401  (only checks that the extra is installed)
@@ -182,6 +190,7 @@ def from_torchopt(tx: Any) -> Optimizer:
         raise ImportError("from_torchopt needs torchopt: pip install 'ftrain[torchopt]'") from e
     if not hasattr(tx, "init") or not hasattr(tx, "update"):
         raise TypeError(f"tx must be a torchopt GradientTransformation, got {tx!r}")
+    _refuse_own_lr(tx)
 
     def init(params: Params) -> Any:
         return tx.init(tuple(params.values()))
@@ -211,3 +220,46 @@ def from_torchopt(tx: Any) -> Optimizer:
         return state
 
     return Optimizer(init, update)
+
+
+def _refuse_own_lr(tx: Any) -> None:
+    """Refuse a torchopt transformation that scales by an lr of its own: each update also
+    multiplies by `clip_and_step`'s lr, so `adam(lr=1e-3)` stepped by 1e-6 at lr=1e-3."""
+    scales: list[float] = []
+    schedules: list[str] = []
+    _torchopt_scales(tx, set(), scales, schedules)
+    if schedules:
+        raise ValueError(
+            "from_torchopt: tx has an lr schedule of its own, and each update is also "
+            "multiplied by the lr given to clip_and_step(lr=...): build it with lr=1.0 and "
+            "pass the schedule's value as clip_and_step's lr (e.g. an ft.schedules schedule)"
+        )
+    factor = abs(math.prod(scales))
+    if factor != 1.0:
+        raise ValueError(
+            f"from_torchopt: tx scales its updates by {factor:g} (its own lr), and each update "
+            f"is also multiplied by the lr given to clip_and_step(lr=...), so both would apply: "
+            f"build it with lr=1.0 (e.g. torchopt.adam(lr=1.0)) and give the lr to clip_and_step"
+        )
+
+
+def _torchopt_scales(obj: Any, seen: set[int], scales: list[float], schedules: list[str]) -> None:
+    # torchopt keeps a transformation's hyperparameters in its functions' closures: a constant
+    # `scale` (what `scale_by_neg_lr(lr)` builds) holds `step_size`, and an lr schedule is
+    # wrapped by `_scale_by_neg_lr`'s `schedule_wrapper`. A transformation of your own that
+    # scales otherwise is not seen.
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, types.FunctionType):
+        cells = dict(zip(obj.__code__.co_freevars, obj.__closure__ or (), strict=True))
+        values = {n: c.cell_contents for n, c in cells.items()}
+        if obj.__qualname__.startswith("_scale.<locals>") and "step_size" in values:
+            scales.append(float(values["step_size"]))
+        if obj.__qualname__.startswith("_scale_by_neg_lr.<locals>"):
+            schedules.append(obj.__qualname__)
+        for v in values.values():
+            _torchopt_scales(v, seen, scales, schedules)
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            _torchopt_scales(v, seen, scales, schedules)
