@@ -289,7 +289,9 @@ def clip_members(grads: Mapping[str, torch.Tensor], max_norm: float | None) -> t
 
 def _member_norms(grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """Each member's global gradient norm (dim 0 is the member), shape `(K,)`."""
-    return torch.stack([t.flatten(1).norm(dim=1) for t in grads.values()], dim=1).norm(dim=1)
+    # reshape, not flatten(1): a member's 0-dim parameter is stacked to shape (K,).
+    norms = [t.reshape(t.shape[0], -1).norm(dim=1) for t in grads.values()]
+    return torch.stack(norms, dim=1).norm(dim=1)
 
 
 def sweep(

@@ -269,7 +269,9 @@ def clip_examples(
     """
     d = 2 if members else 1
     grads = list(per_example.values())
-    norms = torch.stack([g.flatten(d).norm(dim=d) for g in grads], dim=-1).norm(dim=-1)
+    # reshape, not flatten(d): a 0-dim parameter (a learnable temperature) has no dim d.
+    norms = torch.stack([g.reshape(*g.shape[:d], -1).norm(dim=d) for g in grads], dim=-1)
+    norms = norms.norm(dim=-1)
     factor = (max_norm / (norms + 1e-6)).clamp(max=1.0)
     spec = "ik,ik...->k..." if members else "i,i...->..."
     return {n: torch.einsum(spec, factor, g) for n, g in per_example.items()}
@@ -361,8 +363,8 @@ def private_grads(
     `ft.func.Ensemble` each member's part of `g_i` is clipped to its own norm, so member k gets
     what its own DP-SGD run would (the noise is independent across members). A step that drew
     no example (Poisson sampling can) returns the noise alone over `expected_batch_size`, with
-    `num_items` 0: `clip_and_step` still skips such a step, where Opacus applies it (a known
-    gap of the core step, docs/research.md).
+    `num_items` 0, and `clip_and_step` applies it, as Opacus does (its `Stats` has
+    `skip_empty=False`).
 
     The noise is keyed by a secret that no state or checkpoint holds (`noise_seed`): by
     default one drawn from the OS once per process, so a checkpoint never lets anyone rebuild

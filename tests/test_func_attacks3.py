@@ -1,0 +1,61 @@
+"""The research path, third round: each test failed before its fix."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import ftrain as ft
+
+
+def mse(model, batch):
+    return ((model(batch["x"]) - batch["y"]) ** 2).sum(), batch["y"].numel()
+
+
+class Scaled(nn.Module):
+    """A linear layer times a learnable 0-dim temperature (CLIP's `logit_scale`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 1)
+        self.temp = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x):
+        return self.lin(x) * self.temp
+
+
+def _batch(n=4):
+    torch.manual_seed(1)
+    return {"x": torch.randn(n, 3), "y": torch.randn(n, 1)}
+
+
+def test_private_grads_clip_a_model_with_a_0_dim_parameter():
+    # flatten(1) of the (examples,) gradient of a 0-dim parameter raised IndexError.
+    torch.manual_seed(0)
+    state = ft.TrainState.create(Scaled(), ft.optim.sgd())
+    batch = _batch()
+    got, _ = ft.func.private_grads(state, [batch], mse, max_norm=0.5, noise_multiplier=0.0)
+    per = ft.func.per_sample_grads(state, batch, mse)
+    norms = torch.stack([g.reshape(4, -1).norm(dim=1) for g in per.values()], 1).norm(dim=1)
+    factor = (0.5 / (norms + 1e-6)).clamp(max=1.0)
+    for n, g in per.items():
+        want = torch.einsum("i,i...->...", factor, g) / 4
+        torch.testing.assert_close(got[n], want, msg=n)
+
+
+def test_clip_members_and_a_sweep_take_an_ensemble_with_a_0_dim_parameter():
+    torch.manual_seed(0)
+    ens = ft.func.Ensemble([Scaled() for _ in range(3)])
+    state = ft.TrainState.create(ens, ft.func.sweep([ft.optim.sgd() for _ in range(3)]))
+    grads, stats = ft.accumulate_grads(state, [_batch()], ft.func.ensemble_loss(mse))
+    norms = ft.func.clip_members(grads, None)
+    names = ("stacked.temp", "stacked.lin.weight", "stacked.lin.bias")
+    want = [torch.cat([grads[n][k].reshape(-1) for n in names]).norm() for k in range(3)]
+    torch.testing.assert_close(norms, torch.stack(want))
+    grads["stacked.temp"][1] = float("nan")  # member 1 alone skips its step
+    before = {n: p.detach().clone() for n, p in state.params.items()}
+    state, info = ft.clip_and_step(state, grads, lr=0.1, stats=stats)
+    assert bool(info.skipped)
+    after = state.params["stacked.lin.weight"]
+    assert torch.equal(after[1], before["stacked.lin.weight"][1])
+    assert not torch.equal(after[0], before["stacked.lin.weight"][0])
