@@ -59,3 +59,23 @@ def test_clip_members_and_a_sweep_take_an_ensemble_with_a_0_dim_parameter():
     after = state.params["stacked.lin.weight"]
     assert torch.equal(after[1], before["stacked.lin.weight"][1])
     assert not torch.equal(after[0], before["stacked.lin.weight"][0])
+
+
+def test_a_sweep_of_ema_optimizers_averages_a_head_without_a_gradient():
+    # Each member's optimizer got only the parameters with a gradient: ema raised KeyError.
+    torch.manual_seed(0)
+    heads = [nn.ModuleDict({"a": nn.Linear(2, 1), "b": nn.Linear(2, 1)}) for _ in range(2)]
+    ens = ft.func.Ensemble(heads)
+    opts = [ft.optim.ema(ft.optim.sgd(), decay=0.5, warmup=False) for _ in range(2)]
+    state = ft.TrainState.create(ens, ft.func.sweep(opts))
+    a = state.params["stacked.a.weight"].detach().clone()
+
+    def loss_fn(model, batch):
+        return model["b"](batch["x"]).sum(), 1
+
+    grads, stats = ft.accumulate_grads(
+        state, [{"x": torch.ones(3, 2)}], ft.func.ensemble_loss(loss_fn)
+    )
+    state, _ = ft.clip_and_step(state, grads, lr=0.1, stats=stats)
+    for k in range(2):
+        assert torch.equal(state.opt_state[k].ema["stacked.a.weight"], a[k])

@@ -69,3 +69,39 @@ def test_from_torchopt_applies_the_step_lr_once_and_keeps_adagrads_own_decay():
     opt.update({"w": torch.full((2,), 2.0)}, opt.init(p), p, lr=0.1, step=0)
     torch.testing.assert_close(p["w"], torch.full((2,), 0.8))
     ft.optim.from_torchopt(torchopt.adagrad(lr=1.0, lr_decay=0.1))  # a factor, not an lr
+
+
+def _two_heads():
+    torch.manual_seed(0)
+    return torch.nn.ModuleDict({"a": torch.nn.Linear(2, 1), "b": torch.nn.Linear(2, 1)})
+
+
+def _step_on(state, head):
+    def loss_fn(model, batch):
+        return model[head](batch["x"]).sum(), 1
+
+    grads, stats = ft.accumulate_grads(state, [{"x": torch.ones(3, 2)}], loss_fn)
+    return ft.clip_and_step(state, grads, lr=0.1, stats=stats)[0]
+
+
+def test_a_partition_group_gets_all_its_parameters_so_ema_averages_one_without_a_gradient():
+    # The group's optimizer got only the parameters with a gradient: ema raised KeyError on
+    # the head this step did not use.
+    opt = ft.optim.ema(ft.optim.sgd(), decay=0.5, warmup=False)
+    state = ft.TrainState.create(_two_heads(), ft.optim.partition({"x": opt}, lambda n: "x"))
+    a, b = (state.params[f"{h}.weight"].detach().clone() for h in "ab")
+    state = _step_on(state, "b")
+    average = state.opt_state.groups["x"].ema
+    assert torch.equal(average["a.weight"], a)
+    torch.testing.assert_close(average["b.weight"], (b + state.params["b.weight"]) / 2)
+
+
+def test_from_torchopt_in_a_partition_refuses_a_parameter_without_a_gradient():
+    # It matched the gradients it got to the first parameters' state: "b"'s momentum became
+    # "a"'s, and a later step of "a" moved it by "b"'s history, without an error.
+    opt = ft.optim.from_torchopt(torchopt.sgd(lr=1.0, momentum=0.9))
+    state = ft.TrainState.create(_two_heads(), ft.optim.partition({"x": opt}, lambda n: "x"))
+    with pytest.raises(
+        ValueError, match=r"from_torchopt: no gradient for \['a\.weight', 'a\.bias'\]"
+    ):
+        _step_on(state, "b")

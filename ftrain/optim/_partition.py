@@ -161,11 +161,15 @@ def partition(
         found_inf: torch.Tensor | None = None,
     ) -> PartitionState:
         new = dict(state.groups)
+        # Each group's optimizer gets all its parameters, as clip_and_step gives a state's
+        # optimizer, and the gradients it has: given only those with a gradient, `ema` failed
+        # on the others and `from_torchopt` matched the gradients to other parameters' state.
+        whole = split(tuple(params))
         for label, names in split(tuple(grads)).items():
             new[label] = optimizers[label].update(
                 {n: grads[n] for n in names},
                 state.groups[label],
-                {n: params[n] for n in names},
+                {n: params[n] for n in whole[label]},
                 lr=lr * factors.get(label, 1.0),
                 step=step,
                 found_inf=found_inf,

@@ -348,7 +348,7 @@ def sweep(
             opt.update(
                 {n: g[i] for n, g in grads.items()},
                 state[i],
-                {n: params[n][i] for n in grads},
+                {n: p[i] for n, p in params.items()},  # all, as clip_and_step gives them
                 lr=lr * factors[i],
                 step=step,
                 found_inf=skips[i],
