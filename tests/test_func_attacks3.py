@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+
+import pytest
 import torch
 from torch import nn
 
@@ -79,3 +82,42 @@ def test_a_sweep_of_ema_optimizers_averages_a_head_without_a_gradient():
     state, _ = ft.clip_and_step(state, grads, lr=0.1, stats=stats)
     for k in range(2):
         assert torch.equal(state.opt_state[k].ema["stacked.a.weight"], a[k])
+
+
+def test_clip_by_global_norm_in_a_chain_clips_each_ensemble_member_by_its_own_norm():
+    # One norm over all the stacked members clipped member 0 by member 1's large gradient.
+    def member(seed, gain):
+        torch.manual_seed(seed)
+        m = nn.Linear(3, 1)
+        with torch.no_grad():
+            m.weight.mul_(gain)
+        return m
+
+    def opt():
+        return ft.optim.chain(ft.optim.clip_by_global_norm(0.5), ft.optim.sgd())
+
+    members = [member(0, 1.0), member(1, 20.0)]
+    batch = _batch()
+    ens = ft.TrainState.create(ft.func.Ensemble(copy.deepcopy(members)), opt())
+    grads, stats = ft.accumulate_grads(ens, [batch], ft.func.ensemble_loss(mse))
+    ens, _ = ft.clip_and_step(ens, grads, lr=0.1, stats=stats)
+    for k, m in enumerate(members):
+        alone = ft.TrainState.create(copy.deepcopy(m), opt())
+        grads, stats = ft.accumulate_grads(alone, [batch], mse)
+        alone, _ = ft.clip_and_step(alone, grads, lr=0.1, stats=stats)
+        for n, p in alone.params.items():
+            torch.testing.assert_close(ens.params[f"stacked.{n}"][k], p, msg=f"{k} {n}")
+
+
+def test_muon_refuses_the_stacked_parameters_of_an_ensemble():
+    # A (members, d) stack of biases is 2-D: Newton-Schulz orthogonalised across members.
+    ens = ft.func.Ensemble([nn.Linear(3, 2) for _ in range(3)])
+
+    def groups(label_of):
+        return ft.optim.partition({"muon": ft.optim.muon(), "adamw": ft.optim.adamw()}, label_of)
+
+    with pytest.raises(ValueError, match=r"muon got parameters of an ft\.func\.Ensemble"):
+        ft.TrainState.create(ens, groups(lambda n: "muon" if n.endswith("bias") else "adamw"))
+    # Per member, through a sweep, each member's weight is a matrix of its own.
+    per_member = [groups(lambda n: "muon" if n.endswith("weight") else "adamw") for _ in range(3)]
+    ft.TrainState.create(ens, ft.func.sweep(per_member))

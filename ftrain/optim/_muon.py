@@ -100,6 +100,13 @@ def muon(
         _number(f"ns_coefficients ({name})", c, lambda v: True)
 
     def init(params: Params) -> MuonState:
+        stacked = [n for n, p in params.items() if getattr(type(p), "stacked_members", False)]
+        if stacked:  # a (K, d) stack of biases is 2-D: Newton-Schulz would mix the members
+            raise ValueError(
+                f"muon got parameters of an ft.func.Ensemble {stacked[:3]} (dim 0 is the "
+                "member): it would orthogonalise across members; give each member its own "
+                "optimizer, ft.func.sweep([ft.optim.muon(), ...]) (in a partition per member)"
+            )
         bad = {n: tuple(p.shape) for n, p in params.items() if p.dim() != 2}
         if bad:
             raise ValueError(

@@ -69,17 +69,31 @@ def clip_by_global_norm(max_norm: float) -> Transform:
     """Scale gradients so that their global L2 norm is at most `max_norm` (single process).
 
     `clip_and_step(max_norm=...)` does the same across shards and ranks and reports the norm;
-    this transform is for optimizer recipes that clip inside a chain.
+    this transform is for optimizer recipes that clip inside a chain. The parameters of an
+    `ft.func.Ensemble` (dim 0 is the member) are clipped member by member, each by its own
+    norm, as K separate runs clip.
     """
     _number("max_norm", max_norm, lambda v: v > 0, "> 0")
 
     def apply(grads: Grads, params: Params) -> Grads:
         gs = list(grads.values())
+        if gs and all(_stacked(params[n]) for n in grads):
+            # One norm over all members would clip each by the others' gradients.
+            norms = [g.reshape(g.shape[0], -1).norm(dim=1) for g in gs]
+            coef = torch.clamp(max_norm / (torch.stack(norms, 1).norm(dim=1) + 1e-6), max=1.0)
+            for g in gs:
+                g.mul_(coef.view(-1, *([1] * (g.dim() - 1))))
+            return grads
         coef = torch.clamp(max_norm / (local_grad_norm(gs) + 1e-6), max=1.0)
         torch._foreach_mul_(gs, coef)
         return grads
 
     return _stateless(apply, lambda names: {"kind": "clip_by_global_norm", "max_norm": max_norm})
+
+
+def _stacked(param: torch.Tensor) -> bool:
+    """Whether `param` stacks the members of an `ft.func.Ensemble` on dim 0."""
+    return getattr(type(param), "stacked_members", False) is True
 
 
 def add_decayed_weights(weight_decay: float, *, mask: Mask = None) -> Transform:

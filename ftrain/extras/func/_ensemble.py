@@ -65,7 +65,7 @@ class Ensemble(nn.Module):
         # meta device (no memory), is the function `functional_call` runs per member.
         self.stacked = copy.deepcopy(members[0])
         for name, p in list(self.stacked.named_parameters()):  # listed before any is replaced
-            stacked = nn.Parameter(params[name].detach(), p.requires_grad)
+            stacked = MemberStacked(params[name].detach(), p.requires_grad)
             for alias in _aliases(self.stacked, name):
                 _set(self.stacked, alias, stacked)
         for name in buffers:
@@ -107,6 +107,14 @@ class Ensemble(nn.Module):
             for alias in _aliases(module, name, buffers=not param):
                 _set(module, alias, value, buffer=not param)
         return module
+
+
+class MemberStacked(nn.Parameter):
+    """A parameter of an `Ensemble`: dim 0 is the member. `ft.optim` reads `stacked_members`
+    (it does not import `ft.func`): `clip_by_global_norm` then clips each member by its own
+    norm, as K separate runs do, and `muon` refuses it (use `sweep`)."""
+
+    stacked_members: ClassVar[bool] = True
 
 
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
