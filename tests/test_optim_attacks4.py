@@ -105,3 +105,45 @@ def test_from_torchopt_in_a_partition_refuses_a_parameter_without_a_gradient():
         ValueError, match=r"from_torchopt: no gradient for \['a\.weight', 'a\.bias'\]"
     ):
         _step_on(state, "b")
+
+
+def _ema_mlp():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    state = ft.TrainState.create(model, ft.optim.ema(ft.optim.sgd(), decay=0.5))
+    with torch.no_grad():
+        for a in state.opt_state.ema.values():
+            a.copy_(torch.full_like(a, 7.0))
+    live = {n: p.detach().clone() for n, p in state.params.items()}
+    return state, live
+
+
+def _assert_unswapped(state, live):
+    assert not ft.optim.ema_swapped(state)
+    for n, p in state.params.items():
+        assert torch.equal(p, live[n]), n
+    for n, a in state.opt_state.ema.items():
+        if not a.is_inference():
+            assert torch.all(a == 7.0), n
+
+
+def test_a_swap_that_fails_midway_puts_back_the_pairs_it_had_exchanged():
+    # The first pairs stayed exchanged when a later one failed (out of memory, an interrupt,
+    # an average that cannot be written): the model mixed averaged and live tensors, and the
+    # average held live weights, with ema_swapped False.
+    state, live = _ema_mlp()
+    with torch.inference_mode():
+        frozen = torch.full((2,), 7.0)  # an in-place write outside inference mode fails
+    state.opt_state.ema["1.bias"] = frozen
+    with pytest.raises(RuntimeError), ft.optim.swap_ema(state):
+        pass
+    _assert_unswapped(state, live)
+
+
+def test_swap_ema_refuses_an_average_of_another_shape_before_swapping_anything():
+    state, live = _ema_mlp()
+    state.opt_state.ema["1.bias"] = torch.full((5,), 7.0)
+    want = r"swap_ema: an EMA average's shape differs"
+    with pytest.raises(ValueError, match=want), ft.optim.swap_ema(state):
+        pass
+    _assert_unswapped(state, live)

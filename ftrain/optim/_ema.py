@@ -320,8 +320,61 @@ def live_tensors(state: TrainState) -> tuple[Mapping[str, torch.Tensor], Any]:
 
 
 def _swap(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Exchange the values of each pair, all or none: a failure part-way (an out-of-memory
+    error, a KeyboardInterrupt, an average of another shape) swaps back the pairs already
+    exchanged before it propagates, so the model never mixes live and averaged tensors.
+
+    The temporaries, one per (device, dtype) of the largest tensor's size, are allocated
+    before anything moves (no allocation can fail midway) and bound the extra memory.
+    """
+    bad = [(tuple(p.shape), tuple(a.shape)) for p, a in pairs if p.shape != a.shape]
+    if bad:
+        raise ValueError(
+            f"swap_ema: an EMA average's shape differs from its parameter's {bad[:3]} (the "
+            "optimizer state was changed after the state was created); nothing was swapped"
+        )
+    sizes: dict[tuple[torch.device, torch.dtype], int] = {}
+    for p, _ in pairs:
+        key = (p.device, p.dtype)
+        sizes[key] = max(sizes.get(key, 0), p.numel())
+    room = {k: torch.empty(n, dtype=k[1], device=k[0]) for k, n in sizes.items()}
+    done, stage = 0, 0
     with torch.no_grad():
-        for p, a in pairs:  # one temporary at a time bounds the extra memory
-            tmp = p.clone()
-            p.copy_(a)
-            a.copy_(tmp)
+        try:
+            for p, a in pairs:
+                tmp = room[(p.device, p.dtype)][: p.numel()].view(p.shape)
+                stage = 0
+                tmp.copy_(p)
+                stage = 1
+                p.copy_(a)
+                stage = 2
+                a.copy_(tmp)
+                done, stage = done + 1, 0  # (no call in between: no interrupt lands there)
+        except BaseException:
+            _undo(pairs, room, done, stage)
+            raise
+
+
+def _undo(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+    room: dict[tuple[torch.device, torch.dtype], torch.Tensor],
+    done: int,
+    stage: int,
+) -> None:
+    """Put back what `_swap` exchanged before it failed at pair `done`, in `stage` (1: the
+    temporary holds the parameter, which may hold the average; 2: the parameter holds the
+    average, and the average holds the parameter if an interrupt came after that copy, or
+    itself if the copy failed)."""
+    if stage:
+        p, a = pairs[done]
+        if stage == 2 and not torch.equal(a, p):
+            # The copy into the average failed, or wrote and then failed (an inference
+            # tensor): put the average back if it can be written; the error follows anyway.
+            with contextlib.suppress(Exception):
+                a.copy_(p)
+        p.copy_(room[(p.device, p.dtype)][: p.numel()].view(p.shape))
+    for p, a in pairs[:done]:
+        tmp = room[(p.device, p.dtype)][: p.numel()].view(p.shape)
+        tmp.copy_(p)
+        p.copy_(a)
+        a.copy_(tmp)
