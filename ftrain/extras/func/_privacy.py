@@ -9,7 +9,7 @@ conversion to (epsilon, delta) is Balle et al. 2020, Theorem 21. The same analys
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from ftrain.extras.func._common import is_number
 
@@ -35,17 +35,24 @@ def _log_sub(a: float, b: float) -> float:
         return a
 
 
-def _log_binom(n: float, k: int) -> tuple[float, float]:
-    """(log |C(n, k)|, sign) for real n >= 0 and integer k >= 0."""
-    if k <= n:
-        return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1), 1.0
-    # For real n < k the generalised binomial coefficient changes sign with each factor.
-    log_c, sign = 0.0, 1.0
-    for j in range(k):
-        f = (n - j) / (j + 1)
+def _log_binoms(n: float) -> Iterator[tuple[float, float]]:
+    """(log |C(n, k)|, sign) for k = 0, 1, 2, ... and real n >= 0, each in O(1).
+
+    For k <= n, from lgamma; beyond, the generalised coefficient changes sign with each factor
+    (n - j) / (j + 1), whose logs are summed as k grows (a sum from j = 0 for each k made the
+    accountant quadratic in the terms it needs: 34 s for q=0.5, sigma=5, where Opacus takes
+    0.3 s).
+    """
+    log_c, sign, k = 0.0, 1.0, 0
+    while True:
+        if k <= n:
+            yield math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1), 1.0
+        else:
+            yield log_c, sign
+        f = (n - k) / (k + 1)
         sign = -sign if f < 0 else sign
-        log_c += math.log(abs(f))
-    return log_c, sign
+        log_c += math.log(abs(f)) if f else -math.inf
+        k += 1
 
 
 def _log_erfc(x: float) -> float:
@@ -57,8 +64,8 @@ def _log_erfc(x: float) -> float:
 
 def _log_a_int(q: float, sigma: float, alpha: int) -> float:
     log_a = -math.inf
-    for i in range(alpha + 1):
-        coef = _log_binom(alpha, i)[0] + i * math.log(q) + (alpha - i) * math.log1p(-q)
+    for i, (log_binom, _) in zip(range(alpha + 1), _log_binoms(alpha), strict=False):
+        coef = log_binom + i * math.log(q) + (alpha - i) * math.log1p(-q)
         log_a = _log_add(log_a, coef + (i * i - i) / (2 * sigma**2))
     return log_a
 
@@ -66,9 +73,7 @@ def _log_a_int(q: float, sigma: float, alpha: int) -> float:
 def _log_a_frac(q: float, sigma: float, alpha: float) -> float:
     log_a0, log_a1 = -math.inf, -math.inf
     z0 = sigma**2 * math.log(1 / q - 1) + 0.5
-    i = 0
-    while True:
-        log_coef, sign = _log_binom(alpha, i)
+    for i, (log_coef, sign) in enumerate(_log_binoms(alpha)):
         j = alpha - i
         log_t0 = log_coef + i * math.log(q) + j * math.log1p(-q)
         log_t1 = log_coef + j * math.log(q) + i * math.log1p(-q)
@@ -80,9 +85,9 @@ def _log_a_frac(q: float, sigma: float, alpha: float) -> float:
             log_a0, log_a1 = _log_add(log_a0, log_s0), _log_add(log_a1, log_s1)
         else:
             log_a0, log_a1 = _log_sub(log_a0, log_s0), _log_sub(log_a1, log_s1)
-        i += 1
         if max(log_s0, log_s1) < -30:
             return _log_add(log_a0, log_a1)
+    raise AssertionError("unreachable: _log_binoms never ends")
 
 
 def _check(sample_rate: float, noise_multiplier: float, steps: int) -> None:
