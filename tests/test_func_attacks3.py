@@ -145,3 +145,10 @@ def test_the_accountant_does_linear_work_in_the_terms_it_sums(monkeypatch):
     r = ft.func.rdp(sample_rate=0.5, noise_multiplier=5.0, steps=100, order=1.1)
     assert calls < 200_000
     assert r == pytest.approx(100 * 0.0005532842306634755 / 0.1, rel=1e-12)
+
+
+def test_a_sweep_refuses_a_plain_model_whose_parameters_lead_with_the_member_count():
+    # Linear(3, 3)'s weight (3, 3) and bias (3,) both lead with 3: a sweep of 3 took the plain
+    # model, each "member" training one row of the weight and one element of the bias.
+    with pytest.raises(ValueError, match=r"sweep of 3 optimizers got parameter 'weight'.*Ensemble"):
+        ft.TrainState.create(nn.Linear(3, 3), ft.func.sweep([ft.optim.sgd() for _ in range(3)]))

@@ -399,7 +399,9 @@ def _member_skips(
 
 def _check_members(params: Mapping[str, torch.Tensor], k: int) -> None:
     for n, p in params.items():
-        if p.dim() == 0 or p.shape[0] != k:
+        # A plain model whose parameters all happen to lead with k (Linear(3, 3) for k=3) was
+        # taken, each "member" training a row of every tensor.
+        if p.dim() == 0 or p.shape[0] != k or not isinstance(p, MemberStacked):
             raise ValueError(
                 f"sweep of {k} optimizers got parameter {n!r} of shape {list(p.shape)}: train "
                 f"an ft.func.Ensemble of {k} members"
