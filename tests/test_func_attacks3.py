@@ -152,3 +152,13 @@ def test_a_sweep_refuses_a_plain_model_whose_parameters_lead_with_the_member_cou
     # model, each "member" training one row of the weight and one element of the bias.
     with pytest.raises(ValueError, match=r"sweep of 3 optimizers got parameter 'weight'.*Ensemble"):
         ft.TrainState.create(nn.Linear(3, 3), ft.func.sweep([ft.optim.sgd() for _ in range(3)]))
+
+
+def test_a_pickled_ensemble_keeps_parameters_that_stack_members():
+    # nn.Parameter's pickling rebuilt plain parameters: a sweep then refused the ensemble, and
+    # clip_by_global_norm clipped its members by one norm again.
+    import pickle
+
+    ens = pickle.loads(pickle.dumps(ft.func.Ensemble([nn.Linear(3, 1) for _ in range(2)])))
+    assert all(isinstance(p, ft.func.MemberStacked) for p in ens.parameters())
+    ft.TrainState.create(ens, ft.func.sweep([ft.optim.sgd(), ft.optim.sgd()]))

@@ -6,6 +6,7 @@ module-owned parameters and plain autograd; nothing here changes it. See docs/re
 """
 
 from ftrain.extras.func._ensemble import Ensemble as Ensemble
+from ftrain.extras.func._ensemble import MemberStacked as MemberStacked
 from ftrain.extras.func._ensemble import clip_members as clip_members
 from ftrain.extras.func._ensemble import ensemble_loss as ensemble_loss
 from ftrain.extras.func._ensemble import sweep as sweep
@@ -29,6 +30,7 @@ __all__ = [
     "rdp",
     # ensembles and sweeps
     "Ensemble",
+    "MemberStacked",
     "ensemble_loss",
     "clip_members",
     "sweep",

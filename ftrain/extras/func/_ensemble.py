@@ -116,6 +116,11 @@ class MemberStacked(nn.Parameter):
 
     stacked_members: ClassVar[bool] = True
 
+    def __reduce_ex__(self, proto: Any) -> Any:
+        # nn.Parameter's rebuilds a plain Parameter: a pickled ensemble (sent to a Ray worker,
+        # torch.save of the module) would lose what says its parameters stack members.
+        return (MemberStacked, (self.data, self.requires_grad))
+
 
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
