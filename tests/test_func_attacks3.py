@@ -162,3 +162,13 @@ def test_a_pickled_ensemble_keeps_parameters_that_stack_members():
     ens = pickle.loads(pickle.dumps(ft.func.Ensemble([nn.Linear(3, 1) for _ in range(2)])))
     assert all(isinstance(p, ft.func.MemberStacked) for p in ens.parameters())
     ft.TrainState.create(ens, ft.func.sweep([ft.optim.sgd(), ft.optim.sgd()]))
+
+
+def test_epsilon_takes_its_orders_from_a_generator():
+    # The validation consumed the generator: the minimum ran over no order and returned inf.
+    orders = [1 + x / 10 for x in range(1, 100)]
+    kw = {"sample_rate": 0.01, "noise_multiplier": 1.1, "steps": 1000, "delta": 1e-5}
+    want = ft.func.epsilon(**kw, orders=orders)
+    assert ft.func.epsilon(**kw, orders=(a for a in orders)) == want
+    with pytest.raises(ValueError, match=r"orders must be finite numbers > 1"):
+        ft.func.epsilon(**kw, orders=iter(()))

@@ -156,8 +156,11 @@ def epsilon(
     _check(sample_rate, noise_multiplier, steps)
     if not (is_number(delta) and 0 < delta < 1):
         raise ValueError(f"delta has no meaning for privacy accounting: got {delta!r}")
+    # Taken once: a generator was consumed by this check, the minimum ran over no order and
+    # epsilon was inf (no privacy claimed), without an error.
+    orders = tuple(orders)
     if not orders or not all(is_number(a) and a > 1 for a in orders):
-        raise ValueError(f"orders must be values > 1, got {list(orders)[:5]}...")
+        raise ValueError(f"orders must be finite numbers > 1, got {list(orders)[:5]}...")
     best = math.inf
     for a in orders:
         r = rdp(sample_rate=sample_rate, noise_multiplier=noise_multiplier, steps=steps, order=a)
