@@ -147,3 +147,12 @@ def test_swap_ema_refuses_an_average_of_another_shape_before_swapping_anything()
     with pytest.raises(ValueError, match=want), ft.optim.swap_ema(state):
         pass
     _assert_unswapped(state, live)
+
+
+@pytest.mark.parametrize("given", [{"gamma": 10.0}, {"power": 0.75}])
+def test_ema_without_warmup_refuses_the_warmups_gamma_and_power(given):
+    # They were accepted and ignored: ema(warmup=False, power=0.75) averaged at `decay` alone.
+    with pytest.raises(ValueError, match=r"shape the warmup, which warmup=False turns off"):
+        ft.optim.ema(ft.optim.sgd(), warmup=False, **given)
+    ft.optim.ema(ft.optim.sgd(), warmup=True, **given)
+    ft.optim.ema(ft.optim.sgd(), warmup=False, gamma=1.0, power=2 / 3)  # the defaults, said

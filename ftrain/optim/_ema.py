@@ -85,8 +85,9 @@ def ema(
         optimizer: the optimizer that trains the live parameters.
         decay: the decay once warmed up, in [0, 1).
         warmup: use timm's warmup (see `ema_decay`); False uses `decay` from the first step.
-        gamma: timm's `warmup_gamma`, > 0.
-        power: timm's `warmup_power`, > 0 (2/3 for runs of ~1M steps, 3/4 for shorter ones).
+        gamma: timm's `warmup_gamma`, > 0 (with `warmup` only).
+        power: timm's `warmup_power`, > 0 (2/3 for runs of ~1M steps, 3/4 for shorter ones;
+            with `warmup` only).
 
     Example:
         >>> import torch, ftrain as ft
@@ -107,6 +108,11 @@ def ema(
     _number("power", power, lambda v: v > 0, "> 0")
     if not isinstance(warmup, bool):
         raise TypeError(f"warmup must be True or False, got {warmup!r}")
+    if not warmup and (gamma != 1.0 or power != 2 / 3):  # they shape the warmup alone
+        raise ValueError(
+            f"gamma={gamma!r} and power={power!r} shape the warmup, which warmup=False turns "
+            "off: they would be ignored; drop them or pass warmup=True"
+        )
 
     weight_dtypes: dict[tuple[Any, ...], torch.dtype] = {}
     dtypes_seen: dict[str, torch.dtype] = {}  # each name's dtype at `init`, over all states
