@@ -156,3 +156,24 @@ def test_ema_without_warmup_refuses_the_warmups_gamma_and_power(given):
         ft.optim.ema(ft.optim.sgd(), warmup=False, **given)
     ft.optim.ema(ft.optim.sgd(), warmup=True, **given)
     ft.optim.ema(ft.optim.sgd(), warmup=False, gamma=1.0, power=2 / 3)  # the defaults, said
+
+
+def test_reading_a_checkpoints_ema_weights_refuses_the_live_running_statistics(tmp_path):
+    # export_checkpoint(weights="ema") wrote the averaged parameters beside BatchNorm's live
+    # running statistics without a word, where swap_ema (and so export_pretrained) refuses.
+    state = _bn_state()
+    grads, stats = ft.accumulate_grads(state, [torch.randn(5, 3)], lambda m, x: (m(x).sum(),
+                                       torch.tensor(5.0)))  # fmt: skip
+    state, _ = ft.clip_and_step(state, grads, lr=0.1, stats=stats)
+    path = ft.save_checkpoint(state, tmp_path)
+    opened = ft.checkpoint.open_checkpoint(path, keep=["model", "optimizer"])
+    want = r"weights='ema', but .* holds running statistics \['1\.running_mean', '1\.running_var'\]"
+    with pytest.raises(ValueError, match=want):
+        ft.checkpoint.read_model_tensors(opened, weights="ema")
+    got = ft.checkpoint.read_model_tensors(opened, weights="ema", live_buffers=True)
+    assert torch.equal(got["0.weight"], state.opt_state.ema["0.weight"])
+    assert torch.equal(got["1.running_mean"], state.model[1].running_mean)
+    live = ft.checkpoint.read_model_tensors(opened)  # the live weights: nothing to refuse
+    assert torch.equal(live["0.weight"], state.params["0.weight"])
+    with pytest.raises(TypeError, match="live_buffers must be True or False"):
+        ft.checkpoint.read_model_tensors(opened, weights="ema", live_buffers=1)  # type: ignore[arg-type]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
@@ -498,7 +499,7 @@ def base_differences(opened: Opened, module: torch.nn.Module) -> list[str]:
 
 
 def read_model_tensors(
-    opened: Opened, *, weights: Literal["live", "ema"] = "live"
+    opened: Opened, *, weights: Literal["live", "ema"] = "live", live_buffers: bool = False
 ) -> dict[str, torch.Tensor]:
     """The model's tensors (trainable parameters and persistent buffers) of a checkpoint that
     `open_checkpoint(path, keep=["model"])` opened, whole and on the CPU.
@@ -514,20 +515,27 @@ def read_model_tensors(
         weights: "live", the weights training goes on from; "ema", each trainable parameter's
             EMA average (`ft.optim.ema`, what evaluation inside `swap_ema` uses) in its place,
             buffers as saved.
+        live_buffers: with `weights="ema"`, accept running statistics (BatchNorm's
+            `running_mean`/`running_var`), which `ft.optim.ema` does not average: they are the
+            live weights', as `swap_ema(state, live_buffers=True)` accepts them.
 
     Raises:
         ValueError: if `opened` was opened without the tensors `weights` needs; for
             `weights="ema"` of a checkpoint without an EMA average of every trainable
-            parameter.
+            parameter, or with running statistics and not `live_buffers=True`.
         CheckpointError: if the shard files cannot be read.
     """
     if weights not in ("live", "ema"):
         raise ValueError(f"weights must be 'live' or 'ema', got {weights!r}")
     if "model" not in opened.tensors:
         raise ValueError('open the checkpoint with keep=["model"] to read its model tensors')
+    if not isinstance(live_buffers, bool):
+        raise TypeError(f"live_buffers must be True or False, got {live_buffers!r}")
     shapes = opened.tensors["model"]
     sharded = opened.meta.get("sharded") is True
     averages = _ema_paths(opened) if weights == "ema" else {}
+    if averages and not live_buffers:
+        _refuse_running_stats(opened, shapes)
     if averages and not sharded and "optimizer" not in opened.tensors:
         raise ValueError(
             'open the checkpoint with keep=["model", "optimizer"] to read its EMA averages'
@@ -544,6 +552,24 @@ def read_model_tensors(
         read_shards(SingleDevice("cpu"), opened.path / L.OPTIM_DIR, ema)
         whole.update({n: ema[p] for n, p in averages.items()})
     return whole
+
+
+_RUNNING_STATS = (".running_mean", ".running_var")  # BatchNorm's, as swap_ema finds them
+
+
+def _refuse_running_stats(opened: Opened, shapes: Mapping[str, Any]) -> None:
+    """Refuse EMA weights beside running statistics of the live weights (as `swap_ema` does):
+    the exported average would normalise with statistics it never produced."""
+    trained = {r[0] for r in opened.meta["params"]}
+    stats = sorted(n for n in shapes if n not in trained and ("." + n).endswith(_RUNNING_STATS))
+    if stats:
+        raise ValueError(
+            f"weights='ema', but {opened.path} holds running statistics {stats[:4]}, which "
+            "ft.optim.ema does not average: they are the live weights', and the averaged "
+            "model would normalise with them (timm's ModelEmaV2 averages them). Pass "
+            "live_buffers=True to take them anyway (as swap_ema(state, live_buffers=True)), "
+            "or export the live weights (weights='live')"
+        )
 
 
 def _ema_paths(opened: Opened) -> dict[str, str]:
