@@ -245,3 +245,31 @@ def test_guard_int_skip_keeps_the_map_position_after_a_batch_size_change(tmp_pat
         assert state.data.position is not None
         first = next(iter(ft.make_batches(rows, state, batch_size=4)))[0]["idx"].tolist()
         assert [order.index(i) for i in first] == [28, 29, 30, 31], how
+
+
+def test_pad_collate_pads_each_sides_sequences_as_their_kind_and_masks_them():
+    """`chosen_labels` was padded with 0 (a label token, counted in the row's log-prob) and
+    `chosen_input_ids` with 0 whatever pad_id, and no side got a mask."""
+    from ftrain.data import pad_collate
+
+    rows = [
+        {"chosen_input_ids": [5, 6], "chosen_labels": [-100, 6], "rejected_input_ids": [5],
+         "rejected_labels": [5], "decoder_input_ids": [2], "margin": 0.5},
+        {"chosen_input_ids": [7], "chosen_labels": [7], "rejected_input_ids": [8, 9],
+         "rejected_labels": [-100, 9], "decoder_input_ids": [2, 4], "margin": 0.25},
+    ]  # fmt: skip
+    b = pad_collate(pad_id=3)(rows)
+    assert b["chosen_input_ids"].tolist() == [[5, 6], [7, 3]]
+    assert b["chosen_labels"].tolist() == [[-100, 6], [7, -100]]
+    assert b["rejected_labels"].tolist() == [[5, -100], [-100, 9]]
+    assert b["chosen_attention_mask"].tolist() == [[1, 1], [1, 0]]
+    assert b["rejected_attention_mask"].tolist() == [[1, 0], [1, 1]]
+    assert b["decoder_input_ids"].tolist() == [[2, 3], [2, 4]]  # padded, its mask its own
+    assert "decoder_attention_mask" not in b and "attention_mask" not in b
+    assert b["margin"].tolist() == [0.5, 0.25]
+    left = pad_collate(pad_id=3, padding_side="left")(rows)
+    assert left["chosen_attention_mask"].tolist() == [[1, 1], [0, 1]]
+    bare = pad_collate(pad_id=3, attention_mask=False)(rows)
+    assert not any(k.endswith("attention_mask") for k in bare)
+    own = [{**r, "chosen_attention_mask": [1] * len(r["chosen_input_ids"])} for r in rows]
+    assert pad_collate(pad_id=3)(own)["chosen_attention_mask"].tolist() == [[1, 1], [1, 0]]

@@ -175,15 +175,20 @@ _ROWS = [
 ]  # fmt: skip
 
 
-def test_a_batch_of_the_default_collate_is_refused_and_pair_collate_pads_each_side():
-    """The default collate pads `chosen_labels` (not a field named `labels`) with 0, a token,
-    and makes no mask: the short rows' padding counted as label tokens 0 in their log-probs."""
+def test_a_side_without_its_mask_is_refused_and_both_collates_pad_each_side():
+    """The default collate padded `chosen_labels` (not a field named `labels`) with 0, a token,
+    and made no mask: the short rows' padding counted as label tokens 0 in their log-probs.
+    It pads each side as pair_collate does now; a batch without a side's mask is refused."""
     model = tiny_llama()
     loss_fn = P.preference_loss(P.simpo_loss)
     default = next(iter(ft.make_batches(_ROWS, batch_size=2, shuffle=False)))[0]
+    unmasked = {k: v for k, v in default.items() if k != "chosen_attention_mask"}
     with pytest.raises(ValueError, match=r"need chosen_attention_mask.*pair_collate"):
-        loss_fn(model, default)
+        loss_fn(model, unmasked)
     collate = P.pair_collate(pad_id=0)
+    assert default.keys() == collate(_ROWS).keys()
+    for key, value in collate(_ROWS).items():
+        assert torch.equal(default[key], value), key
     batch = collate(_ROWS)
     assert batch["chosen_labels"][0].tolist() == [-100, -100, 7, 8, -100, -100]
     assert batch["rejected_attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
@@ -194,8 +199,9 @@ def test_a_batch_of_the_default_collate_is_refused_and_pair_collate_pads_each_si
 
 
 def test_a_label_at_a_padding_position_is_no_target():
-    """Rows that bring their masks pass the mask check, but the default collate still pads
-    `chosen_labels` with 0: the last real token was scored against the first pad's label."""
+    """Rows that bring their masks pass the mask check, but a collate that pads
+    `chosen_labels` with 0 (the default one did) had the last real token scored against the
+    first pad's label."""
     model = tiny_llama()
     loss_fn = P.preference_loss(P.simpo_loss)
     rows = [
@@ -208,7 +214,8 @@ def test_a_label_at_a_padding_position_is_no_target():
         }
         for r in _ROWS
     ]
-    default = next(iter(ft.make_batches(rows, batch_size=2, shuffle=False)))[0]
+    zero = ft.data.pad_collate(label_pad_id=0)  # pads every labels field with a token
+    default = next(iter(ft.make_batches(rows, batch_size=2, shuffle=False, collate_fn=zero)))[0]
     assert default["chosen_labels"][0].tolist() == [-100, -100, 7, 8, 0, 0]  # padded with a token
     alone = sum(loss_fn(model, P.pair_collate(pad_id=0)([row]))[0] for row in rows)
     assert loss_fn(model, default)[0].item() == pytest.approx(alone.item(), rel=1e-5)

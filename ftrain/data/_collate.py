@@ -29,7 +29,10 @@ def pad_collate(
 
     Sequence fields are padded to the longest row: `input_ids` with `pad_id`, `labels` with
     `label_pad_id`, `attention_mask` (created from the row lengths when missing, unless
-    `attention_mask=False`) with 0, and any other sequence (e.g. `position_ids`) with 0.
+    `attention_mask=False`) with 0, and any other sequence (e.g. `position_ids`) with 0. A
+    side's sequences (a preference pair's `chosen_input_ids`, `rejected_labels`, ...: a name
+    ending in `_input_ids` or `_labels`) pad as `input_ids` and `labels` do, and each
+    `<side>_input_ids` gets its `<side>_attention_mask` when missing (not `decoder_input_ids`).
     Scalars (e.g. a class `label`) are stacked. Fields that hold text (or None) stay lists of
     their values: the model never gets them (`ft.losses.model_inputs`), a `loss_fn` of your own
     can read them. Rows that are not dicts use torch's default collate.
@@ -77,7 +80,7 @@ def pad_collate(
             _refuse_left_padded_targets(rows)
         out: dict[str, Any] = {}
         for key in rows[0]:
-            out[key] = _column(rows, key, pads.get(key, 0), padding_side, pad_to_multiple_of)
+            out[key] = _column(rows, key, _pad_of(key), padding_side, pad_to_multiple_of)
         for i, row in enumerate(rows):  # a field row 0 lacks would be dropped unseen
             extra = [k for k in row if k not in out] if isinstance(row, Mapping) else []
             if extra:
@@ -93,9 +96,38 @@ def pad_collate(
             _refuse_packed(rows)
             masks = [torch.ones(len(r["input_ids"]), dtype=torch.long) for r in rows]
             out["attention_mask"] = _pad(masks, 0, padding_side, pad_to_multiple_of)
+        for key in _sides(out) if attention_mask else ():
+            masks = [torch.ones(len(r[key]), dtype=torch.long) for r in rows]
+            mask_key = key.removesuffix("input_ids") + "attention_mask"
+            out[mask_key] = _pad(masks, 0, padding_side, pad_to_multiple_of)
         return out
 
+    def _pad_of(key: str) -> int:
+        # A side's sequences (a preference pair's chosen_/rejected_) pad as their kind: 0 in
+        # `chosen_labels` was a label token, counted in the row's log-prob.
+        if key in pads:
+            return pads[key]
+        if key.endswith("_labels"):
+            return label_pad_id
+        return pad_id if key.endswith("_input_ids") else 0
+
     return collate
+
+
+def _sides(out: Mapping[str, Any]) -> list[str]:
+    """The `<side>_input_ids` token sequences of a batch (a preference pair's `chosen_` and
+    `rejected_`) that have no `<side>_attention_mask`: each gets one, as `input_ids` does.
+    Not `decoder_input_ids`: a decoder masks its future itself, and its padding follows its
+    tokens."""
+    return [
+        k
+        for k, v in out.items()
+        if k.endswith("_input_ids")
+        and k != "decoder_input_ids"
+        and isinstance(v, torch.Tensor)
+        and v.dim() == 2
+        and k.removesuffix("input_ids") + "attention_mask" not in out
+    ]
 
 
 def _is_int(value: Any) -> bool:
