@@ -92,6 +92,36 @@ def test_tensorboard_shows_each_step_once_after_a_resume_and_a_rollback(tmp_path
     assert [(e.step, e.value) for e in acc.Scalars("eval/loss")] == [(0, 9.0), (4, 7.0)]
 
 
+def test_read_jsonl_shows_each_step_once_after_a_resume_and_a_rollback(tmp_path):
+    # The steps a rollback undid stayed in the log (a run rolled back from step 8 to 5 that
+    # stopped at 7 still showed steps 8 and 9 of the undone run); TensorBoard dropped them.
+    state = ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd())
+    path = tmp_path / "m.jsonl"
+
+    def run(steps, value):
+        for step in steps:
+            sink.step(state.replace(step=step))
+            sink.log({"step": step, "loss": value + step})
+
+    sink = ft.logging.JSONLSink(path)
+    sink.log({"step": 0, "eval_loss": 9.0})
+    run(range(1, 7), 0.0)
+    sink.close()  # killed at step 6; the newest checkpoint is step 4
+    sink = ft.logging.JSONLSink(path)
+    sink.log({"step": 4, "eval_loss": 7.0})
+    run(range(5, 10), 100.0)
+    run(range(6, 8), 200.0)  # a guard rollback to the step-5 checkpoint, stopped at 7
+    sink.close()
+    got = [(r["step"], r.get("loss", r.get("eval_loss"))) for r in ft.logging.read_jsonl(path)]
+    assert got == [(0, 9.0), (1, 1), (2, 2), (3, 3), (4, 4), (4, 7.0), (5, 105), (6, 206),
+                   (7, 207)]  # fmt: skip
+    fresh = ft.logging.JSONLSink(tmp_path / "new.jsonl")  # a new file: no restart line
+    fresh.step(state.replace(step=1))
+    fresh.log({"step": 1, "loss": 1.0})
+    fresh.close()
+    assert (tmp_path / "new.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'
+
+
 class TinyForCausalLM(torch.nn.Module):
     """A causal LM by its class name, as the default loss recognises HF's (no transformers
     import: the test stays fast)."""

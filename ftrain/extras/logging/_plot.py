@@ -12,6 +12,8 @@ from typing import Any
 __all__ = ["plot_metrics", "read_jsonl"]
 
 
+RESTART = "ftrain_restart"  # JSONLSink's restart line: {"ftrain_restart": true, "step": s}
+
 BadLine = Callable[[int, str], None]
 """Called with a skipped line's number (from 1) and why it was skipped."""
 
@@ -27,7 +29,9 @@ def read_jsonl(
     """Records of a JSONL log, one per (step, kind: eval or not), sorted by step. Records of one
     step and kind are merged, the last written value of each field winning (resumed runs
     append): a train record and another record of the same step (`{"step": s, "test_loss":
-    ...}`), or two eval records, both keep their fields.
+    ...}`), or two eval records, both keep their fields. A restart line (`JSONLSink` writes
+    one where a resumed run or a guard rollback goes on from step s) drops every record
+    written before it at step s or later: steps made again, or undone.
 
     A line that is not a JSON object with an integer `step` in [0, 2**63) is skipped and
     reported to `on_bad_line(line_number, reason)`: a line cut short by a crash (also inside a
@@ -43,7 +47,9 @@ def read_jsonl(
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
             rec, why = _record(raw, first=number == 1)
-            if rec is not None:
+            if rec is not None and rec.get(RESTART) is True and len(rec) == 2:
+                latest = {k: v for k, v in latest.items() if k[0] < rec["step"]}
+            elif rec is not None:
                 key = (rec["step"], any(k.startswith("eval_") for k in rec))
                 latest[key] = {**latest.get(key, {}), **rec}
             elif why and on_bad_line is not None:

@@ -27,6 +27,7 @@ from typing import Any, Protocol, TextIO, runtime_checkable
 import numpy as np
 import torch
 
+from ftrain.extras.logging._plot import RESTART
 from ftrain.extras.logging._rank import _known_rank, _process_rank
 from ftrain.state import TrainState
 
@@ -145,18 +146,33 @@ class JSONLSink:
     A resumed run appends to the same file; readers such as `python -m ftrain plot` keep the
     last record written for each step. A line that a killed run left cut short is ended first,
     so the resumed run's first record starts a line of its own (readers skip the cut one).
+
+    As `TensorBoardSink` does, the first `step(state)` of a sink that appends to records, and
+    every `step(state)` that is not past the previous one (a guard rollback), writes a restart
+    line, `{"ftrain_restart": true, "step": s}`: `read_jsonl` drops what was written before it
+    at step s or later (steps the resumed run makes again, or that a rollback undid and the
+    run may never reach again). `ft.logging.Logger` calls `step`; records sent only through
+    `log` are kept as written.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
+        self._last: int | None = None  # the step of the last `step(state)`
+        self._appends = self._file.tell() > 0  # to a run's records: its first step restarts
         if _cut_short(self.path):  # else the next record would be glued to it and lost too
             self._file.write("\n")
             self._file.flush()
 
     def step(self, state: TrainState) -> None:
-        pass
+        back = self._last is not None and state.step <= self._last
+        if back or (self._last is None and self._appends):
+            if self._file.closed:
+                raise ValueError(_CLOSED.format(type(self).__name__))
+            self._file.write(json.dumps({RESTART: True, "step": state.step}) + "\n")
+            self._file.flush()
+        self._last = state.step
 
     def log(self, record: Mapping[str, Any]) -> None:
         if self._file.closed:  # Python's "I/O operation on closed file" named no sink
