@@ -157,3 +157,56 @@ def test_paged_optimizers_fall_back_on_cpu_and_say_so():
     grads, stats = ft.accumulate_grads(state, micro)
     with pytest.warns(UserWarning, match="Paged optimizers are not supported on CPU"):
         ft.clip_and_step(state, grads, lr=1e-3, stats=stats)
+
+
+def _classifier(name="llama", seed=0):
+    import warnings
+
+    from transformers import (
+        LlamaConfig,
+        LlamaForSequenceClassification,
+        RobertaConfig,
+        RobertaForSequenceClassification,
+    )
+
+    torch.manual_seed(seed)
+    small = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' notes on tiny configs
+        if name == "roberta":  # a head with modules inside it (classifier.dense, .out_proj)
+            cfg = RobertaConfig(vocab_size=32, max_position_embeddings=40, num_labels=3, **small)
+            return RobertaForSequenceClassification(cfg)
+        cfg = LlamaConfig(vocab_size=32, num_labels=3, pad_token_id=0, **small)
+        return LlamaForSequenceClassification(cfg)
+
+
+def _apply_quiet(model, **kwargs):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' deprecation notes inside PEFT
+        return ft.lora.apply(model, r=2, alpha=4, **kwargs)
+
+
+def _logits(model):
+    ids = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_a_modules_to_save_entry_inside_the_head_is_dropped_and_the_adapter_reloads(tmp_path):
+    # "classifier.dense" beside the auto-added "classifier" nested one saved copy in another:
+    # PeftModel.from_pretrained then failed with PEFT's KeyError on classifier.dense.weight.
+    from peft import PeftModel
+
+    model = _apply_quiet(_classifier("roberta"), modules_to_save=["classifier.dense"])
+    assert model.peft_config["default"].modules_to_save == ["classifier", "score"]
+    with torch.no_grad():
+        model.base_model.model.classifier.modules_to_save["default"].dense.weight.add_(1.0)
+    model.save_pretrained(tmp_path)
+    reloaded = PeftModel.from_pretrained(_classifier("roberta"), tmp_path)
+    model.eval(), reloaded.eval()
+    torch.testing.assert_close(_logits(reloaded), _logits(model))
+    # "dense" names the head's dense layer and the backbone's: no single reading keeps both.
+    with pytest.raises(ValueError, match=r"modules_to_save entry 'dense' matches \['classifier"):
+        _apply_quiet(_classifier("roberta"), modules_to_save=["dense"])

@@ -83,7 +83,9 @@ def apply(
             it: `"SEQ_CLS"`); None (default) infers it from the model as above. One that
             contradicts the model's head raises.
         **lora_kwargs: passed to `peft.LoraConfig`; a classifier's `modules_to_save` get its
-            head's modules added.
+            head's modules added; a name whose every match lies inside a module already saved
+            whole (`"classifier.dense"` beside the head `"classifier"`) is dropped: PEFT
+            could not reload the nested copies.
 
     Raises:
         ValueError: for `r` not an int >= 1, `alpha` not a finite number > 0 (`alpha=0` scales
@@ -93,7 +95,9 @@ def apply(
             pass `targets`), a `modules_to_save` name that matches no module (PEFT skips it
             silently), a model that already holds PEFT adapters, a `task_type` other than the
             model's head or not one of PEFT's (`"seq_cls"`: PEFT refuses it too), or a
-            classifier whose head cannot be found (pass `modules_to_save`).
+            classifier whose head cannot be found (pass `modules_to_save`); for a
+            `modules_to_save` name matching modules both inside and outside another saved
+            module (PEFT would nest one wrapper in another and fail to reload it).
         TypeError: for a `task_type` that is neither a `peft.TaskType`, a string nor None, or
             a `LoraConfig` keyword this function takes under its own name (`target_modules`:
             pass `targets`; `lora_alpha`: `alpha`; `lora_dropout`: `dropout`).
@@ -118,8 +122,14 @@ def apply(
     task_type = _task_type(model, task_type)
     # A new head is told by the class, not the task type: PEFT has no task type for multiple
     # choice, whose new classifier stayed frozen and random, and out of the adapter.
-    if task_type in _CLASSIFIERS or _has_new_head(model):
+    classifier = task_type in _CLASSIFIERS or _has_new_head(model)
+    if classifier:
         lora_kwargs["modules_to_save"] = _with_heads(model, lora_kwargs.get("modules_to_save"))
+    if isinstance(lora_kwargs.get("modules_to_save"), (list, tuple, set)):
+        guesses = _PEFT_HEADS.get(task_type or "", ()) if classifier else ()
+        lora_kwargs["modules_to_save"] = _unnested(
+            model, list(lora_kwargs["modules_to_save"]), guesses
+        )
     config = LoraConfig(
         r=r,
         lora_alpha=alpha,
@@ -155,6 +165,37 @@ _NEW_HEADS = (
     "ForQuestionAnswering",
     "ForMultipleChoice",
 )
+
+
+# The names PEFT's classifier wrappers add to `modules_to_save` themselves, by task type.
+_PEFT_HEADS = MappingProxyType(
+    {"SEQ_CLS": ("classifier", "score"), "TOKEN_CLS": ("classifier", "score"),
+     "QUESTION_ANS": ("qa_outputs",)}
+)  # fmt: skip
+
+
+def _unnested(model: nn.Module, names: list[str], guesses: tuple[str, ...]) -> list[str]:
+    """`names` less those whose every module lies inside another saved module.
+
+    PEFT wraps every module whose full name ends with a name, the outer one first, and then a
+    copy inside a copy: `PeftModel.from_pretrained` failed with a KeyError on the nested
+    module's weights. A name matching modules both inside and outside is refused."""
+    keys = [key for key, _ in model.named_modules(remove_duplicate=False)]
+    wrapped = {k for k in keys for n in [*names, *guesses] if n and k.endswith(n)}
+    kept = []
+    for name in names:
+        mine = [k for k in keys if name and k.endswith(name)]
+        nested = [k for k in mine if any(k.startswith(f"{w}.") for w in wrapped)]
+        if nested and len(nested) < len(mine):
+            raise ValueError(
+                f"ft.lora.apply modules_to_save entry {name!r} matches {nested[:3]}, inside "
+                "other modules PEFT saves whole, and modules outside them: PEFT would nest one "
+                "saved copy in another and fail to reload the adapter; name the outer modules "
+                "by their full names"
+            )
+        if not nested:
+            kept.append(name)
+    return kept
 
 
 def _has_new_head(model: nn.Module) -> bool:
