@@ -210,3 +210,33 @@ def test_a_modules_to_save_entry_inside_the_head_is_dropped_and_the_adapter_relo
     # "dense" names the head's dense layer and the backbone's: no single reading keeps both.
     with pytest.raises(ValueError, match=r"modules_to_save entry 'dense' matches \['classifier"):
         _apply_quiet(_classifier("roberta"), modules_to_save=["dense"])
+
+
+def test_train_head_false_keeps_a_trained_classifiers_head_frozen(tmp_path):
+    # A trained classifier or reward model had its head trained in full, with no way to keep it.
+    from peft import PeftModel
+
+    model = _apply_quiet(_classifier(), train_head=False)
+    head = {n: p.clone() for n, p in model.named_parameters() if ".score." in n}
+    state = ft.TrainState.create(model, ft.optim.adamw(), seed=0)
+    assert state.params and all("lora_" in n for n in state.params)
+    rows = [{"input_ids": [3, 4, 5, 6], "labels": i % 3} for i in range(8)]
+    for micro in ft.make_batches(rows, batch_size=4, shuffle=False):
+        grads, stats = ft.accumulate_grads(state, micro)
+        state, _ = ft.clip_and_step(state, grads, stats=stats, lr=1e-2)
+    for n, p in model.named_parameters():
+        if n in head:
+            assert torch.equal(p, head[n]), n
+    ft.export_pretrained(state, tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(_classifier(), tmp_path / "adapter")
+    model.eval(), reloaded.eval()
+    torch.testing.assert_close(_logits(reloaded), _logits(model))
+
+
+def test_train_head_false_is_refused_where_it_cannot_act():
+    with pytest.raises(ValueError, match=r"train_head=False, but LlamaForCausalLM has no"):
+        ft.lora.apply(tiny_llama(), r=2, train_head=False)
+    with pytest.raises(ValueError, match=r"modules_to_save \['score'\] lie in the head"):
+        _apply_quiet(_classifier(), train_head=False, modules_to_save=["score"])
+    with pytest.raises(TypeError, match=r"train_head must be True or False, got 'no'"):
+        _apply_quiet(_classifier(), train_head="no")

@@ -54,6 +54,7 @@ def apply(
     targets: list[str] | str | None = None,
     bias: Literal["none", "all", "lora_only"] = "none",
     task_type: str | None = None,
+    train_head: bool = True,
     **lora_kwargs: Any,
 ) -> nn.Module:
     """Wrap `model` with LoRA adapters (`peft.get_peft_model`); only the adapters train.
@@ -70,7 +71,11 @@ def apply(
     with parameters beside the backbone (`classifier`, `score`, BART's `classification_head`,
     ...), go into `modules_to_save` (each name once), so they train in full (no adapter on
     them) and the adapter saves them; left frozen they would stay random, and a reloaded
-    adapter would get another random head.
+    adapter would get another random head. A head that is already trained (a fine-tuned
+    classifier, a reward model) stays frozen with `train_head=False`: PEFT still wraps it
+    (its classifier wrappers always do), so the adapter carries the head's unchanged copy and
+    `PeftModel.from_pretrained` restores it; reloaded with `is_trainable=True`, PEFT makes that
+    copy trainable again (freeze it, or apply LoRA to the merged model instead).
 
     Args:
         model: an HF model (full precision, or from `load_4bit`).
@@ -82,10 +87,12 @@ def apply(
         task_type: PEFT's task type (a `peft.TaskType` or its name, in capitals as PEFT reads
             it: `"SEQ_CLS"`); None (default) infers it from the model as above. One that
             contradicts the model's head raises.
+        train_head: False keeps a classifier's head frozen (trained already): only the
+            adapters train. True (default) trains the head in full, as above.
         **lora_kwargs: passed to `peft.LoraConfig`; a classifier's `modules_to_save` get its
-            head's modules added; a name whose every match lies inside a module already saved
-            whole (`"classifier.dense"` beside the head `"classifier"`) is dropped: PEFT
-            could not reload the nested copies.
+            head's modules added (unless `train_head=False`); a name whose every match lies
+            inside a module already saved whole (`"classifier.dense"` beside the head
+            `"classifier"`) is dropped: PEFT could not reload the nested copies.
 
     Raises:
         ValueError: for `r` not an int >= 1, `alpha` not a finite number > 0 (`alpha=0` scales
@@ -97,7 +104,9 @@ def apply(
             model's head or not one of PEFT's (`"seq_cls"`: PEFT refuses it too), or a
             classifier whose head cannot be found (pass `modules_to_save`); for a
             `modules_to_save` name matching modules both inside and outside another saved
-            module (PEFT would nest one wrapper in another and fail to reload it).
+            module (PEFT would nest one wrapper in another and fail to reload it); for
+            `train_head=False` on a model without a classifier head, or with a
+            `modules_to_save` name inside that head.
         TypeError: for a `task_type` that is neither a `peft.TaskType`, a string nor None, or
             a `LoraConfig` keyword this function takes under its own name (`target_modules`:
             pass `targets`; `lora_alpha`: `alpha`; `lora_dropout`: `dropout`).
@@ -123,7 +132,8 @@ def apply(
     # A new head is told by the class, not the task type: PEFT has no task type for multiple
     # choice, whose new classifier stayed frozen and random, and out of the adapter.
     classifier = task_type in _CLASSIFIERS or _has_new_head(model)
-    if classifier:
+    frozen = _frozen_heads(model, train_head, classifier, lora_kwargs.get("modules_to_save"))
+    if classifier and train_head:
         lora_kwargs["modules_to_save"] = _with_heads(model, lora_kwargs.get("modules_to_save"))
     if isinstance(lora_kwargs.get("modules_to_save"), (list, tuple, set)):
         guesses = _PEFT_HEADS.get(task_type or "", ()) if classifier else ()
@@ -144,6 +154,7 @@ def apply(
     # given: ['classifier', 'classifier', 'score'] in the saved adapter_config.json.
     if isinstance(config.modules_to_save, list):
         config.modules_to_save[:] = dict.fromkeys(config.modules_to_save)
+    _freeze(wrapped, frozen)
     return wrapped
 
 
@@ -174,6 +185,33 @@ _PEFT_HEADS = MappingProxyType(
 )  # fmt: skip
 
 
+def _frozen_heads(model: nn.Module, train_head: Any, classifier: bool, names: Any) -> list[str]:
+    """The head modules to keep frozen: none with `train_head=True`, else the classifier's."""
+    if not isinstance(train_head, bool):
+        raise TypeError(f"ft.lora.apply train_head must be True or False, got {train_head!r}")
+    if train_head:
+        return []
+    if not classifier:
+        raise ValueError(
+            f"ft.lora.apply train_head=False, but {type(model).__name__} has no classifier "
+            "head to keep frozen (only adapters train on it anyway); drop train_head"
+        )
+    heads = _with_heads(model, None)
+    keys = [key for key, _ in model.named_modules(remove_duplicate=False)]
+    inside = [
+        n
+        for n in names or []
+        if any(k.endswith(n) and any(k == h or k.startswith(f"{h}.") for h in heads) for k in keys)
+    ]
+    if inside:
+        raise ValueError(
+            f"ft.lora.apply train_head=False, but modules_to_save {inside} lie in the head "
+            f"{heads}, which PEFT saves whole: keep the head frozen (drop them) or train it "
+            "(drop train_head)"
+        )
+    return heads
+
+
 def _unnested(model: nn.Module, names: list[str], guesses: tuple[str, ...]) -> list[str]:
     """`names` less those whose every module lies inside another saved module.
 
@@ -196,6 +234,14 @@ def _unnested(model: nn.Module, names: list[str], guesses: tuple[str, ...]) -> l
         if not nested:
             kept.append(name)
     return kept
+
+
+def _freeze(wrapped: nn.Module, heads: list[str]) -> None:
+    """Freeze the copies PEFT made of the `heads` (its wrappers make them trainable)."""
+    for key, module in wrapped.named_modules():
+        wrapper = hasattr(module, "original_module") and hasattr(module, "modules_to_save")
+        if wrapper and any(key == h or key.endswith(f".{h}") for h in heads):
+            module.modules_to_save.requires_grad_(False)
 
 
 def _has_new_head(model: nn.Module) -> bool:
