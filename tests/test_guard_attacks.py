@@ -279,6 +279,19 @@ def test_export_checkpoint_refuses_config_with_base(tmp_path):
         export_checkpoint(tmp_path / "step-0", tmp_path / "out", config=tmp_path, base=tmp_path)
 
 
+def test_allow_other_base_without_base_is_refused_not_ignored(tmp_path, capsys):
+    # The model is built from the checkpoint's config without --base: the flag acted on nothing.
+    from ftrain.extras.hf_export import export_checkpoint
+
+    argv = ["export", str(tmp_path / "step-0"), "--to", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--allow-other-base"])
+    assert exit_.value.code == 2
+    assert "--allow-other-base without --base" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="allow_other_base=True without base"):
+        export_checkpoint(tmp_path / "step-0", tmp_path / "out", allow_other_base=True)
+
+
 def test_rollback_onto_another_base_on_purpose_passes_allow_other_base(tmp_path):
     """A run moved onto another base model on purpose (`load_checkpoint(...,
     allow_other_base=True)`) rolls back to a checkpoint its first base wrote when the rollback

@@ -353,6 +353,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "loaded from --base with the base's own config, so --config would be ignored; pass "
             "one of them"
         )
+    if args.allow_other_base and args.base is None:
+        # The model is built from the checkpoint's config: there is no other base to allow.
+        parser.error(
+            "export: --allow-other-base without --base: it allows exporting onto another base "
+            "model, and without --base there is none (the model is built from the checkpoint's "
+            "config), so it would be ignored; pass --base DIR, or drop --allow-other-base"
+        )
     return _export(parser, args)
 
 

@@ -269,8 +269,9 @@ def export_checkpoint(
         CheckpointMismatchError: if the frozen weights of `base` differ from those the
             checkpoint was trained on (without `allow_other_base`).
         ValueError: for both `config` and `base` (the model comes from `base` then: `config`
-            would be ignored); for an EMA checkpoint without `weights`, and `weights="ema"`
-            for one without an EMA average of every trainable parameter.
+            would be ignored), and `allow_other_base` without `base` (nothing to allow); for
+            an EMA checkpoint without `weights`, and `weights="ema"` for one without an EMA
+            average of every trainable parameter.
     """
     if config is not None and base is not None:
         raise ValueError(
@@ -281,6 +282,13 @@ def export_checkpoint(
         raise ValueError(f"weights must be 'ema', 'live' or None, got {weights!r}")
     if not isinstance(allow_other_base, bool):
         raise TypeError(f"allow_other_base must be True or False, got {allow_other_base!r}")
+    if allow_other_base and base is None:
+        raise ValueError(
+            "export_checkpoint got allow_other_base=True without base: it allows exporting onto "
+            "another base model, and without base there is none (the model is built from the "
+            "checkpoint's config), so it would be ignored; pass base=<pretrained dir>, or drop "
+            "allow_other_base"
+        )
     path = Path(path)
     _refuse_replacing_checkpoints(Path(directory), overwrite)
     # The one validator: marker, state.json, files, sizes, checksums and config.json.
