@@ -163,6 +163,8 @@ def _classifier(name="llama", seed=0):
     import warnings
 
     from transformers import (
+        BartConfig,
+        BartForSequenceClassification,
         LlamaConfig,
         LlamaForSequenceClassification,
         RobertaConfig,
@@ -173,6 +175,14 @@ def _classifier(name="llama", seed=0):
     small = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers' notes on tiny configs
+        if name == "bart":  # a head whose layers (dense, out_proj) are LoRA targets by name
+            cfg = BartConfig(
+                vocab_size=32, d_model=16, encoder_layers=1, decoder_layers=1,
+                encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                decoder_ffn_dim=32, num_labels=3, max_position_embeddings=32, pad_token_id=1,
+                bos_token_id=0, eos_token_id=2, dropout=0.0,
+            )  # fmt: skip
+            return BartForSequenceClassification(cfg)
         if name == "roberta":  # a head with modules inside it (classifier.dense, .out_proj)
             cfg = RobertaConfig(vocab_size=32, max_position_embeddings=40, num_labels=3, **small)
             return RobertaForSequenceClassification(cfg)
@@ -189,7 +199,7 @@ def _apply_quiet(model, **kwargs):
 
 
 def _logits(model):
-    ids = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])
+    ids = torch.tensor([[3, 4, 5, 2], [7, 8, 9, 2]])  # 2: BART's eos, read by its head
     with torch.no_grad():
         return model(input_ids=ids).logits
 
@@ -212,23 +222,26 @@ def test_a_modules_to_save_entry_inside_the_head_is_dropped_and_the_adapter_relo
         _apply_quiet(_classifier("roberta"), modules_to_save=["dense"])
 
 
-def test_train_head_false_keeps_a_trained_classifiers_head_frozen(tmp_path):
+@pytest.mark.parametrize("name, head", [("llama", "score"), ("bart", "classification_head")])
+def test_train_head_false_keeps_a_trained_classifiers_head_frozen(name, head, tmp_path):
     # A trained classifier or reward model had its head trained in full, with no way to keep it.
+    # BART's head layers (dense, out_proj) are LoRA targets by name: no adapter on them either.
     from peft import PeftModel
 
-    model = _apply_quiet(_classifier(), train_head=False)
-    head = {n: p.clone() for n, p in model.named_parameters() if ".score." in n}
+    model = _apply_quiet(_classifier(name), train_head=False)
+    frozen = {n: p.clone() for n, p in model.named_parameters() if f".{head}." in n}
     state = ft.TrainState.create(model, ft.optim.adamw(), seed=0)
     assert state.params and all("lora_" in n for n in state.params)
-    rows = [{"input_ids": [3, 4, 5, 6], "labels": i % 3} for i in range(8)]
+    assert not [n for n in state.params if f".{head}." in n]
+    rows = [{"input_ids": [3, 4, 5, 2], "labels": i % 3} for i in range(8)]
     for micro in ft.make_batches(rows, batch_size=4, shuffle=False):
         grads, stats = ft.accumulate_grads(state, micro)
         state, _ = ft.clip_and_step(state, grads, stats=stats, lr=1e-2)
     for n, p in model.named_parameters():
-        if n in head:
-            assert torch.equal(p, head[n]), n
+        if n in frozen:
+            assert torch.equal(p, frozen[n]), n
     ft.export_pretrained(state, tmp_path / "adapter")
-    reloaded = PeftModel.from_pretrained(_classifier(), tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(_classifier(name), tmp_path / "adapter")
     model.eval(), reloaded.eval()
     torch.testing.assert_close(_logits(reloaded), _logits(model))
 

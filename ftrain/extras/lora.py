@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from types import MappingProxyType
 from typing import Any, Literal
 
@@ -88,7 +89,8 @@ def apply(
             it: `"SEQ_CLS"`); None (default) infers it from the model as above. One that
             contradicts the model's head raises.
         train_head: False keeps a classifier's head frozen (trained already): only the
-            adapters train. True (default) trains the head in full, as above.
+            adapters train, and none is put on the head (its modules join PEFT's
+            `exclude_modules`). True (default) trains the head in full, as above.
         **lora_kwargs: passed to `peft.LoraConfig`; a classifier's `modules_to_save` get its
             head's modules added (unless `train_head=False`); a name whose every match lies
             inside a module already saved whole (`"classifier.dense"` beside the head
@@ -135,6 +137,10 @@ def apply(
     frozen = _frozen_heads(model, train_head, classifier, lora_kwargs.get("modules_to_save"))
     if classifier and train_head:
         lora_kwargs["modules_to_save"] = _with_heads(model, lora_kwargs.get("modules_to_save"))
+    if frozen:  # no adapter on a frozen head either (BART's dense, out_proj are LoRA targets)
+        lora_kwargs["exclude_modules"] = _excluding(
+            model, frozen, lora_kwargs.get("exclude_modules")
+        )
     if isinstance(lora_kwargs.get("modules_to_save"), (list, tuple, set)):
         guesses = _PEFT_HEADS.get(task_type or "", ()) if classifier else ()
         lora_kwargs["modules_to_save"] = _unnested(
@@ -234,6 +240,16 @@ def _unnested(model: nn.Module, names: list[str], guesses: tuple[str, ...]) -> l
         if not nested:
             kept.append(name)
     return kept
+
+
+def _excluding(model: nn.Module, heads: list[str], given: Any) -> list[str] | str:
+    """PEFT's `exclude_modules`: `given` plus every module of the `heads` (by full name)."""
+    keys = [
+        k for k, _ in model.named_modules() if any(k == h or k.startswith(f"{h}.") for h in heads)
+    ]
+    if isinstance(given, str):  # a regular expression PEFT fullmatches against full names
+        return "|".join([f"(?:{given})", *(re.escape(k) for k in keys)])
+    return list(dict.fromkeys([*(given or []), *keys]))
 
 
 def _freeze(wrapped: nn.Module, heads: list[str]) -> None:
