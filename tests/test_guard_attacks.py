@@ -251,6 +251,20 @@ def test_inspect_refuses_ranking_flags_on_a_single_checkpoint(tmp_path, capsys):
         cli_inspect(path, mode="max")
 
 
+def test_inspect_refuses_mode_max_without_a_metric(tmp_path, capsys):
+    # Without --metric a run folder's best is ranked by eval_loss: --mode max marked the
+    # checkpoint with the highest loss "best eval_loss", as plot --mode max did.
+    state = ft.TrainState.create(nn.Linear(2, 1), ft.optim.sgd())
+    ft.save_checkpoint(state, tmp_path, metrics={"eval_loss": 1.0})
+    with pytest.raises(SystemExit) as exit_:
+        main(["inspect", str(tmp_path), "--mode", "max"])
+    assert exit_.value.code == 2
+    assert "mode='max' without a metric ranks eval_loss" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="mode='max' without a metric ranks eval_loss"):
+        cli_inspect(tmp_path, mode="max")
+    assert main(["inspect", str(tmp_path), "--metric", "eval_loss", "--mode", "max"]) == 0
+
+
 def test_export_refuses_config_with_base(tmp_path, capsys):
     # The model is loaded from --base with the base's own config: --config was ignored, even
     # one that does not exist.

@@ -31,11 +31,14 @@ def inspect(
 
     Raises:
         ValueError: for `metric` or `mode` given with a single checkpoint (nothing to rank),
-            or a `mode` other than "min" and "max".
+            a `mode` other than "min" and "max", or `mode="max"` without `metric` (the
+            default metric, eval_loss, is best when lowest).
     """
     if mode not in (None, "min", "max"):
         raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
     if _is_run_folder(path):
+        if mode == "max" and metric is None:
+            raise ValueError(_MAX_LOSS)
         return inspect_run(path, verify=verify, metric=metric or "eval_loss", mode=mode or "min")
     if (why := _unranked(path, metric=metric, mode=mode)) is not None:
         raise ValueError(why)
@@ -73,6 +76,14 @@ def inspect(
     versions = _short(meta.get("ftrain_version")), _short(meta.get("torch_version"))
     print(f"written by  ftrain {versions[0]}, torch {versions[1]}")
     return 0
+
+
+# Without --metric the ranked metric is eval_loss: --mode max marked its highest as the best.
+_MAX_LOSS = (
+    "mode='max' without a metric ranks eval_loss, whose best is its lowest: the highest loss "
+    "would be marked best; name the metric that is best when highest, e.g. --metric "
+    "eval_accuracy --mode max"
+)
 
 
 def _unranked(path: Path, **flags: str | None) -> str | None:
@@ -342,6 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         why = _unranked(args.checkpoint, metric=args.metric, mode=args.mode)
         if why is not None:  # a flag that cannot act on this path: a usage error (status 2)
             parser.error(f"inspect --metric/--mode: {why}")
+        if args.mode == "max" and args.metric is None:
+            parser.error(f"inspect --mode max: {_MAX_LOSS}")
         return inspect(
             args.checkpoint, verify=not args.no_verify, metric=args.metric, mode=args.mode
         )
