@@ -253,3 +253,13 @@ def test_train_head_false_is_refused_where_it_cannot_act():
         _apply_quiet(_classifier(), train_head=False, modules_to_save=["score"])
     with pytest.raises(TypeError, match=r"train_head must be True or False, got 'no'"):
         _apply_quiet(_classifier(), train_head="no")
+
+
+def test_a_string_modules_to_save_is_refused_not_read_letter_by_letter():
+    # PEFT matched each letter of "lm_head" as a name ending: the whole decoder (`model`, which
+    # ends in "l"), its final norm and the head were copied and trained in full.
+    with pytest.raises(TypeError, match=r"modules_to_save must be a list of module names, got "
+                       r"'lm_head'; e\.g\. modules_to_save=\['lm_head'\]"):  # fmt: skip
+        ft.lora.apply(tiny_llama(), r=2, modules_to_save="lm_head")
+    with pytest.raises(TypeError, match=r"modules_to_save must be a list of module names, got "):
+        _apply_quiet(_classifier(), modules_to_save=[3])

@@ -109,7 +109,9 @@ def apply(
             module (PEFT would nest one wrapper in another and fail to reload it); for
             `train_head=False` on a model without a classifier head, or with a
             `modules_to_save` name inside that head.
-        TypeError: for a `task_type` that is neither a `peft.TaskType`, a string nor None, or
+        TypeError: for `modules_to_save` that is not a list of names (a string: PEFT reads
+            it letter by letter), a `task_type` that is neither a `peft.TaskType`, a string
+            nor None, or
             a `LoraConfig` keyword this function takes under its own name (`target_modules`:
             pass `targets`; `lora_alpha`: `alpha`; `lora_dropout`: `dropout`).
         ImportError: without peft (`pip install 'ftrain[hf]'`).
@@ -373,8 +375,17 @@ def _targets(model: nn.Module, targets: list[str] | str | None) -> list[str] | s
 def _check_modules_to_save(model: nn.Module, names: Any) -> None:
     # PEFT wraps the modules whose full name ends with one of these, and skips a name that
     # matches none without a word: the layer the caller meant to train stays frozen.
-    if not isinstance(names, (list, tuple, set)):
+    if names is None:
         return
+    if not isinstance(names, (list, tuple, set)) or not all(isinstance(n, str) for n in names):
+        # A string is read letter by letter: modules_to_save="lm_head" trained in full every
+        # module whose name ends in "l", "m", "e", ... (the whole decoder `model`, its norm).
+        raise TypeError(
+            f"ft.lora.apply modules_to_save must be a list of module names, got {names!r}; "
+            f"e.g. modules_to_save=[{names!r}]"
+            if isinstance(names, str)
+            else f"ft.lora.apply modules_to_save must be a list of module names, got {names!r}"
+        )
     keys = [key for key, _ in model.named_modules(remove_duplicate=False)]
     missing = [n for n in names if not any(key.endswith(n) for key in keys)]
     if missing:
