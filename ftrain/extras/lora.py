@@ -73,10 +73,12 @@ def apply(
     ...), go into `modules_to_save` (each name once), so they train in full (no adapter on
     them) and the adapter saves them; left frozen they would stay random, and a reloaded
     adapter would get another random head. A head that is already trained (a fine-tuned
-    classifier, a reward model) stays frozen with `train_head=False`: PEFT still wraps it
-    (its classifier wrappers always do), so the adapter carries the head's unchanged copy and
-    `PeftModel.from_pretrained` restores it; reloaded with `is_trainable=True`, PEFT makes that
-    copy trainable again (freeze it, or apply LoRA to the merged model instead).
+    classifier, a reward model) stays frozen with `train_head=False`, without adapters. The
+    adapter then needs the base model with that trained head: load it with
+    `PeftModel.from_pretrained(trained_classifier, adapter)` (and export a checkpoint with
+    `--base`). PEFT's classifier wrappers still wrap a head named `classifier` or `score` (they
+    always do), so that adapter also carries the head's unchanged copy; reloaded with
+    `is_trainable=True`, PEFT makes that copy trainable again (freeze it by hand).
 
     Args:
         model: an HF model (full precision, or from `load_4bit`).
