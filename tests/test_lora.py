@@ -246,6 +246,14 @@ def test_train_head_false_keeps_a_trained_classifiers_head_frozen(name, head, tm
     torch.testing.assert_close(_logits(reloaded), _logits(model))
 
 
+def test_train_head_false_keeps_the_heads_biases_frozen_under_bias_all():
+    # bias="all" unfroze every bias, the frozen head's too (BART's dense and out_proj biases).
+    model = _apply_quiet(_classifier("bart"), train_head=False, bias="all")
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any(n.endswith(".bias") for n in trained)
+    assert not [n for n in trained if ".classification_head." in n]
+
+
 def test_train_head_false_is_refused_where_it_cannot_act():
     with pytest.raises(ValueError, match=r"train_head=False, but LlamaForCausalLM has no"):
         ft.lora.apply(tiny_llama(), r=2, train_head=False)

@@ -257,11 +257,11 @@ def _excluding(model: nn.Module, heads: list[str], given: Any) -> list[str] | st
 
 
 def _freeze(wrapped: nn.Module, heads: list[str]) -> None:
-    """Freeze the copies PEFT made of the `heads` (its wrappers make them trainable)."""
+    """Freeze every parameter of the `heads`: the copies PEFT's wrappers make trainable, and
+    the biases `bias="all"` unfreezes."""
     for key, module in wrapped.named_modules():
-        wrapper = hasattr(module, "original_module") and hasattr(module, "modules_to_save")
-        if wrapper and any(key == h or key.endswith(f".{h}") for h in heads):
-            module.modules_to_save.requires_grad_(False)
+        if any(key == h or key.endswith(f".{h}") for h in heads):
+            module.requires_grad_(False)
 
 
 def _has_new_head(model: nn.Module) -> bool:
