@@ -159,6 +159,20 @@ def test_an_export_with_overwrite_never_replaces_a_run_folder_or_a_checkpoint(tm
     ft.export_pretrained(state, tmp_path / "out", overwrite=True)  # an export: replaced
 
 
+def test_an_export_with_overwrite_never_replaces_a_sweep_of_runs(tmp_path, capsys):
+    # Only one level was looked into: a sweep's folder (sweep/run-a/step-0) was replaced by the
+    # export, and every run of the sweep deleted with it.
+    state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+    path = ft.save_checkpoint(state, tmp_path / "sweep" / "group" / "run-a")
+    with pytest.raises(ValueError, match=r"which is a folder holding checkpoints \("):
+        ft.export_pretrained(state, tmp_path / "sweep", overwrite=True)
+    with pytest.raises(ValueError, match="export to a directory of its own"):
+        ft.export_checkpoint(path, tmp_path, overwrite=True)
+    assert main(["export", str(path), "--to", str(tmp_path / "sweep"), "--overwrite"]) == 1
+    assert "which is a folder holding checkpoints" in capsys.readouterr().err
+    assert ft.latest_checkpoint(path.parent) == path
+
+
 def test_another_compute_dtype_in_a_quantization_config_is_another_precision_not_a_mismatch(
     tmp_path,
 ):

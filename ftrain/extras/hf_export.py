@@ -102,19 +102,31 @@ def export_pretrained(
 
 
 def _refuse_replacing_checkpoints(directory: Path, overwrite: bool) -> None:
-    """Refuse to replace a checkpoint, a run folder or a folder of runs with an export
-    (`overwrite=True` with the run folder as the target deleted every checkpoint in it)."""
+    """Refuse to replace a checkpoint, a run folder or a folder holding either at any depth
+    with an export (`overwrite=True` with the run folder as the target deleted every checkpoint
+    in it; with a sweep's folder, `sweep/run-a/step-<N>`, every run of the sweep)."""
     if not overwrite or not directory.is_dir():
         return
     what = _holds_checkpoints(directory)
     if what is None:
         runs = (_holds_checkpoints(p) for p in directory.iterdir() if p.is_dir())
         what = "a folder of runs" if any(runs) else None
+    if what is None and (deeper := _checkpoint_below(directory)) is not None:
+        what = f"a folder holding checkpoints ({deeper})"
     if what is not None:
         raise ValueError(
             f"overwrite=True would replace {directory}, which is {what}, with the export "
             "(deleting it): export to a directory of its own"
         )
+
+
+def _checkpoint_below(directory: Path) -> Path | None:
+    """The first checkpoint folder found anywhere below `directory` (symlinks not followed:
+    replacing the directory deletes what is inside it, not what a link points to), or None."""
+    for folder, _, files in os.walk(directory):
+        if "state.json" in files or "COMMITTED" in files:
+            return Path(folder)
+    return None
 
 
 def _holds_checkpoints(directory: Path) -> str | None:
