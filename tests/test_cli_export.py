@@ -329,3 +329,48 @@ def test_a_path_that_does_not_exist_says_so(tmp_path, capsys):
         ft.checkpoint.open_checkpoint(tmp_path / "file")
     assert main(["inspect", str(missing)]) == 1
     assert f"{missing} is not a checkpoint directory: it does not exist" in capsys.readouterr().out
+
+
+def _resnet():
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    torch.manual_seed(0)
+    config = ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8], depths=[1],
+                          num_labels=2)  # fmt: skip
+    return ResNetForImageClassification(config)
+
+
+def test_exporting_the_ema_of_a_batchnorm_model_asks_for_the_live_statistics(tmp_path, capsys):
+    """The average went out beside BatchNorm's live running statistics (ft.optim.ema does not
+    average them), without a word; swap_ema refuses the same, and both take live_buffers."""
+    state = ft.TrainState.create(_resnet(), _ema())
+    batch = {"pixel_values": torch.randn(4, 3, 16, 16), "labels": torch.tensor([0, 1, 1, 0])}
+
+    def loss_fn(model, b):  # an image classifier: its own loss (a mean) over its rows
+        return model(**b).loss * 4, torch.tensor(4.0)
+
+    grads, stats = ft.accumulate_grads(state, [batch], loss_fn)
+    state, _ = ft.clip_and_step(state, grads, stats=stats, lr=0.5)
+    path = ft.save_checkpoint(state, tmp_path / "run")
+    out = tmp_path / "hf"
+    assert main(["export", str(path), "--to", str(out), "--weights", "ema"]) == 1
+    err = capsys.readouterr().err
+    assert "holds running statistics" in err and "export --live-buffers" in err
+    assert not out.exists()
+    with pytest.raises(SystemExit) as e:
+        main(["export", str(path), "--to", str(out), "--weights", "live", "--live-buffers"])
+    assert e.value.code == 2 and "--live-buffers without --weights ema" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="live_buffers=True with weights='live'"):
+        ft.export_checkpoint(path, out, weights="live", live_buffers=True)
+    args = ["export", str(path), "--to", str(out), "--weights", "ema", "--live-buffers"]
+    assert main(args) == 0
+    from safetensors.torch import load_file
+
+    written = load_file(out / "model.safetensors")
+    model = state.model
+    for name, t in model.named_buffers():
+        if name.endswith("running_mean"):
+            assert torch.equal(written[name], t), name  # the live statistics, as asked
+    averaged = state.opt_state.ema
+    assert all(torch.equal(written[n], averaged[n]) for n in averaged if n in written)
+    assert any(not torch.equal(averaged[n], state.params[n]) for n in averaged)

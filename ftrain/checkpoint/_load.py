@@ -567,8 +567,9 @@ def _refuse_running_stats(opened: Opened, shapes: Mapping[str, Any]) -> None:
             f"weights='ema', but {opened.path} holds running statistics {stats[:4]}, which "
             "ft.optim.ema does not average: they are the live weights', and the averaged "
             "model would normalise with them (timm's ModelEmaV2 averages them). Pass "
-            "live_buffers=True to take them anyway (as swap_ema(state, live_buffers=True)), "
-            "or export the live weights (weights='live')"
+            "live_buffers=True (export --live-buffers) to take them anyway, as "
+            "swap_ema(state, live_buffers=True) does, or export the live weights "
+            "(weights='live')"
         )
 
 

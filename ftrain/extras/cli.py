@@ -314,6 +314,12 @@ def _parser() -> argparse.ArgumentParser:
         help="a run trained with ft.optim.ema: export the EMA average (what evaluation inside "
         "swap_ema uses) or the live weights; required for such a run, never guessed",
     )
+    p.add_argument(
+        "--live-buffers",
+        action="store_true",
+        help="with --weights ema: take the live BatchNorm running statistics beside the "
+        "average (ft.optim.ema does not average them; refused by default)",
+    )
     p = sub.add_parser(
         "plot", help="draw loss, lr and grad norm (or --metrics) from a metrics.jsonl"
     )
@@ -366,6 +372,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "loaded from --base with the base's own config, so --config would be ignored; pass "
             "one of them"
         )
+    if args.live_buffers and args.weights != "ema":
+        parser.error(
+            "export: --live-buffers without --weights ema: it takes the live running "
+            "statistics beside the EMA average, so it would be ignored; drop it, or pass "
+            "--weights ema"
+        )
     if args.allow_other_base and args.base is None:
         # The model is built from the checkpoint's config: there is no other base to allow.
         parser.error(
@@ -403,6 +415,7 @@ def _export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             weights=args.weights,
             allow_other_base=args.allow_other_base,
+            live_buffers=args.live_buffers,
         )
     except (CheckpointError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -256,6 +256,7 @@ def export_checkpoint(
     overwrite: bool = False,
     weights: Literal["live", "ema"] | None = None,
     allow_other_base: bool = False,
+    live_buffers: bool = False,
 ) -> Path:
     """Export a checkpoint of an HF model without the training script (the CLI's `export`).
 
@@ -269,7 +270,9 @@ def export_checkpoint(
     goes on from) and their average (which evaluation inside `swap_ema` uses). Which one to
     export is not guessed: `weights` says ("ema" or "live"); without it such a checkpoint is
     refused. A checkpoint without an average has only the live weights (`weights=None` or
-    "live").
+    "live"). `ft.optim.ema` averages the parameters, not BatchNorm's running statistics: the
+    average of a model with them is refused unless `live_buffers=True` (`--live-buffers`)
+    takes the live statistics beside it, as `swap_ema(state, live_buffers=True)` does.
 
     The frozen parameters come from `base`, so it must be the base the run trained on: its
     frozen weights are compared with the checkpoint's record, as `load_checkpoint` does
@@ -283,7 +286,8 @@ def export_checkpoint(
         ValueError: for both `config` and `base` (the model comes from `base` then: `config`
             would be ignored), and `allow_other_base` without `base` (nothing to allow); for
             an EMA checkpoint without `weights`, and `weights="ema"` for one without an EMA
-            average of every trainable parameter.
+            average of every trainable parameter, or with running statistics and not
+            `live_buffers=True`; for `live_buffers=True` without `weights="ema"`.
     """
     if config is not None and base is not None:
         raise ValueError(
@@ -294,6 +298,14 @@ def export_checkpoint(
         raise ValueError(f"weights must be 'ema', 'live' or None, got {weights!r}")
     if not isinstance(allow_other_base, bool):
         raise TypeError(f"allow_other_base must be True or False, got {allow_other_base!r}")
+    if not isinstance(live_buffers, bool):
+        raise TypeError(f"live_buffers must be True or False, got {live_buffers!r}")
+    if live_buffers and weights != "ema":
+        raise ValueError(
+            f"export_checkpoint got live_buffers=True with weights={weights!r}: it takes the "
+            "live running statistics beside the EMA average, so it means something with "
+            "weights='ema' only (the live weights export their own statistics)"
+        )
     if allow_other_base and base is None:
         raise ValueError(
             "export_checkpoint got allow_other_base=True without base: it allows exporting onto "
@@ -324,7 +336,7 @@ def export_checkpoint(
     model = _with_adapter(model, adapters, path)
     _set_generation_config(model, _generation_config(path, meta))
     # A sharded checkpoint's, assembled from its shards; the averages in place with "ema".
-    saved = read_model_tensors(opened, weights=weights or "live")
+    saved = read_model_tensors(opened, weights=weights or "live", live_buffers=live_buffers)
     _check_fits(path, model, saved, meta, bool(adapters), base=base, guessed=guessed)
     _cast_to_recorded(model, meta, saved)  # the dtypes the record's sums were taken in
     if base is not None and not allow_other_base:
