@@ -52,6 +52,8 @@ def test_tp_equals_one_process_and_its_checkpoints_reshard(tmp_path):
     _check_export(tmp_path, single)
     errors = got["errors"]
     assert errors["tied"] is True  # tied embeddings and head stay one parameter
+    # A plan splitting one of them broke the tie without a word (two parameters, trained apart).
+    assert "the plan splits 'model.embed_tokens.weight', which is tied to" in errors["tied_split"]
     assert "'model.layers.*.mlp.nope_proj' matches no module" in errors["pattern"]
     assert "GPT2LMHeadModel has no config.base_model_tp_plan" in errors["no_plan"]
     assert "'replicated_with_grad_allreduce', which TP does not translate" in errors["layout"]

@@ -165,8 +165,9 @@ class TP(ProcessGroupStrategy):
         ValueError: for `shard` with `dp=1` (there is no FSDP to shard with); in
             `grad_norm`, for a gradient left Partial over tp (`SequenceParallel`).
         ValueError: for a `dp` that does not divide the world size; in `setup`, for a plan
-            pattern matching no module, a model without a plan, or a layer whose split
-            dimension the tensor-parallel degree does not divide.
+            pattern matching no module, a model without a plan, a layer whose split
+            dimension the tensor-parallel degree does not divide, or a plan splitting a
+            parameter that several modules share (tied embeddings and LM head).
     """
 
     def __init__(
@@ -215,6 +216,7 @@ class TP(ProcessGroupStrategy):
         if self.plan is None:  # HF's plan splits attention by heads
             _check_heads(model, self.tp)
         _check_divisible(model, styles, self.tp)
+        _refuse_split_ties(model, styles)
         parallelize_module(model, self.mesh["tp"], styles)
         _replicate_rest(model, self.mesh["tp"])
         if self.dp > 1:
@@ -315,6 +317,34 @@ def _check_divisible(model: nn.Module, styles: Mapping[str, Any], tp: int) -> No
                 f"{name}: {type(style).__name__} splits {module.weight.shape[dim]} features "
                 f"over {tp} tensor-parallel ranks unevenly; choose a tp degree (world_size // "
                 "dp) dividing the head and feature counts"
+            )
+
+
+def _refuse_split_ties(model: nn.Module, styles: Mapping[str, Any]) -> None:
+    """Refuse a plan that splits a parameter several modules share (tied embeddings and LM
+    head): `parallelize_module` gives the planned module a new parameter and leaves the others
+    the old one, so the tie broke without a word and each copy trained on its own part of the
+    gradient (a model one process never trains, exported with two different matrices)."""
+    from torch.distributed.tensor.parallel import (
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        PrepareModuleOutput,
+    )
+
+    # Styles that only lay out a module's inputs or outputs leave its parameters alone.
+    layout_only = (PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput)
+    split = [n for n, s in styles.items() if not isinstance(s, layout_only)]
+    owners: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(name)
+    for names in owners.values():
+        planned = [n for n in names if any(n.startswith(f"{m}.") for m in split)]
+        if len(names) > 1 and planned:
+            raise ValueError(
+                f"the plan splits {planned[0]!r}, which is tied to {names!r} (one parameter): "
+                "tensor parallelism would give the planned module a parameter of its own and "
+                "break the tie; leave the tied modules out of the plan (they stay whole on "
+                "every rank, and tied), or untie them first (tie_word_embeddings=False)"
             )
 
 

@@ -62,9 +62,17 @@ _TINY = dict(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_lay
              num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
 
 
+def _tied_llama():
+    model = tiny_llama()
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    return model
+
+
 def _errors(out: Path) -> dict[str, str]:
     """The plan errors, raised inside a live group (a TP strategy needs one)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     found = {}
     cases = {
@@ -73,6 +81,11 @@ def _errors(out: Path) -> dict[str, str]:
         "style": (lambda: {"model.layers.*.mlp.up_proj": "colwise"}, tiny_llama),
         "layout": (lambda: None, _tiny_qwen3),
         "heads": (lambda: None, lambda: _tiny_llama(num_key_value_heads=1)),
+        # The embedding split, the head tied to it left whole: two parameters from then on.
+        "tied_split": (
+            lambda: {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate())},
+            _tied_llama,
+        ),
     }
     for key, (plan, build) in cases.items():
         try:
@@ -83,10 +96,7 @@ def _errors(out: Path) -> dict[str, str]:
         ft.strategies.TP(shard=lambda m: True)  # FSDP units without FSDP (dp=1)
     except ValueError as e:
         found["shard"] = str(e)
-    tied = tiny_llama()
-    tied.config.tie_word_embeddings = True
-    tied.tie_weights()
-    tied = ft.strategies.TP().setup(tied)
+    tied = ft.strategies.TP().setup(_tied_llama())
     found["tied"] = tied.lm_head.weight is tied.model.embed_tokens.weight
     return found
 
