@@ -95,6 +95,33 @@ def test_from_env_in_one_process_passes_device_and_precision(monkeypatch):
         ft.strategies.from_env(bucket_cap_mb=10)
 
 
+def test_from_env_takes_accelerate_launchs_mixed_precision_or_refuses_another(monkeypatch):
+    """`accelerate launch --mixed_precision bf16` (or its config file) says so only in
+    ACCELERATE_MIXED_PRECISION: from_env returned a float32 strategy without a word."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # accelerate's default: nothing said
+    assert ft.strategies.from_env(precision="bf16").precision == ft.precision.Precision.of("bf16")
+    for launched in ("bf16", "fp16"):
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", launched)
+        expected = ft.precision.Precision.of(launched)
+        assert ft.strategies.from_env().precision == expected
+        assert ft.strategies.from_env("fsdp", precision=expected).precision == expected
+        differs = f"differs from accelerate launch's --mixed_precision {launched}"
+        with pytest.raises(ValueError, match=differs):
+            ft.strategies.from_env(precision="fp32")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    with pytest.raises(ValueError, match="--mixed_precision fp8"):
+        ft.strategies.from_env()
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ValueError, match=r"told to use FSDP.*from_env\('ddp'\) would not shard"):
+        ft.strategies.from_env("ddp")
+    assert isinstance(ft.strategies.from_env("fsdp"), ft.strategies.SingleDevice)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ValueError, match="told to use DeepSpeed"):
+        ft.strategies.from_env("fsdp")
+
+
 def test_single_device_lifetime_is_a_no_op():
     with ft.strategies.from_env() as s:
         state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd(), strategy=s)

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ftrain.precision import Precision
 from ftrain.strategies._base import SingleDevice
 from ftrain.strategies._ddp import DDP
 from ftrain.strategies._fsdp import FSDP
@@ -56,12 +57,16 @@ def from_env(
             `ftrain.extras.cluster.export_launcher_env()` first), the batch script of an
             allocation of several tasks (start it with srun), a pod with PET_NNODES above 1 or
             JOB_COMPLETION_INDEX (start it with torchrun).
+            Under `accelerate launch`: a `precision` other than its `--mixed_precision`
+            (ACCELERATE_MIXED_PRECISION, which is taken when `precision` is not passed), fp8,
+            `--use_deepspeed`, or `--use_fsdp` with a `kind` other than "fsdp".
         TypeError: for a keyword `SingleDevice` cannot honour in a one-process run.
     """
     if kind not in _KINDS:
         raise ValueError(f"kind must be 'ddp', 'fsdp' or 'tp', got {kind!r}")
     if timeout is not None:  # refused in one process too, not first under torchrun
         collective_timeout(timeout)
+    kwargs = _accelerate_settings(kind, kwargs)
     if not dist.is_initialized() and _world_size() <= 1:  # a group made by hand is taken
         return _single(kind, kwargs)
     if timeout is not None and dist.is_initialized():
@@ -75,6 +80,51 @@ def from_env(
         raise
     strategy.owns_group = owns  # close() destroys the group only if from_env created it
     return strategy
+
+
+def _accelerate_settings(kind: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` with the mixed precision `accelerate launch` was given (`--mixed_precision`,
+    or its config file), which it passes as ACCELERATE_MIXED_PRECISION (always set; "no" is its
+    default): taken when `precision` is not passed, refused when another one is. The launch
+    said bf16 and the run trained in float32 without a word. A launch for FSDP or DeepSpeed
+    (`--use_fsdp`, `--use_deepspeed`) that `kind` would not honour raises too."""
+    env = os.environ
+    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        raise ValueError(
+            "accelerate launch was told to use DeepSpeed (ACCELERATE_USE_DEEPSPEED=true, from "
+            "--use_deepspeed or its config), which ftrain has no strategy for: its ZeRO "
+            "settings would be ignored; launch without DeepSpeed and use from_env('fsdp') "
+            f"{_CONFIG}"
+        )
+    if env.get("ACCELERATE_USE_FSDP", "").lower() == "true" and kind != "fsdp":
+        raise ValueError(
+            f"accelerate launch was told to use FSDP (ACCELERATE_USE_FSDP=true, from --use_fsdp "
+            f"or its config), but from_env({kind!r}) would not shard the model: call "
+            f"from_env('fsdp') (its options are FSDP's keywords; accelerate's FSDP_* variables "
+            f"are not read), or launch without FSDP {_CONFIG}"
+        )
+    launched = env.get("ACCELERATE_MIXED_PRECISION", "no")
+    if launched == "no":
+        return kwargs
+    if launched not in ("bf16", "fp16"):
+        raise ValueError(
+            f"accelerate launch was told --mixed_precision {launched} "
+            f"(ACCELERATE_MIXED_PRECISION={launched!r}), which ftrain's strategies do not "
+            f"implement (they take 'fp32', 'bf16' or 'fp16'); launch with one of those {_CONFIG}"
+        )
+    given = kwargs.get("precision")
+    if given is None:
+        return {**kwargs, "precision": launched}
+    if Precision.of(given).dtype != Precision.of(launched).dtype:
+        raise ValueError(
+            f"precision={given!r} differs from accelerate launch's --mixed_precision "
+            f"{launched} (ACCELERATE_MIXED_PRECISION, from the command line or its config): "
+            "pass the same, or drop one of them"
+        )
+    return kwargs
+
+
+_CONFIG = "(`accelerate config` or the launch flags)"
 
 
 def _refuse_other_timeout(timeout: timedelta) -> None:
