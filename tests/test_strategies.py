@@ -252,3 +252,47 @@ print(events)
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
     )
     assert out.stdout.strip() == "['written', 'closed']", out.stderr[-3000:]
+
+
+def test_close_returns_after_a_background_shard_save_whose_thread_could_not_start(tmp_path):
+    """save_checkpoint(blocking=False) raised and forgot a save whose thread could not start,
+    but the strategy still waited for that write: close() hung forever (no timeout). One rank
+    of a real gloo group, FSDP (a sharded save), in a fresh process bounded by a timeout."""
+    import os
+    import subprocess
+    import sys
+
+    from cluster_launch import free_port
+
+    script = f"""
+import threading, torch
+import ftrain as ft
+
+strategy = ft.strategies.FSDP(device="cpu")
+state = ft.TrainState.create(torch.nn.Linear(4, 2), ft.optim.sgd(), strategy=strategy)
+start = threading.Thread.start
+
+def refuse(thread):
+    if thread.name == "ftrain-checkpoint":
+        raise RuntimeError("can't start new thread")
+    start(thread)
+
+threading.Thread.start = refuse
+try:
+    ft.save_checkpoint(state, {str(tmp_path)!r}, blocking=False)
+except ft.CheckpointError as e:
+    print("raised:", e)
+threading.Thread.start = start
+strategy.close()
+print("closed")
+"""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
+               WORLD_SIZE="1", LOCAL_RANK="0")  # fmt: skip
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=90
+        )
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"close() hung: {e.stdout!r}") from None
+    assert "raised: starting the background save of step 0 failed" in out.stdout, out.stderr
+    assert out.stdout.strip().endswith("closed"), out.stderr[-3000:]

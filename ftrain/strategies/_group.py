@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ftrain.precision import Precision
+from ftrain.process_state import STATE
 from ftrain.strategies import _dcp, _placement
 from ftrain.strategies._base import _precision_repr, host_copies, move_to
 
@@ -37,6 +38,7 @@ TIMEOUT_ENV = "FTRAIN_COLLECTIVE_TIMEOUT"
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 _S = TypeVar("_S", bound="ProcessGroupStrategy")
+_POLL_S = 0.5  # how often close() looks whether a background save it waits for was abandoned
 
 
 def local_device() -> torch.device:
@@ -200,6 +202,7 @@ class ProcessGroupStrategy:
         # Background (sharded) saves talk over gloo groups of their own, made at the first.
         self._checkpoint_groups: list[Any] = []
         self._save_done: threading.Event | None = None  # set once the last one has finished
+        self._save_started = threading.Event()  # set once its write began
 
     def __repr__(self) -> str:
         name = type(self).__name__
@@ -340,8 +343,10 @@ class ProcessGroupStrategy:
         groups, rank = self._checkpoint_groups, self.process_rank
         write = _dcp.save_shards_async(parts, commit, groups=groups, rank=rank)
         done = self._save_done = threading.Event()
+        started = self._save_started = threading.Event()
 
         def write_and_signal() -> None:  # ft.checkpoint runs it, in its background thread
+            started.set()
             try:
                 write()
             finally:
@@ -361,9 +366,17 @@ class ProcessGroupStrategy:
         """Wait for the background save that writes over this strategy's checkpoint groups:
         its collectives must end before the groups go. The strategy started it, so it knows of
         it without asking `ft.checkpoint` (which imports the strategies, not the other way);
-        its outcome is reported by the next checkpoint call, or at exit."""
-        if self._save_done is not None:
-            self._save_done.wait()
+        its outcome is reported by the next checkpoint call, or at exit.
+
+        A write that never began and is no longer in flight (its thread could not start:
+        `save_checkpoint` raised and forgot it) never finishes: close() waited for it forever.
+        """
+        done = self._save_done
+        if done is None:
+            return
+        while not done.wait(_POLL_S):
+            if not self._save_started.is_set() and STATE.save_in_flight is None:
+                return  # never run, never will be
 
     def _timeout(self) -> Any:
         """The training group's collective timeout (a dead peer fails a background save as
