@@ -68,6 +68,8 @@ class FSDP(ProcessGroupStrategy):
         ValueError: for a `replicate` that does not divide the world size, both `replicate`
             and `mesh`, or a `mesh` that is not 1-D or 2-D over every rank (a 2-D `mesh` is
             HSDP, as `replicate=` makes: the clipping norm sums over its shard dimension).
+            In `setup`, for `ignored_params` holding a trainable parameter (FSDP would not
+            reduce its gradient).
     """
 
     def __init__(
@@ -132,6 +134,7 @@ class FSDP(ProcessGroupStrategy):
         from torch.distributed.fsdp import fully_shard
 
         model = model.to(self.device)
+        _refuse_trainable_ignored(model, self._kwargs.get("ignored_params"))
         is_block = self._shard or hf_blocks(model)
         for module in list(model.modules())[1:]:
             if is_block(module):
@@ -175,6 +178,22 @@ class FSDP(ProcessGroupStrategy):
 
     def drop_gathered(self, model: nn.Module) -> None:
         drop_gathered(model)
+
+
+def _refuse_trainable_ignored(model: nn.Module, ignored: Any) -> None:
+    """`fully_shard(ignored_params=...)` neither shards nor reduces those parameters: a
+    trainable one kept each rank's own gradient (scaled for an average that never happened),
+    and the replicas drifted apart (an error at the division only on small models)."""
+    if not ignored:
+        return
+    names = {id(p): n for n, p in model.named_parameters()}
+    trainable = sorted(names.get(id(p), "?") for p in ignored if p.requires_grad)
+    if trainable:
+        raise ValueError(
+            f"FSDP(ignored_params=...) holds trainable parameters {trainable[:3]}: FSDP does "
+            "not reduce their gradients over the ranks, so each rank would apply its own and "
+            "the replicas drift apart; freeze them (requires_grad=False) or let FSDP shard them"
+        )
 
 
 def reduce_unused(model: nn.Module) -> None:

@@ -73,6 +73,18 @@ def _error(results: dict, rank: int, name: str, make) -> None:
         results[name] = {"error": f"{type(e).__name__}: {e}"}
 
 
+def _ignored(frozen: bool) -> dict:
+    """FSDP(ignored_params=...) over expert b: FSDP neither shards nor reduces it."""
+    model = Experts()
+    model.b.weight.requires_grad_(not frozen)
+    try:
+        with ft.strategies.FSDP(ignored_params={model.b.weight}) as strategy:
+            state = ft.TrainState.create(model, ft.optim.sgd(), strategy=strategy)
+            return {"value": sorted(state.params)}
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
 def _from_env(seconds: float) -> dict:
     """`from_env(timeout=...)` in a group initialised before with a timeout of 30 s."""
     try:
@@ -92,6 +104,7 @@ def ranks(rank: int, world: int, port: int, out: str) -> None:
     _error(results, rank, "fsdp", ft.strategies.FSDP)
     _error(results, rank, "hsdp", lambda: ft.strategies.FSDP(replicate=2))
     _error(results, rank, "ddp_find", lambda: ft.strategies.DDP(find_unused_parameters=True))
+    results["ignored"], results["ignored_frozen"] = _ignored(False), _ignored(True)
     _error(results, rank, "ddp", ft.strategies.DDP)  # last: both ranks raise before reducing
     Path(f"{out}.{rank}").write_text(json.dumps(results))
     gc.collect()  # a DDP wrapper freed after the group is destroyed deadlocks at exit
