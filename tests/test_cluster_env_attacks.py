@@ -25,7 +25,7 @@ BATCH = {"SLURM_JOB_ID": "200505", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "S
 # Everything from_env or export_launcher_env reads to tell who started the process.
 READ = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
         "RAY_RAYLET_PID", "PET_NNODES", "PET_MASTER_ADDR", "JOB_COMPLETION_INDEX", *TASK,
-        *BATCH)  # fmt: skip
+        *BATCH, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")  # fmt: skip
 
 
 @pytest.fixture
@@ -247,4 +247,20 @@ def test_an_indexed_jobs_pod_without_a_rendezvous_address_is_a_sweeps_one_proces
     alone, with no MASTER_ADDR / PET_MASTER_ADDR / PET_NNODES, is one process."""
     environ({"JOB_COMPLETION_INDEX": "3"})
     assert export_launcher_env() == "none"
+    assert isinstance(ft.strategies.from_env("ddp"), ft.strategies.SingleDevice)
+
+
+# --- 5. processes an MPI launcher started ------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"])
+def test_from_env_refuses_a_process_of_several_that_mpirun_started(environ, size):
+    """`mpirun -np 2 python train.py` sets MPI's variables only: from_env returned SingleDevice
+    in each process, and both trained alone on every row into one run folder."""
+    environ({size: "2"})
+    with pytest.raises(ValueError, match=f"one of {size}=2 processes an MPI launcher"):
+        ft.strategies.from_env("ddp")
+    environ({size: "1"})  # one MPI process is one process
+    assert isinstance(ft.strategies.from_env("ddp"), ft.strategies.SingleDevice)
+    environ({size: "2", "WORLD_SIZE": "1"})  # independent runs, said so
     assert isinstance(ft.strategies.from_env("ddp"), ft.strategies.SingleDevice)

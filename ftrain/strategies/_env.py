@@ -56,7 +56,8 @@ def from_env(
             step of several tasks (each would train alone: call
             `ftrain.extras.cluster.export_launcher_env()` first), the batch script of an
             allocation of several tasks (start it with srun), a pod with PET_NNODES above 1 or
-            JOB_COMPLETION_INDEX (start it with torchrun).
+            JOB_COMPLETION_INDEX (start it with torchrun), a process of several that an MPI
+            launcher started (OMPI_COMM_WORLD_SIZE, PMI_SIZE or MV2_COMM_WORLD_SIZE above 1).
             Under `accelerate launch`: a `precision` other than its `--mixed_precision`
             (ACCELERATE_MIXED_PRECISION, which is taken when `precision` is not passed), fp8,
             `--use_deepspeed`, or `--use_fsdp` with a `kind` other than "fsdp".
@@ -169,6 +170,7 @@ def _world_size() -> int:
     if "WORLD_SIZE" not in os.environ and "RAY_RAYLET_PID" not in os.environ:
         _refuse_lone_slurm_task()
         _refuse_lone_pod()
+        _refuse_lone_mpi_rank()
     return world
 
 
@@ -218,6 +220,25 @@ def _refuse_lone_pod() -> None:
             "WORLD_SIZE), so it would train alone; start the command with "
             f"`torchrun --nproc-per-node=N train.py`, {_ALONE}"
         )
+
+
+# The world size each MPI launcher gives its processes: Open MPI's mpirun (and LSF's jsrun),
+# MPICH's and Intel MPI's mpiexec (PMI), MVAPICH2's mpirun_rsh.
+_MPI_SIZES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def _refuse_lone_mpi_rank() -> None:
+    """A process that `mpirun -np N python train.py` started: MPI's variables say it is one of
+    N, torch's are unset, so each trained alone on every row into the same run folder."""
+    for name in _MPI_SIZES:
+        size = os.environ.get(name, "")
+        if size.isascii() and size.isdigit() and int(size) > 1:
+            raise ValueError(
+                f"this process is one of {name}={size} processes an MPI launcher (mpirun, "
+                "mpiexec) started, but WORLD_SIZE is unset: each would train alone; launch "
+                "with torchrun (one per node), or export torch's RANK, WORLD_SIZE, MASTER_ADDR "
+                f"and MASTER_PORT from the launcher's, {_ALONE}"
+            )
 
 
 _KINDS: Mapping[str, type[DDP | FSDP | TP]] = MappingProxyType({"ddp": DDP, "fsdp": FSDP, "tp": TP})
