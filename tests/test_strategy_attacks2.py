@@ -73,3 +73,15 @@ def test_fsdp_refuses_trainable_ignored_params(two_ranks):
         error = got["ignored"].get("error", "")
         assert "FSDP(ignored_params=...) holds trainable parameters ['b.weight']" in error, got
         assert got["ignored_frozen"] == {"value": ["a.bias", "a.weight", "b.bias"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ddp", "fsdp", "hsdp", "tp_dp2"])
+def test_every_strategy_starts_from_rank_0s_values(two_ranks, kind):
+    """Each rank built its model from its own seed. DDP broadcasts rank 0's at wrap time, but
+    `fully_shard` kept each rank's own slice: FSDP's Linear weight was rank 0's rows 0-2 over
+    rank 1's rows 3-5, HSDP's replicas kept their own values for good (and the buffers too),
+    as did TP(dp=2)'s data-parallel groups; no error."""
+    for got in two_ranks:
+        drift = got["from_rank0"][kind]
+        assert drift and all(v == 0.0 for v in drift.values()), drift

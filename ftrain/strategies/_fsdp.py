@@ -41,6 +41,9 @@ class FSDP(ProcessGroupStrategy):
     """Fully sharded data parallelism (FSDP2): parameters, gradients and optimizer state are
     split across the ranks.
 
+    `setup` gives every rank global rank 0's parameters and buffers (one broadcast, as DDP's
+    at wrap time) before sharding them.
+
     Gradients are reduce-scattered in the final micro-batch's backward only
     (`set_requires_gradient_sync(False)` for the others); `sync_every_micro=True` reduces after
     every micro-batch, keeping only the local gradient shard in between. The gradient norm for
@@ -135,6 +138,7 @@ class FSDP(ProcessGroupStrategy):
 
         model = model.to(self.device)
         _refuse_trainable_ignored(model, self._kwargs.get("ignored_params"))
+        from_rank0(model)
         is_block = self._shard or hf_blocks(model)
         for module in list(model.modules())[1:]:
             if is_block(module):
@@ -194,6 +198,28 @@ def _refuse_trainable_ignored(model: nn.Module, ignored: Any) -> None:
             "not reduce their gradients over the ranks, so each rank would apply its own and "
             "the replicas drift apart; freeze them (requires_grad=False) or let FSDP shard them"
         )
+
+
+def from_rank0(model: nn.Module) -> None:
+    """Give every process global rank 0's parameters and buffers (in place, one broadcast per
+    tensor), as DDP does when it wraps and TP when it splits. `fully_shard` keeps each rank's
+    own slice of its own tensors without communication: a model initialised differently on
+    each rank (seeded by rank) became rank 0's rows of a weight stacked on rank 1's, and under
+    HSDP the replicas kept different values for good, without an error."""
+    if dist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        tensors = [*model.parameters(), *model.buffers()]
+        works = [
+            (t, c, dist.broadcast(c, src=0, async_op=True))
+            for t in tensors
+            if not hasattr(t, "device_mesh")  # distributed already: it refuses elsewhere
+            for c in [t.detach() if t.is_contiguous() else t.detach().contiguous()]
+        ]
+        for t, c, work in works:
+            work.wait()
+            if c.data_ptr() != t.data_ptr():  # a contiguous copy: back into the tensor
+                t.copy_(c)
 
 
 def reduce_unused(model: nn.Module) -> None:

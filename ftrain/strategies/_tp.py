@@ -26,6 +26,7 @@ from ftrain.strategies._base import uncompiled
 from ftrain.strategies._fsdp import (
     copy_whole,
     drop_gathered,
+    from_rank0,
     full_state_dict,
     gradient_sync,
     hf_blocks,
@@ -217,6 +218,8 @@ class TP(ProcessGroupStrategy):
             _check_heads(model, self.tp)
         _check_divisible(model, styles, self.tp)
         _refuse_split_ties(model, styles)
+        if self.dp > 1:  # the tp ranks broadcast from their group's first; FSDP never does
+            from_rank0(model)
         parallelize_module(model, self.mesh["tp"], styles)
         _replicate_rest(model, self.mesh["tp"])
         if self.dp > 1:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 import ftrain as ft
-from helpers import rank_env
+from helpers import rank_env, tiny_llama
 
 
 class Experts(torch.nn.Module):
@@ -85,6 +85,26 @@ def _ignored(frozen: bool) -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+def _seeded(seed: int) -> torch.nn.Module:
+    """A model initialised from `seed`, with a buffer that says it too."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.BatchNorm1d(6))
+    model[1].running_mean.fill_(float(seed))
+    return model
+
+
+def _from_rank0(rank: int, make, build) -> dict:
+    """How far each whole parameter and buffer of a model initialised by rank (seed = rank)
+    is, once set up, from rank 0's (seed 0)."""
+    with make() as strategy:
+        state = ft.TrainState.create(build(rank), ft.optim.sgd(), strategy=strategy)
+        model = strategy.unwrap(state.model)
+        got = {n: _whole(t) for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    ref = build(0)
+    want = dict([*ref.named_parameters(), *ref.named_buffers()])
+    return {n: float((t.float() - want[n].detach().float()).abs().max()) for n, t in got.items()}
+
+
 def _from_env(seconds: float) -> dict:
     """`from_env(timeout=...)` in a group initialised before with a timeout of 30 s."""
     try:
@@ -105,6 +125,12 @@ def ranks(rank: int, world: int, port: int, out: str) -> None:
     _error(results, rank, "hsdp", lambda: ft.strategies.FSDP(replicate=2))
     _error(results, rank, "ddp_find", lambda: ft.strategies.DDP(find_unused_parameters=True))
     results["ignored"], results["ignored_frozen"] = _ignored(False), _ignored(True)
+    results["from_rank0"] = {
+        "ddp": _from_rank0(rank, ft.strategies.DDP, _seeded),
+        "fsdp": _from_rank0(rank, ft.strategies.FSDP, _seeded),
+        "hsdp": _from_rank0(rank, lambda: ft.strategies.FSDP(replicate=2), _seeded),
+        "tp_dp2": _from_rank0(rank, lambda: ft.strategies.TP(dp=2), lambda s: tiny_llama(seed=s)),
+    }
     _error(results, rank, "ddp", ft.strategies.DDP)  # last: both ranks raise before reducing
     Path(f"{out}.{rank}").write_text(json.dumps(results))
     gc.collect()  # a DDP wrapper freed after the group is destroyed deadlocks at exit
