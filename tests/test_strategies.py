@@ -210,6 +210,28 @@ def test_arguments_that_need_no_group_are_refused_before_joining_one(cls, monkey
     assert not torch.distributed.is_initialized()
 
 
+def test_fsdp_refuses_a_float16_mixed_precision_policy_without_loss_scaling(monkeypatch):
+    """docs/strategies.md points to `mp_policy=` for FSDP's own mixed precision; float16
+    compute or reduction with precision fp32 or bf16 has no loss scale: small gradients became
+    zero without an error. Refused before joining a group; with precision="fp16" it is taken."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)  # joining would raise "launch with torchrun"
+    for policy, named in (
+        (MixedPrecisionPolicy(param_dtype=torch.float16), "param_dtype=torch.float16"),
+        (MixedPrecisionPolicy(reduce_dtype=torch.float16), "reduce_dtype=torch.float16"),
+    ):
+        for precision in (None, "bf16"):
+            with pytest.raises(ValueError, match=f"{named}.*without loss scaling"):
+                ft.strategies.FSDP(mp_policy=policy, precision=precision)
+    with pytest.raises(RuntimeError, match="needs a process group"):  # past the checks
+        ft.strategies.FSDP(mp_policy=MixedPrecisionPolicy(torch.float16), precision="fp16")
+    with pytest.raises(RuntimeError, match="needs a process group"):
+        ft.strategies.FSDP(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    assert not torch.distributed.is_initialized()
+
+
 def test_close_waits_for_the_strategys_own_background_shard_write(tmp_path):
     """close() must not destroy the groups a background save still talks over. The strategy
     knows of that save because it started it (`save_shards_async`), so `ft.strategies` needs

@@ -71,8 +71,9 @@ class FSDP(ProcessGroupStrategy):
         ValueError: for a `replicate` that does not divide the world size, both `replicate`
             and `mesh`, or a `mesh` that is not 1-D or 2-D over every rank (a 2-D `mesh` is
             HSDP, as `replicate=` makes: the clipping norm sums over its shard dimension).
-            In `setup`, for `ignored_params` holding a trainable parameter (FSDP would not
-            reduce its gradient).
+            For an `mp_policy` with a float16 `param_dtype` or `reduce_dtype` without
+            `precision="fp16"` (no loss scaling). In `setup`, for `ignored_params` holding a
+            trainable parameter (FSDP would not reduce its gradient).
     """
 
     def __init__(
@@ -89,6 +90,7 @@ class FSDP(ProcessGroupStrategy):
             raise TypeError(f"sync_every_micro must be True or False, got {sync_every_micro!r}")
         if type(replicate) is not int:  # True is not 1, nor is 1.0
             raise TypeError(f"replicate must be an int (replica groups), got {replicate!r}")
+        _refuse_unscaled_half(fsdp_kwargs.get("mp_policy"), Precision.of(precision))
         super().__init__("FSDP", device, None, precision)
         self.sync_every_micro = sync_every_micro
         self._shard = shard
@@ -182,6 +184,23 @@ class FSDP(ProcessGroupStrategy):
 
     def drop_gathered(self, model: nn.Module) -> None:
         drop_gathered(model)
+
+
+def _refuse_unscaled_half(policy: Any, precision: Precision) -> None:
+    """A `MixedPrecisionPolicy` computing or reducing in float16 needs loss scaling, which
+    ftrain ties to `precision="fp16"`: without it, gradients below float16's range became
+    zero (and sums above it inf, skipped steps) without an error."""
+    half = [
+        f"{key}=torch.float16"
+        for key in ("param_dtype", "reduce_dtype")
+        if getattr(policy, key, None) == torch.float16
+    ]
+    if half and precision.loss_scaling is None:
+        raise ValueError(
+            f"FSDP(mp_policy=MixedPrecisionPolicy({', '.join(half)})) computes in float16 "
+            f"without loss scaling (precision={precision!r}): small gradients would flush to "
+            "zero; pass precision='fp16' (dynamic loss scaling) with it, or use torch.bfloat16"
+        )
 
 
 def _refuse_trainable_ignored(model: nn.Module, ignored: Any) -> None:
