@@ -177,3 +177,24 @@ def test_reading_a_checkpoints_ema_weights_refuses_the_live_running_statistics(t
     assert torch.equal(live["0.weight"], state.params["0.weight"])
     with pytest.raises(TypeError, match="live_buffers must be True or False"):
         ft.checkpoint.read_model_tensors(opened, weights="ema", live_buffers=1)  # type: ignore[arg-type]
+
+
+def test_a_checkpoint_of_ema_without_warmup_that_recorded_power_loads(tmp_path):
+    # ema(warmup=False, power=0.75) was accepted (and the power ignored) before it was refused:
+    # its checkpoints record power 0.75, and the resume with ema(warmup=False), the only
+    # spelling now taken, was refused ("power: checkpoint has 0.75, state has 0.667").
+    def make(**kw):
+        torch.manual_seed(0)
+        return ft.TrainState.create(torch.nn.Linear(3, 1), ft.optim.ema(ft.optim.sgd(), **kw))
+
+    old = make(warmup=False)
+    recorded = {"kind": "ema", "decay": 0.9999, "warmup": False, "gamma": 1.0, "power": 0.75}
+    inner = ft.optim.sgd()
+    ft.optim.described(
+        old.optimizer, lambda names: {**recorded, "inner": ft.optim.describe(inner, names)}
+    )
+    path = ft.save_checkpoint(old, tmp_path)
+    ft.load_checkpoint(path, make(warmup=False))
+    mismatch = ft.checkpoint.CheckpointMismatchError
+    with pytest.raises(mismatch, match=r"optimizer setting warmup: checkpoint has False"):
+        ft.load_checkpoint(path, make(power=0.75))  # the warmup is still compared

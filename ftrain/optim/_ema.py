@@ -175,8 +175,12 @@ def ema(
                 torch._foreach_lerp_(averages, live, weight)  # type: ignore[call-overload]
         return EmaState(inner, state.ema)
 
+    # Without warmup, gamma and power are not recorded: a checkpoint from before they were
+    # refused records the values then accepted and ignored, and a setting recorded on one side
+    # only is not compared, so it loads into ema(warmup=False) as it is now spelled.
+    shape = {"gamma": gamma, "power": power} if warmup else {}
     _describes(update, lambda names: {
-        "kind": "ema", "decay": decay, "warmup": warmup, "gamma": gamma, "power": power,
+        "kind": "ema", "decay": decay, "warmup": warmup, **shape,
         "inner": describe(optimizer, names),
     })  # fmt: skip
     return Optimizer(init, update)
