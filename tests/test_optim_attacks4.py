@@ -198,3 +198,35 @@ def test_a_checkpoint_of_ema_without_warmup_that_recorded_power_loads(tmp_path):
     mismatch = ft.checkpoint.CheckpointMismatchError
     with pytest.raises(mismatch, match=r"optimizer setting warmup: checkpoint has False"):
         ft.load_checkpoint(path, make(power=0.75))  # the warmup is still compared
+
+
+def test_a_swap_back_that_fails_leaves_the_state_swapped_so_steps_refuse_it(tmp_path, monkeypatch):
+    # The swap back at the block's end failed (out of memory for its temporary) and the model
+    # kept the average, but the state was deregistered: clip_and_step trained from the average
+    # and save_checkpoint saved the average as the live weights.
+    from ftrain.process_state import STATE
+
+    state, live = _ema_mlp()
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("forged: no room for the temporary")
+
+    with pytest.raises(torch.OutOfMemoryError) as raised, ft.optim.swap_ema(state):
+        monkeypatch.setattr(torch, "empty", out_of_memory)  # the swap back's allocation fails
+    monkeypatch.undo()
+    try:
+        notes = "".join(getattr(raised.value, "__notes__", []))
+        assert "swap_ema could not put the live weights back" in notes
+        assert ft.optim.ema_swapped(state)
+        assert all(torch.all(p == 7.0) for p in state.params.values())  # the average
+        grads = {n: torch.ones_like(p) for n, p in state.params.items()}
+        with pytest.raises(ValueError, match=r"clip_and_step\(state\) inside ft\.optim\.swap_ema"):
+            ft.clip_and_step(state, grads, lr=0.1)
+        path = ft.save_checkpoint(state, tmp_path)  # saves the live weights, from the EmaState
+        fresh = ft.TrainState.create(state.model, ft.optim.ema(ft.optim.sgd(), decay=0.5))
+        fresh = ft.load_checkpoint(path, fresh)
+        for n, p in fresh.params.items():
+            assert torch.equal(p, live[n]), n
+            assert torch.all(fresh.opt_state.ema[n] == 7.0), n
+    finally:
+        STATE.ema_swapped[:] = [a for a in STATE.ema_swapped if a is not state.opt_state.ema]

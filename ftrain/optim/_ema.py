@@ -269,8 +269,14 @@ def swap_ema(state: TrainState, *, live_buffers: bool = False) -> Iterator[Train
     strategy = state.strategy
     local = strategy.local_view  # this rank's shards (FSDP), whole tensors otherwise
     pairs = [(local(state.params[n]), local(average[n])) for n in average]
-    _swap(pairs)
+    # Registered whenever the model may hold the average (an interrupt between the swap and
+    # the registration would leave it unregistered).
     STATE.ema_swapped.append(average)
+    try:
+        _swap(pairs)
+    except BaseException:
+        _unregister(average)  # all or none: nothing was swapped
+        raise
     try:
         # Whole parameters an earlier forward gathered and kept (FSDP2's root) hold the live
         # values: dropped, the next forward gathers the average (and after the block the live).
@@ -279,9 +285,25 @@ def swap_ema(state: TrainState, *, live_buffers: bool = False) -> Iterator[Train
     finally:
         try:
             _swap(pairs)
-            strategy.drop_gathered(state.model)
-        finally:
-            STATE.ema_swapped[:] = [a for a in STATE.ema_swapped if a is not average]
+        except BaseException as e:
+            # The model still holds the average: registered, steps and loads refuse it and a
+            # save writes the live weights from the EmaState, where they are.
+            e.add_note(_STUCK)
+            raise
+        _unregister(average)
+        strategy.drop_gathered(state.model)
+
+
+_STUCK = (
+    "swap_ema could not put the live weights back at the end of its block: the model still "
+    "holds the EMA average and state.opt_state.ema the live weights, so ema_swapped(state) "
+    "stays True and clip_and_step and load_checkpoint refuse the state; save_checkpoint(state) "
+    "still saves the live weights: load that checkpoint into a new TrainState to go on"
+)
+
+
+def _unregister(average: dict[str, torch.Tensor]) -> None:
+    STATE.ema_swapped[:] = [a for a in STATE.ema_swapped if a is not average]
 
 
 def _swapped(average: dict[str, torch.Tensor]) -> bool:
