@@ -287,12 +287,13 @@ def test_a_resumed_wandb_run_refuses_another_project_or_name_as_mlflow_does(tmp_
     first.close()
     with pytest.raises(ValueError, match="whose project is 'baseline', but project='ablation'"):
         ft.logging.WandbSink(root, project="ablation")
-    with pytest.raises(ValueError, match="whose name is 'a', but name='b'"):
+    with pytest.raises(
+        ValueError, match=r"whose name is 'a', but name='b' was given \(W&B would rename the run\)"
+    ):
         ft.logging.WandbSink(root, project="baseline", name="b")
-    monkeypatch.setenv("WANDB_ENTITY", "team")  # an entity, once the run has one
     (root / "wandb_run_identity.json").write_text('{"entity": "me", "project": "baseline"}')
     with pytest.raises(ValueError, match="whose entity is 'me', but entity='team'"):
-        ft.logging.WandbSink(root, project="baseline")
+        ft.logging.WandbSink(root, project="baseline", entity="team")
     assert len(list(root.glob("wandb/offline-run-*"))) == 1  # nothing was started elsewhere
 
 
@@ -305,9 +306,34 @@ def test_wandb_sink_without_project_takes_wandb_project(tmp_path, monkeypatch):
     sink = ft.logging.WandbSink(tmp_path / "run", rank=0)
     assert sink._run.project == "from-env"
     sink.close()
-    monkeypatch.setenv("WANDB_PROJECT", "other")  # a restart in another project is refused
-    with pytest.raises(ValueError, match="whose project is 'from-env', but project='other'"):
-        ft.logging.WandbSink(tmp_path / "run")
+    monkeypatch.setenv("WANDB_PROJECT", "other")  # a restart resumes the run where it is
+    resumed = ft.logging.WandbSink(tmp_path / "run", rank=0)
+    assert (resumed.resumed, resumed._run.project) == (True, "from-env")
+    resumed.close()
+
+
+def test_a_resumed_wandb_run_stays_where_it_is_whatever_the_environment_says(tmp_path, monkeypatch):
+    """A restart took WANDB_PROJECT (or WANDB_ENTITY) over the stored run's: a run made before
+    the identity file was kept (always in "ftrain") resumed as a new run of its id in the
+    variable's project, and one that had the file was refused, naming an argument not given."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    monkeypatch.delenv("WANDB_ENTITY", raising=False)
+    root = tmp_path / "run"
+    ft.logging.WandbSink(root, rank=0).close()
+    (root / "wandb_run_identity.json").unlink()  # a run made before ftrain kept the file
+    monkeypatch.setenv("WANDB_PROJECT", "team-proj")
+    old = ft.logging.WandbSink(root, rank=0)
+    assert (old.resumed, old._run.project) == (True, "ftrain")
+    old.close()
+    identity = json.loads((root / "wandb_run_identity.json").read_text())
+    assert identity["project"] == "ftrain"
+    monkeypatch.setenv("WANDB_ENTITY", "team")
+    (root / "wandb_run_identity.json").write_text('{"entity": "me", "project": "ftrain"}')
+    again = ft.logging.WandbSink(root, rank=0)
+    assert (again._run.project, again._run.entity) == ("ftrain", "me")
+    again.close()
 
 
 def test_mlflow_sink_without_experiment_takes_mlflow_experiment_name(

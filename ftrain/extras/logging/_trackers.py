@@ -16,6 +16,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from ftrain.extras.logging._rank import _known_rank, _process_rank
@@ -328,28 +329,52 @@ def _logged_params(path: Path, given: dict[str, str], run_id: str | None) -> dic
 
 
 _IDENTITY = ("project", "entity", "name")  # where a W&B run lives, and its display name
+# What wandb.init(resume="allow") of the stored id does with another value of each.
+_ELSEWHERE = MappingProxyType(
+    {
+        "project": "W&B would start a new run of that id in that project",
+        "entity": "W&B would start a new run of that id under that entity",
+        "name": "W&B would rename the run",
+    }
+)
 
 
-def _held_identity(
-    path: Path, asked: Mapping[str, str | None], id_file: Path, run_id: str | None
-) -> dict[str, str]:
-    """The project, entity and name of the W&B run a restart resumes (kept in `path`), checked
-    against those given; empty for a run without the file (made before ftrain kept one)."""
+def _resumed_identity(
+    path: Path, project: str | None, init_kwargs: Mapping[str, Any], id_file: Path, run_id: str
+) -> tuple[str, dict[str, str]]:
+    """The project to resume the stored W&B run in, and the run's identity kept in `path`
+    (project, entity, name), checked against the arguments given.
+
+    The stored run wins over WANDB_PROJECT and WANDB_ENTITY: it is the run being resumed, and
+    resume="allow" would start a new run of its id wherever they point. An argument given
+    that differs is refused, naming it. A run without the file (made before ftrain kept one)
+    was made in project "ftrain" unless project= was given: WANDB_PROJECT was not read then.
+    """
+    held = _held_identity(path)
+    asked = {
+        "project": project,
+        "entity": init_kwargs.get("entity"),
+        "name": init_kwargs.get("name"),
+    }
+    for arg, have in held.items():
+        if asked[arg] is not None and asked[arg] != have:
+            raise ValueError(
+                f"{id_file} names W&B run {run_id!r}, whose {arg} is {have!r}, but "
+                f"{arg}={asked[arg]!r} was given ({_ELSEWHERE[arg]}): pass {arg}={have!r} "
+                "or leave it out to resume that run, or use a new run_dir for a new run"
+            )
+    return held.get("project") or project or "ftrain", held
+
+
+def _held_identity(path: Path) -> dict[str, str]:
+    """The project, entity and name kept in `path`; empty without the file."""
     try:
         held = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
     if not isinstance(held, dict):
         return {}
-    held = {k: v for k, v in held.items() if k in _IDENTITY and isinstance(v, str) and v}
-    for arg, have in held.items():
-        if asked.get(arg) is not None and asked[arg] != have:
-            raise ValueError(
-                f"{id_file} names W&B run {run_id!r}, whose {arg} is {have!r}, but "
-                f"{arg}={asked[arg]!r} was given (W&B would start a new run of that id there): "
-                f"pass {arg}={have!r} to resume that run, or use a new run_dir for a new run"
-            )
-    return held
+    return {k: v for k, v in held.items() if k in _IDENTITY and isinstance(v, str) and v}
 
 
 GLOBAL_STEP = "train/global_step"  # W&B: the x-axis of every metric (`WandbSink`)
@@ -372,7 +397,9 @@ class WandbSink:
     Args:
         run_dir: the run's folder (e.g. the checkpoint root).
         project: the W&B project; None: `WANDB_PROJECT` (as HF's `WandbCallback` reads it),
-            else "ftrain".
+            else "ftrain", for a new run. A restart resumes the stored run where it is (kept
+            in `<run_dir>/wandb_run_identity.json`; "ftrain" for a run made before that file
+            was kept), whatever `WANDB_PROJECT` and `WANDB_ENTITY` say now.
         params: hyperparameters, the run's config, logged once when the run is created (kept
             in `<run_dir>/wandb_run_params.json`). A restart must pass the same values; new
             keys are added to the config.
@@ -387,9 +414,8 @@ class WandbSink:
 
     Raises:
         ValueError: if a restart passes params that differ from the stored run's, or a
-            `project`, `entity` (or `WANDB_ENTITY`) or `name` other than the stored run's
-            (kept in `<run_dir>/wandb_run_identity.json`): W&B would start a new run of that id
-            there.
+            `project` or `entity` other than the stored run's (W&B would start a new run of
+            that id there), or another `name` (W&B would rename the run).
         TypeError: for a `rank` that is not an int >= 0 or None.
     """
 
@@ -414,9 +440,6 @@ class WandbSink:
         known = _known_rank(rank)
         if known is not None and known != 0:
             return
-        # project="ftrain" was passed to wandb.init, which wins over WANDB_PROJECT: a run of a
-        # job that set it (as HF's docs say to) went to another project.
-        project = project if project is not None else os.environ.get("WANDB_PROJECT") or "ftrain"
         try:
             import wandb
         except ImportError as e:  # pragma: no cover - exercised only without the extra
@@ -429,16 +452,17 @@ class WandbSink:
         params_file = run_dir / "wandb_run_params.json"
         given = {k: str(v) for k, v in (params or {}).items()}
         logged = _logged_params(params_file, given, stored) if stored is not None else {}
-        # W&B's resume="allow" starts a new run under the stored id wherever it is asked to (in
-        # another project or entity): a resume that asks for another is refused, as MLflowSink
-        # refuses another experiment or run_name.
         identity_file = run_dir / "wandb_run_identity.json"
-        asked = {
-            "project": project,
-            "entity": init_kwargs.get("entity") or os.environ.get("WANDB_ENTITY"),
-            "name": init_kwargs.get("name"),
-        }
-        held = _held_identity(identity_file, asked, id_file, stored) if stored is not None else {}
+        held: dict[str, str] = {}
+        if stored is None:
+            # project="ftrain" was passed to wandb.init, which wins over WANDB_PROJECT: a run of
+            # a job that set it (as HF's docs say to) went to another project.
+            project = project if project is not None else os.environ.get("WANDB_PROJECT")
+            project = project or "ftrain"
+        else:
+            project, held = _resumed_identity(identity_file, project, init_kwargs, id_file, stored)
+            if "entity" in held:  # wins over WANDB_ENTITY, which wandb.init would read
+                init_kwargs = {**init_kwargs, "entity": held["entity"]}
         new = {k: v for k, v in (params or {}).items() if k not in logged}
         config = None if stored is not None else dict(params or {})  # a resumed run has its own
         self.run_id, self.resumed = stored, stored is not None  # known now: a fact of run_dir
