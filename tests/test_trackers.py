@@ -349,6 +349,32 @@ def test_mlflow_sink_without_experiment_takes_mlflow_experiment_name(
     client = MlflowClient(mlflow_uri)
     run = client.get_run(sink.run_id)
     assert client.get_experiment(run.info.experiment_id).name == "from-env"
-    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "other")
-    with pytest.raises(ValueError, match="whose experiment is 'from-env', but experiment='other'"):
-        ft.logging.MLflowSink(tmp_path / "run", tracking_uri=mlflow_uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "other")  # a restart resumes the run
+    resumed = ft.logging.MLflowSink(tmp_path / "run", tracking_uri=mlflow_uri, rank=0)
+    assert (resumed.resumed, resumed.run_id) == (True, sink.run_id)
+    resumed.close()
+
+
+def test_a_resumed_mlflow_run_takes_no_experiment_from_the_environment(
+    tmp_path, mlflow_uri, monkeypatch
+):
+    """A restart without experiment= took MLFLOW_EXPERIMENT_NAME as given: a run made in
+    "ftrain" (the default before the variable was read) was refused once it was set, with a
+    message blaming an experiment= that was never passed."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    root = tmp_path / "run"
+    first = ft.logging.MLflowSink(root, tracking_uri=mlflow_uri, rank=0)
+    first.log({"step": 1, "loss": 1.0})
+    first.close()
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "team-exp")
+    again = ft.logging.MLflowSink(root, tracking_uri=mlflow_uri, rank=0)
+    again.log({"step": 2, "loss": 0.5})
+    again.close()
+    client = MlflowClient(mlflow_uri)
+    run = client.get_run(first.run_id)
+    assert client.get_experiment(run.info.experiment_id).name == "ftrain"
+    assert [m.step for m in client.get_metric_history(first.run_id, "loss")] == [1, 2]
+    with pytest.raises(ValueError, match="whose experiment is 'ftrain', but experiment='x'"):
+        ft.logging.MLflowSink(root, tracking_uri=mlflow_uri, experiment="x")  # given: checked

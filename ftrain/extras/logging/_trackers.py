@@ -91,7 +91,8 @@ class MLflowSink:
         tracking_uri: where MLflow stores runs, e.g. `"sqlite:///runs/x/mlflow.db"`; None uses
             MLflow's default (`MLFLOW_TRACKING_URI`).
         experiment: experiment name, created if missing; None: `MLFLOW_EXPERIMENT_NAME` (as
-            HF's `MLflowCallback` reads it), else "ftrain".
+            HF's `MLflowCallback` reads it), else "ftrain", for a new run. A restart without
+            it resumes the stored run in its experiment, whatever the variable says now.
         run_name: display name of a new run.
         params: hyperparameters, logged once when the run is created. A restart must pass the
             same values (MLflow params are immutable).
@@ -132,10 +133,6 @@ class MLflowSink:
             from mlflow.tracking import MlflowClient
         except ImportError as e:  # pragma: no cover - exercised only without the extra
             raise ImportError("MLflowSink needs mlflow: pip install 'ftrain[mlflow]'") from e
-        # experiment="ftrain" was always passed: MLFLOW_EXPERIMENT_NAME, set for MLflow's own
-        # client and HF's callback, was ignored and the run went to another experiment.
-        if experiment is None:
-            experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "ftrain"
         id_file = Path(run_dir) / "mlflow_run_id"
         params = {k: str(v) for k, v in (params or {}).items()}
         for k in params:  # before a run is made for them
@@ -151,11 +148,15 @@ class MLflowSink:
                 _reopen(client, stored, new)
 
         else:
+            # experiment="ftrain" was always passed: MLFLOW_EXPERIMENT_NAME, set for MLflow's
+            # own client and HF's callback, was ignored and the run went to another experiment.
+            # (A resume reopens the stored run where it is, whatever the variable says now.)
+            name = experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "ftrain"
 
             def open_run() -> None:
                 # Made here, on rank 0 only: a sqlite store is created (migrated) by the client.
                 self._client = MlflowClient(tracking_uri)
-                self.run_id = _create(self._client, id_file, experiment, run_name, params)
+                self.run_id = _create(self._client, id_file, name, run_name, params)
 
         self._deferred = _Deferred(known, open_run, self._quiet)
 
@@ -252,7 +253,7 @@ def _check_resume(
     params: dict[str, str],
     uri: str | None,
     id_file: Path,
-    experiment: str,
+    experiment: str | None,
     run_name: str | None,
 ) -> dict[str, str]:
     """Check a restart's arguments against the stored run's (reading only); return the params
@@ -267,15 +268,16 @@ def _check_resume(
             "hold; pass the tracking_uri that holds it, or delete the file to start a new run"
         ) from e
     # The stored run wins over experiment= and run_name=: one that asks for another would
-    # log into a run it did not ask for.
+    # log into a run it did not ask for. Those not given (MLFLOW_EXPERIMENT_NAME, which names
+    # a new run's experiment) are the stored run's.
     held = client.get_experiment(run.info.experiment_id).name
     checks = (("experiment", experiment, held), ("run_name", run_name, run.info.run_name))
     for arg, asked, have in checks:
         if asked is not None and asked != have:
             raise ValueError(
                 f"{id_file} names MLflow run {run_id!r}, whose {arg} is {have!r}, but "
-                f"{arg}={asked!r} was given: pass {arg}={have!r} to resume that run, or "
-                "use a new run_dir for a new run"
+                f"{arg}={asked!r} was given: pass {arg}={have!r} or leave it out to resume "
+                "that run, or use a new run_dir for a new run"
             )
     logged = run.data.params
     # MLflow keeps a long value's first MAX_PARAM_VAL_LENGTH characters (with a warning): a
