@@ -378,3 +378,23 @@ def test_a_resumed_mlflow_run_takes_no_experiment_from_the_environment(
     assert [m.step for m in client.get_metric_history(first.run_id, "loss")] == [1, 2]
     with pytest.raises(ValueError, match="whose experiment is 'ftrain', but experiment='x'"):
         ft.logging.MLflowSink(root, tracking_uri=mlflow_uri, experiment="x")  # given: checked
+
+
+def test_an_unreachable_mlflow_server_is_not_said_to_lack_the_stored_run(tmp_path, monkeypatch):
+    """Any MlflowException (a connection error too) was reported as "tracking_uri does not hold
+    it ... delete the file to start a new run": advice that loses the run's history."""
+    from mlflow.exceptions import MlflowException
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    (tmp_path / "mlflow_run_id").write_text("0123456789abcdef0123456789abcdef\n")
+    with pytest.raises(MlflowException) as raised:
+        ft.logging.MLflowSink(tmp_path, tracking_uri="http://127.0.0.1:9")
+    assert "does not hold" not in str(raised.value)
+    assert raised.value.error_code != "RESOURCE_DOES_NOT_EXIST"
+
+
+def test_a_stored_run_the_mlflow_store_lacks_is_named(tmp_path, mlflow_uri):
+    (tmp_path / "mlflow_run_id").write_text("0123456789abcdef0123456789abcdef\n")
+    with pytest.raises(ValueError, match=r"which tracking_uri='file:.*' does not hold"):
+        ft.logging.MLflowSink(tmp_path, tracking_uri=mlflow_uri)

@@ -263,6 +263,10 @@ def _check_resume(
     try:
         run = client.get_run(run_id)
     except MlflowException as e:
+        # Only a store that answers that it lacks the run: an unreachable server (a connection
+        # error) holds it as far as anyone knows, and its error says so itself.
+        if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
         raise ValueError(
             f"{id_file} names MLflow run {run_id!r}, which tracking_uri={uri!r} does not "
             "hold; pass the tracking_uri that holds it, or delete the file to start a new run"
