@@ -374,3 +374,34 @@ def test_exporting_the_ema_of_a_batchnorm_model_asks_for_the_live_statistics(tmp
     averaged = state.opt_state.ema
     assert all(torch.equal(written[n], averaged[n]) for n in averaged if n in written)
     assert any(not torch.equal(averaged[n], state.params[n]) for n in averaged)
+
+
+def test_export_pretrained_of_a_batchnorm_models_ema_takes_live_buffers(tmp_path):
+    """export_pretrained(weights="ema") raised swap_ema's refusal ("Pass swap_ema(state,
+    live_buffers=True)"), which it had no argument to follow."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    state = ft.TrainState.create(model, _ema())
+    with torch.no_grad():
+        model[1].running_mean.fill_(3.0)
+        for a in state.opt_state.ema.values():
+            a.fill_(7.0)
+    out = tmp_path / "hf"
+    want = (
+        r"export_pretrained\(weights='ema'\): .*\['1\.running_mean', '1\.running_var'\]"
+        r".* Pass live_buffers=True"
+    )
+    with pytest.raises(ValueError, match=want):
+        ft.export_pretrained(state, out, weights="ema")
+    with pytest.raises(
+        ValueError, match=r"export_pretrained got live_buffers=True with weights='live'"
+    ):
+        ft.export_pretrained(state, out, weights="live", live_buffers=True)
+    assert not out.exists()
+    ft.export_pretrained(state, out, weights="ema", live_buffers=True)
+    from safetensors.torch import load_file
+
+    written = load_file(out / "model.safetensors")
+    assert all(torch.all(written[n] == 7.0) for n in state.opt_state.ema)  # the average
+    assert torch.all(written["1.running_mean"] == 3.0)  # the live statistics, as asked
+    assert not torch.all(state.params["0.weight"] == 7.0)  # the live weights are back

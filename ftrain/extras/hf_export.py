@@ -39,6 +39,7 @@ def export_pretrained(
     overwrite: bool = False,
     merge: bool = False,
     weights: Literal["live", "ema"] | None = None,
+    live_buffers: bool = False,
 ) -> Path:
     """Write the state's model so that `from_pretrained(directory)` loads it.
 
@@ -61,6 +62,9 @@ def export_pretrained(
             `ft.optim.swap_ema(state)`, where the model holds the average and that is written
             (None or "ema"). A state without an average has only its live weights (None or
             "live").
+        live_buffers: with `weights="ema"`, write the live running statistics (BatchNorm's)
+            beside the average, which `ft.optim.ema` does not average: such a model is
+            refused without it, as `swap_ema(state, live_buffers=True)` takes them.
 
     Returns:
         `directory` as a Path.
@@ -71,17 +75,19 @@ def export_pretrained(
             (merge into a full-precision base instead), or sharded (FSDP) parameters; an EMA
             state without `weights` outside `swap_ema`, `weights="ema"` without an average
             (or with an `ema` inside another optimizer: `swap_ema` swaps a top-level one),
-            `weights="live"` inside `swap_ema`.
+            `weights="live"` inside `swap_ema`; `weights="ema"` of a model with running
+            statistics without `live_buffers=True`, and `live_buffers=True` without
+            `weights="ema"`.
 
     With several ranks, rank 0 writes and the others return at once. With FSDP call it on every
     rank: the sharded parameters are gathered first (a collective), and every rank returns once
     rank 0 has written the directory.
     """
-    if _needs_swap(state, weights):
-        with swap_ema(state):
+    if _needs_swap(state, weights, live_buffers):
+        with swap_ema(state, live_buffers=live_buffers):
             return export_pretrained(
                 state, directory, tokenizer=tokenizer, overwrite=overwrite, merge=merge,
-                weights="ema",
+                weights="ema", live_buffers=live_buffers,
             )  # fmt: skip
     module, strategy = state.strategy.unwrap(state.model), state.strategy
     directory = Path(directory)
@@ -135,10 +141,18 @@ def _holds_checkpoints(directory: Path) -> str | None:
     return "a run folder of step-<N> checkpoints" if step_dirs(directory) else None
 
 
-def _needs_swap(state: TrainState, weights: str | None) -> bool:
+def _needs_swap(state: TrainState, weights: str | None, live_buffers: bool) -> bool:
     """Whether the average must be swapped in to write `weights`; refuses a guess."""
     if weights not in (None, "live", "ema"):
         raise ValueError(f"weights must be 'ema', 'live' or None, got {weights!r}")
+    if not isinstance(live_buffers, bool):
+        raise TypeError(f"live_buffers must be True or False, got {live_buffers!r}")
+    if live_buffers and weights != "ema":
+        raise ValueError(
+            f"export_pretrained got live_buffers=True with weights={weights!r}: it takes the "
+            "live running statistics beside the EMA average, so it means something with "
+            "weights='ema' only (the live weights export their own statistics)"
+        )
     if ema_swapped(state):  # the model holds the average
         if weights == "live":
             raise ValueError(
@@ -162,7 +176,32 @@ def _needs_swap(state: TrainState, weights: str | None) -> bool:
                else "the state holds no EMA average (its optimizer is not ft.optim.ema(...))")
             + "; export weights='live'"
         )  # fmt: skip
+    if weights == "ema" and not live_buffers:
+        _refuse_running_stats(state)
     return weights == "ema"
+
+
+def _refuse_running_stats(state: TrainState) -> None:
+    """Refuse what `swap_ema` refuses, naming export_pretrained's argument: the average beside
+    the running statistics of the live weights (BatchNorm's), which ft.optim.ema does not
+    average."""
+    model = state.strategy.unwrap(state.model)
+    stats = [
+        f"{prefix}.{b}" if prefix else b
+        for prefix, m in model.named_modules()
+        if getattr(m, "track_running_stats", False) is True
+        for b in ("running_mean", "running_var")
+        if isinstance(getattr(m, b, None), torch.Tensor)
+    ]
+    if stats:
+        raise ValueError(
+            f"export_pretrained(weights='ema'): ft.optim.ema averages the parameters, not the "
+            f"buffers, and the model's running statistics {stats[:4]} are the live weights' "
+            "(timm's ModelEmaV2 averages them): the averaged model would normalise with them. "
+            "Pass live_buffers=True to export them anyway, or recompute them for the average "
+            "inside swap_ema(state, live_buffers=True) (torch.optim.swa_utils.update_bn) and "
+            "export there"
+        )
 
 
 def _holds_ema(tree: Any, depth: int = 0) -> bool:
