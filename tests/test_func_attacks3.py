@@ -172,3 +172,50 @@ def test_epsilon_takes_its_orders_from_a_generator():
     assert ft.func.epsilon(**kw, orders=(a for a in orders)) == want
     with pytest.raises(ValueError, match=r"orders must be finite numbers > 1"):
         ft.func.epsilon(**kw, orders=iter(()))
+
+
+def _replaced_by_assign(members):
+    # The meta-device init: build on "meta", then load the weights with assign=True (torch
+    # wraps each loaded tensor in a plain nn.Parameter).
+    sd = ft.func.Ensemble(copy.deepcopy(members)).state_dict()
+    with torch.device("meta"):
+        ens = ft.func.Ensemble([nn.Linear(3, 1) for _ in members])
+    ens.load_state_dict(sd, assign=True)
+    return ens
+
+
+def _replaced_by_swap_on_conversion(members):
+    ens = ft.func.Ensemble(copy.deepcopy(members))
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        # Each conversion swaps every parameter for a plain one (to its own dtype it raised).
+        return ens.to(torch.float32).double().to(torch.float32)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+
+
+@pytest.mark.parametrize("build", [_replaced_by_assign, _replaced_by_swap_on_conversion])
+def test_an_ensemble_whose_parameters_torch_replaced_is_still_one(build):
+    # load_state_dict(assign=True) and swap-on-conversion replaced the MemberStacked parameters
+    # with plain ones: sweep refused the Ensemble ("train an ft.func.Ensemble"), and
+    # clip_by_global_norm in a chain went back to one norm over all the members.
+    def member(seed, gain):
+        torch.manual_seed(seed)
+        m = nn.Linear(3, 1)
+        with torch.no_grad():
+            m.weight.mul_(gain)
+        return m
+
+    members = [member(0, 1.0), member(1, 20.0)]
+    ft.TrainState.create(build(members), ft.func.sweep([ft.optim.sgd(), ft.optim.sgd()]))
+    opt = lambda: ft.optim.chain(ft.optim.clip_by_global_norm(0.5), ft.optim.sgd())  # noqa: E731
+    batch = _batch()
+    ens = ft.TrainState.create(build(members), opt())
+    grads, stats = ft.accumulate_grads(ens, [batch], ft.func.ensemble_loss(mse))
+    ens, _ = ft.clip_and_step(ens, grads, lr=0.1, stats=stats)
+    for k, m in enumerate(members):
+        alone = ft.TrainState.create(copy.deepcopy(m), opt())
+        grads, stats = ft.accumulate_grads(alone, [batch], mse)
+        alone, _ = ft.clip_and_step(alone, grads, lr=0.1, stats=stats)
+        for n, p in alone.params.items():
+            torch.testing.assert_close(ens.params[f"stacked.{n}"][k], p, msg=f"{k} {n}")

@@ -77,6 +77,29 @@ class Ensemble(nn.Module):
         # root's flag, so an ensemble of eval-mode members (HF `from_pretrained`) would train
         # with dropout off and BatchNorm's running statistics frozen, unlike separate runs.
         self.training = members[0].training
+        # torch replaces parameters with plain ones where it loads or converts them in place
+        # of the old (load_state_dict(assign=True), the meta-device init; .to() with
+        # torch.__future__.set_swap_module_params_on_conversion): they are marked again, or
+        # sweep refused the ensemble and clip_by_global_norm clipped all members by one norm.
+        self.register_load_state_dict_post_hook(_mark_after_load)  # (a module's: pickles)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        # Converted as plain parameters: with swap-on-conversion torch wraps each converted
+        # tensor in nn.Parameter(...), which refuses a subclass (ens.to(its own dtype) raised).
+        for p in self.stacked.parameters():
+            if type(p) is MemberStacked:
+                p.__class__ = nn.Parameter  # type: ignore[assignment]  # (narrowed by `is`)
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            self._mark()
+
+    def _mark(self) -> None:
+        """Make each stacked parameter a `MemberStacked` again where torch replaced it with a
+        plain `nn.Parameter`: in place (its class), so a state holding it sees the mark."""
+        for p in self.stacked.parameters():
+            if type(p) is nn.Parameter and p.dim() > 0 and p.shape[0] == self.num_members:
+                p.__class__ = MemberStacked
 
     def _weights(self) -> dict[str, torch.Tensor]:
         named: dict[str, torch.Tensor] = dict(self.stacked.named_parameters())
@@ -107,6 +130,10 @@ class Ensemble(nn.Module):
             for alias in _aliases(module, name, buffers=not param):
                 _set(module, alias, value, buffer=not param)
         return module
+
+
+def _mark_after_load(module: Ensemble, incompatible_keys: Any) -> None:
+    module._mark()
 
 
 class MemberStacked(nn.Parameter):
