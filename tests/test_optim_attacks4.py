@@ -230,3 +230,22 @@ def test_a_swap_back_that_fails_leaves_the_state_swapped_so_steps_refuse_it(tmp_
             assert torch.all(fresh.opt_state.ema[n] == 7.0), n
     finally:
         STATE.ema_swapped[:] = [a for a in STATE.ema_swapped if a is not state.opt_state.ema]
+
+
+def _scale_if(flag):
+    if flag:
+        extra = 0.5
+
+    def update_fn(updates, state, *, params=None, inplace=True):
+        return (tuple(u * extra for u in updates) if flag else updates), state
+
+    return torchopt.base.GradientTransformation(lambda params: (), update_fn)
+
+
+def test_from_torchopt_takes_a_transformation_whose_closure_has_an_empty_cell():
+    # A variable assigned in one branch only leaves its cell empty: reading every closure
+    # cell for a scale of its own raised a bare "ValueError: Cell is empty".
+    opt = ft.optim.from_torchopt(torchopt.chain(_scale_if(False), torchopt.adam(lr=1.0)))
+    ft.TrainState.create(torch.nn.Linear(3, 1), opt)
+    with pytest.raises(ValueError, match=r"from_torchopt: tx scales its updates by 0\.001"):
+        ft.optim.from_torchopt(torchopt.chain(_scale_if(False), torchopt.adam(lr=1e-3)))

@@ -243,6 +243,14 @@ def _refuse_own_lr(tx: Any) -> None:
         )
 
 
+def _filled(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018  # raises ValueError for an empty cell
+    except ValueError:
+        return False
+    return True
+
+
 def _torchopt_scales(obj: Any, seen: set[int], scales: list[float], schedules: list[str]) -> None:
     # torchopt keeps a transformation's hyperparameters in its functions' closures: a constant
     # `scale` (what `scale_by_neg_lr(lr)` builds) holds `step_size`, and an lr schedule is
@@ -253,7 +261,8 @@ def _torchopt_scales(obj: Any, seen: set[int], scales: list[float], schedules: l
     seen.add(id(obj))
     if isinstance(obj, types.FunctionType):
         cells = dict(zip(obj.__code__.co_freevars, obj.__closure__ or (), strict=True))
-        values = {n: c.cell_contents for n, c in cells.items()}
+        # An empty cell (a variable assigned in one branch only) has no contents to read.
+        values = {n: c.cell_contents for n, c in cells.items() if _filled(c)}
         if obj.__qualname__.startswith("_scale.<locals>") and "step_size" in values:
             scales.append(float(values["step_size"]))
         if obj.__qualname__.startswith("_scale_by_neg_lr.<locals>"):
