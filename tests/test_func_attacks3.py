@@ -219,3 +219,13 @@ def test_an_ensemble_whose_parameters_torch_replaced_is_still_one(build):
         alone, _ = ft.clip_and_step(alone, grads, lr=0.1, stats=stats)
         for n, p in alone.params.items():
             torch.testing.assert_close(ens.params[f"stacked.{n}"][k], p, msg=f"{k} {n}")
+
+
+def test_torch_load_with_weights_only_takes_an_ensembles_saved_parameters(tmp_path):
+    # MemberStacked was no safe global: torch.load's default refused what loaded before
+    # ("Unsupported global"), a tensor and a bool of which a parameter is rebuilt.
+    ens = ft.func.Ensemble([nn.Linear(3, 1) for _ in range(2)])
+    torch.save(dict(ens.named_parameters()), tmp_path / "p.pt")
+    loaded = torch.load(tmp_path / "p.pt", weights_only=True)
+    for n, p in ens.named_parameters():
+        assert type(loaded[n]) is ft.func.MemberStacked and torch.equal(loaded[n], p), n

@@ -149,6 +149,10 @@ class MemberStacked(nn.Parameter):
         return (MemberStacked, (self.data, self.requires_grad))
 
 
+# torch.load's default (weights_only=True) refused a saved MemberStacked. Safe to allow: its
+# `__reduce_ex__` rebuilds it from a tensor and a bool, as nn.Parameter's own rebuild does.
+torch.serialization.add_safe_globals([MemberStacked])
+
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
 
