@@ -522,3 +522,22 @@ def test_sinks_give_every_sink_the_record_when_one_raises(tmp_path):
         {"step": 1, "loss": 2.0},
         {"step": 2, "loss": 2.0},
     ]
+
+
+def test_a_progress_bars_enabled_and_lines_can_be_set_as_before(capsys, monkeypatch):
+    """They became read-only properties: `bar.enabled = False` raised AttributeError."""
+    monkeypatch.delenv("RANK", raising=False)
+    bar = ft.logging.ProgressBar(10, rank=0, lines=True)
+    bar.lines = False  # after the rank is known
+    bar.log({"step": 1, "loss": 1.0})
+    assert not bar.lines and capsys.readouterr().out == ""
+    bar.enabled = False
+    assert not bar.enabled
+    early = ft.logging.ProgressBar(10, lines=True)  # the rank is taken when first used
+    early.enabled = False
+    early.log({"step": 1, "loss": 1.0})
+    assert not early.enabled and capsys.readouterr().out == ""
+    later = ft.logging.ProgressBar(10, lines=False)
+    later.lines = True
+    later.log({"step": 2, "loss": 0.5})
+    assert later.lines and capsys.readouterr().out.startswith("step 2/10")

@@ -264,15 +264,34 @@ class ProgressBar:
                 )
         return self._on
 
+    # Both were plain attributes, which a script may set (`bar.enabled = False`): assigning
+    # one decides it before the rank is known, and changes it after.
     @property
     def enabled(self) -> bool:
         """Whether this process shows progress."""
         return self._resolve()[0]
 
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        if self._on is None:
+            self._enabled = bool(value)
+            return
+        if not value and self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        self._on = (bool(value), self._on[1] and bool(value))
+
     @property
     def lines(self) -> bool:
         """Whether records are printed as lines (no bar)."""
         return self._resolve()[1]
+
+    @lines.setter
+    def lines(self, value: bool) -> None:
+        if self._on is None:
+            self._lines = bool(value)
+        else:
+            self._on = (self._on[0], bool(value))
 
     def step(self, state: TrainState) -> None:
         self._resolve()
