@@ -336,3 +336,25 @@ def test_a_rank_that_is_no_int_is_refused_by_every_rank_taking_sink(tmp_path, ml
     with pytest.raises(TypeError, match=match):
         ft.logging.Profiler(tmp_path / "p", steps=(3, 4), rank=rank)
     assert not (tmp_path / "m").exists() and not (tmp_path / "w").exists()
+
+
+def test_an_integer_rank_of_another_type_is_taken(tmp_path, mlflow_uri, capsys):
+    """A numpy integer (np.int64 from an array of ranks) or a 0-dim integer tensor is an
+    integer: the rank check refused it, naming it as no int."""
+    import numpy as np
+
+    for rank in (np.int64(1), torch.tensor(1)):
+        sink = ft.logging.MLflowSink(tmp_path / "m", tracking_uri=mlflow_uri, rank=rank)
+        assert sink.run_id is None  # rank 1: quiet
+        ft.logging.WandbSink(tmp_path / "w", rank=rank).close()
+        bar = ft.logging.ProgressBar(10, rank=rank, lines=True)
+        bar.log({"step": 1, "loss": 1.0})
+        assert not bar.enabled and capsys.readouterr().out == ""
+        profiler = ft.logging.Profiler(tmp_path / "p", steps=(3, 4), rank=rank)
+        assert type(profiler.rank) is int and profiler.rank == 1
+    shown = ft.logging.ProgressBar(10, rank=np.int64(0), lines=True)
+    shown.log({"step": 1, "loss": 1.0})
+    assert capsys.readouterr().out.startswith("step 1/10")
+    with pytest.raises(TypeError, match=r"rank must be an int >= 0"):
+        ft.logging.ProgressBar(10, rank=np.True_)
+    assert not (tmp_path / "m").exists() and not (tmp_path / "w").exists()

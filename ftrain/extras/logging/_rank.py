@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import os
 
 import torch.distributed as dist
@@ -13,11 +14,16 @@ def _known_rank(rank: int | None) -> int | None:
     process without either (a single process, or one whose process group is set up later)."""
     if rank is not None:
         # rank="0" (os.environ["RANK"] passed as is) is no 0: the sink did nothing on any rank.
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        # An integer of another type (numpy's, a 0-dim integer tensor) is one: operator.index.
+        try:
+            index = None if isinstance(rank, bool) else operator.index(rank)
+        except TypeError:
+            index = None
+        if index is None or index < 0:
             raise TypeError(
                 f"rank must be an int >= 0 (e.g. state.strategy.process_rank) or None, got {rank!r}"
             )
-        return rank
+        return index
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     env = os.environ.get("RANK")
