@@ -194,7 +194,16 @@ def _replaced_by_swap_on_conversion(members):
         torch.__future__.set_swap_module_params_on_conversion(False)
 
 
-@pytest.mark.parametrize("build", [_replaced_by_assign, _replaced_by_swap_on_conversion])
+def _replaced_by_hand(members):
+    ens = ft.func.Ensemble(copy.deepcopy(members))
+    for name in ("weight", "bias"):
+        setattr(ens.stacked, name, nn.Parameter(getattr(ens.stacked, name).detach().clone()))
+    return ens
+
+
+@pytest.mark.parametrize(
+    "build", [_replaced_by_assign, _replaced_by_swap_on_conversion, _replaced_by_hand]
+)
 def test_an_ensemble_whose_parameters_torch_replaced_is_still_one(build):
     # load_state_dict(assign=True) and swap-on-conversion replaced the MemberStacked parameters
     # with plain ones: sweep refused the Ensemble ("train an ft.func.Ensemble"), and
@@ -229,3 +238,39 @@ def test_torch_load_with_weights_only_takes_an_ensembles_saved_parameters(tmp_pa
     loaded = torch.load(tmp_path / "p.pt", weights_only=True)
     for n, p in ens.named_parameters():
         assert type(loaded[n]) is ft.func.MemberStacked and torch.equal(loaded[n], p), n
+
+
+def test_an_ensemble_sharded_by_fsdp2_clips_each_member_by_its_own_norm(tmp_path):
+    # fully_shard replaces the parameters with DTensors, which lost the MemberStacked mark:
+    # chain(clip_by_global_norm) clipped all members by one norm, muon took them.
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    def member(seed, gain):
+        torch.manual_seed(seed)
+        m = nn.Linear(3, 1)
+        with torch.no_grad():
+            m.weight.mul_(gain)
+        return m
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "s"), 1), rank=0,
+                            world_size=1)  # fmt: skip
+    try:
+        ens = ft.func.Ensemble([member(0, 1.0), member(1, 20.0)])
+        fully_shard(ens)
+        ens(torch.randn(5, 3)).pow(2).sum().backward()
+        params = dict(ens.named_parameters())
+        grads = {n: p.grad.clone() for n, p in params.items()}
+        norms = lambda: torch.stack(  # noqa: E731
+            [g.full_tensor().reshape(2, -1).norm(dim=1) for g in grads.values()], 1
+        ).norm(dim=1)
+        want = norms().clamp(max=0.5)  # one norm over both would leave member 0 at ~0.08
+        opt = ft.optim.chain(ft.optim.clip_by_global_norm(0.5), ft.optim.sgd())
+        opt.update(grads, opt.init(params), params, lr=0.0, step=0)
+        torch.testing.assert_close(norms(), want, rtol=1e-4, atol=0)
+        with pytest.raises(ValueError, match=r"muon got parameters of an ft\.func\.Ensemble"):
+            ft.optim.muon().init(params)
+        with pytest.raises(ValueError, match=r"sweep got an ft\.func\.Ensemble whose parameters"):
+            ft.func.sweep([ft.optim.sgd(), ft.optim.sgd()]).init(params)
+    finally:
+        dist.destroy_process_group()

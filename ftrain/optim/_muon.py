@@ -100,7 +100,7 @@ def muon(
         _number(f"ns_coefficients ({name})", c, lambda v: True)
 
     def init(params: Params) -> MuonState:
-        stacked = [n for n, p in params.items() if getattr(type(p), "stacked_members", False)]
+        stacked = [n for n, p in params.items() if getattr(p, "stacked_members", False) is True]
         if stacked:  # a (K, d) stack of biases is 2-D: Newton-Schulz would mix the members
             raise ValueError(
                 f"muon got parameters of an ft.func.Ensemble {stacked[:3]} (dim 0 is the "

@@ -93,7 +93,7 @@ def clip_by_global_norm(max_norm: float) -> Transform:
 
 def _stacked(param: torch.Tensor) -> bool:
     """Whether `param` stacks the members of an `ft.func.Ensemble` on dim 0."""
-    return getattr(type(param), "stacked_members", False) is True
+    return getattr(param, "stacked_members", False) is True  # its class's, or its own (sharded)
 
 
 def add_decayed_weights(weight_decay: float, *, mask: Mask = None) -> Transform:

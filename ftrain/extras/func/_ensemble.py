@@ -94,12 +94,26 @@ class Ensemble(nn.Module):
         finally:
             self._mark()
 
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
+        # TrainState.create reads them here: marked first, whatever replaced them (FSDP2's
+        # sharding too, whose sharded parameters are of another tensor type).
+        self._mark()
+        return super().named_parameters(*args, **kwargs)
+
     def _mark(self) -> None:
-        """Make each stacked parameter a `MemberStacked` again where torch replaced it with a
-        plain `nn.Parameter`: in place (its class), so a state holding it sees the mark."""
-        for p in self.stacked.parameters():
-            if type(p) is nn.Parameter and p.dim() > 0 and p.shape[0] == self.num_members:
+        """Mark each stacked parameter again where torch replaced it: a plain `nn.Parameter`
+        becomes a `MemberStacked` in place (its class), so a state holding it sees the mark; a
+        parameter of another tensor type (FSDP2's sharded one) gets `stacked_members` of its own,
+        which `ft.optim` reads as it reads the class's."""
+        for p in self.stacked.parameters():  # (a plain module: no recursion)
+            if getattr(p, "stacked_members", False) is True:
+                continue
+            if p.dim() == 0 or p.shape[0] != self.num_members:
+                continue
+            if type(p) is nn.Parameter:
                 p.__class__ = MemberStacked
+            else:
+                setattr(p, "stacked_members", True)  # noqa: B010
 
     def _weights(self) -> dict[str, torch.Tensor]:
         named: dict[str, torch.Tensor] = dict(self.stacked.named_parameters())
@@ -434,6 +448,13 @@ def _member_skips(
 
 
 def _check_members(params: Mapping[str, torch.Tensor], k: int) -> None:
+    sharded = [n for n, p in params.items() if not isinstance(p, MemberStacked)
+               and getattr(p, "stacked_members", False) is True]  # fmt: skip
+    if sharded:  # each member's slice of a sharded tensor is no tensor to update in place
+        raise ValueError(
+            f"sweep got an ft.func.Ensemble whose parameters are sharded {sharded[:3]} (FSDP): "
+            "not supported; train it without sharding, or with one optimizer for all members"
+        )
     for n, p in params.items():
         # A plain model whose parameters all happen to lead with k (Linear(3, 3) for k=3) was
         # taken, each "member" training a row of every tensor.
