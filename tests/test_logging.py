@@ -469,6 +469,7 @@ def test_a_progress_bar_built_without_rank_shows_on_rank_0_only(capsys, monkeypa
     monkeypatch.setenv("RANK", "1")  # torchrun's
     ft.logging.ProgressBar(10, lines=True).log({"step": 1, "loss": 2.0})
     monkeypatch.delenv("RANK")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # one of several: its group comes up later
     early = ft.logging.ProgressBar(10, lines=True)  # built before the process group is set up
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1)
@@ -527,6 +528,7 @@ def test_sinks_give_every_sink_the_record_when_one_raises(tmp_path):
 def test_a_progress_bars_enabled_and_lines_can_be_set_as_before(capsys, monkeypatch):
     """They became read-only properties: `bar.enabled = False` raised AttributeError."""
     monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # one of several: the rank taken when used
     bar = ft.logging.ProgressBar(10, rank=0, lines=True)
     bar.lines = False  # after the rank is known
     bar.log({"step": 1, "loss": 1.0})

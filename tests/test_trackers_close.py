@@ -228,6 +228,14 @@ def test_file_sinks_refuse_a_record_after_close_naming_the_sink(tmp_path):
     assert sorted((tmp_path / "tb").iterdir()) == files  # no new events file
 
 
+def _one_of_several(monkeypatch):
+    """A process of a job of several whose group comes up after its sinks were built: no
+    `RANK`, but `MASTER_ADDR` set (as for `mp.spawn` and launchers of one's own); a process
+    with neither is a job of one, rank 0 at once (test below)."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+
+
 def _group_comes_up(monkeypatch, rank):
     """The job's process group, set up after the sinks were built (`mp.spawn`, a launcher of
     one's own that sets no `RANK`), as this process sees it: rank `rank` of 2."""
@@ -242,7 +250,7 @@ def test_a_tracker_built_before_the_process_group_takes_its_rank_when_first_used
 ):
     """Built before `init_process_group` in a job launched without `RANK`, every rank took
     itself for rank 0: each opened a run (and logged every record) into the same run_dir."""
-    monkeypatch.delenv("RANK", raising=False)
+    _one_of_several(monkeypatch)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     run = tmp_path / "run"
@@ -266,7 +274,7 @@ def test_a_tracker_built_before_the_process_group_takes_its_rank_when_first_used
 def test_an_mlflow_sink_built_before_the_process_group_logs_on_rank_0(
     tmp_path, monkeypatch, mlflow_uri
 ):
-    monkeypatch.delenv("RANK", raising=False)
+    _one_of_several(monkeypatch)
     sink = ft.logging.MLflowSink(tmp_path / "run", tracking_uri=mlflow_uri, params={"lr": 0.1})
     assert sink.run_id is None  # opened when first used, on rank 0
     _group_comes_up(monkeypatch, rank=0)
@@ -285,7 +293,7 @@ def test_an_mlflow_sink_built_before_the_process_group_logs_on_rank_0(
 def test_a_profiler_built_before_the_process_group_names_its_trace_by_its_rank(
     tmp_path, monkeypatch
 ):
-    monkeypatch.delenv("RANK", raising=False)
+    _one_of_several(monkeypatch)
     prof = ft.logging.Profiler(tmp_path / "prof", steps=(3, 3), warmup=1)
     state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
     _group_comes_up(monkeypatch, rank=1)
@@ -306,7 +314,7 @@ def test_an_mlflow_run_that_failed_to_open_on_first_use_is_opened_on_the_next(
     not leave the sink dropping every later record as if it were off rank 0."""
     from mlflow.tracking import MlflowClient
 
-    monkeypatch.delenv("RANK", raising=False)
+    _one_of_several(monkeypatch)
     sink = ft.logging.MLflowSink(tmp_path / "run", tracking_uri=mlflow_uri)
     real = MlflowClient.create_run
 
@@ -358,3 +366,29 @@ def test_an_integer_rank_of_another_type_is_taken(tmp_path, mlflow_uri, capsys):
     with pytest.raises(TypeError, match=r"rank must be an int >= 0"):
         ft.logging.ProgressBar(10, rank=np.True_)
     assert not (tmp_path / "m").exists() and not (tmp_path / "w").exists()
+
+
+WHERE = ["alone", "mp.spawn", "MASTER_ADDR", "WORLD_SIZE", "SLURM_NTASKS"]
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_a_tracker_in_a_job_of_one_opens_its_run_when_built(tmp_path, monkeypatch, mlflow_uri,
+                                                            where):  # fmt: skip
+    """Waiting for a process group that a plain script never sets up left every script's run
+    unopened until the first step: run_id None after building, a wrong tracking URI failing
+    only after the model loaded. Only a process that may be one of several waits."""
+    import multiprocessing
+
+    for name in ("RANK", "MASTER_ADDR", "WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE",
+                 "PMI_SIZE", "MV2_COMM_WORLD_SIZE"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    if where == "mp.spawn":
+        monkeypatch.setattr(multiprocessing, "parent_process", lambda: object())
+    elif where != "alone":
+        monkeypatch.setenv(where, "127.0.0.1" if where == "MASTER_ADDR" else "2")
+    sink = ft.logging.MLflowSink(tmp_path / "run", tracking_uri=mlflow_uri)
+    assert (sink.run_id is not None) == (where == "alone")
+    bar = ft.logging.ProgressBar(10, lines=True)
+    bar.log({"step": 1, "loss": 1.0})  # alone: shown; otherwise the rank is taken now: 0 too
+    assert bar.enabled
+    sink.close()

@@ -421,9 +421,12 @@ def tracker(args: argparse.Namespace, root: Path, state: ft.TrainState) -> tuple
         return None, None
     os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
     uri = (root / "mlruns").as_uri()
+    # rank= given: this worker is forked from the suite's zygote (a Python child), where a
+    # sink without it would open its run at the first step, after the record below.
     sink = ft.logging.MLflowSink(
-        root / "ckpt", tracking_uri=uri, experiment="conformance", params={"seed": SEED}
-    )
+        root / "ckpt", tracking_uri=uri, experiment="conformance", params={"seed": SEED},
+        rank=state.strategy.process_rank,
+    )  # fmt: skip
     record(kind="tracker", run_id=sink.run_id, resumed=sink.resumed)
     logger = ft.logging.Logger(state, every=1, sinks=[sink], progress=False)
     return logger, sink

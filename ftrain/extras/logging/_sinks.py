@@ -210,8 +210,9 @@ class ProgressBar:
         total: total optimizer steps.
         enabled: force on or off; None: on for `rank` 0 only.
         rank: this process's rank (`state.strategy.process_rank`). None: the job's rank (the
-            process group's, else the launcher's `RANK`), taken when the bar is first used
-            if neither is set up when it is built; 0 in a single process.
+            process group's, else the launcher's `RANK`, else 0 in a job of one process),
+            taken when the bar is first used in a process that may be one of several whose
+            group is not set up yet (as the trackers' `rank`).
         initial: the step training starts or resumes at (`state.step`).
         lines: print one line per record instead of a bar; None: when stderr is not a
             terminal.

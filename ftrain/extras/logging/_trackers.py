@@ -5,8 +5,8 @@ record at its `step` (a nested dict's fields under `outer/inner`). The tracker's
 in a small file in the run folder, so a restarted job (e.g. one resumed from
 `ft.latest_checkpoint`) continues the same tracker run instead of opening a new one. Both do
 nothing on processes other than rank 0 (the launcher's rank unless `rank=` says otherwise), so
-every rank can build them, also before the process group is set up (the rank is then taken
-when the sink is first used).
+every rank can build them, also before the process group is set up (in a process that may be
+one of several, the rank is then taken when the sink is first used).
 """
 
 from __future__ import annotations
@@ -98,11 +98,13 @@ class MLflowSink:
             same values (MLflow params are immutable).
         rank: this process's rank (`state.strategy.process_rank`); the sink does nothing
             unless it is 0. None: the job's rank (the process group's, else the launcher's
-            `RANK`); with neither set up yet (one process, or a process group set up after
-            building the sink), the rank is taken when the sink is first used (`step`, `log`
-            or `close`), and only then is the run created or reopened: `run_id` is None until
-            then for a new run. Pass 0 on every process to log from each (independent runs,
-            each in its own `run_dir`), or the rank to open the run at once.
+            `RANK`, else 0 in a job of one process); in a process that may be one of several
+            whose group is set up after building the sink (an `mp.spawn` worker, or
+            `MASTER_ADDR`, `WORLD_SIZE` > 1 or an MPI/SLURM task count > 1 without `RANK`),
+            the rank is taken when the sink is first used (`step`, `log` or `close`), and only
+            then is the run created or reopened: `run_id` is None until then for a new run.
+            Pass 0 on every process to log from each (independent runs, each in its own
+            `run_dir`), or the rank to open the run at once.
 
     Raises:
         ValueError: if a restart passes params, an `experiment` or a `run_name` that differ
@@ -411,11 +413,13 @@ class WandbSink:
             keys are added to the config.
         rank: this process's rank (`state.strategy.process_rank`); the sink does nothing
             unless it is 0. None: the job's rank (the process group's, else the launcher's
-            `RANK`); with neither set up yet (one process, or a process group set up after
-            building the sink), the rank is taken when the sink is first used (`step`, `log`
-            or `close`), and only then is the run created or reopened: `run_id` is None until
-            then for a new run. Pass 0 on every process to log from each (independent runs,
-            each in its own `run_dir`), or the rank to open the run at once.
+            `RANK`, else 0 in a job of one process); in a process that may be one of several
+            whose group is set up after building the sink (an `mp.spawn` worker, or
+            `MASTER_ADDR`, `WORLD_SIZE` > 1 or an MPI/SLURM task count > 1 without `RANK`),
+            the rank is taken when the sink is first used (`step`, `log` or `close`), and only
+            then is the run created or reopened: `run_id` is None until then for a new run.
+            Pass 0 on every process to log from each (independent runs, each in its own
+            `run_dir`), or the rank to open the run at once.
         **init_kwargs: passed on to `wandb.init` (e.g. `mode`, `entity`, `name`, `settings`).
 
     Raises:
