@@ -209,6 +209,8 @@ def track_best(
 # Names of scores that are better higher. HF's Trainer takes greater_is_better=True for any
 # metric whose name does not end in "loss"; ftrain's default was "min" for every metric, so
 # track_best(state, m, metric="eval_accuracy") kept the worst accuracy as the best.
+_NOT_SCORES = ("accum", "accel")  # accum_steps, accelerator_time: no "acc"uracy
+
 _HIGHER = (
     "acc",
     "f1",
@@ -249,7 +251,9 @@ def best_mode(metric: Any, caller: str = "track_best", name: str = "metric") -> 
     # each, ranked "min", and the worst score was kept as the best.
     humps = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", metric)
     words = re.split(r"[^a-z0-9]+", humps.lower()) + re.split(r"[^a-z0-9]+", metric.lower())
-    if any(w.startswith(h) for w in words for h in _HIGHER):
+    if any(w in ("loss", "losses") for w in words):  # rewardLoss, eval/dice_loss_mean
+        return "min"
+    if any(w.startswith(h) and not w.startswith(_NOT_SCORES) for w in words for h in _HIGHER):
         raise ValueError(
             f"{caller}({name}={metric!r}) needs mode: {metric!r} looks like a score that is "
             "better higher, and the default mode='min' would keep the worst as the best; pass "

@@ -190,3 +190,15 @@ def test_a_score_named_with_slashes_dots_or_camel_case_needs_a_mode_too(state, t
     assert ft.track_best(state, {metric: 0.5}, metric=metric, mode="max").early_stopping.mode
     for name in ("val/loss", "eval/mae", "eval_rmse", "eval/perplexity"):  # still "min"
         assert ft.track_best(state, {name: 1.0}, metric=name).early_stopping.mode == "min"
+
+
+@pytest.mark.parametrize(
+    "metric",
+    ["rewardLoss", "diceLoss", "eval/dice_loss_mean", "eval/iou_loss_avg", "eval/accum_steps",
+     "eval/accelerator_time", "val_losses"],
+)  # fmt: skip
+def test_a_loss_named_with_camel_case_or_a_suffix_still_ranks_min(state, metric):
+    """Splitting names at humps and dots asked for a mode on losses: "rewardLoss" ends with
+    "Loss", not "loss"; "eval/dice_loss_mean" holds "loss" as a word; "accum"/"accel" began
+    like "acc"uracy. A loss word ranks "min" as a name ending in "loss" does."""
+    assert ft.track_best(state, {metric: 1.0}, metric=metric).early_stopping.mode == "min"
