@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from _collections_abc import dict_items, dict_keys, dict_values
 from collections.abc import Iterator, Mapping, Sequence
 from operator import attrgetter, methodcaller
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from ftrain.data import MicroBatches, ZeroWeight, weighted
 from ftrain.losses import LossFn, _defaults, _items_before_forward, default_loss
 from ftrain.optim import ema_swapped
+from ftrain.process_state import STATE
 from ftrain.rng import default_generators, dropout_seeds
 from ftrain.state import TrainState, _Lease, unfrozen
 from ftrain.strategies import Strategy, active_preemption
@@ -257,6 +259,8 @@ def accumulate_grads(
     loss_sum, num_items, _, _ = sums.unbind()
     _, _, num_tokens, num_samples = sums.long().unbind()
     got = {n: p.grad for n, p in params.items() if p.grad is not None}
+    if len(got) != len(params):  # (a length compare a step; the names only when it differs)
+        _warn_no_grad(model, params, got, state.step)
     if got and not divided:
         # Backends that average over ranks (DDP) have multiplied by grad_reduce_factor; undo it,
         # and the loss scale. A step without items keeps its (zero) gradient as it is. (No
@@ -293,6 +297,30 @@ def accumulate_grads(
 
 _SINGLE_OR_HALF = frozenset({torch.float32, torch.bfloat16, torch.float16})
 _OWN_LOSSES = default_loss.__module__  # "ftrain.losses": whole item counts
+
+
+def _warn_no_grad(
+    model: torch.nn.Module, params: Mapping[str, torch.Tensor], got: Mapping[str, Any], step: int
+) -> None:
+    """Warn, once per model, that trainable parameters received no gradient: one the
+    forward never uses is silently never trained (a LoRA adapter on a tied embedding module
+    the forward does not call, such as T5's `shared` in transformers 5)."""
+    if model in STATE.no_grad_warned:
+        return
+    STATE.no_grad_warned[model] = True  # checked once, warned or not: off the step path
+    # Frozen again since create (gradual freezing) is a partial step the user asked for.
+    missing = [n for n, p in params.items() if n not in got and p.requires_grad]
+    if not missing:
+        return
+    warnings.warn(
+        f"{_preview(missing)} of the TrainState received no gradient at step {step}: the "
+        "forward never used them, so they are not trained (an adapter on a module the forward "
+        "does not call, e.g. a tied embedding's other handle?). Freeze them before "
+        "TrainState.create if that is intended (or experts no token was routed to this step: "
+        "then ignore this warning, given once per model)",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _preview(names: list[str]) -> str:

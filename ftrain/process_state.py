@@ -43,6 +43,8 @@ Caches of pure lookups: they never change a result, so `snapshot()` leaves them 
         `ftrain.losses`. Weak keys: an entry goes with its model.
     `model_configs`  a model -> its innermost model's `config` (None without one), looked up
         through the wrappers once. Owner: `ftrain.losses` (`classification_loss`). Weak keys.
+    `no_grad_warned`  the models for which `accumulate_grads` warned that trainable parameters
+        received no gradient (it warns once per model). Owner: `ftrain.grads`. Weak keys.
     `kernel_import_errors`  a fused-loss kernel -> why its library does not import (None: it
         does). Owner: `ftrain.extras.chunked_loss`; for the life of the process (each import
         is tried once).
@@ -119,6 +121,7 @@ class ProcessState:
     )
     default_losses: _Weak[Any, tuple[Any, Any]] = field(default_factory=_Weak)
     model_configs: _Weak[Any, Any] = field(default_factory=_Weak)
+    no_grad_warned: _Weak[Any, bool] = field(default_factory=_Weak)
     kernel_import_errors: dict[str, str | None] = field(default_factory=dict)
     dp_noise_key: bytes | None = None
     ray_reported: str | None = None

@@ -1,3 +1,4 @@
+import warnings
 import weakref
 
 import pytest
@@ -454,3 +455,48 @@ def test_the_division_by_a_fractional_item_count_is_the_float64_counts_in_every_
         expected = p.grad.clone()
         torch._foreach_div_([expected], count)  # the float64 count, as the kernel takes it
         assert torch.equal(grads[n], expected), n
+
+
+class _TiedTwice(torch.nn.Module):
+    """Two handles on one embedding weight, as T5's `shared` and `encoder.embed_tokens` in
+    transformers 5: the forward calls one; an adapter put on the other gets no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = torch.nn.Embedding(5, 3)
+        self.embed = torch.nn.Embedding(5, 3)
+        self.embed.weight = self.shared.weight
+        self.shared_adapter = torch.nn.Parameter(torch.zeros(3))  # only `shared` would add it
+        self.head = torch.nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.head(self.embed(x)).sum()
+
+
+def test_a_trainable_parameter_that_gets_no_gradient_is_named_once_per_model():
+    """A trainable parameter the forward never reaches (a LoRA adapter on T5's `shared`, which
+    the forward does not call in transformers 5) got no `.grad`, so no step ever trained it,
+    silently. The first step names it (once per model); a parameter frozen again after create
+    (gradual freezing) is no surprise and is not named."""
+    model = _TiedTwice()
+    state = ft.TrainState.create(model, ft.optim.adamw())
+
+    def loss_fn(m, x):
+        return m(x), torch.tensor(x.shape[0])
+
+    with pytest.warns(UserWarning, match=r"parameter 'shared_adapter' of the TrainState received "
+                      r"no gradient at step 0: the forward never used them"):  # fmt: skip
+        grads, _ = ft.accumulate_grads(state, [torch.tensor([[1, 2]])], loss_fn)
+    assert "shared_adapter" not in grads
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ft.accumulate_grads(state, [torch.tensor([[1, 2]])], loss_fn)  # once per model
+        other = _TiedTwice()
+        other.shared_adapter.requires_grad_(False)
+        ft.accumulate_grads(
+            ft.TrainState.create(other, ft.optim.adamw()), [torch.tensor([[1]])], loss_fn
+        )
+        again = _TiedTwice()
+        again_state = ft.TrainState.create(again, ft.optim.adamw())
+        again.shared_adapter.requires_grad_(False)  # frozen after create: a partial step
+        ft.accumulate_grads(again_state, [torch.tensor([[1]])], loss_fn)

@@ -271,3 +271,23 @@ def test_a_string_modules_to_save_is_refused_not_read_letter_by_letter():
         ft.lora.apply(tiny_llama(), r=2, modules_to_save="lm_head")
     with pytest.raises(TypeError, match=r"modules_to_save must be a list of module names, got "):
         _apply_quiet(_classifier(), modules_to_save=[3])
+
+
+def test_an_adapter_on_t5s_shared_embedding_is_named_as_untrained():
+    """transformers 5 gives T5 separate `shared` and `encoder.embed_tokens` modules that share
+    one weight; the forward calls the latter, so an adapter on `shared` never got a gradient
+    and was never trained, silently. The first step names it."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    cfg = T5Config(
+        vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_decoder_layers=1,
+        num_heads=2, decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    model = _apply_quiet(T5ForConditionalGeneration(cfg), targets=["shared", "q"])
+    state = ft.TrainState.create(model, ft.optim.adamw())
+    batch = {"input_ids": torch.randint(1, 32, (2, 5)), "labels": torch.randint(1, 32, (2, 4))}
+    with pytest.warns(UserWarning, match=r"'base_model\.model\.shared\.lora_embedding_A\.default'"
+                      r", .* received no gradient at step 0"):  # fmt: skip
+        grads, _ = ft.accumulate_grads(state, [batch])
+    assert not any("shared" in n for n in grads)
