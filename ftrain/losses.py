@@ -626,8 +626,42 @@ def _seq2seq_pair(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Ten
         raise KeyError("seq2seq_loss needs 'labels' in the batch")
     labels = batch["labels"]
     if batch.get("decoder_input_ids") is None and batch.get("decoder_inputs_embeds") is None:
+        if STATE.seq2seq_labels_checked.get(model, 0) < _PADDING_CHECKS:
+            _check_label_padding(model, labels)
         batch = {**batch, "decoder_input_ids": _decoder_inputs(model, labels)}
     return loss_logits(model, batch), labels
+
+
+_PADDING_CHECKS = 8  # batches checked for left-padded seq2seq labels while none held -100
+
+
+def _check_label_padding(model: nn.Module, labels: Any) -> None:
+    """Refuse labels with -100 before a counted label (left padding). A host sync: done on a
+    model's first batches only, until one holding -100 has passed (`_PADDING_CHECKS` at most).
+
+    The decoder inputs built from the labels put the pad id where they hold -100, so a
+    left-padded row had the decoder read padding (unmasked) before its target: the loss and
+    gradient changed with the padding, silently. Right padding only follows the target, which
+    a causal decoder never reads.
+    """
+    checked = STATE.seq2seq_labels_checked
+    checked[model] = checked.get(model, 0) + 1
+    if not isinstance(labels, torch.Tensor) or labels.dim() != 2 or labels.shape[1] < 2:
+        return
+    ignored = labels == IGNORE_INDEX
+    after = ignored[:, :-1] & ~ignored[:, 1:]
+    padded, rows = ignored.any().item(), after.any(1).nonzero().flatten().tolist()  # host sync
+    if padded and not rows:
+        checked[model] = _PADDING_CHECKS  # padding seen, on the right: checked
+    if rows:
+        raise ValueError(
+            f"seq2seq labels hold -100 before a counted label (row {rows[0]}: "
+            f"{labels[rows[0]].tolist()}; left padding?): the decoder inputs are built from the "
+            "labels with -100 replaced by the pad id, so the decoder would read padding before "
+            "the target and the loss would change with it. Pad labels on the right "
+            "(DataCollatorForSeq2Seq, a tokenizer with padding_side='right'), or put "
+            "decoder_input_ids (and decoder_attention_mask) in the batch"
+        )
 
 
 _CAUSAL = causal_lm_loss()

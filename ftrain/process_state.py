@@ -45,6 +45,9 @@ Caches of pure lookups: they never change a result, so `snapshot()` leaves them 
         through the wrappers once. Owner: `ftrain.losses` (`classification_loss`). Weak keys.
     `no_grad_warned`  the models for which `accumulate_grads` warned that trainable parameters
         received no gradient (it warns once per model). Owner: `ftrain.grads`. Weak keys.
+    `seq2seq_labels_checked`  a model -> how many batches' seq2seq labels were checked for
+        left padding (the first few their decoder inputs are built from, until one held
+        -100). Owner: `ftrain.losses` (`seq2seq_loss`). Weak keys.
     `kernel_import_errors`  a fused-loss kernel -> why its library does not import (None: it
         does). Owner: `ftrain.extras.chunked_loss`; for the life of the process (each import
         is tried once).
@@ -122,6 +125,7 @@ class ProcessState:
     default_losses: _Weak[Any, tuple[Any, Any]] = field(default_factory=_Weak)
     model_configs: _Weak[Any, Any] = field(default_factory=_Weak)
     no_grad_warned: _Weak[Any, bool] = field(default_factory=_Weak)
+    seq2seq_labels_checked: _Weak[Any, int] = field(default_factory=_Weak)
     kernel_import_errors: dict[str, str | None] = field(default_factory=dict)
     dp_noise_key: bytes | None = None
     ray_reported: str | None = None

@@ -331,3 +331,27 @@ def test_the_keys_a_model_takes_are_remembered_only_where_the_call_is_the_same()
     assert len(caught) == 2  # a dropped key warns every time: not remembered
     _call(model, {"input_ids": ids, "position_ids": torch.tensor([[0, 1]]), "labels": ids})
     assert len(STATE.model_calls[model]) == 1
+
+
+def test_left_padded_seq2seq_labels_are_refused_not_trained_on_padding():
+    """Labels padded on the left (DataCollatorForSeq2Seq pads them on the tokenizer's
+    padding_side; no model= so no decoder_input_ids) gave decoder inputs with the pad id before
+    the target, read by the decoder: the loss changed with the padding, silently. The first
+    batches are checked; right padding (or decoder inputs in the batch) passes."""
+    from transformers import DataCollatorForSeq2Seq
+
+    tok = digit_tokenizer()
+    tok.padding_side = "left"
+    rows = reverse_rows(4, seed=1)
+    left = DataCollatorForSeq2Seq(tok)(rows)
+    assert "decoder_input_ids" not in left and (left["labels"][:, 0] == -100).any()
+    with pytest.raises(ValueError, match=r"seq2seq labels hold -100 before a counted label \(row"):
+        L.default_loss(tiny_t5(), left)
+    with pytest.raises(ValueError, match=r"padding_side='right'"):
+        ft.accumulate_grads(ft.TrainState.create(tiny_t5(), ft.optim.adamw()), [left])
+    # With its decoder inputs in the batch, the user chose them: not checked.
+    L.default_loss(tiny_t5(), DataCollatorForSeq2Seq(tok, model=tiny_t5())(rows))
+    tok.padding_side = "right"
+    right = DataCollatorForSeq2Seq(tok)(rows)
+    model = tiny_t5()
+    L.default_loss(model, right)
