@@ -344,8 +344,8 @@ def _check_args(state: Any, micro: Any, loss_fn: Any, strategy: Any) -> None:
         )
     if len(micro) == 0:
         raise ValueError("micro is empty: pass the list of micro-batches yielded by make_batches")
-    if type(micro) in (list, tuple) and len(micro) > 1 and all(map(_is_tensor, micro)):
-        _check_tensor_micro(micro)
+    if type(micro) in (list, tuple) and len(micro) > 1:
+        _check_plain_micro(micro)
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable (model, batch) or None, got {loss_fn!r}")
     if strategy is not None and not isinstance(strategy, Strategy):
@@ -361,12 +361,39 @@ def _is_tensor(x: object) -> bool:
     return isinstance(x, torch.Tensor)
 
 
+def _check_plain_micro(micro: Sequence[Any]) -> None:
+    """Refuse a plain list or tuple whose items cannot be micro-batches of one step: a
+    DataLoader's batch passed without its wrapping list (`[x, y]` tensors, or `[inputs, labels]`
+    with a dict of inputs: the labels taken for a micro-batch of their own)."""
+    first, second = micro[0], micro[1]
+    if type(first) is dict and type(second) is dict:  # the usual list of batches (issue 30)
+        if first.keys().isdisjoint(second):
+            _refuse_split(micro, f"dicts with no key in common ({list(first)}, {list(second)})")
+    elif all(map(_is_tensor, micro)):
+        _check_tensor_micro(micro)
+    elif any(isinstance(b, Mapping) for b in micro) and not all(
+        isinstance(b, (Mapping, ZeroWeight)) for b in micro
+    ):
+        kinds = ", ".join(type(b).__name__ for b in micro[:4])
+        _refuse_split(micro, f"a mapping and other items ({kinds})")
+
+
+def _refuse_split(micro: Sequence[Any], what: str) -> None:
+    raise TypeError(
+        f"micro is a {type(micro).__name__} of {len(micro)} items that cannot be micro-batches "
+        f"of one step, {what}: a DataLoader's [inputs, labels] batch passed as micro-batches? "
+        "Wrap one batch as [batch] (each micro-batch is one whole batch), with a loss_fn that "
+        "reads inputs and labels from it"
+    )
+
+
 def _check_tensor_micro(micro: Sequence[torch.Tensor]) -> None:
-    """Refuse single-tensor micro-batches of different dtypes: that is a DataLoader's batch
-    of a TensorDataset, `[x, y]` (features and labels), passed without its wrapping list: each
-    tensor was taken for a micro-batch, indexed or unpacked by a loss_fn into rows of x, then
-    of y (a wrong gradient, no error). Tensors of one dtype may be micro-batches of one step
-    (chunks of a batch) and pass."""
+    """Refuse single-tensor micro-batches of different dtypes or ranks: that is a DataLoader's
+    batch of a TensorDataset, `[x, y]` (features and labels), passed without its wrapping list:
+    each tensor was taken for a micro-batch, indexed or unpacked by a loss_fn into rows of x,
+    then of y (a wrong gradient, no error). Tensors of one dtype and rank may be micro-batches
+    of one step (chunks of a batch) and pass: a float regression's `[x, y]` with targets of
+    shape (n, 1) stays ambiguous."""
     dtypes = {t.dtype for t in micro}
     if len(dtypes) > 1:
         raise TypeError(
@@ -374,6 +401,9 @@ def _check_tensor_micro(micro: Sequence[torch.Tensor]) -> None:
             f"({', '.join(sorted(str(d) for d in dtypes))}): a DataLoader's [x, y] batch passed "
             "as micro-batches? Wrap one batch as [batch] (each micro-batch is one whole batch)"
         )
+    shapes = [tuple(t.shape) for t in micro]
+    if len({len(s) for s in shapes}) > 1:
+        _refuse_split(micro, f"tensors of different ranks (shapes {shapes[:4]})")
 
 
 _LAYOUT = attrgetter("device", "rank", "world_size", "grad_reduce_factor", "precision")

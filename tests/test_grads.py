@@ -500,3 +500,31 @@ def test_a_trainable_parameter_that_gets_no_gradient_is_named_once_per_model():
         again_state = ft.TrainState.create(again, ft.optim.adamw())
         again.shared_adapter.requires_grad_(False)  # frozen after create: a partial step
         ft.accumulate_grads(again_state, [torch.tensor([[1]])], loss_fn)
+
+
+def test_a_dataloaders_inputs_labels_batch_is_refused_as_micro_batches():
+    """A DataLoader's `[inputs, labels]` batch passed as `micro` (without the wrapping list)
+    was taken for two micro-batches. Float features with float targets (a regression's
+    TensorDataset) passed the dtype check: `Linear(4, 1)` ran on the targets as if they were a
+    row, a wrong gradient with no error. Items of different ranks, a dict of inputs beside a
+    tensor, or dicts with no key in common now raise; chunks of one batch still pass."""
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 4), torch.randn(4)
+    state = ft.TrainState.create(torch.nn.Linear(4, 1), ft.optim.adamw())
+
+    def loss_fn(m, b):
+        return m(b["x"] if isinstance(b, dict) else b).sum(), 1
+
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    refused = {
+        r"tensors of different ranks \(shapes \[\(4, 4\), \(4,\)\]\)": next(iter(loader)),
+        r"a mapping and other items \(dict, Tensor\)": [{"x": x}, y],
+        r"dicts with no key in common \(\['x'\], \['labels'\]\)": [{"x": x}, {"labels": y}],
+    }
+    for what, micro in refused.items():
+        with pytest.raises(TypeError, match=rf"cannot be micro-batches of one step, {what}: a "
+                           r"DataLoader's \[inputs, labels\] batch"):  # fmt: skip
+            ft.accumulate_grads(state, micro, loss_fn)
+    for micro in ([x[:2], x[2:]], [{"x": x[:2]}, {"x": x[2:]}]):
+        _, stats = ft.accumulate_grads(state, micro, loss_fn)
+        assert stats.num_micro == 2
