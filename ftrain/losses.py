@@ -832,8 +832,46 @@ def _defaults(model: nn.Module) -> tuple[LossFn, LossFn]:
             return counted(model, batch)
         return default_loss(model, batch)
 
-    memo[model] = (fn, step_loss)
-    return fn, step_loss
+    if fn is not _CAUSAL:
+        memo[model] = (fn, step_loss)
+        return fn, step_loss
+
+    def first_step_loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        # The micro-batches of a model's first step (accumulate_grads looks the loss up once
+        # a step) are checked; later steps run `step_loss` itself, no check.
+        memo[model] = (fn, step_loss)
+        _refuse_preshifted_labels(batch)
+        return step_loss(model, batch)
+
+    memo[model] = (fn, first_step_loss)
+    return fn, first_step_loss
+
+
+def _refuse_preshifted_labels(batch: Any) -> None:
+    """Raise for causal-LM labels that are already the next tokens (`labels[t] ==
+    input_ids[t + 1]` at every counted position, not `input_ids[t]` at some): nanoGPT's
+    `(x, y)` windows as `input_ids` and `labels`. The causal loss shifts them again, so the
+    model was trained to predict the token after the next, silently. A host sync, on a
+    model's first step only."""
+    ids, labels = (batch.get(k) if isinstance(batch, Mapping) else None for k in _IDS_LABELS)
+    if not (isinstance(ids, torch.Tensor) and isinstance(labels, torch.Tensor)):
+        return
+    if ids.dim() != 2 or labels.shape != ids.shape or ids.shape[1] < 2:
+        return
+    counted = labels[:, :-1] != IGNORE_INDEX
+    ahead = (labels[:, :-1] == ids[:, 1:]) | ~counted
+    moved = (labels[:, :-1] != ids[:, :-1]) & counted
+    if bool(ahead.all() & moved.any()):  # host sync (first step only)
+        raise ValueError(
+            "the labels are input_ids shifted left already (labels[t] == input_ids[t + 1]: "
+            "nanoGPT-style (x, y) windows?), and a causal LM's loss shifts them itself (position "
+            "t predicts labels[t + 1], as in HF): the model would learn to predict the token "
+            "after the next. Pass labels equal to input_ids (-100 where nothing is learned), or "
+            "loss_fn=ft.losses.token_classification_loss() for labels you shifted"
+        )
+
+
+_IDS_LABELS = ("input_ids", "labels")
 
 
 def _items_before_forward(

@@ -39,7 +39,8 @@ Caches of pure lookups: they never change a result, so `snapshot()` leaves them 
         where nothing was dropped and no `position_ids` were read. Owner: `ftrain.losses`
         (`_call`). Weak keys: an entry goes with its model.
     `default_losses`  a model -> `loss_for(model)` and the loss `accumulate_grads` runs for it
-        under the default loss (the same, its item count left in the loss's dtype). Owner:
+        under the default loss (the same, its item count left in the loss's dtype; for a causal LM's
+        first step, one that also checks the labels are not shifted already). Owner:
         `ftrain.losses`. Weak keys: an entry goes with its model.
     `model_configs`  a model -> its innermost model's `config` (None without one), looked up
         through the wrappers once. Owner: `ftrain.losses` (`classification_loss`). Weak keys.

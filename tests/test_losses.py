@@ -355,3 +355,22 @@ def test_left_padded_seq2seq_labels_are_refused_not_trained_on_padding():
     right = DataCollatorForSeq2Seq(tok)(rows)
     model = tiny_t5()
     L.default_loss(model, right)
+
+
+def test_causal_labels_shifted_already_are_refused_on_the_first_step():
+    """nanoGPT-style windows, `input_ids=data[i:i+n]` and `labels=data[i+1:i+n+1]`, under the
+    default loss of a causal LM were shifted a second time: the model was trained to predict
+    the token after the next, silently (the loss just stayed high). A model's first step
+    checks its micro-batches; labels equal to input_ids (with -100 prompts) pass."""
+    torch.manual_seed(0)
+    data = torch.randint(1, 61, (2, 9))
+    x, y = data[:, :-1], data[:, 1:].clone()
+    y[0, :2] = -100  # a masked prompt does not hide it
+    state = ft.TrainState.create(tiny_llama(), ft.optim.adamw())
+    with pytest.raises(ValueError, match=r"the labels are input_ids shifted left already"):
+        ft.accumulate_grads(state, [{"input_ids": x, "labels": x}, {"input_ids": x, "labels": y}])
+    prompt = x.clone()
+    prompt[:, :3] = -100
+    state = ft.TrainState.create(tiny_llama(), ft.optim.adamw())
+    _, stats = ft.accumulate_grads(state, [{"input_ids": x, "labels": prompt}])
+    assert int(stats.num_items) == 2 * 5  # the labels after the prompt
