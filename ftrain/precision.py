@@ -82,28 +82,41 @@ _NAMES: Mapping[str, torch.dtype | None] = MappingProxyType(
 )
 
 
+# `Precision`'s default loss scaling: LossScaling() for float16, None otherwise (typed Any: the
+# field holds a LossScaling or None once built).
+_AUTO: Any = "auto"
+
+
 @dataclasses.dataclass(frozen=True)
 class Precision:
     """What a strategy's forward pass computes in, and whether the loss is scaled.
 
     Build it from a name with `Precision.of`: "fp32" (or "no", or None) is full precision,
     "bf16" autocasts to bfloat16, "fp16" autocasts to float16 with `LossScaling()`.
+    `loss_scaling="auto"` (the default) is `LossScaling()` for float16 and None otherwise, so
+    `Precision(torch.float16)` scales its loss as "fp16" does (without, small gradients flush
+    to zero in float16); pass `loss_scaling=None` to train float16 without it.
 
     Example:
-        >>> import ftrain as ft
+        >>> import torch, ftrain as ft
         >>> ft.precision.Precision.of("bf16")
         Precision(dtype=torch.bfloat16, loss_scaling=None)
+        >>> ft.precision.Precision(torch.float16) == ft.precision.Precision.of("fp16")
+        True
     """
 
     dtype: torch.dtype | None = None
-    loss_scaling: LossScaling | None = None
+    loss_scaling: LossScaling | None = _AUTO  # replaced in __post_init__
 
     def __post_init__(self) -> None:
         if self.dtype not in (None, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype must be None, bfloat16 or float16, got {self.dtype}")
+        if isinstance(self.loss_scaling, str) and self.loss_scaling == _AUTO:
+            auto = LossScaling() if self.dtype == torch.float16 else None
+            object.__setattr__(self, "loss_scaling", auto)
         if self.loss_scaling is not None and not isinstance(self.loss_scaling, LossScaling):
             raise TypeError(
-                f"loss_scaling must be None or a LossScaling, got {self.loss_scaling!r}"
+                f"loss_scaling must be 'auto', None or a LossScaling, got {self.loss_scaling!r}"
             )
 
     @classmethod

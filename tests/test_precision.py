@@ -311,3 +311,32 @@ def test_fp16_loss_scaling_refuses_float16_parameters():
     ft.TrainState.create(
         frozen, ft.optim.adamw(), strategy=ft.strategies.SingleDevice("cpu", precision="fp16")
     )
+
+
+def test_a_float16_precision_built_by_dtype_scales_its_loss():
+    """`Precision(torch.float16)` (the documented `Precision(dtype, loss_scaling)` with its
+    default) had no loss scaling, unlike "fp16": gradients below float16's range flushed to
+    zero in the backward and the run trained on zeros, silently. The default is now "auto"
+    (LossScaling() for float16); loss_scaling=None still opts out."""
+    assert Precision(torch.float16) == Precision.of("fp16")
+    assert Precision(torch.bfloat16).loss_scaling is None and Precision().loss_scaling is None
+    torch.manual_seed(0)
+    x = torch.full((8, 4), 1e-6)
+
+    def loss_fn(m, b):
+        return (m(b).float() * 1e-3).sum(), torch.tensor(1.0)
+
+    def grads_with(precision):
+        state = ft.TrainState.create(
+            nn.Linear(4, 1),
+            ft.optim.adamw(),
+            strategy=ft.strategies.SingleDevice(precision=precision),
+        )
+        grads, _ = ft.accumulate_grads(state, [x], loss_fn)
+        return state, grads["weight"]
+
+    state, scaled = grads_with(Precision(torch.float16))
+    assert float(state.scaler.scale) == 2.0**16
+    torch.testing.assert_close(scaled, torch.full((1, 4), 8e-9), rtol=5e-2, atol=0)
+    state, unscaled = grads_with(Precision(torch.float16, loss_scaling=None))  # opted out
+    assert state.scaler.scale is None and not unscaled.any()  # flushed to zero in float16
