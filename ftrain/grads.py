@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from _collections_abc import dict_items, dict_keys, dict_values
 from collections.abc import Iterator, Mapping, Sequence
@@ -299,25 +300,40 @@ _SINGLE_OR_HALF = frozenset({torch.float32, torch.bfloat16, torch.float16})
 _OWN_LOSSES = default_loss.__module__  # "ftrain.losses": whole item counts
 
 
+# Steps over which a trainable parameter may go without a gradient before it is named (a
+# multi-task head trained every other step, an expert no token was routed to, gets one).
+NO_GRAD_STEPS = 8
+
+
 def _warn_no_grad(
     model: torch.nn.Module, params: Mapping[str, torch.Tensor], got: Mapping[str, Any], step: int
 ) -> None:
-    """Warn, once per model, that trainable parameters received no gradient: one the
-    forward never uses is silently never trained (a LoRA adapter on a tied embedding module
-    the forward does not call, such as T5's `shared` in transformers 5)."""
-    if model in STATE.no_grad_warned:
+    """Warn, once per model, naming the trainable parameters that received no gradient in
+    any of the first `NO_GRAD_STEPS` steps that left some without one: a parameter the forward
+    never uses is silently never trained (a LoRA adapter on a tied embedding module the
+    forward does not call, such as T5's `shared` in transformers 5). Only steps where some
+    parameter got none come here (a length compare a step); the names are set operations."""
+    pending = STATE.no_grad_pending.get(model)
+    if pending is None or step > pending[2] + 1:
+        # First sight, or a step between gave every parameter a gradient (it did not come
+        # here): start over. Frozen again since create (gradual freezing) is wanted.
+        names = {n for n, p in params.items() if n not in got and p.requires_grad}
+        STATE.no_grad_pending[model] = pending = [names, step, step]
+    names, since = pending[0], pending[1]
+    names.difference_update(got)
+    pending[2] = step
+    if not names or step - since + 1 < NO_GRAD_STEPS:
         return
-    STATE.no_grad_warned[model] = True  # checked once, warned or not: off the step path
-    # Frozen again since create (gradual freezing) is a partial step the user asked for.
-    missing = [n for n, p in params.items() if n not in got and p.requires_grad]
-    if not missing:
+    missing = [n for n, p in params.items() if n in names and p.requires_grad]
+    names.clear()
+    pending[2] = math.inf  # named once per model: never starts over
+    if not missing:  # frozen since (gradual freezing)
         return
     warnings.warn(
-        f"{_preview(missing)} of the TrainState received no gradient at step {step}: the "
-        "forward never used them, so they are not trained (an adapter on a module the forward "
-        "does not call, e.g. a tied embedding's other handle?). Freeze them before "
-        "TrainState.create if that is intended (or experts no token was routed to this step: "
-        "then ignore this warning, given once per model)",
+        f"{_preview(missing)} of the TrainState received no gradient in steps {since} to "
+        f"{step}: the forward never used them, so they are not trained (an adapter on a module "
+        "the forward does not call, e.g. a tied embedding's other handle?). Freeze them before "
+        "TrainState.create if that is intended",
         UserWarning,
         stacklevel=3,
     )

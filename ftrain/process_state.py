@@ -44,8 +44,11 @@ Caches of pure lookups: they never change a result, so `snapshot()` leaves them 
         `ftrain.losses`. Weak keys: an entry goes with its model.
     `model_configs`  a model -> its innermost model's `config` (None without one), looked up
         through the wrappers once. Owner: `ftrain.losses` (`classification_loss`). Weak keys.
-    `no_grad_warned`  the models for which `accumulate_grads` warned that trainable parameters
-        received no gradient (it warns once per model). Owner: `ftrain.grads`. Weak keys.
+    `no_grad_pending`  a model -> [the names of its trainable parameters that have received no
+        gradient since step `since`, `since`, the last step seen]: `accumulate_grads` names
+        those still without one `NO_GRAD_STEPS` steps later (once; the set is then emptied).
+        Filled only on steps that left some parameter without a gradient (a gap between them
+        starts over). Owner: `ftrain.grads`. Weak keys.
     `seq2seq_labels_checked`  a model -> how many batches' seq2seq labels were checked for
         left padding (the first few their decoder inputs are built from, until one held
         -100). Owner: `ftrain.losses` (`seq2seq_loss`). Weak keys.
@@ -125,7 +128,7 @@ class ProcessState:
     )
     default_losses: _Weak[Any, tuple[Any, Any]] = field(default_factory=_Weak)
     model_configs: _Weak[Any, Any] = field(default_factory=_Weak)
-    no_grad_warned: _Weak[Any, bool] = field(default_factory=_Weak)
+    no_grad_pending: _Weak[Any, list[Any]] = field(default_factory=_Weak)
     seq2seq_labels_checked: _Weak[Any, int] = field(default_factory=_Weak)
     kernel_import_errors: dict[str, str | None] = field(default_factory=dict)
     dp_noise_key: bytes | None = None

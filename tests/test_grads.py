@@ -1,4 +1,3 @@
-import warnings
 import weakref
 
 import pytest
@@ -473,33 +472,43 @@ class _TiedTwice(torch.nn.Module):
         return self.head(self.embed(x)).sum()
 
 
-def test_a_trainable_parameter_that_gets_no_gradient_is_named_once_per_model():
+def _steps(state, n, loss_fn, batch=lambda k: torch.tensor([[1, 2]])):
+    for k in range(n):
+        grads, stats = ft.accumulate_grads(state, [batch(k)], loss_fn)
+        state, _ = ft.clip_and_step(state, grads, lr=0.1, stats=stats)
+    return state
+
+
+def test_a_trainable_parameter_that_never_gets_a_gradient_is_named_once_per_model():
     """A trainable parameter the forward never reaches (a LoRA adapter on T5's `shared`, which
     the forward does not call in transformers 5) got no `.grad`, so no step ever trained it,
-    silently. The first step names it (once per model); a parameter frozen again after create
-    (gradual freezing) is no surprise and is not named."""
-    model = _TiedTwice()
-    state = ft.TrainState.create(model, ft.optim.adamw())
+    silently. After NO_GRAD_STEPS steps without one it is named, once per model. A parameter
+    trained on some steps only (a multi-task head) or frozen after create (gradual freezing)
+    is not."""
+    NO_GRAD_STEPS = 8  # ftrain.grads.NO_GRAD_STEPS
 
     def loss_fn(m, x):
         return m(x), torch.tensor(x.shape[0])
 
-    with pytest.warns(UserWarning, match=r"parameter 'shared_adapter' of the TrainState received "
-                      r"no gradient at step 0: the forward never used them"):  # fmt: skip
-        grads, _ = ft.accumulate_grads(state, [torch.tensor([[1, 2]])], loss_fn)
-    assert "shared_adapter" not in grads
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        ft.accumulate_grads(state, [torch.tensor([[1, 2]])], loss_fn)  # once per model
-        other = _TiedTwice()
-        other.shared_adapter.requires_grad_(False)
-        ft.accumulate_grads(
-            ft.TrainState.create(other, ft.optim.adamw()), [torch.tensor([[1]])], loss_fn
-        )
-        again = _TiedTwice()
-        again_state = ft.TrainState.create(again, ft.optim.adamw())
-        again.shared_adapter.requires_grad_(False)  # frozen after create: a partial step
-        ft.accumulate_grads(again_state, [torch.tensor([[1]])], loss_fn)
+    state = ft.TrainState.create(_TiedTwice(), ft.optim.adamw())
+    state = _steps(state, NO_GRAD_STEPS - 1, loss_fn)  # (warnings are errors in the tests)
+    with pytest.warns(UserWarning, match=rf"parameter 'shared_adapter' of the TrainState "
+                      rf"received no gradient in steps 0 to {NO_GRAD_STEPS - 1}: the forward "
+                      "never used them"):  # fmt: skip
+        state = _steps(state, 1, loss_fn)
+    assert "shared_adapter" not in ft.accumulate_grads(state, [torch.tensor([[1]])], loss_fn)[0]
+    _steps(state, 2 * NO_GRAD_STEPS, loss_fn)  # once per model
+
+    class TwoHeads(_TiedTwice):
+        def forward(self, x):  # the adapter trained every third step only
+            return super().forward(x) + (self.shared_adapter.sum() if x.shape[1] == 3 else 0)
+
+    third = lambda k: torch.tensor([[1, 2, 3]] if k % 3 == 2 else [[1, 2]])  # noqa: E731
+    _steps(ft.TrainState.create(TwoHeads(), ft.optim.adamw()), 3 * NO_GRAD_STEPS, loss_fn, third)
+    frozen = _TiedTwice()
+    state = ft.TrainState.create(frozen, ft.optim.adamw())
+    frozen.shared_adapter.requires_grad_(False)  # frozen after create: a partial step
+    _steps(state, 2 * NO_GRAD_STEPS, loss_fn)
 
 
 def test_a_dataloaders_inputs_labels_batch_is_refused_as_micro_batches():
