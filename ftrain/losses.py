@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -177,16 +178,29 @@ def _forward_names(model: nn.Module) -> _Params:
     """The parameter names of the innermost model's `forward` (None: `**kwargs` only) and
     those of them without a default."""
     memo = STATE.forward_inputs
-    try:
-        return memo[model]
-    except KeyError:
-        pass
-    params = inspect.signature(_base_model(model).forward).parameters.values()
+    seen = memo.get(model)
+    if seen is not None:
+        base_ref, forward, found = seen
+        base = base_ref()
+        # The same forward as when it was read: a forward patched since (on the instance, or
+        # on its class) is read again, or its new arguments were dropped from every call.
+        if base is not None and _forward_of(base) is forward:
+            return found
+    base = _base_model(model)
+    params = inspect.signature(base.forward).parameters.values()
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     named = [p for p in params if p.kind in kinds]
     required = frozenset(p.name for p in named if p.default is inspect.Parameter.empty)
-    memo[model] = found = (frozenset(p.name for p in named) or None, required - {"labels"})
+    found = (frozenset(p.name for p in named) or None, required - {"labels"})
+    # A weak reference: the base is often the model itself, the memo's (weak) key.
+    memo[model] = (weakref.ref(base), _forward_of(base), found)
     return found
+
+
+def _forward_of(module: nn.Module) -> Any:
+    """What `module.forward` resolves to, without binding: an instance's own `forward`, else
+    its class's (two dictionary lookups)."""
+    return vars(module).get("forward") or type(module).forward
 
 
 def model_logits(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:

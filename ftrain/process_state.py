@@ -31,8 +31,9 @@ Caches of pure lookups: they never change a result, so `snapshot()` leaves them 
         Weak keys: an entry goes with its optimizer.
     `compiled_steps`  an optimizer's `update` function -> its `torch.compile`d step. Owner:
         `clip_and_step(compile=True)`. Weak keys: an entry goes with its optimizer.
-    `forward_inputs`  a model -> the keyword arguments its (innermost) `forward` names (None
-        when it takes any: `**kwargs` only) and those it requires. Owner: `ftrain.losses`
+    `forward_inputs`  a model -> a weak reference to its innermost model, the `forward` read
+        (read again once patched), and the keyword arguments it names (None when it takes
+        any: `**kwargs` only) and those it requires. Owner: `ftrain.losses`
         (`model_inputs`). Weak keys: an entry goes with its model.
     `model_calls`  a model -> for each tuple of batch keys it was called with (up to 64), the
         keys `model_inputs` passed on and whether `use_cache=False` was added. Filled only
@@ -108,6 +109,8 @@ class Closable(Protocol):
 
 
 _Weak = weakref.WeakKeyDictionary
+# `forward_inputs`' values: (weak reference to the innermost model, its forward, (names, required)).
+_ForwardRead = tuple[Any, Any, tuple[frozenset[str] | None, frozenset[str]]]
 
 
 @dataclass
@@ -120,9 +123,7 @@ class ProcessState:
     ema_swapped: list[Any] = field(default_factory=list)
     optimizer_twins: _Weak[Callable[..., Any], Any] = field(default_factory=_Weak)
     compiled_steps: _Weak[Callable[..., Any], Any] = field(default_factory=_Weak)
-    forward_inputs: _Weak[Any, tuple[frozenset[str] | None, frozenset[str]]] = field(
-        default_factory=_Weak
-    )
+    forward_inputs: _Weak[Any, _ForwardRead] = field(default_factory=_Weak)
     model_calls: _Weak[Any, dict[tuple[str, ...], tuple[tuple[str, ...], bool]]] = field(
         default_factory=_Weak
     )

@@ -374,3 +374,39 @@ def test_causal_labels_shifted_already_are_refused_on_the_first_step():
     state = ft.TrainState.create(tiny_llama(), ft.optim.adamw())
     _, stats = ft.accumulate_grads(state, [{"input_ids": x, "labels": prompt}])
     assert int(stats.num_items) == 2 * 5  # the labels after the prompt
+
+
+def test_a_forward_patched_after_a_call_is_read_again():
+    """The names a model's forward takes were read once per model: a forward patched later (on
+    the instance, as liger-kernel patches a model, or on its class) kept losing the arguments
+    it gained, with a warning that it took no such key."""
+    import types
+    import warnings
+
+    class Tagger(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 3)
+
+        def forward(self, input_ids):
+            return self.emb(input_ids)
+
+    model = Tagger()
+    batch = {"input_ids": torch.tensor([[1, 2]]), "scale": torch.tensor(2.0)}
+    with pytest.warns(UserWarning, match=r"the model's forward \(Tagger\) takes no 'scale'"):
+        assert sorted(L.model_inputs(model, batch)) == ["input_ids"]
+
+    def scaled(self, input_ids, scale=None):
+        return self.emb(input_ids) * scale
+
+    model.forward = types.MethodType(scaled, model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert sorted(L.model_inputs(model, batch)) == ["input_ids", "scale"]
+    del model.forward
+    Tagger.forward = lambda self, input_ids, scale, bias=0: self.emb(input_ids) * scale + bias
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert sorted(L.model_inputs(model, batch)) == ["input_ids", "scale"]
+    with pytest.raises(TypeError, match=r"the model's forward \(Tagger\) needs 'scale'"):
+        L.model_inputs(model, {"input_ids": batch["input_ids"]})
