@@ -137,14 +137,17 @@ _RELEASED = "(released to free their memory); read them before the step, or pass
 
 
 def batch_counts(batch: Any) -> tuple[torch.Tensor | int, int]:
-    """(non-padding tokens, samples) of one micro-batch, as `Stats` counts them.
+    """(non-padding tokens, samples) of one micro-batch, as `Stats` counts them: the sum of a
+    2-D `attention_mask`, else every input id.
 
     Tokens is a device tensor only when an attention mask must be summed (a host int costs no
     device op).
     """
     if isinstance(batch, Mapping):
-        if "attention_mask" in batch:
-            mask = batch["attention_mask"]
+        mask = batch.get("attention_mask")
+        # Only a 2-D padding mask counts tokens: a 4-D attention mask (a packed row's
+        # block-diagonal one, additive 0 / -inf) summed to pairs of positions, or to -inf.
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
             return mask.sum(), mask.shape[0]
         if "input_ids" in batch:
             ids = batch["input_ids"]
@@ -513,8 +516,9 @@ def _keep(
         # count may be fractional, as on the device: not truncated
         host[1] += num_items.item() if isinstance(num_items, torch.Tensor) else num_items
         slot = (0,)
-    if type(batch) is dict and "attention_mask" in batch:
-        mask, dtype = batch["attention_mask"], loss_sum.dtype
+    mask = batch.get("attention_mask") if type(batch) is dict else None
+    if mask is not None and mask.ndim == 2:  # a padding mask (a 4-D one masks attention)
+        dtype = loss_sum.dtype
         # The mask's sum in the loss's dtype where that is exact: it stacks without a cast.
         if dtype == torch.float64 or (dtype == torch.float32 and mask.numel() < 2**24):
             values.append(mask.sum(dtype=dtype))

@@ -537,3 +537,27 @@ def test_a_dataloaders_inputs_labels_batch_is_refused_as_micro_batches():
     for micro in ([x[:2], x[2:]], [{"x": x[:2]}, {"x": x[2:]}]):
         _, stats = ft.accumulate_grads(state, micro, loss_fn)
         assert stats.num_micro == 2
+
+
+def test_a_4d_attention_mask_is_not_summed_as_a_token_count():
+    """A 4-D attention mask (a packed row's block-diagonal mask, which HF models take) was
+    summed as if it were a padding mask: pairs of positions for a bool mask, -inf for an
+    additive one, so `num_tokens` and `tokens_seen` (checkpointed) were garbage, silently.
+    Only a 2-D mask counts tokens; otherwise every input id does."""
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    allowed = torch.ones(4, 4, dtype=torch.bool).tril().expand(2, 1, 4, 4)
+    additive = torch.zeros(2, 1, 4, 4).masked_fill(~allowed, float("-inf"))
+    state = ft.TrainState.create(torch.nn.Embedding(10, 2), ft.optim.sgd())
+
+    def loss_fn(m, b):
+        return m(b["input_ids"]).sum(), b["input_ids"].numel()
+
+    for mask in (allowed, additive):
+        batch = {"input_ids": ids, "attention_mask": mask}
+        assert int(ft.grads.batch_counts(batch)[0]) == 8
+        grads, stats = ft.accumulate_grads(state, [batch, batch], loss_fn)
+        assert int(stats.num_tokens) == 16
+        state, _ = ft.clip_and_step(state, grads, lr=0.1, stats=stats)
+    assert int(state.data.tokens_seen) == 32
+    padded = {"input_ids": ids, "attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])}
+    assert int(ft.accumulate_grads(state, [padded], loss_fn)[1].num_tokens) == 5
