@@ -207,6 +207,25 @@ def test_rows_that_are_mappings_but_not_dicts_are_digested_by_their_contents(kin
     assert content_digest(rows(8), N) == content_digest(_rows(8), N)  # as the same dicts
 
 
+def test_a_position_saved_when_mappings_were_hashed_by_their_type_resumes():
+    """Positions saved before mappings were read hold the digest of BatchEncoding rows by
+    their type alone: they resume over the same rows (and keep today's digest from there on),
+    as older positions do; any other digest is still refused."""
+    from transformers import BatchEncoding
+
+    rows = [BatchEncoding({"input_ids": [1 + i % 5] * 3}) for i in range(N)]
+    state = _at(rows)
+    pos = json.loads(state.data.position)
+    older = pos | {"content": "c9eeca4b6a731df9"}  # what ftrain at 36c93fe saved for them
+    state = state.replace(data=state.data.replace(position=json.dumps(older)))
+    group = next(iter(ft.make_batches(rows, state, batch_size=2)))
+    assert json.loads(group.position)["content"] == pos["content"] == content_digest(rows, N)
+    other = pos | {"content": "0123456789abcdef"}
+    state = state.replace(data=state.data.replace(position=json.dumps(other)))
+    with pytest.raises(ValueError, match="the same 24 rows, but a digest of a few"):
+        ft.make_batches(rows, state, batch_size=2)
+
+
 def test_the_digest_ignores_a_transform_set_on_a_datasets_dataset():
     """An on-the-fly transform may be random: the stored rows are digested, not its output."""
     data = _hf(8)

@@ -35,7 +35,7 @@ from ftrain.data._common import (
     seeded,
     several_processes,
 )
-from ftrain.data._content import content_digest, subset_digest
+from ftrain.data._content import content_digest, legacy_digest, subset_digest
 from ftrain.data._stream import stream_groups
 from ftrain.state import TrainState
 from ftrain.strategies import Strategy, bare_module
@@ -177,7 +177,7 @@ def make_batches(
     agree_over_ranks(strategy, {"data": None, **rows, **given})
     if n == 0:
         raise ValueError("data is empty: an epoch would yield nothing and the loop would never end")
-    pos = _map_position(n, spec, start, stream_pos, lens, content)
+    pos = _map_position(n, spec, start, stream_pos, lens, content, lambda: legacy_digest(data, n))
     micro = _MicroBatches(data, _order(n, spec, pos, lens), spec, pos, _total(n, spec, start, pos))
     position = json.dumps(pos, separators=(",", ":"))
     return _groups(_load(micro, range(start, len(micro)), loading), accum, position)
@@ -372,6 +372,7 @@ def _map_position(
     raw: str | None,
     lens: Sequence[int] | None,
     content: str | None,
+    legacy: Callable[[], str | None],
 ) -> dict[str, Any]:
     """The epoch's map-style position: micro-batch `cursor` began at `row` of the epoch order,
     and each since holds `rows` rows (ftrain/data/_position.py).
@@ -385,10 +386,10 @@ def _map_position(
         return fresh
     saved = P.resumable(raw, "map")
     _same_order(saved, fresh)
-    _same_rows(saved, fresh, start)
-    # A position saved before rows were digested (or over data not read for it) takes the
-    # digest of the data it goes on over.
-    saved = {**saved, "content": saved.get("content") or fresh["content"]}
+    _same_rows(saved, fresh, start, legacy)
+    # A position saved before rows were digested (or over data not read for it), or with the
+    # legacy digest, takes the digest of the data it goes on over.
+    saved = {**saved, "content": fresh["content"] or saved.get("content")}
     if start < saved["cursor"]:
         raise ValueError(
             f"state.data.cursor={start} is before micro-batch {saved['cursor']}, where "
@@ -450,10 +451,15 @@ def _same_order(saved: dict[str, Any], fresh: dict[str, Any]) -> None:
             )
 
 
-def _same_rows(saved: dict[str, Any], fresh: dict[str, Any], start: int) -> None:
-    """Refuse a resume over rows of other contents (same count), when both digests exist."""
+def _same_rows(
+    saved: dict[str, Any], fresh: dict[str, Any], start: int, legacy: Callable[[], str | None]
+) -> None:
+    """Refuse a resume over rows of other contents (same count), when both digests exist.
+
+    A position saved before mappings were read holds `legacy_digest`'s, computed only when
+    the digests differ (eight rows read again)."""
     then, now = saved.get("content"), fresh["content"]
-    if then is None or now is None or then == now:
+    if then is None or now is None or then == now or then == legacy():
         return
     raise ValueError(
         f"data holds other rows than when state.data.position was saved: the same {fresh['n']} "

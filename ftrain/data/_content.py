@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["content_digest", "subset_digest"]
+__all__ = ["content_digest", "legacy_digest", "subset_digest"]
 
 _SAMPLED = 6  # rows at places drawn from the row count, besides the first and the last
 _DEPTH = 32  # nesting beyond this is hashed by type only (rows are a few levels deep)
@@ -75,6 +75,20 @@ def content_digest(data: Any, n: int) -> str | None:
     return h.hexdigest()[:16]
 
 
+def legacy_digest(data: Any, n: int) -> str | None:
+    """The digest that positions saved before mappings were read held, or None where it was
+    none: rows that are mappings but not dicts (a tokenizer's `BatchEncoding`) hashed by their
+    type alone, a torch `Subset` or `ConcatDataset` not read. Such a position still resumes
+    over the rows it was saved with."""
+    rows = _reader(data)
+    if rows is None:
+        return None
+    h = hashlib.sha256(f"rows:{n}".encode())
+    for row in rows(_places(n)):
+        _feed(h, row, 0, mappings=False)
+    return h.hexdigest()[:16]
+
+
 def subset_digest(data: Any) -> str | None:
     """A digest of the indices of a torch `Subset` (nested ones too), or None for other data."""
     h, found = hashlib.sha256(), False
@@ -113,8 +127,9 @@ def _reader(data: Any) -> Any:
     return None
 
 
-def _feed(h: Any, value: Any, depth: int) -> None:
-    """Hash `value` with its kind, so that 1, 1.0, "1" and True differ; numbers by value."""
+def _feed(h: Any, value: Any, depth: int, mappings: bool = True) -> None:
+    """Hash `value` with its kind, so that 1, 1.0, "1" and True differ; numbers by value.
+    Without `mappings`, only dicts are read as mappings (`legacy_digest`)."""
     numbers = _numeric(value)
     if numbers is not None:
         _feed_numbers(h, numbers)
@@ -132,21 +147,21 @@ def _feed(h: Any, value: Any, depth: int) -> None:
         h.update(value)
     elif isinstance(value, _AS_TEXT):
         h.update(f"{type(value).__name__}:{value};".encode())
-    elif depth < _DEPTH and isinstance(value, Mapping):  # a tokenizer's BatchEncoding too
-        h.update(f"dict:{len(value)};".encode())
+    elif depth < _DEPTH and isinstance(value, Mapping if mappings else dict):
+        h.update(f"dict:{len(value)};".encode())  # a tokenizer's BatchEncoding too
         for key in sorted(value, key=_order):  # 1 and "1" are two keys, in either order
-            _feed(h, key, depth + 1)
-            _feed(h, value[key], depth + 1)
+            _feed(h, key, depth + 1, mappings)
+            _feed(h, value[key], depth + 1, mappings)
     elif depth < _DEPTH and isinstance(value, (set, frozenset)):
         h.update(f"set:{len(value)};".encode())
         for v in sorted(value, key=_order):
-            _feed(h, v, depth + 1)
+            _feed(h, v, depth + 1, mappings)
     elif isinstance(value, (list, tuple)) and all(type(v) in _TEXT for v in value):
         h.update(f"texts:{list(value)!r};".encode())  # words: one repr, not one update each
     elif depth < _DEPTH and isinstance(value, (list, tuple, np.ndarray)):
         h.update(f"seq:{len(value)};".encode())
         for v in value:
-            _feed(h, v, depth + 1)
+            _feed(h, v, depth + 1, mappings)
     else:  # an object whose contents are not known here (its repr may hold an address)
         h.update(f"object:{type(value).__module__}.{type(value).__qualname__};".encode())
 
