@@ -438,6 +438,31 @@ def test_a_from_generator_stream_over_other_shards_is_refused_naming_them():
     )
 
 
+def _chunks_of(chunks):
+    for c in chunks[:12]:
+        yield {"idx": c["start"]}
+
+
+def _chunked(n):
+    import datasets
+
+    chunks = [{"path": f"/data/part-{i % 64:02d}.bin", "start": i} for i in range(n)]
+    return datasets.IterableDataset.from_generator(_chunks_of, gen_kwargs={"chunks": chunks})
+
+
+def test_a_from_generator_stream_over_a_list_of_records_keeps_its_positions_short():
+    """`gen_kwargs={"chunks": [{"path", "start"}, ...]}` was kept whole in every position (117k
+    characters for 2,000 chunks, parsed at every micro-batch), and 20,000 chunks were refused
+    as "a custom Source's positions": a long list of any values is kept as a count and digest."""
+    assert len(next(iter(ft.make_batches(_chunked(20_000), batch_size=4))).position) < 500
+    full = list(ft.make_batches(_chunked(200), batch_size=4, shuffle=False))
+    assert all(len(g.position) < 500 for g in full)
+    rest = _resumed(_chunked(200), full[0], 1, batch_size=4, shuffle=False)
+    assert _flat(rest) == _flat(full[1:])
+    with pytest.raises(ValueError, match=r"gen_kwargs \{'chunks': \{'n': 200, .* 199"):
+        _resumed(_chunked(199), full[0], 1, batch_size=4, shuffle=False)
+
+
 class _ManyFiles(ft.data.Source):
     """A custom source over many files, described by their names (its `describe`)."""
 
@@ -467,6 +492,22 @@ def test_a_custom_source_describing_many_files_saves_checkpoints_that_load(tmp_p
     assert _flat(ft.make_batches(_ManyFiles(paths), loaded, batch_size=4)) == list(range(4, 40))
     with pytest.raises(ValueError, match=r"paths \{'n': 40000, .*\} -> \{'n': 39999"):
         ft.make_batches(_ManyFiles(paths[:-1]), loaded, batch_size=4)
+
+
+def test_a_custom_source_describing_many_records_keeps_its_positions_short():
+    """Files described as records, `[{"path", "rows"}, ...]` (as ftrain's own sources do), were
+    kept whole: 880k characters for 20,000, parsed again at every micro-batch."""
+    files = [{"path": f"/data/part-{i:05d}.bin", "rows": 1000} for i in range(20_000)]
+    groups = list(ft.make_batches(_ManyFiles(files), batch_size=4))
+    assert max(len(g.position) for g in groups) < 500
+    assert _flat(groups) == list(range(40))
+
+
+def test_a_too_long_position_names_the_description_when_that_is_what_is_long(monkeypatch):
+    """The refusal blamed "a custom Source's positions" when they were a few characters."""
+    monkeypatch.setattr(P, "_MAX_CHARS", 1500)  # a description summarized whole is 2,048 at most
+    with pytest.raises(ValueError, match=r"description in it .* keep a custom Source's describe"):
+        next(iter(ft.make_batches(_Named({"note": "n" * 1600}), batch_size=2)))
 
 
 def test_a_position_too_long_for_a_checkpoint_raises_at_once_and_is_never_saved(tmp_path):

@@ -235,14 +235,26 @@ _ABOUT_CHARS = 2048  # above this, file lists are kept as a count and a digest
 def summary(description: dict[str, Any]) -> dict[str, Any]:
     """The readable part of a description kept in the position: whole, or with its file lists
     replaced by their count and digest when it would make the position long; then, if it is
-    still long (a custom `Source.describe` listing its 40,000 files), every long list of plain
-    values and every long string too. (The position's `fp` digests the whole description.)"""
+    still long (a custom `Source.describe` listing its 40,000 files, a `from_generator` stream
+    whose arguments list 20,000 records), every long list (of any values), large dict and long
+    string too; and if even that is long, its stage alone with the whole one's size and
+    digest. (The position's `fp` digests the whole description.)
+
+    A position is parsed again at every micro-batch (as `load_checkpoint` will): a short
+    summary keeps that to microseconds."""
     if len(json.dumps(description)) <= _ABOUT_CHARS:
         return description
     short = _short_files(description)
     if len(json.dumps(short)) <= _ABOUT_CHARS:
         return dict(short)
-    return dict(_short_values(short))
+    short = _short_values(short)
+    if len(json.dumps(short)) <= 8 * _ABOUT_CHARS:
+        return dict(short)
+    text = json.dumps(description, sort_keys=True)
+    return {"stage": description.get("stage"), "chars": len(text), "digest": digest(description)}
+
+
+_LONG = 16  # items of a list, keys of a dict (below the top level), kept in a long summary
 
 
 def _short_values(d: Any, depth: int = 0) -> Any:
@@ -250,10 +262,12 @@ def _short_values(d: Any, depth: int = 0) -> Any:
         return {"digest": digest(d)}
     if isinstance(d, str) and len(d) > 256:
         return {"chars": len(d), "digest": digest(d)}
-    if isinstance(d, list) and len(d) > 16 and not any(isinstance(x, (dict, list)) for x in d):
+    if isinstance(d, list) and len(d) > _LONG:  # file names, or records: {"path", "start"}
         return {"n": len(d), "digest": digest(d)}
     if isinstance(d, list):
         return [_short_values(x, depth + 1) for x in d]
+    if isinstance(d, dict) and depth and len(d) > _LONG and "stage" not in d:
+        return {"keys": len(d), "digest": digest(d)}
     if isinstance(d, dict):
         return {k: _short_values(v, depth + 1) for k, v in d.items()}
     return d

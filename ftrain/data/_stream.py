@@ -665,12 +665,7 @@ class _MicroStream(torch.utils.data.IterableDataset[tuple[Batch, str]]):
         src = json.dumps(pos, separators=(",", ":"))
         out = f'{self.head[:-1]},"cursor":{cursor},"src":{src}}}'
         if len(out) > P._MAX_CHARS:  # every checkpoint of the run would be refused at load
-            raise ValueError(
-                f"the stream position after micro-batch {cursor} is {len(out)} characters, more "
-                f"than the {P._MAX_CHARS} that a checkpoint's state.data.position may hold "
-                f"(load_checkpoint refuses it); its source position alone is {len(src)}: keep a "
-                "custom Source's positions small (an index, not the rows or files it read)"
-            )
+            raise ValueError(_too_long(cursor, len(out), len(src), len(self.head)))
         try:  # what load_checkpoint checks: a few microseconds for a position this short
             P.read_position(out)
         except ValueError as e:
@@ -680,6 +675,22 @@ class _MicroStream(torch.utils.data.IterableDataset[tuple[Batch, str]]):
                 "JSON (finite numbers, nested at most 64 deep)"
             ) from None
         return out
+
+
+def _too_long(cursor: int, chars: int, src: int, head: int) -> str:
+    """Why a position is too long: the source's position, or the data's description."""
+    why = (
+        f"its source position alone is {src}: keep a custom Source's positions small (an "
+        "index, not the rows or files it read)"
+        if src >= head
+        else f"the data's description in it (describe(), summarized) alone is {head}: keep a "
+        "custom Source's describe() small (a count and digest of what it lists)"
+    )
+    return (
+        f"the stream position after micro-batch {cursor} is {chars} characters, more than the "
+        f"{P._MAX_CHARS} that a checkpoint's state.data.position may hold (load_checkpoint "
+        f"refuses it); {why}"
+    )
 
 
 def _head(spec: Spec, about: dict[str, Any]) -> str:
