@@ -99,6 +99,23 @@ def test_a_collator_with_a_generator_of_its_own_is_refused_and_works_without_its
     assert masks(collator, rank=1)[0] != run[0]  # and ranks draw their own
 
 
+def test_a_causal_lm_collator_with_a_seed_is_accepted_as_it_draws_nothing():
+    """DataCollatorForLanguageModeling(mlm=False, seed=42) copies input_ids into the labels and
+    never draws from its generator: it was refused as one that does."""
+    from transformers import DataCollatorForLanguageModeling
+
+    text = (Path(__file__).parent.parent / "examples" / "data" / "tinyshakespeare.txt").read_text()
+    tok = ft.sft.train_tokenizer(text[:50_000].split("\n\n"), vocab_size=200)
+    rows = [{"input_ids": list(range(3, 19))} for _ in range(16)]
+    collator = DataCollatorForLanguageModeling(tok, mlm=False, seed=42)
+    labels = [
+        b["labels"].tolist()
+        for g in ft.make_batches(rows, batch_size=4, collate_fn=collator)
+        for b in g
+    ]
+    assert labels == [[list(range(3, 19))] * 4] * 4
+
+
 def test_resume_with_workers_equals_the_uninterrupted_run_and_never_reads_skipped_rows(reference):
     order = [i for ids, _ in reference for i in ids]
     skipped = order[: 3 * 3]  # start=3 micro-batches of 3 rows

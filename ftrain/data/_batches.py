@@ -250,9 +250,12 @@ def _check_own_generator(collate_fn: Any) -> None:
     """Refuse a collator that draws from a generator of its own (HF's
     `DataCollatorForLanguageModeling(seed=...)`): make_batches seeds the global generators per
     micro-batch from `(seed, epoch, b, rank)`, which its generator ignores, so its masking
-    restarted on resume, was the same on every rank, and changed with `num_workers`."""
+    restarted on resume, was the same on every rank, and changed with `num_workers`. A causal
+    LM's (`mlm=False`) draws nothing: it copies the inputs into the labels."""
     seed = getattr(collate_fn, "seed", None)
     if seed is None or not hasattr(collate_fn, "generator"):
+        return
+    if getattr(collate_fn, "mlm", True) is False:
         return
     raise ValueError(
         f"collate_fn ({type(collate_fn).__name__}) draws from a generator of its own "
