@@ -295,6 +295,42 @@ def test_an_interrupted_wait_does_not_forget_the_save_in_flight(tmp_path, monkey
     ft.load_checkpoint(tmp_path / "step-1", _state())
 
 
+def _read_step(path, ready, out):
+    ready.wait(20)  # the parent's save committed
+    out.put(ft.checkpoint.read_meta(path)["fields"]["step"])
+
+
+def test_a_process_forked_during_a_background_save_reads_its_checkpoint(tmp_path, monkeypatch):
+    """A ProcessPoolExecutor worker forked while a save was in flight inherited the save but
+    not its writer thread: reading the checkpoint waited forever for it."""
+    import multiprocessing
+
+    release = threading.Event()
+    real = _save.write_safetensors
+
+    def slow(tensors, path):  # the background save stays mid-write until released
+        if threading.current_thread().name == "ftrain-checkpoint":
+            release.wait(20)
+        real(tensors, path)
+
+    monkeypatch.setattr(_save, "write_safetensors", slow)
+    path = ft.save_checkpoint(_state(3), tmp_path, blocking=False)
+    fork = multiprocessing.get_context("fork")
+    ready, out = fork.Event(), fork.Queue()
+    child = fork.Process(target=_read_step, args=(path, ready, out))
+    child.start()
+    release.set()
+    ft.wait_for_checkpoint()
+    ready.set()
+    child.join(timeout=30)
+    hung = child.is_alive()
+    if hung:
+        child.kill()
+        child.join()
+    assert not hung and child.exitcode == 0
+    assert out.get(timeout=5) == 3
+
+
 class _Interrupt(Exception):
     """What a signal handler raises in the test below (Ctrl-C raises KeyboardInterrupt)."""
 

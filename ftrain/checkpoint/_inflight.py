@@ -8,6 +8,7 @@ reads a checkpoint that the save may be writing, replacing or rotating away.
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 from ftrain.checkpoint._io import CheckpointError
@@ -61,6 +62,18 @@ def in_flight_into(root: Path) -> bool:
         return os.path.realpath(bg.root) == os.path.realpath(root)
     except (OSError, ValueError):  # an unreadable path: not the one being written
         return False
+
+
+def _forget_in_child() -> None:
+    """A forked child (a ProcessPoolExecutor worker forked during a background save) inherits
+    the parent's save in flight but not its writer thread: reading a checkpoint (or exiting)
+    waited forever for it. The save is the parent's to finish and report; a lock that another
+    thread held at the fork stays held in the child, so the child gets a fresh one."""
+    STATE.save_in_flight = None
+    STATE.save_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def failure(message: str, cause: BaseException | None) -> CheckpointError:
