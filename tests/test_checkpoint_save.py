@@ -409,6 +409,21 @@ def test_ddp_rank_0_failing_a_blocking_save_raises_on_every_rank(tmp_path):
     assert outcomes == [["CheckpointError", True, "step-1"]] * 2
 
 
+def test_a_failed_background_save_of_one_rank_raises_at_load_on_every_rank(tmp_path):
+    """Rank 0's background save failed: load_checkpoint raised it on rank 0 before the ranks'
+    barrier, and rank 1 waited there until the process group timed out."""
+    import ckpt_save_workers as W
+
+    run_ranks(W.failed_background_save_then_load, str(tmp_path), timeout=180)
+    outcomes = [json.loads((tmp_path / f"outcome-{r}.json").read_text()) for r in (0, 1)]
+    assert outcomes[0].startswith("background save of step 2 failed: "), outcomes
+    assert "No space left on device" in outcomes[0]
+    assert outcomes[1].startswith("1 of 2 ranks could not read "), outcomes
+    assert outcomes[1].endswith("or raised a failed background save; see their errors")
+    steps = [json.loads((tmp_path / f"step-{r}.json").read_text()) for r in (0, 1)]
+    assert steps == [1, 1]  # reported once: the next load goes on
+
+
 # --- background saves of sharded (FSDP) states -------------------------------------------------
 
 

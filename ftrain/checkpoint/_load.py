@@ -227,7 +227,6 @@ def load_checkpoint(
     exactly.
     """
     _check_args(path, state, strict=strict, verify=verify, allow_other_base=allow_other_base)
-    raise_pending_save_error()
     if ema_swapped(state):  # the swap back would exchange what was loaded
         raise ValueError(
             "load_checkpoint inside ft.optim.swap_ema(state): the model holds the EMA average "
@@ -610,13 +609,16 @@ def _open_on_every_rank(path: Path, strategy: Strategy, *, verify: bool) -> Open
     would resume from its own step with its own parameters, silently. So every rank takes
     part in one small all-reduce, whether its own open failed or not, and all raise
     `CheckpointError` unless every rank read a checkpoint with the same `state.json` digest
-    (which covers the step and every file's digest).
+    (which covers the step and every file's digest). A rank's failed background save is
+    raised there too: raised before, it left the other ranks waiting in the barrier.
     """
     if strategy.world_size <= 1 and not strategy.checkpoint_sharded:  # one process
+        raise_pending_save_error()
         return open_checkpoint(path, verify=verify)
     opened: Opened | None = None
     error: BaseException | None = None
     try:  # with DDP only rank 0 writes: its background save into the folder commits first
+        raise_pending_save_error()  # one rank's failed save: it raises after the all-reduce
         wait_for_save_into(path)
     except Exception as e:  # every rank must reach the barrier and the all-reduce below
         error = e
@@ -640,7 +642,8 @@ def _open_on_every_rank(path: Path, strategy: Strategy, *, verify: bool) -> Open
     ranks, readable, sums, squares = total[0], total[1], total[2:6], total[6:10]
     if readable != ranks:
         raise CheckpointError(
-            f"{ranks - readable} of {ranks} ranks could not read {path}; see their errors"
+            f"{ranks - readable} of {ranks} ranks could not read {path} or raised a failed "
+            "background save; see their errors"
         )
     if any(ranks * q != s * s for s, q in zip(sums, squares, strict=True)):
         raise CheckpointError(

@@ -138,3 +138,39 @@ def tp_async_save(rank: int, world: int, port: int, out: str) -> None:
     state, _ = train(state, steps=4, batch_size=2)  # steps in place while the save writes
     (root / f"done-{rank}").write_text(ft.wait_for_checkpoint().name)
     strategy.close()
+
+
+def failed_background_save_then_load(rank: int, world: int, port: int, out: str) -> None:
+    """Rank 0's background save failed before every rank loads an older checkpoint: each rank
+    raises ftrain's error (rank 0 raised alone while rank 1 waited in the barrier)."""
+    import time
+
+    from ftrain.checkpoint import _save
+    from ftrain.process_state import STATE
+
+    rank_env(rank, world, port)
+    strategy = ft.strategies.from_env("ddp", timeout=timedelta(seconds=60))
+    state = ft.TrainState.create(torch.nn.Linear(4, 2), ft.optim.adamw(), strategy=strategy)
+    older = ft.save_checkpoint(state.replace(step=1), out)
+    real = _save.write_safetensors
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device (simulated)")
+
+    _save.write_safetensors = disk_full
+    ft.save_checkpoint(state.replace(step=2), out, blocking=False)  # DDP: rank 0 writes
+    while rank == 0 and STATE.save_in_flight.error is None:
+        time.sleep(0.05)  # failed, and finished, before the load
+    _save.write_safetensors = real
+    try:
+        ft.load_checkpoint(older, state)
+        outcome = "loaded"
+    except ft.CheckpointError as e:
+        outcome = str(e)
+    (Path(out) / f"outcome-{rank}.json").write_text(json.dumps(outcome))
+    loaded = ft.load_checkpoint(older, state)  # reported once: the next load goes on
+    (Path(out) / f"step-{rank}.json").write_text(json.dumps(loaded.step))
+    del state, loaded
+    gc.collect()
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
