@@ -331,6 +331,32 @@ def test_a_process_forked_during_a_background_save_reads_its_checkpoint(tmp_path
     assert out.get(timeout=5) == 3
 
 
+def test_reading_an_older_checkpoint_while_a_save_fails_leaves_the_failure_to_report(
+    tmp_path, monkeypatch
+):
+    """read_meta of an intact older checkpoint raised the in-flight save's failure and took
+    it: the next save said nothing of the lost checkpoint. It waits, reads, and leaves the
+    failure to the next checkpoint call; reading the checkpoint the failed save was writing
+    raises it."""
+    release = threading.Event()
+    older = ft.save_checkpoint(_state(1), tmp_path)
+
+    def disk_full(tensors, path):
+        release.wait(20)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_save, "write_safetensors", disk_full)
+    failed = ft.save_checkpoint(_state(2), tmp_path, blocking=False)
+    threading.Timer(0.3, release.set).start()
+    assert ft.checkpoint.read_meta(older)["fields"]["step"] == 1  # waited for the save
+    with pytest.raises(ft.CheckpointError, match=r"background save of step 2 failed: .*space"):
+        ft.checkpoint.read_meta(failed)
+    monkeypatch.undo()
+    with pytest.raises(ft.CheckpointError, match=r"background save of step 2 failed: .*space"):
+        ft.save_checkpoint(_state(3), tmp_path)
+    assert ft.save_checkpoint(_state(3), tmp_path).name == "step-3"
+
+
 class _Interrupt(Exception):
     """What a signal handler raises in the test below (Ctrl-C raises KeyboardInterrupt)."""
 

@@ -41,16 +41,31 @@ def wait_for_checkpoint() -> Path | None:
 
 def wait_for_save_into(path: str | os.PathLike[str]) -> None:
     """Wait for this process's background save if it writes into the run folder that holds
-    the checkpoint `path` (raising its failure as `wait_for_checkpoint` does).
+    the checkpoint `path`.
 
     Until it commits, `path` may not exist yet, may still be the older checkpoint of the same
     step that the save replaces (a run that went back and saves that step again), or may be
     rotated away by it: reading it meanwhile raised a misleading error or read the old
-    weights without a word.
+    weights without a word. A failed save is raised here only when `path` is the checkpoint it
+    was writing, and is left for the next checkpoint call to report too: reading an intact
+    older checkpoint raised it and took it, and the next save said nothing of it.
     """
     path = Path(path)
-    if in_flight_into(path.parent) or in_flight_into(path):
-        wait_for_checkpoint()
+    bg = STATE.save_in_flight  # in flight, or ended and not reported yet
+    if bg is None or bg.root is None or not (_same(bg.root, path.parent) or _same(bg.root, path)):
+        return
+    bg.join()  # at once if it ended
+    if bg.error is None:
+        wait_for_checkpoint()  # committed: nothing left to report
+    elif _same(path, bg.root / f"step-{bg.step}"):
+        raise failure(f"background save of step {bg.step} failed", bg.error)
+
+
+def _same(a: Path, b: Path) -> bool:
+    try:
+        return os.path.realpath(a) == os.path.realpath(b)
+    except (OSError, ValueError):  # an unreadable path: not the one being written
+        return False
 
 
 def in_flight_into(root: Path) -> bool:
@@ -58,10 +73,7 @@ def in_flight_into(root: Path) -> bool:
     bg = STATE.save_in_flight
     if bg is None or bg.root is None or not bg.is_alive():
         return False
-    try:
-        return os.path.realpath(bg.root) == os.path.realpath(root)
-    except (OSError, ValueError):  # an unreadable path: not the one being written
-        return False
+    return _same(bg.root, root)
 
 
 def _forget_in_child() -> None:
