@@ -267,6 +267,39 @@ def test_neftune_hook_in_the_loop_is_seeded_and_removable():
     assert any(not torch.equal(a[n], plain[n]) for n in plain)
 
 
+def test_neftune_of_alpha_0_adds_no_noise_and_post_training_takes_the_model():
+    """`neftune(model, alpha=0.0)` (a config's `neftune_alpha: 0`) adds no noise, but
+    preference_loss refused the policy as one that does."""
+
+    class Lm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10)
+
+        def get_input_embeddings(self):
+            return self.embed
+
+        def forward(self, input_ids, attention_mask=None):
+            return self.head(self.embed(input_ids))
+
+    ids = torch.tensor([[1, 2, 3]])
+    batch = {f"{side}_{k}": v for side in ("chosen", "rejected") for k, v in (
+        ("input_ids", ids), ("labels", ids), ("attention_mask", torch.ones_like(ids)))}  # fmt: skip
+    torch.manual_seed(0)
+    model, reference = Lm(), Lm().eval().requires_grad_(False)
+    loss_fn = ft.preference.preference_loss(ft.preference.dpo_loss, reference=reference)
+    handle = ft.sft.neftune(model, alpha=0.0)
+    loss_fn(model, batch)
+    assert ft.sft.neftune_sites(model) == []
+    assert torch.equal(model.embed(ids), model.embed.weight[ids])
+    handle.remove()
+    ft.sft.neftune(model, alpha=5.0)
+    assert ft.sft.neftune_sites(model) == ["embed"]
+    loss_fn = ft.preference.preference_loss(ft.preference.dpo_loss, reference=reference)
+    with pytest.raises(ValueError, match="adds NEFTune noise to its input embeddings"):
+        loss_fn(model, batch)  # a new loss_fn: each checks a policy once
+
+
 def test_a_response_that_already_ends_with_eos_is_refused_as_a_prompt_with_bos_is(tok):
     """A response text holding the EOS token (`"...</s>"`) got a second EOS appended: the row
     ended with two, and the model was trained to emit EOS after EOS."""

@@ -361,13 +361,14 @@ def neftune(model: Any, alpha: float = 5.0) -> Any:
         return neftune_noise(output, alpha) if module.training else output
 
     hook._ftrain_neftune = True  # type: ignore[attr-defined]
+    hook._ftrain_neftune_alpha = alpha  # type: ignore[attr-defined]
     return embeddings.register_forward_hook(hook)
 
 
 def neftune_sites(model: torch.nn.Module) -> list[str]:
     """The modules of `model` (names) that add `neftune` noise in its forward now: those in
-    training mode with a NEFTune hook. Empty when no noise is added (eval mode, or the hook's
-    handle removed).
+    training mode with a NEFTune hook of `alpha` > 0. Empty when no noise is added (eval mode,
+    the hook's handle removed, or `alpha=0`, a config's `neftune_alpha: 0`).
 
     Post-training that compares the policy's log-probs with ones computed without noise (the
     old log-probs of `ft.rl.sample`, a reference's) refuses such a policy, as it refuses
@@ -394,7 +395,7 @@ def neftune_sites(model: torch.nn.Module) -> list[str]:
         name
         for name, module in model.named_modules()
         if module.training
-        and any(getattr(h, "_ftrain_neftune", False) for h in module._forward_hooks.values())
+        and any(getattr(h, "_ftrain_neftune_alpha", 0) > 0 for h in module._forward_hooks.values())
     ]
 
 
