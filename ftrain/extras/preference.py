@@ -229,7 +229,8 @@ def sequence_logps(
     causal shift: shape (batch,). A padding position (`attention_mask` 0) predicts nothing, as
     in the core's loss (`ft.losses.causal_targets`): with left padding the pads' targets would
     otherwise count, and a row's log-prob would depend on the rows padded with it. Nor is it
-    predicted: a label there is padding (the default collate pads `chosen_labels` with 0).
+    predicted: a label there is padding (a collate of your own may pad labels with a token id,
+    not -100).
 
     Raises:
         ValueError: for an encoder-decoder model (T5, BART): its decoder's logits at position
@@ -277,8 +278,10 @@ def pair_collate(pad_id: int, *, pad_to_multiple_of: int | None = None) -> Calla
     (labels with -100), with its own `chosen_attention_mask` / `rejected_attention_mask`.
     Other fields (precomputed `reference_chosen` / `reference_rejected`) are stacked.
 
-    The default collate pads only fields named `input_ids` and `labels` as such: it would pad
-    `chosen_labels` with 0 (a token) and make no mask, which `preference_loss` refuses.
+    `make_batches`' default collate (`ft.data.pad_collate`) pads the sides alike; this one
+    pads each side on its own and checks it as `pad_collate` checks `input_ids` (a mask of
+    another length than its tokens). A collate that makes no masks (torch's
+    `default_collate`) leaves padding that `preference_loss` cannot tell from labels: refused.
 
     Example:
         >>> import ftrain as ft
@@ -312,17 +315,18 @@ def pair_collate(pad_id: int, *, pad_to_multiple_of: int | None = None) -> Calla
 def _check_masks(chosen: Mapping[str, Any], rejected: Mapping[str, Any]) -> None:
     """Refuse a side without its attention mask: padding cannot be told from label tokens.
 
-    The default collate pads `chosen_labels` (not a field named `labels`) with 0, a token id,
-    and makes no mask for it: every padding position would count as a label token 0 in the
-    row's log-prob, which would then depend on the rows padded with it."""
+    A batch built by hand, or by a collate that makes no masks (torch's `default_collate`, a
+    collator of your own padding `chosen_labels` with a token id), marks padding nowhere: every
+    padding position would count as a label token in the row's log-prob, which would then
+    depend on the rows padded with it. ftrain's collates make the masks."""
     for side, part in (("chosen", chosen), ("rejected", rejected)):
         if not isinstance(part.get("attention_mask"), torch.Tensor):
             raise ValueError(
                 f"preference batches need {side}_attention_mask (1 on tokens, 0 on padding): "
-                f"without it padding cannot be told from label tokens (the default collate "
-                f"pads {side}_labels with 0, a token, not -100). Collate with "
-                "collate_fn=ft.preference.pair_collate(pad_id=tokenizer.pad_token_id), or "
-                "give each row its masks"
+                f"without it padding cannot be told from label tokens (a collate that makes "
+                f"no masks may pad {side}_labels with a token, not -100). Collate with "
+                "make_batches' default (ft.data.pad_collate(pad_id=tokenizer.pad_token_id)) or "
+                "ft.preference.pair_collate(pad_id=...), or give each row its masks"
             )
 
 
@@ -353,10 +357,10 @@ def preference_loss(
             an `average` that is not a bool or None.
         ValueError: when `reference` is given to a reference-free loss (it would be ignored);
             from the loss_fn, when a side has no attention mask (padding could not be told
-            from label tokens: the default collate pads `chosen_labels` with 0), when a loss
-            with a reference gets neither `reference` nor
-            precomputed log-probs, when a reference-free loss gets precomputed ones, when
-            those are not of shape (batch,), when `loss` does not return one value per
+            from label tokens: a batch built by hand or by a collate that makes no masks),
+            when a loss with a reference gets neither `reference` nor precomputed log-probs,
+            when a reference-free loss gets precomputed ones, when those are not of shape
+            (batch,), when `loss` does not return one value per
             pair, when `reference` shares a trained parameter with the policy (e.g. the
             base of a PEFT policy, whose adapters still run: it is not a fixed reference), or
             when a loss with reference log-probs gets a policy that runs dropout (a dropout
