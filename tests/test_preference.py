@@ -175,6 +175,25 @@ _ROWS = [
 ]  # fmt: skip
 
 
+def test_pair_collate_takes_other_fields_as_pad_collate_does():
+    """pair_collate dropped a field that row 0 lacks without a word, and failed inside torch's
+    default_collate on ragged ones (`prompt_input_ids`): it refuses the first, naming it, and
+    pads the others as make_batches' default collate does."""
+    rows = [r | {"prompt_input_ids": r["chosen_input_ids"][: 2 + i], "reference_chosen": -1.0 - i}
+            for i, r in enumerate(_ROWS)]  # fmt: skip
+    collate = P.pair_collate(pad_id=0)
+    lacking = [_ROWS[0], _ROWS[1] | {"reference_chosen": -2.0}]
+    with pytest.raises(KeyError, match=r"pair_collate: row 1 .* field 'reference_chosen', which"):
+        collate(lacking)
+    default = next(iter(ft.make_batches(rows, batch_size=2, shuffle=False)))[0]
+    batch = collate(rows)
+    assert batch.keys() == default.keys()
+    for key, value in batch.items():
+        assert torch.equal(default[key], value), key
+    assert batch["prompt_input_ids"].tolist() == [[5, 6, 0], [5, 6, 7]]
+    assert batch["reference_chosen"].tolist() == [-1.0, -2.0]
+
+
 def test_a_side_without_its_mask_is_refused_and_both_collates_pad_each_side():
     """The default collate padded `chosen_labels` (not a field named `labels`) with 0, a token,
     and made no mask: the short rows' padding counted as label tokens 0 in their log-probs.

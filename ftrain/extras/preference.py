@@ -276,7 +276,9 @@ def pair_collate(pad_id: int, *, pad_to_multiple_of: int | None = None) -> Calla
     """Collate preference rows (`chosen_input_ids`, `chosen_labels`, the same for `rejected_`,
     lists or tensors): each side padded as `ft.pad_collate` pads `input_ids` and `labels`
     (labels with -100), with its own `chosen_attention_mask` / `rejected_attention_mask`.
-    Other fields (precomputed `reference_chosen` / `reference_rejected`) are stacked.
+    Other fields are collated as `ft.pad_collate` collates them: scalars (precomputed
+    `reference_chosen` / `reference_rejected`) stacked, sequences (`prompt_input_ids`) padded;
+    a field that row 0 lacks is refused, naming it.
 
     `make_batches`' default collate (`ft.data.pad_collate`) pads the sides alike; this one
     pads each side on its own and checks it as `pad_collate` checks `input_ids` (a mask of
@@ -299,14 +301,23 @@ def pair_collate(pad_id: int, *, pad_to_multiple_of: int | None = None) -> Calla
     def collate(rows: list[Mapping[str, Any]]) -> dict[str, Any]:
         if not rows:
             raise ValueError("cannot collate an empty list of rows")
+        for i, row in enumerate(rows):  # a field row 0 lacks would be dropped unseen
+            extra = [k for k in row if k not in rows[0]]
+            if extra:
+                raise KeyError(
+                    f"pair_collate: row {i} of the batch has field {extra[0]!r}, which row 0 "
+                    f"has not (row 0 has {', '.join(map(repr, rows[0]))}); every row needs the "
+                    "same fields"
+                )
         out: dict[str, Any] = {}
         for prefix in sides:
             part = pad([{k.removeprefix(prefix): v for k, v in r.items() if k.startswith(prefix)}
                         for r in rows])  # fmt: skip
             out.update({prefix + k: v for k, v in part.items()})
+        # Other fields as pad_collate takes them: ragged ones (prompt_input_ids) padded
         rest = [{k: v for k, v in r.items() if not k.startswith(sides)} for r in rows]
         if rest[0]:
-            out.update(torch.utils.data.default_collate(rest))
+            out.update(pad(rest))
         return out
 
     return collate
