@@ -141,18 +141,23 @@ def _holds_checkpoints(directory: Path) -> str | None:
     return "a run folder of step-<N> checkpoints" if step_dirs(directory) else None
 
 
-def _needs_swap(state: TrainState, weights: str | None, live_buffers: bool) -> bool:
-    """Whether the average must be swapped in to write `weights`; refuses a guess."""
+def _check_weights(caller: str, weights: str | None, live_buffers: bool) -> None:
+    """Refuse a `weights` that names no set, and `live_buffers` where it would be ignored."""
     if weights not in (None, "live", "ema"):
         raise ValueError(f"weights must be 'ema', 'live' or None, got {weights!r}")
     if not isinstance(live_buffers, bool):
         raise TypeError(f"live_buffers must be True or False, got {live_buffers!r}")
     if live_buffers and weights != "ema":
         raise ValueError(
-            f"export_pretrained got live_buffers=True with weights={weights!r}: it takes the "
-            "live running statistics beside the EMA average, so it means something with "
+            f"{caller} got live_buffers=True with weights={weights!r}: it takes the live "
+            "running statistics beside the EMA average, so it means something with "
             "weights='ema' only (the live weights export their own statistics)"
         )
+
+
+def _needs_swap(state: TrainState, weights: str | None, live_buffers: bool) -> bool:
+    """Whether the average must be swapped in to write `weights`; refuses a guess."""
+    _check_weights("export_pretrained", weights, live_buffers)
     if ema_swapped(state):  # the model holds the average
         if weights == "live":
             raise ValueError(
@@ -333,18 +338,9 @@ def export_checkpoint(
             "export_checkpoint takes config or base, not both: with base the model is loaded "
             "from it (its own config), so config would be ignored"
         )
-    if weights not in (None, "live", "ema"):
-        raise ValueError(f"weights must be 'ema', 'live' or None, got {weights!r}")
+    _check_weights("export_checkpoint", weights, live_buffers)
     if not isinstance(allow_other_base, bool):
         raise TypeError(f"allow_other_base must be True or False, got {allow_other_base!r}")
-    if not isinstance(live_buffers, bool):
-        raise TypeError(f"live_buffers must be True or False, got {live_buffers!r}")
-    if live_buffers and weights != "ema":
-        raise ValueError(
-            f"export_checkpoint got live_buffers=True with weights={weights!r}: it takes the "
-            "live running statistics beside the EMA average, so it means something with "
-            "weights='ema' only (the live weights export their own statistics)"
-        )
     if allow_other_base and base is None:
         raise ValueError(
             "export_checkpoint got allow_other_base=True without base: it allows exporting onto "
