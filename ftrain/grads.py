@@ -305,7 +305,7 @@ _OWN_LOSSES = default_loss.__module__  # "ftrain.losses": whole item counts
 
 # Steps over which a trainable parameter may go without a gradient before it is named (a
 # multi-task head trained every other step, an expert no token was routed to, gets one).
-NO_GRAD_STEPS = 8
+NO_GRAD_STEPS = 32
 
 
 def _warn_no_grad(
@@ -334,9 +334,10 @@ def _warn_no_grad(
         return
     warnings.warn(
         f"{_preview(missing)} of the TrainState received no gradient in steps {since} to "
-        f"{step}: the forward never used them, so they are not trained (an adapter on a module "
-        "the forward does not call, e.g. a tied embedding's other handle?). Freeze them before "
-        "TrainState.create if that is intended",
+        f"{step} ({NO_GRAD_STEPS} steps in a row), so none of them trained them: an adapter on "
+        "a module the forward does not call (a tied embedding's other handle)? Also a head "
+        f"trained less often than every {NO_GRAD_STEPS} steps, or an expert no token reached. "
+        "Freeze them before TrainState.create if they are not to train",
         UserWarning,
         stacklevel=3,
     )
@@ -381,20 +382,12 @@ def _is_tensor(x: object) -> bool:
 
 
 def _check_plain_micro(micro: Sequence[Any]) -> None:
-    """Refuse a plain list or tuple whose items cannot be micro-batches of one step: a
-    DataLoader's batch passed without its wrapping list (`[x, y]` tensors, or `[inputs, labels]`
-    with a dict of inputs: the labels taken for a micro-batch of their own)."""
-    first, second = micro[0], micro[1]
-    if type(first) is dict and type(second) is dict:  # the usual list of batches (issue 30)
-        if first.keys().isdisjoint(second):
-            _refuse_split(micro, f"dicts with no key in common ({list(first)}, {list(second)})")
-    elif all(map(_is_tensor, micro)):
+    """Refuse a plain list or tuple of tensors that cannot be micro-batches of one step: a
+    DataLoader's `[x, y]` batch passed without its wrapping list. Dicts are not judged by
+    their keys: micro-batches of several tasks may share none (a multi-task step), and a
+    `[inputs, labels]` pair of dicts fails in the loss that reads labels from each."""
+    if type(micro[0]) is not dict and all(map(_is_tensor, micro)):
         _check_tensor_micro(micro)
-    elif any(isinstance(b, Mapping) for b in micro) and not all(
-        isinstance(b, (Mapping, ZeroWeight)) for b in micro
-    ):
-        kinds = ", ".join(type(b).__name__ for b in micro[:4])
-        _refuse_split(micro, f"a mapping and other items ({kinds})")
 
 
 def _refuse_split(micro: Sequence[Any], what: str) -> None:

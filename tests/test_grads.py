@@ -485,7 +485,7 @@ def test_a_trainable_parameter_that_never_gets_a_gradient_is_named_once_per_mode
     silently. After NO_GRAD_STEPS steps without one it is named, once per model. A parameter
     trained on some steps only (a multi-task head) or frozen after create (gradual freezing)
     is not."""
-    NO_GRAD_STEPS = 8  # ftrain.grads.NO_GRAD_STEPS
+    from ftrain.grads import NO_GRAD_STEPS
 
     def loss_fn(m, x):
         return m(x), torch.tensor(x.shape[0])
@@ -493,8 +493,8 @@ def test_a_trainable_parameter_that_never_gets_a_gradient_is_named_once_per_mode
     state = ft.TrainState.create(_TiedTwice(), ft.optim.adamw())
     state = _steps(state, NO_GRAD_STEPS - 1, loss_fn)  # (warnings are errors in the tests)
     with pytest.warns(UserWarning, match=rf"parameter 'shared_adapter' of the TrainState "
-                      rf"received no gradient in steps 0 to {NO_GRAD_STEPS - 1}: the forward "
-                      "never used them"):  # fmt: skip
+                      rf"received no gradient in steps 0 to {NO_GRAD_STEPS - 1} "
+                      rf"\({NO_GRAD_STEPS} steps in a row\)"):  # fmt: skip
         state = _steps(state, 1, loss_fn)
     assert "shared_adapter" not in ft.accumulate_grads(state, [torch.tensor([[1]])], loss_fn)[0]
     _steps(state, 2 * NO_GRAD_STEPS, loss_fn)  # once per model
@@ -515,8 +515,9 @@ def test_a_dataloaders_inputs_labels_batch_is_refused_as_micro_batches():
     """A DataLoader's `[inputs, labels]` batch passed as `micro` (without the wrapping list)
     was taken for two micro-batches. Float features with float targets (a regression's
     TensorDataset) passed the dtype check: `Linear(4, 1)` ran on the targets as if they were a
-    row, a wrong gradient with no error. Items of different ranks, a dict of inputs beside a
-    tensor, or dicts with no key in common now raise; chunks of one batch still pass."""
+    row, a wrong gradient with no error. Tensors of different ranks now raise; chunks of one
+    batch still pass, and so do the micro-batches of a multi-task step (dicts that share no
+    key, a dict beside a tuple: each task's own columns)."""
     torch.manual_seed(0)
     x, y = torch.randn(4, 4), torch.randn(4)
     state = ft.TrainState.create(torch.nn.Linear(4, 1), ft.optim.adamw())
@@ -527,15 +528,19 @@ def test_a_dataloaders_inputs_labels_batch_is_refused_as_micro_batches():
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
     refused = {
         r"tensors of different ranks \(shapes \[\(4, 4\), \(4,\)\]\)": next(iter(loader)),
-        r"a mapping and other items \(dict, Tensor\)": [{"x": x}, y],
-        r"dicts with no key in common \(\['x'\], \['labels'\]\)": [{"x": x}, {"labels": y}],
     }
     for what, micro in refused.items():
         with pytest.raises(TypeError, match=rf"cannot be micro-batches of one step, {what}: a "
                            r"DataLoader's \[inputs, labels\] batch"):  # fmt: skip
             ft.accumulate_grads(state, micro, loss_fn)
-    for micro in ([x[:2], x[2:]], [{"x": x[:2]}, {"x": x[2:]}]):
-        _, stats = ft.accumulate_grads(state, micro, loss_fn)
+    tasks = [{"x": x[:2]}, {"features": x[2:], "task": 1}]  # a multi-task step: no shared key
+
+    def by_task(m, b):
+        return m(b["x"] if "x" in b else b["features"]).sum(), 1
+
+    for micro, fn in (([x[:2], x[2:]], loss_fn), ([{"x": x[:2]}, {"x": x[2:]}], loss_fn),
+                      (tasks, by_task)):  # fmt: skip
+        _, stats = ft.accumulate_grads(state, micro, fn)
         assert stats.num_micro == 2
 
 

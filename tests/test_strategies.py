@@ -99,8 +99,16 @@ def test_from_env_takes_accelerate_launchs_mixed_precision_or_refuses_another(mo
     """`accelerate launch --mixed_precision bf16` (or its config file) says so only in
     ACCELERATE_MIXED_PRECISION: from_env returned a float32 strategy without a word."""
     monkeypatch.setenv("WORLD_SIZE", "1")
+    # Set in this process (transformers 4's TrainingArguments(bf16=True) does so), not by a
+    # launch: accelerate launch always sets ACCELERATE_DYNAMO_BACKEND beside it.
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    monkeypatch.delenv("ACCELERATE_DYNAMO_BACKEND", raising=False)
+    assert ft.strategies.from_env(precision="fp32").precision == ft.precision.Precision.of("fp32")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "NO")
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # accelerate's default: nothing said
     assert ft.strategies.from_env(precision="bf16").precision == ft.precision.Precision.of("bf16")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "BF16")
+    assert ft.strategies.from_env().precision == ft.precision.Precision.of("bf16")
     for launched in ("bf16", "fp16"):
         monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", launched)
         expected = ft.precision.Precision.of(launched)

@@ -104,7 +104,11 @@ def _accelerate_settings(kind: str, kwargs: dict[str, Any]) -> dict[str, Any]:
             f"from_env('fsdp') (its options are FSDP's keywords; accelerate's FSDP_* variables "
             f"are not read), or launch without FSDP {_CONFIG}"
         )
-    launched = env.get("ACCELERATE_MIXED_PRECISION", "no")
+    # Only a launch's: transformers 4's TrainingArguments sets ACCELERATE_MIXED_PRECISION in
+    # its own process too; `accelerate launch` always sets ACCELERATE_DYNAMO_BACKEND beside it.
+    if "ACCELERATE_DYNAMO_BACKEND" not in env:
+        return kwargs
+    launched = env.get("ACCELERATE_MIXED_PRECISION", "no").lower()
     if launched == "no":
         return kwargs
     if launched not in ("bf16", "fp16"):
