@@ -84,19 +84,21 @@ def test_a_sweep_of_ema_optimizers_averages_a_head_without_a_gradient():
         assert torch.equal(state.opt_state[k].ema["stacked.a.weight"], a[k])
 
 
+def _member(seed, gain):
+    """A Linear(3, 1) whose weight is scaled by gain: members of very different norms."""
+    torch.manual_seed(seed)
+    m = nn.Linear(3, 1)
+    with torch.no_grad():
+        m.weight.mul_(gain)
+    return m
+
+
 def test_clip_by_global_norm_in_a_chain_clips_each_ensemble_member_by_its_own_norm():
     # One norm over all the stacked members clipped member 0 by member 1's large gradient.
-    def member(seed, gain):
-        torch.manual_seed(seed)
-        m = nn.Linear(3, 1)
-        with torch.no_grad():
-            m.weight.mul_(gain)
-        return m
-
     def opt():
         return ft.optim.chain(ft.optim.clip_by_global_norm(0.5), ft.optim.sgd())
 
-    members = [member(0, 1.0), member(1, 20.0)]
+    members = [_member(0, 1.0), _member(1, 20.0)]
     batch = _batch()
     ens = ft.TrainState.create(ft.func.Ensemble(copy.deepcopy(members)), opt())
     grads, stats = ft.accumulate_grads(ens, [batch], ft.func.ensemble_loss(mse))
@@ -208,14 +210,7 @@ def test_an_ensemble_whose_parameters_torch_replaced_is_still_one(build):
     # load_state_dict(assign=True) and swap-on-conversion replaced the MemberStacked parameters
     # with plain ones: sweep refused the Ensemble ("train an ft.func.Ensemble"), and
     # clip_by_global_norm in a chain went back to one norm over all the members.
-    def member(seed, gain):
-        torch.manual_seed(seed)
-        m = nn.Linear(3, 1)
-        with torch.no_grad():
-            m.weight.mul_(gain)
-        return m
-
-    members = [member(0, 1.0), member(1, 20.0)]
+    members = [_member(0, 1.0), _member(1, 20.0)]
     ft.TrainState.create(build(members), ft.func.sweep([ft.optim.sgd(), ft.optim.sgd()]))
     opt = lambda: ft.optim.chain(ft.optim.clip_by_global_norm(0.5), ft.optim.sgd())  # noqa: E731
     batch = _batch()
@@ -246,17 +241,10 @@ def test_an_ensemble_sharded_by_fsdp2_clips_each_member_by_its_own_norm(tmp_path
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    def member(seed, gain):
-        torch.manual_seed(seed)
-        m = nn.Linear(3, 1)
-        with torch.no_grad():
-            m.weight.mul_(gain)
-        return m
-
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "s"), 1), rank=0,
                             world_size=1)  # fmt: skip
     try:
-        ens = ft.func.Ensemble([member(0, 1.0), member(1, 20.0)])
+        ens = ft.func.Ensemble([_member(0, 1.0), _member(1, 20.0)])
         fully_shard(ens)
         ens(torch.randn(5, 3)).pow(2).sum().backward()
         params = dict(ens.named_parameters())
