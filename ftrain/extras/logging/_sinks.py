@@ -151,8 +151,10 @@ class JSONLSink:
     every `step(state)` that is not past the previous one (a guard rollback), writes a restart
     line, `{"ftrain_restart": true, "step": s}`: `read_jsonl` drops what was written before it
     at step s or later (steps the resumed run makes again, or that a rollback undid and the
-    run may never reach again). `ft.logging.Logger` calls `step`; records sent only through
-    `log` are kept as written.
+    run may never reach again). `ft.logging.Logger` calls `step`, then `log` for that step's
+    record; a loop of your own that calls both must keep that order (a record logged before
+    the `step(state)` that restarts at its step is dropped with the undone ones). Records sent
+    only through `log` are kept as written.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
