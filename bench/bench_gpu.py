@@ -39,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -169,7 +169,7 @@ def checkpoint_stall(loop: dict, data: list[Any], step_s: float, saves: int = 3)
 # --- the main example's GPT vs nanoGPT's train.py (--nanogpt) ----------------------------------
 
 ROOT = Path(__file__).resolve().parent.parent
-ITER_LINE = re.compile(r"^iter (\d+): loss [0-9.naif]+, time ([0-9.]+)ms", re.MULTILINE)
+ITER_LINE = re.compile(r"^iter (\d+): loss ([0-9.naif]+), time ([0-9.]+)ms", re.MULTILINE)
 
 
 def write_tokens(directory: Path, vocab: int, n: int = 1 << 20) -> None:
@@ -225,29 +225,55 @@ def ftrain_worker(a: argparse.Namespace) -> None:
         n_embd=a.n_embd,
     )  # fmt: skip
     model = CharGPT(config).to(device)
+    # As the example's --compile: the model and its loss one graph (nanoGPT's forward holds it)
+    loss_fn = torch.compile(next_char_loss) if a.compile else next_char_loss
     optimizer = ft.optim.adamw(betas=(0.9, 0.95), weight_decay=0.1, mask=ft.optim.decay_mask(model))
     strategy = ft.strategies.SingleDevice(device, precision=a.precision)
-    state = ft.TrainState.create(
-        torch.compile(model) if a.compile else model, optimizer, strategy=strategy
-    )
+    state = ft.TrainState.create(model, optimizer, strategy=strategy)
     lr = ft.schedules.warmup_cosine(peak_lr=6e-4, warmup_steps=10, total_steps=a.iters)
     data_dir = Path(a.data)
+    if a.reader == "make_batches":  # the example's: every window, shuffled, pinned
+        import numpy as np
+        from shakespeare_char import CharWindows
+
+        tokens = np.fromfile(data_dir / "train.bin", dtype=np.uint16).astype(np.int64)
+        windows = CharWindows(tokens, a.block_size)
+        pin = device.type == "cuda"
+
+        def steps() -> Iterator[Any]:
+            while True:
+                yield from ft.make_batches(
+                    windows,
+                    state,
+                    batch_size=a.batch_size,
+                    accum=a.accum,
+                    num_workers=a.workers,
+                    pin_memory=pin,
+                )
+    else:  # nanoGPT's get_batch, `accum` windows of random rows read in the loop
+
+        def steps() -> Iterator[Any]:
+            while True:
+                yield [get_batch(data_dir, a.block_size, a.batch_size, device)
+                       for _ in range(a.accum)]  # fmt: skip
+
     times, last = [], time.perf_counter()
     grads = stats = None
-    while state.step < a.iters:
-        micro = [get_batch(data_dir, a.block_size, a.batch_size, device) for _ in range(a.accum)]
-        grads, stats = ft.accumulate_grads(state, micro, next_char_loss)
+    for micro in steps():
+        grads, stats = ft.accumulate_grads(state, micro, loss_fn)
         state, _ = ft.clip_and_step(state, grads, stats=stats, lr=lr(state.step), max_norm=1.0)
         if ft.should_log(state, every=1):  # nanoGPT --log_interval=1: a host read per iteration
             loss = float(stats.loss)
         now = time.perf_counter()
         times.append(now - last)
         last = now
+        if state.step >= a.iters:
+            break
     del grads
     n = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
     name = torch.cuda.get_device_name() if a.device == "cuda" else a.device
     print(json.dumps({"times": times, "loss": loss, "n_params": n, "device": name,
-                      "torch": torch.__version__}))  # fmt: skip
+                      "torch": torch.__version__, "compiled": a.compile}))  # fmt: skip
 
 
 def nanogpt_cmd(a: argparse.Namespace, run_dir: Path) -> list[str]:
@@ -282,21 +308,32 @@ def versus_nanogpt(a: argparse.Namespace) -> None:
             f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
             if k in WORKER_ARGS
         ]  # fmt: skip
-        worker += ["--compile"] if a.compile else []
-        runs: dict[str, list[float]] = {"ftrain": [], "nanogpt": []}
+        worker += ["--compile"] if a.compile else ["--no-compile"]
+        sides = ["nanogpt"] + [s for s in a.sides.split(",") if s != "nanogpt"]
+        unknown = set(sides) - {"nanogpt", "ftrain", "ftrain+get_batch"}
+        if unknown:
+            raise SystemExit(f"--sides: unknown {sorted(unknown)} (nanogpt, ftrain, "
+                             "ftrain+get_batch)")  # fmt: skip
+        commands = {"nanogpt": nanogpt_cmd(a, run_dir), "ftrain": worker,
+                    "ftrain+get_batch": [*worker, "--reader=get_batch"]}  # fmt: skip
+        runs: dict[str, list[float]] = {side: [] for side in sides}
+        loss: dict[str, float] = {}
         n_params, device, torch_version = 0, a.device, "?"
         for r in range(a.rounds):
             # nanoGPT first: a checkout it cannot run with (its vocabulary) stops before ours
-            for side in ("nanogpt", "ftrain") if r % 2 == 0 else ("ftrain", "nanogpt"):
-                cmd = worker if side == "ftrain" else nanogpt_cmd(a, run_dir)
+            for side in sides if r % 2 == 0 else sides[:1] + sides[:0:-1]:
+                cmd = commands[side]
                 out = subprocess.run(
                     cmd, cwd=run_dir, capture_output=True, text=True, timeout=a.timeout
                 )
                 if out.returncode:
                     raise SystemExit(f"{side} failed ({out.returncode}):\n{out.stderr[-3000:]}")
-                if side == "ftrain":
+                if side != "nanogpt":
                     result = json.loads(out.stdout.strip().splitlines()[-1])
                     times, n_params = result["times"], result["n_params"]
+                    loss[side] = result["loss"]
+                    if result["compiled"] != a.compile:  # (--no-compile once did not reach it)
+                        raise SystemExit(f"{side} ran with compile={result['compiled']}")
                     device, torch_version = result["device"], result["torch"]
                 else:
                     vocab = re.search(r"^found vocab_size = (\d+)", out.stdout, re.MULTILINE)
@@ -306,27 +343,35 @@ def versus_nanogpt(a: argparse.Namespace) -> None:
                             f"data/bench/meta.pkl (its output: {out.stdout[:500]!r}): the two "
                             "models would differ"
                         )
-                    times = [float(ms) / 1e3 for _, ms in ITER_LINE.findall(out.stdout)]
+                    lines = ITER_LINE.findall(out.stdout)
+                    times = [float(ms) / 1e3 for _, _, ms in lines]
+                    loss[side] = float(lines[-1][1]) if lines else float("nan")
                     times = times[1:]  # nanoGPT's iteration 0 times its first evaluation too
                 if len(times) <= a.warmup:
                     raise SystemExit(f"{side}: {len(times)} iterations, --warmup {a.warmup}")
                 runs[side] += times[a.warmup :]
+                print(
+                    f"round {r + 1}/{a.rounds} {side}: median "  # as it goes: a run cut off
+                    f"{statistics.median(times[a.warmup :]) * 1e3:.1f} ms/iter",
+                    flush=True,
+                )
     tokens = a.batch_size * a.accum * a.block_size
     fpt = flops_per_token(n_params, a.n_layer, a.n_head, a.n_embd, a.block_size)
     print(f"{device}, torch {torch_version}, GPT {n_params / 1e6:.1f}M non-embedding params, "
           f"{a.n_layer} layers x {a.n_head} heads x {a.n_embd}, block {a.block_size}, batch "
           f"{a.batch_size} x accum {a.accum}, {a.precision}, compile={a.compile}, "
           f"{a.rounds} rounds x {a.iters - a.warmup} timed iterations")  # fmt: skip
-    print("| run | ms/iter | tokens/s | MFU | time ratio |\n|---|---|---|---|---|")
+    print("| run | ms/iter | tokens/s | MFU | time ratio | last loss |\n|---|---|---|---|---|---|")
     med = {k: statistics.median(v) for k, v in runs.items()}
     for side, t in med.items():
         mfu = fpt * tokens / t / (a.peak_tflops * 1e12)
         print(f"| {side} | {t * 1e3:.1f} | {tokens / t:,.0f} | {mfu:.3f} | "
-              f"{t / med['nanogpt']:.3f} |")  # fmt: skip
+              f"{t / med['nanogpt']:.3f} | {loss[side]:.4f} |")  # fmt: skip
+    print("(last loss: nanoGPT's is its last micro-batch's, ftrain's the mean of the iteration's)")
 
 
 WORKER_ARGS = ("device", "precision", "n_layer", "n_head", "n_embd", "block_size", "vocab",
-               "batch_size", "accum", "iters")  # fmt: skip
+               "batch_size", "accum", "iters", "workers")  # fmt: skip
 
 
 def nanogpt_args(p: argparse.ArgumentParser) -> None:
@@ -345,6 +390,13 @@ def nanogpt_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=40, help="iterations per run")
     p.add_argument("--warmup", type=int, default=10, help="first iterations not timed")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    p.add_argument("--sides", default="nanogpt,ftrain",
+                   help="what runs: nanogpt; ftrain (the example's data path: make_batches over "
+                   "every window, pinned on CUDA); ftrain+get_batch (nanoGPT's reader in the "
+                   "README loop)")  # fmt: skip
+    p.add_argument("--workers", type=int, default=0, help="ftrain's make_batches num_workers")
+    p.add_argument("--reader", choices=["make_batches", "get_batch"], default="make_batches",
+                   help=argparse.SUPPRESS)  # fmt: skip
 
 
 def main() -> None:

@@ -40,7 +40,7 @@ part llama 100 "$py" bench/bench_gpu.py --rounds 3 --memory-rounds 1
 if [ $# -ge 1 ]; then
     nanogpt=$1
     shift
-    part nanogpt 330 "$py" bench/bench_gpu.py --nanogpt "$nanogpt" --rounds 1 --iters 40 \
+    part nanogpt 330 "$py" bench/bench_gpu.py --nanogpt "$nanogpt" --rounds 2 --iters 40 \
         --warmup 10 "$@"
 fi
 echo "== $failed part(s) failed; outputs in $out/"

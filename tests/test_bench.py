@@ -8,6 +8,7 @@ comparison, bench_loop.py's `--cache-malloc` restart) runs as a fresh interprete
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -60,17 +61,18 @@ def test_bench_gpu_compares_the_example_model_with_nanogpt_at_tiny_shapes(tmp_pa
     # Through scripts/gpu_check.sh, the one command a session lent a GPU runs (its nanoGPT part).
     out = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(STUB), *TINY, "--iters=5",
-         "--warmup=2", "--rounds=1"],
+         "--warmup=2", "--rounds=1", "--sides=nanogpt,ftrain,ftrain+get_batch"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PARTS": "nanogpt", "OUT": str(tmp_path)},
     )  # fmt: skip
     assert out.returncode == 0 and "== 0 part(s) failed" in out.stdout, out.stdout[-3000:]
     assert (tmp_path / "nanogpt.txt").read_text() in out.stdout  # its output kept in $OUT
     rows = _rows(out.stdout)
-    assert set(rows) >= {"ftrain", "nanogpt"}, out.stdout
-    for side in ("ftrain", "nanogpt"):
-        ms, tokens_s, mfu, _ = rows[side]
+    assert set(rows) >= {"ftrain", "ftrain+get_batch", "nanogpt"}, out.stdout
+    for side in ("ftrain", "ftrain+get_batch", "nanogpt"):
+        ms, tokens_s, mfu, _, last = rows[side]
         assert float(ms) > 0 and float(tokens_s.replace(",", "")) > 0 and float(mfu) >= 0
+        assert 0 < float(last) < 2 * math.log(64)  # each trained: not diverged, not empty
     assert rows["nanogpt"][3] == "1.000"
     assert "1 layers x 2 heads x 16, block 16, batch 2 x accum 2" in out.stdout
 
@@ -87,6 +89,13 @@ def test_bench_gpu_refuses_a_nanogpt_that_ignores_the_vocabulary_size(tmp_path):
                  "--rounds=1")  # fmt: skip
     assert out.returncode != 0
     assert "nanoGPT did not size its model to --vocab 64" in out.stderr, out.stderr[-2000:]
+
+
+def test_bench_gpu_refuses_an_unknown_side(tmp_path):
+    for name in ("train.py", "configurator.py"):
+        (tmp_path / name).write_text("")
+    out = _bench("bench_gpu.py", f"--nanogpt={tmp_path}", *TINY, "--sides=nanogpt,ftrian")
+    assert out.returncode != 0 and "--sides: unknown ['ftrian']" in out.stderr
 
 
 def test_bench_gpu_names_what_a_nanogpt_folder_lacks(tmp_path):
