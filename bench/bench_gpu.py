@@ -15,11 +15,14 @@ token over the peak given (989 TFLOP/s: H100/H200 dense bf16). The checkpoint st
 
 `--nanogpt PATH` (a nanoGPT checkout; nothing is downloaded) runs the main example's model
 (`CharGPT` of examples/shakespeare_char.py: nanoGPT's GPT as an HF model) at GPT-2-124M shapes
-(12 layers, 12 heads, 768 wide, block 1024, vocabulary 50304) with `torch.compile` and bf16
-autocast in the README loop, and nanoGPT's own `train.py` at the same shapes, batch,
-accumulation, optimizer (fused AdamW, betas (0.9, 0.95), wd 0.1, clip 1.0) and data (random
-tokens in a `train.bin` written here, read by both the way nanoGPT's `get_batch` reads it), one
-process after the other, alternating, `--rounds` times. Both read the loss on the host every
+(12 layers, 12 heads, 768 wide, block 1024, vocabulary 50304) with bf16 autocast in the README
+loop, compiled as the example's `--compile` does (the loss function, the model called in it),
+and nanoGPT's own `train.py` at the same shapes, batch, accumulation, optimizer (fused AdamW,
+betas (0.9, 0.95), wd 0.1, clip 1.0) and data (random tokens in a `train.bin` written here), one
+process after the other, alternating, `--rounds` times. `--sides` picks the runs: `ftrain` reads
+the tokens the example's way (`make_batches` over every window, shuffled, pinned on CUDA,
+`--workers` processes), `ftrain+get_batch` with nanoGPT's `get_batch` in the README loop (random
+windows of a fresh memmap, as nanoGPT reads them). All read the loss on the host every
 iteration (nanoGPT's `--log_interval=1`); the first `--warmup` iterations (compilation) are
 dropped. Reported: median ms per iteration, tokens/s and MFU for both, MFU by nanoGPT's own
 formula (6 N + 12 L H Q T FLOPs per token, N without the position embedding) over
@@ -314,6 +317,8 @@ def versus_nanogpt(a: argparse.Namespace) -> None:
         if unknown:
             raise SystemExit(f"--sides: unknown {sorted(unknown)} (nanogpt, ftrain, "
                              "ftrain+get_batch)")  # fmt: skip
+        if a.workers and "ftrain" not in sides:
+            raise SystemExit("--workers is the ftrain side's make_batches setting: add ftrain")
         commands = {"nanogpt": nanogpt_cmd(a, run_dir), "ftrain": worker,
                     "ftrain+get_batch": [*worker, "--reader=get_batch"]}  # fmt: skip
         runs: dict[str, list[float]] = {side: [] for side in sides}
