@@ -22,7 +22,8 @@ betas (0.9, 0.95), wd 0.1, clip 1.0) and data (random tokens in a `train.bin` wr
 process after the other, alternating, `--rounds` times. `--sides` picks the runs: `ftrain` reads
 the tokens the example's way (`make_batches` over every window, shuffled, pinned on CUDA,
 `--workers` processes), `ftrain+get_batch` with nanoGPT's `get_batch` in the README loop (random
-windows of a fresh memmap, as nanoGPT reads them). All read the loss on the host every
+windows of a fresh memmap, as nanoGPT reads them), `raw` nanoGPT's own loop on the example's
+model (the model's share of a gap apart from the loop's). All read the loss on the host every
 iteration (nanoGPT's `--log_interval=1`); the first `--warmup` iterations (compilation) are
 dropped. Reported: median ms per iteration, tokens/s and MFU for both, MFU by nanoGPT's own
 formula (6 N + 12 L H Q T FLOPs per token, N without the position embedding) over
@@ -210,14 +211,50 @@ def flops_per_token(n_params: int, layers: int, heads: int, width: int, block: i
     return 6 * n_params + 12 * layers * heads * (width // heads) * block
 
 
+def raw_worker(a: argparse.Namespace, model: torch.nn.Module, loss_fn: Callable) -> dict:
+    """nanoGPT's own loop on the example's model: the mean loss / accum, backward, the next
+    micro-batch read while the GPU computes, `clip_grad_norm_`, fused AdamW over nanoGPT's
+    groups (2-D weights decay), `zero_grad(set_to_none=True)`, the loss read every iteration.
+    Set beside nanoGPT, it tells the model's share of a gap from the loop's."""
+    import torch
+
+    device = torch.device(a.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+    opt = torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95), fused=True)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.precision]
+    ctx = torch.autocast(device.type, dtype=dtype, enabled=a.precision != "fp32")
+    data_dir = Path(a.data)
+    times, last, lossf = [], time.perf_counter(), float("nan")
+    x, y = get_batch(data_dir, a.block_size, a.batch_size, device)
+    for it in range(a.iters):
+        lr = 6e-4 * min(1.0, (it + 1) / 11)  # (the warm-up's cost, not its exact shape)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        for _ in range(a.accum):
+            with ctx:
+                s, n = loss_fn(model, [x, y])
+                loss = s / n / a.accum
+            x, y = get_batch(data_dir, a.block_size, a.batch_size, device)  # while it computes
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        lossf = loss.item() * a.accum
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+    return {"times": times, "loss": lossf}
+
+
 def ftrain_worker(a: argparse.Namespace) -> None:
-    """The README loop on the example's CharGPT; prints one JSON line: per-iteration times, the
-    last loss, the parameter count, the device's name and torch's version."""
+    """The README loop (or nanoGPT's, `--loop raw`) on the example's CharGPT; prints one JSON
+    line: per-iteration times, the last loss, the parameter count, the device's name and torch's
+    version."""
     sys.path.insert(0, str(ROOT / "examples"))
     import torch
     from shakespeare_char import CharGPT, CharGPTConfig, next_char_loss
-
-    import ftrain as ft
 
     device = torch.device(a.device)
     torch.manual_seed(1337)
@@ -230,6 +267,21 @@ def ftrain_worker(a: argparse.Namespace) -> None:
     model = CharGPT(config).to(device)
     # As the example's --compile: the model and its loss one graph (nanoGPT's forward holds it)
     loss_fn = torch.compile(next_char_loss) if a.compile else next_char_loss
+    loop = raw_worker if a.loop == "raw" else readme_loop
+    result = loop(a, model, loss_fn)
+    n = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
+    name = torch.cuda.get_device_name() if a.device == "cuda" else a.device
+    print(json.dumps({**result, "n_params": n, "device": name, "torch": torch.__version__,
+                      "compiled": a.compile}))  # fmt: skip
+
+
+def readme_loop(a: argparse.Namespace, model: torch.nn.Module, loss_fn: Callable) -> dict:
+    """The README loop, reading the tokens the example's way or nanoGPT's (`--reader`)."""
+    import torch
+
+    import ftrain as ft
+
+    device = torch.device(a.device)
     optimizer = ft.optim.adamw(betas=(0.9, 0.95), weight_decay=0.1, mask=ft.optim.decay_mask(model))
     strategy = ft.strategies.SingleDevice(device, precision=a.precision)
     state = ft.TrainState.create(model, optimizer, strategy=strategy)
@@ -273,10 +325,7 @@ def ftrain_worker(a: argparse.Namespace) -> None:
         if state.step >= a.iters:
             break
     del grads
-    n = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
-    name = torch.cuda.get_device_name() if a.device == "cuda" else a.device
-    print(json.dumps({"times": times, "loss": loss, "n_params": n, "device": name,
-                      "torch": torch.__version__, "compiled": a.compile}))  # fmt: skip
+    return {"times": times, "loss": loss}
 
 
 def nanogpt_cmd(a: argparse.Namespace, run_dir: Path) -> list[str]:
@@ -313,14 +362,15 @@ def versus_nanogpt(a: argparse.Namespace) -> None:
         ]  # fmt: skip
         worker += ["--compile"] if a.compile else ["--no-compile"]
         sides = ["nanogpt"] + [s for s in a.sides.split(",") if s != "nanogpt"]
-        unknown = set(sides) - {"nanogpt", "ftrain", "ftrain+get_batch"}
+        unknown = set(sides) - {"nanogpt", "ftrain", "ftrain+get_batch", "raw"}
         if unknown:
             raise SystemExit(f"--sides: unknown {sorted(unknown)} (nanogpt, ftrain, "
-                             "ftrain+get_batch)")  # fmt: skip
+                             "ftrain+get_batch, raw)")  # fmt: skip
         if a.workers and "ftrain" not in sides:
             raise SystemExit("--workers is the ftrain side's make_batches setting: add ftrain")
         commands = {"nanogpt": nanogpt_cmd(a, run_dir), "ftrain": worker,
-                    "ftrain+get_batch": [*worker, "--reader=get_batch"]}  # fmt: skip
+                    "ftrain+get_batch": [*worker, "--reader=get_batch"],
+                    "raw": [*worker, "--loop=raw"]}  # fmt: skip
         runs: dict[str, list[float]] = {side: [] for side in sides}
         loss: dict[str, float] = {}
         n_params, device, torch_version = 0, a.device, "?"
@@ -402,6 +452,7 @@ def nanogpt_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=0, help="ftrain's make_batches num_workers")
     p.add_argument("--reader", choices=["make_batches", "get_batch"], default="make_batches",
                    help=argparse.SUPPRESS)  # fmt: skip
+    p.add_argument("--loop", choices=["readme", "raw"], default="readme", help=argparse.SUPPRESS)
 
 
 def main() -> None:
