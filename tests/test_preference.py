@@ -264,3 +264,144 @@ def test_sequence_logps_refuses_an_encoder_decoder_model():
     batch = {f"{s}_{k}": v for s in ("chosen", "rejected") for k, v in side.items()}
     with pytest.raises(ValueError, match="is an encoder-decoder model"):
         P.preference_loss(P.simpo_loss)(tiny_t5(), batch)
+
+
+# --- a side without label tokens ----------------------------------------------------------------
+
+# Row 1's rejected answer was truncated away (every label -100), row 3's chosen one keeps only a
+# label on its first position, which no logit predicts: neither pair compares anything.
+_EMPTY_ROWS = [
+    {"chosen_input_ids": [5, 6, 7, 8], "chosen_labels": [-100, -100, 7, 8],
+     "rejected_input_ids": [5, 6, 9, 12], "rejected_labels": [-100, -100, 9, 12]},
+    {"chosen_input_ids": [5, 6, 7, 8, 10], "chosen_labels": [-100, -100, 7, 8, 10],
+     "rejected_input_ids": [5, 6, 9], "rejected_labels": [-100, -100, -100]},
+    {"chosen_input_ids": [5, 7, 11], "chosen_labels": [-100, 7, 11],
+     "rejected_input_ids": [5, 6, 9, 12, 13], "rejected_labels": [-100, -100, 9, 12, 13]},
+    {"chosen_input_ids": [5, 6], "chosen_labels": [5, -100],
+     "rejected_input_ids": [5, 6, 9], "rejected_labels": [-100, 6, 9]},
+]  # fmt: skip
+_KEPT = [0, 2]
+
+
+def _with_references(rows, ref):
+    """The rows with `reference_chosen` / `reference_rejected` precomputed by `sequence_logps`
+    (0 for a side without label tokens)."""
+    batch = P.pair_collate(pad_id=0)(rows)
+    out = []
+    with torch.no_grad():
+        logps = {s: P.sequence_logps(ref, P._side(batch, s)) for s in ("chosen", "rejected")}
+    for i, row in enumerate(rows):
+        out.append(row | {f"reference_{s}": logps[s][i].item() for s in logps})
+    return out
+
+
+_LOSSES = {
+    "dpo-reference-model": (functools.partial(P.dpo_loss, beta=0.5), "model"),
+    "dpo-precomputed": (functools.partial(P.dpo_loss, beta=0.5), "batch"),
+    "ipo": (P.ipo_loss, "model"),
+    "simpo": (P.simpo_loss, None),
+    "orpo": (P.orpo_loss, None),
+}
+
+
+@pytest.mark.parametrize("case", _LOSSES, ids=_LOSSES.keys())
+def test_a_pair_with_a_side_without_label_tokens_is_left_out_of_the_loss_and_the_count(case):
+    """Such a side's log-prob was 0, a certain answer: DPO and IPO trained on half a pair,
+    SimPO's margin was huge and ORPO's loss inf (every gradient NaN, the step skipped). The
+    pair now counts for nothing: the loss sum and count equal those of the other pairs alone,
+    with the reference's log-probs from a model or precomputed, and the gradients too."""
+    loss, reference = _LOSSES[case]
+    ref = tiny_llama(seed=1)
+    rows = _with_references(_EMPTY_ROWS, ref) if reference == "batch" else _EMPTY_ROWS
+    loss_fn = P.preference_loss(loss, reference=ref if reference == "model" else None)
+    collate = P.pair_collate(pad_id=0)
+    model = tiny_llama()
+    total, count = loss_fn(model, collate(rows))
+    assert int(count) == len(_KEPT) and count.dtype == torch.int64
+    total.backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    want, want_count = loss_fn(model, collate([rows[i] for i in _KEPT]))
+    want.backward()
+    assert int(want_count) == len(_KEPT)
+    torch.testing.assert_close(total, want, rtol=1e-5, atol=0)
+    for n, p in model.named_parameters():
+        assert torch.isfinite(got[n]).all(), n
+        torch.testing.assert_close(got[n], p.grad, rtol=1e-4, atol=1e-7, msg=n)
+
+
+def test_left_out_pairs_keep_the_step_mean_exact_across_micro_batches_and_stand_ins():
+    """accumulate_grads divides by the pairs counted over every micro-batch: a micro-batch of
+    left-out pairs only adds nothing, and a ZeroWeight stand-in holding one (a rank without rows
+    in the last global micro-batch) no NaN (ORPO's inf loss times 0 made the gradients NaN)."""
+    collate = P.pair_collate(pad_id=0)
+    loss_fn = P.preference_loss(P.orpo_loss)
+    whole = ft.TrainState.create(tiny_llama(), ft.optim.sgd())
+    g1, s1 = ft.accumulate_grads(whole, [collate([_EMPTY_ROWS[i] for i in _KEPT])], loss_fn)
+    split = ft.TrainState.create(tiny_llama(), ft.optim.sgd())
+    micro = [
+        collate(_EMPTY_ROWS[:2]),
+        collate([_EMPTY_ROWS[3]]),  # nothing to count
+        collate(_EMPTY_ROWS[2:3]),
+        ft.data.ZeroWeight(collate(_EMPTY_ROWS[1:2])),
+    ]
+    g2, s2 = ft.accumulate_grads(split, micro, loss_fn)
+    assert s2.num_items.item() == 2 and s2.num_samples.item() == 4  # pairs, rows
+    torch.testing.assert_close(s2.loss, s1.loss, rtol=1e-5, atol=0)
+    for n in g1:
+        torch.testing.assert_close(g2[n], g1[n], rtol=1e-4, atol=1e-7, msg=n)
+    _, info = ft.clip_and_step(split, g2, stats=s2, lr=0.1)
+    assert not bool(info.skipped)
+
+
+def test_a_step_whose_pairs_are_all_left_out_counts_no_item_and_is_skipped():
+    """As a causal-LM step whose labels are all -100: the mean over no pair is NaN by
+    contract and clip_and_step skips the update (the guard does not count it as a spike)."""
+    state = ft.TrainState.create(tiny_llama(), ft.optim.sgd())
+    before = {n: p.clone() for n, p in state.params.items()}
+    micro = [P.pair_collate(pad_id=0)([_EMPTY_ROWS[1], _EMPTY_ROWS[3]])]
+    grads, stats = ft.accumulate_grads(state, micro, P.preference_loss(P.simpo_loss))
+    assert stats.num_items.item() == 0 and math.isnan(stats.loss.item())
+    state, info = ft.clip_and_step(state, grads, stats=stats, lr=0.1)
+    assert bool(info.skipped)
+    assert all(torch.equal(state.params[n], p) for n, p in before.items())
+
+
+def test_leaving_pairs_out_reads_nothing_on_the_host():
+    loss_fn = P.preference_loss(
+        functools.partial(P.dpo_loss, beta=0.1), reference=tiny_llama(seed=1)
+    )
+    batch = P.pair_collate(pad_id=0)(_EMPTY_ROWS)
+    model = tiny_llama()
+    loss_fn(model, batch)  # the first call walks the models for dropout (host work, no sync)
+    # (HF's padding mask is read on the host in masking_utils: allowed, as the docs say)
+    _, count = ft.testing.assert_no_host_sync(
+        loss_fn, model, batch, allow=("transformers.masking_utils",)
+    )
+    assert int(count) == len(_KEPT)
+
+
+def test_orpo_at_a_log_prob_of_0_has_a_finite_loss_and_gradient():
+    """A chosen answer the model is sure of (a mean log-prob of 0 in float32, or within 6e-8 of
+    it: to which ORPO's SFT term drives it) made every gradient NaN (the odds are infinite; and
+    `torch.where`'s unpicked branch had an infinite derivative up to -6e-8), a rejected one the
+    loss inf: clip_and_step skipped every step holding the pair. The odds term now takes such
+    log-probs at -eps, gradient passed through: a certain rejected answer is pushed down."""
+    for dtype in (torch.float32, torch.float64):
+        eps = torch.finfo(dtype).eps
+        pc = torch.tensor([0.0, -1e-9, -1.0, -0.5, -3.0], dtype=dtype, requires_grad=True)
+        pr = torch.tensor([-1.0, -1.0, 0.0, -1e-30, -4.0], dtype=dtype, requires_grad=True)
+        loss = P.orpo_loss(pc, pr, beta=0.1)
+        loss.sum().backward()
+        assert torch.isfinite(loss).all() and torch.isfinite(pc.grad).all()
+        assert torch.isfinite(pr.grad).all()
+        assert pr.grad[2] > 0  # descending the loss lowers the certain rejected answer
+        # the odds term is the formula's at -eps (the SFT term -pc takes pc as it is)
+        at_eps = P.orpo_loss(
+            torch.full((2,), -eps, dtype=dtype), torch.full((2,), -1.0, dtype=dtype)
+        )
+        torch.testing.assert_close((loss + pc)[:2].detach(), at_eps - eps)
+    # ordinary log-probs: unchanged, bit for bit (TRL's formula, tested above)
+    x, y = torch.tensor([-0.3, -2.0]), torch.tensor([-0.9, -0.1])
+    odds = (x - y) - (torch.log1p(-torch.exp(x)) - torch.log1p(-torch.exp(y)))
+    torch.testing.assert_close(P.orpo_loss(x, y), -x - 0.1 * F.logsigmoid(odds))

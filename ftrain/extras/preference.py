@@ -152,8 +152,33 @@ def simpo_loss(
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
-    """log(1 - exp(x)) for x < 0, stable at both ends (Maechler 2012)."""
-    return torch.where(x > -0.6931, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+    """log(1 - exp(x)) for x < 0, stable at both ends (Maechler 2012).
+
+    Each branch is evaluated at a point of its own domain only (-1 stands in elsewhere): the
+    branch `torch.where` does not pick still has a gradient, and `log1p(-exp(x))` at an `x`
+    whose `exp` rounds to 1 (above about -6e-8 in float32) has an infinite one, which times the
+    0 that `where` sends it made every gradient NaN (0 * inf)."""
+    near = x > -0.6931
+    return torch.where(
+        near,
+        torch.log(-torch.expm1(torch.where(near, x, -1.0))),
+        torch.log1p(-torch.exp(torch.where(near, -1.0, x))),
+    )
+
+
+def _below_zero(logp: torch.Tensor) -> torch.Tensor:
+    """`logp` with values above `-eps` of its dtype taken as `-eps`, gradient passed through.
+
+    The odds of a log-prob of 0 (a probability of 1 in floating point: an answer the model is
+    sure of, to which ORPO's SFT term drives the chosen one) are infinite: the loss was inf or
+    its gradient NaN (inf * 0), as in TRL's `odds_ratio_loss`, and `clip_and_step` skipped
+    every step holding that pair. At `-eps` both are finite; the gradient is the formula's
+    there, so a rejected answer held certain is still pushed down (the exact one is infinite).
+    Every log-prob below `-eps` is used as it is, bit for bit."""
+    if not logp.is_floating_point():
+        return logp
+    eps = torch.finfo(logp.dtype).eps
+    return logp + (logp.clamp(max=-eps) - logp).detach()
 
 
 def orpo_loss(
@@ -168,13 +193,14 @@ def orpo_loss(
     log(1 - e^pr))`; loss `= -pc - beta * log sigma(log_odds)`. The first term is the chosen
     answer's mean token NLL per pair (TRL averages it over all chosen tokens of the batch
     instead); the second is TRL's `odds_ratio_loss`. `preference_loss(orpo_loss)` averages
-    the log-probs by default.
+    the log-probs by default. In the odds term a log-prob above `-eps` of its dtype (a
+    certain answer, whose odds are infinite: TRL's loss is inf or its gradient NaN there)
+    counts as `-eps`, its gradient passed through; every other value is used as it is.
     """
     _positive("beta", beta)
     _same_shape(policy_chosen=policy_chosen, policy_rejected=policy_rejected)
-    log_odds = (policy_chosen - policy_rejected) - (
-        _log1mexp(policy_chosen) - _log1mexp(policy_rejected)
-    )
+    pc, pr = _below_zero(policy_chosen), _below_zero(policy_rejected)
+    log_odds = (pc - pr) - (_log1mexp(pc) - _log1mexp(pr))
     return -policy_chosen - beta * F.logsigmoid(log_odds)
 
 
@@ -196,6 +222,8 @@ def kto_loss(
     detached estimate of KL(policy || reference) clamped at 0; TRL takes the batch mean of
     `policy - reference` on mismatched (prompt, completion) pairs, averaged over ranks (use
     `strategy.all_reduce_sum(x) / world_size` so that every rank uses the same value).
+    An example whose completion has no label tokens has log-prob 0 in both models (a
+    `sequence_logps` of nothing): leave it out of `policy`, `reference` and your count.
 
     Args:
         policy: per-sequence log-probs of the policy, shape (batch,).
@@ -232,10 +260,23 @@ def sequence_logps(
     predicted: a label there is padding (a collate of your own may pad labels with a token id,
     not -100).
 
+    A row without label tokens (every label -100, or its only one on the first position, which
+    no logit predicts: a completion truncated away by a `max_length`) gets 0, the log-prob of
+    no tokens, as if its completion were certain. `preference_loss` leaves a pair with such a
+    side out of its loss and its count; where you use the log-probs yourself (`kto_loss`),
+    leave such rows out too.
+
     Raises:
         ValueError: for an encoder-decoder model (T5, BART): its decoder's logits at position
             t score `labels[t]`, unshifted, and its forward needs the decoder's inputs.
     """
+    return _logps_and_counts(model, batch, average)[0]
+
+
+def _logps_and_counts(
+    model: nn.Module, batch: Mapping[str, Any], average: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sequence_logps` and each row's number of label tokens, shape (batch,) both."""
     _refuse_encoder_decoder(model)
     logits = upcast(model_logits(model, batch))[:, :-1]
     labels = causal_targets(batch)[:, :-1]
@@ -248,7 +289,8 @@ def sequence_logps(
         logits.log_softmax(-1), 2, torch.where(keep, labels, 0).unsqueeze(-1)
     ).squeeze(-1)
     total = (token * keep).sum(-1)
-    return total / keep.sum(-1).clamp(min=1) if average else total
+    count = keep.sum(-1)
+    return (total / count.clamp(min=1) if average else total), count
 
 
 def _refuse_encoder_decoder(model: nn.Module) -> None:
@@ -355,6 +397,15 @@ def preference_loss(
     computed with the same `average`) or a frozen `reference` model run here without
     gradients. Reference-free losses (`simpo_loss`, `orpo_loss`) get the policy log-probs only.
 
+    A pair one of whose sides has no label tokens (every label -100, e.g. a completion
+    truncated away by a `max_length`) compares nothing: its log-prob would be 0, a certain
+    answer. It is left out of `loss_sum` and `num_pairs` (and its reference log-probs unread),
+    on the device without a host sync, so the mean over the other pairs is exact, across
+    micro-batches and ranks; `Stats.num_items` below the number of pairs says how many were
+    left out, and a step whose pairs all were counts no item (its loss NaN, its update
+    skipped, as for a causal-LM batch whose labels are all -100). Filter such rows out of the
+    data to train on every pair.
+
     Args:
         loss: e.g. `functools.partial(ft.preference.dpo_loss, beta=0.1)`.
         reference: a frozen copy of the starting model (used when the batch has no
@@ -408,14 +459,22 @@ def preference_loss(
         if "labels" not in chosen or "labels" not in rejected:
             raise KeyError("preference batches need chosen_labels and rejected_labels")
         _check_masks(chosen, rejected)
-        pc = sequence_logps(model, chosen, average=average)
-        pr = sequence_logps(model, rejected, average=average)
+        pc, chosen_tokens = _logps_and_counts(model, chosen, average)
+        pr, rejected_tokens = _logps_and_counts(model, rejected, average)
+        # A side without label tokens (its completion truncated away by a max_length) has the
+        # log-prob 0 of no tokens: it entered the loss as a certain answer (DPO and IPO
+        # trained on half a pair, SimPO's margin was huge, ORPO's loss inf). The pair compares
+        # nothing: it is left out of the loss and the count (on the device, no host sync), so
+        # the mean over the pairs that compare something stays exact; Stats.num_items < the
+        # pairs shows how many were left out, and a step of none counts no item (skipped).
+        kept = (chosen_tokens > 0) & (rejected_tokens > 0)
         refs = _references(batch, pc, needs)
         if not refs and reference is not None and needs is not False:
             if model not in apart:
                 _check_apart(model, reference)
                 apart.add(model)
-            # The reference is fixed: dropout in it would make every log-prob noisy.
+            # The reference is fixed: dropout in it would make every log-prob noisy. (Its
+            # label tokens are the policy's: the same pairs are left out.)
             with eval_mode(reference):
                 refs = (
                     sequence_logps(reference, chosen, average=average),
@@ -431,13 +490,16 @@ def preference_loss(
                 "reference=frozen_model) or put reference_chosen and reference_rejected in "
                 "the batch"
             )
-        per_pair = loss(pc, pr, *refs)
+        # A left-out pair's log-probs (policy's and reference's alike) are replaced by -1
+        # before the loss, not only its loss after it: the loss's gradient at a log-prob of 0
+        # can be inf (ORPO's odds), and the 0 that `where` sends back times inf is NaN.
+        per_pair = loss(*(torch.where(kept, x, -1.0) for x in (pc, pr, *refs)))
         if per_pair.shape != pc.shape:
             raise ValueError(
                 f"loss must return one value per pair, shape {tuple(pc.shape)}; "
                 f"{_name(loss)} returned shape {tuple(per_pair.shape)}"
             )
-        return per_pair.sum(), torch.tensor(per_pair.shape[0], device=per_pair.device)
+        return torch.where(kept, per_pair, 0.0).sum(), kept.sum()
 
     return loss_fn
 
