@@ -5,6 +5,8 @@ its fix; messages are ftrain's own."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -429,3 +431,43 @@ def test_post_training_refuses_a_policy_that_still_adds_neftune_noise():
     assert ft.sft.neftune_sites(state.model) == []
     ft.accumulate_grads(state, micro, ft.rl.policy_loss())
     ft.accumulate_grads(state, [_pairs()], ft.preference.preference_loss(dpo, reference=reference))
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_a_completion_without_tokens_adds_nothing_and_counts_as_trl_counts_it(loss_type):
+    """No log-prob stands in for an empty completion (its mask all 0, as `mask_truncated` makes
+    it), unlike a preference side without label tokens: whatever its old and reference
+    log-probs hold, it adds exactly 0 to the loss and to every gradient. grpo and dr_grpo count
+    it as a row (TRL's mean over rows), bnpo and dapo count its 0 tokens. (Checked when the
+    preference losses' empty sides were fixed; this one held already.)"""
+    import copy
+
+    policy = _model()
+    reference = copy.deepcopy(policy).eval().requires_grad_(False)
+    state = ft.TrainState.create(policy, ft.optim.adamw(), seed=0)
+    rollout = _rollout(state)
+    adv = ft.rl.group_advantages(torch.arange(6.0), 2)
+    (batch,) = ft.rl.rollout_batches([rollout], [adv], reference=reference)
+    empty = dict(batch)
+    empty["completion_mask"] = batch["completion_mask"].clone()
+    empty["completion_mask"][1] = 0
+    empty["attention_mask"] = torch.cat([batch["prompt_mask"], empty["completion_mask"]], 1)
+    empty["old_logps"] = batch["old_logps"].clone().index_fill(0, torch.tensor([1]), -math.inf)
+    empty["ref_logps"] = batch["ref_logps"].clone().index_fill(0, torch.tensor([1]), math.nan)
+    rest = [0, 2, 3, 4, 5]
+    without = {k: v[rest] if isinstance(v, torch.Tensor) else v for k, v in empty.items()}
+    loss_fn = ft.rl.policy_loss(loss_type=loss_type, beta=0.04)
+    grads = []
+    for b in (empty, without):
+        policy.zero_grad()
+        total, items = loss_fn(policy, b)
+        total.backward()
+        grads.append({n: p.grad.clone() for n, p in policy.named_parameters()})
+        if b is empty:
+            got = (total.detach(), items)
+    torch.testing.assert_close(got[0], total.detach(), rtol=1e-12, atol=0)
+    rows = loss_type in ("grpo", "dr_grpo")
+    assert float(got[1]) == float(items) + (1 if rows else 0)
+    for n, g in grads[0].items():
+        assert torch.isfinite(g).all(), n
+        torch.testing.assert_close(g, grads[1][n], rtol=1e-10, atol=1e-14, msg=n)

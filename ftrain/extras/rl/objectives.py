@@ -328,6 +328,14 @@ def reduce_loss(
     Each equals TRL's loss of the same name over the micro-batches of one optimizer step
     (`dapo`: when one generation batch makes one optimizer step, see docs/post_training.md).
 
+    A row whose mask is all 0 (a completion masked by `rollout_batches(mask_truncated=True)`)
+    has no log-prob standing in for it: it adds exactly 0 to the loss and nothing to any
+    gradient. `grpo` and `dr_grpo` still count it as a row, as TRL does (its mean over rows,
+    Dr. GRPO's constant normaliser), so it weighs the others' mean down; `bnpo` and `dapo`
+    count its 0 tokens. A `dapo` step whose rows are all empty counts no item: its loss is
+    NaN and `clip_and_step` skips it; the other types apply a step of zero gradients (TRL's
+    too: weight decay and momentum still act).
+
     Raises:
         ValueError: for an unknown `loss_type`; with `dr_grpo` (or given with another loss
             type, which does not divide by it), a `max_completion_length` that is not an int
