@@ -207,6 +207,7 @@ def test_found_inf_skips_update_and_state(make):
         (lambda: ft.optim.adam(weight_decay=-0.1), "weight_decay"),
         (lambda: ft.optim.sgd(momentum=-1.0), "momentum"),
         (lambda: ft.optim.sgd(nesterov=True), "nesterov"),
+        (lambda: ft.optim.sgd(dampening=0.5), "dampening=0.5 damps the momentum buffer"),
         (lambda: ft.optim.clip(0.0), "max_abs"),
     ],
 )

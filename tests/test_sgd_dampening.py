@@ -150,7 +150,7 @@ def test_the_started_flags_are_checkpointed_and_a_resume_is_exact(tmp_path):
 def test_sgd_without_dampening_keeps_its_checkpoint_layout(tmp_path):
     """Only dampening makes a first update differ from one from a zero buffer: the other
     configurations keep `SGDState` and the files they wrote before the flags, which load."""
-    configs = [dict(dampening=0.5), dict(momentum=0.9), dict(momentum=0.9, nesterov=True)]
+    configs = [dict(), dict(momentum=0.9), dict(momentum=0.9, nesterov=True)]
     for i, config in enumerate(configs):
         state = _run(_fresh(config), SCHEDULES["late"][:2])
         assert type(state.opt_state) is ft.optim.SGDState
@@ -211,3 +211,25 @@ def test_an_sgd_update_refuses_a_state_of_the_other_layout():
         TypeError, match=r"dampening=0.0\) updates an ft.optim.SGDState, got DampedSGDState"
     ):
         plain.update({"w": torch.ones(2)}, damped.init(p), p, lr=0.1, step=0)
+
+
+@pytest.mark.parametrize("config", [dict(dampening=0.5), dict(dampening=1.0, weight_decay=0.1)])
+def test_dampening_without_momentum_is_refused_naming_it(config):
+    """torch.optim.SGD takes dampening with momentum=0 and ignores it (it damps a buffer that
+    is never kept): ftrain's sgd took it too, equal to plain SGD, without a word."""
+    with pytest.raises(ValueError, match=r"dampening=.* momentum=0 does not keep: it would be"):
+        ft.optim.sgd(**config)
+    # what it would have trained: torch's SGD with and without the ignored dampening agree
+    ours, theirs = _Two(), _Two()
+    kept = {k: v for k, v in config.items() if k != "dampening"}
+    state = ft.TrainState.create(ours, ft.optim.sgd(**kept))
+    opt = _torch_sgd(theirs, momentum=0.0, **config)
+    named = dict(theirs.named_parameters())
+    for k in range(3):
+        grads = _grads("ab", k)
+        for n, p in named.items():
+            p.grad = grads[n].clone()
+        opt.step()
+        state, _ = ft.clip_and_step(state, grads, lr=0.1)
+    for n, p in named.items():
+        assert torch.equal(state.params[n], p), n

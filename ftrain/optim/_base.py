@@ -525,7 +525,8 @@ def sgd(
 
     Args:
         momentum: momentum factor.
-        dampening: dampening of the momentum.
+        dampening: dampening of the momentum (needs `momentum > 0`: without a momentum buffer
+            it has nothing to damp, and `torch.optim.SGD` ignores it).
         nesterov: use Nesterov momentum (needs `momentum > 0` and `dampening == 0`).
         weight_decay: L2 coefficient added to the gradient.
         mask: names (or a predicate) that get weight decay; all when None.
@@ -540,6 +541,13 @@ def sgd(
         raise ValueError(
             f"nesterov=True needs momentum > 0 and dampening == 0, got momentum={momentum}, "
             f"dampening={dampening}"
+        )
+    if dampening != 0 and momentum == 0:
+        # torch.optim.SGD takes it and does nothing with it: it damps the momentum buffer,
+        # which momentum=0 does not keep.
+        raise ValueError(
+            f"dampening={dampening} damps the momentum buffer, which momentum=0 does not keep: "
+            "it would be ignored; pass momentum > 0, or drop dampening"
         )
     decays = _masker(mask)
     groups = _Groups(decays)
