@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import typing
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -26,6 +27,7 @@ __all__ = [
     "causal_lm_loss",
     "causal_targets",
     "classification_loss",
+    "decoder_input_ids",
     "default_loss",
     "loss_for",
     "loss_logits",
@@ -66,14 +68,17 @@ def upcast(t: torch.Tensor) -> torch.Tensor:
 
 def model_inputs(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
     """The keyword arguments `model` gets from a dict batch: all but `labels` and the keys its
-    `forward` does not name.
+    `forward` does not take.
 
     What the Trainer's `remove_unused_columns=True` does: dataset columns the model does not
     take (a raw `text`, an `id`) stay out of the call, and a `UserWarning` names them (once per
     place and set of keys, Python's default warning filter). The batch itself keeps them, so a
     `loss_fn` of your own can read them; call this to run the model from it. The names come from
     the innermost model's `forward` (through PEFT, `torch.compile`, DDP and Opacus wrappers, as
-    `loss_for`); a `forward` that names no parameter (`**kwargs` only) takes every key.
+    `loss_for`). A `forward` with `**kwargs` takes every key; an HF model's (`PreTrainedModel`)
+    takes the arguments it names and the keys its `**kwargs` annotation declares
+    (`TransformersKwargs`: `cu_seq_lens_q`, `seq_idx`, `output_hidden_states`, ...), as HF
+    models pass any keyword on to their layers.
 
     Raises:
         TypeError: when the batch lacks an argument the forward requires.
@@ -81,7 +86,10 @@ def model_inputs(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
             `ft.sft.packed_collate` gives them) and a forward that takes no `position_ids`
             (Bloom, MPT), or an HF model whose outputs ignore the example boundaries in them
             (OPT, BioGPT, XGLM, the BERT-style decoders, the recurrent hybrids such as
-            Jamba and Qwen3-Next): the examples of a row would attend to each other.
+            Jamba and Qwen3-Next): the examples of a row would attend to each other. Also
+            for rows whose boundaries only `cu_seq_lens_q` / `cu_seq_lens_k` hold
+            (`DataCollatorWithFlattening(return_position_ids=False)`), which only
+            flash-attention kernels read, for a model not set to flash attention.
 
     Example:
         >>> import torch, ftrain as ft
@@ -126,16 +134,51 @@ def model_inputs(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
                 "examples instead of packing them "
                 "(ft.sft.SFTCollator, ft.pad_collate), or pass an attention_mask for unpacked rows"
             )
+    if not _masked(batch) and "position_ids" not in inputs:
+        _refuse_flash_only_boundaries(model, inputs)
     if len(inputs) + ("labels" in batch) != len(batch):
         dropped = ", ".join(repr(k) for k in batch if k != "labels" and k not in inputs)
+        base = _base_model(model)
+        params = inspect.signature(base.forward).parameters.values()
+        through = (
+            "; an HF model's **kwargs get only the keys they declare, as HF models pass any "
+            "keyword on to their layers"
+            if any(p.kind is p.VAR_KEYWORD for p in params)
+            else ""
+        )
         warnings.warn(
-            f"the model's forward ({type(_base_model(model)).__name__}) takes no {dropped}: left "
-            "out of its inputs, as the Trainer's remove_unused_columns does (the batch keeps "
-            "them for a loss_fn of your own; drop them from the data to silence this)",
+            f"the model's forward ({type(base).__name__}) takes no {dropped}: left out of its "
+            "inputs, as the Trainer's remove_unused_columns does (the batch keeps them for a "
+            f"loss_fn of your own; drop them from the data to silence this{through})",
             UserWarning,
             stacklevel=3,
         )
     return inputs
+
+
+# The keys of HF's `TransformersKwargs` that mark the examples of a packed row for
+# flash-attention kernels only; HF's other attention implementations find the boundaries in
+# `position_ids`.
+_FLASH_BOUNDARIES = ("cu_seq_lens_q", "cu_seq_lens_k")
+
+
+def _refuse_flash_only_boundaries(model: nn.Module, inputs: Mapping[str, Any]) -> None:
+    """Raise for packed rows whose boundaries only `cu_seq_lens_*` hold (no position_ids, no
+    attention_mask) when the model is not set to flash attention: SDPA and eager attention
+    ignore them, so the examples would attend to each other."""
+    held = [k for k in _FLASH_BOUNDARIES if inputs.get(k) is not None]
+    if not held:
+        return
+    impl = getattr(_config(model), "_attn_implementation", None)
+    if isinstance(impl, str) and "flash" in impl:
+        return
+    raise ValueError(
+        f"the batch marks its packed examples with {', '.join(held)} only (no position_ids, "
+        f"no attention_mask), which only flash-attention kernels read; "
+        f"{type(_base_model(model)).__name__} runs {impl!r} attention, so the examples would "
+        "attend to each other. Put position_ids in the batch too "
+        "(DataCollatorWithFlattening's default return_position_ids=True), or pad the examples"
+    )
 
 
 # HF model types (`config.model_type`) whose forward takes `position_ids` but whose outputs for
@@ -175,8 +218,15 @@ _Params = tuple[frozenset[str] | None, frozenset[str]]
 
 
 def _forward_names(model: nn.Module) -> _Params:
-    """The parameter names of the innermost model's `forward` (None: `**kwargs` only) and
-    those of them without a default."""
+    """The batch keys the innermost model's `forward` takes (None: every key) and those of its
+    named parameters without a default.
+
+    A forward with `**kwargs` takes every key, but an HF model's (`PreTrainedModel`) only the
+    parameters it names and the keys its `**kwargs: Unpack[...]` annotation declares
+    (`TransformersKwargs`: the packed-sequence `cu_seq_lens_q`, `seq_idx`, ...), less
+    `position_ids`, which counts only where the forward names it (Bloom takes it through
+    `**kwargs` and ignores it): HF models pass any keyword on, so a raw `text` column stays
+    out, as the Trainer's remove_unused_columns leaves it out."""
     memo = STATE.forward_inputs
     seen = memo.get(model)
     if seen is not None:
@@ -191,10 +241,38 @@ def _forward_names(model: nn.Module) -> _Params:
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     named = [p for p in params if p.kind in kinds]
     required = frozenset(p.name for p in named if p.default is inspect.Parameter.empty)
-    found = (frozenset(p.name for p in named) or None, required - {"labels"})
+    var = next((p for p in params if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    names: frozenset[str] | None = frozenset(p.name for p in named) or None
+    if var is not None and names is not None:
+        if _is_hf(base):
+            names |= _declared_kwargs(var.annotation) - {"position_ids"}
+        else:
+            names = None  # a forward of your own with **kwargs: every key, as model(**batch)
+    found = (names, required - {"labels"})
     # A weak reference: the base is often the model itself, the memo's (weak) key.
     memo[model] = (weakref.ref(base), _forward_of(base), found)
     return found
+
+
+def _is_hf(module: nn.Module) -> bool:
+    """Whether `module` is a transformers `PreTrainedModel` (by its classes: no import)."""
+    return any(
+        c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+        for c in type(module).__mro__
+    )
+
+
+def _declared_kwargs(annotation: Any) -> frozenset[str]:
+    """The keys of the TypedDict in a `**kwargs: Unpack[TypedDict]` annotation (HF's
+    `TransformersKwargs`); none for any other annotation."""
+    args = typing.get_args(annotation)
+    kind = args[0] if len(args) == 1 else None
+    # By its attributes: a typing_extensions TypedDict (Python 3.10) is one too.
+    required = getattr(kind, "__required_keys__", None)
+    optional = getattr(kind, "__optional_keys__", None)
+    if not isinstance(required, frozenset) or not isinstance(optional, frozenset):
+        return frozenset()
+    return required | optional
 
 
 def _forward_of(module: nn.Module) -> Any:
@@ -614,14 +692,49 @@ def _decoder_inputs(model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
     return shifted.masked_fill(shifted == IGNORE_INDEX, 0 if pad is None else pad)
 
 
+def decoder_input_ids(model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+    """The decoder inputs `seq2seq_loss` builds from `labels` when the batch has none: the
+    model's `prepare_decoder_input_ids_from_labels` (T5, BART, mBART, ...), else the labels
+    shifted right behind `config.decoder_start_token_id` (Whisper), -100 replaced by the pad id.
+
+    To leave leading label tokens out of the loss (mBART-50's target language code, Whisper's
+    language and task tokens, which generation is given), build the decoder inputs from the
+    labels first, put them in the batch, then mask the labels: built from masked labels, the
+    decoder would read the pad id where the tokens were (the default loss refuses such labels).
+
+    Raises:
+        ValueError: if the model has neither that method nor a decoder start token id.
+
+    Example:
+        >>> import torch, ftrain as ft
+        >>> from transformers import T5Config, T5ForConditionalGeneration
+        >>> model = T5ForConditionalGeneration(T5Config(
+        ...     vocab_size=16, d_model=8, d_kv=4, d_ff=8, num_layers=1, num_heads=2,
+        ...     decoder_start_token_id=0, pad_token_id=0))
+        >>> labels = torch.tensor([[7, 5, 6, 1]])    # 7: a forced token, not to be trained
+        >>> batch = {"input_ids": torch.tensor([[5, 6, 1]]),
+        ...          "decoder_input_ids": ft.losses.decoder_input_ids(model, labels),
+        ...          "labels": labels.masked_fill(torch.arange(4) < 1, -100)}
+        >>> batch["decoder_input_ids"].tolist(), batch["labels"].tolist()
+        ([[0, 7, 5, 6]], [[-100, 5, 6, 1]])
+        >>> int(ft.losses.default_loss(model, batch)[1])    # three tokens counted
+        3
+    """
+    return _decoder_inputs(model, labels)
+
+
 def seq2seq_loss(*, label_smoothing: float = 0.0) -> LossFn:
     """Cross-entropy of an encoder-decoder model summed over label tokens that are not -100.
 
     No shift: the decoder's logits at position t score `labels[t]`, as in T5 and BART. The
     batch's `decoder_input_ids` are used when present (`DataCollatorForSeq2Seq(model=...)` puts
-    them there); otherwise they are built from the labels as the model does: its
-    `prepare_decoder_input_ids_from_labels`, else the labels shifted right behind
-    `config.decoder_start_token_id` with -100 replaced by the pad id.
+    them there); otherwise they are built from the labels as the model does
+    (`decoder_input_ids(model, labels)`): its `prepare_decoder_input_ids_from_labels`, else the
+    labels shifted right behind `config.decoder_start_token_id` with -100 replaced by the pad
+    id. Built so, the decoder would read the pad id wherever -100 comes before a counted label,
+    so the first batches are checked and such labels raise: left padding (pad labels on the
+    right) and masked leading tokens (mBART's language code, Whisper's task tokens: put
+    `decoder_input_ids(model, labels)` of the unmasked labels in the batch, then mask them).
 
     Args:
         label_smoothing: eps in [0, 1), as in `causal_lm_loss`.
@@ -650,13 +763,19 @@ _PADDING_CHECKS = 8  # batches checked for left-padded seq2seq labels while none
 
 
 def _check_label_padding(model: nn.Module, labels: Any) -> None:
-    """Refuse labels with -100 before a counted label (left padding). A host sync: done on a
-    model's first batches only, until one holding -100 has passed (`_PADDING_CHECKS` at most).
+    """Refuse labels with -100 before a counted label. A host sync: done on a model's first
+    batches only, until one holding -100 has passed (`_PADDING_CHECKS` at most).
 
-    The decoder inputs built from the labels put the pad id where they hold -100, so a
-    left-padded row had the decoder read padding (unmasked) before its target: the loss and
-    gradient changed with the padding, silently. Right padding only follows the target, which
-    a causal decoder never reads.
+    The decoder inputs built from the labels put the pad id where they hold -100, so the
+    decoder read the pad id in place of every -100 that comes before a counted label:
+    left-padded rows had it read padding (unmasked) before their target, so the loss and
+    gradient changed with the rows padded beside them, silently; a masked leading token
+    (mBART-50's target language code, Whisper's language and task tokens, masked so that they
+    are not trained) had the decoder read the pad id in its place, so it never saw the token it
+    is given when generating (mBART's `prepare_decoder_input_ids_from_labels` also moved a
+    content token into the start position). Right padding only follows the target, which a
+    causal decoder never reads. Decoder inputs in the batch are not checked: built from the
+    unmasked labels, they are the way to mask a leading token.
     """
     checked = STATE.seq2seq_labels_checked
     checked[model] = checked.get(model, 0) + 1
@@ -668,14 +787,41 @@ def _check_label_padding(model: nn.Module, labels: Any) -> None:
     if padded and not rows:
         checked[model] = _PADDING_CHECKS  # padding seen, on the right: checked
     if rows:
-        raise ValueError(
-            f"seq2seq labels hold -100 before a counted label (row {rows[0]}: "
-            f"{labels[rows[0]].tolist()}; left padding?): the decoder inputs are built from the "
-            "labels with -100 replaced by the pad id, so the decoder would read padding before "
-            "the target and the loss would change with it. Pad labels on the right "
-            "(DataCollatorForSeq2Seq, a tokenizer with padding_side='right'), or put "
-            "decoder_input_ids (and decoder_attention_mask) in the batch"
+        raise ValueError(_masked_labels_message(labels, ignored, rows[0]))
+
+
+def _masked_labels_message(labels: torch.Tensor, ignored: torch.Tensor, row: int) -> str:
+    """Why seq2seq labels with -100 before a counted label are refused, and what to do, by
+    what the -100 look like: the same leading run in every row is a masked prefix (mBART's
+    language code, Whisper's task tokens), leading runs of other lengths are left padding, and
+    -100 only after a counted label is a masked span."""
+    built = (
+        "the decoder inputs are built from the labels with -100 replaced by the pad id (as "
+        "the model's own loss does), so the decoder would read "
+    )
+    lead = ignored.long().cumprod(1).sum(1)  # each row's leading run of -100
+    first = int(lead[row])
+    shown = labels[row].tolist()
+    if first and bool((lead == first).all()):
+        return (
+            f"seq2seq labels hold -100 before a counted label (row {row}: {shown}; "
+            f"the first {first} label(s) of every row masked: a forced language or task "
+            f"token, as for mBART-50 or Whisper?): {built}the pad id in place of the masked "
+            "token(s), never the token(s) it is given when generating (mBART's "
+            "prepare_decoder_input_ids_from_labels also moves a content token into the start "
+            "position). Build decoder_input_ids from the labels before masking them and put "
+            "them in the batch: e.g. DataCollatorForSeq2Seq(tokenizer, model=model), or "
+            "batch['decoder_input_ids'] = model.prepare_decoder_input_ids_from_labels("
+            "labels=labels) for models that have it; then set the masked labels to -100"
         )
+    where = "left padding?" if first else "a masked span?"
+    return (
+        f"seq2seq labels hold -100 before a counted label (row {row}: {shown}; {where}): "
+        f"{built}padding (or the pad id in place of a masked token) before the target, and "
+        "the loss would change with it. Pad labels on the right (DataCollatorForSeq2Seq, a "
+        "tokenizer with padding_side='right'), or put decoder_input_ids (and "
+        "decoder_attention_mask) in the batch, built from the labels before masking them"
+    )
 
 
 _CAUSAL = causal_lm_loss()

@@ -86,6 +86,83 @@ def test_a_forward_that_takes_only_kwargs_gets_every_key():
     assert sorted(ft.losses.model_inputs(Any_(), batch)) == ["text", "x"]
 
 
+def test_a_forward_with_named_arguments_and_kwargs_gets_every_key():
+    """A model of your own whose forward names some arguments and passes `**kwargs` on (here
+    to a BERT encoder): the keys it does not name were left out with a warning that it took no
+    such key, so BERT ran without the batch's token_type_ids, silently changing its outputs.
+    A forward with **kwargs takes every key, as `model(**batch)` would."""
+    import warnings
+
+    from transformers import BertConfig, BertModel
+
+    class Tagger(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.bert = BertModel(BertConfig(
+                vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                intermediate_size=16, type_vocab_size=2,
+            ))  # fmt: skip
+            self.head = torch.nn.Linear(16, 3)
+
+        def forward(self, input_ids, attention_mask=None, **kwargs):
+            out = self.bert(input_ids, attention_mask=attention_mask, **kwargs)
+            return self.head(out.last_hidden_state)
+
+    model = Tagger().eval()
+    ids = torch.tensor([[2, 5, 6, 3, 7, 8]])
+    types = torch.tensor([[0, 0, 0, 0, 1, 1]])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": types,
+             "labels": torch.zeros_like(ids)}  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert sorted(ft.losses.model_inputs(model, batch)) == [
+            "attention_mask", "input_ids", "token_type_ids"
+        ]  # fmt: skip
+        with torch.no_grad():
+            got = ft.losses.model_logits(model, batch)
+            want = model(ids, torch.ones_like(ids), token_type_ids=types)
+            without = model(ids, torch.ones_like(ids))
+    assert torch.equal(got, want) and not torch.equal(got, without)
+
+
+def test_an_hf_models_declared_kwargs_pass_and_undeclared_keys_stay_out():
+    """An HF model passes any keyword on to its layers, so its **kwargs do not take every key:
+    only those its `**kwargs: Unpack[TransformersKwargs]` declares, such as the flash-attention
+    boundaries `DataCollatorWithFlattening(return_flash_attn_kwargs=True)` adds, which were
+    left out before. A raw column stays out with the warning; `position_ids` counts only where
+    the forward names it (Bloom takes it through **kwargs and ignores it: still refused)."""
+    from transformers import DataCollatorWithFlattening
+
+    model = tiny_llama().eval()
+    rows = [{"input_ids": [5, 6, 7, 8], "labels": [5, 6, 7, 8]},
+            {"input_ids": [9, 10, 11], "labels": [9, 10, 11]}]  # fmt: skip
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_tensors="pt")(rows)
+    with pytest.warns(UserWarning, match=r"takes no 'text': left out of its inputs.*an HF "
+                      r"model's \*\*kwargs get only the keys they declare"):  # fmt: skip
+        inputs = ft.losses.model_inputs(model, {**batch, "text": ["a b"]})
+    assert sorted(inputs) == [
+        "cu_seq_lens_k", "cu_seq_lens_q", "input_ids", "max_length_k", "max_length_q",
+        "position_ids",
+    ]  # fmt: skip
+    with torch.no_grad():  # the packed row gives what its examples give alone (SDPA)
+        packed = ft.losses.model_logits(model, batch)
+        alone = [model(input_ids=torch.tensor([r["input_ids"]])).logits for r in rows]
+    torch.testing.assert_close(packed, torch.cat(alone, 1), rtol=1e-5, atol=1e-5)
+    # Without position_ids only flash-attention kernels would see the boundaries: refused.
+    bare = DataCollatorWithFlattening(
+        return_flash_attn_kwargs=True, return_position_ids=False, return_tensors="pt"
+    )(rows)
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q, cu_seq_lens_k only .* runs 'sdpa' "
+                       r"attention, so the examples would attend to each other"):  # fmt: skip
+        ft.losses.model_logits(model, bare)
+    from transformers import BloomConfig, BloomForCausalLM
+
+    bloom = BloomForCausalLM(BloomConfig(vocab_size=50, hidden_size=16, n_layer=1, n_head=2))
+    with pytest.raises(ValueError, match=r"\(BloomForCausalLM\) takes no position_ids"):
+        ft.losses.model_inputs(bloom, batch)
+
+
 def test_a_missing_required_argument_is_named():
     class Net(torch.nn.Module):
         def forward(self, x, scale=1.0):

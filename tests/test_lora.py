@@ -273,10 +273,7 @@ def test_a_string_modules_to_save_is_refused_not_read_letter_by_letter():
         _apply_quiet(_classifier(), modules_to_save=[3])
 
 
-def test_an_adapter_on_t5s_shared_embedding_is_named_as_untrained():
-    """transformers 5 gives T5 separate `shared` and `encoder.embed_tokens` modules that share
-    one weight; the forward calls the latter, so an adapter on `shared` never got a gradient
-    and was never trained, silently. It is named after NO_GRAD_STEPS steps without one."""
+def _tiny_t5_32():
     from transformers import T5Config, T5ForConditionalGeneration
 
     torch.manual_seed(0)
@@ -284,7 +281,24 @@ def test_an_adapter_on_t5s_shared_embedding_is_named_as_untrained():
         vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_decoder_layers=1,
         num_heads=2, decoder_start_token_id=0, pad_token_id=0,
     )  # fmt: skip
-    model = _apply_quiet(T5ForConditionalGeneration(cfg), targets=["shared", "q"])
+    return T5ForConditionalGeneration(cfg)
+
+
+def test_an_adapter_on_t5s_shared_embedding_is_named_as_untrained():
+    """transformers 5 gives T5 separate `shared` and `encoder.embed_tokens` modules that share
+    one weight; the forward calls the latter, so an adapter on `shared` never got a gradient
+    and was never trained, silently. `ft.lora.apply` refuses it (below); one put there by PEFT
+    directly is named after NO_GRAD_STEPS steps without one."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' deprecation notes inside PEFT
+        model = get_peft_model(
+            _tiny_t5_32(),
+            LoraConfig(r=2, lora_alpha=4, target_modules=["shared", "q"], task_type="SEQ_2_SEQ_LM"),
+        )
     state = ft.TrainState.create(model, ft.optim.adamw())
     batch = {"input_ids": torch.randint(1, 32, (2, 5)), "labels": torch.randint(1, 32, (2, 4))}
     from ftrain.grads import NO_GRAD_STEPS
@@ -296,3 +310,104 @@ def test_an_adapter_on_t5s_shared_embedding_is_named_as_untrained():
                       rf", .* received no gradient in steps 0 to {NO_GRAD_STEPS - 1}"):  # fmt: skip
         grads, _ = ft.accumulate_grads(state, [batch])
     assert not any("shared" in n for n in grads)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"targets": ["shared", "q"]},
+        {"targets": r".*\.q|shared"},  # a regular expression, as PEFT fullmatches it
+        {"targets": ["q"], "modules_to_save": ["shared"]},  # a trained copy is as dead
+    ],
+)
+def test_an_adapter_on_a_tied_module_the_forward_never_calls_is_refused_at_apply(kwargs):
+    """The adapter on T5's `shared` (above) was named only after 32 steps of training it
+    silently did not do (or, with no other adapter, by an autograd error naming nothing).
+    Its weight is tied to `encoder.embed_tokens`, `decoder.embed_tokens` and `lm_head`, the
+    modules the forward calls (HF's accessors say which): apply refuses, naming the module and
+    the modules to adapt instead, before any step."""
+    with pytest.raises(
+        ValueError,
+        match=r"on 'shared' \(Embedding\), whose weight T5ForConditionalGeneration's forward uses "
+        r"through 'encoder\.embed_tokens', 'decoder\.embed_tokens', 'lm_head' \(tied to it\) "
+        r"and never through 'shared' itself: .* no gradient .* adapt the modules the forward "
+        r"calls: 'encoder\.embed_tokens', 'decoder\.embed_tokens', 'lm_head'",
+    ):
+        _apply_quiet(_tiny_t5_32(), **kwargs)
+
+
+def test_adapters_on_tied_modules_the_forward_calls_train_and_are_not_refused():
+    """The modules the forward calls pass, tied or not: T5's `embed_tokens` (both stacks) and
+    its `lm_head`, a tied Llama's `lm_head`, BART's `embed_tokens`. Each of their adapters gets
+    a gradient on the first step. The transformers 4 layout, where `encoder.embed_tokens` is
+    the `shared` module itself (one module under three names), is refused as in 5."""
+    import warnings
+
+    from transformers import BartConfig, BartForConditionalGeneration, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    bart = BartForConditionalGeneration(BartConfig(
+        vocab_size=32, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=16, decoder_ffn_dim=16,
+        max_position_embeddings=16,
+    ))  # fmt: skip
+    llama = LlamaForCausalLM(LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, tie_word_embeddings=True,
+    ))  # fmt: skip
+    ids = torch.randint(3, 32, (2, 5))
+    cases = [
+        (_tiny_t5_32(), ["q", "embed_tokens", "lm_head"], {"input_ids": ids, "labels": ids}),
+        (llama, ["q_proj", "lm_head"], {"input_ids": ids, "labels": ids}),
+        (bart, ["q_proj", "embed_tokens"], {"input_ids": ids, "labels": ids}),
+    ]
+    for base, targets, batch in cases:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # none of ftrain's
+            warnings.filterwarnings("ignore", message=".*(tie_word_embeddings|deprecated).*")
+            model = ft.lora.apply(base, r=2, alpha=4, targets=targets)
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "lora_embedding_A" in name:
+                torch.nn.init.normal_(p)  # B is 0 at first: A's gradients would be 0 too
+        state = ft.TrainState.create(model, ft.optim.adamw())
+        grads, _ = ft.accumulate_grads(state, [batch])
+        assert set(grads) == set(state.params), type(base).__name__
+    aliased = _tiny_t5_32()
+    aliased.encoder.embed_tokens = aliased.decoder.embed_tokens = aliased.shared
+    with pytest.raises(ValueError, match=r"on 'shared' \(Embedding\), whose weight .* through "
+                       r"'encoder\.embed_tokens', 'decoder\.embed_tokens', 'lm_head'"):  # fmt: skip
+        _apply_quiet(aliased, targets=["q", "shared"])
+
+
+def test_a_module_reachable_under_two_names_warns_naming_both():
+    """A model of your own that reaches one module under two names (no HF accessors to say
+    which the forward calls): PEFT adapts it under the first name only, so the call through
+    the other ran without the adapter, which got no gradient. apply warns, naming both."""
+
+    class Shared(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+            self.block = torch.nn.Module()
+            self.block.proj = self.proj  # the forward calls it as block.proj
+            self.out = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.out(self.block.proj(x))
+
+    warned = (
+        r"LoRA adapter on 'proj', whose weight \(or the module itself\) is also reachable as "
+        r"'block\.proj': PEFT adapts it under"
+    )
+    with pytest.warns(UserWarning, match=warned):
+        model = ft.lora.apply(Shared(), r=2, alpha=4, targets=["proj", "out"])
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p)
+    model(torch.randn(3, 4)).sum().backward()
+    assert model.base_model.model.proj.lora_A.default.weight.grad is None  # the warned case
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ft.lora.apply(Shared(), r=2, alpha=4, targets=["out"])  # untouched: no warning

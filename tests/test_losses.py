@@ -357,6 +357,89 @@ def test_left_padded_seq2seq_labels_are_refused_not_trained_on_padding():
     L.default_loss(model, right)
 
 
+def _tiny_mbart():
+    """A tiny mBART-50-style translator: labels `[lang] tokens </s>`, decoder start `</s>` (2),
+    the language code 30 forced as the first generated token; pad 1."""
+    from transformers import MBartConfig, MBartForConditionalGeneration
+
+    torch.manual_seed(0)
+    return MBartForConditionalGeneration(MBartConfig(
+        vocab_size=40, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=16, decoder_ffn_dim=16,
+        max_position_embeddings=32, pad_token_id=1, eos_token_id=2, decoder_start_token_id=2,
+        forced_bos_token_id=30, dropout=0.0,
+    )).eval()  # fmt: skip
+
+
+def _tiny_whisper():
+    """A tiny Whisper: decoder start <|startoftranscript|> 51, then language 52, task 53 and
+    <|notimestamps|> 54 (the prefix generation forces), end and pad 50."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    torch.manual_seed(0)
+    return WhisperForConditionalGeneration(WhisperConfig(
+        vocab_size=60, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=16, decoder_ffn_dim=16, num_mel_bins=8,
+        max_source_positions=8, max_target_positions=16, pad_token_id=50, eos_token_id=50,
+        bos_token_id=50, decoder_start_token_id=51, dropout=0.0,
+    )).eval()  # fmt: skip
+
+
+def test_masked_forced_leading_labels_are_told_apart_from_left_padding_and_how_to_train_them():
+    """mBART-50 and Whisper fine-tuning masks the forced first label tokens (the target
+    language code; the language, task and no-timestamps tokens), which generation is given,
+    out of the loss. The labels check refused them as "left padding?" and said to pad on the
+    right, which they were. The refusal stays: built from the masked labels, the decoder
+    inputs hold the pad id where the tokens were (mBART's shift also wrapped a content token
+    into the start position), so the decoder would be trained never to see them. It now names
+    the masked prefix and the way to train it, decoder inputs built before masking
+    (`ft.losses.decoder_input_ids`), which gives the model's own loss on those inputs."""
+    mbart = _tiny_mbart()
+    lang, ids = 30, torch.tensor([[5, 6, 7, 2], [8, 9, 2, 1]])
+    labels = torch.tensor([[lang, 11, 12, 13, 2], [lang, 14, 15, 2, -100]])
+    masked = labels.clone()
+    masked[:, 0] = -100
+    batch = {"input_ids": ids, "attention_mask": (ids != 1).long(), "labels": masked}
+    assert L.decoder_input_ids(mbart, masked)[:, :2].tolist() == [[13, 1], [15, 1]]  # why
+    with pytest.raises(ValueError, match=r"the first 1 label\(s\) of every row masked: a forced "
+                       r"language or task token.*Build decoder_input_ids from the labels before "
+                       r"masking them"):  # fmt: skip
+        L.default_loss(mbart, batch)
+    starts = L.decoder_input_ids(mbart, labels)
+    assert starts.tolist() == [[2, lang, 11, 12, 13], [2, lang, 14, 15, 2]]
+    fixed = {**batch, "decoder_input_ids": starts}
+    with torch.no_grad():
+        loss, n = L.default_loss(mbart, fixed)
+        own = mbart(**fixed).loss  # HF's mean over the same counted tokens
+    assert int(n) == 7 and float(loss / n) == pytest.approx(float(own), rel=1e-6)
+    state = ft.TrainState.create(_tiny_mbart(), ft.optim.adamw())
+    _, stats = ft.accumulate_grads(state, [fixed])
+    assert int(stats.num_items) == 7  # the language code is not counted
+
+    whisper = _tiny_whisper()
+    feats = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([[52, 53, 54, 10, 11, 50], [52, 53, 54, 12, 50, -100]])
+    masked = labels.masked_fill(torch.arange(6) < 3, -100)
+    with pytest.raises(ValueError, match=r"first 3 label\(s\) of every row masked"):
+        L.default_loss(whisper, {"input_features": feats, "labels": masked})
+    fixed = {"input_features": feats, "labels": masked,
+             "decoder_input_ids": L.decoder_input_ids(whisper, labels)}  # fmt: skip
+    assert fixed["decoder_input_ids"][0].tolist() == [51, 52, 53, 54, 10, 11]
+    with torch.no_grad():
+        loss, n = L.default_loss(whisper, fixed)
+        own = whisper(**fixed).loss
+    assert int(n) == 5 and float(loss / n) == pytest.approx(float(own), rel=1e-6)
+
+    # Left padding (leading runs of different lengths) is still called that.
+    left = torch.tensor([[lang, 11, 12, 13, 2], [-100, lang, 14, 15, 2]])
+    with pytest.raises(ValueError, match=r"row 1: \[-100, 30, 14, 15, 2\]; left padding\?\).*"
+                       r"padding_side='right'"):  # fmt: skip
+        L.default_loss(_tiny_mbart(), {**batch, "labels": left})
+    inside = torch.tensor([[lang, -100, 12, 13, 2], [lang, 14, 15, 2, -100]])
+    with pytest.raises(ValueError, match=r"a masked span\?"):
+        L.default_loss(_tiny_mbart(), {**batch, "labels": inside})
+
+
 def test_causal_labels_shifted_already_are_refused_on_the_first_step():
     """nanoGPT-style windows, `input_ids=data[i:i+n]` and `labels=data[i+1:i+n+1]`, under the
     default loss of a causal LM were shifted a second time: the model was trained to predict

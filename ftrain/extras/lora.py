@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import warnings
 from types import MappingProxyType
 from typing import Any, Literal
 
@@ -110,7 +111,13 @@ def apply(
             `modules_to_save` name matching modules both inside and outside another saved
             module (PEFT would nest one wrapper in another and fail to reload it); for
             `train_head=False` on a model without a classifier head, or with a
-            `modules_to_save` name inside that head.
+            `modules_to_save` name inside that head; for an adapter (or `modules_to_save`
+            copy) on a module whose weight the forward uses only through other modules
+            (T5's and BART's `shared` embedding, tied to the `embed_tokens` and `lm_head` the
+            forward calls: it would get no gradient), naming the modules to adapt instead. A
+            target whose weight another module shares, or that is reachable under several
+            names, where it cannot be told which the forward calls (a model without HF's
+            embedding accessors), gets a `UserWarning` naming the other names.
         TypeError: for `modules_to_save` that is not a list of names (a string: PEFT reads
             it letter by letter), a `task_type` that is neither a `peft.TaskType`, a string
             nor None, or
@@ -150,6 +157,9 @@ def apply(
         lora_kwargs["modules_to_save"] = _unnested(
             model, list(lora_kwargs["modules_to_save"]), guesses
         )
+    _check_tied(
+        model, targets, lora_kwargs.get("exclude_modules"), lora_kwargs.get("modules_to_save")
+    )
     config = LoraConfig(
         r=r,
         lora_alpha=alpha,
@@ -372,6 +382,119 @@ def _targets(model: nn.Module, targets: list[str] | str | None) -> list[str] | s
             f"find_all_linear_names(model) = {find_all_linear_names(model)}"
         )
     return list(targets)
+
+
+def _check_tied(model: nn.Module, targets: Any, exclude: Any, to_save: Any) -> None:
+    """Refuse adapters (and `modules_to_save` copies) on a module whose weight the forward
+    uses only through other modules; warn for other modules that share their weight or are
+    reachable under several names.
+
+    PEFT replaces a module under one name. A weight tied to other modules, or a module object
+    reachable under other names, is then still used without the adapter wherever the forward
+    reaches it through them: T5's and BART's `shared` embedding (transformers 5 ties its
+    weight to `encoder.embed_tokens`, `decoder.embed_tokens` and `lm_head`, which the forward
+    calls; transformers 4 reached the same module as `encoder.embed_tokens`) is never called
+    itself, so its adapter got no gradient at all, and only `accumulate_grads`' warning after
+    32 steps (or an autograd error, with no other adapter) said so. For an HF model the modules
+    the forward calls for its embeddings are known (`get_output_embeddings()`, and the input
+    embeddings of its encoder and decoder, or of its base model); an adapter on one of those
+    trains (merging it into the tied weight is refused by `export_pretrained(merge=True)`),
+    and a tied module that is none of them while another module holding its weight is, is
+    refused.
+    """
+    paths: dict[int, list[str]] = {}  # a module -> every name it is reachable under
+    for name, module in model.named_modules(remove_duplicate=False):
+        paths.setdefault(id(module), []).append(name)
+    owners: dict[int, list[str]] = {}  # a parameter -> the modules holding it
+    for name, module in model.named_modules(remove_duplicate=False):
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(name)
+    called = _called_embeddings(model, paths)
+
+    def adapted(name: str) -> bool:  # PEFT's rules for target_modules and exclude_modules
+        def hit(spec: Any) -> bool:
+            if isinstance(spec, str):
+                return re.fullmatch(spec, name) is not None
+            return any(name == t or name.endswith(f".{t}") for t in spec or ())
+
+        return hit(targets) and not (exclude and hit(exclude))
+
+    def saved(name: str) -> bool:  # PEFT's rule for modules_to_save: the name's ending
+        return any(n and name.endswith(n) for n in to_save or ())
+
+    dead, shared = [], []
+    for name, module in model.named_modules():  # the names PEFT matches (first name only)
+        if not name:
+            continue
+        what = "LoRA adapter" if adapted(name) else "trained copy (modules_to_save)" if saved(
+            name
+        ) else None  # fmt: skip
+        if what is None:
+            continue
+        partners = [n for n in paths[id(module)] if n != name]
+        for param in module.parameters(recurse=False):
+            partners += [n for n in owners[id(param)] if n not in paths[id(module)]]
+        partners = list(dict.fromkeys(partners))
+        if not partners:
+            continue
+        used = [n for n in partners if called is not None and n in called]
+        if used and name not in (called or ()):
+            dead.append((name, what, partners, used))
+        elif called is None or name not in called:
+            shared.append((name, what, partners))
+    if dead:
+        name, what, partners, used = dead[0]
+        raise ValueError(
+            f"ft.lora.apply would put a {what} on {name!r} "
+            f"({type(model.get_submodule(name)).__name__}), whose weight {type(model).__name__}'s "
+            f"forward uses through {_names(partners)} (tied to it) and never "
+            f"through {name!r} itself: PEFT adapts the module under that one name, so the {what} "
+            f"would get no gradient and never train. Leave {name!r} out (of targets and "
+            f"modules_to_save); to adapt that weight, adapt the modules the forward calls: "
+            f"{_names(used)}"
+            + (f" (and {len(dead) - 1} more such module(s))" if len(dead) > 1 else "")
+        )
+    for name, what, partners in shared:
+        warnings.warn(
+            f"ft.lora.apply puts a {what} on {name!r}, whose weight (or the module itself) is "
+            f"also reachable as {_names(partners)}: PEFT adapts it under "
+            f"{name!r} alone, so wherever the forward reaches it under another name it runs "
+            "without the adapter (and an adapter on a module the forward never calls gets no "
+            "gradient). Adapt the modules the forward calls, or untie the weights first",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _names(names: list[str], shown: int = 4) -> str:
+    """`names` quoted, the first `shown` of them and how many more."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(map(repr, names[:shown])) + more
+
+
+def _called_embeddings(model: nn.Module, paths: dict[int, list[str]]) -> set[str] | None:
+    """The names under which an HF model's forward calls its embedding modules: the output
+    embeddings, and the input embeddings of its encoder and decoder (encoder-decoders) or of
+    its base model; None for a model without HF's accessors (or when one fails)."""
+    try:
+        called: set[str] = set()
+        out = model.get_output_embeddings()  # type: ignore[operator]
+        if out is not None:
+            called.update(paths.get(id(out), []))
+        if getattr(getattr(model, "config", None), "is_encoder_decoder", False) is True:
+            stacks = [model.get_encoder(), model.get_decoder()]  # type: ignore[operator]
+        else:
+            stacks = [getattr(model, "base_model", model)]
+        for stack in stacks:
+            embeddings = stack.get_input_embeddings()
+            where = paths.get(id(stack), [])
+            found = paths.get(id(embeddings), [])
+            # The name through the stack: the stack calls its own attribute.
+            inside = [n for n in found if any(n.startswith(f"{w}.") for w in where if w)]
+            called.update(inside if stack is not model else found)
+        return called
+    except Exception:  # no HF accessors, or one that is not implemented
+        return None
 
 
 def _check_modules_to_save(model: nn.Module, names: Any) -> None:
