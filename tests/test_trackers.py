@@ -55,6 +55,7 @@ def mlflow_uri(tmp_path, monkeypatch):
     # A file store: MLflow's sqlite store works the same but builds its schema through ~60
     # migrations (10 s on a loaded CI core). MLflow 3 asks for this opt-in to the file store.
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)  # a job's run would be attached to
     return (tmp_path / "mlruns").as_uri()
 
 
@@ -258,22 +259,63 @@ def test_profiler_traces_the_chosen_steps_with_their_ops(tmp_path):
     assert steps == ["ProfilerStep#1", "ProfilerStep#2"]  # 3 and 4; not the warmup step (#0)
 
 
-def test_profiler_refuses_impossible_windows_and_resumes_mid_window(tmp_path):
+def test_profiler_refuses_impossible_windows_and_skips_one_resumed_inside_it(tmp_path):
     with pytest.raises(ValueError, match="warmup \\+ 2 <= first"):
         ft.logging.Profiler(tmp_path, steps=(2, 3), warmup=1)
     with pytest.raises(ValueError, match="first <= last"):
         ft.logging.Profiler(tmp_path, steps=(5, 4))
-    prof = ft.logging.Profiler(tmp_path, steps=(5, 6))
-    state = ft.TrainState.create(torch.nn.Linear(3, 1), ft.optim.sgd()).replace(step=4)
-    with pytest.raises(ValueError, match="past step 4"):
-        prof.step(state)
-    last = ft.logging.Profiler(tmp_path / "last", steps=(5, 6))
-    with pytest.raises(ValueError, match="past step 6"):  # resumed at 5: step 6 unprofiled
-        last.step(state.replace(step=6))
+    state = ft.TrainState.create(torch.nn.Linear(3, 1), ft.optim.sgd())
+    for first_seen in (5, 6):  # step 5 (and 6) done first: recorded steps ran unprofiled
+        prof = ft.logging.Profiler(tmp_path / str(first_seen), steps=(5, 6))
+        with pytest.warns(RuntimeWarning, match=f"steps 5..{first_seen} ran unprofiled, so "
+                          "this run writes no trace"):  # fmt: skip
+            prof.step(state.replace(step=first_seen))
+        for step in range(first_seen + 1, 9):
+            prof.step(state.replace(step=step))  # no warning, no error: the loop goes on
+        prof.close()
+        assert prof.done and prof.traces() == [] and not (tmp_path / str(first_seen)).exists()
     late = ft.logging.Profiler(tmp_path / "late", steps=(5, 6))
     late.step(state.replace(step=9))  # resumed after the window: nothing to do
     late.close()
     assert late.traces() == []
+
+
+def _profiled_steps(trace):
+    names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
+    assert "aten::addmm" in names  # the steps' own ops
+    return sorted(n for n in names if (n or "").startswith("ProfilerStep#"))
+
+
+@pytest.mark.parametrize(("steps", "warmup", "recorded"), [
+    ((6, 7), 3, ["ProfilerStep#1", "ProfilerStep#2"]),  # warmup 3..5: 5 left, as #0
+    ((5, 6), 2, ["ProfilerStep#0", "ProfilerStep#1"]),  # warmup 3..4: none left
+])  # fmt: skip
+def test_a_run_resumed_in_the_profilers_warmup_records_the_chosen_steps(
+    tmp_path, steps, warmup, recorded
+):
+    """A job resumed from a checkpoint inside the window raised in `step()` ("choose later
+    steps"): restarted automatically, it resumed from the same checkpoint and crashed there
+    again, every time. Resumed during the warmup, the chosen steps are all still ahead."""
+    root = tmp_path / "run"
+    _train(root, ft.logging.NullSink, until=4, total=7)  # killed at step 4; checkpoint at 3
+    prof = ft.logging.Profiler(tmp_path / "prof", steps=steps, warmup=warmup)
+    with pytest.warns(RuntimeWarning, match=f"profiling steps {steps[0]}..{steps[1]} after "
+                      f"{int(recorded[0][-1])} warmup step"):  # fmt: skip
+        _train(root, lambda: prof, until=7, total=7)  # resumes at 3: step 4 is seen first
+    assert prof.done
+    (trace,) = prof.traces()
+    assert _profiled_steps(trace) == recorded
+
+
+def test_a_run_resumed_past_the_profilers_first_step_is_not_crash_looped(tmp_path):
+    root = tmp_path / "run"
+    _train(root, ft.logging.NullSink, until=5, total=7)  # killed at step 5; checkpoint at 3
+    for until in (5, 7):  # each restart resumes from step 3 (killed at 5 again, then done)
+        prof = ft.logging.Profiler(tmp_path / "prof", steps=(4, 5), warmup=1)
+        with pytest.warns(RuntimeWarning, match="steps 4..4 ran unprofiled"):
+            _train(root, lambda p=prof: p, until=until, total=7)
+        assert prof.traces() == []
+    assert ft.latest_checkpoint(root).name == "step-7"  # the last step (total=7) is saved
 
 
 def test_a_resumed_wandb_run_refuses_another_project_or_name_as_mlflow_does(tmp_path, monkeypatch):
@@ -398,3 +440,87 @@ def test_a_stored_run_the_mlflow_store_lacks_is_named(tmp_path, mlflow_uri):
     (tmp_path / "mlflow_run_id").write_text("0123456789abcdef0123456789abcdef\n")
     with pytest.raises(ValueError, match=r"which tracking_uri='file:.*' does not hold"):
         ft.logging.MLflowSink(tmp_path, tracking_uri=mlflow_uri)
+
+
+def _outer_run(uri, experiment="outer", **params):
+    """A run made as `mlflow run` makes one for its entry point (its params logged), whose id
+    it passes to the job as MLFLOW_RUN_ID."""
+    from mlflow.entities import Param
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment(experiment), run_name="job").info.run_id
+    client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()])
+    return client, run_id
+
+
+def test_mlflow_sink_logs_into_the_run_mlflow_run_id_names_and_keeps_it(
+    tmp_path, mlflow_uri, monkeypatch
+):
+    """MLFLOW_RUN_ID (set by `mlflow run` and Azure ML, resumed by mlflow.start_run()) was
+    ignored: the sink made a run of its own, and the run the job is watched in stayed empty."""
+    client, outer = _outer_run(mlflow_uri, lr=0.1)
+    client.set_terminated(outer)  # reopened as mlflow.start_run(run_id) does
+    monkeypatch.setenv("MLFLOW_RUN_ID", outer)
+    root = tmp_path / "run"
+    params = {"lr": 0.1, "seed": 0}
+    first = _train(
+        root, lambda: ft.logging.MLflowSink(root, tracking_uri=mlflow_uri, params=params), until=5
+    )
+    assert (first.run_id, first.resumed) == (outer, True)
+    assert client.get_run(outer).info.status == "RUNNING"
+    assert (root / "mlflow_run_id").read_text().strip() == outer
+    monkeypatch.delenv("MLFLOW_RUN_ID")  # a restart without it resumes the run from the file
+    second = _train(root, lambda: ft.logging.MLflowSink(root, tracking_uri=mlflow_uri), until=6)
+    assert second.run_id == outer
+    second.close()
+    runs = client.search_runs([client.get_run(outer).info.experiment_id, "0"])
+    assert [r.info.run_id for r in runs] == [outer]  # no run of the sink's own
+    run = client.get_run(outer)
+    assert run.info.status == "FINISHED" and run.data.params == {"lr": "0.1", "seed": "0"}
+    assert sorted(m.step for m in client.get_metric_history(outer, "loss")) == [
+        1, 2, 3, 4, 4, 5, 5, 6
+    ]  # fmt: skip
+    assert client.get_experiment_by_name("ftrain") is None
+
+
+def test_a_run_mlflow_run_id_names_is_checked_as_a_restarts_run_is(
+    tmp_path, mlflow_uri, monkeypatch
+):
+    client, outer = _outer_run(mlflow_uri, lr=0.1)
+    monkeypatch.setenv("MLFLOW_RUN_ID", outer)
+    root = tmp_path / "run"
+
+    def sink(**kwargs):
+        return ft.logging.MLflowSink(root, tracking_uri=mlflow_uri, **kwargs)
+
+    with pytest.raises(ValueError, match=r"params differ.*'lr'"):
+        sink(params={"lr": 0.2})
+    with pytest.raises(
+        ValueError, match=r"MLFLOW_RUN_ID names MLflow run .*, whose experiment is 'outer', but "
+        r"experiment='x' was given.*or unset MLFLOW_RUN_ID for a new run"
+    ):  # fmt: skip
+        sink(experiment="x")
+    with pytest.raises(ValueError, match="whose run_name is 'job', but run_name='other'"):
+        sink(run_name="other")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "elsewhere")  # the run's own experiment wins
+    sink(rank=0, experiment="outer", run_name="job").close()
+    (root / "mlflow_run_id").write_text(outer + "\n")
+    _, other = _outer_run(mlflow_uri, experiment="second")
+    monkeypatch.setenv("MLFLOW_RUN_ID", other)
+    with pytest.raises(ValueError, match=f"names MLflow run '{outer}' but MLFLOW_RUN_ID='{other}'"):
+        sink()
+    (root / "mlflow_run_id").unlink()
+    quiet = sink(rank=1)  # off rank 0: nothing is read or written
+    quiet.log({"step": 1, "loss": 1.0})
+    assert quiet.run_id is None and not (root / "mlflow_run_id").exists()
+    client.delete_run(other)
+    with pytest.raises(ValueError, match=f"MLFLOW_RUN_ID names MLflow run '{other}', which was "
+                       "deleted"):  # fmt: skip
+        sink()
+    monkeypatch.setenv("MLFLOW_RUN_ID", "0123456789abcdef0123456789abcdef")
+    with pytest.raises(ValueError, match=r"MLFLOW_RUN_ID names .* does not hold; pass the "
+                       r"tracking_uri that holds it, or unset MLFLOW_RUN_ID"):  # fmt: skip
+        sink()
+    assert not (root / "mlflow_run_id").exists()
+    assert [r.info.run_id for r in client.search_runs(["0"])] == []  # no run was made

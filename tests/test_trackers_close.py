@@ -14,6 +14,7 @@ from test_trackers import _finished_records
 @pytest.fixture
 def mlflow_uri(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # as in test_trackers.py
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
     return (tmp_path / "mlruns").as_uri()
 
 
@@ -368,7 +369,12 @@ def test_an_integer_rank_of_another_type_is_taken(tmp_path, mlflow_uri, capsys):
     assert not (tmp_path / "m").exists() and not (tmp_path / "w").exists()
 
 
-WHERE = ["alone", "mp.spawn", "MASTER_ADDR", "WORLD_SIZE", "SLURM_NTASKS"]
+WHERE = ["alone", "mp.spawn", "MASTER_ADDR", "WORLD_SIZE", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS",
+         "PET_NNODES"]  # fmt: skip
+# What a launcher sets that says how many processes the job has, or where its group meets.
+LAUNCHER = ("RANK", "MASTER_ADDR", "WORLD_SIZE", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS",
+            "SLURM_PROCID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE",
+            "PET_NNODES", "PET_MASTER_ADDR", "JOB_COMPLETION_INDEX", "RAY_RAYLET_PID")  # fmt: skip
 
 
 @pytest.mark.parametrize("where", WHERE)
@@ -379,8 +385,7 @@ def test_a_tracker_in_a_job_of_one_opens_its_run_when_built(tmp_path, monkeypatc
     only after the model loaded. Only a process that may be one of several waits."""
     import multiprocessing
 
-    for name in ("RANK", "MASTER_ADDR", "WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE",
-                 "PMI_SIZE", "MV2_COMM_WORLD_SIZE"):  # fmt: skip
+    for name in LAUNCHER:
         monkeypatch.delenv(name, raising=False)
     if where == "mp.spawn":
         monkeypatch.setattr(multiprocessing, "parent_process", lambda: object())
@@ -392,3 +397,53 @@ def test_a_tracker_in_a_job_of_one_opens_its_run_when_built(tmp_path, monkeypatc
     bar.log({"step": 1, "loss": 1.0})  # alone: shown; otherwise the rank is taken now: 0 too
     assert bar.enabled
     sink.close()
+
+
+def test_every_process_from_env_takes_for_one_of_several_waits_for_its_rank(monkeypatch):
+    """The launchers' variables are read twice: by `from_env` (core) and by the trackers'
+    rank (an extra, which may not import the core's private names). The trackers missed
+    some: a srun task of a step of 4 (SLURM_STEP_NUM_TASKS; SLURM_NTASKS is the allocation's)
+    and a pod of several started with `python` (PET_NNODES, or JOB_COMPLETION_INDEX beside
+    PET_MASTER_ADDR) took itself for rank 0 and opened a run when its sink was built, one per
+    process. Every environment `from_env` takes for one of several (it refuses it, or its
+    WORLD_SIZE is above 1) must leave the rank to be taken later."""
+    import itertools
+    import multiprocessing
+
+    from ftrain.extras.logging._rank import _known_rank
+    from ftrain.strategies._env import _world_size
+
+    monkeypatch.setattr(multiprocessing, "parent_process", lambda: None)
+    values = {
+        "WORLD_SIZE": [None, "1", "2"],
+        "SLURM_NTASKS": [None, "1", "4"],
+        "SLURM_STEP_NUM_TASKS": [None, "1", "4"],
+        "SLURM_PROCID": [None, "0"],
+        "OMPI_COMM_WORLD_SIZE": [None, "1", "2"],
+        "PMI_SIZE": [None, "2"],
+        "MV2_COMM_WORLD_SIZE": [None, "2"],
+        "PET_NNODES": [None, "1", "2", "1:2", "x"],
+        "PET_MASTER_ADDR": [None, "10.0.0.1"],
+        "JOB_COMPLETION_INDEX": [None, "0"],
+        "MASTER_ADDR": [None, "10.0.0.1"],
+        "RAY_RAYLET_PID": [None, "1"],
+    }
+    several = alone = 0
+    for combo in itertools.product(*values.values()):
+        env = {k: v for k, v in zip(values, combo, strict=True) if v is not None}
+        with monkeypatch.context() as m:
+            for name in LAUNCHER:
+                m.delenv(name, raising=False)
+            for name, value in env.items():
+                m.setenv(name, value)
+            try:
+                one_of_several = _world_size() > 1
+            except ValueError as e:
+                assert "WORLD_SIZE is unset" in str(e) or "SLURM_NTASKS" in str(e), e
+                one_of_several = True
+            known = _known_rank(None)
+        if one_of_several:
+            several += 1
+            assert known is None, f"{env}: from_env takes it for one of several"
+        alone += known == 0
+    assert several > 1000 and alone > 50  # both kinds were met

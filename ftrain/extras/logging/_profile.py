@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -40,9 +41,14 @@ class Profiler:
         **profile_kwargs: passed on to `torch.profiler.profile` (e.g. `record_shapes=True`,
             `profile_memory=True`, `with_stack=True`, `activities=[...]`).
 
+    A run resumed inside the window (its first `step()` is after step `first - warmup - 1`)
+    does not crash on every automatic restart: resumed during the warmup, it records steps
+    `first..last` after the warmup steps that are left (step `first` is then an earlier
+    `ProfilerStep#`); resumed once a step of `first..last` ran unprofiled, it writes no trace
+    of the window. Both warn (`RuntimeWarning`).
+
     Raises:
-        ValueError: on an impossible window; from `step()`, when the loop is already inside
-            the window the first time it calls `step()` (a run resumed mid-window).
+        ValueError: on an impossible window.
 
     Example:
         >>> import ftrain as ft
@@ -85,27 +91,54 @@ class Profiler:
         done_step = state.step  # a Python int: reading it is no host sync
         if not self._seen:
             self._seen = True
-            # Step `last` done first (a checkpoint at last - 1) is inside the window too: its
-            # steps ran unprofiled, and no trace was written, without a word.
             if self.first - self.warmup - 1 < done_step <= self.last:
-                raise ValueError(
-                    f"the profile window starts at step {self.first - self.warmup} but the loop "
-                    f"is past step {done_step} (a resumed run?); choose later steps"
-                )
+                self._resumed_inside(done_step)
+                return
         if self._prof is None:
             if not self.done and done_step == self.first - self.warmup - 1:
-                self._start()
+                self._start(self.warmup)
             return
         self._prof.step()  # step `done_step` ends; at `last` torch writes the trace
         if done_step >= self.last:
             self.close()
 
-    def _start(self) -> None:
+    def _resumed_inside(self, done_step: int) -> None:
+        """The first step seen is inside the window (a run resumed from a checkpoint there):
+        record `first..last` after what is left of the warmup, or, once a step of them ran
+        unprofiled, skip the window with a warning. It raised before: a job restarted
+        automatically resumed from the same checkpoint and crashed there on every restart."""
+        window = f"steps {self.first}..{self.last}, warmup from step {self.window[0]}"
+        if done_step < self.first:
+            left = self.first - 1 - done_step
+            warnings.warn(
+                f"Profiler: first called after step {done_step} (a run resumed inside the "
+                f"profile window: {window}); profiling steps {self.first}..{self.last} after "
+                f"{left} warmup step(s) instead of {self.warmup} (the first recorded step may "
+                f"include the profiler's own start-up), as ProfilerStep#{left} onwards",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self._start(left)
+            return
+        self.done = True  # no trace of this window: a partial one would pass for it
+        warnings.warn(
+            f"Profiler: first called after step {done_step} (a run resumed inside the profile "
+            f"window: {window}): steps {self.first}..{done_step} ran unprofiled, so this run "
+            f"writes no trace of the window (an earlier attempt may have written one in "
+            f"{self.logdir}); choose later steps to profile the resumed run",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+    def _start(self, warmup: int) -> None:
         self.logdir.mkdir(parents=True, exist_ok=True)
         self.rank = _process_rank(self.rank)
-        schedule = torch.profiler.schedule(
-            wait=0, warmup=self.warmup, active=self.last - self.first + 1, repeat=1
-        )
+        with warnings.catch_warnings():
+            if warmup < self.warmup:  # said above; torch warns of a warmup of 0 on its own
+                warnings.filterwarnings("ignore", "Profiler won't be using warmup")
+            schedule = torch.profiler.schedule(
+                wait=0, warmup=warmup, active=self.last - self.first + 1, repeat=1
+            )
         handler = torch.profiler.tensorboard_trace_handler(
             str(self.logdir), worker_name=f"rank{self.rank}"
         )

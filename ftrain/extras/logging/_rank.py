@@ -38,14 +38,28 @@ def _known_rank(rank: int | None) -> int | None:
     return 0 if _alone() else None
 
 
-# Variables of launchers that start several processes without torchrun's RANK.
-_SIZES = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+# Variables of launchers that start several processes without torchrun's RANK. Every variable
+# by which `ft.strategies.from_env` takes a process for one of several (ftrain/strategies/_env.py:
+# `_world_size` and the `_refuse_lone_*` it calls) must make it so here too, or each such
+# process took itself for rank 0 and opened a tracker run of its own when the sink was built.
+# The core cannot import this, nor this the core's private names: tests/test_trackers_close.py
+# (`test_every_process_from_env_takes_for_one_of_several_waits_for_its_rank`) binds the two.
+# srun sets SLURM_STEP_NUM_TASKS (the step's tasks) in each task, SLURM_NTASKS in the batch
+# script; Open MPI (and LSF's jsrun), MPICH / Intel MPI (PMI) and MVAPICH2 their world sizes.
+_SIZES = (
+    "WORLD_SIZE",
+    "SLURM_NTASKS",
+    "SLURM_STEP_NUM_TASKS",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_SIZE",
+    "MV2_COMM_WORLD_SIZE",
+)
 
 
 def _alone() -> bool:
     """Whether this process is a job of its own: no Python parent started it (`mp.spawn`'s
     workers set up their process group after building their sinks), no launcher said it is
-    one of several, and no `MASTER_ADDR` names a group to join."""
+    one of several, no `MASTER_ADDR` names a group to join, and it is no pod of several."""
     if multiprocessing.parent_process() is not None or os.environ.get("MASTER_ADDR"):
         return False
     for name in _SIZES:
@@ -54,7 +68,20 @@ def _alone() -> bool:
                 return False
         except ValueError:
             return False  # a launcher's value that is not a count: not known to be alone
-    return True
+    return not _pod_of_several()
+
+
+def _pod_of_several() -> bool:
+    """A pod that `from_env` takes for one of several (started with `python`, not torchrun):
+    torchrun's PET_NNODES ("N" or "MIN:MAX") above 1 or not a count, or a JobSet's (Indexed
+    Job's) JOB_COMPLETION_INDEX beside a rendezvous (PET_MASTER_ADDR or PET_NNODES; MASTER_ADDR
+    is read above). Without the rendezvous, an indexed pod is one run of a sweep."""
+    env = os.environ
+    if "PET_NNODES" in env:
+        most = env["PET_NNODES"].rpartition(":")[2]
+        if not (most.isascii() and most.isdigit() and int(most) <= 1):
+            return True
+    return "JOB_COMPLETION_INDEX" in env and ("PET_MASTER_ADDR" in env or "PET_NNODES" in env)
 
 
 def _process_rank(rank: int | None) -> int:

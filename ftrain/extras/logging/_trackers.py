@@ -86,6 +86,11 @@ class MLflowSink:
     again (with other values). Needs the `mlflow` extra
     (`pip install 'ftrain[mlflow]'`).
 
+    Without that file, `MLFLOW_RUN_ID` (what `mlflow run` and Azure ML set for the job's run,
+    and `mlflow.start_run()` resumes) names the run to log into: it is reopened, checked as a
+    restart's run is, and its id stored in the file, so a restart resumes it too. A file and a
+    `MLFLOW_RUN_ID` that name different runs raise.
+
     Args:
         run_dir: the run's folder (e.g. the checkpoint root).
         tracking_uri: where MLflow stores runs, e.g. `"sqlite:///runs/x/mlflow.db"`; None uses
@@ -107,8 +112,9 @@ class MLflowSink:
             `run_dir`), or the rank to open the run at once.
 
     Raises:
-        ValueError: if a restart passes params, an `experiment` or a `run_name` that differ
-            from the stored run's, or the stored run id is not in the tracking store.
+        ValueError: if a restart (or a run that `MLFLOW_RUN_ID` names) is passed params, an
+            `experiment` or a `run_name` that differ from the run's, or the run is not in the
+            tracking store or was deleted; if `MLFLOW_RUN_ID` names another run than the file.
         TypeError: for a `rank` that is not an int >= 0 or None.
     """
 
@@ -139,15 +145,28 @@ class MLflowSink:
         params = {k: str(v) for k, v in (params or {}).items()}
         for k in params:  # before a run is made for them
             _check_name(k, f"params key {k!r}", "rename the key")
-        if (stored := _read_id(id_file)) is not None:
+        stored = _read_id(id_file)
+        # MLflow's own way to attach to a run (`mlflow run`, Azure ML jobs; mlflow.start_run()
+        # resumes it): ignored, the sink made a run of its own beside the one the job watches.
+        attach = os.environ.get("MLFLOW_RUN_ID") or None
+        if stored is not None and attach is not None and attach != stored:
+            raise ValueError(
+                f"{id_file} names MLflow run {stored!r} but MLFLOW_RUN_ID={attach!r}: unset "
+                "MLFLOW_RUN_ID to resume the stored run, or use a new run_dir (or delete the "
+                "file) to log into the MLflow run the environment names"
+            )
+        if (resume := attach if stored is None else stored) is not None:
             # Checked now, on every rank whose rank is not known yet: reading changes nothing.
             client = MlflowClient(tracking_uri)
-            new = _check_resume(client, stored, params, tracking_uri, id_file, experiment, run_name)
-            self.run_id, self.resumed = stored, True  # known now: a fact of run_dir
+            source = _Source(id_file, from_env=stored is None)
+            new = _check_resume(client, resume, params, tracking_uri, source, experiment, run_name)
+            self.run_id, self.resumed = resume, True  # known now: a fact of run_dir (or the env)
 
             def open_run() -> None:
                 self._client = client
-                _reopen(client, stored, new)
+                _reopen(client, resume, new)
+                if stored is None:  # a restart resumes it, also without MLFLOW_RUN_ID
+                    _write_id(id_file, resume)
 
         else:
             # experiment="ftrain" was always passed: MLFLOW_EXPERIMENT_NAME, set for MLflow's
@@ -249,12 +268,21 @@ def _create(
     return run_id
 
 
+class _Source:
+    """Where the id of a run to resume came from: `run_dir`'s file, or `MLFLOW_RUN_ID`."""
+
+    def __init__(self, id_file: Path, *, from_env: bool) -> None:
+        self.name = "MLFLOW_RUN_ID" if from_env else str(id_file)
+        self.new_run = "unset MLFLOW_RUN_ID" if from_env else "delete the file"
+        self.other_run = "unset MLFLOW_RUN_ID" if from_env else "use a new run_dir"
+
+
 def _check_resume(
     client: Any,
     run_id: str,
     params: dict[str, str],
     uri: str | None,
-    id_file: Path,
+    source: _Source,
     experiment: str | None,
     run_name: str | None,
 ) -> dict[str, str]:
@@ -270,9 +298,14 @@ def _check_resume(
         if e.error_code != "RESOURCE_DOES_NOT_EXIST":
             raise
         raise ValueError(
-            f"{id_file} names MLflow run {run_id!r}, which tracking_uri={uri!r} does not "
-            "hold; pass the tracking_uri that holds it, or delete the file to start a new run"
+            f"{source.name} names MLflow run {run_id!r}, which tracking_uri={uri!r} does not "
+            f"hold; pass the tracking_uri that holds it, or {source.new_run} to start a new run"
         ) from e
+    if run.info.lifecycle_stage == "deleted":  # refused by the store only when first logged to
+        raise ValueError(
+            f"{source.name} names MLflow run {run_id!r}, which was deleted: restore it "
+            f"(`mlflow runs restore --run-id {run_id}`), or {source.new_run} to start a new run"
+        )
     # The stored run wins over experiment= and run_name=: one that asks for another would
     # log into a run it did not ask for. Those not given (MLFLOW_EXPERIMENT_NAME, which names
     # a new run's experiment) are the stored run's.
@@ -281,9 +314,9 @@ def _check_resume(
     for arg, asked, have in checks:
         if asked is not None and asked != have:
             raise ValueError(
-                f"{id_file} names MLflow run {run_id!r}, whose {arg} is {have!r}, but "
+                f"{source.name} names MLflow run {run_id!r}, whose {arg} is {have!r}, but "
                 f"{arg}={asked!r} was given: pass {arg}={have!r} or leave it out to resume "
-                "that run, or use a new run_dir for a new run"
+                f"that run, or {source.other_run} for a new run"
             )
     logged = run.data.params
     # MLflow keeps a long value's first MAX_PARAM_VAL_LENGTH characters (with a warning): a
