@@ -524,3 +524,51 @@ def test_a_run_mlflow_run_id_names_is_checked_as_a_restarts_run_is(
         sink()
     assert not (root / "mlflow_run_id").exists()
     assert [r.info.run_id for r in client.search_runs(["0"])] == []  # no run was made
+
+
+def test_mlflow_sink_without_experiment_takes_mlflow_experiment_id(
+    tmp_path, mlflow_uri, monkeypatch
+):
+    """`mlflow run` names the job's experiment by MLFLOW_EXPERIMENT_ID: a new run went to
+    "ftrain", leaving that experiment empty. MLflow's order: the name variable first."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(mlflow_uri)
+    exp_id = client.create_experiment("by-id")
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", exp_id)
+    sink = ft.logging.MLflowSink(tmp_path / "run", tracking_uri=mlflow_uri, rank=0)
+    sink.close()
+    assert client.get_run(sink.run_id).info.experiment_id == exp_id
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "by-name")  # the name wins, as in MLflow
+    named = ft.logging.MLflowSink(tmp_path / "other", tracking_uri=mlflow_uri, rank=0)
+    named.close()
+    run = client.get_run(named.run_id)
+    assert client.get_experiment(run.info.experiment_id).name == "by-name"
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME")
+    client.delete_experiment(exp_id)
+    with pytest.raises(ValueError, match=f"MLFLOW_EXPERIMENT_ID='{exp_id}' is deleted"):
+        ft.logging.MLflowSink(tmp_path / "third", tracking_uri=mlflow_uri, rank=0)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", "987654321")
+    with pytest.raises(ValueError, match="MLFLOW_EXPERIMENT_ID='987654321' is not in the"):
+        ft.logging.MLflowSink(tmp_path / "fourth", tracking_uri=mlflow_uri, rank=0)
+
+
+def test_wandb_sink_takes_wandb_run_id_for_a_new_run_and_refuses_another_on_resume(
+    tmp_path, monkeypatch
+):
+    """wandb.init(id=<stored id>) won over WANDB_RUN_ID: a restart told to log into the job's
+    run resumed the stored one, and the job's run stayed empty."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_RUN_ID", "job-run-1")
+    sink = ft.logging.WandbSink(tmp_path / "run", rank=0)
+    assert sink.run_id == "job-run-1"
+    sink.close()
+    assert (tmp_path / "run" / "wandb_run_id").read_text().strip() == "job-run-1"
+    again = ft.logging.WandbSink(tmp_path / "run", rank=0)  # the same id: a resume
+    assert (again.resumed, again.run_id) == (True, "job-run-1")
+    again.close()
+    monkeypatch.setenv("WANDB_RUN_ID", "job-run-2")
+    with pytest.raises(ValueError, match="names W&B run 'job-run-1' but WANDB_RUN_ID='job-run-2'"):
+        ft.logging.WandbSink(tmp_path / "run", rank=0)

@@ -96,8 +96,10 @@ class MLflowSink:
         tracking_uri: where MLflow stores runs, e.g. `"sqlite:///runs/x/mlflow.db"`; None uses
             MLflow's default (`MLFLOW_TRACKING_URI`).
         experiment: experiment name, created if missing; None: `MLFLOW_EXPERIMENT_NAME` (as
-            HF's `MLflowCallback` reads it), else "ftrain", for a new run. A restart without
-            it resumes the stored run in its experiment, whatever the variable says now.
+            HF's `MLflowCallback` reads it), else the experiment `MLFLOW_EXPERIMENT_ID` names
+            (what `mlflow run` sets; it must exist), else "ftrain", for a new run: MLflow's own
+            order. A restart without it resumes the stored run in its experiment, whatever the
+            variables say now.
         run_name: display name of a new run.
         params: hyperparameters, logged once when the run is created. A restart must pass the
             same values (MLflow params are immutable).
@@ -172,12 +174,15 @@ class MLflowSink:
             # experiment="ftrain" was always passed: MLFLOW_EXPERIMENT_NAME, set for MLflow's
             # own client and HF's callback, was ignored and the run went to another experiment.
             # (A resume reopens the stored run where it is, whatever the variable says now.)
-            name = experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "ftrain"
+            name = experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or None
+            # `mlflow run` names its experiment by id: a run made in "ftrain" left it empty.
+            by_id = None if name else os.environ.get("MLFLOW_EXPERIMENT_ID") or None
 
             def open_run() -> None:
                 # Made here, on rank 0 only: a sqlite store is created (migrated) by the client.
                 self._client = MlflowClient(tracking_uri)
-                self.run_id = _create(self._client, id_file, name, run_name, params)
+                where = _experiment_id(self._client, name or "ftrain", by_id)
+                self.run_id = _create(self._client, id_file, where, run_name, params)
 
         self._deferred = _Deferred(known, open_run, self._quiet)
 
@@ -248,14 +253,31 @@ def _check_name(name: Any, what: str, fix: str) -> None:
     raise ValueError(f"MLflowSink: {what} {problem}; {fix}")
 
 
+def _experiment_id(client: Any, name: str, by_id: str | None) -> str:
+    """The id of experiment `name` (created if missing), or `by_id` (`MLFLOW_EXPERIMENT_ID`),
+    which must name a live experiment of the store."""
+    if by_id is None:
+        exp = client.get_experiment_by_name(name)
+        return exp.experiment_id if exp else client.create_experiment(name)
+    try:
+        exp = client.get_experiment(by_id)
+    except Exception:  # MLflow raises its own error for an id the store does not hold
+        exp = None
+    if exp is None or exp.lifecycle_stage != "active":
+        state = "is deleted" if exp is not None else "is not in the tracking store"
+        raise ValueError(
+            f"MLflowSink: MLFLOW_EXPERIMENT_ID={by_id!r} {state}; unset it, or pass experiment="
+        )
+    return str(exp.experiment_id)
+
+
 def _create(
-    client: Any, id_file: Path, experiment: str, run_name: str | None, params: dict[str, str]
+    client: Any, id_file: Path, exp_id: str, run_name: str | None, params: dict[str, str]
 ) -> str:
-    """Create a new MLflow run with `params` and store its id in `id_file`."""
+    """Create a new MLflow run with `params` in experiment `exp_id`; store its id in
+    `id_file`."""
     from mlflow.entities import Param
 
-    exp = client.get_experiment_by_name(experiment)
-    exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
     run_id: str = client.create_run(exp_id, run_name=run_name).info.run_id
     try:
         client.log_batch(run_id, params=[Param(k, v) for k, v in params.items()])
@@ -425,10 +447,12 @@ class WandbSink:
     """Logs records to a Weights & Biases run, under `train/<key>` and `eval/<key>`, at `step`.
 
     The run id is stored in `<run_dir>/wandb_run_id`; a restarted job resumes that run
-    (`resume="allow"`). W&B writes its files under `<run_dir>/wandb`; `WANDB_MODE=offline` keeps
-    them local until `wandb sync`. Every metric is plotted against `train/global_step` (the
-    optimizer step, as HF's `WandbCallback` logs it), so that the steps a guard rollback makes
-    again are recorded too (W&B drops a record whose own `step=` is below one already logged).
+    (`resume="allow"`). Without that file a new run takes the id `WANDB_RUN_ID` gives, as
+    `wandb.init` does; a file and a `WANDB_RUN_ID` that name different runs raise. W&B writes
+    its files under `<run_dir>/wandb`; `WANDB_MODE=offline` keeps them local until `wandb
+    sync`. Every metric is plotted against `train/global_step` (the optimizer step, as HF's
+    `WandbCallback` logs it), so that the steps a guard rollback makes again are recorded too
+    (W&B drops a record whose own `step=` is below one already logged).
     Needs the `wandb` extra (`pip install 'ftrain[wandb]'`).
 
     `close()` finishes the run (`run.finish()`); W&B's service process writes and closes the
@@ -456,7 +480,8 @@ class WandbSink:
         **init_kwargs: passed on to `wandb.init` (e.g. `mode`, `entity`, `name`, `settings`).
 
     Raises:
-        ValueError: if a restart passes params that differ from the stored run's, or a
+        ValueError: if `WANDB_RUN_ID` names another run than `<run_dir>/wandb_run_id`; if
+            a restart passes params that differ from the stored run's, or a
             `project` or `entity` other than the stored run's (W&B would start a new run of
             that id there), or another `name` (W&B would rename the run).
         TypeError: for a `rank` that is not an int >= 0 or None.
@@ -490,6 +515,13 @@ class WandbSink:
         run_dir = Path(run_dir)
         id_file = run_dir / "wandb_run_id"
         stored = _read_id(id_file)
+        attach = os.environ.get("WANDB_RUN_ID") or None
+        if stored is not None and attach is not None and attach != stored:
+            # wandb.init(id=stored) wins over the variable: the job's run stayed empty.
+            raise ValueError(
+                f"WandbSink: {id_file} names W&B run {stored!r} but WANDB_RUN_ID={attach!r}: "
+                "unset WANDB_RUN_ID to resume the stored run, or use a new run_dir"
+            )
         # W&B takes no config on resume (offline it cannot read the run's): the params are
         # kept beside the id and a restart's compared with them, as MLflowSink does.
         params_file = run_dir / "wandb_run_params.json"
