@@ -572,3 +572,6 @@ def test_wandb_sink_takes_wandb_run_id_for_a_new_run_and_refuses_another_on_resu
     monkeypatch.setenv("WANDB_RUN_ID", "job-run-2")
     with pytest.raises(ValueError, match="names W&B run 'job-run-1' but WANDB_RUN_ID='job-run-2'"):
         ft.logging.WandbSink(tmp_path / "run", rank=0)
+    import wandb
+
+    wandb.teardown()  # W&B keeps the variables it read at its setup for the process

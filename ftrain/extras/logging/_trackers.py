@@ -544,8 +544,10 @@ class WandbSink:
 
         def open_run() -> None:
             run_dir.mkdir(parents=True, exist_ok=True)
-            self._run = wandb.init(project=project, dir=str(run_dir), id=stored, resume="allow",
-                                   config=config, **init_kwargs)  # fmt: skip
+            # The variable's id given, not left to wandb.init: W&B reads its variables once a
+            # process (at its setup), so one set later was not seen.
+            self._run = wandb.init(project=project, dir=str(run_dir), id=stored or attach,
+                                   resume="allow", config=config, **init_kwargs)  # fmt: skip
             self.run_id = self._run.id
             if self.resumed and new:
                 self._run.config.update(new)
