@@ -13,12 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from ftrain.data import MicroBatches, ZeroWeight, weighted
+from ftrain.data._common import StepData, step_data
 from ftrain.losses import LossFn, _defaults, _items_before_forward, default_loss
 from ftrain.optim import ema_swapped
 from ftrain.process_state import STATE
 from ftrain.rng import default_generators, dropout_seeds
 from ftrain.state import TrainState, _Lease, unfrozen
-from ftrain.strategies import Strategy, active_preemption
+from ftrain.strategies import DDP, SingleDevice, Strategy, active_preemption
 
 __all__ = ["Grads", "Stats", "accumulate_grads", "batch_counts"]
 
@@ -30,9 +31,11 @@ class Stats(NamedTuple):
     a weighted loss may count fractional items), `num_tokens` (non-padding input tokens) and
     `num_samples` (int64) are device tensors; reading them
     is a host sync. `num_micro` is this step's micro-batch count, a host int. `position` is
-    where the data stands after these micro-batches (JSON, `ft.data.MicroBatches.position`), which
-    `clip_and_step` keeps in the state. `loss_fn` is the loss these gradients are of, which
-    `clip_and_step` records as `state.loss_fn` (so `evaluate` reports that loss by default).
+    where the data stands after these micro-batches (JSON, `ft.data.MicroBatches.position`; for
+    a list or slice of a group, the position after its last micro-batch; None for batches
+    built by hand), which `clip_and_step` keeps in the state. `loss_fn` is the loss these
+    gradients are of, which `clip_and_step` records as `state.loss_fn` (so `evaluate` reports
+    that loss by default).
     `skip_empty` False makes `clip_and_step` apply a step that counted no item (the noise-only
     step of an empty Poisson batch in `ft.func.private_grads`, as Opacus applies it); by
     default such a step is skipped, its gradient being 0/0.
@@ -206,7 +209,9 @@ def accumulate_grads(
     it. With float16 loss scaling the loss is multiplied by `state.scaler.scale` before backward
     and the gradients are divided by it. Non-final micro-batches skip the strategy's gradient
     sync. Dropout randomness is
-    `dropout_seed(state.seed, state.step, i, rank)` for micro-batch i. No host sync.
+    `dropout_seed(state.seed, state.step, i, rank)` for micro-batch i. No host sync (but one
+    under FSDP, TP or DDP with `sync_every_micro` for micro-batches other than a whole
+    `make_batches` group, whose count every process must agree on: see Raises).
     With the default loss on causal-LM batches and at least `COUNT_FIRST_NUMEL` (2**20)
     parameters, the label tokens are counted before any forward and each loss is divided
     before backward, as a raw loop does: no extra pass over the gradients, the same result to
@@ -218,7 +223,9 @@ def accumulate_grads(
 
     Args:
         state: the current state (not consumed).
-        micro: the micro-batches of one optimizer step, as yielded by `make_batches`.
+        micro: the micro-batches of one optimizer step, as yielded by `make_batches` (or a
+            list, tuple or slice of such a group: consecutive micro-batches in their order
+            carry the data position on, `ft.data.MicroBatches`).
         loss_fn: `(model, batch) -> (loss_sum, num_items)`; if None, `state.loss_fn`, else
             `ft.losses.default_loss`.
         strategy: overrides `state.strategy`.
@@ -231,6 +238,14 @@ def accumulate_grads(
         TypeError: if `micro` is a single batch (a dict, a tensor), or a list or tuple of
             tensors of different dtypes: a DataLoader's `[x, y]` batch passed without its
             wrapping list (each tensor would be taken for a micro-batch).
+        ValueError: for micro-batches of a `make_batches(data, state, ...)` call that are not
+            where the state stands (`state.epoch`, `state.data.cursor`: a group cut short or
+            left out before), not consecutive in their order, or mixed with batches of other
+            origin (the cursor would count other micro-batches than the data went over); and
+            under FSDP, TP or DDP with `sync_every_micro`, on every process, when the processes
+            were given different numbers of micro-batches (checked with one small all-reduce and
+            a host sync for micro-batches that are not a whole `make_batches` group: unlike
+            collectives would pair up and hang).
         ValueError: if `micro` is empty, `strategy` is not laid out like `state.strategy`
             (another type, device, rank, world size or reduction: the model was set up by
             the state's strategy, whose backward reduces the gradients), or a parameter frozen
@@ -247,6 +262,11 @@ def accumulate_grads(
     strategy = state.strategy if strategy is None else strategy
     held = state.tensors_  # one lease check for the model and parameters (issue 30)
     held.lease.check()
+    data = step_data(micro)  # where the data stands after micro (a list of a group's too)
+    if data.made_by is not None and data.made_by.stateful:
+        _check_cursor(state, data, len(micro))
+    if not (data.whole and data.made_by.strategy is strategy):  # type: ignore[union-attr]
+        _check_micro_count(strategy, len(micro))
     model, params = held.model, held.params
     if not model.training:
         model.train()
@@ -293,7 +313,7 @@ def accumulate_grads(
         num_tokens=num_tokens,
         num_samples=num_samples,
         num_micro=len(micro),
-        position=micro.position if isinstance(micro, MicroBatches) else None,
+        position=data.position,
         loss_fn=loss_fn,
     )
     return grads, stats
@@ -435,6 +455,78 @@ def _check_override(own: Strategy, other: Strategy) -> None:
             "counts, reduction or precision would not match; drop strategy= (the state's is "
             "used), or create the state with it"
         )
+
+
+def _check_cursor(state: TrainState, data: StepData, n: int) -> None:
+    """Refuse micro-batches that a `make_batches(data, state)` call yielded other than the ones
+    `state` stands at: the cursor `clip_and_step` records would not say where the data is."""
+    assert data.made_by is not None
+    (epoch, cursor), first = (state.epoch, state.data.cursor), data.first
+    if (epoch, cursor) == (data.made_by.epoch, first):
+        return
+    last = first + n - 1
+    held = f"micro-batch {last}" if n == 1 else f"micro-batches {first} to {last}"
+    if epoch != data.made_by.epoch:
+        why = "the state is in another epoch than make_batches was called for"
+        fix = "call make_batches(data, state, ...) again for the state's epoch"
+    elif first > cursor:
+        why = (
+            f"micro-batch(es) {cursor} to {first - 1} were not stepped on (a group cut short, "
+            "micro[:k] without micro[k:], or one left out)"
+        )
+        fix = (
+            "step on every micro-batch in order; to pass over them untrained, move the cursor "
+            f"past them: state.replace(data=state.data.replace(cursor={first}))"
+        )
+    else:
+        why = (
+            "the cursor is past them (a group trained on again with its stats, or a state "
+            "loaded or changed after make_batches was called)"
+        )
+        fix = (
+            "give clip_and_step the stats of each micro-batch once, and call "
+            "make_batches(data, state, ...) again after loading a checkpoint or moving the cursor"
+        )
+    raise ValueError(
+        f"micro holds {held} of epoch {data.made_by.epoch} as make_batches(data, state, ...) "
+        f"yielded them, but the state stands at micro-batch {cursor} of epoch {epoch} "
+        f"(state.data.cursor, state.epoch): {why}. The cursor clip_and_step records would not "
+        f"say where the data is, so a resume would repeat or skip rows; {fix}"
+    )
+
+
+def _check_micro_count(strategy: Strategy, n: int) -> None:
+    """Raise on every process unless each one runs `n` micro-batches this step, where another
+    count would pair unlike collectives: FSDP gathers parameters in every forward and reduces
+    in the final backward only, TP's processes reduce inside every forward, DDP with
+    `sync_every_micro` reduces in every backward. (DDP otherwise reduces once, in the final
+    backward: uneven counts give the gradient of every rank's micro-batches, as they should.)
+
+    One small all-reduce over every process and a host sync, before the first forward: only
+    for micro-batches that are not a whole group of a `make_batches` call with this strategy
+    (whose counts every process agreed on). Without it, the processes hung in unlike
+    collectives until the backend's timeout (FSDP), or gloo aborted on a size mismatch (TP).
+    """
+    if isinstance(strategy, SingleDevice) or (
+        isinstance(strategy, DDP) and not strategy.sync_every_micro
+    ):
+        return
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    mine = torch.tensor([1, n, n * n], dtype=torch.int64).to(strategy.device)
+    processes, total, squares = strategy.sum_over_processes(mine).tolist()  # host sync
+    if processes * squares == total * total:  # (sum n)^2 == P sum n^2 iff every n is equal
+        return
+    raise ValueError(
+        f"accumulate_grads got {n} micro-batch(es) on this process and {total / processes:.3g} "
+        f"on average over the {processes} processes of {type(strategy).__name__}: every "
+        "process must run as many micro-batches a step, or their collectives (parameter "
+        "gathers, gradient reductions) pair up unlike and hang until the backend's timeout. "
+        "Give every rank the same number of micro-batches (make_batches(data, state, ...) "
+        "does: a rank without rows for the last one gets an ft.data.ZeroWeight stand-in, which "
+        "runs and counts nothing)"
+    )
 
 
 def _forward_backward(

@@ -59,6 +59,13 @@ Caches of pure lookups: they never change a result, so `snapshot()` leaves them 
 
 A record, kept for a later call:
 
+    `micro_groups`  the id of each micro-batch `make_batches` yielded -> a weak reference to
+        the group (`MicroBatches`) that holds it, so that `accumulate_grads` knows where the
+        data stands after a plain list, tuple or slice of a group's micro-batches
+        (`list(micro)`, `micro[:2]`) as it knows it after the group. Owner: `ftrain.data`. An
+        entry goes with its group (the reference's callback; the group holds its batches, so
+        an id is never reused while its entry lives).
+
     `ray_reported`  the folder name of the last checkpoint `ftrain.extras.ray.save_and_report`
         reported from this process, which `wait_for_reports(timeout_s=...)` checks that Ray
         registered (Ray returns quietly when its wait times out). Owner: `ftrain.extras.ray`;
@@ -134,6 +141,7 @@ class ProcessState:
     kernel_import_errors: dict[str, str | None] = field(default_factory=dict)
     dp_noise_key: bytes | None = None
     ray_reported: str | None = None
+    micro_groups: dict[int, weakref.ref[Any]] = field(default_factory=dict)
 
 
 STATE = ProcessState()

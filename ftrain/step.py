@@ -135,8 +135,9 @@ def clip_and_step(
     at most 1) with the norm taken across shards and ranks by the strategy. A non-finite norm
     skips the update on the device, without a host sync; `step` still advances (as in HF
     Trainer) and `info.skipped` says so. `state.data` (cursor, tokens and samples
-    seen, and a stream's position, `stats.position`: docs/data.md) advances by `stats` when
-    given; a step whose `stats` counted no item is skipped like a
+    seen, and the data position, `stats.position`: docs/data.md) advances by `stats` when
+    given (a `stats.position` of None keeps the state's); a step whose `stats` counted no item
+    is skipped like a
     non-finite one (nothing was learned: no weight decay either). With float16 loss scaling,
     an overflow always skips the update and `state.scaler` advances by
     `torch.amp.GradScaler`'s rule (`ft.precision`); a step that counted no item leaves it as it
@@ -272,7 +273,11 @@ def clip_and_step(
             tokens, samples = (a + b for a, b in zip(seen, step_counts, strict=True))
         changes["data"] = d.replace(
             cursor=d.cursor + stats.num_micro,
-            position=stats.position,  # where the data stands after these micro-batches
+            # Where the data stands after these micro-batches. Batches of no known position
+            # (built by hand, a list of a group no longer alive) keep the state's: a map
+            # position counts the cursor from its row at its global batch (dropped, a resume
+            # with another batch size recounted the cursor from the epoch's first row).
+            position=d.position if stats.position is None else stats.position,
             tokens_seen=tokens,
             samples_seen=samples,
         )

@@ -22,6 +22,7 @@ from ftrain.data._common import (
     Batch,
     Collate,
     Loading,
+    MadeBy,
     MicroBatches,
     Spec,
     ZeroWeight,
@@ -34,6 +35,7 @@ from ftrain.data._common import (
     run_loader,
     seeded,
     several_processes,
+    yielded_group,
 )
 from ftrain.data._content import content_digest, legacy_digest, subset_digest
 from ftrain.data._stream import stream_groups
@@ -158,6 +160,7 @@ def make_batches(
     collate = pad_collate() if collate_fn is None else collate_fn
     spec = Spec(batch_size, accum, seed, epoch, shuffle, drop_last, collate, rank, world)
     given = _given(spec, start, stream_pos, group_by_length)
+    made_by = MadeBy(strategy, epoch, state is not None)
     if is_stream(data):
         return stream_groups(
             data,
@@ -167,6 +170,7 @@ def make_batches(
             loading=loading,
             agree=given,
             strategy=strategy,
+            made_by=made_by,
         )
     n = len(data)
     lens = _lengths(data, lengths) if group_by_length else None
@@ -180,7 +184,8 @@ def make_batches(
     pos = _map_position(n, spec, start, stream_pos, lens, content, lambda: legacy_digest(data, n))
     micro = _MicroBatches(data, _order(n, spec, pos, lens), spec, pos, _total(n, spec, start, pos))
     position = json.dumps(pos, separators=(",", ":"))
-    return _groups(_load(micro, range(start, len(micro)), loading), accum, position)
+    batches = _load(micro, range(start, len(micro)), loading)
+    return _groups(batches, accum, position, made_by, start)
 
 
 def _given(spec: Spec, start: int, position: str | None, grouped: bool) -> dict[str, Any]:
@@ -534,15 +539,19 @@ def _load(micro: _MicroBatches, indices: range, loading: Loading) -> Iterator[Ba
     return run_loader(loading.loader(micro, sampler=indices))
 
 
-def _groups(batches: Iterator[Batch], accum: int, position: str) -> Iterator[MicroBatches]:
+def _groups(
+    batches: Iterator[Batch], accum: int, position: str, made_by: MadeBy, start: int
+) -> Iterator[MicroBatches]:
     group: list[Batch] = []
+    first = start
     for batch in batches:
         group.append(batch)
         if len(group) == accum:
-            yield MicroBatches(tuple(group), position)
+            yield yielded_group(tuple(group), (position,) * accum, made_by, first)
+            first += accum
             group = []
     if group:
-        yield MicroBatches(tuple(group), position)
+        yield yielded_group(tuple(group), (position,) * len(group), made_by, first)
 
 
 def _validate(*, batch_size: int, accum: int, start: int, data: Any) -> None:

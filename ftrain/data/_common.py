@@ -5,21 +5,27 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import functools
 import hashlib
 import json
 import random
 import signal
+import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, overload
 
 import numpy as np
 import torch
 
+from ftrain.process_state import STATE
 from ftrain.rng import dropout_seed
 from ftrain.strategies import Strategy, active_preemption
+from ftrain.strategies._group import collective_timeout, group_timeout
 
 __all__ = [
+    "MadeBy",
     "MicroBatches",
     "Source",
     "ZeroWeight",
@@ -29,7 +35,9 @@ __all__ = [
     "num_micro_batches",
     "run_loader",
     "seeded",
+    "step_data",
     "weighted",
+    "yielded_group",
 ]
 
 Batch = Any
@@ -140,7 +148,12 @@ def agree_over_ranks(strategy: Strategy | None, given: dict[str, Any]) -> None:
         for d in (int.from_bytes(key[:2], "little"), int.from_bytes(key[2:], "little")):
             mine += [float(d), float(d * d)]
     total = torch.tensor(mine, dtype=torch.float64, device=strategy.device)
-    got = strategy.sum_over_processes(total).tolist()  # host sync, once per make_batches call
+    try:
+        summed = strategy.sum_over_processes(total)
+        _await_peers(summed.device, collective_seconds())
+        got = summed.tolist()  # host sync, once per make_batches call
+    except (RuntimeError, TimeoutError) as e:  # gloo's timeout or a peer gone; ours below
+        raise RuntimeError(_ALONE.format(why=e)) from e
     n = got[0]
     differ = [
         name
@@ -157,6 +170,50 @@ def agree_over_ranks(strategy: Strategy | None, given: dict[str, Any]) -> None:
             "dataset (not a per-rank split such as split_dataset_by_node) and the same "
             "settings; make_batches(data, state, ...) with strategy=state.strategy splits it"
         )
+
+
+_ALONE = (
+    "make_batches checks, in one collective over every process of the job, that each was given "
+    "the same data and settings, and the other processes did not join it ({why}): every "
+    "process must call make_batches together (not under `if rank == 0:`, nor on the ranks "
+    "that have data only). A process that failed, exited or waits in another collective "
+    "leaves it waiting too; it waits for the collective timeout (ft.strategies.from_env("
+    "timeout=...), or FTRAIN_COLLECTIVE_TIMEOUT seconds)"
+)
+
+
+def collective_seconds() -> float:
+    """How long a collective of the default process group may wait for a peer, in seconds:
+    its timeout, else ftrain's default (`FTRAIN_COLLECTIVE_TIMEOUT`, 10 minutes)."""
+    timeout = group_timeout()
+    if timeout is None:
+        try:
+            timeout = collective_timeout()
+        except ValueError:  # a malformed FTRAIN_COLLECTIVE_TIMEOUT: from_env names it
+            timeout = datetime.timedelta(minutes=10)
+    return timeout.total_seconds()
+
+
+def _await_peers(
+    device: torch.device, seconds: float, done: Callable[[], bool] | None = None
+) -> None:
+    """Wait until the collective just enqueued on `device` completes, raising `TimeoutError`
+    after 90% of `seconds`: an NCCL collective no peer joins is otherwise ended by torch's
+    watchdog at the timeout, which aborts the process with NCCL's message (a gloo one raises
+    on its own, in the call). `done` (tests) stands for the CUDA event's query."""
+    if done is None:
+        if device.type != "cuda":
+            return  # gloo waits in the call itself, and raises at its timeout
+        event = torch.cuda.Event()
+        event.record()
+        done = event.query
+    deadline = time.monotonic() + 0.9 * seconds
+    pause = 1e-4
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {0.9 * seconds:.3g} s")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 def _short(value: Any) -> str:
@@ -289,6 +346,10 @@ class MicroBatches(Sequence[Batch]):
     or for map-style data the row and global batch the cursor counts from), which
     `accumulate_grads` reports in `stats.position` and `clip_and_step` keeps in
     `state.data.position`; None for groups built by hand.
+
+    While a group `make_batches` yielded lives, `accumulate_grads` knows where the data stands
+    after a plain list, tuple or slice of its micro-batches too (`list(micro)`, `micro[:2]`
+    then `micro[2:]`): consecutive ones, in the order they were yielded (`step_data`).
     """
 
     batches: tuple[Batch, ...]
@@ -306,6 +367,150 @@ class MicroBatches(Sequence[Batch]):
 
     def __iter__(self) -> Iterator[Batch]:
         return iter(self.batches)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Where make_batches yielded it (`_origin`, which holds the strategy) stays behind: a
+        # copy or an unpickled group is one built by hand, with its position.
+        return {"batches": self.batches, "position": self.position}
+
+
+class MadeBy(NamedTuple):
+    """The `make_batches` call a group came from: its strategy (which every process agreed on
+    the data and settings over, so that each yields groups of the same sizes), its epoch, and
+    whether it read the epoch, cursor and position from a state (`stateful`)."""
+
+    strategy: Strategy | None
+    epoch: int
+    stateful: bool
+
+
+class _Origin(NamedTuple):
+    """Where a group sits in its epoch: micro-batch `first` is its first, and `after[i]` is the
+    data position after its micro-batch i."""
+
+    call: MadeBy
+    first: int
+    after: tuple[str | None, ...]
+
+
+def yielded_group(
+    batches: tuple[Batch, ...], after: tuple[str | None, ...], call: MadeBy, first: int
+) -> MicroBatches:
+    """The group `make_batches` yields: micro-batches `first, first + 1, ...` of the epoch, each
+    followed by the position in `after`, recorded (`STATE.micro_groups`) for as long as the group
+    lives, so that a list or slice of its micro-batches is traced back to it (`step_data`)."""
+    group = MicroBatches(batches, after[-1])
+    object.__setattr__(group, "_origin", _Origin(call, first, after))
+    keys = tuple(map(id, batches))
+    ref = weakref.ref(group, functools.partial(_forget, keys))
+    STATE.micro_groups.update(dict.fromkeys(keys, ref))
+    return group
+
+
+def _forget(keys: tuple[int, ...], ref: weakref.ref[MicroBatches]) -> None:
+    """A group is gone: drop its batches' entries (those a later group did not take over)."""
+    table = STATE.micro_groups
+    for key in keys:
+        if table.get(key) is ref:
+            del table[key]
+
+
+class StepData(NamedTuple):
+    """Where a step's micro-batches come from: the data `position` after them (None: not
+    known), and for micro-batches `make_batches` yielded, its call (`made_by`), the epoch's
+    micro-batch index of the first of them (`first`), and whether they are a whole group in
+    its order (`whole`: every process has as many, as make_batches agreed over the processes)."""
+
+    position: str | None
+    made_by: MadeBy | None = None
+    first: int = 0
+    whole: bool = False
+
+
+_UNKNOWN = StepData(None)
+
+
+def step_data(micro: Sequence[Batch]) -> StepData:
+    """Where the data stands after `micro`, the micro-batches of one step (`StepData`).
+
+    A group `make_batches` yielded carries its position. A list, tuple or slice of a group's
+    micro-batches has the position after its last one, while the group lives: consecutive
+    micro-batches in their order (`list(micro)`, `micro[:k]`, then `micro[k:]`; a group's
+    `ZeroWeight(batch)` wrapping counts as the batch). Batches `make_batches` did not yield
+    (built by hand, or of a group no longer alive) have none.
+
+    Raises:
+        ValueError: for micro-batches of a group that are not consecutive in their order (one
+            left out, repeated or moved), of two `make_batches` calls, or mixed with batches of
+            other origin, where a `make_batches(data, state, ...)` call yielded some: the cursor
+            would count other micro-batches than the data went over, and a resume would repeat
+            or skip rows. (Those of calls without a state then have no position.)
+    """
+    if isinstance(micro, MicroBatches):
+        origin = micro.__dict__.get("_origin")
+        if origin is None:  # built by hand (or copied): its own position
+            return StepData(micro.position)
+        return StepData(micro.position, origin.call, origin.first, True)
+    table = STATE.micro_groups
+    if not table:  # no group of make_batches lives (a loop of batches built by hand)
+        return _UNKNOWN
+    found: list[tuple[MicroBatches | None, Batch]] = []
+    for batch in micro:
+        ref = table.get(id(batch))
+        if ref is None and type(batch) is ZeroWeight:  # one of yours left out of the gradient
+            batch = batch.batch
+            ref = table.get(id(batch))
+        found.append((None if ref is None else ref(), batch))
+    if all(g is None for g, _ in found):
+        return _UNKNOWN
+    # Refused only where a state's cursor counts them (make_batches(data, state, ...)): a call
+    # without a state (evaluation, tests) yields micro-batches that a step may mix freely, and
+    # they then have no position, as batches built by hand.
+    stateful = any(g.__dict__["_origin"].call.stateful for g, _ in found if g is not None)
+    if any(g is None for g, _ in found):
+        if not stateful:
+            return _UNKNOWN
+        theirs = sum(g is not None for g, _ in found)
+        raise ValueError(
+            f"micro holds {theirs} micro-batch(es) that make_batches yielded and "
+            f"{len(found) - theirs} of other origin (built by hand, or of a group that no longer "
+            "exists): the step's data position cannot be told, and state.data.cursor would "
+            "count micro-batches the data never went over, so a resume would repeat or skip "
+            "rows. Pass consecutive micro-batches of make_batches' groups, in their order (the "
+            "group itself, list(micro), micro[i:j]), and keep the group alive while you do"
+        )
+    places = [_place(group, batch) for group, batch in found]
+    call, first = places[0][0].call, places[0][1]
+    if any(o.call is not call for o, _ in places) or any(
+        index != first + k for k, (_, index) in enumerate(places)
+    ):
+        if not stateful:
+            return _UNKNOWN
+        shown = ", ".join(str(index) for _, index in places[:8])
+        raise ValueError(
+            f"micro holds micro-batches {shown}{', ...' if len(places) > 8 else ''} of the epoch "
+            + ("of two make_batches calls" if any(o.call is not call for o, _ in places)
+               else "as make_batches yielded them, not consecutive in their order")
+            + f": state.data.cursor would advance by {len(places)} while the data went over "
+            "others, so a resume would repeat or skip rows. Pass consecutive micro-batches in "
+            "the order make_batches yielded them (the group itself, list(micro), micro[i:j]); "
+            "to leave one out of the gradient, keep it in as ft.data.ZeroWeight(batch) (it "
+            "runs and counts nothing)"
+        )  # fmt: skip
+    # Consecutive, in order: as many of one group as it holds are the whole group.
+    group = found[0][0]
+    assert group is not None
+    whole = len(found) == len(group.batches) and all(g is group for g, _ in found)
+    last_origin, last = places[-1]
+    return StepData(last_origin.after[last - last_origin.first], call, first, whole)
+
+
+def _place(group: MicroBatches | None, batch: Batch) -> tuple[_Origin, int]:
+    """(the group's origin, the epoch's index of `batch` in it)."""
+    assert group is not None
+    origin: _Origin = group.__dict__["_origin"]
+    index = next(i for i, b in enumerate(group.batches) if b is batch)
+    return origin, origin.first + index
 
 
 class Source:

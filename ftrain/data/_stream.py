@@ -30,6 +30,7 @@ from ftrain.data._common import (
     Batch,
     Items,
     Loading,
+    MadeBy,
     MicroBatches,
     Pos,
     Source,
@@ -40,6 +41,7 @@ from ftrain.data._common import (
     is_stream,
     run_loader,
     seeded,
+    yielded_group,
 )
 from ftrain.rng import dropout_seed
 from ftrain.strategies import Strategy
@@ -785,6 +787,7 @@ def stream_groups(
     loading: Loading,
     agree: dict[str, Any],
     strategy: Strategy | None,
+    made_by: MadeBy,
 ) -> Iterator[MicroBatches]:
     """make_batches for an iterable source: groups of `accum` micro-batches with positions.
     Every rank must read the same global stream with the same settings (`agree`)."""
@@ -796,17 +799,22 @@ def stream_groups(
     pos = _resume(start, position, spec, source, about)
     micro = _MicroStream(source, spec, pos, start, _head(spec, about))
     if loading.num_workers == 0 and not loading.pin_memory:
-        return _grouped(iter(micro), spec.accum)
-    return _grouped(run_loader(loading.loader(micro)), spec.accum)
+        return _grouped(iter(micro), spec.accum, made_by, start)
+    return _grouped(run_loader(loading.loader(micro)), spec.accum, made_by, start)
 
 
-def _grouped(batches: Iterator[tuple[Batch, str]], accum: int) -> Iterator[MicroBatches]:
+def _grouped(
+    batches: Iterator[tuple[Batch, str]], accum: int, made_by: MadeBy, start: int
+) -> Iterator[MicroBatches]:
     group: list[Batch] = []
-    position = None
+    after: list[str] = []  # the stream position after each micro-batch of the group
+    first = start
     for batch, position in batches:
         group.append(batch)
+        after.append(position)
         if len(group) == accum:
-            yield MicroBatches(tuple(group), position)
-            group = []
+            yield yielded_group(tuple(group), tuple(after), made_by, first)
+            first += accum
+            group, after = [], []
     if group:
-        yield MicroBatches(tuple(group), position)
+        yield yielded_group(tuple(group), tuple(after), made_by, first)
