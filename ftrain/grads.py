@@ -12,14 +12,13 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ftrain.data import MicroBatches, ZeroWeight, weighted
-from ftrain.data._common import StepData, step_data
+from ftrain.data import MicroBatches, StepData, ZeroWeight, step_data, weighted
 from ftrain.losses import LossFn, _defaults, _items_before_forward, default_loss
 from ftrain.optim import ema_swapped
 from ftrain.process_state import STATE
 from ftrain.rng import default_generators, dropout_seeds
 from ftrain.state import TrainState, _Lease, unfrozen
-from ftrain.strategies import DDP, SingleDevice, Strategy, active_preemption
+from ftrain.strategies import Strategy, active_preemption
 
 __all__ = ["Grads", "Stats", "accumulate_grads", "batch_counts"]
 
@@ -507,9 +506,7 @@ def _check_micro_count(strategy: Strategy, n: int) -> None:
     (whose counts every process agreed on). Without it, the processes hung in unlike
     collectives until the backend's timeout (FSDP), or gloo aborted on a size mismatch (TP).
     """
-    if isinstance(strategy, SingleDevice) or (
-        isinstance(strategy, DDP) and not strategy.sync_every_micro
-    ):
+    if not getattr(strategy, "micro_counts_must_match", False):
         return
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):

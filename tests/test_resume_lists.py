@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ftrain as ft
-from ftrain.data._common import step_data
+from ftrain.data import step_data
 
 N = 24
 ROWS = [{"input_ids": [i + 1]} for i in range(N)]

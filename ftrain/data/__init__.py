@@ -8,6 +8,7 @@ from ftrain.data._collate import pad_collate as pad_collate
 from ftrain.data._common import Collate as Collate
 from ftrain.data._common import MicroBatches as MicroBatches
 from ftrain.data._common import Source as Source
+from ftrain.data._common import StepData as StepData
 from ftrain.data._common import ZeroWeight as ZeroWeight
 from ftrain.data._common import epoch_order as epoch_order
 from ftrain.data._common import is_stream as is_stream
@@ -15,6 +16,7 @@ from ftrain.data._common import length_grouped_order as length_grouped_order
 from ftrain.data._common import num_micro_batches as num_micro_batches
 from ftrain.data._common import run_loader as run_loader
 from ftrain.data._common import seeded as seeded
+from ftrain.data._common import step_data as step_data
 from ftrain.data._common import weighted as weighted
 from ftrain.data._position import check_position as check_position
 from ftrain.data._stream import IterableRows as IterableRows
@@ -27,6 +29,7 @@ __all__ = [
     "IterableRows",
     "MicroBatches",
     "Source",
+    "StepData",
     "ZeroWeight",
     "check_position",
     "epoch_order",
@@ -42,6 +45,7 @@ __all__ = [
     "pad_collate",
     "run_loader",
     "seeded",
+    "step_data",
     "stream",
     "weighted",
 ]

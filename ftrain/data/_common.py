@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import functools
 import hashlib
 import json
@@ -21,8 +20,7 @@ import torch
 
 from ftrain.process_state import STATE
 from ftrain.rng import dropout_seed
-from ftrain.strategies import Strategy, active_preemption
-from ftrain.strategies._group import collective_timeout, group_timeout
+from ftrain.strategies import Strategy, active_preemption, collective_seconds
 
 __all__ = [
     "MadeBy",
@@ -180,18 +178,6 @@ _ALONE = (
     "leaves it waiting too; it waits for the collective timeout (ft.strategies.from_env("
     "timeout=...), or FTRAIN_COLLECTIVE_TIMEOUT seconds)"
 )
-
-
-def collective_seconds() -> float:
-    """How long a collective of the default process group may wait for a peer, in seconds:
-    its timeout, else ftrain's default (`FTRAIN_COLLECTIVE_TIMEOUT`, 10 minutes)."""
-    timeout = group_timeout()
-    if timeout is None:
-        try:
-            timeout = collective_timeout()
-        except ValueError:  # a malformed FTRAIN_COLLECTIVE_TIMEOUT: from_env names it
-            timeout = datetime.timedelta(minutes=10)
-    return timeout.total_seconds()
 
 
 def _await_peers(

@@ -56,6 +56,11 @@ class Strategy(Protocol):
     grad_reduce_factor: float
     precision: Precision
     checkpoint_sharded: bool
+    # True where a micro-batch's forward or backward runs collectives (FSDP's gathers, TP's
+    # reductions, DDP's with sync_every_micro): every process must then run as many
+    # micro-batches a step, which accumulate_grads checks for batches not of one whole
+    # make_batches group. A strategy without it is taken as False.
+    micro_counts_must_match: bool
 
     @property
     def process_rank(self) -> int:
@@ -206,6 +211,7 @@ class SingleDevice:
     rank = 0
     world_size = 1
     grad_reduce_factor = 1.0
+    micro_counts_must_match = False
 
     def __init__(
         self, device: str | torch.device | None = None, *, precision: str | Precision | None = None

@@ -72,6 +72,9 @@ class DDP(ProcessGroupStrategy):
             )
         super().__init__("DDP", device, process_group, precision)
         self.sync_every_micro = sync_every_micro
+        # DDP reduces in the final backward only (no_sync around the others): uneven counts
+        # give the gradient of every rank's micro-batches, as they should.
+        self.micro_counts_must_match = sync_every_micro
         self._kwargs = ddp_kwargs
 
     def setup(self, model: nn.Module) -> nn.Module:

@@ -96,6 +96,18 @@ def group_timeout() -> timedelta | None:
     return timeout if isinstance(timeout, timedelta) else None
 
 
+def collective_seconds() -> float:
+    """How long a collective of the default process group may wait for a peer, in seconds:
+    its timeout, else ftrain's default (`FTRAIN_COLLECTIVE_TIMEOUT`, 10 minutes)."""
+    timeout = group_timeout()
+    if timeout is None:
+        try:
+            timeout = collective_timeout()
+        except ValueError:  # a malformed FTRAIN_COLLECTIVE_TIMEOUT: from_env names it
+            timeout = timedelta(minutes=10)
+    return timeout.total_seconds()
+
+
 def join_group(name: str, *, timeout: timedelta | None = None) -> bool:
     """Initialise the default process group from the launcher's environment unless one exists.
 
@@ -170,6 +182,8 @@ def _attempt_store(timeout: timedelta) -> dist.Store | None:
 
 class ProcessGroupStrategy:
     """What DDP and FSDP share: a process group, this rank's device, collectives on tensors."""
+
+    micro_counts_must_match = True  # FSDP gathers in every forward, TP reduces in it
 
     def __init__(
         self,
