@@ -224,6 +224,17 @@ def test_private_grads_without_noise_equal_opacus_dp_optimizer():
         torch.testing.assert_close(state.params[n], p, rtol=1e-5, atol=1e-7)
 
 
+def test_private_grads_of_a_list_of_a_group_keep_its_data_position():
+    """`private_grads(state, list(micro))` reported no position, as accumulate_grads did before
+    lists of a group carried it: clip_and_step then kept none, and a resume counted its cursor
+    in micro-batches of whatever size it was given."""
+    data = [{"x": torch.randn(6), "y": torch.tensor(i % 3)} for i in range(12)]
+    state = ft.TrainState.create(mlp(), ft.optim.sgd())
+    micro = next(ft.make_batches(data, state, batch_size=2, accum=2))
+    _, stats = ft.func.private_grads(state, list(micro), ce_loss, max_norm=1.0, noise_multiplier=0)
+    assert stats.position is not None and stats.position == micro.position
+
+
 def test_private_grads_clip_every_example_to_max_norm():
     state = ft.TrainState.create(mlp(), ft.optim.sgd())
     batch = {"x": torch.randn(1, 6) * 100, "y": torch.tensor([0])}

@@ -12,7 +12,7 @@ import torch
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ftrain.data import MicroBatches, weighted
+from ftrain.data import step_data, weighted
 from ftrain.extras.func._common import (
     FuncError,
     _LossModule,
@@ -466,7 +466,7 @@ def private_grads(
         num_tokens=torch.stack(tokens).sum().long(),
         num_samples=torch.tensor(examples, device=device),
         num_micro=len(micro),
-        position=micro.position if isinstance(micro, MicroBatches) else None,
+        position=step_data(micro).position,  # a list or slice of a group has it too
         loss_fn=_resolved(state, loss_fn),
         skip_empty=False,  # an empty Poisson batch's step applies its noise, as Opacus does
     )
