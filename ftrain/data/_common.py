@@ -454,18 +454,12 @@ def step_data(micro: Sequence[Batch]) -> StepData:
     # they then have no position, as batches built by hand.
     stateful = any(g.__dict__["_origin"].call.stateful for g, _ in found if g is not None)
     if any(g is None for g, _ in found):
-        if not stateful:
-            return _UNKNOWN
-        theirs = sum(g is not None for g, _ in found)
-        raise ValueError(
-            f"micro holds {theirs} micro-batch(es) that make_batches yielded and "
-            f"{len(found) - theirs} of other origin (built by hand, or of a group that no longer "
-            "exists): the step's data position cannot be told, and state.data.cursor would "
-            "count micro-batches the data never went over, so a resume would repeat or skip "
-            "rows. Pass consecutive micro-batches of make_batches' groups, in their order (the "
-            "group itself, list(micro), micro[i:j]), and keep the group alive while you do"
-        )
-    places = [_place(group, batch) for group, batch in found]
+        # Some of another origin: built by hand, or of a group already freed (a step gathered
+        # from several accum=1 groups, of which only the last is still held: a token budget).
+        # The two cannot be told apart, so the position is not known, as for batches built by
+        # hand; the cursor advances by every micro-batch (reviewed: refusing broke the latter).
+        return _UNKNOWN
+    places = _places(found)
     call, first = places[0][0].call, places[0][1]
     if any(o.call is not call for o, _ in places) or any(
         index != first + k for k, (_, index) in enumerate(places)
@@ -491,12 +485,21 @@ def step_data(micro: Sequence[Batch]) -> StepData:
     return StepData(last_origin.after[last - last_origin.first], call, first, whole)
 
 
-def _place(group: MicroBatches | None, batch: Batch) -> tuple[_Origin, int]:
-    """(the group's origin, the epoch's index of `batch` in it)."""
-    assert group is not None
-    origin: _Origin = group.__dict__["_origin"]
-    index = next(i for i, b in enumerate(group.batches) if b is batch)
-    return origin, origin.first + index
+def _places(found: list[tuple[MicroBatches | None, Batch]]) -> list[tuple[_Origin, int]]:
+    """(each batch's group origin, the epoch's index of the batch in it). A batch object a group
+    holds more than once (pre-batched data repeating one batch) is taken at its next place after
+    the last one taken from that group, so `list(micro)` of such a group is its own order."""
+    taken: dict[int, int] = {}
+    places = []
+    for group, batch in found:
+        assert group is not None
+        origin: _Origin = group.__dict__["_origin"]
+        after = taken.get(id(group), -1)
+        spots = [i for i, b in enumerate(group.batches) if b is batch]
+        index = next((i for i in spots if i > after), spots[0])
+        taken[id(group)] = index
+        places.append((origin, origin.first + index))
+    return places
 
 
 class Source:
