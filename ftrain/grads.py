@@ -471,7 +471,8 @@ def _check_cursor(state: TrainState, data: StepData, n: int) -> None:
     elif first > cursor:
         why = (
             f"micro-batch(es) {cursor} to {first - 1} were not stepped on (a group cut short, "
-            "micro[:k] without micro[k:], or one left out)"
+            "micro[:k] without micro[k:], or one left out), or clip_and_step was given no "
+            "stats=stats (the cursor advances by the stats it gets)"
         )
         fix = (
             "step on every micro-batch in order; to pass over them untrained, move the cursor "

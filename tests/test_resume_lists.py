@@ -231,3 +231,13 @@ def test_a_copied_or_unpickled_group_is_one_built_by_hand_with_its_position():
         assert step_data(other) == (micro.position, None, 0, False)
     assert step_data(micro).whole and step_data(list(micro)).whole
     assert not step_data(micro[:1]).whole
+
+
+def test_a_step_without_stats_is_named_when_the_next_group_is_refused():
+    """clip_and_step(state, grads) without stats= leaves the cursor where it was, so the next
+    group is not where the state stands: the message named only a group cut short."""
+    state = _state()
+    with pytest.raises(ValueError, match=r"clip_and_step was given no stats=stats"):
+        for micro in ft.make_batches(ROWS, state, batch_size=2, accum=3):
+            grads, _ = ft.accumulate_grads(state, micro, _loss)
+            state, _ = ft.clip_and_step(state, grads, lr=0.1)

@@ -501,8 +501,14 @@ def test_a_run_mlflow_run_id_names_is_checked_as_a_restarts_run_is(
         r"experiment='x' was given.*or unset MLFLOW_RUN_ID for a new run"
     ):  # fmt: skip
         sink(experiment="x")
-    with pytest.raises(ValueError, match="whose run_name is 'job', but run_name='other'"):
-        sink(run_name="other")
+    # The platform's run keeps its name (MLflow's start_run(run_id=...) does): a script's
+    # run_name there was refused, stopping every Azure ML job that named its runs.
+    with pytest.warns(UserWarning, match="named 'job'; run_name='other' is not applied to it"):
+        named = ft.logging.MLflowSink(
+            tmp_path / "named", tracking_uri=mlflow_uri, run_name="other", rank=0
+        )
+    named.close()
+    assert named.run_id == outer and client.get_run(outer).info.run_name == "job"
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "elsewhere")  # the run's own experiment wins
     sink(rank=0, experiment="outer", run_name="job").close()
     (root / "mlflow_run_id").write_text(outer + "\n")

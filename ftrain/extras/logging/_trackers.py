@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -294,6 +295,7 @@ class _Source:
     """Where the id of a run to resume came from: `run_dir`'s file, or `MLFLOW_RUN_ID`."""
 
     def __init__(self, id_file: Path, *, from_env: bool) -> None:
+        self.from_env = from_env
         self.name = "MLFLOW_RUN_ID" if from_env else str(id_file)
         self.new_run = "unset MLFLOW_RUN_ID" if from_env else "delete the file"
         self.other_run = "unset MLFLOW_RUN_ID" if from_env else "use a new run_dir"
@@ -332,7 +334,18 @@ def _check_resume(
     # log into a run it did not ask for. Those not given (MLFLOW_EXPERIMENT_NAME, which names
     # a new run's experiment) are the stored run's.
     held = client.get_experiment(run.info.experiment_id).name
-    checks = (("experiment", experiment, held), ("run_name", run_name, run.info.run_name))
+    checks = [("experiment", experiment, held), ("run_name", run_name, run.info.run_name)]
+    if source.from_env and run_name is not None and run_name != run.info.run_name:
+        # The platform's run (Azure ML, `mlflow run`) keeps its name, as MLflow's start_run
+        # does for a run id it is given: a script's run_name there is no conflict to stop for.
+        warnings.warn(
+            f"MLflowSink: MLFLOW_RUN_ID names run {run_id!r}, named {run.info.run_name!r}; "
+            f"run_name={run_name!r} is not applied to it (unset MLFLOW_RUN_ID for a run of "
+            "that name)",
+            UserWarning,
+            stacklevel=4,
+        )
+        checks.pop()
     for arg, asked, have in checks:
         if asked is not None and asked != have:
             raise ValueError(
