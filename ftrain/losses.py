@@ -105,8 +105,12 @@ def model_inputs(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
         >>> str(seen[0].message)  # doctest: +ELLIPSIS
         "the model's forward (Lm) takes no 'id': left out of its inputs..."
     """
-    names, required = _forward_names(model)
-    inputs = {k: v for k, v in batch.items() if k != "labels" and (names is None or k in names)}
+    names, required, through = _forward_names(model)
+    inputs = {
+        k: v
+        for k, v in batch.items()
+        if k != "labels" and (names is None or k in names or (through and torch.is_tensor(v)))
+    }
     if not required <= inputs.keys():
         missing = ", ".join(repr(k) for k in sorted(required - inputs.keys()))
         raise TypeError(
@@ -214,15 +218,20 @@ def _masked(batch: Mapping[str, Any]) -> bool:
     return batch.get("attention_mask") is not None
 
 
-_Params = tuple[frozenset[str] | None, frozenset[str]]
+_Params = tuple[frozenset[str] | None, frozenset[str], bool]
 
 
 def _forward_names(model: nn.Module) -> _Params:
-    """The batch keys the innermost model's `forward` takes (None: every key) and those of its
-    named parameters without a default.
+    """The batch keys the innermost model's `forward` takes (None: every key), those of its
+    named parameters without a default, and whether other keys holding tensors go through its
+    `**kwargs` too.
 
-    A forward with `**kwargs` takes every key, but an HF model's (`PreTrainedModel`) only the
-    parameters it names and the keys its `**kwargs: Unpack[...]` annotation declares
+    A forward with `**kwargs` only takes every key; one of your own that names parameters too
+    takes them and any other key holding a tensor (`token_type_ids` passed on to an inner
+    BERT), not a raw `text` or `id` column (which `model(**batch)` would pass on, failing in
+    the layer it reaches: the Trainer's remove_unused_columns leaves them out). An HF model's
+    (`PreTrainedModel`) takes only the parameters it names and the keys its
+    `**kwargs: Unpack[...]` annotation declares
     (`TransformersKwargs`: the packed-sequence `cu_seq_lens_q`, `seq_idx`, ...), less
     `position_ids`, which counts only where the forward names it (Bloom takes it through
     `**kwargs` and ignores it): HF models pass any keyword on, so a raw `text` column stays
@@ -243,12 +252,12 @@ def _forward_names(model: nn.Module) -> _Params:
     required = frozenset(p.name for p in named if p.default is inspect.Parameter.empty)
     var = next((p for p in params if p.kind is inspect.Parameter.VAR_KEYWORD), None)
     names: frozenset[str] | None = frozenset(p.name for p in named) or None
-    if var is not None and names is not None:
-        if _is_hf(base):
-            names |= _declared_kwargs(var.annotation) - {"position_ids"}
-        else:
-            names = None  # a forward of your own with **kwargs: every key, as model(**batch)
-    found = (names, required - {"labels"})
+    through = var is not None and names is not None  # other keys may go through **kwargs
+    if through and _is_hf(base):
+        assert var is not None and names is not None
+        names |= _declared_kwargs(var.annotation) - {"position_ids"}
+        through = False  # an HF model's: only the keys it declares
+    found = (names, required - {"labels"}, through)
     # A weak reference: the base is often the model itself, the memo's (weak) key.
     memo[model] = (weakref.ref(base), _forward_of(base), found)
     return found

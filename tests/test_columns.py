@@ -90,7 +90,8 @@ def test_a_forward_with_named_arguments_and_kwargs_gets_every_key():
     """A model of your own whose forward names some arguments and passes `**kwargs` on (here
     to a BERT encoder): the keys it does not name were left out with a warning that it took no
     such key, so BERT ran without the batch's token_type_ids, silently changing its outputs.
-    A forward with **kwargs takes every key, as `model(**batch)` would."""
+    Its **kwargs take the other keys holding tensors; a raw `text` column stays out with the
+    warning (passed on, it failed in BERT: the Trainer's remove_unused_columns drops it)."""
     import warnings
 
     from transformers import BertConfig, BertModel
@@ -124,6 +125,9 @@ def test_a_forward_with_named_arguments_and_kwargs_gets_every_key():
             want = model(ids, torch.ones_like(ids), token_type_ids=types)
             without = model(ids, torch.ones_like(ids))
     assert torch.equal(got, want) and not torch.equal(got, without)
+    with pytest.warns(UserWarning, match="takes no 'text'"):
+        raw = ft.losses.model_inputs(model, {**batch, "text": ["a sentence"]})
+    assert sorted(raw) == ["attention_mask", "input_ids", "token_type_ids"]
 
 
 def test_an_hf_models_declared_kwargs_pass_and_undeclared_keys_stay_out():
