@@ -296,7 +296,8 @@ def readme_loop(a: argparse.Namespace, model: torch.nn.Module, loss_fn: Callable
         pin = device.type == "cuda"
 
         def steps() -> Iterator[Any]:
-            while True:
+            nonlocal state
+            while True:  # epochs, as the example's loop (past one, make_batches yields none)
                 yield from ft.make_batches(
                     windows,
                     state,
@@ -305,6 +306,7 @@ def readme_loop(a: argparse.Namespace, model: torch.nn.Module, loss_fn: Callable
                     num_workers=a.workers,
                     pin_memory=pin,
                 )
+                state = ft.next_epoch(state)
     else:  # nanoGPT's get_batch, `accum` windows of random rows read in the loop
 
         def steps() -> Iterator[Any]:
