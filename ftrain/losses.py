@@ -144,16 +144,18 @@ def model_inputs(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
         dropped = ", ".join(repr(k) for k in batch if k != "labels" and k not in inputs)
         base = _base_model(model)
         params = inspect.signature(base.forward).parameters.values()
-        through = (
-            "; an HF model's **kwargs get only the keys they declare, as HF models pass any "
-            "keyword on to their layers"
-            if any(p.kind is p.VAR_KEYWORD for p in params)
-            else ""
-        )
+        note = ""
+        if any(p.kind is p.VAR_KEYWORD for p in params):
+            note = (
+                "; its **kwargs get the other keys holding tensors only"
+                if through
+                else "; an HF model's **kwargs get only the keys they declare, as HF models "
+                "pass any keyword on to their layers"
+            )
         warnings.warn(
             f"the model's forward ({type(base).__name__}) takes no {dropped}: left out of its "
             "inputs, as the Trainer's remove_unused_columns does (the batch keeps them for a "
-            f"loss_fn of your own; drop them from the data to silence this{through})",
+            f"loss_fn of your own; drop them from the data to silence this{note})",
             UserWarning,
             stacklevel=3,
         )

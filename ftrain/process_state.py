@@ -116,8 +116,9 @@ class Closable(Protocol):
 
 
 _Weak = weakref.WeakKeyDictionary
-# `forward_inputs`' values: (weak reference to the innermost model, its forward, (names, required)).
-_ForwardRead = tuple[Any, Any, tuple[frozenset[str] | None, frozenset[str]]]
+# `forward_inputs`' values: (weak reference to the innermost model, its forward,
+# (names, required, whether other tensor keys go through its **kwargs)).
+_ForwardRead = tuple[Any, Any, tuple[frozenset[str] | None, frozenset[str], bool]]
 
 
 @dataclass
