@@ -85,7 +85,7 @@ def test_a_cuda_collective_no_peer_joins_ends_before_the_watchdog_would():
 
     import torch
 
-    from ftrain.data._common import _await_peers
+    from ftrain.strategies import await_collective as _await_peers
 
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"waited 0\.18 s"):

@@ -10,7 +10,6 @@ import hashlib
 import json
 import random
 import signal
-import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, overload
@@ -20,7 +19,7 @@ import torch
 
 from ftrain.process_state import STATE
 from ftrain.rng import dropout_seed
-from ftrain.strategies import Strategy, active_preemption, collective_seconds
+from ftrain.strategies import Strategy, active_preemption, await_collective, collective_seconds
 
 __all__ = [
     "MadeBy",
@@ -148,7 +147,7 @@ def agree_over_ranks(strategy: Strategy | None, given: dict[str, Any]) -> None:
     total = torch.tensor(mine, dtype=torch.float64, device=strategy.device)
     try:
         summed = strategy.sum_over_processes(total)
-        _await_peers(summed.device, collective_seconds())
+        await_collective(summed.device, collective_seconds())
         got = summed.tolist()  # host sync, once per make_batches call
     except (RuntimeError, TimeoutError) as e:  # gloo's timeout or a peer gone; ours below
         raise RuntimeError(_ALONE.format(why=e)) from e
@@ -178,28 +177,6 @@ _ALONE = (
     "leaves it waiting too; it waits for the collective timeout (ft.strategies.from_env("
     "timeout=...), or FTRAIN_COLLECTIVE_TIMEOUT seconds)"
 )
-
-
-def _await_peers(
-    device: torch.device, seconds: float, done: Callable[[], bool] | None = None
-) -> None:
-    """Wait until the collective just enqueued on `device` completes, raising `TimeoutError`
-    after 90% of `seconds`: an NCCL collective no peer joins is otherwise ended by torch's
-    watchdog at the timeout, which aborts the process with NCCL's message (a gloo one raises
-    on its own, in the call). `done` (tests) stands for the CUDA event's query."""
-    if done is None:
-        if device.type != "cuda":
-            return  # gloo waits in the call itself, and raises at its timeout
-        event = torch.cuda.Event()
-        event.record()
-        done = event.query
-    deadline = time.monotonic() + 0.9 * seconds
-    pause = 1e-4
-    while not done():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {0.9 * seconds:.3g} s")
-        time.sleep(pause)
-        pause = min(pause * 2, 0.05)
 
 
 def _short(value: Any) -> str:

@@ -8,6 +8,7 @@ from ftrain.strategies._base import local_grad_norm as local_grad_norm
 from ftrain.strategies._ddp import DDP as DDP
 from ftrain.strategies._env import from_env as from_env
 from ftrain.strategies._fsdp import FSDP as FSDP
+from ftrain.strategies._group import await_collective as await_collective
 from ftrain.strategies._group import collective_seconds as collective_seconds
 from ftrain.strategies._placement import gather_whole as gather_whole
 from ftrain.strategies._placement import is_distributed as is_distributed
@@ -28,6 +29,7 @@ __all__ = [
     "Strategy",
     "active_preemption",
     "bare_module",
+    "await_collective",
     "collective_seconds",
     "default_device",
     "from_env",

@@ -9,6 +9,7 @@ import contextlib
 import gc
 import os
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -106,6 +107,29 @@ def collective_seconds() -> float:
         except ValueError:  # a malformed FTRAIN_COLLECTIVE_TIMEOUT: from_env names it
             timeout = timedelta(minutes=10)
     return timeout.total_seconds()
+
+
+def await_collective(
+    device: torch.device, seconds: float, done: Callable[[], bool] | None = None
+) -> None:
+    """Wait until the collective just enqueued on `device` completes, raising `TimeoutError`
+    after 90% of `seconds` (`collective_seconds()`): an NCCL collective no peer joins is
+    otherwise ended by torch's watchdog at the timeout, which aborts the process with NCCL's
+    message (a gloo one raises on its own, in the call). `done` (tests) stands for the CUDA
+    event's query."""
+    if done is None:
+        if device.type != "cuda":
+            return  # gloo waits in the call itself, and raises at its timeout
+        event = torch.cuda.Event()
+        event.record()
+        done = event.query
+    deadline = time.monotonic() + 0.9 * seconds
+    pause = 1e-4
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {0.9 * seconds:.3g} s")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 def join_group(name: str, *, timeout: timedelta | None = None) -> bool:
