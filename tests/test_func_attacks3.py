@@ -32,6 +32,19 @@ def _batch(n=4):
     return {"x": torch.randn(n, 3), "y": torch.randn(n, 1)}
 
 
+def _each_member_steps_as_alone(ensemble, members, opt, batch):
+    """One clipped step of the ensemble equals each member's own step, member by member."""
+    ens = ft.TrainState.create(ensemble, opt())
+    grads, stats = ft.accumulate_grads(ens, [batch], ft.func.ensemble_loss(mse))
+    ens, _ = ft.clip_and_step(ens, grads, lr=0.1, stats=stats)
+    for k, m in enumerate(members):
+        alone = ft.TrainState.create(copy.deepcopy(m), opt())
+        grads, stats = ft.accumulate_grads(alone, [batch], mse)
+        alone, _ = ft.clip_and_step(alone, grads, lr=0.1, stats=stats)
+        for n, p in alone.params.items():
+            torch.testing.assert_close(ens.params[f"stacked.{n}"][k], p, msg=f"{k} {n}")
+
+
 def test_private_grads_clip_a_model_with_a_0_dim_parameter():
     # flatten(1) of the (examples,) gradient of a 0-dim parameter raised IndexError.
     torch.manual_seed(0)
@@ -100,15 +113,7 @@ def test_clip_by_global_norm_in_a_chain_clips_each_ensemble_member_by_its_own_no
 
     members = [_member(0, 1.0), _member(1, 20.0)]
     batch = _batch()
-    ens = ft.TrainState.create(ft.func.Ensemble(copy.deepcopy(members)), opt())
-    grads, stats = ft.accumulate_grads(ens, [batch], ft.func.ensemble_loss(mse))
-    ens, _ = ft.clip_and_step(ens, grads, lr=0.1, stats=stats)
-    for k, m in enumerate(members):
-        alone = ft.TrainState.create(copy.deepcopy(m), opt())
-        grads, stats = ft.accumulate_grads(alone, [batch], mse)
-        alone, _ = ft.clip_and_step(alone, grads, lr=0.1, stats=stats)
-        for n, p in alone.params.items():
-            torch.testing.assert_close(ens.params[f"stacked.{n}"][k], p, msg=f"{k} {n}")
+    _each_member_steps_as_alone(ft.func.Ensemble(copy.deepcopy(members)), members, opt, batch)
 
 
 def test_muon_refuses_the_stacked_parameters_of_an_ensemble():
@@ -214,15 +219,7 @@ def test_an_ensemble_whose_parameters_torch_replaced_is_still_one(build):
     ft.TrainState.create(build(members), ft.func.sweep([ft.optim.sgd(), ft.optim.sgd()]))
     opt = lambda: ft.optim.chain(ft.optim.clip_by_global_norm(0.5), ft.optim.sgd())  # noqa: E731
     batch = _batch()
-    ens = ft.TrainState.create(build(members), opt())
-    grads, stats = ft.accumulate_grads(ens, [batch], ft.func.ensemble_loss(mse))
-    ens, _ = ft.clip_and_step(ens, grads, lr=0.1, stats=stats)
-    for k, m in enumerate(members):
-        alone = ft.TrainState.create(copy.deepcopy(m), opt())
-        grads, stats = ft.accumulate_grads(alone, [batch], mse)
-        alone, _ = ft.clip_and_step(alone, grads, lr=0.1, stats=stats)
-        for n, p in alone.params.items():
-            torch.testing.assert_close(ens.params[f"stacked.{n}"][k], p, msg=f"{k} {n}")
+    _each_member_steps_as_alone(build(members), members, opt, batch)
 
 
 def test_torch_load_with_weights_only_takes_an_ensembles_saved_parameters(tmp_path):

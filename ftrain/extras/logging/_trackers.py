@@ -148,16 +148,9 @@ class MLflowSink:
         params = {k: str(v) for k, v in (params or {}).items()}
         for k in params:  # before a run is made for them
             _check_name(k, f"params key {k!r}", "rename the key")
-        stored = _read_id(id_file)
         # MLflow's own way to attach to a run (`mlflow run`, Azure ML jobs; mlflow.start_run()
         # resumes it): ignored, the sink made a run of its own beside the one the job watches.
-        attach = os.environ.get("MLFLOW_RUN_ID") or None
-        if stored is not None and attach is not None and attach != stored:
-            raise ValueError(
-                f"{id_file} names MLflow run {stored!r} but MLFLOW_RUN_ID={attach!r}: unset "
-                "MLFLOW_RUN_ID to resume the stored run, or use a new run_dir (or delete the "
-                "file) to log into the MLflow run the environment names"
-            )
+        stored, attach = _stored_and_attached(id_file, "MLFLOW_RUN_ID", "MLflow")
         if (resume := attach if stored is None else stored) is not None:
             # Checked now, on every rank whose rank is not known yet: reading changes nothing.
             client = MlflowClient(tracking_uri)
@@ -252,6 +245,21 @@ def _check_name(name: Any, what: str, fix: str) -> None:
     else:
         return
     raise ValueError(f"MLflowSink: {what} {problem}; {fix}")
+
+
+def _stored_and_attached(
+    id_file: Path, variable: str, tracker: str
+) -> tuple[str | None, str | None]:
+    """The run id `id_file` holds and the one the environment's `variable` names (None where
+    absent); raise where both name runs and they differ (which one to log into is not said)."""
+    stored, attach = _read_id(id_file), os.environ.get(variable) or None
+    if stored is not None and attach is not None and attach != stored:
+        raise ValueError(
+            f"{id_file} names {tracker} run {stored!r} but {variable}={attach!r}: unset "
+            f"{variable} to resume the stored run, or use a new run_dir (or delete the file) to "
+            f"log into the {tracker} run the environment names"
+        )
+    return stored, attach
 
 
 def _experiment_id(client: Any, name: str, by_id: str | None) -> str:
@@ -527,14 +535,8 @@ class WandbSink:
             raise ImportError("WandbSink needs wandb: pip install 'ftrain[wandb]'") from e
         run_dir = Path(run_dir)
         id_file = run_dir / "wandb_run_id"
-        stored = _read_id(id_file)
-        attach = os.environ.get("WANDB_RUN_ID") or None
-        if stored is not None and attach is not None and attach != stored:
-            # wandb.init(id=stored) wins over the variable: the job's run stayed empty.
-            raise ValueError(
-                f"WandbSink: {id_file} names W&B run {stored!r} but WANDB_RUN_ID={attach!r}: "
-                "unset WANDB_RUN_ID to resume the stored run, or use a new run_dir"
-            )
+        # wandb.init(id=stored) won over the variable: the job's run stayed empty.
+        stored, attach = _stored_and_attached(id_file, "WANDB_RUN_ID", "W&B")
         # W&B takes no config on resume (offline it cannot read the run's): the params are
         # kept beside the id and a restart's compared with them, as MLflowSink does.
         params_file = run_dir / "wandb_run_params.json"
