@@ -211,8 +211,9 @@ def accumulate_grads(
     `dropout_seed(state.seed, state.step, i, rank)` for micro-batch i. No host sync (but one
     under FSDP, TP or DDP with `sync_every_micro` for micro-batches other than a whole
     `make_batches` group, whose count every process must agree on: see Raises).
-    With the default loss on causal-LM batches and at least `COUNT_FIRST_NUMEL` (2**20)
-    parameters, the label tokens are counted before any forward and each loss is divided
+    With the default loss on causal-LM batches, or a loss that counts from the batch alone
+    (`ft.losses.counted`), and at least `COUNT_FIRST_NUMEL` (2**20) parameters, the items
+    (label tokens) are counted before any forward and each loss is divided
     before backward, as a raw loop does: no extra pass over the gradients, the same result to
     float rounding.
 
@@ -674,14 +675,21 @@ def _inverse_count(
     depends on the model and the batches' structure only (a ZeroWeight stand-in counts 0)."""
     if not _at_least(state.tensors_.params, COUNT_FIRST_NUMEL):
         return None
-    counts = []
+    counts, host = [], 0.0
     for batch in micro:
         batch, weight = weighted(batch)
         n = _items_before_forward(loss_fn, batch, state.tensors_.model)
         if n is None:
             return None
-        counts.append(n if weight else n * 0)
-    total = torch.stack(counts).sum().to(strategy.device, torch.float64, non_blocking=True)
+        if isinstance(n, torch.Tensor):
+            counts.append(n if weight else n * 0)
+        elif weight:  # a number (a `counted` loss's): summed on the host, exactly
+            host += n
+    if not counts:
+        total = torch.tensor(host, dtype=torch.float64).to(strategy.device, non_blocking=True)
+    else:
+        total = torch.stack(counts).sum().to(strategy.device, torch.float64, non_blocking=True)
+        total = total + host if host else total
     total = strategy.all_reduce_sum(total).clamp(min=1.0)
     if strategy.grad_reduce_factor != 1:
         total = total * strategy.grad_reduce_factor

@@ -26,7 +26,9 @@ __all__ = [
     "LossFn",
     "causal_lm_loss",
     "causal_targets",
+    "Counted",
     "classification_loss",
+    "counted",
     "decoder_input_ids",
     "default_loss",
     "loss_for",
@@ -1045,12 +1047,99 @@ def _refuse_preshifted_labels(batch: Any) -> None:
 _IDS_LABELS = ("input_ids", "labels")
 
 
-def _items_before_forward(
-    loss_fn: LossFn, batch: Any, model: nn.Module | None = None
-) -> torch.Tensor | None:
+class Counted:
+    """A loss of your own whose item count is read from the batch alone: `counted(sum_fn,
+    items)`. Called as a `LossFn`, it returns `(sum_fn(model, batch), items(batch))`.
+
+    `accumulate_grads` can then count a step's items before any forward and divide each
+    micro-batch's loss by the global count before backward (as it does for its own token
+    losses, from `COUNT_FIRST_NUMEL` parameters on), instead of dividing the gradients by it
+    after the last backward: one pass over every gradient less a step, the same result to float
+    rounding. The count it divides by and the count it reports are the same function of the
+    same batch, so they cannot disagree.
+    """
+
+    __slots__ = ("items", "sum_fn")
+
+    def __init__(self, sum_fn: Callable[[nn.Module, Any], torch.Tensor], items: Any) -> None:
+        for name, fn in (("sum_fn", sum_fn), ("items", items)):
+            if not callable(fn):
+                raise TypeError(f"counted: {name} must be callable, got {fn!r}")
+        self.sum_fn, self.items = sum_fn, items
+
+    def __call__(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        total = self.sum_fn(model, batch)
+        if not isinstance(total, torch.Tensor) or total.numel() != 1:
+            raise TypeError(
+                f"counted: {loss_name(self)} must return the loss *sum* as a one-element "
+                f"tensor (the count comes from items(batch)), got {_described(total)}"
+            )
+        return total, self.count(batch)
+
+    def count(self, batch: Any) -> Any:
+        """`items(batch)`, checked: a non-negative number, or a one-element tensor of one."""
+        n = self.items(batch)
+        if isinstance(n, torch.Tensor):
+            if n.numel() != 1 or n.dtype == torch.bool or n.is_complex():
+                raise TypeError(
+                    f"counted: items(batch) must be one number (the batch's item count), "
+                    f"got {_described(n)}"
+                )
+            return n
+        if isinstance(n, bool) or not isinstance(n, (int, float)) or not n >= 0:
+            raise TypeError(
+                f"counted: items(batch) must be a number >= 0 (the batch's item count), got {n!r}"
+            )
+        return n
+
+    def __repr__(self) -> str:
+        return f"counted({self.sum_fn!r}, items={self.items!r})"
+
+
+def counted(sum_fn: Callable[[nn.Module, Any], torch.Tensor], items: Any) -> Counted:
+    """A `LossFn` from a loss *sum* and its item count read from the batch alone.
+
+    For a loss of your own whose count does not depend on the model's output (the targets'
+    size, the label tokens), this lets `accumulate_grads` count the step's items before the
+    forward and divide each loss before backward, as a raw loop does, saving one pass over the
+    gradients a step on models of `COUNT_FIRST_NUMEL` parameters and more (docs/api.md). Below
+    that size, and in `evaluate`, it is a plain `LossFn`.
+
+    Args:
+        sum_fn: `(model, batch) -> loss_sum`, a one-element tensor (the *sum* over items).
+        items: `batch -> count`, an int, a float (a weighted count) or a one-element tensor.
+
+    Raises:
+        TypeError: when either is not callable; on a call, when `sum_fn` returns anything but
+            a one-element tensor (e.g. a `(sum, count)` pair) or `items` anything but one
+            non-negative number.
+
+    Example:
+        >>> import torch, torch.nn.functional as F, ftrain as ft
+        >>> def ce_sum(model, batch):
+        ...     x, y = batch
+        ...     return F.cross_entropy(model(x), y, reduction="sum")
+        >>> loss_fn = ft.losses.counted(ce_sum, items=lambda batch: batch[1].numel())
+        >>> model = torch.nn.Linear(3, 2)
+        >>> loss, n = loss_fn(model, [torch.zeros(4, 3), torch.zeros(4, dtype=torch.long)])
+        >>> n
+        4
+    """
+    return Counted(sum_fn, items)
+
+
+def _described(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    return f"{type(value).__name__} {value!r}"[:200]
+
+
+def _items_before_forward(loss_fn: LossFn, batch: Any, model: nn.Module | None = None) -> Any:
     """The item count `loss_fn` will report for `batch`, known without running the model
-    (token losses, issue 12; the default loss once `model` says which); None when it is not
-    known in advance."""
+    (token losses, issue 12; the default loss once `model` says which; a `counted` loss);
+    None when it is not known in advance."""
+    if type(loss_fn) is Counted:
+        return loss_fn.count(batch)
     if loss_fn is default_loss:
         if model is None:
             return None
@@ -1085,8 +1174,8 @@ def default_loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tens
 def loss_name(fn: Callable[..., Any] | None) -> str:
     """The name `evaluate` records as `eval_loss_fn`: `module.qualname` of a loss function.
 
-    None is the default loss. A `functools.partial` is named by the function it wraps, and a
-    callable object by its class.
+    None is the default loss. A `functools.partial` and a `counted` loss are named by the
+    function they wrap, and a callable object by its class.
 
     Example:
         >>> from ftrain.losses import loss_name
@@ -1094,7 +1183,7 @@ def loss_name(fn: Callable[..., Any] | None) -> str:
         'ftrain.losses.default_loss'
     """
     fn = default_loss if fn is None else fn
-    while isinstance(fn, functools.partial):
-        fn = fn.func
+    while isinstance(fn, functools.partial | Counted):
+        fn = fn.func if isinstance(fn, functools.partial) else fn.sum_fn
     named = fn if hasattr(fn, "__qualname__") else type(fn)
     return f"{named.__module__}.{named.__qualname__}"

@@ -93,6 +93,34 @@ def test_step_path_never_syncs(precision):
         assert state.scaler.scale is not None and float(state.scaler.scale) > 0
 
 
+def _loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return _loss(model, batch)[0]
+
+
+@pytest.mark.parametrize("items", ["host", "device"])
+def test_counting_first_never_syncs(monkeypatch, items):
+    """The count-first path (models of `COUNT_FIRST_NUMEL` parameters and more; forced here)
+    with a loss of one's own (`ft.losses.counted`) whose count is a host int (the targets'
+    size: copied to the device without waiting) or a device tensor."""
+    import ftrain.grads as grads_module
+
+    monkeypatch.setattr(grads_module, "COUNT_FIRST_NUMEL", 1)
+    device = torch.device("cuda")
+    strategy = ft.strategies.SingleDevice(device)
+    state = ft.TrainState.create(TinyLM(), ft.optim.adamw(), strategy=strategy)
+    count = (lambda b: b["labels"].numel()) if items == "host" else (
+        lambda b: (b["labels"] != -100).sum())  # fmt: skip
+    loss_fn = ft.losses.counted(_loss_sum, items=count)
+    micro = _micro(device)
+    grads, stats = ft.accumulate_grads(state, micro, loss_fn)
+    state, _ = ft.clip_and_step(state, grads, stats=stats, lr=1e-3, max_norm=1.0)
+    with _no_sync():
+        for _ in range(3):
+            grads, stats = ft.accumulate_grads(state, micro, loss_fn)
+            state, _ = ft.clip_and_step(state, grads, stats=stats, lr=1e-3, max_norm=1.0)
+    assert state.step == 4 and float(stats.loss) > 0
+
+
 def test_fp16_overflow_skips_and_backs_off_without_sync():
     device = torch.device("cuda")
     torch.manual_seed(0)

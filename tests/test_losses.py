@@ -493,3 +493,107 @@ def test_a_forward_patched_after_a_call_is_read_again():
         assert sorted(L.model_inputs(model, batch)) == ["input_ids", "scale"]
     with pytest.raises(TypeError, match=r"the model's forward \(Tagger\) needs 'scale'"):
         L.model_inputs(model, {"input_ids": batch["input_ids"]})
+
+
+def _xy_sum(model, batch):
+    """A loss of one's own: cross-entropy summed over (x, y) rows."""
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y, reduction="sum")
+
+
+def _xy_plain(model, batch):
+    return _xy_sum(model, batch), batch[1].numel()
+
+
+def _xy_batches(n, rows=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        [torch.randn(rows - i, 6, generator=g, dtype=torch.float64), torch.arange(rows - i) % 3]
+        for i in range(n)
+    ]
+
+
+def test_counted_counts_before_the_forward_and_trains_as_the_plain_loss(monkeypatch):
+    """`ft.losses.counted`: a loss of one's own whose count is read from the batch takes the
+    count-first path (each loss divided before backward, no pass over the gradients) from
+    `COUNT_FIRST_NUMEL` on, with the gradients and stats of the plain (sum, count) loss; a
+    ZeroWeight stand-in counts nothing and a fractional (weighted) count stays exact."""
+    import ftrain.grads as grads_module
+
+    model = torch.nn.Linear(6, 3).double()
+    state = ft.TrainState.create(model, ft.optim.sgd())
+    micro = [*_xy_batches(3), ft.data.ZeroWeight(_xy_batches(1, seed=9)[0])]
+    ref, ref_stats = ft.accumulate_grads(state, micro, _xy_plain)
+    ref = {k: g.clone() for k, g in ref.items()}
+    paths = []
+    real = grads_module._forward_backward
+
+    def spy(*args):
+        totals, divided = real(*args)
+        paths.append(divided)
+        return totals, divided
+
+    monkeypatch.setattr(grads_module, "_forward_backward", spy)
+    counted = L.counted(_xy_sum, items=lambda b: b[1].numel())
+    monkeypatch.setattr(grads_module, "COUNT_FIRST_NUMEL", 1)
+    for loss_fn in (_xy_plain, counted):
+        grads, stats = ft.accumulate_grads(state, micro, loss_fn)
+        for k, g in grads.items():
+            torch.testing.assert_close(g, ref[k], rtol=1e-12, atol=1e-14, msg=k)
+        assert int(stats.num_items) == int(ref_stats.num_items) == 5 + 4 + 3
+        torch.testing.assert_close(stats.loss, ref_stats.loss, rtol=1e-12, atol=0)
+    assert paths == [False, True]  # the plain loss cannot be counted ahead; counted is
+
+    # Weighted counts: host floats and device tensors mixed, divided by their exact sum.
+    half = L.counted(_xy_sum, items=lambda b: b[1].numel() / 2 if len(b[1]) % 2 else
+                     torch.tensor(b[1].numel() / 2, dtype=torch.float64))  # fmt: skip
+    grads, stats = ft.accumulate_grads(state, micro, half)
+    assert float(stats.num_items) == 6.0 and paths[-1] is True
+    for k, g in grads.items():
+        torch.testing.assert_close(g, 2 * ref[k], rtol=1e-12, atol=1e-14, msg=k)
+
+
+def test_counted_is_a_plain_loss_elsewhere_and_named_by_its_sum():
+    """Below the size, in evaluate and in `loss_name`, a counted loss is its sum and count."""
+    model = torch.nn.Linear(6, 3).double()
+    counted = L.counted(_xy_sum, items=lambda b: b[1].numel())
+    batch = _xy_batches(1)[0]
+    total, n = counted(model, batch)
+    assert n == 5
+    torch.testing.assert_close(total, _xy_sum(model, batch))
+    assert L.loss_name(counted) == L.loss_name(_xy_sum) == f"{__name__}._xy_sum"
+    state = ft.TrainState.create(model, ft.optim.sgd())
+    got = ft.evaluate(state, _xy_batches(3), counted)
+    want = ft.evaluate(state, _xy_batches(3), _xy_plain)
+    assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("sum_fn", "items", "match"),
+    [
+        (_xy_plain, lambda b: 5, "must return the loss \\*sum\\* as a one-element tensor"),
+        (lambda m, b: m(b[0]), lambda b: 5, "one-element tensor.*shape \\(5, 3\\)"),
+        (_xy_sum, lambda b: b[1] != 0, "items\\(batch\\) must be one number"),
+        (_xy_sum, lambda b: torch.tensor(True), "items\\(batch\\) must be one number"),
+        (_xy_sum, lambda b: -1, "items\\(batch\\) must be a number >= 0"),
+        (_xy_sum, lambda b: float("nan"), "items\\(batch\\) must be a number >= 0"),
+        (_xy_sum, lambda b: True, "items\\(batch\\) must be a number >= 0"),
+        (_xy_sum, lambda b: "5", "items\\(batch\\) must be a number >= 0"),
+    ],
+)
+def test_counted_refuses_what_is_not_a_sum_and_a_count(monkeypatch, sum_fn, items, match):
+    """A (sum, count) pair where the sum goes, a per-row loss, a mask or a bool for a count, a
+    negative or NaN count: refused naming `counted`, on both paths (counted first or not)."""
+    import ftrain.grads as grads_module
+
+    model = torch.nn.Linear(6, 3).double()
+    state = ft.TrainState.create(model, ft.optim.sgd())
+    bad = L.counted(sum_fn, items)
+    for numel in (1 << 30, 1):
+        monkeypatch.setattr(grads_module, "COUNT_FIRST_NUMEL", numel)
+        with pytest.raises(TypeError, match=f"counted: .*{match}"):
+            ft.accumulate_grads(state, _xy_batches(2), bad)
+    with pytest.raises(TypeError, match="counted: items must be callable"):
+        L.counted(_xy_sum, 5)
+    with pytest.raises(TypeError, match="counted: sum_fn must be callable"):
+        L.counted(None, lambda b: 1)

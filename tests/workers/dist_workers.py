@@ -16,13 +16,13 @@ from helpers import ragged_rows, rank_env, tiny_llama
 ROWS = ragged_rows(29, seed=11, lo=3, hi=20)
 
 
-def train(state, *, steps, batch_size, accum=2, hook=None):
+def train(state, *, steps, batch_size, accum=2, hook=None, loss_fn=None):
     """The README loop for `steps` steps; returns the state and the logged losses."""
     losses = []
     lr = ft.schedules.warmup_cosine(peak_lr=1e-2, warmup_steps=2, total_steps=steps)
     while state.step < steps:
         for micro in ft.make_batches(ROWS, state, batch_size=batch_size, accum=accum):  # fmt: skip
-            grads, stats = ft.accumulate_grads(state, micro)
+            grads, stats = ft.accumulate_grads(state, micro, loss_fn)
             state, _ = ft.clip_and_step(state, grads, stats=stats, lr=lr(state.step), max_norm=0.5)
             losses.append(float(stats.loss))
             if state.step >= steps:
@@ -38,9 +38,18 @@ def equivalence(
     """Train with `kind` ("ddp"/"fsdp"/"hsdp") at batch 2 per rank; rank 0 writes the
     (gathered) parameters, the logged losses and the counters. A "+count" suffix makes the
     tiny model take the large models' path: items counted (and all-reduced) before the
-    forward, each loss divided before backward; the result records how often it counted."""
+    forward, each loss divided before backward; the result records how often it counted.
+    "+counted" does the same with the causal loss as a loss of one's own, `ft.losses.counted`,
+    whose items are host ints (summed on the host, then all-reduced)."""
     rank_env(rank, world, port)
-    counted = []
+    counted, loss_fn = [], None
+    if kind.endswith("+counted"):
+        causal = ft.losses.causal_lm_loss()
+        loss_fn = ft.losses.counted(
+            lambda m, b: causal(m, b)[0],
+            items=lambda b: int((ft.losses.causal_targets(b) != -100).sum()),
+        )
+        kind = kind.removesuffix("ed")
     if kind.endswith("+count"):
         import ftrain.grads as grads_module
 
@@ -55,7 +64,7 @@ def equivalence(
     state = ft.TrainState.create(
         tiny_llama(dropout=0.0), ft.optim.adamw(), seed=3, strategy=strategy
     )
-    state, losses = train(state, steps=steps, batch_size=2, accum=accum)
+    state, losses = train(state, steps=steps, batch_size=2, accum=accum, loss_fn=loss_fn)
     # FSDP parameters are sharded DTensors: gather them (a collective, so on every rank).
     full = {n: getattr(p, "full_tensor", p.detach)().detach() for n, p in state.params.items()}
     if rank == 0:
