@@ -22,7 +22,9 @@ betas (0.9, 0.95), wd 0.1, clip 1.0) and data (random tokens in a `train.bin` wr
 process after the other, alternating, `--rounds` times. `--sides` picks the runs: `ftrain` reads
 the tokens the example's way (`make_batches` over every window, shuffled, pinned on CUDA,
 `--workers` processes), `ftrain+get_batch` with nanoGPT's `get_batch` in the README loop (random
-windows of a fresh memmap, as nanoGPT reads them), `raw` nanoGPT's own loop on the example's
+windows of a fresh memmap, as nanoGPT reads them), `ftrain+divide` with the example's loss
+returning its count beside its sum (the gradients divided by the count after the last backward,
+not each loss before it: what `ft.losses.counted` saves), `raw` nanoGPT's own loop on the example's
 model (the model's share of a gap apart from the loop's). All read the loss on the host every
 iteration (nanoGPT's `--log_interval=1`); the first `--warmup` iterations (compilation) are
 dropped. Reported: median ms per iteration, tokens/s and MFU for both, MFU by nanoGPT's own
@@ -254,7 +256,9 @@ def ftrain_worker(a: argparse.Namespace) -> None:
     version."""
     sys.path.insert(0, str(ROOT / "examples"))
     import torch
-    from shakespeare_char import CharGPT, CharGPTConfig, next_char_loss
+    from shakespeare_char import CharGPT, CharGPTConfig, next_char_sum, targets_in
+
+    import ftrain as ft
 
     device = torch.device(a.device)
     torch.manual_seed(1337)
@@ -266,7 +270,16 @@ def ftrain_worker(a: argparse.Namespace) -> None:
     )  # fmt: skip
     model = CharGPT(config).to(device)
     # As the example's --compile: the model and its loss one graph (nanoGPT's forward holds it)
-    loss_fn = torch.compile(next_char_loss) if a.compile else next_char_loss
+    # As the example: a loss counted from the batch (each loss divided before backward at
+    # these sizes); `--loss plain` (side ftrain+divide) returns the count beside the sum, as
+    # the example did before, so the step divides every gradient after the last backward.
+    sum_fn = torch.compile(next_char_sum) if a.compile else next_char_sum
+    loss_fn = ft.losses.counted(sum_fn, items=targets_in)
+    if a.loss == "plain":
+
+        def loss_fn(model: torch.nn.Module, batch: list) -> tuple:
+            return sum_fn(model, batch), batch[1].new_tensor(batch[1].numel())
+
     loop = raw_worker if a.loop == "raw" else readme_loop
     result = loop(a, model, loss_fn)
     n = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
@@ -364,14 +377,15 @@ def versus_nanogpt(a: argparse.Namespace) -> None:
         ]  # fmt: skip
         worker += ["--compile"] if a.compile else ["--no-compile"]
         sides = ["nanogpt"] + [s for s in a.sides.split(",") if s != "nanogpt"]
-        unknown = set(sides) - {"nanogpt", "ftrain", "ftrain+get_batch", "raw"}
+        unknown = set(sides) - {"nanogpt", "ftrain", "ftrain+get_batch", "ftrain+divide", "raw"}
         if unknown:
             raise SystemExit(f"--sides: unknown {sorted(unknown)} (nanogpt, ftrain, "
-                             "ftrain+get_batch, raw)")  # fmt: skip
+                             "ftrain+get_batch, ftrain+divide, raw)")  # fmt: skip
         if a.workers and "ftrain" not in sides:
             raise SystemExit("--workers is the ftrain side's make_batches setting: add ftrain")
         commands = {"nanogpt": nanogpt_cmd(a, run_dir), "ftrain": worker,
                     "ftrain+get_batch": [*worker, "--reader=get_batch"],
+                    "ftrain+divide": [*worker, "--loss=plain"],
                     "raw": [*worker, "--loop=raw"]}  # fmt: skip
         runs: dict[str, list[float]] = {side: [] for side in sides}
         loss: dict[str, float] = {}
@@ -450,11 +464,15 @@ def nanogpt_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sides", default="nanogpt,ftrain",
                    help="what runs: nanogpt; ftrain (the example's data path: make_batches over "
                    "every window, pinned on CUDA); ftrain+get_batch (nanoGPT's reader in the "
-                   "README loop)")  # fmt: skip
+                   "README loop); ftrain+divide (the loss returning its count beside its sum: "
+                   "every gradient divided after backward); raw (nanoGPT's loop on our "
+                   "model)")  # fmt: skip
     p.add_argument("--workers", type=int, default=0, help="ftrain's make_batches num_workers")
     p.add_argument("--reader", choices=["make_batches", "get_batch"], default="make_batches",
                    help=argparse.SUPPRESS)  # fmt: skip
     p.add_argument("--loop", choices=["readme", "raw"], default="readme", help=argparse.SUPPRESS)
+    p.add_argument("--loss", choices=["counted", "plain"], default="counted",
+                   help=argparse.SUPPRESS)  # fmt: skip
 
 
 def main() -> None:

@@ -143,13 +143,21 @@ class CharGPT(PreTrainedModel):
         return CausalLMOutput(logits=F.linear(self.ln_f(x), self.wte.weight))
 
 
-def next_char_loss(model: torch.nn.Module, batch: list[torch.Tensor]):
-    """Sum of next-character cross-entropies and their count (targets are already shifted)."""
+def next_char_sum(model: torch.nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of next-character cross-entropies (targets are already shifted)."""
     x, y = batch
     logits = model(input_ids=x).logits
-    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum"), y.new_tensor(
-        y.numel()
-    )
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
+
+
+def targets_in(batch: list[torch.Tensor]) -> int:
+    """The items `next_char_sum` sums over: every target character."""
+    return batch[1].numel()
+
+
+# The count is known from the batch alone: from 2**20 parameters on (GPT-2 shapes), the step
+# divides each loss by it before backward instead of every gradient after (docs/getting_started).
+next_char_loss = ft.losses.counted(next_char_sum, items=targets_in)
 
 
 def load(path: Path, block: int) -> tuple[CharWindows, CharWindows, int]:
@@ -330,7 +338,9 @@ def main(argv: list[str] | None = None) -> float:
     # Compiled with its loss, the forward and the cross-entropy are one graph (as nanoGPT's
     # forward holds its loss): the loss no longer reads the logits back from memory in float32
     # on its own. Compiling the model alone took 1.13x the time a step (bench/RESULTS.md).
-    loss_fn = torch.compile(next_char_loss) if args.compile else next_char_loss
+    loss_fn = next_char_loss
+    if args.compile:
+        loss_fn = ft.losses.counted(torch.compile(next_char_sum), items=targets_in)
     with strategy:  # leaves the process group in order on every rank, also after an error
         final = train_and_export(args, model, optimizer, strategy, train, val, loss_fn)
     return final if math.isfinite(final) else float("nan")

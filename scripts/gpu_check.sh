@@ -36,12 +36,12 @@ print(sys.version.split()[0], 'torch', torch.__version__, 'transformers', transf
       'ftrain', ftrain.__version__)
 print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')"
 part gpu_tests 60 "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_kernels_gpu.py
-part llama 100 "$py" bench/bench_gpu.py --rounds 3 --memory-rounds 1
+part llama 70 "$py" bench/bench_gpu.py --rounds 2 --memory-rounds 1
 if [ $# -ge 1 ]; then
     nanogpt=$1
     shift
-    part nanogpt 370 "$py" bench/bench_gpu.py --nanogpt "$nanogpt" --rounds 2 --iters 40 \
-        --warmup 10 --sides nanogpt,ftrain,raw "$@"
+    part nanogpt 400 "$py" bench/bench_gpu.py --nanogpt "$nanogpt" --rounds 2 --iters 40 \
+        --warmup 10 --sides nanogpt,ftrain,ftrain+divide,raw "$@"
 fi
 echo "== $failed part(s) failed; outputs in $out/"
 exit "$failed"

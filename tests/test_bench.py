@@ -61,15 +61,16 @@ def test_bench_gpu_compares_the_example_model_with_nanogpt_at_tiny_shapes(tmp_pa
     # Through scripts/gpu_check.sh, the one command a session lent a GPU runs (its nanoGPT part).
     out = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(STUB), *TINY, "--iters=5",
-         "--warmup=2", "--rounds=1", "--sides=nanogpt,ftrain,ftrain+get_batch,raw"],
+         "--warmup=2", "--rounds=1", "--sides=nanogpt,ftrain,ftrain+get_batch,ftrain+divide,raw"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PARTS": "nanogpt", "OUT": str(tmp_path)},
     )  # fmt: skip
     assert out.returncode == 0 and "== 0 part(s) failed" in out.stdout, out.stdout[-3000:]
     assert (tmp_path / "nanogpt.txt").read_text() in out.stdout  # its output kept in $OUT
     rows = _rows(out.stdout)
-    assert set(rows) >= {"ftrain", "ftrain+get_batch", "raw", "nanogpt"}, out.stdout
-    for side in ("ftrain", "ftrain+get_batch", "raw", "nanogpt"):
+    sides = ("ftrain", "ftrain+get_batch", "ftrain+divide", "raw", "nanogpt")
+    assert set(rows) >= set(sides), out.stdout
+    for side in sides:
         ms, tokens_s, mfu, _, last = rows[side]
         assert float(ms) > 0 and float(tokens_s.replace(",", "")) > 0 and float(mfu) >= 0
         assert 0 < float(last) < 2 * math.log(64)  # each trained: not diverged, not empty
