@@ -41,12 +41,18 @@ def main() -> None:
     for name, default in [("n-layer", 6), ("n-head", 6), ("n-embd", 384), ("block", 256),
                           ("batch", 8), ("accum", 4), ("steps", 5), ("rounds", 7)]:  # fmt: skip
         p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--count-first-numel", type=int, default=ft.grads.COUNT_FIRST_NUMEL,
+                   help="parameters from which a loss is counted first")  # fmt: skip
     a = p.parse_args()
+    ft.grads.COUNT_FIRST_NUMEL = a.count_first_numel
     torch.manual_seed(0)
     config = CharGPTConfig(vocab_size=65, block_size=a.block, n_layer=a.n_layer,
                            n_head=a.n_head, n_embd=a.n_embd)  # fmt: skip
     model = CharGPT(config)
     n = sum(q.numel() for q in model.parameters())
+    if n < a.count_first_numel:
+        raise SystemExit(f"{n} parameters, below {a.count_first_numel}: both loops would divide "
+                         "the gradients after backward; pass larger shapes")  # fmt: skip
     g = torch.Generator().manual_seed(1)
     micro = [[torch.randint(0, 65, (a.batch, a.block), generator=g) for _ in range(2)]
              for _ in range(a.accum)]  # fmt: skip

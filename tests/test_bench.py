@@ -92,6 +92,19 @@ def test_bench_gpu_refuses_a_nanogpt_that_ignores_the_vocabulary_size(tmp_path):
     assert "nanoGPT did not size its model to --vocab 64" in out.stderr, out.stderr[-2000:]
 
 
+def test_bench_counted_runs_both_losses_and_compares_their_training():
+    """bench_counted.py at tiny shapes (counted first from 1 parameter): both loops ran and
+    reported, and trained alike (the script checks that); below the size it refuses."""
+    tiny = ["--n-layer=1", "--n-head=2", "--n-embd=16", "--block=8", "--batch=2", "--steps=1",
+            "--rounds=2"]  # fmt: skip
+    out = _forked("bench_counted.py", *tiny, "--count-first-numel=1", timeout=120)
+    assert out.returncode == 0, out.stdout[-3000:]
+    rows = _rows(out.stdout)
+    assert float(rows["counted: each loss divided before backward"][1]) > 0, out.stdout
+    out = _forked("bench_counted.py", *tiny, timeout=120)
+    assert out.returncode != 0 and "both loops would divide" in out.stdout, out.stdout[-2000:]
+
+
 def test_bench_gpu_refuses_an_unknown_side(tmp_path):
     for name in ("train.py", "configurator.py"):
         (tmp_path / name).write_text("")
