@@ -213,3 +213,43 @@ def test_no_strategy_under_a_process_group_raises_naming_strategy():
                 p.kill()
     for rank in (0, 1):
         assert "strategy is None under an initialised process group of 2" in results[rank]
+
+
+class AugmentedStream(torch.utils.data.IterableDataset):
+    """A stream whose rows draw from torch, `random` and numpy's global generator."""
+
+    def __iter__(self):
+        for i in range(17):
+            yield {"idx": i, "noise": [*torch.rand(2).tolist(), random.random(), np.random.rand()]}
+
+
+def _draw():
+    return [*torch.rand(2).tolist(), random.random(), float(np.random.rand())]
+
+
+@pytest.mark.parametrize("kind", ["map", "stream", "mix"])
+def test_the_loop_draws_from_its_own_generators_between_groups(kind):
+    """Rows and collation draw from the three global generators seeded per micro-batch (and per
+    row of a stream), saved once a group (a stream: once a micro-batch) and put back before the
+    group reaches the loop: the loop's own draws between groups (numpy's too) are those it would
+    make without make_batches, and the groups are those of workers, which never touch the loop's
+    generators."""
+    data = {
+        "map": lambda: Augmented(20),
+        "stream": AugmentedStream,
+        "mix": lambda: ft.data.mix([AugmentedStream(), AugmentedStream()], weights=[1, 2]),
+    }[kind]
+
+    def run(**kw):
+        torch.manual_seed(3), random.seed(3), np.random.seed(3)
+        groups, draws = [], []
+        for g in ft.make_batches(data(), batch_size=3, accum=3, seed=4, **kw):
+            groups.append([b["noise"].tolist() for b in g])
+            draws.append(_draw())
+        return groups, draws
+
+    groups, draws = run()
+    torch.manual_seed(3), random.seed(3), np.random.seed(3)
+    assert draws == [_draw() for _ in draws]
+    assert len(groups) >= 2 and len({str(b) for g in groups for b in g}) == sum(map(len, groups))
+    assert run(num_workers=2, prefetch_factor=1)[0] == groups

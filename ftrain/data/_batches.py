@@ -33,7 +33,8 @@ from ftrain.data._common import (
     length_grouped_order,
     num_micro_batches,
     run_loader,
-    seeded,
+    saved_generators,
+    seed_generators,
     several_processes,
     yielded_group,
 )
@@ -517,6 +518,12 @@ class _MicroBatches(torch.utils.data.Dataset[Batch]):
         return self.total
 
     def __getitem__(self, b: int) -> Batch:
+        with saved_generators():
+            return self.seeded_item(b)
+
+    def seeded_item(self, b: int) -> Batch:
+        """Micro-batch b, fetched and collated with the global generators seeded for it (and
+        left seeded: the caller saves and restores them)."""
         s = self.spec
         rows = s.batch_size * s.world
         # rows [b*rows, (b+1)*rows) of the epoch order, shifted where a resume changed the
@@ -524,19 +531,31 @@ class _MicroBatches(torch.utils.data.Dataset[Batch]):
         lo = self.base + b * rows
         part = self.order[lo : lo + rows]
         chunk = np.array_split(part, s.world)[s.rank]
-        with seeded(s.seed, s.epoch, b, s.rank):
-            if len(chunk):
-                return s.collate(_fetch(self.data, chunk))
-            # only the final, short global micro-batch can leave a rank without rows
-            return ZeroWeight(s.collate(_fetch(self.data, part[:1])))
+        seed_generators(s.seed, s.epoch, b, s.rank)
+        if len(chunk):
+            return s.collate(_fetch(self.data, chunk))
+        # only the final, short global micro-batch can leave a rank without rows
+        return ZeroWeight(s.collate(_fetch(self.data, part[:1])))
 
 
 def _load(micro: _MicroBatches, indices: range, loading: Loading) -> Iterator[Batch]:
     """Micro-batches `indices` in order: in-process, or from DataLoader workers, whose
     in-order delivery makes the output independent of which worker finishes first."""
     if loading.num_workers == 0 and not loading.pin_memory:
-        return (micro[b] for b in indices)
+        return _in_process(micro, indices)
     return run_loader(loading.loader(micro, sampler=indices))
+
+
+def _in_process(micro: _MicroBatches, indices: range) -> Iterator[Batch]:
+    """Micro-batches `indices` in order, a group's worth (`accum`, as `_groups` cuts them from
+    the first) collated under one save and restore of the global generators, each from its own
+    seeds: the same batches as one `micro[b]` at a time, and the caller's generators are back
+    before the group reaches the loop."""
+    accum = micro.spec.accum
+    for lo in range(indices.start, indices.stop, accum):
+        with saved_generators():
+            group = [micro.seeded_item(b) for b in range(lo, min(lo + accum, indices.stop))]
+        yield from group
 
 
 def _groups(
