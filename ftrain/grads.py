@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ftrain.data import MicroBatches, StepData, ZeroWeight, step_data, weighted
+from ftrain.data import MicroBatches, StepSpan, ZeroWeight, step_span, weighted
 from ftrain.losses import LossFn, _defaults, _items_before_forward, default_loss
 from ftrain.optim import ema_swapped
 from ftrain.process_state import STATE
@@ -29,7 +29,10 @@ class Stats(NamedTuple):
     `loss` (mean per item), `num_items` (items the loss counts, e.g. label tokens: float64, as
     a weighted loss may count fractional items), `num_tokens` (non-padding input tokens) and
     `num_samples` (int64) are device tensors; reading them
-    is a host sync. `num_micro` is this step's micro-batch count, a host int. `position` is
+    is a host sync. `num_micro` is the micro-batches of the epoch this step consumed, what
+    `clip_and_step` advances `state.data.cursor` by, a host int: the step's micro-batch count,
+    less batches built by hand mixed with a `make_batches(data, state, ...)` group's (a replay
+    buffer's, which are not the epoch's). `position` is
     where the data stands after these micro-batches (JSON, `ft.data.MicroBatches.position`; for
     a list or slice of a group, the position after its last micro-batch; None for batches
     built by hand), which `clip_and_step` keeps in the state. `loss_fn` is the loss these
@@ -262,9 +265,10 @@ def accumulate_grads(
     strategy = state.strategy if strategy is None else strategy
     held = state.tensors_  # one lease check for the model and parameters (issue 30)
     held.lease.check()
-    data = step_data(micro)  # where the data stands after micro (a list of a group's too)
+    span = step_span(micro)  # where the data stands after micro (a list of a group's too)
+    data, consumed = span.data, len(micro)
     if data.made_by is not None and data.made_by.stateful:
-        _check_cursor(state, data, len(micro))
+        consumed = _check_cursor(state, span, len(micro))
     if not (data.whole and data.made_by.strategy is strategy):  # type: ignore[union-attr]
         _check_micro_count(strategy, len(micro))
     model, params = held.model, held.params
@@ -312,7 +316,7 @@ def accumulate_grads(
         num_items=num_items,
         num_tokens=num_tokens,
         num_samples=num_samples,
-        num_micro=len(micro),
+        num_micro=consumed,
         position=data.position,
         loss_fn=loss_fn,
     )
@@ -457,14 +461,19 @@ def _check_override(own: Strategy, other: Strategy) -> None:
         )
 
 
-def _check_cursor(state: TrainState, data: StepData, n: int) -> None:
+def _check_cursor(state: TrainState, span: StepSpan, n: int) -> int:
     """Refuse micro-batches that a `make_batches(data, state)` call yielded other than the ones
-    `state` stands at: the cursor `clip_and_step` records would not say where the data is."""
+    `state` stands at: the cursor `clip_and_step` records would not say where the data is.
+    Return the micro-batches of the epoch the step consumes (what the cursor advances by):
+    the call's own, and batches of other origin before them only where they fill the gap from
+    the cursor (a step gathered from several groups, of which only the last lives); others
+    (a replay buffer's) are not the epoch's."""
+    data = span.data
     assert data.made_by is not None
     (epoch, cursor), first = (state.epoch, state.data.cursor), data.first
-    if (epoch, cursor) == (data.made_by.epoch, first):
-        return
-    last = first + n - 1
+    if epoch == data.made_by.epoch and cursor <= first <= cursor + span.lead:
+        return first + span.made - cursor
+    last = first + span.made - 1
     held = f"micro-batch {last}" if n == 1 else f"micro-batches {first} to {last}"
     if epoch != data.made_by.epoch:
         why = "the state is in another epoch than make_batches was called for"

@@ -9,6 +9,7 @@ from ftrain.data._common import Collate as Collate
 from ftrain.data._common import MicroBatches as MicroBatches
 from ftrain.data._common import Source as Source
 from ftrain.data._common import StepData as StepData
+from ftrain.data._common import StepSpan as StepSpan
 from ftrain.data._common import ZeroWeight as ZeroWeight
 from ftrain.data._common import epoch_order as epoch_order
 from ftrain.data._common import is_stream as is_stream
@@ -17,6 +18,7 @@ from ftrain.data._common import num_micro_batches as num_micro_batches
 from ftrain.data._common import run_loader as run_loader
 from ftrain.data._common import seeded as seeded
 from ftrain.data._common import step_data as step_data
+from ftrain.data._common import step_span as step_span
 from ftrain.data._common import weighted as weighted
 from ftrain.data._position import check_position as check_position
 from ftrain.data._stream import IterableRows as IterableRows
@@ -30,6 +32,7 @@ __all__ = [
     "MicroBatches",
     "Source",
     "StepData",
+    "StepSpan",
     "ZeroWeight",
     "check_position",
     "epoch_order",
@@ -46,6 +49,7 @@ __all__ = [
     "run_loader",
     "seeded",
     "step_data",
+    "step_span",
     "stream",
     "weighted",
 ]

@@ -25,6 +25,7 @@ __all__ = [
     "MadeBy",
     "MicroBatches",
     "Source",
+    "StepSpan",
     "ZeroWeight",
     "epoch_order",
     "is_stream",
@@ -35,6 +36,7 @@ __all__ = [
     "seed_generators",
     "seeded",
     "step_data",
+    "step_span",
     "weighted",
     "yielded_group",
 ]
@@ -411,30 +413,73 @@ class StepData(NamedTuple):
 _UNKNOWN = StepData(None)
 
 
+class StepSpan(NamedTuple):
+    """`step_data` of a step's micro-batches, and which of them `make_batches(data, state, ...)`
+    yielded: `made` of them (consecutive in the epoch from `data.first`), after `lead` batches
+    of other origin (built by hand, or of groups already freed). Where `made` is less than the
+    step's micro-batch count, the others are of other origin: the cursor counts `made`, and the
+    `lead` ones only as far as they fill the gap from the state's cursor to `data.first` (the
+    earlier groups of a step gathered from several: a token budget). (`made` is the step's
+    count, and `lead` 0, for anything else.)"""
+
+    data: StepData
+    made: int
+    lead: int = 0
+
+
 def step_data(micro: Sequence[Batch]) -> StepData:
     """Where the data stands after `micro`, the micro-batches of one step (`StepData`).
 
-    A group `make_batches` yielded carries its position. A list, tuple or slice of a group's
-    micro-batches has the position after its last one, while the group lives: consecutive
-    micro-batches in their order (`list(micro)`, `micro[:k]`, then `micro[k:]`; a group's
-    `ZeroWeight(batch)` wrapping counts as the batch). Batches `make_batches` did not yield
-    (built by hand, or of a group no longer alive) have none.
+    A group `make_batches` yielded carries its position, and one built by hand its own. A
+    list, tuple or slice of a group's micro-batches has the position after its last one, while
+    the group lives: consecutive micro-batches in their order (`list(micro)`, `micro[:k]`, then
+    `micro[k:]`; a group's `ZeroWeight(batch)` wrapping counts as the batch). Batches
+    `make_batches` did not yield (built by hand, or of a group no longer alive) have none;
+    mixed with those of a `make_batches(data, state, ...)` call (a replay buffer), the
+    position is the one after the last of the call's (`step_span` says which they are).
 
     Raises:
         ValueError: for micro-batches of a group that are not consecutive in their order (one
-            left out, repeated or moved), of two `make_batches` calls, or mixed with batches of
-            other origin, where a `make_batches(data, state, ...)` call yielded some: the cursor
-            would count other micro-batches than the data went over, and a resume would repeat
-            or skip rows. (Those of calls without a state then have no position.)
+            left out, repeated or moved), or of two `make_batches` calls, where a
+            `make_batches(data, state, ...)` call yielded some: the cursor would count other
+            micro-batches than the data went over, and a resume would repeat or skip rows.
+            (Those of calls without a state then have no position.)
     """
     if isinstance(micro, MicroBatches):
         origin = micro.__dict__.get("_origin")
         if origin is None:  # built by hand (or copied): its own position
             return StepData(micro.position)
         return StepData(micro.position, origin.call, origin.first, True)
+    return step_span(micro).data
+
+
+def step_span(micro: Sequence[Batch]) -> StepSpan:
+    """`step_data(micro)`, and which of `micro` a `make_batches(data, state, ...)` call yielded
+    (`StepSpan`): what `accumulate_grads` advances the cursor by. A `MicroBatches` built by
+    hand around such a call's micro-batches (`MicroBatches([*group, extra], group.position)`)
+    is traced as a list of them, and keeps its own position.
+
+    Raises:
+        ValueError: as `step_data`.
+    """
+    if isinstance(micro, MicroBatches):
+        origin = micro.__dict__.get("_origin")
+        if origin is not None:
+            return StepSpan(StepData(micro.position, origin.call, origin.first, True), len(micro))
+        span = _span(micro.batches)
+        if span.data.made_by is None or not span.data.made_by.stateful:
+            return StepSpan(StepData(micro.position), len(micro))
+        if micro.position is None:
+            return span
+        return span._replace(data=span.data._replace(position=micro.position))
+    return _span(micro)
+
+
+def _span(micro: Sequence[Batch]) -> StepSpan:
     table = STATE.micro_groups
+    everything = StepSpan(_UNKNOWN, len(micro))
     if not table:  # no group of make_batches lives (a loop of batches built by hand)
-        return _UNKNOWN
+        return everything
     found: list[tuple[MicroBatches | None, Batch]] = []
     for batch in micro:
         ref = table.get(id(batch))
@@ -443,24 +488,26 @@ def step_data(micro: Sequence[Batch]) -> StepData:
             ref = table.get(id(batch))
         found.append((None if ref is None else ref(), batch))
     if all(g is None for g, _ in found):
-        return _UNKNOWN
+        return everything
     # Refused only where a state's cursor counts them (make_batches(data, state, ...)): a call
     # without a state (evaluation, tests) yields micro-batches that a step may mix freely, and
     # they then have no position, as batches built by hand.
     stateful = any(g.__dict__["_origin"].call.stateful for g, _ in found if g is not None)
-    if any(g is None for g, _ in found):
-        # Some of another origin: built by hand, or of a group already freed (a step gathered
-        # from several accum=1 groups, of which only the last is still held: a token budget).
-        # The two cannot be told apart, so the position is not known, as for batches built by
-        # hand; the cursor advances by every micro-batch (reviewed: refusing broke the latter).
-        return _UNKNOWN
-    places = _places(found)
+    if any(g is None for g, _ in found) and not stateful:
+        return everything
+    # Some may be of another origin: built by hand (a replay buffer), or of a group already
+    # freed (a step gathered from several accum=1 groups, of which only the last is still
+    # held: a token budget). The cursor counts the call's own, and the others only as far as
+    # the state's cursor shows them to be the call's earlier ones (accumulate_grads).
+    lead = next(i for i, (g, _) in enumerate(found) if g is not None)
+    made = [(g, b) for g, b in found if g is not None]
+    places = _places(made)
     call, first = places[0][0].call, places[0][1]
     if any(o.call is not call for o, _ in places) or any(
         index != first + k for k, (_, index) in enumerate(places)
     ):
         if not stateful:
-            return _UNKNOWN
+            return everything
         shown = ", ".join(str(index) for _, index in places[:8])
         raise ValueError(
             f"micro holds micro-batches {shown}{', ...' if len(places) > 8 else ''} of the epoch "
@@ -473,14 +520,15 @@ def step_data(micro: Sequence[Batch]) -> StepData:
             "runs and counts nothing)"
         )  # fmt: skip
     # Consecutive, in order: as many of one group as it holds are the whole group.
-    group = found[0][0]
+    group = made[0][0]
     assert group is not None
     whole = len(found) == len(group.batches) and all(g is group for g, _ in found)
     last_origin, last = places[-1]
-    return StepData(last_origin.after[last - last_origin.first], call, first, whole)
+    position = last_origin.after[last - last_origin.first]
+    return StepSpan(StepData(position, call, first, whole), len(made), lead)
 
 
-def _places(found: list[tuple[MicroBatches | None, Batch]]) -> list[tuple[_Origin, int]]:
+def _places(found: Sequence[tuple[MicroBatches | None, Batch]]) -> list[tuple[_Origin, int]]:
     """(each batch's group origin, the epoch's index of the batch in it). A batch object a group
     holds more than once (pre-batched data repeating one batch) is taken at its next place after
     the last one taken from that group, so `list(micro)` of such a group is its own order."""

@@ -1,0 +1,125 @@
+"""The data cursor at the crossings of make_batches' groups with batches of other origin: a
+replay buffer mixed into a step, a step gathered from several groups, micro-counts that differ
+by process where the step is not a whole group (evaluate). A resumed epoch must cover every row
+exactly once, or the step must refuse, naming the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ftrain as ft
+
+N = 24
+ROWS = [{"input_ids": [i + 1]} for i in range(N)]
+REPLAY = {"input_ids": torch.tensor([[100.0]])}
+
+
+def _loss(model, batch):
+    return model(batch["input_ids"].float()).sum(), batch["input_ids"].shape[0]
+
+
+def _ids(micro):
+    return [
+        x
+        for b in micro
+        if not isinstance(b, ft.data.ZeroWeight)
+        for x in b["input_ids"].flatten().tolist()
+    ]
+
+
+def _state():
+    return ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd(), seed=0)
+
+
+def _step(state, micro):
+    grads, stats = ft.accumulate_grads(state, micro, _loss)
+    return ft.clip_and_step(state, grads, lr=0.1, stats=stats)[0]
+
+
+def _rest_of_epoch(state, data, batch_size=2):
+    """The rows a resumed make_batches(data, state, ...) reads to the epoch's end."""
+    seen = []
+    for micro in ft.make_batches(data, state, batch_size=batch_size, accum=3):
+        seen += _ids(micro)
+        state = _step(state, micro)
+    return state, seen
+
+
+MIXES = {
+    "replay after": lambda g: [*g, REPLAY],
+    "replay before": lambda g: [REPLAY, *g],
+    "replay between": lambda g: [g[0], REPLAY, *g[1:]],
+    "wrapped": lambda g: ft.data.MicroBatches((*g, REPLAY), g.position),
+    "wrapped, no position": lambda g: ft.data.MicroBatches((REPLAY, *g)),
+}
+
+
+@pytest.mark.parametrize("mix", MIXES)
+@pytest.mark.parametrize("stream", [False, True], ids=["map", "stream"])
+def test_a_replay_batch_mixed_into_a_step_does_not_move_the_cursor(mix, stream):
+    """accumulate_grads(state, [*group, replay]) advanced state.data.cursor by 4 for a group of
+    3: the resumed epoch (a new make_batches(data, state, ...), with another batch size too)
+    skipped a micro-batch's 2 rows (22 of 24 read). The cursor counts the group's only."""
+    data = ft.data.IterableRows(ROWS) if stream else ROWS
+    state, seen = _state(), []
+    group = next(iter(ft.make_batches(data, state, batch_size=2, accum=3)))
+    seen += _ids(group)
+    state = _step(state, MIXES[mix](group))
+    assert state.data.cursor == 3
+    assert state.data.position == group.position
+    del group
+    state, rest = _rest_of_epoch(state, data, batch_size=2 if stream else 3)
+    assert sorted(seen + rest) == list(range(1, N + 1))
+
+
+def test_a_step_gathered_from_several_groups_and_a_replay_batch_counts_the_groups():
+    """Earlier accum=1 groups already gone (a token budget) fill the gap from the cursor to the
+    live group's micro-batch; the replay batch does not count."""
+    state, seen, gathered = _state(), [], []
+    for group in ft.make_batches(ROWS, state, batch_size=2, accum=1):
+        gathered += list(group)
+        if len(gathered) == 3:
+            seen += _ids(gathered)
+            state = _step(state, [*gathered, REPLAY])
+            gathered = []
+        if state.step == 2:
+            break
+    assert state.data.cursor == 6
+    state, rest = _rest_of_epoch(state, ROWS)
+    assert sorted(seen + rest) == list(range(1, N + 1))
+
+
+def test_a_token_budget_step_over_a_stream_resumes():
+    """A step gathered from accum=1 groups of a stream, only the last group alive: its position
+    was None and the resume raised 'needs its position'. It is the last group's now."""
+    data = ft.data.IterableRows(ROWS)
+    state, seen, gathered = _state(), [], []
+    for group in ft.make_batches(data, state, batch_size=2, accum=1):
+        gathered += list(group)
+        if len(gathered) == 3:
+            seen += _ids(gathered)
+            state = _step(state, gathered)
+            gathered = []
+        if state.step == 2:
+            break
+    state, rest = _rest_of_epoch(state, data)
+    assert sorted(seen + rest) == list(range(1, N + 1))
+
+
+def test_a_group_left_out_before_a_replay_mix_raises_naming_the_cursor():
+    """The group after one passed over untrained, mixed with a replay batch: refused as the
+    group alone is (the replay batch is not the missing micro-batches)."""
+    state = _state()
+    it = ft.make_batches(ROWS, state, batch_size=2, accum=3)
+    next(it)
+    group = next(it)
+    with pytest.raises(ValueError, match=r"micro-batch\(es\) 0 to 2 were not stepped on"):
+        ft.accumulate_grads(state, [REPLAY, *group], _loss)
+
+
+def test_a_replay_mix_of_a_group_left_out_in_part_raises():
+    state = _state()
+    group = next(iter(ft.make_batches(ROWS, state, batch_size=2, accum=3)))
+    with pytest.raises(ValueError, match="not consecutive in their order"):
+        ft.accumulate_grads(state, [group[0], group[2], REPLAY], _loss)
