@@ -13,7 +13,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ftrain.data import MicroBatches, weighted
+from ftrain.data import MicroBatches, step_data, weighted
+from ftrain.grads import _check_micro_count
 from ftrain.losses import (
     _CAUSAL,
     _CLASSIFY,
@@ -199,10 +200,15 @@ def evaluate(
             `"loss"` are given; when `metrics_fn` returns a name evaluate reports itself
             (`items`, `loss_fn`, `ppl`, and `metrics_loss` where that holds its loss); or, with
             several ranks, when `metrics_fn` returns other names on one rank than on another;
-            when `metrics_fn` returns `"loss"` on some batches and not on others.
+            when `metrics_fn` returns `"loss"` on some batches and not on others; under FSDP
+            or TP, on every process, when the processes were given lists of different numbers
+            of batches (checked with one small all-reduce and a host sync for a list or tuple
+            that is not a group `make_batches` yielded with this strategy: unlike collectives
+            would pair up and hang).
     """
     _check_args(state, batches, loss_fn, metrics_fn, perplexity, strategy)
     strategy = state.strategy if strategy is None else strategy
+    _check_batch_count(batches, strategy)
     own = None if loss_fn is not None or state.loss_fn is default_loss else state.loss_fn
     sums: dict[str, torch.Tensor] = {}
     scorer: Callable[..., Any] | None = None  # the function whose loss is eval_loss
@@ -234,6 +240,21 @@ def evaluate(
         out["eval_ppl"] = _perplexity(out["eval_loss"])
     out["eval_items"] = totals[names.index("loss")][1]
     return {**out, "eval_loss_fn": loss_name(scorer)}
+
+
+def _check_batch_count(batches: Iterable[Any], strategy: Strategy) -> None:
+    """Raise on every process unless each one got as many batches, for a list or tuple of them
+    that is not a group `make_batches` yielded with this strategy (whose counts every process
+    agreed on): under FSDP and TP each forward runs collectives, which another count pairs up
+    unlike (they hung until the backend's timeout). One small all-reduce and a host sync; none
+    for an iterator (`make_batches(...)` itself), whose length is not known before it runs."""
+    if not isinstance(batches, (list, tuple, MicroBatches)):
+        return
+    if isinstance(batches, MicroBatches):
+        made_by = step_data(batches).made_by
+        if made_by is not None and made_by.strategy is strategy:
+            return
+    _check_micro_count(strategy, sum(1 for _ in flatten_batches(batches)), "evaluate")
 
 
 def _is_perplexity(model: nn.Module, scorer: Any, tokens: bool) -> bool:

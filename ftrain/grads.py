@@ -505,7 +505,7 @@ def _check_cursor(state: TrainState, span: StepSpan, n: int) -> int:
     )
 
 
-def _check_micro_count(strategy: Strategy, n: int) -> None:
+def _check_micro_count(strategy: Strategy, n: int, caller: str = "accumulate_grads") -> None:
     """Raise on every process unless each one runs `n` micro-batches this step, where another
     count would pair unlike collectives: FSDP gathers parameters in every forward and reduces
     in the final backward only, TP's processes reduce inside every forward, DDP with
@@ -527,13 +527,14 @@ def _check_micro_count(strategy: Strategy, n: int) -> None:
     if processes * squares == total * total:  # (sum n)^2 == P sum n^2 iff every n is equal
         return
     raise ValueError(
-        f"accumulate_grads got {n} micro-batch(es) on this process and {total / processes:.3g} "
+        f"{caller} got {n} micro-batch(es) on this process and {total / processes:.3g} "
         f"on average over the {processes} processes of {type(strategy).__name__}: every "
-        "process must run as many micro-batches a step, or their collectives (parameter "
+        "process must run as many micro-batches a call, or their collectives (parameter "
         "gathers, gradient reductions) pair up unlike and hang until the backend's timeout. "
-        "Give every rank the same number of micro-batches (make_batches(data, state, ...) "
-        "does: a rank without rows for the last one gets an ft.data.ZeroWeight stand-in, which "
-        "runs and counts nothing)"
+        "Give every rank the same number of micro-batches (make_batches(data, state, ...), or "
+        "make_batches(data, ..., strategy=state.strategy) for evaluation, does: a rank "
+        "without rows for the last one gets an ft.data.ZeroWeight stand-in, which runs and "
+        "counts nothing)"
     )
 
 

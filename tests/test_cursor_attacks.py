@@ -5,6 +5,9 @@ exactly once, or the step must refuse, naming the fix."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -123,3 +126,41 @@ def test_a_replay_mix_of_a_group_left_out_in_part_raises():
     group = next(iter(ft.make_batches(ROWS, state, batch_size=2, accum=3)))
     with pytest.raises(ValueError, match="not consecutive in their order"):
         ft.accumulate_grads(state, [group[0], group[2], REPLAY], _loss)
+
+
+GROUP_TIMEOUT_S = 60  # the launch's collective timeout: a hang would last this long
+
+
+@pytest.fixture(scope="module")
+def uneven_eval(tmp_path_factory) -> dict[int, dict]:
+    """Each rank's record: evaluate over hand-built lists of 2 + rank batches (FSDP, TP)."""
+    import cursor_workers as W
+    from launch import run_ranks
+
+    out = tmp_path_factory.mktemp("eval") / "results"
+    run_ranks(W.uneven_eval, str(out), ["fsdp", "tp"], timeout=240)
+    return {rank: json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)}
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "tp"])
+@pytest.mark.parametrize("case", ["uneven", "uneven groups"])
+def test_evaluate_over_uneven_hand_built_lists_fails_fast_on_every_process(uneven_eval, kind, case):
+    """FSDP gathers parameters in every forward, TP's processes reduce inside it: 2 batches on
+    one process and 3 on the other hung until the collective timeout (or gloo aborted). Now
+    both raise before any forward, naming the counts, and the next, even evaluation runs."""
+    for rank, got in uneven_eval.items():
+        step = got[kind][case]
+        assert "error" in step, (rank, step)
+        assert "evaluate got" in step["error"], step
+        assert "on average over the 2 processes" in step["error"], step
+        assert step["seconds"] < GROUP_TIMEOUT_S / 4, step
+        assert "value" in got[kind]["even"], (rank, got[kind]["even"])
+    assert uneven_eval[0][kind]["even"]["value"] == uneven_eval[1][kind]["even"]["value"]
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "tp"])
+def test_evaluate_over_make_batches_costs_no_count_check(uneven_eval, kind):
+    """make_batches(..., strategy=) agreed on its groups over the processes: no collective is
+    added for its iterator nor for one of its groups; a hand-built list pays one."""
+    for got in uneven_eval.values():
+        assert got[kind]["checks"] == {"make_batches": 0, "group": 0, "list": 1}
