@@ -208,7 +208,7 @@ def evaluate(
     """
     _check_args(state, batches, loss_fn, metrics_fn, perplexity, strategy)
     strategy = state.strategy if strategy is None else strategy
-    _check_batch_count(batches, strategy)
+    _check_batch_count(batches, strategy, "evaluate")
     own = None if loss_fn is not None or state.loss_fn is default_loss else state.loss_fn
     sums: dict[str, torch.Tensor] = {}
     scorer: Callable[..., Any] | None = None  # the function whose loss is eval_loss
@@ -242,7 +242,9 @@ def evaluate(
     return {**out, "eval_loss_fn": loss_name(scorer)}
 
 
-def _check_batch_count(batches: Iterable[Any], strategy: Strategy) -> None:
+def _check_batch_count(
+    batches: Iterable[Any], strategy: Strategy, caller: str, *, paired: bool | None = None
+) -> None:
     """Raise on every process unless each one got as many batches, for a list or tuple of them
     that is not a group `make_batches` yielded with this strategy (whose counts every process
     agreed on): under FSDP and TP each forward runs collectives, which another count pairs up
@@ -254,7 +256,8 @@ def _check_batch_count(batches: Iterable[Any], strategy: Strategy) -> None:
         made_by = step_data(batches).made_by
         if made_by is not None and made_by.strategy is strategy:
             return
-    _check_micro_count(strategy, sum(1 for _ in flatten_batches(batches)), "evaluate")
+    n = sum(1 for _ in flatten_batches(batches))
+    _check_micro_count(strategy, n, caller, paired=paired)
 
 
 def _is_perplexity(model: nn.Module, scorer: Any, tokens: bool) -> bool:
@@ -558,7 +561,8 @@ def predict(
         ValueError: with no batches, or batches `make_batches` shuffled (the outputs would
             not line up with the dataset); if the outputs of one batch disagree on the number of
             samples, or (when gathering) `output_fn` returns other names on one rank than on
-            another.
+            another; when gathering, or under FSDP or TP, on every process, when the processes
+            were given lists of different numbers of batches (as `evaluate`).
     """
     check_prediction_args(state, batches, gather=gather, strategy=strategy, output_fn=output_fn)
     strategy = state.strategy if strategy is None else strategy
@@ -568,6 +572,10 @@ def predict(
     # each batch's forward: entered across a yield, they were the caller's too, so the loop
     # body ran without gradients and its float32 matmuls in bf16 (grad mode and autocast are
     # thread-wide, not the generator's).
+    # Gathering is a collective per batch, as FSDP's and TP's forwards are: lists of other
+    # lengths on other processes paired one call's batches with the next call's, then hung.
+    paired = True if gather and strategy.world_size > 1 else None
+    _check_batch_count(batches, strategy, "predict", paired=paired)
     with _in_eval(model):
         for batch in prediction_batches(batches, "predict"):
             batch, weight = weighted(batch)

@@ -505,7 +505,9 @@ def _check_cursor(state: TrainState, span: StepSpan, n: int) -> int:
     )
 
 
-def _check_micro_count(strategy: Strategy, n: int, caller: str = "accumulate_grads") -> None:
+def _check_micro_count(
+    strategy: Strategy, n: int, caller: str = "accumulate_grads", *, paired: bool | None = None
+) -> None:
     """Raise on every process unless each one runs `n` micro-batches this step, where another
     count would pair unlike collectives: FSDP gathers parameters in every forward and reduces
     in the final backward only, TP's processes reduce inside every forward, DDP with
@@ -516,8 +518,10 @@ def _check_micro_count(strategy: Strategy, n: int, caller: str = "accumulate_gra
     for micro-batches that are not a whole group of a `make_batches` call with this strategy
     (whose counts every process agreed on). Without it, the processes hung in unlike
     collectives until the backend's timeout (FSDP), or gloo aborted on a size mismatch (TP).
+    `paired`: whether each micro-batch runs collectives on every process (`predict` gathering
+    its outputs); by default the strategy's `micro_counts_must_match`.
     """
-    if not getattr(strategy, "micro_counts_must_match", False):
+    if not (getattr(strategy, "micro_counts_must_match", False) if paired is None else paired):
         return
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):

@@ -138,7 +138,7 @@ def uneven_eval(tmp_path_factory) -> dict[int, dict]:
     from launch import run_ranks
 
     out = tmp_path_factory.mktemp("eval") / "results"
-    run_ranks(W.uneven_eval, str(out), ["fsdp", "tp"], timeout=240)
+    run_ranks(W.uneven_eval, str(out), ["fsdp", "tp", "ddp"], timeout=240)
     return {rank: json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)}
 
 
@@ -156,6 +156,26 @@ def test_evaluate_over_uneven_hand_built_lists_fails_fast_on_every_process(uneve
         assert step["seconds"] < GROUP_TIMEOUT_S / 4, step
         assert "value" in got[kind]["even"], (rank, got[kind]["even"])
     assert uneven_eval[0][kind]["even"]["value"] == uneven_eval[1][kind]["even"]["value"]
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "tp", "ddp"])
+def test_predict_over_uneven_hand_built_lists_fails_fast_on_every_process(uneven_eval, kind):
+    """predict gathers each batch's outputs over the processes (and FSDP's and TP's forwards
+    run collectives): 2 batches on one process and 3 on the other paired one call's batches
+    with the next call's gathers, then hung. Now both raise before any forward."""
+    for rank, got in uneven_eval.items():
+        step = got[kind]["predict uneven"]
+        assert "error" in step, (rank, step)
+        assert f"predict got {2 + rank} micro-batch(es) on this process" in step["error"]
+        assert step["seconds"] < GROUP_TIMEOUT_S / 4, step
+        assert got[kind]["predict even"]["value"][1][0][0] == 2, got[kind]["predict even"]
+
+
+def test_evaluate_under_ddp_over_uneven_lists_is_let_be(uneven_eval):
+    """DDP's forwards run no collective: 2 and 3 batches give the loss over all 5."""
+    for got in uneven_eval.values():
+        assert "value" in got["ddp"]["uneven"], got["ddp"]["uneven"]
+    assert uneven_eval[0]["ddp"]["uneven"]["value"] == uneven_eval[1]["ddp"]["uneven"]["value"]
 
 
 @pytest.mark.parametrize("kind", ["fsdp", "tp"])

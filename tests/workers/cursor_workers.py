@@ -1,5 +1,5 @@
-"""The ranks of tests/test_cursor_attacks.py, two gloo processes on CPU: evaluate (and
-ft.func.private_grads under TP) given hand-built lists that hold another number of batches on
+"""The ranks of tests/test_cursor_attacks.py, two gloo processes on CPU: evaluate and
+predict given hand-built lists that hold another number of batches on
 each process. Each check records ftrain's message or what the call gave, and how long it took."""
 
 from __future__ import annotations
@@ -58,6 +58,9 @@ def _eval_kind(rank: int, kind: str) -> dict[str, Any]:
     got["uneven"] = _timed(lambda: ev([_batch(k) for k in range(2 + rank)]))
     got["uneven groups"] = _timed(lambda: ev([[_batch(0)], [_batch(k) for k in range(1 + rank)]]))
     got["even"] = _timed(lambda: ev([_batch(k) for k in range(2)]))
+    pr = lambda b: [o["labels"].tolist() for o in ft.predict(state, b)]  # noqa: E731
+    got["predict uneven"] = _timed(lambda: pr([_batch(k) for k in range(2 + rank)]))
+    got["predict even"] = _timed(lambda: pr([_batch(k) for k in range(2)]))
     made = lambda: ft.make_batches(ROWS, batch_size=1, shuffle=False, strategy=strategy)  # noqa: E731
     batches, group = made(), next(iter(made()))  # (make_batches' own check: before counting)
     got["checks"] = {
