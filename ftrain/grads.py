@@ -269,6 +269,8 @@ def accumulate_grads(
     data, consumed = span.data, len(micro)
     if data.made_by is not None and data.made_by.stateful:
         consumed = _check_cursor(state, span, len(micro))
+    elif data.made_by is not None:  # make_batches(data, start=state.data.cursor, ...)
+        consumed = _consumed(state, span) or consumed
     if not (data.whole and data.made_by.strategy is strategy):  # type: ignore[union-attr]
         _check_micro_count(strategy, len(micro))
     model, params = held.model, held.params
@@ -470,9 +472,9 @@ def _check_cursor(state: TrainState, span: StepSpan, n: int) -> int:
     (a replay buffer's) are not the epoch's."""
     data = span.data
     assert data.made_by is not None
+    if (consumed := _consumed(state, span)) is not None:
+        return consumed
     (epoch, cursor), first = (state.epoch, state.data.cursor), data.first
-    if epoch == data.made_by.epoch and cursor <= first <= cursor + span.lead:
-        return first + span.made - cursor
     last = first + span.made - 1
     held = f"micro-batch {last}" if n == 1 else f"micro-batches {first} to {last}"
     if epoch != data.made_by.epoch:
@@ -503,6 +505,17 @@ def _check_cursor(state: TrainState, span: StepSpan, n: int) -> int:
         f"(state.data.cursor, state.epoch): {why}. The cursor clip_and_step records would not "
         f"say where the data is, so a resume would repeat or skip rows; {fix}"
     )
+
+
+def _consumed(state: TrainState, span: StepSpan) -> int | None:
+    """The micro-batches of the epoch a step over `span` consumes, where the state's epoch and
+    cursor show which they are: `make_batches`' own from the cursor on, after batches of other
+    origin that fill the gap from the cursor (earlier groups already freed); else None."""
+    assert span.data.made_by is not None
+    cursor, first = state.data.cursor, span.data.first
+    if state.epoch == span.data.made_by.epoch and cursor <= first <= cursor + span.lead:
+        return first + span.made - cursor
+    return None
 
 
 def _check_micro_count(

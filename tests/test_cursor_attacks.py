@@ -76,6 +76,23 @@ def test_a_replay_batch_mixed_into_a_step_does_not_move_the_cursor(mix, stream):
     assert sorted(seen + rest) == list(range(1, N + 1))
 
 
+@pytest.mark.parametrize("mix", ["replay after", "replay before", "wrapped"])
+def test_a_replay_batch_in_a_loop_of_make_batches_keywords_does_not_move_the_cursor(mix):
+    """The loop of DESIGN.md, make_batches(data, epoch=state.epoch, start=state.data.cursor,
+    ...) without the state: the replay batch moved the cursor too, and the next call started a
+    micro-batch late (22 of 24 rows read)."""
+    state, seen = _state(), []
+    for _ in range(2):
+        kw = {"seed": 0, "epoch": state.epoch, "start": state.data.cursor}
+        for group in ft.make_batches(ROWS, batch_size=2, accum=3, **kw):
+            seen += _ids(group)
+            state = _step(state, MIXES[mix](group) if state.step == 0 else group)
+            if state.step == 1:
+                break
+    assert state.data.cursor == 12
+    assert sorted(seen) == list(range(1, N + 1))
+
+
 def test_a_step_gathered_from_several_groups_and_a_replay_batch_counts_the_groups():
     """Earlier accum=1 groups already gone (a token budget) fill the gap from the cursor to the
     live group's micro-batch; the replay batch does not count."""

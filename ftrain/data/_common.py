@@ -467,7 +467,7 @@ def step_span(micro: Sequence[Batch]) -> StepSpan:
         if origin is not None:
             return StepSpan(StepData(micro.position, origin.call, origin.first, True), len(micro))
         span = _span(micro.batches)
-        if span.data.made_by is None or not span.data.made_by.stateful:
+        if span.data.made_by is None:
             return StepSpan(StepData(micro.position), len(micro))
         if micro.position is None:
             return span
@@ -493,8 +493,6 @@ def _span(micro: Sequence[Batch]) -> StepSpan:
     # without a state (evaluation, tests) yields micro-batches that a step may mix freely, and
     # they then have no position, as batches built by hand.
     stateful = any(g.__dict__["_origin"].call.stateful for g, _ in found if g is not None)
-    if any(g is None for g, _ in found) and not stateful:
-        return everything
     # Some may be of another origin: built by hand (a replay buffer), or of a group already
     # freed (a step gathered from several accum=1 groups, of which only the last is still
     # held: a token budget). The cursor counts the call's own, and the others only as far as
@@ -525,6 +523,8 @@ def _span(micro: Sequence[Batch]) -> StepSpan:
     whole = len(found) == len(group.batches) and all(g is group for g, _ in found)
     last_origin, last = places[-1]
     position = last_origin.after[last - last_origin.first]
+    if len(made) < len(found) and not stateful:
+        position = None  # mixed with others: a call without a state's have none
     return StepSpan(StepData(position, call, first, whole), len(made), lead)
 
 
