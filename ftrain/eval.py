@@ -121,7 +121,7 @@ def prediction_batches(batches: Iterable[Any], caller: str) -> Iterator[Any]:
             read 0 or NaN), as `evaluate` raises.
     """
     empty = True
-    for item in batches:
+    for item in _from_the_start(batches, caller):
         if isinstance(item, MicroBatches) and _shuffled(item.position):
             raise ValueError(
                 f"{caller}: make_batches shuffled these rows (shuffle=True, its default), so the "
@@ -136,6 +136,29 @@ def prediction_batches(batches: Iterable[Any], caller: str) -> Iterator[Any]:
             f"{caller} got no batches (an eval set smaller than the batch size, with "
             "drop_last=True?)"
         )
+
+
+def _from_the_start(batches: Iterable[Any], caller: str) -> Iterator[Any]:
+    """`batches`, refusing an iterator of a `make_batches(data, state, ...)` call that starts
+    past the epoch's first micro-batch: it starts at the training state's cursor, so the rows
+    before it would not be evaluated (the loss of a part of the data, without a word). A group
+    or a list of groups given as such (the step's own group, `evaluate(state, micro)`) is what
+    it is meant to be."""
+    if isinstance(batches, (list, tuple, MicroBatches)):
+        yield from batches
+        return
+    for i, item in enumerate(batches):
+        if i == 0 and isinstance(item, MicroBatches):
+            made_by, first = step_data(item)[1:3]
+            if made_by is not None and made_by.stateful and first > 0:
+                raise ValueError(
+                    f"{caller} got micro-batches of make_batches(data, state, ...) starting at "
+                    f"micro-batch {first}: that call starts where the state's training stands "
+                    f"(state.data.cursor), so the {first} micro-batch(es) before it would not "
+                    f"be read. Pass make_batches(data, batch_size=..., shuffle=False) without "
+                    "the state (with strategy=state.strategy for several processes)"
+                )
+        yield item
 
 
 def _shuffled(position: str | None) -> bool:
@@ -214,7 +237,7 @@ def evaluate(
     scorer: Callable[..., Any] | None = None  # the function whose loss is eval_loss
     tokens = True  # every batch has a label per token
     with eval_mode(state.model), strategy.autocast():
-        for batch in flatten_batches(batches):
+        for batch in flatten_batches(_from_the_start(batches, "evaluate")):
             batch, weight = weighted(batch)  # a ZeroWeight stand-in runs and counts nothing
             batch = strategy.to_device(batch)
             tokens = tokens and _token_labels(batch)

@@ -201,3 +201,43 @@ def test_evaluate_over_make_batches_costs_no_count_check(uneven_eval, kind):
     added for its iterator nor for one of its groups; a hand-built list pays one."""
     for got in uneven_eval.values():
         assert got[kind]["checks"] == {"make_batches": 0, "group": 0, "list": 1}
+
+
+VAL = [{"input_ids": [i + 1]} for i in range(8)]
+
+
+def _mid_epoch():
+    """A state 3 micro-batches into its epoch, with no data position (trained on batches built
+    by hand, or loaded from a checkpoint of an ftrain that kept none)."""
+    state = _state()
+    group = [{"input_ids": torch.tensor([[float(i)]])} for i in range(3)]
+    state = _step(state, group)
+    assert (state.data.cursor, state.data.position) == (3, None)
+    return state
+
+
+@pytest.mark.parametrize("call", ["evaluate", "predict"])
+def test_evaluating_over_make_batches_given_the_training_state_mid_epoch_raises(call):
+    """evaluate(state, make_batches(val, state, ...)): the call starts at the training
+    cursor, so evaluate read 2 of the 8 rows and reported their loss as the eval loss."""
+    state = _mid_epoch()
+    batches = ft.make_batches(VAL, state, batch_size=2, shuffle=False)
+    run = {
+        "evaluate": lambda: ft.evaluate(state, batches, _loss),
+        "predict": lambda: list(ft.predict(state, batches, lambda m, b: {"x": b["input_ids"]})),
+    }[call]
+    with pytest.raises(ValueError, match=r"starting at micro-batch 3: .* without the state"):
+        run()
+    whole = ft.evaluate(state, ft.make_batches(VAL, batch_size=2, shuffle=False), _loss)
+    assert whole["eval_items"] == 8
+
+
+def test_evaluate_on_the_steps_own_group_mid_epoch_is_let_be():
+    """A group given as such (the step's own, after it) is what the caller means to evaluate."""
+    state = _mid_epoch()
+    state = state.replace(data=state.data.replace(cursor=0))
+    it = ft.make_batches(ROWS, state, batch_size=2, accum=3)
+    state = _step(state, next(it))
+    micro = next(it)
+    assert ft.evaluate(state, micro, _loss)["eval_items"] == 6
+    assert ft.evaluate(state, [micro], _loss)["eval_items"] == 6
