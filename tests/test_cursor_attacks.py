@@ -241,3 +241,21 @@ def test_evaluate_on_the_steps_own_group_mid_epoch_is_let_be():
     micro = next(it)
     assert ft.evaluate(state, micro, _loss)["eval_items"] == 6
     assert ft.evaluate(state, [micro], _loss)["eval_items"] == 6
+
+
+AUX = [{"input_ids": [100 + i]} for i in range(40)]
+
+
+@pytest.mark.parametrize("where", ["after", "before"])
+def test_an_auxiliary_stream_of_make_batches_without_a_state_mixes_into_the_step(where):
+    """[*group, *aux_group], aux of make_batches(aux, batch_size=...) without a state: refused
+    as "of two make_batches calls" (a false refusal: no cursor counts the auxiliary data). It
+    trains, and the cursor counts the state's call's micro-batches only."""
+    state, seen = _state(), []
+    aux = ft.make_batches(AUX, batch_size=2, seed=1)
+    for group in ft.make_batches(ROWS, state, batch_size=2, accum=3):
+        seen += _ids(group)
+        extra = next(aux)  # (held: a group alive is traced to its call)
+        state = _step(state, [*group, *extra] if where == "after" else [*extra, *group])
+    assert state.data.cursor == 12
+    assert sorted(seen) == list(range(1, N + 1))

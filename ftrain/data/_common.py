@@ -443,7 +443,8 @@ def step_data(micro: Sequence[Batch]) -> StepData:
             left out, repeated or moved), or of two `make_batches` calls, where a
             `make_batches(data, state, ...)` call yielded some: the cursor would count other
             micro-batches than the data went over, and a resume would repeat or skip rows.
-            (Those of calls without a state then have no position.)
+            (Those of calls without a state then have no position; mixed with a state's call's,
+            they count as batches built by hand: an auxiliary stream.)
     """
     if isinstance(micro, MicroBatches):
         origin = micro.__dict__.get("_origin")
@@ -493,6 +494,8 @@ def _span(micro: Sequence[Batch]) -> StepSpan:
     # without a state (evaluation, tests) yields micro-batches that a step may mix freely, and
     # they then have no position, as batches built by hand.
     stateful = any(g.__dict__["_origin"].call.stateful for g, _ in found if g is not None)
+    if stateful:  # a call without a state's mixed in (an auxiliary stream): no cursor's own
+        found = [(g if g is None or _counted(g) else None, b) for g, b in found]
     # Some may be of another origin: built by hand (a replay buffer), or of a group already
     # freed (a step gathered from several accum=1 groups, of which only the last is still
     # held: a token budget). The cursor counts the call's own, and the others only as far as
@@ -526,6 +529,11 @@ def _span(micro: Sequence[Batch]) -> StepSpan:
     if len(made) < len(found) and not stateful:
         position = None  # mixed with others: a call without a state's have none
     return StepSpan(StepData(position, call, first, whole), len(made), lead)
+
+
+def _counted(group: MicroBatches) -> bool:
+    """Whether a state's cursor counts the group's micro-batches: `make_batches(data, state)`'s."""
+    return bool(group.__dict__["_origin"].call.stateful)
 
 
 def _places(found: Sequence[tuple[MicroBatches | None, Batch]]) -> list[tuple[_Origin, int]]:
