@@ -268,7 +268,7 @@ def accumulate_grads(
     span = step_span(micro)  # where the data stands after micro (a list of a group's too)
     data, consumed = span.data, len(micro)
     if data.made_by is not None and data.made_by.stateful:
-        consumed = _check_cursor(state, span, len(micro))
+        consumed = _check_cursor(state, span)
     elif data.made_by is not None:  # make_batches(data, start=state.data.cursor, ...)
         consumed = _consumed(state, span) or consumed
     if not (data.whole and data.made_by.strategy is strategy):  # type: ignore[union-attr]
@@ -463,7 +463,7 @@ def _check_override(own: Strategy, other: Strategy) -> None:
         )
 
 
-def _check_cursor(state: TrainState, span: StepSpan, n: int) -> int:
+def _check_cursor(state: TrainState, span: StepSpan) -> int:
     """Refuse micro-batches that a `make_batches(data, state)` call yielded other than the ones
     `state` stands at: the cursor `clip_and_step` records would not say where the data is.
     Return the micro-batches of the epoch the step consumes (what the cursor advances by):
@@ -476,7 +476,7 @@ def _check_cursor(state: TrainState, span: StepSpan, n: int) -> int:
         return consumed
     (epoch, cursor), first = (state.epoch, state.data.cursor), data.first
     last = first + span.made - 1
-    held = f"micro-batch {last}" if n == 1 else f"micro-batches {first} to {last}"
+    held = f"micro-batch {last}" if span.made == 1 else f"micro-batches {first} to {last}"
     if epoch != data.made_by.epoch:
         why = "the state is in another epoch than make_batches was called for"
         fix = "call make_batches(data, state, ...) again for the state's epoch"

@@ -259,3 +259,13 @@ def test_an_auxiliary_stream_of_make_batches_without_a_state_mixes_into_the_step
         state = _step(state, [*group, *extra] if where == "after" else [*extra, *group])
     assert state.data.cursor == 12
     assert sorted(seen) == list(range(1, N + 1))
+
+
+def test_one_micro_batch_of_a_group_mixed_with_a_replay_batch_is_named_as_one():
+    """The refusal named the micro-batch count of the whole step: 'micro-batches 5 to 5'."""
+    state = _state()
+    it = ft.make_batches(ROWS, state, batch_size=2, accum=3)
+    next(it)
+    group = next(it)
+    with pytest.raises(ValueError, match=r"micro holds micro-batch 5 of epoch 0"):
+        ft.accumulate_grads(state, [group[2], REPLAY], _loss)
