@@ -54,6 +54,7 @@ PRELOAD = [
     "ckpt_save_workers",
     "conformance_loop",
     "crash_loop",
+    "cursor_workers",
     "generate_workers",
     "optim_workers",
     "rl_resume",
