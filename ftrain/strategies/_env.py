@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from collections.abc import Mapping
 from datetime import timedelta
@@ -57,7 +58,9 @@ def from_env(
             `ftrain.extras.cluster.export_launcher_env()` first), the batch script of an
             allocation of several tasks (start it with srun), a pod with PET_NNODES above 1 or
             JOB_COMPLETION_INDEX (start it with torchrun), a process of several that an MPI
-            launcher started (OMPI_COMM_WORLD_SIZE, PMI_SIZE or MV2_COMM_WORLD_SIZE above 1).
+            launcher started (OMPI_COMM_WORLD_SIZE, PMI_SIZE or MV2_COMM_WORLD_SIZE above 1);
+            a pod whose job asks for PET_NPROC_PER_NODE processes (above 1) in it, started
+            without torchrun (no WORLD_SIZE, or the operator's PET_NNODES x PET_NPROC_PER_NODE).
             Under `accelerate launch`: a `precision` other than its `--mixed_precision`
             (ACCELERATE_MIXED_PRECISION, which is taken when `precision` is not passed), fp8,
             `--use_deepspeed`, or `--use_fsdp` with a `kind` other than "fsdp".
@@ -175,6 +178,7 @@ def _world_size() -> int:
         _refuse_lone_slurm_task()
         _refuse_lone_pod()
         _refuse_lone_mpi_rank()
+    _refuse_pod_short_of_processes()
     return world
 
 
@@ -224,6 +228,46 @@ def _refuse_lone_pod() -> None:
             "WORLD_SIZE), so it would train alone; start the command with "
             f"`torchrun --nproc-per-node=N train.py`, {_ALONE}"
         )
+
+
+def _refuse_pod_short_of_processes() -> None:
+    """A pod whose job asks for PET_NPROC_PER_NODE processes (above 1) in each pod, started
+    with `python` (one process), not torchrun (which reads PET_* and starts them). Without
+    WORLD_SIZE (a Trainer TrainJob's pod) it trained as one process of the N the job asked for,
+    with 1/N of the global batch; with the WORLD_SIZE and RANK a PyTorchJob operator sets
+    (PET_NNODES x PET_NPROC_PER_NODE processes, RANK the pod's index) rank 0 waited for
+    processes that never start until the timeout. Processes that a launcher started (torchrun,
+    Ray, Python's multiprocessing) are not asked."""
+    env = os.environ
+    per_pod = env.get("PET_NPROC_PER_NODE", "")
+    if not (per_pod.isascii() and per_pod.isdigit() and int(per_pod) > 1):
+        return  # "auto" is one process per pod in the operator's WORLD_SIZE
+    if "TORCHELASTIC_RUN_ID" in env or "RAY_RAYLET_PID" in env:
+        return
+    if multiprocessing.parent_process() is not None:  # mp.spawn's workers set their own
+        return
+    if "WORLD_SIZE" in env:
+        pods, rank = env.get("PET_NNODES", ""), env.get("RANK", "")
+        if not (pods.isascii() and pods.isdigit()):
+            return
+        operators = int(env["WORLD_SIZE"]) == int(pods) * int(per_pod)
+        if not operators or rank != env.get("PET_NODE_RANK", rank):
+            return  # per-process values set by some other launcher
+        what = (
+            f"WORLD_SIZE={env['WORLD_SIZE']} counts PET_NPROC_PER_NODE={per_pod} processes in "
+            f"each of PET_NNODES={pods} pods, but this pod's command started one: the process "
+            "group would wait for the others until the timeout"
+        )
+    else:
+        what = (
+            f"this pod's job asks for PET_NPROC_PER_NODE={per_pod} processes in it, but its "
+            f"command started one and WORLD_SIZE is unset: it would train alone, with 1/{per_pod} "
+            "of the global batch"
+        )
+    raise ValueError(
+        f"{what}; start the command with torchrun (`torchrun train.py` reads PET_* as its "
+        "arguments), or set the job's nprocPerNode / numProcPerNode to 1"
+    )
 
 
 # The world size each MPI launcher gives its processes: Open MPI's mpirun (and LSF's jsrun),

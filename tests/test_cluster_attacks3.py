@@ -1,0 +1,82 @@
+"""The cluster engines read wrong, fourth round: a pod whose job asks for several processes
+per pod but whose command is `python`."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch.distributed as dist
+
+import ftrain as ft
+
+# Everything from_env reads to tell who started the process.
+READ = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+        "RAY_RAYLET_PID", "PET_NNODES", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT",
+        "PET_NPROC_PER_NODE", "JOB_COMPLETION_INDEX", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS",
+        "SLURM_PROCID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")  # fmt: skip
+
+
+@pytest.fixture
+def environ(monkeypatch):
+    """os.environ without any launcher's or scheduler's variables; returns a setter."""
+    for k in READ:
+        monkeypatch.delenv(k, raising=False)
+
+    def set_env(env: dict[str, str]) -> None:
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+
+    return set_env
+
+
+def operator_pod(rank: int, *, pods: int = 2, per_pod: str = "2") -> dict[str, str]:
+    """What Kubeflow's PyTorchJob operator sets in pod `rank` with `nprocPerNode: per_pod`:
+    WORLD_SIZE counts processes (pods x nprocPerNode, 1 a pod for "auto"), RANK is the pod's."""
+    world = pods * (int(per_pod) if per_pod.isdigit() else 1)
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "WORLD_SIZE": str(world),
+            "RANK": str(rank), "PET_NNODES": str(pods), "PET_NODE_RANK": str(rank),
+            "PET_NPROC_PER_NODE": per_pod, "PET_MASTER_ADDR": "127.0.0.1",
+            "PET_MASTER_PORT": "29999"}  # fmt: skip
+
+
+def test_a_pytorchjob_pod_of_several_processes_started_with_python_is_refused_not_waited_on(
+    environ,
+):
+    """nprocPerNode: 2 on 2 pods sets WORLD_SIZE=4 and RANK=<pod>; `python train.py` starts one
+    process a pod, so from_env joined a group of 4 that only 2 ever reach: rank 0 waited for
+    the collective timeout (10 minutes), then failed with torch's message, pod after pod."""
+    environ({**operator_pod(0), "FTRAIN_COLLECTIVE_TIMEOUT": "5"})  # the old wait, bounded
+    said = "WORLD_SIZE=4 counts PET_NPROC_PER_NODE=2 processes in each of PET_NNODES=2 pods"
+    with pytest.raises(
+        ValueError, match=re.escape(said + ", but this pod's command started one")
+    ) as err:
+        ft.strategies.from_env("ddp")
+    assert "start the command with torchrun" in str(err.value)
+    assert not dist.is_initialized()  # refused before joining
+
+
+def test_a_trainjob_pod_of_several_processes_started_with_python_is_refused_not_one_process(
+    environ,
+):
+    """A Trainer TrainJob sets only PET_* (numProcPerNode: 4 on one node): `python train.py`
+    got SingleDevice and trained one process with a quarter of the global batch."""
+    environ({"PET_NNODES": "1", "PET_NODE_RANK": "0", "PET_NPROC_PER_NODE": "4",
+             "PET_MASTER_ADDR": "job-node-0-0.job", "PET_MASTER_PORT": "29500"})  # fmt: skip
+    with pytest.raises(ValueError, match=r"PET_NPROC_PER_NODE=4 processes in it, but its command"):
+        ft.strategies.from_env("ddp")
+
+
+def test_a_pod_whose_processes_torchrun_started_or_of_one_process_is_taken(environ):
+    """torchrun reads PET_* (its workers' WORLD_SIZE and RANK are its own); "auto" and 1 count
+    one process a pod in the operator's WORLD_SIZE; WORLD_SIZE=1 says one process is meant."""
+    from ftrain.strategies._env import _world_size
+
+    environ({"PET_NNODES": "1", "PET_NPROC_PER_NODE": "auto"})
+    assert isinstance(ft.strategies.from_env("ddp"), ft.strategies.SingleDevice)
+    environ({"PET_NPROC_PER_NODE": "4", "WORLD_SIZE": "1"})
+    assert isinstance(ft.strategies.from_env("ddp"), ft.strategies.SingleDevice)
+    environ({**operator_pod(0, per_pod="auto")})  # python in each pod: WORLD_SIZE=2, as meant
+    assert _world_size() == 2
+    environ({**operator_pod(0), "RANK": "1", "TORCHELASTIC_RUN_ID": "job"})  # torchrun's worker
+    assert _world_size() == 4
