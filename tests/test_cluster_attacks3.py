@@ -1,5 +1,5 @@
 """The cluster engines read wrong, fourth round: a pod whose job asks for several processes
-per pod but whose command is `python`."""
+per pod but whose command is `python`; a one-node torchrun in each task of a srun step."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import ftrain as ft
 READ = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
         "RAY_RAYLET_PID", "PET_NNODES", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT",
         "PET_NPROC_PER_NODE", "JOB_COMPLETION_INDEX", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS",
-        "SLURM_PROCID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")  # fmt: skip
+        "SLURM_PROCID", "SLURM_STEP_NODELIST", "SLURM_JOB_ID", "GROUP_WORLD_SIZE",
+        "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")  # fmt: skip
 
 
 @pytest.fixture
@@ -80,3 +81,40 @@ def test_a_pod_whose_processes_torchrun_started_or_of_one_process_is_taken(envir
     assert _world_size() == 2
     environ({**operator_pod(0), "RANK": "1", "TORCHELASTIC_RUN_ID": "job"})  # torchrun's worker
     assert _world_size() == 4
+
+
+# What torchrun --standalone --nproc-per-node 1 gives its worker (measured, torch 2.13), inside
+# task 1 of a srun step of 2 tasks (one a node).
+STANDALONE = {"TORCHELASTIC_RUN_ID": "3166008c-dd9e-4aca-8490-563555f020f4", "RANK": "0",
+              "GROUP_WORLD_SIZE": "1", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost",
+              "MASTER_PORT": "36827"}  # fmt: skip
+SRUN_TASK = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2",
+             "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "node[01-02]"}  # fmt: skip
+
+
+def test_a_standalone_torchrun_in_each_task_of_a_srun_step_is_refused_not_trained_n_times(
+    environ,
+):
+    """`srun -N 2 torchrun --standalone train.py` (a one-node recipe on two nodes): each
+    node's torchrun made a group of its own, from_env returned SingleDevice (or a one-node DDP)
+    on both, and the two nodes trained the same run independently into one run folder."""
+    environ({**STANDALONE, **SRUN_TASK})
+    with pytest.raises(ValueError, match=r"one of SLURM_STEP_NUM_TASKS=2 that srun started, but"):
+        ft.strategies.from_env("ddp")
+    # --nnodes 1 --master-port 29500: the static rendezvous, on its default address
+    environ({"TORCHELASTIC_RUN_ID": "none", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
+    with pytest.raises(ValueError, match=r"GROUP_WORLD_SIZE=1, torchrun's own rendezvous"):
+        ft.strategies.from_env("ddp")
+
+
+def test_torchrun_across_the_steps_nodes_or_one_task_or_an_elastic_shrink_is_taken(environ):
+    from ftrain.strategies._env import _world_size
+
+    environ({**STANDALONE, **SRUN_TASK, "SLURM_STEP_NUM_TASKS": "1"})  # srun -n 1 torchrun
+    assert isinstance(ft.strategies.from_env("ddp"), ft.strategies.SingleDevice)
+    # --nnodes 1:2 --rdzv-id $SLURM_JOB_ID --rdzv-endpoint node01:29500, a round of one node
+    # (measured: torchrun gives MASTER_ADDR=localhost then)
+    environ({"SLURM_STEP_NUM_TASKS": "2", "TORCHELASTIC_RUN_ID": "4242"})
+    assert _world_size() == 1
+    environ({"GROUP_WORLD_SIZE": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "node01"})  # both nodes
+    assert _world_size() == 2
