@@ -79,6 +79,8 @@ def test_a_pod_whose_processes_torchrun_started_or_of_one_process_is_taken(envir
     assert isinstance(ft.strategies.from_env("ddp"), ft.strategies.SingleDevice)
     environ({**operator_pod(0, per_pod="auto")})  # python in each pod: WORLD_SIZE=2, as meant
     assert _world_size() == 2
+    environ({**operator_pod(0), "LOCAL_RANK": "0"})  # another launcher's process 0 of pod 0
+    assert _world_size() == 4
     environ({**operator_pod(0), "RANK": "1", "TORCHELASTIC_RUN_ID": "job"})  # torchrun's worker
     assert _world_size() == 4
 

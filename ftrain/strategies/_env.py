@@ -241,14 +241,15 @@ def _refuse_pod_short_of_processes() -> None:
     with 1/N of the global batch; with the WORLD_SIZE and RANK a PyTorchJob operator sets
     (PET_NNODES x PET_NPROC_PER_NODE processes, RANK the pod's index) rank 0 waited for
     processes that never start until the timeout. Processes that a launcher started (torchrun,
-    Ray, Python's multiprocessing) are not asked."""
+    Ray, Python's multiprocessing, one that sets LOCAL_RANK) are not asked."""
     env = os.environ
     per_pod = env.get("PET_NPROC_PER_NODE", "")
     if not (per_pod.isascii() and per_pod.isdigit() and int(per_pod) > 1):
         return  # "auto" is one process per pod in the operator's WORLD_SIZE
     if "TORCHELASTIC_RUN_ID" in env or "RAY_RAYLET_PID" in env:
         return
-    if multiprocessing.parent_process() is not None:  # mp.spawn's workers set their own
+    # mp.spawn's workers, or a launcher's that sets LOCAL_RANK (the operator sets none)
+    if multiprocessing.parent_process() is not None or "LOCAL_RANK" in env:
         return
     if "WORLD_SIZE" in env:
         pods, rank = env.get("PET_NNODES", ""), env.get("RANK", "")
