@@ -120,3 +120,15 @@ def test_torchrun_across_the_steps_nodes_or_one_task_or_an_elastic_shrink_is_tak
     assert _world_size() == 1
     environ({"GROUP_WORLD_SIZE": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "node01"})  # both nodes
     assert _world_size() == 2
+
+
+def test_ddp_built_by_hand_under_a_standalone_torchrun_per_srun_task_is_refused(environ):
+    """`DDP()` joins the group itself (no from_env): it joined each node's own group."""
+    environ({**STANDALONE, **SRUN_TASK})
+    try:
+        with pytest.raises(ValueError, match=r"one of SLURM_STEP_NUM_TASKS=2 that srun started"):
+            ft.strategies.DDP()
+        assert not dist.is_initialized()  # refused before joining
+    finally:
+        if dist.is_initialized():  # what the old code left
+            dist.destroy_process_group()

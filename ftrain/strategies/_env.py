@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import re
 from collections.abc import Mapping
 from datetime import timedelta
 from types import MappingProxyType
@@ -16,7 +15,12 @@ from ftrain.precision import Precision
 from ftrain.strategies._base import SingleDevice
 from ftrain.strategies._ddp import DDP
 from ftrain.strategies._fsdp import FSDP
-from ftrain.strategies._group import collective_timeout, group_timeout, join_group
+from ftrain.strategies._group import (
+    collective_timeout,
+    group_timeout,
+    join_group,
+    refuse_one_node_torchrun_per_srun_task,
+)
 from ftrain.strategies._tp import TP
 
 __all__ = ["from_env"]
@@ -182,7 +186,7 @@ def _world_size() -> int:
         _refuse_lone_pod()
         _refuse_lone_mpi_rank()
     _refuse_pod_short_of_processes()
-    _refuse_one_node_torchrun_per_srun_task()
+    refuse_one_node_torchrun_per_srun_task()
     return world
 
 
@@ -272,38 +276,6 @@ def _refuse_pod_short_of_processes() -> None:
     raise ValueError(
         f"{what}; start the command with torchrun (`torchrun train.py` reads PET_* as its "
         "arguments), or set the job's nprocPerNode / numProcPerNode to 1"
-    )
-
-
-# The rendezvous id torchrun draws for a one-node group of its own (--standalone, or --nnodes 1
-# without --rdzv-endpoint): a uuid4. A rendezvous the user set up has the --rdzv-id given.
-_OWN_RDZV_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
-
-
-def _refuse_one_node_torchrun_per_srun_task() -> None:
-    """`srun -N 2 torchrun --standalone ...` (or `--nnodes 1`): each srun task's torchrun made
-    a one-node group of its own, so the step's SLURM_STEP_NUM_TASKS nodes trained the same run
-    independently, each into the run folder. Its group is known by GROUP_WORLD_SIZE=1 with the
-    rendezvous id torchrun drew itself (a uuid4), or the static rendezvous' default
-    MASTER_ADDR=127.0.0.1 (`--nnodes 1 --master-port P`). A rendezvous across the nodes (one
-    shrunk to one node by an elastic restart too: MASTER_ADDR=localhost) has its --rdzv-id."""
-    env = os.environ
-    if "TORCHELASTIC_RUN_ID" not in env or "SLURM_PROCID" not in env:
-        return
-    tasks = env.get("SLURM_STEP_NUM_TASKS", "")
-    if not (tasks.isascii() and tasks.isdigit() and int(tasks) > 1):
-        return
-    own = _OWN_RDZV_ID.fullmatch(env["TORCHELASTIC_RUN_ID"]) is not None
-    host = env.get("MASTER_ADDR", "")
-    if env.get("GROUP_WORLD_SIZE") != "1" or not (own or host.startswith("127.")):
-        return
-    raise ValueError(
-        f"this torchrun is one of SLURM_STEP_NUM_TASKS={tasks} that srun started, but its "
-        "group is a one-node group of its own (GROUP_WORLD_SIZE=1, torchrun's own rendezvous: "
-        f"--standalone, or --nnodes 1): the {tasks} tasks would each train the run alone, into "
-        "the same run folder; give torchrun --nnodes $SLURM_NNODES --rdzv-backend c10d "
-        "--rdzv-endpoint <first host>:29500 --rdzv-id $SLURM_JOB_ID (docs/strategies.md, Many "
-        "nodes), or start one task (srun --ntasks 1)"
     )
 
 

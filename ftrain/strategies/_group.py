@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import re
 import threading
 import time
 import warnings
@@ -33,6 +34,7 @@ __all__ = [
     "group_timeout",
     "join_group",
     "local_device",
+    "refuse_one_node_torchrun_per_srun_task",
 ]
 
 TIMEOUT_ENV = "FTRAIN_COLLECTIVE_TIMEOUT"
@@ -141,10 +143,12 @@ def join_group(name: str, *, timeout: timedelta | None = None) -> bool:
 
     Raises:
         RuntimeError: outside a launcher, naming the missing variables and how to launch.
-        ValueError: for a MASTER_PORT that is not an integer in 1..65535.
+        ValueError: for a MASTER_PORT that is not an integer in 1..65535, or a torchrun of a
+            one-node group of its own in each task of a srun step of several.
     """
     if dist.is_initialized():
         return False
+    refuse_one_node_torchrun_per_srun_task()  # DDP() built by hand, too
     missing = [k for k in _LAUNCHER_ENV if k not in os.environ]
     if missing:
         raise RuntimeError(
@@ -163,6 +167,38 @@ def join_group(name: str, *, timeout: timedelta | None = None) -> bool:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return True
+
+
+# The rendezvous id torchrun draws for a one-node group of its own (--standalone, or --nnodes 1
+# without --rdzv-endpoint): a uuid4. A rendezvous the user set up has the --rdzv-id given.
+_OWN_RDZV_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
+
+
+def refuse_one_node_torchrun_per_srun_task() -> None:
+    """`srun -N 2 torchrun --standalone ...` (or `--nnodes 1`): each srun task's torchrun made
+    a one-node group of its own, so the step's SLURM_STEP_NUM_TASKS nodes trained the same run
+    independently, each into the run folder. Its group is known by GROUP_WORLD_SIZE=1 with the
+    rendezvous id torchrun drew itself (a uuid4), or the static rendezvous' default
+    MASTER_ADDR=127.0.0.1 (`--nnodes 1 --master-port P`). A rendezvous across the nodes (one
+    shrunk to one node by an elastic restart too: MASTER_ADDR=localhost) has its --rdzv-id."""
+    env = os.environ
+    if "TORCHELASTIC_RUN_ID" not in env or "SLURM_PROCID" not in env:
+        return
+    tasks = env.get("SLURM_STEP_NUM_TASKS", "")
+    if not (tasks.isascii() and tasks.isdigit() and int(tasks) > 1):
+        return
+    own = _OWN_RDZV_ID.fullmatch(env["TORCHELASTIC_RUN_ID"]) is not None
+    host = env.get("MASTER_ADDR", "")
+    if env.get("GROUP_WORLD_SIZE") != "1" or not (own or host.startswith("127.")):
+        return
+    raise ValueError(
+        f"this torchrun is one of SLURM_STEP_NUM_TASKS={tasks} that srun started, but its "
+        "group is a one-node group of its own (GROUP_WORLD_SIZE=1, torchrun's own rendezvous: "
+        f"--standalone, or --nnodes 1): the {tasks} tasks would each train the run alone, into "
+        "the same run folder; give torchrun --nnodes $SLURM_NNODES --rdzv-backend c10d "
+        "--rdzv-endpoint <first host>:29500 --rdzv-id $SLURM_JOB_ID (docs/strategies.md, Many "
+        "nodes), or start one task (srun --ntasks 1)"
+    )
 
 
 def _check_master_port() -> None:
