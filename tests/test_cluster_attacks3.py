@@ -132,3 +132,15 @@ def test_ddp_built_by_hand_under_a_standalone_torchrun_per_srun_task_is_refused(
     finally:
         if dist.is_initialized():  # what the old code left
             dist.destroy_process_group()
+
+
+def test_ddp_built_by_hand_in_a_pod_of_several_processes_started_with_python_is_refused(environ):
+    """`DDP()` joins the operator's group itself: rank 0 waited for the timeout there too."""
+    environ({**operator_pod(0), "FTRAIN_COLLECTIVE_TIMEOUT": "5"})  # the old wait, bounded
+    try:
+        with pytest.raises(ValueError, match=r"WORLD_SIZE=4 counts PET_NPROC_PER_NODE=2"):
+            ft.strategies.DDP()
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

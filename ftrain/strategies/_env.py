@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 from collections.abc import Mapping
 from datetime import timedelta
@@ -20,6 +19,7 @@ from ftrain.strategies._group import (
     group_timeout,
     join_group,
     refuse_one_node_torchrun_per_srun_task,
+    refuse_pod_short_of_processes,
 )
 from ftrain.strategies._tp import TP
 
@@ -185,7 +185,7 @@ def _world_size() -> int:
         _refuse_lone_slurm_task()
         _refuse_lone_pod()
         _refuse_lone_mpi_rank()
-    _refuse_pod_short_of_processes()
+    refuse_pod_short_of_processes()
     refuse_one_node_torchrun_per_srun_task()
     return world
 
@@ -236,47 +236,6 @@ def _refuse_lone_pod() -> None:
             "WORLD_SIZE), so it would train alone; start the command with "
             f"`torchrun --nproc-per-node=N train.py`, {_ALONE}"
         )
-
-
-def _refuse_pod_short_of_processes() -> None:
-    """A pod whose job asks for PET_NPROC_PER_NODE processes (above 1) in each pod, started
-    with `python` (one process), not torchrun (which reads PET_* and starts them). Without
-    WORLD_SIZE (a Trainer TrainJob's pod) it trained as one process of the N the job asked for,
-    with 1/N of the global batch; with the WORLD_SIZE and RANK a PyTorchJob operator sets
-    (PET_NNODES x PET_NPROC_PER_NODE processes, RANK the pod's index) rank 0 waited for
-    processes that never start until the timeout. Processes that a launcher started (torchrun,
-    Ray, Python's multiprocessing, one that sets LOCAL_RANK) are not asked."""
-    env = os.environ
-    per_pod = env.get("PET_NPROC_PER_NODE", "")
-    if not (per_pod.isascii() and per_pod.isdigit() and int(per_pod) > 1):
-        return  # "auto" is one process per pod in the operator's WORLD_SIZE
-    if "TORCHELASTIC_RUN_ID" in env or "RAY_RAYLET_PID" in env:
-        return
-    # mp.spawn's workers, or a launcher's that sets LOCAL_RANK (the operator sets none)
-    if multiprocessing.parent_process() is not None or "LOCAL_RANK" in env:
-        return
-    if "WORLD_SIZE" in env:
-        pods, rank = env.get("PET_NNODES", ""), env.get("RANK", "")
-        if not (pods.isascii() and pods.isdigit()):
-            return
-        operators = int(env["WORLD_SIZE"]) == int(pods) * int(per_pod)
-        if not operators or rank != env.get("PET_NODE_RANK", rank):
-            return  # per-process values set by some other launcher
-        what = (
-            f"WORLD_SIZE={env['WORLD_SIZE']} counts PET_NPROC_PER_NODE={per_pod} processes in "
-            f"each of PET_NNODES={pods} pods, but this pod's command started one: the process "
-            "group would wait for the others until the timeout"
-        )
-    else:
-        what = (
-            f"this pod's job asks for PET_NPROC_PER_NODE={per_pod} processes in it, but its "
-            f"command started one and WORLD_SIZE is unset: it would train alone, with 1/{per_pod} "
-            "of the global batch"
-        )
-    raise ValueError(
-        f"{what}; start the command with torchrun (`torchrun train.py` reads PET_* as its "
-        "arguments), or set the job's nprocPerNode / numProcPerNode to 1"
-    )
 
 
 # The world size each MPI launcher gives its processes: Open MPI's mpirun (and LSF's jsrun),

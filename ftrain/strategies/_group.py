@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import multiprocessing
 import os
 import re
 import threading
@@ -35,6 +36,7 @@ __all__ = [
     "join_group",
     "local_device",
     "refuse_one_node_torchrun_per_srun_task",
+    "refuse_pod_short_of_processes",
 ]
 
 TIMEOUT_ENV = "FTRAIN_COLLECTIVE_TIMEOUT"
@@ -143,12 +145,14 @@ def join_group(name: str, *, timeout: timedelta | None = None) -> bool:
 
     Raises:
         RuntimeError: outside a launcher, naming the missing variables and how to launch.
-        ValueError: for a MASTER_PORT that is not an integer in 1..65535, or a torchrun of a
-            one-node group of its own in each task of a srun step of several.
+        ValueError: for a MASTER_PORT that is not an integer in 1..65535, a torchrun of a
+            one-node group of its own in each task of a srun step of several, or a pod whose
+            job counts PET_NPROC_PER_NODE processes a pod, started without torchrun.
     """
     if dist.is_initialized():
         return False
     refuse_one_node_torchrun_per_srun_task()  # DDP() built by hand, too
+    refuse_pod_short_of_processes()
     missing = [k for k in _LAUNCHER_ENV if k not in os.environ]
     if missing:
         raise RuntimeError(
@@ -167,6 +171,47 @@ def join_group(name: str, *, timeout: timedelta | None = None) -> bool:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return True
+
+
+def refuse_pod_short_of_processes() -> None:
+    """A pod whose job asks for PET_NPROC_PER_NODE processes (above 1) in each pod, started
+    with `python` (one process), not torchrun (which reads PET_* and starts them). Without
+    WORLD_SIZE (a Trainer TrainJob's pod) it trained as one process of the N the job asked for,
+    with 1/N of the global batch; with the WORLD_SIZE and RANK a PyTorchJob operator sets
+    (PET_NNODES x PET_NPROC_PER_NODE processes, RANK the pod's index) rank 0 waited for
+    processes that never start until the timeout. Processes that a launcher started (torchrun,
+    Ray, Python's multiprocessing, one that sets LOCAL_RANK) are not asked."""
+    env = os.environ
+    per_pod = env.get("PET_NPROC_PER_NODE", "")
+    if not (per_pod.isascii() and per_pod.isdigit() and int(per_pod) > 1):
+        return  # "auto" is one process per pod in the operator's WORLD_SIZE
+    if "TORCHELASTIC_RUN_ID" in env or "RAY_RAYLET_PID" in env:
+        return
+    # mp.spawn's workers, or a launcher's that sets LOCAL_RANK (the operator sets none)
+    if multiprocessing.parent_process() is not None or "LOCAL_RANK" in env:
+        return
+    if "WORLD_SIZE" in env:
+        pods, rank = env.get("PET_NNODES", ""), env.get("RANK", "")
+        if not (pods.isascii() and pods.isdigit()):
+            return
+        operators = int(env["WORLD_SIZE"]) == int(pods) * int(per_pod)
+        if not operators or rank != env.get("PET_NODE_RANK", rank):
+            return  # per-process values set by some other launcher
+        what = (
+            f"WORLD_SIZE={env['WORLD_SIZE']} counts PET_NPROC_PER_NODE={per_pod} processes in "
+            f"each of PET_NNODES={pods} pods, but this pod's command started one: the process "
+            "group would wait for the others until the timeout"
+        )
+    else:
+        what = (
+            f"this pod's job asks for PET_NPROC_PER_NODE={per_pod} processes in it, but its "
+            f"command started one and WORLD_SIZE is unset: it would train alone, with 1/{per_pod} "
+            "of the global batch"
+        )
+    raise ValueError(
+        f"{what}; start the command with torchrun (`torchrun train.py` reads PET_* as its "
+        "arguments), or set the job's nprocPerNode / numProcPerNode to 1"
+    )
 
 
 # The rendezvous id torchrun draws for a one-node group of its own (--standalone, or --nnodes 1
