@@ -144,3 +144,14 @@ def test_ddp_built_by_hand_in_a_pod_of_several_processes_started_with_python_is_
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_a_world_size_that_is_no_number_in_a_pod_is_left_to_its_own_check(environ):
+    """The pod check ran int(WORLD_SIZE) before anything validated it (DDP() by hand): a bare
+    'invalid literal for int()' instead of from_env's message naming the variable."""
+    from ftrain.strategies._group import refuse_pod_short_of_processes
+
+    environ({**operator_pod(0), "WORLD_SIZE": "four"})
+    refuse_pod_short_of_processes()  # not its question
+    with pytest.raises(ValueError, match=r"WORLD_SIZE='four' in the environment is not an integer"):
+        ft.strategies.from_env("ddp")

@@ -191,10 +191,10 @@ def refuse_pod_short_of_processes() -> None:
     if multiprocessing.parent_process() is not None or "LOCAL_RANK" in env:
         return
     if "WORLD_SIZE" in env:
-        pods, rank = env.get("PET_NNODES", ""), env.get("RANK", "")
-        if not (pods.isascii() and pods.isdigit()):
-            return
-        operators = int(env["WORLD_SIZE"]) == int(pods) * int(per_pod)
+        pods, rank, world = env.get("PET_NNODES", ""), env.get("RANK", ""), env["WORLD_SIZE"]
+        if not (pods.isascii() and pods.isdigit() and world.isascii() and world.isdigit()):
+            return  # elastic ("MIN:MAX"), or not numbers: from_env names a bad WORLD_SIZE
+        operators = int(world) == int(pods) * int(per_pod)
         if not operators or rank != env.get("PET_NODE_RANK", rank):
             return  # per-process values set by some other launcher
         what = (
