@@ -252,4 +252,23 @@ def test_the_loop_draws_from_its_own_generators_between_groups(kind):
     torch.manual_seed(3), random.seed(3), np.random.seed(3)
     assert draws == [_draw() for _ in draws]
     assert len(groups) >= 2 and len({str(b) for g in groups for b in g}) == sum(map(len, groups))
-    assert run(num_workers=2, prefetch_factor=1)[0] == groups
+    assert run(num_workers=2, prefetch_factor=1) == (groups, draws)  # the loop's draws too
+
+
+@pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true:UserWarning")
+def test_pinning_in_process_yields_the_groups_and_leaves_the_loops_generators(monkeypatch):
+    """`pin_memory=True` without workers: DataLoader pins (in this process) what the in-process
+    path collates, a group under one save of the generators. On this CPU-only machine
+    DataLoader cannot pin (it warns and passes the batches on): the route is what is checked
+    here, the pinning by tests/test_gpu.py."""
+    want = _flat(_batches(Augmented(20), epoch=1))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # make_batches' own check
+    torch.manual_seed(3), random.seed(3), np.random.seed(3)
+    groups, draws = [], []
+    for g in ft.make_batches(Augmented(20), batch_size=3, accum=2, seed=4, epoch=1,
+                             pin_memory=True):  # fmt: skip
+        groups.append(g)
+        draws.append(_draw())
+    assert _flat(groups) == want
+    torch.manual_seed(3), random.seed(3), np.random.seed(3)
+    assert draws == [_draw() for _ in draws]

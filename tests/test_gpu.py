@@ -187,3 +187,17 @@ def test_background_save_stages_without_blocking_the_loop(tmp_path):
         assert torch.equal(p, saved[n]), n
     # ... and not the values the later steps wrote into the same (donated) tensors meanwhile.
     assert not torch.equal(state.params["head.weight"], saved["head.weight"])
+
+
+def test_pinned_groups_are_page_locked_and_equal_the_unpinned_ones():
+    """`make_batches(pin_memory=True)` without workers (the example on CUDA): DataLoader pins
+    what the in-process path collates; the batches are those of the unpinned call."""
+    rows = [{"input_ids": list(range(1, 2 + i % 7))} for i in range(20)]
+    plain = list(ft.make_batches(rows, batch_size=3, accum=2, seed=1))
+    pinned = list(ft.make_batches(rows, batch_size=3, accum=2, seed=1, pin_memory=True))
+    assert [len(g) for g in pinned] == [len(g) for g in plain]
+    for g, h in zip(pinned, plain, strict=True):
+        for b, c in zip(g, h, strict=True):
+            assert b.keys() == c.keys()
+            for k in b:
+                assert b[k].is_pinned() and torch.equal(b[k], c[k]), k

@@ -540,10 +540,25 @@ class _MicroBatches(torch.utils.data.Dataset[Batch]):
 
 def _load(micro: _MicroBatches, indices: range, loading: Loading) -> Iterator[Batch]:
     """Micro-batches `indices` in order: in-process, or from DataLoader workers, whose
-    in-order delivery makes the output independent of which worker finishes first."""
-    if loading.num_workers == 0 and not loading.pin_memory:
-        return _in_process(micro, indices)
-    return run_loader(loading.loader(micro, sampler=indices))
+    in-order delivery makes the output independent of which worker finishes first. In-process
+    with `pin_memory`, DataLoader pins what `_in_process` collates (its own pinning, in this
+    process: no worker)."""
+    if loading.num_workers:
+        return run_loader(loading.loader(micro, sampler=indices))
+    batches = _in_process(micro, indices)
+    if not loading.pin_memory:
+        return batches
+    return run_loader(loading.loader(_Iterated(batches)))
+
+
+class _Iterated(torch.utils.data.IterableDataset[Batch]):
+    """An iterator as a DataLoader's dataset (in this process only: it is not picklable)."""
+
+    def __init__(self, batches: Iterator[Batch]) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self.batches
 
 
 def _in_process(micro: _MicroBatches, indices: range) -> Iterator[Batch]:

@@ -287,6 +287,10 @@ class Loading(NamedTuple):
             prefetch_factor=self.prefetch_factor,
             pin_memory=self.pin_memory,
             worker_init_fn=functools.partial(_ignore_signals, signals) if signals else None,
+            # Its base seed (workers' initial seeds, which the per-micro-batch seeding
+            # overrides) from a generator of its own: drawn from the default one, it moved the
+            # loop's random stream with num_workers and pin_memory.
+            generator=torch.Generator().manual_seed(0),
             **kw,
         )
 
