@@ -340,9 +340,9 @@ def sample(
             ints, negative or with repeats; an `attention_mask` of another shape than
             `input_ids`; zero-length prompts or prompt rows that are all padding; no pad id;
             prompts holding the pad id without an `attention_mask`; with several data-parallel
-            ranks, completion numbers that another rank samples too (on every rank, after
-            one gather of the numbers); stop or pad ids that are not ints >= 0 or not token
-            ids of the model; logits that are not finite
+            ranks, completion numbers that another rank samples too or a `max_new_tokens`
+            that differs between them (on every rank, after a gather); stop or pad ids that
+            are not ints >= 0 or not token ids of the model; logits that are not finite
             (NaN or inf) at a sampled token; prompts holding inputs of the model's forward
             besides `input_ids` and `attention_mask` (`pixel_values`, `position_ids`, ...),
             which sampling would leave out; an encoder-decoder model (T5, BART); a
@@ -372,6 +372,7 @@ def sample(
     pad_id, stop = _pad_id(model, pad_token_id), _stop_ids(model, stop_token_ids)
     ids, mask = strategy.to_device(left_pad(ids, mask, pad_id=pad_id))
     if strategy.world_size > 1:
+        _check_same_cap_over_ranks(max_new_tokens, strategy, ids.device)
         _check_distinct_over_ranks(completions, strategy, ids.device)
     u = _uniforms(state.seed, state.step, completions, max_new_tokens).to(ids.device)
     with eval_mode(state.model), torch.no_grad(), strategy.autocast():
@@ -413,6 +414,21 @@ def sample(
         step=int(state.step),
         trained=frozenset(map(id, state.params.values())),
     )
+
+
+def _check_same_cap_over_ranks(max_new: int, strategy: Strategy, device: Any) -> None:
+    """Refuse a `max_new_tokens` that differs between data-parallel ranks: every rank runs the
+    decode loop's per-token all-reduce up to its own cap, so a rank with a smaller one left the
+    loop while the others waited in it (a hang until the collective's timeout, or its
+    all-reduce met by another collective). One gather; every rank raises alike."""
+    caps = strategy.gather_rows(torch.tensor([max_new], dtype=torch.int64, device=device))
+    if bool((caps != caps[0]).any()):
+        raise ValueError(
+            f"max_new_tokens differs between the data-parallel ranks ({caps.tolist()}, in rank "
+            "order): every rank decodes in step with the others, one token each, up to "
+            "max_new_tokens, so it must be the same on every rank (TRL's one "
+            "max_completion_length)"
+        )
 
 
 def _check_distinct_over_ranks(completions: list[int], strategy: Strategy, device: Any) -> None:

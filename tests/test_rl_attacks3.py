@@ -1,0 +1,54 @@
+"""Post-training inputs ft.rl hung on or refused wrongly (fourth attack session). Each test
+failed before its fix; messages are ftrain's own."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+import ftrain as ft
+from helpers import rank_env, tiny_llama
+
+PROMPTS = torch.tensor([[0, 0, 5, 9, 14], [7, 3, 22, 8, 40], [0, 31, 2, 17, 6]])
+
+
+def _model() -> torch.nn.Module:
+    m = tiny_llama(dtype=torch.float64)
+    m.generation_config.pad_token_id, m.generation_config.eos_token_id = 0, 6
+    return m
+
+
+# --- data-parallel ranks sampling with different caps -------------------------------------------
+
+
+def _caps_differ(rank: int, world: int, port: int, out: str) -> None:
+    """Rank r samples with max_new_tokens 3 + 3r, then both gather advantages."""
+    rank_env(rank, world, port)
+    with ft.strategies.from_env("ddp", timeout=timedelta(seconds=60)) as strategy:
+        state = ft.TrainState.create(_model(), ft.optim.adamw(), seed=0, strategy=strategy)
+        ids = PROMPTS[rank : rank + 1]
+        prompts = {"input_ids": ids, "attention_mask": (ids != 0).long()}
+        kw = dict(index=[rank], num_generations=2, stop_token_ids=[])
+        try:
+            ft.rl.sample(state, prompts, max_new_tokens=3 + 3 * rank, **kw)
+        except ValueError as e:
+            Path(out, f"caps-{rank}.txt").write_text(str(e))
+        r = ft.rl.sample(state, prompts, max_new_tokens=4, **kw)  # still in step
+        adv = ft.rl.group_advantages(torch.tensor([1.0, 0.0]), 2, strategy=strategy)
+        Path(out, f"same-{rank}.txt").write_text(f"{r.completion_ids.shape[1]} {adv.tolist()}")
+
+
+def test_ranks_sampling_with_different_max_new_tokens_are_refused_on_every_rank(tmp_path):
+    """Each rank decodes in step with the others (one all-reduce per token) up to its own
+    `max_new_tokens`: a rank with a smaller cap (e.g. computed from its prompts' lengths) left
+    the loop while the other waited in its all-reduce, a hang until the collective's timeout,
+    with no message. Now every rank raises before decoding, and equal caps sample as before."""
+    from launch import run_ranks
+
+    run_ranks(_caps_differ, str(tmp_path), timeout=120)
+    for rank in (0, 1):
+        text = (tmp_path / f"caps-{rank}.txt").read_text()
+        assert "max_new_tokens differs between the data-parallel ranks ([3, 6]" in text, text
+        assert (tmp_path / f"same-{rank}.txt").read_text().startswith("4 ")
