@@ -52,3 +52,41 @@ def test_ranks_sampling_with_different_max_new_tokens_are_refused_on_every_rank(
         text = (tmp_path / f"caps-{rank}.txt").read_text()
         assert "max_new_tokens differs between the data-parallel ranks ([3, 6]" in text, text
         assert (tmp_path / f"same-{rank}.txt").read_text().startswith("4 ")
+
+
+# --- logits that are not finite on one rank ----------------------------------------------------
+
+
+def _nan_on_rank_1(rank: int, world: int, port: int, out: str) -> None:
+    """Token 40's embedding is NaN: only rank 1's prompt holds it (one new token, so no rank
+    feeds a sampled token back). Then both gather advantages."""
+    rank_env(rank, world, port)
+    with ft.strategies.from_env("ddp", timeout=timedelta(seconds=60)) as strategy:
+        model = _model()
+        with torch.no_grad():
+            model.model.embed_tokens.weight[40] = float("nan")
+        state = ft.TrainState.create(model, ft.optim.adamw(), seed=0, strategy=strategy)
+        ids = PROMPTS[rank : rank + 1]
+        prompts = {"input_ids": ids, "attention_mask": (ids != 0).long()}
+        try:
+            ft.rl.sample(state, prompts, index=[rank], num_generations=2, max_new_tokens=1)
+        except ValueError as e:
+            Path(out, f"nan-{rank}.txt").write_text(str(e))
+        adv = ft.rl.group_advantages(torch.tensor([1.0, 0.0]), 2, strategy=strategy)
+        Path(out, f"after-{rank}.txt").write_text(str(adv.tolist()))
+
+
+def test_logits_not_finite_on_one_rank_are_refused_on_every_rank(tmp_path):
+    """NaN logits from one rank's prompts alone (a poisoned embedding row, an fp16 overflow on
+    a long prompt) raised on that rank only: the others went on into the next collective
+    (`group_advantages`' gather) and waited there for the raising rank until the timeout. Now
+    one gather of each rank's flag, and every rank raises, naming the rank."""
+    from launch import run_ranks
+
+    run_ranks(_nan_on_rank_1, str(tmp_path), timeout=120)
+    texts = [(tmp_path / f"nan-{rank}.txt").read_text() for rank in (0, 1)]
+    assert "not finite (NaN or inf) while sampling no row of this rank's" in texts[0], texts
+    assert "while sampling rows [0, 1]" in texts[1], texts
+    assert all("(on data-parallel rank(s) [1])" in t for t in texts), texts
+    for rank in (0, 1):  # the ranks are still in step: groups [1, 0] on each
+        assert (tmp_path / f"after-{rank}.txt").read_text().startswith("[0.707"), rank

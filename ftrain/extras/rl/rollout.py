@@ -343,8 +343,9 @@ def sample(
             ranks, completion numbers that another rank samples too or a `max_new_tokens`
             that differs between them (on every rank, after a gather); stop or pad ids that
             are not ints >= 0 or not token ids of the model; logits that are not finite
-            (NaN or inf) at a sampled token; prompts holding inputs of the model's forward
-            besides `input_ids` and `attention_mask` (`pixel_values`, `position_ids`, ...),
+            (NaN or inf) at a sampled token (on every rank, when one rank's are not);
+            prompts holding inputs of the model's forward besides `input_ids` and
+            `attention_mask` (`pixel_values`, `position_ids`, ...),
             which sampling would leave out; an encoder-decoder model (T5, BART); a
             `ZeroWeight` stand-in of `make_batches` (use `drop_last=True` for prompts under
             data parallelism).
@@ -393,12 +394,7 @@ def sample(
     completion_mask = (before == 0).long()
     # one check (one host sync) per call: a sampled token's log-prob is finite unless the
     # model's logits held NaN or inf (tokens of probability 0 are never drawn)
-    bad = (~torch.isfinite(logps) & completion_mask.bool()).any(1)
-    if bool(bad.any()):
-        raise ValueError(
-            f"the model's output (logits) is not finite (NaN or inf) while sampling rows "
-            f"{bad.nonzero().view(-1).tolist()}: check the model's weights and dtype"
-        )
+    _refuse_nonfinite((~torch.isfinite(logps) & completion_mask.bool()).any(1), strategy)
     return Rollout(
         prompt_ids=ids.repeat_interleave(num_generations, 0),
         prompt_mask=mask.repeat_interleave(num_generations, 0),
@@ -414,6 +410,24 @@ def sample(
         step=int(state.step),
         trained=frozenset(map(id, state.params.values())),
     )
+
+
+def _refuse_nonfinite(bad: torch.Tensor, strategy: Strategy) -> None:
+    """Raise when a row's sampled log-probs are not finite (`bad`: one flag per row), on every
+    rank: with several, one gather of each rank's flag, as NaN logits may come from one rank's
+    prompts alone, and a rank raising alone left the others waiting in the next collective."""
+    flags = bad.any().view(1)
+    if strategy.world_size > 1:
+        flags = strategy.gather_rows(flags)
+    if bool(flags.any()):
+        rows = bad.nonzero().view(-1).tolist()
+        where = f"rows {rows}" if rows else "no row of this rank's"
+        ranks = flags.nonzero().view(-1).tolist()
+        on = f" (on data-parallel rank(s) {ranks})" if strategy.world_size > 1 else ""
+        raise ValueError(
+            f"the model's output (logits) is not finite (NaN or inf) while sampling {where}"
+            f"{on}: check the model's weights and dtype"
+        )
 
 
 def _check_same_cap_over_ranks(max_new: int, strategy: Strategy, device: Any) -> None:
