@@ -7,6 +7,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+from transformers import LlamaForCausalLM
 
 import ftrain as ft
 from helpers import rank_env, tiny_llama
@@ -90,3 +91,40 @@ def test_logits_not_finite_on_one_rank_are_refused_on_every_rank(tmp_path):
     assert all("(on data-parallel rank(s) [1])" in t for t in texts), texts
     for rank in (0, 1):  # the ranks are still in step: groups [1, 0] on each
         assert (tmp_path / f"after-{rank}.txt").read_text().startswith("[0.707"), rank
+
+
+# --- a model that takes logits_to_keep in **kwargs and ignores it --------------------------------
+
+
+class _EveryLogit(LlamaForCausalLM):
+    """A causal LM that takes `logits_to_keep` in `**kwargs` and returns every position's
+    logits (as remote-code models and some of transformers' own do: xLSTM, TrOCR, Whisper's
+    decoder): `logits_to_keep` is an optimisation a forward may ignore."""
+
+    def forward(self, *args, logits_to_keep=0, **kwargs):
+        return super().forward(*args, **kwargs)
+
+
+def test_token_logps_of_a_model_returning_every_positions_logits():
+    """`token_logps` took the first `width` of the logits a model returned, assuming it
+    honoured `logits_to_keep`: for a model returning every position's, training failed with a
+    broadcasting error of torch's (`sample`, which reads the last position, worked). Now it
+    takes the last ones, and such a model trains as one that honours the argument."""
+    plain = _model()
+    every = _EveryLogit(plain.config).to(torch.float64)
+    every.load_state_dict(plain.state_dict())
+    every.generation_config.pad_token_id, every.generation_config.eos_token_id = 0, 6
+    prompts = {"input_ids": PROMPTS, "attention_mask": (PROMPTS != 0).long()}
+    grads = []
+    for model in (plain, every):
+        state = ft.TrainState.create(model, ft.optim.adamw(), seed=0)
+        rollout = ft.rl.sample(state, prompts, index=[0, 1, 2], num_generations=2, max_new_tokens=4)
+        adv = ft.rl.group_advantages(torch.tensor([1.0, 0.0, 0.5, 0.5, 0.0, 2.0]), 2)
+        micro = ft.rl.rollout_batches([rollout], [adv], reference=_model().requires_grad_(False))
+        logps = ft.rl.token_logps(model, micro[0])
+        torch.testing.assert_close(logps * rollout.completion_mask, rollout.logps)
+        g, _ = ft.accumulate_grads(state, micro, ft.rl.policy_loss(beta=0.04))
+        grads.append({k: v.clone() for k, v in g.items()})
+    assert grads[0].keys() == grads[1].keys()
+    for k in grads[0]:
+        torch.testing.assert_close(grads[1][k], grads[0][k])

@@ -534,7 +534,8 @@ def token_logps(
 
     The forward sees the prompt and completion with their masks and HF's position ids for left
     padding (what `sample` decoded with), and computes logits for the completion positions only
-    (`logits_to_keep`). Log-probs are `logit - logsumexp(logits)` over `chunk_rows` rows at a
+    (`logits_to_keep`; of a model that takes it in `**kwargs` and returns every position's,
+    the last ones). Log-probs are `logit - logsumexp(logits)` over `chunk_rows` rows at a
     time: without gradients (reference and old log-probs) no full-vocabulary float32
     log-softmax of the batch exists at once.
 
@@ -549,7 +550,9 @@ def token_logps(
     pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
     width = batch["completion_ids"].shape[1]
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=width + 1)
-    logits = getattr(out, "logits", out)[:, :-1]
+    # the last width + 1 positions: all a model returns that honours logits_to_keep, and the
+    # right ones of a model that takes it in **kwargs and returns every position's logits
+    logits = getattr(out, "logits", out)[:, -(width + 1) : -1]
     target = batch["completion_ids"]
     parts = []
     for lo in range(0, logits.shape[0], chunk_rows):
