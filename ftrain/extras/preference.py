@@ -258,7 +258,8 @@ def sequence_logps(
     in the core's loss (`ft.losses.causal_targets`): with left padding the pads' targets would
     otherwise count, and a row's log-prob would depend on the rows padded with it. Nor is it
     predicted: a label there is padding (a collate of your own may pad labels with a token id,
-    not -100).
+    not -100). Left-padded rows are moved to the left first (padding after the tokens), so
+    that their positions start at 0 as the unpadded row's do.
 
     A row without label tokens (every label -100, or its only one on the first position, which
     no logit predicts: a completion truncated away by a `max_length`) gets 0, the log-prob of
@@ -278,6 +279,7 @@ def _logps_and_counts(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sequence_logps` and each row's number of label tokens, shape (batch,) both."""
     _refuse_encoder_decoder(model)
+    batch = _flush_left(batch)
     logits = upcast(model_logits(model, batch))[:, :-1]
     labels = causal_targets(batch)[:, :-1]
     mask = batch.get("attention_mask")
@@ -291,6 +293,24 @@ def _logps_and_counts(
     total = (token * keep).sum(-1)
     count = keep.sum(-1)
     return (total / count.clamp(min=1) if average else total), count
+
+
+def _flush_left(batch: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The batch with each row's tokens (`attention_mask` 1) moved to its start, in order, and
+    its padding after them (TRL's `flush_left`); every tensor of the mask's shape moves along.
+
+    Without position ids the model numbers positions from 0 at the first column: a left-padded
+    row's tokens sat at positions shifted by its padding, and a model of absolute position
+    embeddings (GPT-2) scored them differently from the same row padded on the right or not at
+    all. A right-padded batch is unchanged. On the device, no host sync."""
+    mask = batch.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return batch
+    order = torch.argsort(mask.eq(0).to(torch.int8), dim=1, stable=True)
+    return {
+        k: v.gather(1, order) if isinstance(v, torch.Tensor) and v.shape == mask.shape else v
+        for k, v in batch.items()
+    }
 
 
 def _refuse_encoder_decoder(model: nn.Module) -> None:
