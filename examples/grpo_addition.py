@@ -164,7 +164,9 @@ def main(argv: list[str] | None = None) -> list[float]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=at_least(1), default=200, help="optimizer updates")
     p.add_argument("--prompts", type=at_least(1), default=32, help="prompts per rollout batch")
-    p.add_argument("--generations", type=at_least(1), default=8, help="completions per prompt (G)")
+    p.add_argument(  # one completion per prompt: every group advantage is 0
+        "--generations", type=at_least(2), default=8, help="completions per prompt (G), >= 2"
+    )
     p.add_argument("--iterations", type=at_least(1), default=2, help="updates per rollout batch")
     p.add_argument("--loss-type", default="dapo", choices=["grpo", "bnpo", "dr_grpo", "dapo"])
     p.add_argument("--beta", type=float, default=0.04, help="KL penalty to the starting model")

@@ -6,11 +6,12 @@ from __future__ import annotations
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import LlamaForCausalLM
 
 import ftrain as ft
-from helpers import rank_env, tiny_llama
+from helpers import load_example, rank_env, tiny_llama
 
 PROMPTS = torch.tensor([[0, 0, 5, 9, 14], [7, 3, 22, 8, 40], [0, 31, 2, 17, 6]])
 
@@ -128,3 +129,16 @@ def test_token_logps_of_a_model_returning_every_positions_logits():
     assert grads[0].keys() == grads[1].keys()
     for k in grads[0]:
         torch.testing.assert_close(grads[1][k], grads[0][k])
+
+
+# --- the GRPO example's flags --------------------------------------------------------------------
+
+
+def test_grpo_example_refuses_one_generation_naming_its_flag(capsys):
+    """`--generations 1` was accepted, the model built and a first batch sampled and scored,
+    then `group_advantages` raised (one completion per prompt: every advantage is 0) without
+    naming the flag. Now argparse refuses it, naming `--generations`."""
+    with pytest.raises(SystemExit) as e:
+        load_example("grpo_addition").main(["--generations", "1", "--steps", "2"])
+    assert e.value.code == 2
+    assert "argument --generations: must be an integer >= 2, got 1" in capsys.readouterr().err
