@@ -142,3 +142,38 @@ def test_grpo_example_refuses_one_generation_naming_its_flag(capsys):
         load_example("grpo_addition").main(["--generations", "1", "--steps", "2"])
     assert e.value.code == 2
     assert "argument --generations: must be an integer >= 2, got 1" in capsys.readouterr().err
+
+
+# --- rewards that carry a graph ----------------------------------------------------------------
+
+
+def test_rewards_of_a_model_run_with_gradients_are_constants_of_the_update():
+    """Rewards scored by a model with autograd on (a reward model called without no_grad, or
+    the policy judging its own completions) gave advantages that carried the scorer's graph
+    into the loss: the policy's gradient flowed through its own rewards (another gradient than
+    the policy gradient's wherever the loss weighs a group's rows unequally: completions of
+    different lengths under dapo, clipped tokens), and a second update on the same rollouts
+    (num_iterations=2) failed with torch's 'backward through the graph a second time'. Now
+    advantages are detached (TRL scores without gradients): the gradient is the one of the
+    same rewards given as plain numbers, and every iteration runs."""
+    state = ft.TrainState.create(_model(), ft.optim.adamw(), seed=0)
+    prompts = {"input_ids": PROMPTS, "attention_mask": (PROMPTS != 0).long()}
+    rollout = ft.rl.sample(state, prompts, index=[0, 1, 2], num_generations=2, max_new_tokens=4)
+    ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
+    # the policy as its own judge: its logit of token 7 after the completion, with gradients
+    rewards = state.model(input_ids=ids).logits[:, -1, 7]
+    assert rewards.requires_grad
+    adv = ft.rl.group_advantages(rewards, 2)
+    assert not adv.requires_grad
+    plain = ft.rl.rollout_batches([rollout], [ft.rl.group_advantages(rewards.detach(), 2)])
+    want, _ = ft.accumulate_grads(state, plain, ft.rl.policy_loss())
+    want = {k: v.clone() for k, v in want.items()}
+    # advantages computed by hand from such rewards are taken as constants too
+    hand = rewards - rewards.view(-1, 2).mean(1).repeat_interleave(2)
+    for advantages in (adv, hand):
+        micro = ft.rl.rollout_batches([rollout], [advantages])
+        for _ in range(2):  # num_iterations=2: the same micro-batches twice
+            got, _ = ft.accumulate_grads(state, micro, ft.rl.policy_loss())
+        if advantages is adv:
+            for k in want:
+                torch.testing.assert_close(got[k], want[k])

@@ -75,9 +75,14 @@ def _exact(rewards: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
     and `(r - mean) / (std + 1e-4)` turns that ulp into advantages of +-0.35 for a group whose
     rewards are all equal. In float64 the sum of n equal float32 (or half) values is n times
     the value exactly (for any group size below 2**29), so its mean is the value itself and
-    equal rewards give 0 exactly; unequal ones round far below float32's precision."""
+    equal rewards give 0 exactly; unequal ones round far below float32's precision.
+
+    Detached: advantages are constants of the policy gradient (TRL scores without gradients).
+    Rewards of a model run with autograd on (a reward model, the policy judging itself) would
+    carry its graph into the loss: the policy's gradient would flow through its own rewards,
+    and a second update on the same rollouts would backward through a freed graph."""
     out = torch.promote_types(rewards.dtype, torch.float32)
-    return rewards.to(torch.float64), out
+    return rewards.detach().to(torch.float64), out
 
 
 def _grouped(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
@@ -136,7 +141,8 @@ def group_advantages(
     may lie on different ranks) and this rank's advantages returned.
     Computed in float64, so a group of equal rewards gets advantages of exactly 0 (in the
     rewards' dtype its mean can round by an ulp, which the division by `std + 1e-4` would blow
-    up); returned in the rewards' dtype, float32 at least.
+    up); returned in the rewards' dtype, float32 at least, and detached from any graph the
+    rewards carry (a reward model run with gradients on): advantages are constants.
 
     Raises:
         ValueError: for `num_generations < 2` (every advantage would be 0), rewards that are

@@ -680,7 +680,7 @@ def rollout_batches(
             copy of the policy made before training, or a LoRA policy inside `with
             model.disable_adapter():`.
         advantages: per rollout, shape `(N,)` (one per row) or `(N, T)` (one per completion
-            token), finite.
+            token), finite; used detached (no gradient flows through them).
         temperature: of the reference's log-probs; None (the default) takes each rollout's
             `temperature`, the one it was sampled and its `logps` computed at. Another value
             raises: old, reference and new log-probs at different temperatures make a ratio
@@ -738,7 +738,7 @@ def rollout_batches(
             "prompt_mask": r.prompt_mask,
             "completion_ids": r.completion_ids,
             "completion_mask": keep,
-            "advantages": adv.to(r.logps),
+            "advantages": adv.detach().to(r.logps),  # constants, as _exact's
             "old_logps": r.logps,
             "temperature": r.temperature,  # policy_loss's, unless it is given one (then equal)
             # for Stats' token count: prompt and completion tokens
