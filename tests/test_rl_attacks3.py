@@ -177,3 +177,26 @@ def test_rewards_of_a_model_run_with_gradients_are_constants_of_the_update():
         if advantages is adv:
             for k in want:
                 torch.testing.assert_close(got[k], want[k])
+
+
+def test_old_log_probs_recomputed_with_gradients_on_still_train():
+    """TRL recomputes the old log-probs with a forward of the policy; done by hand with
+    `token_logps` and autograd on, `old_logps` held the policy's graph and policy_loss used it
+    as it was: the ratio exp(logp - old) had a gradient of exactly 0, so no update moved the
+    policy, silently. Now the old (and reference) log-probs are taken as constants: the
+    gradient is the one of the same values computed without gradients."""
+    state = ft.TrainState.create(_model(), ft.optim.adamw(), seed=0)
+    prompts = {"input_ids": PROMPTS, "attention_mask": (PROMPTS != 0).long()}
+    rollout = ft.rl.sample(state, prompts, index=[0, 1, 2], num_generations=2, max_new_tokens=4)
+    adv = ft.rl.group_advantages(torch.tensor([1.0, 0.0, 0.5, 0.0, 2.0, 1.0]), 2)
+    grads = []
+    for grad_on in (False, True):
+        (batch,) = ft.rl.rollout_batches([rollout], [adv])
+        with torch.set_grad_enabled(grad_on):
+            old = ft.rl.token_logps(state.model, batch) * rollout.completion_mask
+        micro = [{**batch, "old_logps": old}]
+        g, _ = ft.accumulate_grads(state, micro, ft.rl.policy_loss())
+        grads.append({k: v.clone() for k, v in g.items()})
+    assert max(v.abs().max().item() for v in grads[0].values()) > 1e-3
+    for k in grads[0]:
+        torch.testing.assert_close(grads[1][k], grads[0][k])

@@ -391,8 +391,9 @@ def policy_loss(
     must equal the batch's. The batch is what `rollout_batches`
     builds: prompt and completion ids and masks, `advantages`, `old_logps` (absent: the
     current log-probs detached, ratio 1, as TRL when `num_iterations=1`) and, with `beta > 0`,
-    `ref_logps` (which `beta=0` refuses to ignore). The policy must not drop out (its old and
-    reference log-probs were computed in eval mode). `dr_grpo` divides by
+    `ref_logps` (which `beta=0` refuses to ignore); both are used detached (constants). The
+    policy must not drop out (its old and reference log-probs were computed in eval mode).
+    `dr_grpo` divides by
     `max_completion_length`, by default the batch's `max_new_tokens` (its rollout's, as TRL
     uses one `max_completion_length` for sampling and the loss); a value given here must equal
     it, with any loss type (the others do not divide by it). Defaults are `GRPOConfig`'s.
@@ -449,8 +450,11 @@ def policy_loss(
         inside = batch["completion_mask"].bool()
         logps = token_logps(model, batch, temperature=_temperature(batch, temperature))
         logps = torch.where(inside, logps, 0.0)
+        # Old and reference log-probs are constants of the update, as TRL's (computed without
+        # gradients): old ones recomputed by hand with autograd on (token_logps of the policy)
+        # held the policy's graph, and the ratio exp(logp - old) had a gradient of 0.
         old = batch.get("old_logps")
-        old = logps.detach() if old is None else torch.where(inside, old, 0.0)
+        old = logps.detach() if old is None else torch.where(inside, old.detach(), 0.0)
         per_token = clipped_objective(
             logps, old, batch["advantages"], epsilon=epsilon, epsilon_high=epsilon_high, delta=delta
         )
@@ -460,7 +464,7 @@ def policy_loss(
                     "policy_loss with beta > 0 needs ref_logps in the batch: "
                     "rollout_batches(..., reference=ref_model)"
                 )
-            kl = kl_k3(logps, torch.where(inside, batch["ref_logps"], 0.0))
+            kl = kl_k3(logps, torch.where(inside, batch["ref_logps"].detach(), 0.0))
             per_token = per_token + beta * (
                 kl * torch.exp(logps - old) if bias_correction_kl else kl
             )
