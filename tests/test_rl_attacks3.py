@@ -200,3 +200,26 @@ def test_old_log_probs_recomputed_with_gradients_on_still_train():
     assert max(v.abs().max().item() for v in grads[0].values()) > 1e-3
     for k in grads[0]:
         torch.testing.assert_close(grads[1][k], grads[0][k])
+
+
+def test_rollouts_sampled_under_inference_mode_train():
+    """Sampling and scoring under `torch.inference_mode()` (what PyTorch recommends for
+    generation) gave a Rollout of inference tensors, which autograd cannot save: the update
+    failed in the embedding's backward with torch's 'Inference tensors cannot be saved for
+    backward'. Now rollout_batches copies them: the update is the one of a rollout sampled
+    under no_grad."""
+    state = ft.TrainState.create(_model(), ft.optim.adamw(), seed=0)
+    prompts = {"input_ids": PROMPTS, "attention_mask": (PROMPTS != 0).long()}
+    reference = _model().requires_grad_(False)
+    grads = []
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            rollout = ft.rl.sample(
+                state, prompts, index=[0, 1, 2], num_generations=2, max_new_tokens=4
+            )
+            adv = ft.rl.group_advantages(torch.tensor([1.0, 0.0, 0.5, 0.0, 2.0, 1.0]), 2)
+        micro = ft.rl.rollout_batches([rollout], [adv], reference=reference)
+        g, _ = ft.accumulate_grads(state, micro, ft.rl.policy_loss(beta=0.1))
+        grads.append({k: v.clone() for k, v in g.items()})
+    for k in grads[0]:
+        torch.testing.assert_close(grads[1][k], grads[0][k])

@@ -656,6 +656,13 @@ def _check_distinct_draws(rollouts: Sequence[Rollout]) -> None:
                 )
 
 
+def _plain(value: Any) -> Any:
+    """A copy of an inference tensor (`torch.inference_mode()`) that autograd can use."""
+    if isinstance(value, torch.Tensor) and value.is_inference():
+        return value.clone()
+    return value
+
+
 def rollout_batches(
     rollouts: Sequence[Rollout],
     advantages: Sequence[torch.Tensor],
@@ -744,6 +751,9 @@ def rollout_batches(
             # for Stats' token count: prompt and completion tokens
             "attention_mask": torch.cat([r.prompt_mask, keep], 1),
         }
+        # Rollouts sampled or scored under torch.inference_mode() hold inference tensors, which
+        # autograd cannot save: the update failed in the embedding's backward. Plain copies.
+        batch = {k: _plain(v) for k, v in batch.items()}
         if r.max_new_tokens is not None:
             batch["max_new_tokens"] = r.max_new_tokens  # dr_grpo's max_completion_length
         if reference is not None:
