@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -74,3 +75,16 @@ def test_left_padded_pairs_score_as_unpadded_ones_under_absolute_positions():
     model.train()
     got, want = loss_fn(model, left), loss_fn(model, right)
     torch.testing.assert_close(got, want)
+
+
+def test_a_reference_model_and_precomputed_references_together_are_refused():
+    """`preference_loss(reference=ref)` on a batch that also holds `reference_chosen` and
+    `reference_rejected` used the precomputed columns and never ran `ref`, without a word."""
+    model = _gpt2().train()
+    batch = P.pair_collate(pad_id=1)(ROWS)
+    batch["reference_chosen"] = batch["reference_rejected"] = torch.zeros(2, dtype=torch.float64)
+    dpo = functools.partial(P.dpo_loss, beta=0.5)
+    P.preference_loss(dpo)(model, batch)  # the columns alone: fine
+    both = P.preference_loss(dpo, reference=_gpt2().requires_grad_(False))
+    with pytest.raises(ValueError, match="one of the two references would be ignored"):
+        both(model, batch)

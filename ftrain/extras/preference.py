@@ -489,6 +489,12 @@ def preference_loss(
         # pairs shows how many were left out, and a step of none counts no item (skipped).
         kept = (chosen_tokens > 0) & (rejected_tokens > 0)
         refs = _references(batch, pc, needs)
+        if refs and reference is not None:
+            raise ValueError(
+                "preference_loss(reference=...) got a batch that holds reference_chosen and "
+                "reference_rejected too: one of the two references would be ignored. Drop the "
+                "precomputed columns, or build the loss without reference="
+            )
         if not refs and reference is not None and needs is not False:
             if model not in apart:
                 _check_apart(model, reference)
