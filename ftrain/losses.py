@@ -489,7 +489,9 @@ def classification_loss(*, label_smoothing: float = 0.0) -> LossFn:
     target value; binary cross-entropy with logits for `"multi_label_classification"` (float or
     bool multi-hot labels with several outputs), counted per label; cross-entropy over integer
     class labels otherwise, -100 ignored, counted per labelled row. Each equals the model's own
-    `.loss` on one batch (a mean) as sum / count.
+    `.loss` on one batch (a mean) as sum / count. A problem type inferred so is recorded in
+    `config.problem_type`, as HF's own loss records it: the exported `config.json` keeps it, and
+    HF's text-classification pipeline reads it (sigmoid or softmax or neither).
 
     Args:
         label_smoothing: eps in [0, 1), as in `causal_lm_loss`; single-label classification
@@ -506,6 +508,12 @@ def classification_loss(*, label_smoothing: float = 0.0) -> LossFn:
         logits = loss_logits(model, padded_as_model(model, batch))
         labels = batch["labels"]
         kind = _problem_type(model, logits, labels)
+        cfg = _config(model)
+        if cfg is not None and getattr(cfg, "problem_type", kind) is None:
+            # Recorded as HF's own loss records it: the exported config.json and HF's
+            # text-classification pipeline read it (without it, sigmoid on a regression
+            # score and softmax over multi-label outputs).
+            cfg.problem_type = kind
         if kind == "single_label_classification":
             if labels.is_floating_point():
                 raise ValueError(

@@ -1,0 +1,55 @@
+"""Silent failures of everyday fine-tuning, sixth pass: what an exported model's config says
+of how it was trained, ..."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, BertConfig
+from transformers import BertForSequenceClassification as Bert
+
+import ftrain as ft
+
+
+def _bert_classifier(num_labels: int) -> Bert:
+    torch.manual_seed(0)
+    cfg = BertConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_labels=num_labels,
+    )  # fmt: skip
+    return Bert(cfg)
+
+
+@pytest.mark.parametrize(
+    ("num_labels", "label", "kind"),
+    [
+        (1, lambda i: float(i % 3), "regression"),
+        (1, lambda i: i % 3, "regression"),  # integer scores (STS-B-like): still regression
+        (3, lambda i: [float(i % 2), 1.0, 0.0], "multi_label_classification"),
+        (3, lambda i: i % 3, "single_label_classification"),
+    ],
+)
+def test_a_classifiers_inferred_problem_type_is_recorded_in_its_exported_config(
+    num_labels, label, kind, tmp_path
+):
+    # HF's loss records the problem type it infers in config.problem_type; the built-in loss
+    # left it None, so an exported regression model ran through HF's text-classification
+    # pipeline with a sigmoid on its score (num_labels == 1) and a multi-label one with a
+    # softmax over its labels, silently: the Trainer's export says which it was.
+    rows = [{"input_ids": [2, 3 + i % 4, 5], "labels": label(i)} for i in range(8)]
+    state = ft.TrainState.create(_bert_classifier(num_labels), ft.optim.adamw(), seed=0)
+    for micro in ft.make_batches(rows, state, batch_size=4):
+        grads, stats = ft.accumulate_grads(state, micro)
+        state, _ = ft.clip_and_step(state, grads, stats=stats, lr=1e-2)
+    reference = _bert_classifier(num_labels)  # HF's own forward with labels decides it
+    batch = ft.pad_collate()(rows[:4])
+    reference(**batch)
+    assert reference.config.problem_type == kind
+    assert state.model.config.problem_type == kind
+    out = ft.export_pretrained(state, tmp_path / "export")
+    assert AutoModelForSequenceClassification.from_pretrained(out).config.problem_type == kind
+    # A checkpoint of it resumes into a fresh model, whose config has not recorded it yet.
+    ft.save_checkpoint(state, tmp_path / "run")
+    fresh = ft.TrainState.create(_bert_classifier(num_labels), ft.optim.adamw(), seed=0)
+    resumed = ft.load_checkpoint(ft.latest_checkpoint(tmp_path / "run"), fresh)
+    assert resumed.step == state.step
