@@ -53,3 +53,23 @@ def test_a_classifiers_inferred_problem_type_is_recorded_in_its_exported_config(
     fresh = ft.TrainState.create(_bert_classifier(num_labels), ft.optim.adamw(), seed=0)
     resumed = ft.load_checkpoint(ft.latest_checkpoint(tmp_path / "run"), fresh)
     assert resumed.step == state.step
+
+
+def test_pad_to_multiple_of_leaves_a_multi_label_batchs_label_vectors_alone():
+    # DataCollatorWithPadding(pad_to_multiple_of=8) pads the tokens only. pad_collate padded
+    # every row's multi-hot labels with -100 up to 8 too, past the model's 3 outputs: a valid
+    # multi-label batch was refused by the loss (and a loss of your own trained on -100s).
+    rows = [
+        {"input_ids": [2, 3, 4][: 1 + i % 3], "labels": [float(i % 2), 1.0, 0.0]} for i in range(4)
+    ]
+    plain = ft.pad_collate()(rows)
+    padded = ft.pad_collate(pad_to_multiple_of=8)(rows)
+    assert padded["input_ids"].shape == padded["attention_mask"].shape == (4, 8)
+    assert torch.equal(padded["labels"], plain["labels"])
+    model = _bert_classifier(3).eval()
+    loss, n = ft.losses.default_loss(model, padded)
+    assert int(n) == 12
+    assert torch.allclose(loss, ft.losses.default_loss(model, plain)[0])
+    # One label per token (a tagger's) still pads to the multiple with the tokens.
+    tags = ft.pad_collate(pad_to_multiple_of=8)([{"input_ids": [2, 3], "labels": [0, 1]}] * 2)
+    assert tags["labels"].tolist() == [[0, 1] + [-100] * 6] * 2

@@ -42,7 +42,9 @@ def pad_collate(
         label_pad_id: padding for `labels`; -100 is ignored by the losses.
         padding_side: "right" or "left"; left raises for `labels` that are not one per input
             token (a seq2seq target: its decoder would read the padding).
-        pad_to_multiple_of: round the padded length up to a multiple of this.
+        pad_to_multiple_of: round the padded length of the token sequences up to a multiple
+            of this; a field holding one vector per row (the same length in every row, not
+            its number of input tokens: multi-hot labels) is left as it is.
         attention_mask: create a mask for rows without one (off for packed rows, whose
             example boundaries HF models read from `position_ids`: rows whose `position_ids`
             restart at 0 raise `ValueError` with it on, as their examples would see each other;
@@ -80,7 +82,8 @@ def pad_collate(
             _refuse_left_padded_targets(rows)
         out: dict[str, Any] = {}
         for key in rows[0]:
-            out[key] = _column(rows, key, _pad_of(key), padding_side, pad_to_multiple_of)
+            multiple = None if _row_vectors(rows, key, pad_to_multiple_of) else pad_to_multiple_of
+            out[key] = _column(rows, key, _pad_of(key), padding_side, multiple)
         for i, row in enumerate(rows):  # a field row 0 lacks would be dropped unseen
             extra = [k for k in row if k not in out] if isinstance(row, Mapping) else []
             if extra:
@@ -128,6 +131,31 @@ def _sides(out: Mapping[str, Any]) -> list[str]:
         and v.dim() == 2
         and k.removesuffix("input_ids") + "attention_mask" not in out
     ]
+
+
+def _row_vectors(rows: list[Any], key: str, multiple: int | None) -> bool:
+    """Whether `key` holds one vector per row rather than a sequence, so that
+    `pad_to_multiple_of` leaves it alone: the same length in every row, which is not the row's
+    number of input tokens (multi-hot labels, several regression targets). Rounded up, a
+    multi-label batch's labels were padded with -100 past the model's outputs, and refused."""
+    if not multiple or key == "input_ids":
+        return False
+    if not all(isinstance(r, Mapping) and "input_ids" in r for r in rows):
+        return False
+    lengths = {_size(r.get(key)) for r in rows}
+    if len(lengths) != 1 or None in lengths:
+        return False
+    return any(_size(r["input_ids"]) not in lengths for r in rows)
+
+
+def _size(value: Any) -> int | None:
+    """`_length` without building a tensor (None for a scalar, text or a missing field)."""
+    if value is None or _is_text(value):
+        return None
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return int(shape[0]) if len(shape) else None
+    return len(value) if isinstance(value, (list, tuple)) else None
 
 
 def _is_int(value: Any) -> bool:
