@@ -3,6 +3,7 @@ of how it was trained, ..."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, BertConfig
@@ -73,3 +74,17 @@ def test_pad_to_multiple_of_leaves_a_multi_label_batchs_label_vectors_alone():
     # One label per token (a tagger's) still pads to the multiple with the tokens.
     tags = ft.pad_collate(pad_to_multiple_of=8)([{"input_ids": [2, 3], "labels": [0, 1]}] * 2)
     assert tags["labels"].tolist() == [[0, 1] + [-100] * 6] * 2
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16])
+def test_label_padding_never_wraps_around_in_an_unsigned_dtype(dtype):
+    # Tags stored compactly (numpy uint8, as a tokenized dataset saved to disk often has them)
+    # were padded with -100 in their own dtype: 156 (65436 in uint16), a class to the loss.
+    rows = [
+        {"input_ids": [2, 3, 4][: 2 + i % 2], "labels": np.array([1, 2, 3][: 2 + i % 2], dtype)}
+        for i in range(4)
+    ]
+    batch = ft.pad_collate()(rows)
+    assert batch["labels"].tolist() == [[1, 2, -100], [1, 2, 3]] * 2
+    wide = ft.pad_collate()([{**r, "labels": r["labels"].astype(np.int64)} for r in rows])
+    assert torch.equal(batch["labels"], wide["labels"])

@@ -282,6 +282,10 @@ def _pad(values: list[torch.Tensor], pad: int, side: str, multiple: int | None) 
     # An empty row ([] is float32 to torch) says nothing of the dtype: it made input_ids float.
     typed = [v for v in values if v.numel()] or values
     dtype = functools.reduce(torch.promote_types, (v.dtype for v in typed))
+    if pad < 0 and not (dtype.is_floating_point or dtype.is_complex or dtype.is_signed):
+        # An unsigned dtype cannot hold the -100 of label padding: uint8 tags (numpy's compact
+        # dtype) were padded with 156, read as a class, not as "ignore".
+        dtype = torch.int64
     out = values[0].new_full((len(values), length, *values[0].shape[1:]), pad, dtype=dtype)
     for i, v in enumerate(values):
         if side == "right":
