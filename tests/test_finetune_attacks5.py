@@ -1,5 +1,6 @@
-"""Silent failures of everyday fine-tuning, sixth pass: what an exported model's config says
-of how it was trained, ..."""
+"""Silent failures of everyday fine-tuning, sixth pass: the problem type an exported
+classifier's config records, and label padding in pad_collate (pad_to_multiple_of beside
+multi-hot labels, unsigned label dtypes)."""
 
 from __future__ import annotations
 
