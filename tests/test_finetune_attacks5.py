@@ -1,13 +1,20 @@
 """Silent failures of everyday fine-tuning, sixth pass: the problem type an exported
-classifier's config records, and label padding in pad_collate (pad_to_multiple_of beside
-multi-hot labels, unsigned label dtypes)."""
+classifier's config records, label padding in pad_collate (pad_to_multiple_of beside
+multi-hot labels, unsigned label dtypes), and left padding of models with learned positions."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForSequenceClassification, BertConfig
+from transformers import (
+    AutoModelForSequenceClassification,
+    BertConfig,
+    GPT2Config,
+    GPT2ForSequenceClassification,
+    GPT2ForTokenClassification,
+    GPT2LMHeadModel,
+)
 from transformers import BertForSequenceClassification as Bert
 
 import ftrain as ft
@@ -89,3 +96,43 @@ def test_label_padding_never_wraps_around_in_an_unsigned_dtype(dtype):
     assert batch["labels"].tolist() == [[1, 2, -100], [1, 2, 3]] * 2
     wide = ft.pad_collate()([{**r, "labels": r["labels"].astype(np.int64)} for r in rows])
     assert torch.equal(batch["labels"], wide["labels"])
+
+
+def _gpt2(cls):
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        vocab_size=32, n_embd=16, n_layer=1, n_head=2, n_positions=16, num_labels=3,
+        pad_token_id=3, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    return cls(cfg).eval()
+
+
+@pytest.mark.parametrize(
+    ("cls", "label"),
+    [
+        (GPT2LMHeadModel, lambda ids: ids),
+        (GPT2ForSequenceClassification, lambda ids: len(ids) % 3),
+        (GPT2ForTokenClassification, lambda ids: [t % 3 for t in ids]),
+    ],
+)
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_padded_batch_of_a_model_with_learned_positions_scores_its_rows_alone(cls, label, side):
+    # GPT-2 reads its learned positions from the token index, not the attention mask: each
+    # left-padded row was read from position k (its padding) on, so its loss changed with the
+    # rows padded beside it, though causal_targets promises left- and right-padded batches the
+    # loss of their rows run alone (and a decoder tokenizer often pads on the left).
+    model = _gpt2(cls)
+    rows = [{"input_ids": ids, "labels": label(ids)} for ids in ([5, 6, 7, 8], [9, 10], [11])]
+    alone = [ft.losses.default_loss(model, ft.pad_collate()([r])) for r in rows]
+    with torch.no_grad():
+        loss, n = ft.losses.default_loss(model, ft.pad_collate(padding_side=side)(rows))
+    assert int(n) == sum(int(k) for _, k in alone)
+    assert torch.allclose(loss, sum(s for s, _ in alone), atol=1e-5)
+
+
+def test_every_model_type_given_positions_from_its_mask_is_one_transformers_knows():
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from ftrain.losses import _MASK_BLIND_POSITIONS
+
+    assert not _MASK_BLIND_POSITIONS - CONFIG_MAPPING_NAMES.keys()
