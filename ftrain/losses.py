@@ -453,13 +453,16 @@ def _causal_pair(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tens
 
 # HF model types with learned absolute positions that they do not count from the attention
 # mask: a left-padded row was read from position k (its padding), not 0, so its loss changed
-# with the rows padded beside it. Measured with transformers 5.24 on tiny models (a row
-# left-padded vs alone); the other causal-LM types measured (Llama, Mistral, Qwen2, Phi, OPT,
-# Bloom, GPT-NeoX, MPT, Gemma, ...) read it alike already (rotary or ALiBi positions, or positions
-# counted from the mask).
-_MASK_BLIND_POSITIONS = frozenset(
-    {"biogpt", "ctrl", "gpt2", "gpt_bigcode", "gpt_neo", "openai-gpt", "xglm"}
-)
+# with the rows padded beside it. Measured with transformers 5.24 over every causal-LM type that
+# builds a tiny model from its default config (a row left-padded vs alone, then with these
+# positions); the others are invariant already (rotary or ALiBi positions, or positions counted
+# from the mask or the pad id), or take no position_ids (BART's family, RWKV). The backbone is
+# the same under their token and sequence classifiers (BERT's [CLS] moved to position k).
+_MASK_BLIND_POSITIONS = frozenset({
+    "bert", "bert-generation", "big_bird", "biogpt", "ctrl", "electra", "ernie", "git",
+    "gpt-sw3", "gpt2", "gpt_bigcode", "gpt_neo", "megatron-bert", "openai-gpt",
+    "recurrent_gemma", "rembert", "roc_bert", "xglm", "xlm",
+})  # fmt: skip
 
 
 def _with_mask_positions(model: nn.Module, batch: Any) -> Any:
@@ -476,7 +479,7 @@ def _with_mask_positions(model: nn.Module, batch: Any) -> Any:
         return batch
     if getattr(_config(model), "model_type", None) not in _MASK_BLIND_POSITIONS:
         return batch
-    return {**batch, "position_ids": (mask.long().cumsum(-1) - 1).clamp_(min=0)}
+    return {**batch, "position_ids": (mask.long().cumsum(-1) - 1).clamp(min=0)}
 
 
 def causal_targets(batch: Mapping[str, Any]) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 from transformers import (
     AutoModelForSequenceClassification,
     BertConfig,
+    BertForTokenClassification,
     GPT2Config,
     GPT2ForSequenceClassification,
     GPT2ForTokenClassification,
@@ -98,6 +99,15 @@ def test_label_padding_never_wraps_around_in_an_unsigned_dtype(dtype):
     assert torch.equal(batch["labels"], wide["labels"])
 
 
+def _bert_tagger():
+    torch.manual_seed(0)
+    cfg = BertConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_labels=3,
+    )  # fmt: skip
+    return BertForTokenClassification(cfg).eval()
+
+
 def _gpt2(cls):
     torch.manual_seed(0)
     cfg = GPT2Config(
@@ -113,6 +123,7 @@ def _gpt2(cls):
         (GPT2LMHeadModel, lambda ids: ids),
         (GPT2ForSequenceClassification, lambda ids: len(ids) % 3),
         (GPT2ForTokenClassification, lambda ids: [t % 3 for t in ids]),
+        (BertForTokenClassification, lambda ids: [t % 3 for t in ids]),
     ],
 )
 @pytest.mark.parametrize("side", ["left", "right"])
@@ -121,7 +132,7 @@ def test_a_padded_batch_of_a_model_with_learned_positions_scores_its_rows_alone(
     # left-padded row was read from position k (its padding) on, so its loss changed with the
     # rows padded beside it, though causal_targets promises left- and right-padded batches the
     # loss of their rows run alone (and a decoder tokenizer often pads on the left).
-    model = _gpt2(cls)
+    model = _bert_tagger() if cls is BertForTokenClassification else _gpt2(cls)
     rows = [{"input_ids": ids, "labels": label(ids)} for ids in ([5, 6, 7, 8], [9, 10], [11])]
     alone = [ft.losses.default_loss(model, ft.pad_collate()([r])) for r in rows]
     with torch.no_grad():
