@@ -300,8 +300,10 @@ def model_logits(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
     The keyword arguments are `model_inputs(model, batch)`: the batch without its `labels` (so
     that an HF model does not compute a mean loss of its own) and without keys the model's
     `forward` does not name, plus `use_cache=False` where the forward takes `use_cache` and the
-    batch does not set it (no key/value cache; packed rows stay apart). The output's `.logits`
-    (HF models), else its first element when it is a tuple, else the output itself.
+    batch does not set it (no key/value cache; packed rows stay apart), and for HF models whose
+    learned positions ignore the attention mask (GPT-2, BERT, ...) `position_ids` counted from
+    the mask when the batch has none (a left-padded row is read as alone). The output's
+    `.logits` (HF models), else its first element when it is a tuple, else the output itself.
 
     Example:
         >>> import torch, ftrain as ft
@@ -312,7 +314,7 @@ def model_logits(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
         >>> ft.losses.model_logits(Lm(), batch).shape
         torch.Size([1, 3, 5])
     """
-    return _logits_of(_call(model, batch))
+    return _logits_of(_call(model, _with_mask_positions(model, batch)))
 
 
 def _call(model: nn.Module, batch: Mapping[str, Any]) -> Any:
@@ -396,7 +398,7 @@ def loss_logits(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
         >>> ft.losses.loss_logits(Lm(), {"input_ids": torch.tensor([[1, 2]])}).shape
         torch.Size([1, 2, 5])
     """
-    out = _call(model, batch)
+    out = _call(model, _with_mask_positions(model, batch))
     aux = _router_outputs(out)
     if aux:
         why = (
@@ -448,7 +450,7 @@ def _causal_pair(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tens
     """(logits, targets) of a causal LM batch: `causal_targets(batch)`."""
     if "labels" not in batch:
         raise KeyError("causal_lm_loss needs 'labels' in the batch (use input_ids as labels)")
-    return loss_logits(model, _with_mask_positions(model, batch)), causal_targets(batch)
+    return loss_logits(model, batch), causal_targets(batch)
 
 
 # HF model types with learned absolute positions that they do not count from the attention
@@ -539,7 +541,7 @@ def classification_loss(*, label_smoothing: float = 0.0) -> LossFn:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
 
     def loss_fn(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = loss_logits(model, _with_mask_positions(model, padded_as_model(model, batch)))
+        logits = loss_logits(model, padded_as_model(model, batch))
         labels = batch["labels"]
         kind = _problem_type(model, logits, labels)
         cfg = _config(model)
@@ -718,7 +720,7 @@ def _token_pair(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tenso
             "token classifier would lose one label per example; pad its rows instead "
             "(make_batches' default collate)"
         )
-    return loss_logits(model, _with_mask_positions(model, batch)), batch["labels"]
+    return loss_logits(model, batch), batch["labels"]
 
 
 def _decoder_inputs(model: nn.Module, labels: torch.Tensor) -> torch.Tensor:

@@ -147,3 +147,21 @@ def test_every_model_type_given_positions_from_its_mask_is_one_transformers_know
     from ftrain.losses import _MASK_BLIND_POSITIONS
 
     assert not _MASK_BLIND_POSITIONS - CONFIG_MAPPING_NAMES.keys()
+
+
+@pytest.mark.parametrize("cls", [GPT2ForSequenceClassification, GPT2ForTokenClassification])
+def test_predict_reads_a_left_padded_row_of_a_model_with_learned_positions_as_alone(cls):
+    """`model_logits` (predict, the metrics, preference log-probs) counts positions from the
+    mask as the losses do: predict's logits of a left-padded GPT-2 classifier's rows were those
+    of rows read from their padding on (0.095 off), disagreeing with the loss."""
+    model = _gpt2(cls)
+    rows = [{"input_ids": ids, "labels": 1 if cls is GPT2ForSequenceClassification else
+             [1] * len(ids)} for ids in ([5, 6, 7, 8], [9, 10], [11])]  # fmt: skip
+    batch = ft.pad_collate(padding_side="left")(rows)
+    with torch.no_grad():
+        got = ft.losses.model_logits(model, batch)
+        for i, r in enumerate(rows):
+            alone = ft.losses.model_logits(model, ft.pad_collate()([r]))[0]
+            n = len(r["input_ids"])
+            mine = got[i] if cls is GPT2ForSequenceClassification else got[i, -n:]
+            torch.testing.assert_close(mine, alone, atol=1e-5, rtol=1e-5)
