@@ -20,7 +20,7 @@ from torch.nn.parameter import is_lazy
 
 from ftrain.optim import Optimizer, ema_swapped
 from ftrain.rng import _splitmix64
-from ftrain.strategies import SingleDevice, Strategy
+from ftrain.strategies import SingleDevice, Strategy, refuse_lone_process
 
 __all__ = [
     "ConsumedStateError",
@@ -233,8 +233,10 @@ class TrainState:
                 (a `torch.nn.Lazy*` module before its first forward), `seed` is outside
                 [0, 2**63), or other processes of the job got another `seed` (one small
                 collective at setup); without `strategy` in a job of several processes (an
-                initialised process group or a launcher's `WORLD_SIZE` above 1), where the
-                default would train each process alone on every row.
+                initialised process group, a launcher's `WORLD_SIZE` above 1, or a process
+                that `ft.strategies.refuse_lone_process` finds one of several: a srun task,
+                an MPI rank, a pod started with `python`), where the default would train each
+                process alone on every row.
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -565,7 +567,8 @@ def _refuse_default_in_a_job() -> None:
     alone on every row (no gradient sync, and `make_batches` shards by the state's strategy),
     silently. A process that means to train alone says so with `SingleDevice()`."""
     dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
+    grouped = dist.is_available() and dist.is_initialized()
+    if grouped:
         world = dist.get_world_size()
     else:
         try:  # torchrun, srun via export_launcher_env, ...: the group is not set up yet
@@ -579,3 +582,14 @@ def _refuse_default_in_a_job() -> None:
             "make_batches shards nothing); pass strategy=ft.strategies.from_env('ddp') (or "
             "'fsdp', ...), or strategy=ft.strategies.SingleDevice() to train each alone"
         )
+    if grouped:
+        return
+    try:  # srun, mpirun, a pod's `python`: one of several processes that WORLD_SIZE does not count
+        refuse_lone_process()
+    except ValueError as err:
+        raise ValueError(
+            f"TrainState.create got no strategy, and the default SingleDevice() would train "
+            f"this process alone: {err}. Pass strategy=ft.strategies.from_env('ddp') (or "
+            "'fsdp', ...) once launched so, or strategy=ft.strategies.SingleDevice() to train "
+            "each process alone"
+        ) from None

@@ -7,6 +7,7 @@ from ftrain.strategies._base import default_device as default_device
 from ftrain.strategies._base import local_grad_norm as local_grad_norm
 from ftrain.strategies._ddp import DDP as DDP
 from ftrain.strategies._env import from_env as from_env
+from ftrain.strategies._env import refuse_lone_process as refuse_lone_process
 from ftrain.strategies._fsdp import FSDP as FSDP
 from ftrain.strategies._group import await_collective as await_collective
 from ftrain.strategies._group import collective_seconds as collective_seconds
@@ -40,4 +41,5 @@ __all__ = [
     "local_views",
     "local_grad_norm",
     "on_preemption",
+    "refuse_lone_process",
 ]

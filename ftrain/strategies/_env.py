@@ -23,7 +23,7 @@ from ftrain.strategies._group import (
 )
 from ftrain.strategies._tp import TP
 
-__all__ = ["from_env"]
+__all__ = ["from_env", "refuse_lone_process"]
 
 
 def from_env(
@@ -181,13 +181,34 @@ def _world_size() -> int:
     rank = _env_int("RANK", 0)
     if not 0 <= rank < world:
         raise ValueError(f"RANK={rank} in the environment is outside WORLD_SIZE={world}")
+    refuse_lone_process()
+    return world
+
+
+def refuse_lone_process() -> None:
+    """Raise if the launcher's environment says this process is one of several that would each
+    train alone: the checks `from_env` makes before it returns `SingleDevice` for a world of 1.
+
+    `TrainState.create` without a strategy makes them too. A srun task of a step of several
+    without WORLD_SIZE, the batch script (or salloc shell) of an allocation of several tasks, a
+    pod of a multi-node job or with PET_NPROC_PER_NODE above 1 started with `python`, one of
+    several processes an MPI launcher started, and a one-node torchrun in each task of a srun
+    step raise; a Ray worker, a torchrun worker, a single srun task and a plain `python` run
+    pass. WORLD_SIZE and RANK themselves are `from_env`'s to check.
+
+    Raises:
+        ValueError: naming the variables that tell and how to launch instead.
+
+    Example:
+        >>> import ftrain as ft
+        >>> ft.strategies.refuse_lone_process()  # a plain `python` run: nothing to refuse
+    """
     if "WORLD_SIZE" not in os.environ and "RAY_RAYLET_PID" not in os.environ:
         _refuse_lone_slurm_task()
         _refuse_lone_pod()
         _refuse_lone_mpi_rank()
     refuse_pod_short_of_processes()
     refuse_one_node_torchrun_per_srun_task()
-    return world
 
 
 _ALONE = "or set WORLD_SIZE=1 if independent one-process runs are what you mean"

@@ -1,0 +1,87 @@
+"""The cluster engines read wrong, fifth round: the README loop (`TrainState.create` without a
+strategy) started by srun, mpirun or a pod's `python`; the trackers' rank in a pod of several
+processes started with `python`; Ray's staging root shared by two runs."""
+
+from __future__ import annotations
+
+import pytest
+
+import ftrain as ft
+
+# Everything from_env reads to tell who started the process.
+READ = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+        "RAY_RAYLET_PID", "PET_NNODES", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT",
+        "PET_NPROC_PER_NODE", "JOB_COMPLETION_INDEX", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS",
+        "SLURM_PROCID", "SLURM_STEP_NODELIST", "SLURM_JOB_ID", "GROUP_WORLD_SIZE",
+        "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")  # fmt: skip
+
+
+@pytest.fixture
+def environ(monkeypatch):
+    """os.environ without any launcher's or scheduler's variables; returns a setter."""
+    for k in READ:
+        monkeypatch.delenv(k, raising=False)
+
+    def set_env(env: dict[str, str]) -> None:
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+
+    return set_env
+
+
+def _create(**kwargs):
+    import torch
+
+    return ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd(), **kwargs)
+
+
+# Each one of several processes, WORLD_SIZE unset: what from_env refuses, by the variable.
+LONE = {
+    "srun task": {"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"},
+    "batch script": {"SLURM_NTASKS": "4"},
+    "mpirun": {"OMPI_COMM_WORLD_SIZE": "4"},
+    "trainjob pod": {"PET_NPROC_PER_NODE": "4", "PET_NNODES": "1"},
+    "multi-node pod": {"PET_NNODES": "2", "PET_NODE_RANK": "1"},
+    "standalone torchrun per srun task": {
+        "TORCHELASTIC_RUN_ID": "3166008c-dd9e-4aca-8490-563555f020f4", "RANK": "0",
+        "GROUP_WORLD_SIZE": "1", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost",
+        "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2",
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("where", LONE)
+def test_the_readme_loop_without_a_strategy_is_refused_where_from_env_is(environ, where):
+    """`TrainState.create(model, opt)` read only WORLD_SIZE: in each task of `srun -n 2`, each
+    process of `mpirun -np 4` and a TrainJob pod's `python` it took SingleDevice, and N
+    processes each trained alone on every row into one run folder, without a word."""
+    environ(LONE[where])
+    with pytest.raises(ValueError, match=r"^TrainState\.create got no strategy") as err:
+        _create()
+    assert "strategy=ft.strategies.SingleDevice() to train each process alone" in str(err.value)
+    with pytest.raises(ValueError):
+        ft.strategies.from_env("ddp")  # the same line
+    alone = ft.strategies.SingleDevice()  # saying so trains this process alone
+    assert _create(strategy=alone).strategy is alone
+
+
+TAKEN = {
+    "plain python": {},
+    "srun -n 1": {"SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"},
+    "srun -n 1 in an allocation of 4": {"SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0",
+                                        "SLURM_NTASKS": "4"},
+    "ray worker": {"RAY_RAYLET_PID": "1", "SLURM_NTASKS": "4", "PET_NNODES": "2"},
+    "torchrun of one": {"TORCHELASTIC_RUN_ID": "job", "RANK": "0", "WORLD_SIZE": "1",
+                        "LOCAL_RANK": "0", "PET_NPROC_PER_NODE": "4"},
+    "one-process pod": {"PET_NNODES": "1", "PET_NPROC_PER_NODE": "1"},
+    "WORLD_SIZE=1 said": {"WORLD_SIZE": "1", "SLURM_NTASKS": "4", "OMPI_COMM_WORLD_SIZE": "4"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("where", TAKEN)
+def test_the_readme_loop_without_a_strategy_is_taken_where_from_env_takes_one_process(
+    environ, where
+):
+    environ(TAKEN[where])
+    assert isinstance(ft.strategies.from_env("ddp"), ft.strategies.SingleDevice)
+    assert isinstance(_create().strategy, ft.strategies.SingleDevice)
