@@ -85,3 +85,51 @@ def test_the_readme_loop_without_a_strategy_is_taken_where_from_env_takes_one_pr
     environ(TAKEN[where])
     assert isinstance(ft.strategies.from_env("ddp"), ft.strategies.SingleDevice)
     assert isinstance(_create().strategy, ft.strategies.SingleDevice)
+
+
+def test_a_tracker_in_a_pod_from_env_takes_for_one_of_several_waits_for_its_rank(
+    environ, monkeypatch
+):
+    """A TrainJob pod whose job asks for PET_NPROC_PER_NODE=4 processes, started with
+    `python`: from_env refuses it, but the trackers' rank took it for a job of one and opened a
+    run when the sink was built (one of them opened, then the loop was refused). Over the pod
+    variables, every environment from_env takes for one of several (it refuses it, or its
+    WORLD_SIZE is above 1) must leave the rank to be taken later."""
+    import itertools
+    import multiprocessing
+
+    from ftrain.extras.logging._rank import _known_rank
+    from ftrain.strategies._env import _world_size
+
+    monkeypatch.setattr(multiprocessing, "parent_process", lambda: None)
+    values = {
+        "WORLD_SIZE": [None, "1", "2", "4"],
+        "PET_NNODES": [None, "1", "2", "1:2"],
+        "PET_NODE_RANK": [None, "0"],
+        "PET_NPROC_PER_NODE": [None, "1", "2", "4", "auto"],
+        "PET_MASTER_ADDR": [None, "10.0.0.1"],
+        "JOB_COMPLETION_INDEX": [None, "0"],
+        "LOCAL_RANK": [None, "0"],
+        "RAY_RAYLET_PID": [None, "1"],
+        "SLURM_STEP_NUM_TASKS": [None, "2"],
+    }
+    several = alone = refused = 0
+    for combo in itertools.product(*values.values()):
+        env = {k: v for k, v in zip(values, combo, strict=True) if v is not None}
+        with monkeypatch.context() as m:
+            for name in READ:
+                m.delenv(name, raising=False)
+            for name, value in env.items():
+                m.setenv(name, value)
+            try:
+                one_of_several = _world_size() > 1
+            except ValueError as e:
+                assert "WORLD_SIZE" in str(e), e
+                one_of_several = True
+                refused += env.get("PET_NPROC_PER_NODE") == "4"
+            known = _known_rank(None)
+        if one_of_several:
+            several += 1
+            assert known is None, f"{env}: from_env takes it for one of several"
+        alone += known == 0
+    assert several > 1000 and alone > 50 and refused > 50  # every kind was met

@@ -8,6 +8,8 @@ import os
 
 import torch.distributed as dist
 
+from ftrain.strategies import refuse_lone_process
+
 
 def _known_rank(rank: int | None) -> int | None:
     """`rank`, or this process's rank in the job when it is known now: the process group's
@@ -43,7 +45,8 @@ def _known_rank(rank: int | None) -> int | None:
 # `_world_size` and the `_refuse_lone_*` it calls) must make it so here too, or each such
 # process took itself for rank 0 and opened a tracker run of its own when the sink was built.
 # The core cannot import this, nor this the core's private names: tests/test_trackers_close.py
-# (`test_every_process_from_env_takes_for_one_of_several_waits_for_its_rank`) binds the two.
+# (`test_every_process_from_env_takes_for_one_of_several_waits_for_its_rank`) binds the two;
+# what from_env refuses without WORLD_SIZE is asked of it (`refuse_lone_process`) below.
 # srun sets SLURM_STEP_NUM_TASKS (the step's tasks) in each task, SLURM_NTASKS in the batch
 # script; Open MPI (and LSF's jsrun), MPICH / Intel MPI (PMI) and MVAPICH2 their world sizes.
 _SIZES = (
@@ -68,7 +71,17 @@ def _alone() -> bool:
                 return False
         except ValueError:
             return False  # a launcher's value that is not a count: not known to be alone
-    return not _pod_of_several()
+    return not _pod_of_several() and not _refused_alone()
+
+
+def _refused_alone() -> bool:
+    """Whether `from_env` refuses this process as one of several that would each train alone
+    (a pod whose job asks for PET_NPROC_PER_NODE processes, started with `python`, ...)."""
+    try:
+        refuse_lone_process()
+    except ValueError:
+        return True
+    return False
 
 
 def _pod_of_several() -> bool:
