@@ -45,7 +45,8 @@ def fake_worker(monkeypatch):
 
     reports = []
     monkeypatch.setattr(STATE, "ray_reported", None)
-    monkeypatch.setattr(ray.train, "get_context", lambda: type("C", (), {"get_world_rank": int}))
+    worker = {"get_world_rank": int, "get_experiment_name": staticmethod(lambda: "run")}
+    monkeypatch.setattr(ray.train, "get_context", lambda: type("C", (), worker))
     monkeypatch.setattr(ray.train, "report", lambda metrics, **kw: reports.append((metrics, kw)))
     return reports
 
@@ -158,9 +159,9 @@ def test_rank_0s_metrics_are_checked_and_every_rank_refuses_together(
     raised alone would leave the others waiting in the save's collectives."""
     import ray.train
 
-    monkeypatch.setattr(
-        ray.train, "get_context", lambda: type("C", (), {"get_world_rank": staticmethod(lambda: 1)})
-    )
+    worker = {"get_world_rank": staticmethod(lambda: 1),
+              "get_experiment_name": staticmethod(lambda: "run")}  # fmt: skip
+    monkeypatch.setattr(ray.train, "get_context", lambda: type("C", (), worker))
     ranked_by("eval_loss")
     strategy = Rank1("cpu")
     state = train.build(strategy).replace(step=5)
@@ -169,7 +170,7 @@ def test_rank_0s_metrics_are_checked_and_every_rank_refuses_together(
     state = state.replace(step=6)
     with pytest.raises(ValueError, match=r"rank 0 refused its metrics .* no rank saved"):
         ray_ft.save_and_report(state, tmp_path, metrics={"eval_loss": 1.0})
-    assert not (tmp_path / "report-6").exists()
+    assert not (tmp_path / "run" / "report-6").exists()
 
 
 def test_the_ray_examples_trainer_refuses_a_hook_it_does_not_call():

@@ -133,3 +133,38 @@ def test_a_tracker_in_a_pod_from_env_takes_for_one_of_several_waits_for_its_rank
             assert known is None, f"{env}: from_env takes it for one of several"
         alone += known == 0
     assert several > 1000 and alone > 50 and refused > 50  # every kind was met
+
+
+def test_two_runs_staging_into_one_root_keep_their_own_checkpoints(tmp_path, monkeypatch):
+    """docs/strategies.md staged every run into "/local/staging": two runs (Tune trials) on one
+    node saving step 5 wrote one `report-5/step-5`, the second replacing the first while Ray's
+    asynchronous upload of the first still read it: run A's reported checkpoint held run B's
+    weights. Each run (Ray's run id) now stages into a folder of its own."""
+    import ray.train
+    import torch
+    from ray.train.v2._internal.execution import context as ray_context
+
+    from ftrain.extras import ray as ray_ft
+    from ftrain.process_state import STATE
+
+    reports = []
+    monkeypatch.setattr(STATE, "ray_reported", None)
+    worker = {"get_world_rank": int, "get_experiment_name": staticmethod(lambda: "default")}
+    monkeypatch.setattr(ray.train, "get_context", lambda: type("C", (), worker))
+    monkeypatch.setattr(ray.train, "report", lambda metrics, **kw: reports.append(kw))
+    states = {}
+    for run, fill in (("a" * 32, 1.0), ("b" * 32, 2.0)):
+        run_context = type("T", (), {"run_id": run})
+        train_context = type("X", (), {"train_run_context": run_context})
+        monkeypatch.setattr(ray_context, "get_train_context", lambda c=train_context: c)
+        model = torch.nn.Linear(2, 1)
+        torch.nn.init.constant_(model.weight, fill)
+        states[run] = ft.TrainState.create(
+            model, ft.optim.sgd(), strategy=ft.strategies.SingleDevice("cpu")
+        ).replace(step=5)
+        ray_ft.save_and_report(states[run], tmp_path, metrics={})  # A's upload still pending
+    for kw, (run, state) in zip(reports, states.items(), strict=True):
+        loaded = ft.load_checkpoint(kw["checkpoint"].path, _create())
+        assert torch.equal(loaded.params["weight"], state.params["weight"]), run
+        assert kw["checkpoint"].path == str(tmp_path / run / "report-5" / "step-5")
+        assert kw["checkpoint_dir_name"] == "step-5"  # Ray's storage layout is unchanged

@@ -150,6 +150,9 @@ def test_ray_keeps_what_checkpoint_config_says_and_its_storage_is_a_run_folder(r
     assert "rank 0: the run keeps 2" in events(ray_run, "fit1")
     staged = [p for p in (ray_run / "staging").rglob("step-*") if p.is_dir()]
     assert all(int(p.name[5:]) <= KILL for p in staged), staged  # the uploads removed theirs
+    # each fit staged into a folder of its own, named by Ray's run id
+    runs = [p.name for p in (ray_run / "staging").iterdir()]
+    assert len(runs) == 2 and all(re.fullmatch(r"[0-9a-f]{32}", r) for r in runs), runs
 
 
 # --- without a Ray cluster ---------------------------------------------------------------------
@@ -287,7 +290,8 @@ def fake_worker(monkeypatch):
 
     reports = []
     monkeypatch.setattr(STATE, "ray_reported", None)  # this process reported nothing yet
-    monkeypatch.setattr(ray.train, "get_context", lambda: type("C", (), {"get_world_rank": int}))
+    worker = {"get_world_rank": int, "get_experiment_name": staticmethod(lambda: "run")}
+    monkeypatch.setattr(ray.train, "get_context", lambda: type("C", (), worker))
     monkeypatch.setattr(ray.train, "report", lambda metrics, **kw: reports.append((metrics, kw)))
     return reports
 
@@ -297,7 +301,9 @@ def test_save_and_report_reports_a_committed_checkpoint_for_async_upload(tmp_pat
 
     state = build()
     path = ray_ft.save_and_report(state, tmp_path, metrics={"loss": torch.tensor(1.5)})
-    assert path == tmp_path / "report-0" / "step-0" and ft.latest_checkpoint(path.parent) == path
+    # The run's own folder (the run's name where Ray's run id is not found, as here)
+    assert path == tmp_path / "run" / "report-0" / "step-0"
+    assert ft.latest_checkpoint(path.parent) == path
     ((metrics, kw),) = fake_worker
     assert metrics == {"loss": 1.5, "step": 0}  # numbers: Ray refuses tensors
     assert kw["checkpoint"].path == str(path) and kw["checkpoint_dir_name"] == "step-0"
@@ -307,7 +313,7 @@ def test_save_and_report_reports_a_committed_checkpoint_for_async_upload(tmp_pat
     shutil.rmtree(path)  # what Ray does once the upload is done
     ray_ft.save_and_report(state.replace(step=1), tmp_path, upload="sync")
     assert fake_worker[1][1]["checkpoint_upload_mode"] == ray.train.CheckpointUploadMode.SYNC
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["report-1"]  # the emptied one went
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["report-1"]  # emptied: gone
 
 
 def test_a_sharded_checkpoint_some_rank_cannot_see_is_refused_before_ray_hears_of_it(

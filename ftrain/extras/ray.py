@@ -155,8 +155,10 @@ def save_and_report(
 ) -> Path:
     """Save a committed checkpoint of `state` and report it to Ray Train (every rank calls it).
 
-    The checkpoint is written blocking into `root/report-<step>/step-<step>` (a folder of its
-    own, so that Ray deleting an uploaded copy never races with ftrain listing `root`); then
+    The checkpoint is written blocking into `root/<run>/report-<step>/step-<step>`, `<run>`
+    being Ray's id of the run (one `fit`), so that runs (trials) sharing `root` never stage
+    into one folder, and each save has a folder of its own, so that Ray deleting an uploaded
+    copy never races with ftrain listing the run's stages; then
     `ray.train.report` hands it to Ray under the name `step-<step>`: with `upload="async"`
     Ray copies it to its storage in a background thread while training goes on, and deletes
     the local copy once uploaded; `"sync"` returns after the copy. Ray registers a checkpoint
@@ -171,7 +173,8 @@ def save_and_report(
 
     Args:
         state: the state to save (not consumed).
-        root: a local staging folder for the checkpoints before Ray uploads them.
+        root: a local staging folder for the checkpoints before Ray uploads them (each run
+            stages into a folder of its own in it).
         metrics: numbers recorded in the checkpoint and reported to Ray (rank 0's are kept
             with the checkpoint; `CheckpointConfig.checkpoint_score_attribute` ranks by them);
             0-dim tensors are read as numbers here (a host sync, at the save). Ray hears
@@ -193,12 +196,14 @@ def save_and_report(
     if upload not in ("async", "sync"):
         raise ValueError(f"upload must be 'async' or 'sync', got {upload!r}")
     train = require_ray()
-    _refuse_other_group(_in_worker(train, "save_and_report"), state.strategy)
+    context = _in_worker(train, "save_and_report")
+    _refuse_other_group(context, state.strategy)
     numbers = {
         k: v.item() if isinstance(v, torch.Tensor) else v for k, v in (metrics or {}).items()
     }
     _refuse_metrics(numbers, state)
-    stage = Path(root) / f"{STAGING_PREFIX}{state.step}"
+    run = Path(root) / _run_id(context)  # another run's save of this step stages elsewhere
+    stage = run / f"{STAGING_PREFIX}{state.step}"
     path = ft.save_checkpoint(state, stage, metrics=numbers)
     strategy = state.strategy
     if strategy.checkpoint_sharded and _unseen_anywhere(stage, path, strategy):
@@ -221,7 +226,7 @@ def save_and_report(
     )
     STATE.ray_reported = path.name  # every rank: wait_for_reports checks it was registered
     if strategy.process_rank == 0:
-        _remove_empty_stages(Path(root), keep=stage)
+        _remove_empty_stages(run, keep=stage)
     return path
 
 
@@ -272,6 +277,21 @@ def _run_checkpoint_config() -> Any:
     except (ImportError, AttributeError, RuntimeError):
         return None
     return run_config.checkpoint_config
+
+
+def _run_id(context: Any) -> str:
+    """The folder of this run's stages: Ray Train V2's id of the run (one `fit`: the same on
+    every worker and across restarts of its worker group; no public API says it), or the run's
+    name where this Ray keeps the id elsewhere. Two runs (trials) on one node that staged into
+    one `root` replaced each other's `report-N/step-N` while Ray still uploaded it: run A's
+    reported checkpoint held run B's weights."""
+    try:
+        from ray.train.v2._internal.execution import context as ray_context
+
+        run_id = ray_context.get_train_context().train_run_context.run_id
+    except (ImportError, AttributeError, RuntimeError):
+        return str(context.get_experiment_name())
+    return str(run_id)
 
 
 def _unseen_anywhere(stage: Path, path: Path, strategy: ft.strategies.Strategy) -> bool:
