@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ftrain.data import MicroBatches, StepSpan, ZeroWeight, step_span, weighted
+from ftrain.data import MicroBatches, StepData, StepSpan, ZeroWeight, step_span, weighted
 from ftrain.losses import LossFn, _defaults, _items_before_forward, default_loss
 from ftrain.optim import ema_swapped
 from ftrain.process_state import STATE
@@ -20,7 +20,7 @@ from ftrain.rng import default_generators, dropout_seeds
 from ftrain.state import TrainState, _Lease, unfrozen
 from ftrain.strategies import Strategy, active_preemption
 
-__all__ = ["Grads", "Stats", "accumulate_grads", "batch_counts"]
+__all__ = ["Grads", "Stats", "accumulate_grads", "batch_counts", "step_consumed"]
 
 
 class Stats(NamedTuple):
@@ -265,12 +265,7 @@ def accumulate_grads(
     strategy = state.strategy if strategy is None else strategy
     held = state.tensors_  # one lease check for the model and parameters (issue 30)
     held.lease.check()
-    span = step_span(micro)  # where the data stands after micro (a list of a group's too)
-    data, consumed = span.data, len(micro)
-    if data.made_by is not None and data.made_by.stateful:
-        consumed = _check_cursor(state, span)
-    elif data.made_by is not None:  # make_batches(data, start=state.data.cursor, ...)
-        consumed = _consumed(state, span) or consumed
+    data, consumed = step_consumed(state, micro)
     if not (data.whole and data.made_by.strategy is strategy):  # type: ignore[union-attr]
         _check_micro_count(strategy, len(micro))
     model, params = held.model, held.params
@@ -461,6 +456,29 @@ def _check_override(own: Strategy, other: Strategy) -> None:
             "counts, reduction or precision would not match; drop strategy= (the state's is "
             "used), or create the state with it"
         )
+
+
+def step_consumed(state: TrainState, micro: Sequence[Any]) -> tuple[StepData, int]:
+    """Return where the data stands after `micro` (`ft.data.step_data`) and the micro-batches of
+    the epoch a step over them consumes: `Stats.num_micro`, what `clip_and_step` advances
+    `state.data.cursor` by. A function that produces `Stats` in `accumulate_grads`' place
+    (`ft.func.private_grads`) counts with it, so the cursor counts the same micro-batches.
+
+    The count is `micro`'s, less batches of other origin mixed with a `make_batches(data,
+    state, ...)` group's (a replay buffer's, which are not the epoch's): see `ft.data.step_span`.
+
+    Raises:
+        ValueError: as `accumulate_grads`, for micro-batches of a `make_batches(data, state,
+            ...)` call that are not where the state stands, not consecutive in their order, or
+            of two calls.
+    """
+    span = step_span(micro)  # where the data stands after micro (a list of a group's too)
+    data, consumed = span.data, len(micro)
+    if data.made_by is not None and data.made_by.stateful:
+        consumed = _check_cursor(state, span)
+    elif data.made_by is not None:  # make_batches(data, start=state.data.cursor, ...)
+        consumed = _consumed(state, span) or consumed
+    return data, consumed
 
 
 def _check_cursor(state: TrainState, span: StepSpan) -> int:

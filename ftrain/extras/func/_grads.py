@@ -12,7 +12,7 @@ import torch
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ftrain.data import step_data, weighted
+from ftrain.data import weighted
 from ftrain.extras.func._common import (
     FuncError,
     _LossModule,
@@ -22,7 +22,7 @@ from ftrain.extras.func._common import (
     check_per_example,
 )
 from ftrain.extras.func._ensemble import Ensemble
-from ftrain.grads import Stats, batch_counts
+from ftrain.grads import Stats, batch_counts, step_consumed
 from ftrain.losses import LossFn, default_loss
 from ftrain.optim import ema_swapped
 from ftrain.process_state import STATE
@@ -397,7 +397,10 @@ def private_grads(
 
     Raises:
         ValueError: for a bad hyperparameter or an empty `micro`, a guessable `noise_key`, or
-            a step with no example and no `expected_batch_size` (B would be 0).
+            a step with no example and no `expected_batch_size` (B would be 0); for
+            micro-batches of a `make_batches(data, state, ...)` call that `accumulate_grads`
+            refuses (not where the state stands, or not consecutive: `ft.grads.step_consumed`,
+            which counts what the cursor advances by, as there).
         TypeError: for a `noise_key` that is not bytes, an int or None.
         FuncError: as `per_sample_grads`; for several ranks or float16 loss scaling (not
             supported).
@@ -415,6 +418,9 @@ def private_grads(
         )
     if len(micro) == 0:
         raise ValueError("micro is empty: pass the list of micro-batches yielded by make_batches")
+    # What the cursor advances by, as accumulate_grads counts it (a replay batch mixed in is not
+    # the epoch's); refuses what it refuses, before any forward.
+    data, consumed = step_consumed(state, micro)
     # In place of accumulate_grads, so in its mode: an eval-mode model (HF from_pretrained)
     # trained with dropout off, unlike the same run without DP.
     if not state.model.training:
@@ -465,8 +471,8 @@ def private_grads(
         num_items=num_items,
         num_tokens=torch.stack(tokens).sum().long(),
         num_samples=torch.tensor(examples, device=device),
-        num_micro=len(micro),
-        position=step_data(micro).position,  # a list or slice of a group has it too
+        num_micro=consumed,
+        position=data.position,  # a list or slice of a group has it too
         loss_fn=_resolved(state, loss_fn),
         skip_empty=False,  # an empty Poisson batch's step applies its noise, as Opacus does
     )

@@ -1,0 +1,65 @@
+"""The data cursor where steps are not accumulate_grads' own (ft.func.private_grads), where
+make_batches is given the training state by mistake, and where a replay buffer holds groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ftrain as ft
+
+N = 24
+ROWS = [{"input_ids": [i + 1]} for i in range(N)]
+REPLAY = {"input_ids": torch.tensor([[100.0]])}
+
+
+def _loss(model, batch):
+    return model(batch["input_ids"].float()).sum(), batch["input_ids"].shape[0]
+
+
+def _ids(micro):
+    return [x for b in micro for x in b["input_ids"].flatten().tolist()]
+
+
+def _state():
+    return ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd(), seed=0)
+
+
+def _step(state, micro):
+    grads, stats = ft.accumulate_grads(state, micro, _loss)
+    return ft.clip_and_step(state, grads, lr=0.1, stats=stats)[0]
+
+
+def _private_step(state, micro):
+    grads, stats = ft.func.private_grads(state, micro, _loss, max_norm=1.0, noise_multiplier=0.0)
+    return ft.clip_and_step(state, grads, lr=0.1, stats=stats)[0]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["map", "stream"])
+def test_private_grads_with_a_replay_batch_counts_the_groups_micro_batches_only(stream):
+    """private_grads(state, [*group, replay]) set num_micro=4 for a group of 3: clip_and_step
+    moved the cursor to 4 and the resumed epoch skipped a micro-batch (22 of 24 rows read). It
+    counts as accumulate_grads does now."""
+    data = ft.data.IterableRows(ROWS) if stream else ROWS
+    state, seen = _state(), []
+    group = next(iter(ft.make_batches(data, state, batch_size=2, accum=3)))
+    seen += _ids(group)
+    state = _private_step(state, [*group, REPLAY])
+    assert state.data.cursor == 3
+    assert state.data.position == group.position
+    del group
+    for micro in ft.make_batches(data, state, batch_size=2, accum=3):
+        seen += _ids(micro)
+        state = _private_step(state, micro)
+    assert sorted(seen) == list(range(1, N + 1))
+
+
+def test_private_grads_refuses_a_group_after_one_left_out_as_accumulate_grads_does():
+    """A group stepped on after one passed over: private_grads trained on it and the cursor
+    said 3 where the data stood at 6. It refuses, naming the micro-batches not stepped on."""
+    state = _state()
+    it = ft.make_batches(ROWS, state, batch_size=2, accum=3)
+    next(it)
+    group = next(it)
+    with pytest.raises(ValueError, match=r"micro-batch\(es\) 0 to 2 were not stepped on"):
+        ft.func.private_grads(state, group, _loss, max_norm=1.0, noise_multiplier=0.0)
