@@ -63,3 +63,33 @@ def test_private_grads_refuses_a_group_after_one_left_out_as_accumulate_grads_do
     group = next(it)
     with pytest.raises(ValueError, match=r"micro-batch\(es\) 0 to 2 were not stepped on"):
         ft.func.private_grads(state, group, _loss, max_norm=1.0, noise_multiplier=0.0)
+
+
+def _trained_one_step(data):
+    state = _state()
+    return _step(state, next(iter(ft.make_batches(data, state, batch_size=2, accum=3))))
+
+
+EVAL_DATA = {
+    "fewer rows": ([{"input_ids": [100 + i]} for i in range(8)], {"shuffle": False}, "rows 24"),
+    "not shuffled": ([{"input_ids": [100 + i]} for i in range(N)], {"shuffle": False}, "shuffle"),
+    "other rows": ([{"input_ids": [100 + i]} for i in range(N)], {}, "data holds other rows"),
+    "a stream": (ft.data.IterableRows(ROWS[:8]), {"shuffle": False}, "is a position in map"),
+}
+
+
+@pytest.mark.parametrize("case", EVAL_DATA)
+def test_evaluation_data_given_the_training_state_names_the_call_without_the_state(case):
+    """make_batches(val, state, ...) mid-epoch: the refusal's only advice was to restart the
+    epoch, state.replace(data=state.data.replace(cursor=0, position=None)), which moves the
+    training cursor back (training then reads the epoch's first rows again). It names the likely
+    cause and the call without the state too, keeping what differs."""
+    state = _trained_one_step(ROWS)
+    val, kw, fact = EVAL_DATA[case]
+    with pytest.raises(ValueError) as e:
+        list(ft.make_batches(val, state, batch_size=2, **kw))
+    text = str(e.value)
+    assert fact in text
+    assert "evaluation data given the training state" in text
+    assert "make_batches(val, batch_size=..., shuffle=False, strategy=state.strategy)" in text
+    assert "without the state" in text

@@ -457,6 +457,7 @@ def _same_order(saved: dict[str, Any], fresh: dict[str, Any]) -> None:
                 f"{_show(fresh[key])}: {reason}, so resuming would not be exact. Resume with "
                 "the same data and settings, or restart the epoch: "
                 "state.replace(data=state.data.replace(cursor=0, position=None))"
+                + (P.NOT_ITS_DATA if key in ("n", "shuffle", "lengths") else "")
             )
 
 
@@ -478,7 +479,7 @@ def _same_rows(
         "other rows. Resume with the data it was saved with; or restart the epoch, "
         "state.replace(data=state.data.replace(cursor=0, position=None)); or go on from "
         f"micro-batch {start} of this epoch over the new rows, unchecked (exact only with the "
-        "same global batch), state.replace(data=state.data.replace(position=None))"
+        "same global batch), state.replace(data=state.data.replace(position=None))" + P.NOT_ITS_DATA
     )
 
 

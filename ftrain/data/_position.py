@@ -28,7 +28,7 @@ import os
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["check_position", "read_position", "resumable"]
+__all__ = ["NOT_ITS_DATA", "check_position", "read_position", "resumable"]
 
 VERSION = 2
 _MAX_CHARS = 1 << 20  # a position is a few hundred bytes; a mix of many sources a few KB
@@ -36,6 +36,15 @@ _MAX_DEPTH = 64  # stages nest a few levels deep (pack(mix([pack(stream), ...]))
 _MAX_INT = 2**63  # offsets and counts: what islice, torch and numpy take
 _RESERVED = frozenset({"shard", "row", "tok", "counts"})  # keys of the built-in sources'
 _COMMON = frozenset({"version", "kind", "epoch", "seed", "cursor", "rows"})
+# Appended where the data differ from what state.data.position describes: the usual cause is
+# evaluation data passed with the training state, which the advice to restart the epoch (the
+# training cursor) does not fix.
+NOT_ITS_DATA = (
+    ". If this is not the data the state trains on (evaluation data given the training state: "
+    "make_batches(val, state, ...)), the state's position and cursor are not its, and moving "
+    "them would lose the training position: call make_batches(val, batch_size=..., "
+    "shuffle=False, strategy=state.strategy) without the state, which reads it from its start"
+)
 _KEYS = MappingProxyType(
     {
         "stream": _COMMON | {"shuffle", "fp", "about", "src"},
@@ -121,7 +130,7 @@ def resumable(raw: str, kind: str) -> dict[str, Any]:
         data = {"map": "map-style data", "stream": "a stream"}
         raise ValueError(
             f"state.data.position is a position in {data[pos['kind']]}, but the data is "
-            f"{data[kind]}: pass the data the state was trained on"
+            f"{data[kind]}: pass the data the state was trained on" + NOT_ITS_DATA
         )
     return pos
 
