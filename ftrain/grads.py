@@ -472,8 +472,10 @@ def step_consumed(state: TrainState, micro: Sequence[Any]) -> tuple[StepData, in
             ...)` call that are not where the state stands, not consecutive in their order, or
             of two calls.
     """
-    span = step_span(micro)  # where the data stands after micro (a list of a group's too)
-    data, consumed = span.data, len(micro)
+    # Where the data stands after micro (a list of a group's too); batches of earlier steps
+    # (a replay buffer holding groups) are not the epoch's.
+    span = step_span(micro, since=(state.epoch, state.data.cursor))
+    data, consumed = span.data, len(micro) - span.replay
     if data.made_by is not None and data.made_by.stateful:
         consumed = _check_cursor(state, span)
     elif data.made_by is not None:  # make_batches(data, start=state.data.cursor, ...)

@@ -93,3 +93,57 @@ def test_evaluation_data_given_the_training_state_names_the_call_without_the_sta
     assert "evaluation data given the training state" in text
     assert "make_batches(val, batch_size=..., shuffle=False, strategy=state.strategy)" in text
     assert "without the state" in text
+
+
+REPLAY_MIXES = {
+    "group after": lambda micro, old: [*micro, *old],
+    "group before": lambda micro, old: [*old, *micro],
+    "part of a group between": lambda micro, old: [micro[0], old[1], *micro[1:]],
+}
+
+
+@pytest.mark.parametrize("mix", REPLAY_MIXES)
+@pytest.mark.parametrize("loop", ["state", "keywords"])
+@pytest.mark.parametrize("stream", [False, True], ids=["map", "stream"])
+def test_a_replay_buffer_of_groups_mixes_into_later_steps(mix, loop, stream):
+    """buf.append(micro), then accumulate_grads(state, [*micro, *buf[0]]): with the state's
+    make_batches refused as 'not consecutive' (list(micro) was let be); with the keyword loop
+    (start=state.data.cursor) the cursor counted the buffer's 3 micro-batches too (9 after 2
+    steps), so a resume skipped rows. The earlier groups' batches are replay now."""
+    data = ft.data.IterableRows(ROWS) if stream else ROWS
+    state, seen, buf = _state(), [], []
+    kw = {"epoch": state.epoch, "start": state.data.cursor}
+    batches = (
+        ft.make_batches(data, state, batch_size=2, accum=3)
+        if loop == "state"
+        else ft.make_batches(data, batch_size=2, accum=3, **kw)
+    )
+    for micro in batches:
+        seen += _ids(micro)
+        state = _step(state, REPLAY_MIXES[mix](micro, buf[0]) if buf else micro)
+        assert state.data.cursor == 3 * state.step
+        assert state.data.position == micro.position
+        buf.append(micro)
+    assert sorted(seen) == list(range(1, N + 1))
+
+
+def test_a_group_trained_on_again_alone_is_still_refused():
+    """Only the replay buffer's batches mixed with the micro-batches at the cursor are replay:
+    a group stepped on again with its stats alone still raises, as before."""
+    state = _state()
+    group = next(iter(ft.make_batches(ROWS, state, batch_size=2, accum=3)))
+    state = _step(state, group)
+    with pytest.raises(ValueError, match="the cursor is past them"):
+        ft.accumulate_grads(state, [*group, REPLAY], _loss)
+
+
+def test_a_group_the_state_stands_inside_is_no_replay():
+    """The state's cursor inside a group (changed after make_batches was called): its earlier
+    micro-batches are not taken for replay; refused as before."""
+    state = _state()
+    group = next(iter(ft.make_batches(ROWS, state, batch_size=2, accum=3)))
+    state = state.replace(data=state.data.replace(cursor=1))
+    with pytest.raises(ValueError, match="the cursor is past them"):
+        ft.accumulate_grads(state, group, _loss)
+    with pytest.raises(ValueError, match="not consecutive in their order"):
+        ft.accumulate_grads(state, [group[1], group[2], group[0]], _loss)

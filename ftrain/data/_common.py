@@ -424,11 +424,14 @@ class StepSpan(NamedTuple):
     step's micro-batch count, the others are of other origin: the cursor counts `made`, and the
     `lead` ones only as far as they fill the gap from the state's cursor to `data.first` (the
     earlier groups of a step gathered from several: a token budget). (`made` is the step's
-    count, and `lead` 0, for anything else.)"""
+    count, and `lead` 0, for anything else.) `replay`: micro-batches of earlier steps that
+    `make_batches` yielded, mixed in (a replay buffer holding its groups), which the cursor
+    does not count (`step_span(micro, since=...)`)."""
 
     data: StepData
     made: int
     lead: int = 0
+    replay: int = 0
 
 
 def step_data(micro: Sequence[Batch]) -> StepData:
@@ -458,11 +461,16 @@ def step_data(micro: Sequence[Batch]) -> StepData:
     return step_span(micro).data
 
 
-def step_span(micro: Sequence[Batch]) -> StepSpan:
+def step_span(micro: Sequence[Batch], *, since: tuple[int, int] | None = None) -> StepSpan:
     """`step_data(micro)`, and which of `micro` a `make_batches(data, state, ...)` call yielded
     (`StepSpan`): what `accumulate_grads` advances the cursor by. A `MicroBatches` built by
     hand around such a call's micro-batches (`MicroBatches([*group, extra], group.position)`)
     is traced as a list of them, and keeps its own position.
+
+    `since`: the state's `(epoch, cursor)`. Micro-batches `make_batches` yielded before it,
+    mixed with ones at or after it, are then replay (a replay buffer holding its groups:
+    `[*micro, *buf[0]]`), counted in `replay` and not in `made`, where none of them is of a
+    group that the others' are of (a group the state stands inside is no replay).
 
     Raises:
         ValueError: as `step_data`.
@@ -471,16 +479,16 @@ def step_span(micro: Sequence[Batch]) -> StepSpan:
         origin = micro.__dict__.get("_origin")
         if origin is not None:
             return StepSpan(StepData(micro.position, origin.call, origin.first, True), len(micro))
-        span = _span(micro.batches)
+        span = _span(micro.batches, since)
         if span.data.made_by is None:
             return StepSpan(StepData(micro.position), len(micro))
         if micro.position is None:
             return span
         return span._replace(data=span.data._replace(position=micro.position))
-    return _span(micro)
+    return _span(micro, since)
 
 
-def _span(micro: Sequence[Batch]) -> StepSpan:
+def _span(micro: Sequence[Batch], since: tuple[int, int] | None = None) -> StepSpan:
     table = STATE.micro_groups
     everything = StepSpan(_UNKNOWN, len(micro))
     if not table:  # no group of make_batches lives (a loop of batches built by hand)
@@ -507,6 +515,10 @@ def _span(micro: Sequence[Batch]) -> StepSpan:
     lead = next(i for i, (g, _) in enumerate(found) if g is not None)
     made = [(g, b) for g, b in found if g is not None]
     places = _places(made)
+    replay = _replay(made, places, since)
+    if replay:  # batches of earlier steps (a replay buffer): not the epoch's, as hand-built ones
+        made = [m for k, m in enumerate(made) if k not in replay]
+        places = [p for k, p in enumerate(places) if k not in replay]
     call, first = places[0][0].call, places[0][1]
     if any(o.call is not call for o, _ in places) or any(
         index != first + k for k, (_, index) in enumerate(places)
@@ -530,9 +542,27 @@ def _span(micro: Sequence[Batch]) -> StepSpan:
     whole = len(found) == len(group.batches) and all(g is group for g, _ in found)
     last_origin, last = places[-1]
     position = last_origin.after[last - last_origin.first]
-    if len(made) < len(found) and not stateful:
+    if len(made) + len(replay) < len(found) and not stateful:
         position = None  # mixed with others: a call without a state's have none
-    return StepSpan(StepData(position, call, first, whole), len(made), lead)
+    return StepSpan(StepData(position, call, first, whole), len(made), lead, len(replay))
+
+
+def _replay(
+    made: Sequence[tuple[MicroBatches | None, Batch]],
+    places: Sequence[tuple[_Origin, int]],
+    since: tuple[int, int] | None,
+) -> set[int]:
+    """Which of `made` are replay: before `since` (the state's epoch and cursor, so already
+    consumed), mixed with some at or after it, and of groups none of those are of. Else none."""
+    if since is None:
+        return set()
+    before = {k for k, (o, index) in enumerate(places) if (o.call.epoch, index) < since}
+    if not before or len(before) == len(made):
+        return set()
+    current = {id(made[k][0]) for k in range(len(made)) if k not in before}
+    if any(id(made[k][0]) in current for k in before):
+        return set()  # a group the state stands inside: not replay (refused below, as before)
+    return before
 
 
 def _counted(group: MicroBatches) -> bool:
