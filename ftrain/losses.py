@@ -472,14 +472,15 @@ def _with_mask_positions(model: nn.Module, batch: Any) -> Any:
     them) for the model types in `_MASK_BLIND_POSITIONS`, so that a left-padded row is read
     from position 0, as alone; at a right-padded row's tokens they are its usual positions.
     Unchanged for other models and for a batch that holds position_ids or no 2-D mask."""
+    # The model first: one memo lookup for every other model (on each micro-batch's path).
+    if getattr(_config(model), "model_type", None) not in _MASK_BLIND_POSITIONS:
+        return batch
     if not isinstance(batch, Mapping) or "position_ids" in batch:
         return batch
     mask, ids = batch.get("attention_mask"), batch.get("input_ids")
     if not isinstance(mask, torch.Tensor) or not isinstance(ids, torch.Tensor):
         return batch
     if mask.dim() != 2 or mask.shape != ids.shape:
-        return batch
-    if getattr(_config(model), "model_type", None) not in _MASK_BLIND_POSITIONS:
         return batch
     return {**batch, "position_ids": (mask.long().cumsum(-1) - 1).clamp(min=0)}
 
