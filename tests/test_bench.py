@@ -105,6 +105,14 @@ def test_bench_counted_runs_both_losses_and_compares_their_training():
     assert out.returncode != 0 and "both loops would divide" in out.stdout, out.stdout[-2000:]
 
 
+def test_bench_collate_times_both_readers():
+    out = _forked("bench_collate.py", "--block=16", "--batch=2", "--stream-batch=4",
+                  "--items=5", "--repeats=1", timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:]
+    times = re.findall(r"(?:windows|rows) ([0-9.]+) ms", out.stdout)
+    assert len(times) == 2 and all(float(t) > 0 for t in times), out.stdout
+
+
 def test_bench_gpu_refuses_an_unknown_side(tmp_path):
     for name in ("train.py", "configurator.py"):
         (tmp_path / name).write_text("")
