@@ -1,7 +1,7 @@
 """A loss of one's own counted from the batch (`ft.losses.counted`) against the same loss returning
 its count beside its sum, in the README loop, one process, interleaved.
 
-    python bench/bench_counted.py [--n-layer 6 --n-embd 384 --block 256 --batch 8 --accum 4]
+    python bench/bench_counted.py [--n-layer 6 --n-embd 384 --block 64 --batch 4 --accum 4]
 
 The model is the main example's `CharGPT` (examples/shakespeare_char.py) at the given shapes
 (the defaults: 10.7M parameters, above `ft.grads.COUNT_FIRST_NUMEL`), its loss `next_char_sum`.
@@ -38,8 +38,8 @@ def plain(model: torch.nn.Module, batch: list[torch.Tensor]) -> tuple[torch.Tens
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for name, default in [("n-layer", 6), ("n-head", 6), ("n-embd", 384), ("block", 256),
-                          ("batch", 8), ("accum", 4), ("steps", 5), ("rounds", 7)]:  # fmt: skip
+    for name, default in [("n-layer", 6), ("n-head", 6), ("n-embd", 384), ("block", 64),
+                          ("batch", 4), ("accum", 4), ("steps", 3), ("rounds", 7)]:  # fmt: skip
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--count-first-numel", type=int, default=ft.grads.COUNT_FIRST_NUMEL,
                    help="parameters from which a loss is counted first")  # fmt: skip
