@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import numbers
 import typing
 import warnings
 import weakref
@@ -1131,11 +1132,13 @@ class Counted:
                     f"got {_described(n)}"
                 )
             return n
-        if isinstance(n, bool) or not isinstance(n, (int, float)) or not n >= 0:
+        # numpy's numbers too (np.prod of a shape); a bool is a number to Python, never a count
+        count = float(n) if isinstance(n, numbers.Real) and not isinstance(n, bool) else -1.0
+        if not count >= 0:  # NaN too
             raise TypeError(
                 f"counted: items(batch) must be a number >= 0 (the batch's item count), got {n!r}"
             )
-        return n
+        return int(n) if isinstance(n, numbers.Integral) else count
 
     def __repr__(self) -> str:
         return f"counted({self.sum_fn!r}, items={self.items!r})"

@@ -562,6 +562,10 @@ def test_counted_is_a_plain_loss_elsewhere_and_named_by_its_sum():
     assert n == 5
     torch.testing.assert_close(total, _xy_sum(model, batch))
     assert L.loss_name(counted) == L.loss_name(_xy_sum) == f"{__name__}._xy_sum"
+    import numpy as np  # numpy's numbers are counts too (np.prod of a shape)
+
+    for n in (np.int64(5), np.float32(2.5)):
+        assert L.counted(_xy_sum, items=lambda b, n=n: n)(model, batch)[1] == n
     state = ft.TrainState.create(model, ft.optim.sgd())
     got = ft.evaluate(state, _xy_batches(3), counted)
     want = ft.evaluate(state, _xy_batches(3), _xy_plain)
@@ -579,6 +583,7 @@ def test_counted_is_a_plain_loss_elsewhere_and_named_by_its_sum():
         (_xy_sum, lambda b: float("nan"), "items\\(batch\\) must be a number >= 0"),
         (_xy_sum, lambda b: True, "items\\(batch\\) must be a number >= 0"),
         (_xy_sum, lambda b: "5", "items\\(batch\\) must be a number >= 0"),
+        (_xy_sum, lambda b: __import__("numpy").bool_(True), "must be a number >= 0"),
     ],
 )
 def test_counted_refuses_what_is_not_a_sum_and_a_count(monkeypatch, sum_fn, items, match):
