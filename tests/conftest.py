@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import ftrain as ft
 from ftrain import process_state
-from helpers import tiny_llama
+from helpers import LAUNCHER_VARS, tiny_llama
 
 # Signals whose handlers a test could leave installed (the preemption handler takes two).
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
@@ -25,6 +25,20 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 @pytest.fixture
 def llama():
     return tiny_llama()
+
+
+@pytest.fixture
+def environ(monkeypatch):
+    """os.environ without any launcher's or scheduler's variables (`LAUNCHER_VARS`); returns
+    a setter."""
+    for k in LAUNCHER_VARS:
+        monkeypatch.delenv(k, raising=False)
+
+    def set_env(env: dict[str, str]) -> None:
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+
+    return set_env
 
 
 @pytest.fixture

@@ -10,26 +10,6 @@ import torch.distributed as dist
 
 import ftrain as ft
 
-# Everything from_env reads to tell who started the process.
-READ = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-        "RAY_RAYLET_PID", "PET_NNODES", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT",
-        "PET_NPROC_PER_NODE", "JOB_COMPLETION_INDEX", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS",
-        "SLURM_PROCID", "SLURM_STEP_NODELIST", "SLURM_JOB_ID", "GROUP_WORLD_SIZE",
-        "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")  # fmt: skip
-
-
-@pytest.fixture
-def environ(monkeypatch):
-    """os.environ without any launcher's or scheduler's variables; returns a setter."""
-    for k in READ:
-        monkeypatch.delenv(k, raising=False)
-
-    def set_env(env: dict[str, str]) -> None:
-        for k, v in env.items():
-            monkeypatch.setenv(k, v)
-
-    return set_env
-
 
 def operator_pod(rank: int, *, pods: int = 2, per_pod: str = "2") -> dict[str, str]:
     """What Kubeflow's PyTorchJob operator sets in pod `rank` with `nprocPerNode: per_pod`:

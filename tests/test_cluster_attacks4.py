@@ -7,26 +7,7 @@ from __future__ import annotations
 import pytest
 
 import ftrain as ft
-
-# Everything from_env reads to tell who started the process.
-READ = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-        "RAY_RAYLET_PID", "PET_NNODES", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT",
-        "PET_NPROC_PER_NODE", "JOB_COMPLETION_INDEX", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS",
-        "SLURM_PROCID", "SLURM_STEP_NODELIST", "SLURM_JOB_ID", "GROUP_WORLD_SIZE",
-        "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")  # fmt: skip
-
-
-@pytest.fixture
-def environ(monkeypatch):
-    """os.environ without any launcher's or scheduler's variables; returns a setter."""
-    for k in READ:
-        monkeypatch.delenv(k, raising=False)
-
-    def set_env(env: dict[str, str]) -> None:
-        for k, v in env.items():
-            monkeypatch.setenv(k, v)
-
-    return set_env
+from helpers import LAUNCHER_VARS
 
 
 def _create(**kwargs):
@@ -117,7 +98,7 @@ def test_a_tracker_in_a_pod_from_env_takes_for_one_of_several_waits_for_its_rank
     for combo in itertools.product(*values.values()):
         env = {k: v for k, v in zip(values, combo, strict=True) if v is not None}
         with monkeypatch.context() as m:
-            for name in READ:
+            for name in LAUNCHER_VARS:
                 m.delenv(name, raising=False)
             for name, value in env.items():
                 m.setenv(name, value)

@@ -28,19 +28,6 @@ READ = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCH
         *BATCH, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")  # fmt: skip
 
 
-@pytest.fixture
-def environ(monkeypatch):
-    """os.environ without any launcher's or scheduler's variables; returns a setter."""
-    for k in READ:
-        monkeypatch.delenv(k, raising=False)
-
-    def set_env(env: dict[str, str]) -> None:
-        for k, v in env.items():
-            monkeypatch.setenv(k, v)
-
-    return set_env
-
-
 # --- 1. the batch script is no srun task ---------------------------------------------------------
 
 

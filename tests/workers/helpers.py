@@ -220,3 +220,15 @@ def load_example(name: str):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+# Everything `from_env`, `export_launcher_env` and the trackers' rank rule read to tell who
+# started the process (launchers', schedulers' and MPI's variables).
+LAUNCHER_VARS = (
+    "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+    "GROUP_WORLD_SIZE", "RAY_RAYLET_PID", "PET_NNODES", "PET_NODE_RANK", "PET_MASTER_ADDR",
+    "PET_MASTER_PORT", "PET_NPROC_PER_NODE", "JOB_COMPLETION_INDEX", "SLURM_JOB_ID",
+    "SLURM_STEP_ID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS",
+    "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURMD_NODENAME", "OMPI_COMM_WORLD_SIZE",
+    "PMI_SIZE", "MV2_COMM_WORLD_SIZE",
+)  # fmt: skip
