@@ -12,27 +12,14 @@ import pytest
 import torch
 
 import ftrain as ft
+from helpers import batch_ids as _ids
+from helpers import id_loss as _loss
+from helpers import id_rows
+from helpers import linear_state as _state
 
 N = 24
-ROWS = [{"input_ids": [i + 1]} for i in range(N)]
+ROWS = id_rows(N)
 REPLAY = {"input_ids": torch.tensor([[100.0]])}
-
-
-def _loss(model, batch):
-    return model(batch["input_ids"].float()).sum(), batch["input_ids"].shape[0]
-
-
-def _ids(micro):
-    return [
-        x
-        for b in micro
-        if not isinstance(b, ft.data.ZeroWeight)
-        for x in b["input_ids"].flatten().tolist()
-    ]
-
-
-def _state():
-    return ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd(), seed=0)
 
 
 def _step(state, micro):

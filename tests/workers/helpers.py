@@ -232,3 +232,33 @@ LAUNCHER_VARS = (
     "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURMD_NODENAME", "OMPI_COMM_WORLD_SIZE",
     "PMI_SIZE", "MV2_COMM_WORLD_SIZE",
 )  # fmt: skip
+
+
+def id_rows(n: int) -> list[dict[str, list[int]]]:
+    """n one-token rows whose token is the row's number + 1: which rows a step read, by id."""
+    return [{"input_ids": [i + 1]} for i in range(n)]
+
+
+def id_loss(model, batch):
+    """A loss over `id_rows` batches for `torch.nn.Linear(1, 1)`: the outputs' sum, one item a
+    row."""
+    return model(batch["input_ids"].float()).sum(), batch["input_ids"].shape[0]
+
+
+def batch_ids(micro) -> list[float]:
+    """The row tokens of the micro-batches, in order (ZeroWeight stand-ins read none)."""
+    import ftrain as ft
+
+    return [
+        x
+        for b in micro
+        if not isinstance(b, ft.data.ZeroWeight)
+        for x in b["input_ids"].flatten().tolist()
+    ]
+
+
+def linear_state():
+    """A TrainState over `torch.nn.Linear(1, 1)` and SGD, seed 0."""
+    import ftrain as ft
+
+    return ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd(), seed=0)
