@@ -139,3 +139,24 @@ def test_a_group_the_state_stands_inside_is_no_replay():
         ft.accumulate_grads(state, group, _loss)
     with pytest.raises(ValueError, match="not consecutive in their order"):
         ft.accumulate_grads(state, [group[1], group[2], group[0]], _loss)
+
+
+STREAM_EVAL_DATA = {
+    "not shuffled": (lambda: ft.data.IterableRows(ROWS[:8]), {"shuffle": False}, "keep it when"),
+    "other sources": (
+        lambda: ft.data.pack(ft.data.IterableRows(ROWS[:8]), block_size=2, mode="concat"),
+        {},
+        "saved for other data",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", STREAM_EVAL_DATA)
+def test_evaluation_streams_given_a_stream_states_training_state_name_the_call(case):
+    """The stream refusals of make_batches(val, state, ...) advised only keeping the setting or
+    restarting the epoch (the training cursor); they name the call without the state too."""
+    state = _trained_one_step(ft.data.IterableRows(ROWS))
+    make, kw, fact = STREAM_EVAL_DATA[case]
+    with pytest.raises(ValueError) as e:
+        list(ft.make_batches(make(), state, batch_size=2, **kw))
+    assert fact in str(e.value) and "without the state" in str(e.value)

@@ -769,7 +769,7 @@ def _fits(pos: dict[str, Any], start: int, spec: Spec, about: dict[str, Any]) ->
     if pos["shuffle"] != spec.shuffle:
         raise ValueError(
             f"shuffle={spec.shuffle}, but state.data.position was saved with "
-            f"shuffle={pos['shuffle']}: keep it when resuming"
+            f"shuffle={pos['shuffle']}: keep it when resuming" + P.NOT_ITS_DATA
         )
     # A position saved before in-memory shards' rows (or a from_generator stream's
     # arguments, or a datasets interleave stage) were described digests without them.
@@ -785,6 +785,7 @@ def _fits(pos: dict[str, Any], start: int, spec: Spec, about: dict[str, Any]) ->
             f"state.data.position was saved for other data, so resuming would not be exact: "
             f"{changed}. Resume with the data and settings it was saved with, or restart the "
             "epoch: state.replace(data=state.data.replace(cursor=0, position=None))"
+            + P.NOT_ITS_DATA
         )
 
 
