@@ -24,6 +24,7 @@ from ftrain.losses import (
     _base_model,
     _decoder_inputs,
     _defaults,
+    _no_labels,
     default_loss,
     loss_for,
     loss_name,
@@ -475,6 +476,8 @@ def classification_metrics(model: nn.Module, batch: Mapping[str, Any]) -> dict[s
     _check_classifier(model)
     # The padding the mask declares, in the model's pad id (padded_as_model: a decoder's
     # sequence classifier finds each row's end by it).
+    if "labels" not in batch:
+        raise _no_labels(batch, "classification_metrics needs 'labels' in the batch")
     logits, labels = upcast(model_logits(model, padded_as_model(model, batch))), batch["labels"]
     if logits.shape[-1] == 1 or labels.is_floating_point() or labels.dtype == torch.bool:
         raise ValueError(

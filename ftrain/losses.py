@@ -450,7 +450,9 @@ def causal_lm_loss(*, label_smoothing: float = 0.0) -> LossFn:
 def _causal_pair(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits, targets) of a causal LM batch: `causal_targets(batch)`."""
     if "labels" not in batch:
-        raise KeyError("causal_lm_loss needs 'labels' in the batch (use input_ids as labels)")
+        raise _no_labels(
+            batch, "causal_lm_loss needs 'labels' in the batch (use input_ids as labels)"
+        )
     return loss_logits(model, batch), causal_targets(batch)
 
 
@@ -543,6 +545,8 @@ def classification_loss(*, label_smoothing: float = 0.0) -> LossFn:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
 
     def loss_fn(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if "labels" not in batch:
+            raise _no_labels(batch, "classification_loss needs 'labels' in the batch")
         logits = loss_logits(model, padded_as_model(model, batch))
         labels = batch["labels"]
         kind = _problem_type(model, logits, labels)
@@ -712,7 +716,7 @@ def token_classification_loss(*, label_smoothing: float = 0.0) -> LossFn:
 
 def _token_pair(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     if "labels" not in batch:
-        raise KeyError("token_classification_loss needs 'labels' in the batch")
+        raise _no_labels(batch, "token_classification_loss needs 'labels' in the batch")
     if "position_ids" in batch and not _masked(batch):
         # ft.data.pack_examples makes every example's first label -100 (nothing predicts it
         # under a causal shift): a tagger would lose one label per example.
@@ -809,7 +813,7 @@ def seq2seq_loss(*, label_smoothing: float = 0.0) -> LossFn:
 
 def _seq2seq_pair(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     if "labels" not in batch:
-        raise KeyError("seq2seq_loss needs 'labels' in the batch")
+        raise _no_labels(batch, "seq2seq_loss needs 'labels' in the batch")
     labels = batch["labels"]
     if batch.get("decoder_input_ids") is None and batch.get("decoder_inputs_embeds") is None:
         if STATE.seq2seq_labels_checked.get(model, 0) < _PADDING_CHECKS:
@@ -1213,10 +1217,25 @@ def default_loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tens
     """
     fn = loss_for(model)
     if not isinstance(batch, Mapping) or "labels" not in batch:
-        raise KeyError(
-            "the default loss needs a dict batch with 'labels'; pass loss_fn=... for other data"
+        raise _no_labels(
+            batch,
+            "the default loss needs a dict batch with 'labels'; pass loss_fn=... for other data",
         )
     return fn(model, batch)
+
+
+def _no_labels(batch: Any, message: str) -> KeyError:
+    """The KeyError for a batch without `labels`: `message`, and where the batch has a column
+    that a Trainer collator would have renamed to `labels` (`label`, `label_ids`: GLUE's and
+    many datasets' name), how to rename it."""
+    other = [k for k in ("label", "label_ids") if isinstance(batch, Mapping) and k in batch]
+    if other:
+        message += (
+            f". The batch has {other[0]!r}, which HF's DataCollatorWithPadding renames to "
+            f"'labels' (ftrain's collators do not): rename the column first, e.g. "
+            f"dataset.rename_column({other[0]!r}, 'labels')"
+        )
+    return KeyError(message)
 
 
 def loss_name(fn: Callable[..., Any] | None) -> str:

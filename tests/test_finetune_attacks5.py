@@ -165,3 +165,19 @@ def test_predict_reads_a_left_padded_row_of_a_model_with_learned_positions_as_al
             n = len(r["input_ids"])
             mine = got[i] if cls is GPT2ForSequenceClassification else got[i, -n:]
             torch.testing.assert_close(mine, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_a_batch_with_label_instead_of_labels_is_told_to_rename_it():
+    """GLUE-style datasets name the column `label`; HF's DataCollatorWithPadding renames it to
+    `labels`, ft.pad_collate does not. The losses and classification_metrics raised a bare
+    KeyError for 'labels' (or said nothing of `label`); they name the rename."""
+    model = _gpt2(GPT2ForSequenceClassification)
+    batch = ft.pad_collate()([{"input_ids": [5, 6], "label": 1}, {"input_ids": [7], "label": 0}])
+    assert "label" in batch and "labels" not in batch
+    for run in (
+        lambda: ft.losses.default_loss(model, batch),
+        lambda: ft.losses.classification_loss()(model, batch),
+        lambda: ft.eval.classification_metrics(model, batch),
+    ):
+        with pytest.raises(KeyError, match=r"rename_column\('label', 'labels'\)"):
+            run()
