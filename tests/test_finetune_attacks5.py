@@ -181,3 +181,15 @@ def test_a_batch_with_label_instead_of_labels_is_told_to_rename_it():
     ):
         with pytest.raises(KeyError, match=r"rename_column\('label', 'labels'\)"):
             run()
+
+
+def test_lora_on_a_gpt2_classifier_without_targets_names_the_conv1d_layers():
+    """GPT2ForSequenceClassification's only torch.nn.Linear is its `score` head, which trains in
+    full: PEFT's "No modules were targeted" came instead of ftrain's Conv1D hint (given only
+    when no Linear layer at all was found, GPT2LMHeadModel)."""
+    pytest.importorskip("peft")
+    with pytest.raises(ValueError, match=r"no layer to adapt .*targets=\['c_attn'"):
+        ft.lora.apply(_gpt2(GPT2ForSequenceClassification), r=2)
+    wrapped = ft.lora.apply(_gpt2(GPT2ForSequenceClassification), r=2, fan_in_fan_out=True,
+                            targets=["c_attn", "c_proj", "c_fc"])  # fmt: skip
+    assert any("lora_A" in n for n, p in wrapped.named_parameters() if p.requires_grad)

@@ -139,6 +139,7 @@ def apply(
     except ImportError as e:  # pragma: no cover - peft is part of the hf extra
         raise ImportError("LoRA needs peft: pip install 'ftrain[hf]'") from e
     _check_model(model)
+    defaulted = targets is None
     targets = _targets(model, targets)
     _check_modules_to_save(model, lora_kwargs.get("modules_to_save"))
     task_type = _task_type(model, task_type)
@@ -169,7 +170,22 @@ def apply(
         task_type=task_type,
         **lora_kwargs,
     )
-    wrapped = get_peft_model(model, config)
+    try:
+        wrapped = get_peft_model(model, config)
+    except ValueError as e:
+        import peft
+
+        nothing = getattr(peft, "NoMatchingPeftModuleError", None)  # peft >= 0.15
+        if not (defaulted and nothing is not None and isinstance(e, nothing)):
+            raise
+        # Every linear layer found is in the head, which trains in full (GPT-2's classifiers:
+        # `score` is its only torch.nn.Linear, the rest are Conv1D).
+        raise ValueError(
+            f"ft.lora.apply found no layer to adapt in {type(model).__name__} outside its head "
+            f"(its torch.nn.Linear layers, {targets}, are the head it trains in full; GPT-2 "
+            "style models use Conv1D): pass targets=[...], e.g. targets=['c_attn', 'c_proj', "
+            "'c_fc'] with fan_in_fan_out=True (Conv1D's weight layout)"
+        ) from e
     # PEFT's classifier wrappers append their guesses ("classifier", "score") to the names
     # given: ['classifier', 'classifier', 'score'] in the saved adapter_config.json.
     if isinstance(config.modules_to_save, list):
