@@ -280,6 +280,8 @@ def _check_batch_count(
         made_by = step_data(batches).made_by
         if made_by is not None and made_by.strategy is strategy:
             return
+    if paired is None:  # forwards alone (no backward): DDP's run no collective
+        paired = bool(getattr(strategy, "forward_collectives", False))
     n = sum(1 for _ in flatten_batches(batches))
     _check_micro_count(strategy, n, caller, paired=paired)
 

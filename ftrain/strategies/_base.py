@@ -61,6 +61,10 @@ class Strategy(Protocol):
     # micro-batches a step, which accumulate_grads checks for batches not of one whole
     # make_batches group. A strategy without it is taken as False.
     micro_counts_must_match: bool
+    # True where every forward runs collectives (FSDP's gathers, TP's reductions; not DDP's,
+    # whose collectives are in the backward): `evaluate` and `predict` then check that every
+    # process got as many batches. A strategy without it is taken as False.
+    forward_collectives: bool
 
     @property
     def process_rank(self) -> int:
@@ -212,6 +216,7 @@ class SingleDevice:
     world_size = 1
     grad_reduce_factor = 1.0
     micro_counts_must_match = False
+    forward_collectives = False
 
     def __init__(
         self, device: str | torch.device | None = None, *, precision: str | Precision | None = None

@@ -75,6 +75,7 @@ class DDP(ProcessGroupStrategy):
         # DDP reduces in the final backward only (no_sync around the others): uneven counts
         # give the gradient of every rank's micro-batches, as they should.
         self.micro_counts_must_match = sync_every_micro
+        self.forward_collectives = False  # its reductions run in the backward
         self._kwargs = ddp_kwargs
 
     def setup(self, model: nn.Module) -> nn.Module:

@@ -289,6 +289,7 @@ class ProcessGroupStrategy:
     """What DDP and FSDP share: a process group, this rank's device, collectives on tensors."""
 
     micro_counts_must_match = True  # FSDP gathers in every forward, TP reduces in it
+    forward_collectives = True  # (DDP's are in the backward: it sets False)
 
     def __init__(
         self,

@@ -51,7 +51,8 @@ def _checks_made(strategy: Any, fn: Any) -> int:
 
 
 def _eval_kind(rank: int, kind: str) -> dict[str, Any]:
-    strategy = ft.strategies.from_env(kind)
+    name, _, sync = kind.partition("+")  # "ddp+sync": DDP(sync_every_micro=True)
+    strategy = ft.strategies.from_env(name, **({"sync_every_micro": True} if sync else {}))
     state = ft.TrainState.create(tiny_llama(), ft.optim.sgd(), seed=3, strategy=strategy)
     got: dict[str, Any] = {}
     ev = lambda b: ft.evaluate(state, b)["eval_loss"]  # noqa: E731
