@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ftrain.data import MicroBatches, step_data, weighted
+from ftrain.data import MicroBatches, resumed_at, step_data, weighted
 from ftrain.grads import _check_micro_count
 from ftrain.losses import (
     _CAUSAL,
@@ -140,26 +140,21 @@ def prediction_batches(batches: Iterable[Any], caller: str) -> Iterator[Any]:
 
 
 def _from_the_start(batches: Iterable[Any], caller: str) -> Iterator[Any]:
-    """`batches`, refusing an iterator of a `make_batches(data, state, ...)` call that starts
-    past the epoch's first micro-batch: it starts at the training state's cursor, so the rows
-    before it would not be evaluated (the loss of a part of the data, without a word). A group
-    or a list of groups given as such (the step's own group, `evaluate(state, micro)`) is what
-    it is meant to be."""
-    if isinstance(batches, (list, tuple, MicroBatches)):
-        yield from batches
-        return
-    for i, item in enumerate(batches):
-        if i == 0 and isinstance(item, MicroBatches):
-            made_by, first = step_data(item)[1:3]
-            if made_by is not None and made_by.stateful and first > 0:
-                raise ValueError(
-                    f"{caller} got micro-batches of make_batches(data, state, ...) starting at "
-                    f"micro-batch {first}: that call starts where the state's training stands "
-                    f"(state.data.cursor), so the {first} micro-batch(es) before it would not "
-                    f"be read. Pass make_batches(data, batch_size=..., shuffle=False) without "
-                    "the state (with strategy=state.strategy for several processes)"
-                )
-        yield item
+    """`batches`, refusing the iterator of a `make_batches(data, state, ...)` call that starts
+    past the epoch's first micro-batch (`ft.data.resumed_at`): it starts at the training
+    state's cursor, so the rows before it would not be evaluated (the loss of a part of the
+    data, without a word). Its groups collected as such (a list, a deque of recent training
+    groups, the step's own group) are what they are meant to be."""
+    first = resumed_at(batches)
+    if first is not None:
+        raise ValueError(
+            f"{caller} got micro-batches of make_batches(data, state, ...) starting at "
+            f"micro-batch {first}: that call starts where the state's training stands "
+            f"(state.data.cursor), so the {first} micro-batch(es) before it would not "
+            f"be read. Pass make_batches(data, batch_size=..., shuffle=False) without "
+            "the state (with strategy=state.strategy for several processes)"
+        )
+    yield from batches
 
 
 def _shuffled(position: str | None) -> bool:

@@ -66,6 +66,12 @@ A record, kept for a later call:
         entry goes with its group (the reference's callback; the group holds its batches, so
         an id is never reused while its entry lives).
 
+    `resumed_iterators`  each iterator a `make_batches(data, state, ...)` call returned that
+        starts past its epoch's first micro-batch (the state's cursor) -> that micro-batch, so
+        that `evaluate` and `predict` refuse it (evaluation data given the training state would
+        be read from the training cursor on) and nothing else. Owner: `ftrain.data`. Weak keys:
+        an entry goes with its iterator.
+
     `ray_reported`  the folder name of the last checkpoint `ftrain.extras.ray.save_and_report`
         reported from this process, which `wait_for_reports(timeout_s=...)` checks that Ray
         registered (Ray returns quietly when its wait times out). Owner: `ftrain.extras.ray`;
@@ -143,6 +149,7 @@ class ProcessState:
     dp_noise_key: bytes | None = None
     ray_reported: str | None = None
     micro_groups: dict[int, weakref.ref[Any]] = field(default_factory=dict)
+    resumed_iterators: _Weak[Any, int] = field(default_factory=_Weak)
 
 
 STATE = ProcessState()

@@ -221,6 +221,29 @@ def test_evaluating_over_make_batches_given_the_training_state_mid_epoch_raises(
     assert whole["eval_items"] == 8
 
 
+def test_evaluate_over_a_deque_of_recent_training_groups_is_let_be():
+    """A smoothed training loss: evaluate(state, recent), `recent` a deque of the last groups
+    the loop trained on. Refused (the review's) once its oldest group was past micro-batch 0:
+    any iterable whose first group was not an epoch's first was taken for make_batches'
+    iterator started mid-epoch; only that iterator is."""
+    import collections
+
+    state, recent = _state(), collections.deque(maxlen=2)
+    for micro in ft.make_batches(ROWS, state, batch_size=2, accum=2):
+        state = _step(state, micro)
+        recent.append(micro)
+        if state.data.cursor >= 6:
+            break
+    assert [ft.data.step_data(g).first for g in recent] == [2, 4]
+    assert ft.evaluate(state, recent, _loss)["eval_items"] == 8
+    assert ft.evaluate(state, iter(list(recent)), _loss)["eval_items"] == 8
+    assert ft.data.resumed_at(recent) is None
+    resumed = ft.make_batches(ROWS, state, batch_size=2, accum=2)
+    assert ft.data.resumed_at(resumed) == 6
+    state = _step(state, next(resumed))  # training from it is what it is for
+    assert state.data.cursor == 8
+
+
 def test_evaluate_on_the_steps_own_group_mid_epoch_is_let_be():
     """A group given as such (the step's own, after it) is what the caller means to evaluate."""
     state = _mid_epoch()

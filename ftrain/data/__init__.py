@@ -15,6 +15,7 @@ from ftrain.data._common import epoch_order as epoch_order
 from ftrain.data._common import is_stream as is_stream
 from ftrain.data._common import length_grouped_order as length_grouped_order
 from ftrain.data._common import num_micro_batches as num_micro_batches
+from ftrain.data._common import resumed_at as resumed_at
 from ftrain.data._common import run_loader as run_loader
 from ftrain.data._common import seeded as seeded
 from ftrain.data._common import step_data as step_data
@@ -46,6 +47,7 @@ __all__ = [
     "pack",
     "pack_examples",
     "pad_collate",
+    "resumed_at",
     "run_loader",
     "seeded",
     "step_data",

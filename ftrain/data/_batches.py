@@ -32,6 +32,7 @@ from ftrain.data._common import (
     is_stream,
     length_grouped_order,
     num_micro_batches,
+    record_resumed,
     run_loader,
     saved_generators,
     seed_generators,
@@ -162,16 +163,21 @@ def make_batches(
     spec = Spec(batch_size, accum, seed, epoch, shuffle, drop_last, collate, rank, world)
     given = _given(spec, start, stream_pos, group_by_length)
     made_by = MadeBy(strategy, epoch, state is not None)
+    # A state's call that starts mid-epoch is told apart (evaluation data given the state).
+    resumed = start if state is not None else 0
     if is_stream(data):
-        return stream_groups(
-            data,
-            spec,
-            start=start,
-            position=stream_pos,
-            loading=loading,
-            agree=given,
-            strategy=strategy,
-            made_by=made_by,
+        return record_resumed(
+            stream_groups(
+                data,
+                spec,
+                start=start,
+                position=stream_pos,
+                loading=loading,
+                agree=given,
+                strategy=strategy,
+                made_by=made_by,
+            ),
+            resumed,
         )
     n = len(data)
     lens = _lengths(data, lengths) if group_by_length else None
@@ -186,7 +192,7 @@ def make_batches(
     micro = _MicroBatches(data, _order(n, spec, pos, lens), spec, pos, _total(n, spec, start, pos))
     position = json.dumps(pos, separators=(",", ":"))
     batches = _load(micro, range(start, len(micro)), loading)
-    return _groups(batches, accum, position, made_by, start)
+    return record_resumed(_groups(batches, accum, position, made_by, start), resumed)
 
 
 def _given(spec: Spec, start: int, position: str | None, grouped: bool) -> dict[str, Any]:

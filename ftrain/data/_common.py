@@ -32,6 +32,8 @@ __all__ = [
     "length_grouped_order",
     "num_micro_batches",
     "run_loader",
+    "record_resumed",
+    "resumed_at",
     "saved_generators",
     "seed_generators",
     "seeded",
@@ -400,6 +402,28 @@ def _forget(keys: tuple[int, ...], ref: weakref.ref[MicroBatches]) -> None:
     for key in keys:
         if table.get(key) is ref:
             del table[key]
+
+
+def resumed_at(batches: Any) -> int | None:
+    """The micro-batch a `make_batches(data, state, ...)` iterator starts at when that is past
+    its epoch's first (the state's cursor: a resumed epoch); None for any other iterable, such
+    an iterator that starts at 0, or its groups collected in a list or a deque.
+
+    `evaluate` and `predict` refuse such an iterator: evaluation data given the training state
+    would be read from the training cursor on, the rows before it left out.
+    """
+    try:
+        return STATE.resumed_iterators.get(batches)
+    except TypeError:  # an unhashable iterable: no make_batches iterator
+        return None
+
+
+def record_resumed(iterator: Iterator[MicroBatches], start: int) -> Iterator[MicroBatches]:
+    """Record a `make_batches(data, state, ...)` iterator that starts at micro-batch `start`
+    (`resumed_at`); return it."""
+    if start > 0:
+        STATE.resumed_iterators[iterator] = start
+    return iterator
 
 
 class StepData(NamedTuple):
