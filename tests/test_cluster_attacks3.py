@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import ftrain as ft
@@ -100,6 +101,21 @@ def test_torchrun_across_the_steps_nodes_or_one_task_or_an_elastic_shrink_is_tak
     assert _world_size() == 1
     environ({"GROUP_WORLD_SIZE": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "node01"})  # both nodes
     assert _world_size() == 2
+
+
+def test_a_standalone_torchrun_in_an_interactive_srun_shell_is_taken(environ, monkeypatch):
+    """`srun -N1 --ntasks-per-node=2 --pty bash`, then `torchrun --standalone` in it (an
+    interactive session on one node, the review's): srun started one shell, which inherits the
+    step's SLURM_STEP_NUM_TASKS=2; it was refused as one torchrun per task. srun sets
+    SLURM_PTY_PORT for a pseudo-terminal only. A plain `python` there is one process too."""
+    pty = {**SRUN_TASK, "SLURM_PROCID": "0", "SLURM_PTY_PORT": "40123"}
+    environ({**STANDALONE, **pty})
+    assert isinstance(ft.strategies.from_env("ddp"), ft.strategies.SingleDevice)
+    for k in STANDALONE:  # the same shell, `python train.py`
+        monkeypatch.delenv(k)
+    assert isinstance(ft.strategies.from_env(), ft.strategies.SingleDevice)
+    assert isinstance(ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd()).strategy,
+                      ft.strategies.SingleDevice)  # fmt: skip
 
 
 def test_ddp_built_by_hand_under_a_standalone_torchrun_per_srun_task_is_refused(environ):

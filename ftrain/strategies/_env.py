@@ -17,6 +17,7 @@ from ftrain.strategies._fsdp import FSDP
 from ftrain.strategies._group import (
     collective_timeout,
     group_timeout,
+    interactive_srun_shell,
     join_group,
     refuse_one_node_torchrun_per_srun_task,
     refuse_pod_short_of_processes,
@@ -227,7 +228,7 @@ def _refuse_lone_slurm_task() -> None:
             )
         return
     tasks = _env_int("SLURM_STEP_NUM_TASKS", 1) if "SLURM_PROCID" in os.environ else 1
-    if tasks > 1:
+    if tasks > 1 and not interactive_srun_shell():  # `srun --pty bash` runs one shell
         raise ValueError(
             f"this is task {os.environ['SLURM_PROCID']} of a srun step of "
             f"SLURM_STEP_NUM_TASKS={tasks}, but WORLD_SIZE is unset: each task would train "

@@ -219,6 +219,14 @@ def refuse_pod_short_of_processes() -> None:
 _OWN_RDZV_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
 
 
+def interactive_srun_shell() -> bool:
+    """Whether this process runs in the shell of `srun --pty bash` (or of `salloc` where the
+    cluster starts it so: `use_interactive_step`): srun starts that one shell, not its step's
+    SLURM_STEP_NUM_TASKS tasks, whose count the shell's processes inherit nonetheless. srun
+    sets SLURM_PTY_PORT for a pseudo-terminal only."""
+    return "SLURM_PTY_PORT" in os.environ
+
+
 def refuse_one_node_torchrun_per_srun_task() -> None:
     """`srun -N 2 torchrun --standalone ...` (or `--nnodes 1`): each srun task's torchrun made
     a one-node group of its own, so the step's SLURM_STEP_NUM_TASKS nodes trained the same run
@@ -228,6 +236,8 @@ def refuse_one_node_torchrun_per_srun_task() -> None:
     shrunk to one node by an elastic restart too: MASTER_ADDR=localhost) has its --rdzv-id."""
     env = os.environ
     if "TORCHELASTIC_RUN_ID" not in env or "SLURM_PROCID" not in env:
+        return
+    if interactive_srun_shell():  # one torchrun, typed in the step's one shell
         return
     tasks = env.get("SLURM_STEP_NUM_TASKS", "")
     if not (tasks.isascii() and tasks.isdigit() and int(tasks) > 1):
