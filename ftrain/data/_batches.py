@@ -551,11 +551,11 @@ def _load(micro: _MicroBatches, indices: range, loading: Loading) -> Iterator[Ba
     with `pin_memory`, DataLoader pins what `_in_process` collates (its own pinning, in this
     process: no worker)."""
     if loading.num_workers:
-        return run_loader(loading.loader(micro, sampler=indices))
+        return run_loader(loading.loader(micro, micro.spec, sampler=indices))
     batches = _in_process(micro, indices)
     if not loading.pin_memory:
         return batches
-    return run_loader(loading.loader(_Iterated(batches)))
+    return run_loader(loading.loader(_Iterated(batches), micro.spec))
 
 
 class _Iterated(torch.utils.data.IterableDataset[Batch]):

@@ -206,6 +206,7 @@ class Spec(NamedTuple):
 
 # Keeps data-path seeds apart from the dropout seeds of the same numbers (grads.dropout_seed).
 _DATA_STREAM = 0xDA7A
+_LOADER_STREAM = 0x10AD
 
 
 @contextlib.contextmanager
@@ -277,8 +278,9 @@ class Loading(NamedTuple):
             raise ValueError("pin_memory=True needs a CUDA device; pass pin_memory=False on CPU")
         return cls(num_workers, prefetch_factor, bool(pin_memory))
 
-    def loader(self, dataset: Any, **kw: Any) -> torch.utils.data.DataLoader[Batch]:
-        """A DataLoader over `dataset` whose workers ignore the preemption signals (if any)."""
+    def loader(self, dataset: Any, spec: Spec, **kw: Any) -> torch.utils.data.DataLoader[Batch]:
+        """A DataLoader over `dataset` whose workers ignore the preemption signals (if any),
+        its base seed drawn from a generator seeded from `spec`'s `(seed, epoch, rank)`."""
         preemption = active_preemption()
         signals = () if preemption is None else preemption.signals
         return torch.utils.data.DataLoader(
@@ -289,10 +291,13 @@ class Loading(NamedTuple):
             prefetch_factor=self.prefetch_factor,
             pin_memory=self.pin_memory,
             worker_init_fn=functools.partial(_ignore_signals, signals) if signals else None,
-            # Its base seed (workers' initial seeds, which the per-micro-batch seeding
-            # overrides) from a generator of its own: drawn from the default one, it moved the
+            # Its base seed (workers' own seeds: `get_worker_info().seed`, which a dataset may
+            # seed a generator of its own from) from a generator of its own, seeded from the
+            # run's seed, the epoch and the rank: drawn from the default generator, it moved the
             # loop's random stream with num_workers and pin_memory.
-            generator=torch.Generator().manual_seed(0),
+            generator=torch.Generator().manual_seed(
+                dropout_seed(spec.seed ^ _LOADER_STREAM, spec.epoch, spec.rank, 0)
+            ),
             **kw,
         )
 

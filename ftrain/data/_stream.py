@@ -811,7 +811,7 @@ def stream_groups(
     micro = _MicroStream(source, spec, pos, start, _head(spec, about))
     if loading.num_workers == 0 and not loading.pin_memory:
         return _grouped(iter(micro), spec.accum, made_by, start)
-    return _grouped(run_loader(loading.loader(micro)), spec.accum, made_by, start)
+    return _grouped(run_loader(loading.loader(micro, spec)), spec.accum, made_by, start)
 
 
 def _grouped(
