@@ -485,7 +485,9 @@ def _with_mask_positions(model: nn.Module, batch: Any) -> Any:
         return batch
     if mask.dim() != 2 or mask.shape != ids.shape:
         return batch
-    return {**batch, "position_ids": (mask.long().cumsum(-1) - 1).clamp(min=0)}
+    # `!= 0`: a mask of segment ids (1, 1, 2, 2, ...: packed rows, some libraries' form) counts
+    # its tokens once each, as a 0/1 mask does, not by its values
+    return {**batch, "position_ids": ((mask != 0).cumsum(-1) - 1).clamp(min=0)}
 
 
 def causal_targets(batch: Mapping[str, Any]) -> torch.Tensor:

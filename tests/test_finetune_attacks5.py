@@ -193,3 +193,16 @@ def test_lora_on_a_gpt2_classifier_without_targets_names_the_conv1d_layers():
     wrapped = ft.lora.apply(_gpt2(GPT2ForSequenceClassification), r=2, fan_in_fan_out=True,
                             targets=["c_attn", "c_proj", "c_fc"])  # fmt: skip
     assert any("lora_A" in n for n, p in wrapped.named_parameters() if p.requires_grad)
+
+
+def test_positions_from_a_mask_of_segment_ids_count_each_token_once():
+    """A packed batch's mask of segment ids (1, 1, 2, 2, 2: some packing libraries' form) gave
+    positions 0, 1, 3, 5, 7 (its values summed), past n_positions on long rows: the review's."""
+    from ftrain.losses import _with_mask_positions
+
+    model = _gpt2(GPT2LMHeadModel)
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8, 9]]),
+             "attention_mask": torch.tensor([[1, 1, 2, 2, 2]])}  # fmt: skip
+    assert _with_mask_positions(model, batch)["position_ids"].tolist() == [[0, 1, 2, 3, 4]]
+    left = {**batch, "attention_mask": torch.tensor([[0, 0, 1, 1, 1]])}
+    assert _with_mask_positions(model, left)["position_ids"].tolist() == [[0, 0, 0, 1, 2]]
