@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -111,7 +112,9 @@ def _check_parts(items: Any, what: str) -> None:
         )
 
 
-def prediction_batches(batches: Iterable[Any], caller: str) -> Iterator[Any]:
+def prediction_batches(
+    batches: Iterable[Any], caller: str, state: TrainState | None = None
+) -> Iterator[Any]:
     """`flatten_batches` for `predict` and `generate`, whose outputs come in batch order.
 
     Raises:
@@ -122,7 +125,7 @@ def prediction_batches(batches: Iterable[Any], caller: str) -> Iterator[Any]:
             read 0 or NaN), as `evaluate` raises.
     """
     empty = True
-    for item in _from_the_start(batches, caller):
+    for item in _from_the_start(batches, caller, state):
         if isinstance(item, MicroBatches) and _shuffled(item.position):
             raise ValueError(
                 f"{caller}: make_batches shuffled these rows (shuffle=True, its default), so the "
@@ -139,13 +142,22 @@ def prediction_batches(batches: Iterable[Any], caller: str) -> Iterator[Any]:
         )
 
 
-def _from_the_start(batches: Iterable[Any], caller: str) -> Iterator[Any]:
+def _from_the_start(
+    batches: Iterable[Any], caller: str, state: TrainState | None = None
+) -> Iterator[Any]:
     """`batches`, refusing the iterator of a `make_batches(data, state, ...)` call that starts
-    past the epoch's first micro-batch (`ft.data.resumed_at`): it starts at the training
-    state's cursor, so the rows before it would not be evaluated (the loss of a part of the
-    data, without a word). Its groups collected as such (a list, a deque of recent training
-    groups, the step's own group) are what they are meant to be."""
+    past the epoch's first micro-batch (`ft.data.resumed_at`), or an iterable whose first group
+    is that call's first, standing where `state` stands (an `islice` or a generator over it):
+    it starts at the training state's cursor, so the rows before it would not be evaluated (the
+    loss of a part of the data, without a word). Groups collected as such (a list, a deque of
+    recent training groups, the step's own group) are what they are meant to be."""
     first = resumed_at(batches)
+    if first is None and not isinstance(batches, (list, tuple, MicroBatches)):
+        it = iter(batches)
+        head: Any = next(it, _NOTHING)
+        if isinstance(head, MicroBatches) and _resumed_here(head, state):
+            first = step_data(head).first
+        batches = it if head is _NOTHING else itertools.chain([head], it)
     if first is not None:
         raise ValueError(
             f"{caller} got micro-batches of make_batches(data, state, ...) starting at "
@@ -155,6 +167,25 @@ def _from_the_start(batches: Iterable[Any], caller: str) -> Iterator[Any]:
             "the state (with strategy=state.strategy for several processes)"
         )
     yield from batches
+
+
+_NOTHING = object()
+
+
+def _resumed_here(item: MicroBatches, state: TrainState | None) -> bool:
+    """Whether `item` is the first group of a `make_batches(data, state, ...)` call that started
+    past its epoch's first micro-batch, at the cursor `state` still stands at (not yet trained
+    on: a group the loop trained on has moved the cursor past it)."""
+    if state is None:
+        return False
+    data = step_data(item)
+    call = data.made_by
+    return (
+        call is not None
+        and call.stateful
+        and 0 < data.first == call.start == state.data.cursor
+        and call.epoch == state.epoch
+    )
 
 
 def _shuffled(position: str | None) -> bool:
@@ -233,7 +264,7 @@ def evaluate(
     scorer: Callable[..., Any] | None = None  # the function whose loss is eval_loss
     tokens = True  # every batch has a label per token
     with eval_mode(state.model), strategy.autocast():
-        for batch in flatten_batches(_from_the_start(batches, "evaluate")):
+        for batch in flatten_batches(_from_the_start(batches, "evaluate", state)):
             batch, weight = weighted(batch)  # a ZeroWeight stand-in runs and counts nothing
             batch = strategy.to_device(batch)
             tokens = tokens and _token_labels(batch)
@@ -600,7 +631,7 @@ def predict(
     paired = True if gather and strategy.world_size > 1 else None
     _check_batch_count(batches, strategy, "predict", paired=paired)
     with _in_eval(model):
-        for batch in prediction_batches(batches, "predict"):
+        for batch in prediction_batches(batches, "predict", state):
             batch, weight = weighted(batch)
             # The loop body may have put the model back in training mode (accumulate_grads
             # does): this batch's forward still runs in eval mode, the body keeps its mode.

@@ -244,6 +244,36 @@ def test_evaluate_over_a_deque_of_recent_training_groups_is_let_be():
     assert state.data.cursor == 8
 
 
+@pytest.mark.parametrize("wrap", ["islice", "generator"])
+def test_evaluating_over_a_wrapped_make_batches_given_the_training_state_raises(wrap):
+    """`islice(make_batches(val, state, ...), n)` or a generator over it mid-epoch: only the
+    iterator itself was recognised (the second review's), so evaluate read from the training
+    cursor on and scored 12 of 24 rows. Its first group is the call's first, at the cursor the
+    state stands at: refused. After a resume, a deque whose oldest group is the resumed call's
+    first is let be (trained on: the cursor moved past it)."""
+    import collections
+    import itertools
+
+    state = _mid_epoch()
+    wrapped = {
+        "islice": lambda it: itertools.islice(it, 1000),
+        "generator": lambda it: (g for g in it),
+    }[wrap]
+    val = lambda: wrapped(ft.make_batches(VAL * 3, state, batch_size=2, shuffle=False))  # noqa: E731
+    with pytest.raises(ValueError, match=r"starting at micro-batch 3: .* without the state"):
+        ft.evaluate(state, val(), _loss)
+    with pytest.raises(ValueError, match=r"starting at micro-batch 3"):
+        list(ft.predict(state, val(), lambda m, b: {}))
+    recent = collections.deque(maxlen=2)
+    for micro in ft.make_batches(VAL * 3, state, batch_size=2, accum=1, shuffle=False):
+        recent.append(micro)
+        state = _step(state, micro)
+        if len(recent) == 2:
+            break
+    assert ft.data.step_data(recent[0]).first == 3  # the resumed call's first, trained on
+    assert ft.evaluate(state, wrapped(iter(recent)), _loss)["eval_items"] == 4
+
+
 def test_evaluate_on_the_steps_own_group_mid_epoch_is_let_be():
     """A group given as such (the step's own, after it) is what the caller means to evaluate."""
     state = _mid_epoch()

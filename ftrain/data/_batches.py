@@ -162,7 +162,7 @@ def make_batches(
     collate = pad_collate() if collate_fn is None else collate_fn
     spec = Spec(batch_size, accum, seed, epoch, shuffle, drop_last, collate, rank, world)
     given = _given(spec, start, stream_pos, group_by_length)
-    made_by = MadeBy(strategy, epoch, state is not None)
+    made_by = MadeBy(strategy, epoch, state is not None, start)
     # A state's call that starts mid-epoch is told apart (evaluation data given the state).
     resumed = start if state is not None else 0
     if is_stream(data):

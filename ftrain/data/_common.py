@@ -376,6 +376,7 @@ class MadeBy(NamedTuple):
     strategy: Strategy | None
     epoch: int
     stateful: bool
+    start: int = 0  # the micro-batch of the epoch the call started at
 
 
 class _Origin(NamedTuple):

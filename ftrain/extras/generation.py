@@ -281,7 +281,7 @@ def generate(
     # and its float32 matmuls in bf16).
     gens = default_generators(strategy.device)
     with eval_mode(state.model, no_grad=False):
-        for i, batch in enumerate(prediction_batches(batches, "generate")):
+        for i, batch in enumerate(prediction_batches(batches, "generate", state)):
             batch, weight = weighted(batch)
             _check_batch(batch, inputs, model, enc_dec)
             batch = strategy.to_device(batch)
