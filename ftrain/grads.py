@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ftrain.data import MicroBatches, StepData, StepSpan, ZeroWeight, step_span, weighted
-from ftrain.losses import LossFn, _defaults, _items_before_forward, default_loss
+from ftrain.losses import Counted, LossFn, _defaults, _items_before_forward, default_loss
 from ftrain.optim import ema_swapped
 from ftrain.process_state import STATE
 from ftrain.rng import default_generators, dropout_seeds
@@ -293,7 +293,10 @@ def accumulate_grads(
         # weighted loss may count fractional items, also fewer than 1 in all (not clamped to 1).
         # ftrain's own losses count whole items: clamping to 1 only touches a count of 0 (one
         # op); a loss of yours may count fractional ones, fewer than 1 in all.
-        whole = loss_fn is default_loss or getattr(loss_fn, "__module__", None) == _OWN_LOSSES
+        # (A `counted` loss is an object of ftrain.losses, but its count is the user's.)
+        whole = loss_fn is default_loss or (
+            type(loss_fn) is not Counted and getattr(loss_fn, "__module__", None) == _OWN_LOSSES
+        )
         norm = num_items.clamp_min(1) if whole else torch.where(num_items > 0, num_items, 1.0)
         factor, scale = strategy.grad_reduce_factor, state.scaler.scale
         norm = norm if factor == 1 else norm * factor
@@ -737,7 +740,9 @@ def _inverse_count(
     else:
         total = torch.stack(counts).sum().to(strategy.device, torch.float64, non_blocking=True)
         total = total + host if host else total
-    total = strategy.all_reduce_sum(total).clamp(min=1.0)
+    # As after backward: a count of 0 divides by 1; a weighted one below 1 by itself.
+    total = strategy.all_reduce_sum(total)
+    total = torch.where(total > 0, total, 1.0)
     if strategy.grad_reduce_factor != 1:
         total = total * strategy.grad_reduce_factor
     return total.reciprocal()

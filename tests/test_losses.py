@@ -602,3 +602,24 @@ def test_counted_refuses_what_is_not_a_sum_and_a_count(monkeypatch, sum_fn, item
         L.counted(_xy_sum, 5)
     with pytest.raises(TypeError, match="counted: sum_fn must be callable"):
         L.counted(None, lambda b: 1)
+
+
+def test_counted_weighted_count_below_one_is_not_clamped_to_one(monkeypatch):
+    """A `counted` loss whose weighted items sum to less than 1 in all (0.25 here) divides by
+    that sum, as the plain (sum, count) loss does, on both paths: it was clamped to 1 (a
+    `counted` loss lives in ftrain.losses, whose own losses count whole items), gradients 4x
+    smaller than its reported loss (sum / 0.25) says."""
+    import ftrain.grads as grads_module
+
+    model = torch.nn.Linear(6, 3).double()
+    state = ft.TrainState.create(model, ft.optim.sgd())
+    micro = _xy_batches(2)
+    want, want_stats = ft.accumulate_grads(state, micro, lambda m, b: (_xy_sum(m, b), 0.125))
+    want = {k: g.clone() for k, g in want.items()}
+    quarter = L.counted(_xy_sum, items=lambda b: 0.125)
+    for numel in (1 << 30, 1):  # divided after backward, then counted first
+        monkeypatch.setattr(grads_module, "COUNT_FIRST_NUMEL", numel)
+        got, stats = ft.accumulate_grads(state, micro, quarter)
+        assert float(stats.num_items) == float(want_stats.num_items) == 0.25
+        for k, g in got.items():
+            torch.testing.assert_close(g, want[k], rtol=1e-12, atol=1e-14, msg=k)
