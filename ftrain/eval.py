@@ -307,7 +307,12 @@ def _check_batch_count(
         if made_by is not None and made_by.strategy is strategy:
             return
     if paired is None:  # forwards alone (no backward): DDP's run no collective
-        paired = bool(getattr(strategy, "forward_collectives", False))
+        # (a strategy of one's own without the attribute: its micro-batch rule, as before)
+        paired = bool(
+            getattr(strategy, "forward_collectives", None)
+            if hasattr(strategy, "forward_collectives")
+            else getattr(strategy, "micro_counts_must_match", False)
+        )
     n = sum(1 for _ in flatten_batches(batches))
     _check_micro_count(strategy, n, caller, paired=paired)
 

@@ -108,8 +108,16 @@ def test_a_standalone_torchrun_in_an_interactive_srun_shell_is_taken(environ, mo
     interactive session on one node, the review's): srun started one shell, which inherits the
     step's SLURM_STEP_NUM_TASKS=2; it was refused as one torchrun per task. srun sets
     SLURM_PTY_PORT for a pseudo-terminal only. A plain `python` there is one process too."""
+    import os
+
     pty = {**SRUN_TASK, "SLURM_PROCID": "0", "SLURM_PTY_PORT": "40123"}
     environ({**STANDALONE, **pty})
+    # A srun started from that shell passes SLURM_PTY_PORT on to its tasks, whose standard input
+    # is no terminal (the second review's): still one torchrun per task, refused.
+    monkeypatch.setattr(os, "isatty", lambda fd: False)
+    with pytest.raises(ValueError, match=r"one of SLURM_STEP_NUM_TASKS=2 that srun started"):
+        ft.strategies.from_env("ddp")
+    monkeypatch.setattr(os, "isatty", lambda fd: fd == 0)  # the shell's own terminal
     assert isinstance(ft.strategies.from_env("ddp"), ft.strategies.SingleDevice)
     for k in STANDALONE:  # the same shell, `python train.py`
         monkeypatch.delenv(k)

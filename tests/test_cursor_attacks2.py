@@ -148,6 +148,7 @@ STREAM_EVAL_DATA = {
         {},
         "saved for other data",
     ),
+    "another batch size": (lambda: ft.data.IterableRows(ROWS[:8]), {"batch_size": 4}, "keep the"),
 }
 
 
@@ -158,5 +159,5 @@ def test_evaluation_streams_given_a_stream_states_training_state_name_the_call(c
     state = _trained_one_step(ft.data.IterableRows(ROWS))
     make, kw, fact = STREAM_EVAL_DATA[case]
     with pytest.raises(ValueError) as e:
-        list(ft.make_batches(make(), state, batch_size=2, **kw))
+        list(ft.make_batches(make(), state, **{"batch_size": 2, **kw}))
     assert fact in str(e.value) and "without the state" in str(e.value)

@@ -764,7 +764,7 @@ def _fits(pos: dict[str, Any], start: int, spec: Spec, about: dict[str, Any]) ->
         raise ValueError(
             f"batch_size={spec.batch_size} x {spec.world} rank(s) = {rows} rows per global "
             f"micro-batch, but state.data.position was saved with {pos['rows']}: keep the "
-            "global batch when resuming"
+            "global batch when resuming" + P.NOT_ITS_DATA
         )
     if pos["shuffle"] != spec.shuffle:
         raise ValueError(

@@ -178,13 +178,13 @@ def apply(
         nothing = getattr(peft, "NoMatchingPeftModuleError", None)  # peft >= 0.15
         if not (defaulted and nothing is not None and isinstance(e, nothing)):
             raise
-        # Every linear layer found is in the head, which trains in full (GPT-2's classifiers:
-        # `score` is its only torch.nn.Linear, the rest are Conv1D).
+        # Every linear layer found is in the head (GPT-2's classifiers: `score` is its only
+        # torch.nn.Linear, the rest are Conv1D) or excluded.
         raise ValueError(
-            f"ft.lora.apply found no layer to adapt in {type(model).__name__} outside its head "
-            f"(its torch.nn.Linear layers, {targets}, are the head it trains in full; GPT-2 "
-            "style models use Conv1D): pass targets=[...], e.g. targets=['c_attn', 'c_proj', "
-            "'c_fc'] with fan_in_fan_out=True (Conv1D's weight layout)"
+            f"ft.lora.apply found no layer to adapt in {type(model).__name__}: its "
+            f"torch.nn.Linear layers ({targets}) are all in its head or excluded "
+            "(exclude_modules). Pass targets=[...]; GPT-2 style models use Conv1D: "
+            "targets=['c_attn', 'c_proj', 'c_fc'] with fan_in_fan_out=True (its weight layout)"
         ) from e
     # PEFT's classifier wrappers append their guesses ("classifier", "score") to the names
     # given: ['classifier', 'classifier', 'score'] in the saved adapter_config.json.

@@ -223,8 +223,9 @@ def interactive_srun_shell() -> bool:
     """Whether this process runs in the shell of `srun --pty bash` (or of `salloc` where the
     cluster starts it so: `use_interactive_step`): srun starts that one shell, not its step's
     SLURM_STEP_NUM_TASKS tasks, whose count the shell's processes inherit nonetheless. srun
-    sets SLURM_PTY_PORT for a pseudo-terminal only."""
-    return "SLURM_PTY_PORT" in os.environ
+    sets SLURM_PTY_PORT for a pseudo-terminal only, but a srun started from that shell passes
+    it on to its tasks: their standard input is no terminal, the shell's is."""
+    return "SLURM_PTY_PORT" in os.environ and os.isatty(0)
 
 
 def refuse_one_node_torchrun_per_srun_task() -> None:
