@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import ftrain as ft
-from helpers import LAUNCHER_VARS
+from helpers import LAUNCHER_VARS, rank_rule_over
 
 
 def _create(**kwargs):
@@ -76,13 +76,6 @@ def test_a_tracker_in_a_pod_from_env_takes_for_one_of_several_waits_for_its_rank
     run when the sink was built (one of them opened, then the loop was refused). Over the pod
     variables, every environment from_env takes for one of several (it refuses it, or its
     WORLD_SIZE is above 1) must leave the rank to be taken later."""
-    import itertools
-    import multiprocessing
-
-    from ftrain.extras.logging._rank import _known_rank
-    from ftrain.strategies._env import _world_size
-
-    monkeypatch.setattr(multiprocessing, "parent_process", lambda: None)
     values = {
         "WORLD_SIZE": [None, "1", "2", "4"],
         "PET_NNODES": [None, "1", "2", "1:2"],
@@ -94,26 +87,11 @@ def test_a_tracker_in_a_pod_from_env_takes_for_one_of_several_waits_for_its_rank
         "RAY_RAYLET_PID": [None, "1"],
         "SLURM_STEP_NUM_TASKS": [None, "2"],
     }
-    several = alone = refused = 0
-    for combo in itertools.product(*values.values()):
-        env = {k: v for k, v in zip(values, combo, strict=True) if v is not None}
-        with monkeypatch.context() as m:
-            for name in LAUNCHER_VARS:
-                m.delenv(name, raising=False)
-            for name, value in env.items():
-                m.setenv(name, value)
-            try:
-                one_of_several = _world_size() > 1
-            except ValueError as e:
-                assert "WORLD_SIZE" in str(e), e
-                one_of_several = True
-                refused += env.get("PET_NPROC_PER_NODE") == "4"
-            known = _known_rank(None)
-        if one_of_several:
-            several += 1
-            assert known is None, f"{env}: from_env takes it for one of several"
-        alone += known == 0
-    assert several > 1000 and alone > 50 and refused > 50  # every kind was met
+    several, alone, refused = rank_rule_over(monkeypatch, values, LAUNCHER_VARS)
+    for env, message in refused:
+        assert "WORLD_SIZE" in message, (env, message)
+    pods = sum(env.get("PET_NPROC_PER_NODE") == "4" for env, _ in refused)
+    assert several > 1000 and alone > 50 and pods > 50  # every kind was met
 
 
 def test_two_runs_staging_into_one_root_keep_their_own_checkpoints(tmp_path, monkeypatch):

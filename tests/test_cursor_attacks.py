@@ -15,16 +15,12 @@ import ftrain as ft
 from helpers import batch_ids as _ids
 from helpers import id_loss as _loss
 from helpers import id_rows
+from helpers import id_step as _step
 from helpers import linear_state as _state
 
 N = 24
 ROWS = id_rows(N)
 REPLAY = {"input_ids": torch.tensor([[100.0]])}
-
-
-def _step(state, micro):
-    grads, stats = ft.accumulate_grads(state, micro, _loss)
-    return ft.clip_and_step(state, grads, lr=0.1, stats=stats)[0]
 
 
 def _rest_of_epoch(state, data, batch_size=2):

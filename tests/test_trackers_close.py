@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import ftrain as ft
+from helpers import rank_rule_over
 from test_trackers import _finished_records
 
 
@@ -407,13 +408,6 @@ def test_every_process_from_env_takes_for_one_of_several_waits_for_its_rank(monk
     PET_MASTER_ADDR) took itself for rank 0 and opened a run when its sink was built, one per
     process. Every environment `from_env` takes for one of several (it refuses it, or its
     WORLD_SIZE is above 1) must leave the rank to be taken later."""
-    import itertools
-    import multiprocessing
-
-    from ftrain.extras.logging._rank import _known_rank
-    from ftrain.strategies._env import _world_size
-
-    monkeypatch.setattr(multiprocessing, "parent_process", lambda: None)
     values = {
         "WORLD_SIZE": [None, "1", "2"],
         "SLURM_NTASKS": [None, "1", "4"],
@@ -428,22 +422,7 @@ def test_every_process_from_env_takes_for_one_of_several_waits_for_its_rank(monk
         "MASTER_ADDR": [None, "10.0.0.1"],
         "RAY_RAYLET_PID": [None, "1"],
     }
-    several = alone = 0
-    for combo in itertools.product(*values.values()):
-        env = {k: v for k, v in zip(values, combo, strict=True) if v is not None}
-        with monkeypatch.context() as m:
-            for name in LAUNCHER:
-                m.delenv(name, raising=False)
-            for name, value in env.items():
-                m.setenv(name, value)
-            try:
-                one_of_several = _world_size() > 1
-            except ValueError as e:
-                assert "WORLD_SIZE is unset" in str(e) or "SLURM_NTASKS" in str(e), e
-                one_of_several = True
-            known = _known_rank(None)
-        if one_of_several:
-            several += 1
-            assert known is None, f"{env}: from_env takes it for one of several"
-        alone += known == 0
+    several, alone, refused = rank_rule_over(monkeypatch, values, LAUNCHER)
+    for env, message in refused:
+        assert "WORLD_SIZE is unset" in message or "SLURM_NTASKS" in message, (env, message)
     assert several > 1000 and alone > 50  # both kinds were met

@@ -262,3 +262,46 @@ def linear_state():
     import ftrain as ft
 
     return ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd(), seed=0)
+
+
+def rank_rule_over(monkeypatch, values: dict, clear) -> tuple[int, int, list[tuple[dict, str]]]:
+    """Over every combination of the launcher variables `values` (None: unset; the names in
+    `clear` unset first), whether the trackers' rank rule (`_known_rank`) leaves the rank to be
+    taken later wherever `from_env` takes the process for one of several (refuses it, or a
+    WORLD_SIZE above 1); asserts it for each. Returns (several, alone: known as rank 0, the
+    environments from_env refused with its message)."""
+    import itertools
+    import multiprocessing
+
+    from ftrain.extras.logging._rank import _known_rank
+    from ftrain.strategies._env import _world_size
+
+    monkeypatch.setattr(multiprocessing, "parent_process", lambda: None)
+    several = alone = 0
+    refused: list[tuple[dict, str]] = []
+    for combo in itertools.product(*values.values()):
+        env = {k: v for k, v in zip(values, combo, strict=True) if v is not None}
+        with monkeypatch.context() as m:
+            for name in clear:
+                m.delenv(name, raising=False)
+            for name, value in env.items():
+                m.setenv(name, value)
+            try:
+                one_of_several = _world_size() > 1
+            except ValueError as e:
+                refused.append((env, str(e)))
+                one_of_several = True
+            known = _known_rank(None)
+        if one_of_several:
+            several += 1
+            assert known is None, f"{env}: from_env takes it for one of several"
+        alone += known == 0
+    return several, alone, refused
+
+
+def id_step(state, micro):
+    """One README step over `micro` with `id_loss` (lr 0.1); returns the new state."""
+    import ftrain as ft
+
+    grads, stats = ft.accumulate_grads(state, micro, id_loss)
+    return ft.clip_and_step(state, grads, lr=0.1, stats=stats)[0]
