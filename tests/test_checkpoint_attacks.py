@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import ftrain as ft
-from ftrain.checkpoint import CheckpointMismatchError, CheckpointMismatchWarning, _save
-from helpers import edit_state_json
+from ftrain.checkpoint import CheckpointMismatchError, CheckpointMismatchWarning
+from helpers import edit_state_json, hold_background_writes
 
 
 def _mlp() -> torch.nn.Module:
@@ -253,15 +253,7 @@ def test_latest_checkpoint_waits_for_this_process_background_save_into_the_folde
     """`save_checkpoint(step 10, blocking=False)` then `latest_checkpoint` returned step 5: the
     process was told the newest checkpoint is one older than the one it just saved."""
     ft.save_checkpoint(_state().replace(step=5), tmp_path)
-    release = threading.Event()
-    real = _save.write_safetensors
-
-    def slow(tensors, path):
-        if threading.current_thread().name == "ftrain-checkpoint":
-            release.wait(20)
-        real(tensors, path)
-
-    monkeypatch.setattr(_save, "write_safetensors", slow)
+    release = hold_background_writes(monkeypatch)
     ft.save_checkpoint(_state().replace(step=10), tmp_path, blocking=False)
     assert ft.latest_checkpoint(tmp_path / "other") is None  # another folder: no wait
     timer = threading.Timer(0.3, release.set)

@@ -19,6 +19,7 @@ from safetensors import SafetensorError
 import ftrain as ft
 from ftrain import process_state
 from ftrain.checkpoint import _save
+from helpers import hold_background_writes
 from launch import exit_codes, run_ranks
 
 SEAM = (
@@ -56,20 +57,6 @@ def test_every_strategy_implements_the_checkpoint_seam(cls):
         assert name in ft.strategies.Strategy.__dict__  # part of the documented protocol
     assert cls.checkpoint_sharded is (cls in (ft.strategies.FSDP, ft.strategies.TP))
     assert isinstance(ft.strategies.SingleDevice("cpu"), ft.strategies.Strategy)
-
-
-def _hold_background_writes(monkeypatch) -> threading.Event:
-    """Background saves stay mid-write (in their writer thread) until the event is set."""
-    release = threading.Event()
-    real = _save.write_safetensors
-
-    def slow(tensors, path):
-        if threading.current_thread().name == "ftrain-checkpoint":
-            release.wait(20)
-        real(tensors, path)
-
-    monkeypatch.setattr(_save, "write_safetensors", slow)
-    return release
 
 
 def test_single_device_seam_round_trips_shard_files(tmp_path):
@@ -282,7 +269,7 @@ def test_blocking_and_background_saves_raise_the_same_error(tmp_path, monkeypatc
 
 
 def test_an_interrupted_wait_does_not_forget_the_save_in_flight(tmp_path, monkeypatch):
-    release = _hold_background_writes(monkeypatch)
+    release = hold_background_writes(monkeypatch)
     ft.save_checkpoint(_state(1), tmp_path, blocking=False)
     bg = process_state.STATE.save_in_flight
 
@@ -311,7 +298,7 @@ def test_a_process_forked_during_a_background_save_reads_its_checkpoint(tmp_path
     not its writer thread: reading the checkpoint waited forever for it."""
     import multiprocessing
 
-    release = _hold_background_writes(monkeypatch)
+    release = hold_background_writes(monkeypatch)
     path = ft.save_checkpoint(_state(3), tmp_path, blocking=False)
     fork = multiprocessing.get_context("fork")
     ready, out = fork.Event(), fork.Queue()
@@ -371,17 +358,8 @@ def test_a_wait_interrupted_by_a_signal_handler_never_loses_the_save_in_flight(
     exception from a signal handler marks the running thread stopped, and the next save then
     removed the running save's temporary folder (issue 27). The first save commits, or its
     error is raised by the next save; it never vanishes."""
-    release = threading.Event()
-    real = _save.write_safetensors
-
-    def slow(tensors, path):  # the background save stays mid-write until released
-        if threading.current_thread().name == "ftrain-checkpoint":
-            release.wait(30)
-            if outcome == "fails":
-                raise OSError(28, "No space left on device")
-        real(tensors, path)
-
-    monkeypatch.setattr(_save, "write_safetensors", slow)
+    # the background save stays mid-write until released
+    release = hold_background_writes(monkeypatch, then_fail=outcome == "fails")
     previous = signal.signal(signal.SIGALRM, _raise_interrupt)
     try:
         ft.save_checkpoint(_state(1), tmp_path, blocking=False)
@@ -573,7 +551,7 @@ def test_loading_the_path_a_background_save_is_writing_waits_for_it(tmp_path, mo
     with torch.no_grad():
         for p in new.params.values():
             p.add_(1.0)
-    release = _hold_background_writes(monkeypatch)
+    release = hold_background_writes(monkeypatch)
     for read in ("load", "open"):
         path = ft.save_checkpoint(new, tmp_path, blocking=False)
         timer = threading.Timer(0.5, release.set)

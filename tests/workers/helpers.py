@@ -305,3 +305,24 @@ def id_step(state, micro):
 
     grads, stats = ft.accumulate_grads(state, micro, id_loss)
     return ft.clip_and_step(state, grads, lr=0.1, stats=stats)[0]
+
+
+def hold_background_writes(monkeypatch, *, then_fail: bool = False):
+    """Background saves stay mid-write (in their writer thread) until the returned event is
+    set; with `then_fail`, the write then fails as a full disk does."""
+    import threading
+
+    from ftrain.checkpoint import _save
+
+    release = threading.Event()
+    real = _save.write_safetensors
+
+    def slow(tensors, path):
+        if threading.current_thread().name == "ftrain-checkpoint":
+            release.wait(30)
+            if then_fail:
+                raise OSError(28, "No space left on device")
+        real(tensors, path)
+
+    monkeypatch.setattr(_save, "write_safetensors", slow)
+    return release
