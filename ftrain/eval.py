@@ -8,7 +8,7 @@ import itertools
 import json
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -113,33 +113,110 @@ def _check_parts(items: Any, what: str) -> None:
 
 
 def prediction_batches(
-    batches: Iterable[Any], caller: str, state: TrainState | None = None
+    batches: Iterable[Any],
+    caller: str,
+    state: TrainState | None = None,
+    lock: Lockstep | None = None,
+    *,
+    check: Callable[[Any], Any] | None = None,
+    strategy: Strategy | None = None,
+    end: Callable[[], Any] | None = None,
 ) -> Iterator[Any]:
-    """`flatten_batches` for `predict` and `generate`, whose outputs come in batch order.
+    """`flatten_batches` for `predict` and `generate`, whose outputs come in batch order, read
+    as `read_batches` reads them (with `lock`, `check`, `strategy` and `end`).
 
     Raises:
         ValueError: for groups that `make_batches` shuffled (its default, for training): the
             outputs would not line up with the dataset's rows, as the Trainer's `predict`
             (which never shuffles) gives them; and, at the end, if there were no batches (an
             eval set smaller than the batch size with drop_last=True: metrics over no outputs
-            read 0 or NaN), as `evaluate` raises.
+            read 0 or NaN), as `evaluate` raises (with several processes in lockstep, on every
+            one, as `Lockstep` raises where only some had none).
     """
     empty = True
+    for batch in read_batches(
+        batches, caller, state, lock, ordered=True, check=check, strategy=strategy, end=end
+    ):
+        empty = False
+        yield batch
+    if empty:  # (on every process alike, where the processes agreed that none had a batch)
+        error = _no_batches(caller)
+        raise _everywhere(error) if lock is not None or end is not None else error
+
+
+def _no_batches(caller: str) -> ValueError:
+    return ValueError(
+        f"{caller} got no batches (an eval set smaller than the batch size, with drop_last=True?)"
+    )
+
+
+def read_batches(
+    batches: Iterable[Any],
+    caller: str,
+    state: TrainState | None = None,
+    lock: Lockstep | None = None,
+    *,
+    ordered: bool = False,
+    check: Callable[[Any], Any] | None = None,
+    strategy: Strategy | None = None,
+    end: Callable[[], Any] | None = None,
+) -> Iterator[Any]:
+    """`batches` one batch at a time (`flatten_batches`), refused if they are the training
+    loop's (`_from_the_start`) or, when `ordered`, shuffled by `make_batches`.
+
+    With `lock`, the processes agree before a batch that every one has one (see `Lockstep`),
+    `check(batch)` having run (its error, and an error reading the batch, raised on every
+    process), and after the last that none has more. The batches of a group `make_batches`
+    yielded with `strategy` (the lock's), whose count every process agreed on, are let
+    through (unless `lock.every`). `end` runs after the last batch unless that was of such a
+    group: the agreement of a caller that agrees after each batch's forward instead. Without
+    a lock, or where it does not agree, `check` runs as it comes."""
+    strategy = lock.strategy if lock is not None else strategy
+    agreed = False  # whether the last item was a group every process has as many batches of
     for item in _from_the_start(batches, caller, state):
-        if isinstance(item, MicroBatches) and _shuffled(item.position):
+        if ordered and isinstance(item, MicroBatches) and _shuffled(item.position):
             raise ValueError(
                 f"{caller}: make_batches shuffled these rows (shuffle=True, its default), so the "
                 "outputs would come in another order than the dataset's rows; pass "
                 "make_batches(..., shuffle=False)"
             )
-        for batch in flatten_batches([item]):
-            empty = False
+        agreed = strategy is not None and _agreed_group(item, strategy)
+        if lock is None or not lock.wanted(agreed):
+            for batch in flatten_batches([item]):
+                if check is not None:
+                    check(batch)
+                yield batch
+            continue
+        try:
+            group = list(flatten_batches([item]))
+        except Exception as e:  # this process's batches refused: every process raises
+            lock.agree(True, e)
+            raise
+        for batch in group:
+            if lock.wanted(agreed):
+                error = None
+                if check is not None:
+                    try:
+                        check(batch)
+                    except Exception as e:
+                        error = e
+                lock.agree(True, error)
+            elif check is not None:
+                check(batch)
             yield batch
-    if empty:
-        raise ValueError(
-            f"{caller} got no batches (an eval set smaller than the batch size, with "
-            "drop_last=True?)"
-        )
+    if lock is not None and lock.wanted(agreed):
+        lock.agree(False)
+    if end is not None and not agreed:
+        end()
+
+
+def _agreed_group(item: Any, strategy: Strategy) -> bool:
+    """Whether `item` is a group `make_batches` yielded with `strategy`: every process got as
+    many of its groups and as many batches in each (make_batches agreed on its settings)."""
+    if not isinstance(item, MicroBatches):
+        return False
+    made_by = step_data(item).made_by
+    return made_by is not None and made_by.strategy is strategy
 
 
 def _from_the_start(
@@ -149,15 +226,28 @@ def _from_the_start(
     past the epoch's first micro-batch (`ft.data.resumed_at`), or an iterable whose first group
     is that call's first, standing where `state` stands (an `islice` or a generator over it):
     it starts at the training state's cursor, so the rows before it would not be evaluated (the
-    loss of a part of the data, without a word). Groups collected as such (a list, a deque of
-    recent training groups, the step's own group) are what they are meant to be."""
+    loss of a part of the data, without a word). At the epoch's start (cursor 0) such a call
+    is the training loop's own iterator as far as anything can tell (evaluation data is read
+    without the state: `make_batches(val, batch_size=..., shuffle=False)`): evaluating over it
+    read the epoch the loop was about to train on, and the loop then trained on nothing.
+    Groups collected as such (a list, a deque of recent training groups, the step's own group)
+    are what they are meant to be."""
     first = resumed_at(batches)
     if first is None and not isinstance(batches, (list, tuple, MicroBatches)):
         it = iter(batches)
         head: Any = next(it, _NOTHING)
-        if isinstance(head, MicroBatches) and _resumed_here(head, state):
+        if isinstance(head, MicroBatches) and _at_the_cursor(head, state):
             first = step_data(head).first
         batches = it if head is _NOTHING else itertools.chain([head], it)
+    if first == 0:
+        raise ValueError(
+            f"{caller} got the groups of make_batches(data, state, ...) at the start of an "
+            "epoch (state.data.cursor 0): that call reads the epoch the training loop stands "
+            f"at, so over the loop's own iterator {caller} would read the epoch the loop is "
+            "about to train on, and the loop would then train on nothing. Pass "
+            "make_batches(data, batch_size=..., shuffle=False) without the state (with "
+            "strategy=state.strategy for several processes)"
+        )
     if first is not None:
         raise ValueError(
             f"{caller} got micro-batches of make_batches(data, state, ...) starting at "
@@ -172,10 +262,11 @@ def _from_the_start(
 _NOTHING = object()
 
 
-def _resumed_here(item: MicroBatches, state: TrainState | None) -> bool:
-    """Whether `item` is the first group of a `make_batches(data, state, ...)` call that started
-    past its epoch's first micro-batch, at the cursor `state` still stands at (not yet trained
-    on: a group the loop trained on has moved the cursor past it)."""
+def _at_the_cursor(item: MicroBatches, state: TrainState | None) -> bool:
+    """Whether `item` is the first group of a `make_batches(data, state, ...)` call, at the
+    cursor `state` still stands at (not yet trained on: a group the loop trained on has moved
+    the cursor past it): past its epoch's first micro-batch (a resumed epoch), or the epoch's
+    first (the loop's iterator at the epoch's start)."""
     if state is None:
         return False
     data = step_data(item)
@@ -183,7 +274,7 @@ def _resumed_here(item: MicroBatches, state: TrainState | None) -> bool:
     return (
         call is not None
         and call.stateful
-        and 0 < data.first == call.start == state.data.cursor
+        and data.first == call.start == state.data.cursor
         and call.epoch == state.epoch
     )
 
@@ -254,36 +345,61 @@ def evaluate(
             or TP, on every process, when the processes were given lists of different numbers
             of batches (checked with one small all-reduce and a host sync for a list or tuple
             that is not a group `make_batches` yielded with this strategy: unlike collectives
-            would pair up and hang).
+            would pair up and hang), or iterators that run out at different batches (checked
+            with one small all-reduce before each batch that is not of such a group, and one
+            at the end); with several ranks, on every rank, when one got no batches (checked
+            before the first batch under DDP, whose first forward broadcasts the module's
+            buffers: one small all-reduce, none for `make_batches`' groups), and when a batch
+            failed on one rank without collectives in its forwards (DDP, after a first batch:
+            that rank raises its error at the end, the others one that names it);
+            when `batches` is the iterator of `make_batches(data, state, ...)`: it starts at
+            the training cursor (`state.data.cursor`), and at an epoch's start it is the
+            training loop's own (evaluating over it would read the epoch the loop is about
+            to train on): read evaluation data without the state.
     """
     _check_args(state, batches, loss_fn, metrics_fn, perplexity, strategy)
     strategy = state.strategy if strategy is None else strategy
-    _check_batch_count(batches, strategy, "evaluate")
+    counted = _check_batch_count(batches, strategy, "evaluate")
+    lock = Lockstep.for_forwards(batches, strategy, "evaluate", counted=counted)
+    # Without collectives in the forwards (DDP: but its first, which the rank has run once it
+    # has read a batch), a rank that fails on a batch joins the others' one collective at the
+    # end with its error, and every rank raises.
+    joins = strategy.world_size > 1 and not forward_collectives(strategy)
+    done = 0
     own = None if loss_fn is not None or state.loss_fn is default_loss else state.loss_fn
     sums: dict[str, torch.Tensor] = {}
     scorer: Callable[..., Any] | None = None  # the function whose loss is eval_loss
     tokens = True  # every batch has a label per token
-    with eval_mode(state.model), strategy.autocast():
-        for batch in flatten_batches(_from_the_start(batches, "evaluate", state)):
-            batch, weight = weighted(batch)  # a ZeroWeight stand-in runs and counts nothing
-            batch = strategy.to_device(batch)
-            tokens = tokens and _token_labels(batch)
-            parts, fn = _batch_sums(state.model, batch, loss_fn, metrics_fn, own)
-            if scorer is not None and fn is not scorer:
-                raise ValueError(_LOSS_CHANGED.format(now=loss_name(fn), was=loss_name(scorer)))
-            scorer = fn
-            for name, (s, n) in parts.items():
-                pair = torch.stack(
-                    [torch.as_tensor(x, device=strategy.device).double() for x in (s, n)]
-                )
-                # zeros, not 0 * pair: a stand-in's NaN (a mean over its 0 items, times 0)
-                # made the global sum NaN on several ranks, where one process was finite.
-                pair = pair if weight else torch.zeros_like(pair)
-                sums[name] = sums[name] + pair if name in sums else pair
-    if not sums:
-        raise ValueError("evaluate got no batches")
+    failure: Exception | None = None
+    try:
+        with eval_mode(state.model), strategy.autocast():
+            for batch in read_batches(batches, "evaluate", state, lock):
+                batch, weight = weighted(batch)  # a ZeroWeight stand-in runs and counts nothing
+                batch = strategy.to_device(batch)
+                tokens = tokens and _token_labels(batch)
+                parts, fn = _batch_sums(state.model, batch, loss_fn, metrics_fn, own)
+                if scorer is not None and fn is not scorer:
+                    raise ValueError(_LOSS_CHANGED.format(now=loss_name(fn), was=loss_name(scorer)))
+                scorer = fn
+                for name, (s, n) in parts.items():
+                    pair = torch.stack(
+                        [torch.as_tensor(x, device=strategy.device).double() for x in (s, n)]
+                    )
+                    # zeros, not 0 * pair: a stand-in's NaN (a mean over its 0 items, times 0)
+                    # made the global sum NaN on several ranks, where one process was finite.
+                    pair = pair if weight else torch.zeros_like(pair)
+                    sums[name] = sums[name] + pair if name in sums else pair
+                done += 1
+    except Exception as e:
+        if not (joins and done) or raised_everywhere(e):
+            raise
+        failure = e
     names = sorted(sums)
-    _same_names_on_every_rank(names, strategy, _METRICS_DIFFER)
+    why = "each name is summed over the ranks, so every rank must report every one"
+    if not _agree_over_ranks(
+        strategy, "evaluate", names, _METRICS_DIFFER, present=bool(sums), error=failure, why=why
+    ):
+        raise ValueError("evaluate got no batches")
     totals = strategy.all_reduce_sum(torch.stack([sums[n] for n in names])).tolist()  # host sync
     out = {f"eval_{n}": s / c if c else math.nan for n, (s, c) in zip(names, totals, strict=True)}
     if _is_perplexity(state.model, scorer, tokens) if perplexity is None else perplexity:
@@ -294,27 +410,26 @@ def evaluate(
 
 def _check_batch_count(
     batches: Iterable[Any], strategy: Strategy, caller: str, *, paired: bool | None = None
-) -> None:
+) -> bool:
     """Raise on every process unless each one got as many batches, for a list or tuple of them
     that is not a group `make_batches` yielded with this strategy (whose counts every process
     agreed on): under FSDP and TP each forward runs collectives, which another count pairs up
     unlike (they hung until the backend's timeout). One small all-reduce and a host sync; none
-    for an iterator (`make_batches(...)` itself), whose length is not known before it runs."""
+    for an iterator (`make_batches(...)` itself), whose length is not known before it runs
+    (`Lockstep` agrees batch by batch instead).
+
+    Returns whether every process is known to have as many batches (counted, or such a group)."""
     if not isinstance(batches, (list, tuple, MicroBatches)):
-        return
-    if isinstance(batches, MicroBatches):
-        made_by = step_data(batches).made_by
-        if made_by is not None and made_by.strategy is strategy:
-            return
+        return False
+    if isinstance(batches, MicroBatches) and _agreed_group(batches, strategy):
+        return True
     if paired is None:  # forwards alone (no backward): DDP's run no collective
-        # (a strategy of one's own without the attribute: its micro-batch rule, as before)
-        paired = bool(
-            getattr(strategy, "forward_collectives", None)
-            if hasattr(strategy, "forward_collectives")
-            else getattr(strategy, "micro_counts_must_match", False)
-        )
+        paired = forward_collectives(strategy)
+    if not paired:
+        return False
     n = sum(1 for _ in flatten_batches(batches))
     _check_micro_count(strategy, n, caller, paired=paired)
+    return True
 
 
 def _is_perplexity(model: nn.Module, scorer: Any, tokens: bool) -> bool:
@@ -329,23 +444,192 @@ def _perplexity(loss: float) -> float:
     return math.nan if math.isnan(loss) else math.exp(loss) if loss < 700 else math.inf
 
 
-def _same_names_on_every_rank(names: list[str], strategy: Strategy, problem: str) -> None:
-    """Raise unless every rank reports the same names: the totals are summed over ranks row by
-    row, so a name only some ranks return would be added to another name's row (or the
-    collective would get tensors of different shapes)."""
+def _agree_over_ranks(
+    strategy: Strategy,
+    caller: str,
+    names: list[str],
+    problem: str,
+    *,
+    present: bool = True,
+    error: BaseException | None = None,
+    done: int = 0,
+    why: str = "",
+) -> bool:
+    """Raise on every data-parallel rank when one rank failed (`error`: raised there, and an
+    error naming it on the others), when some ranks are `present` (have a batch, or any
+    batches) and others not (after `done` batches each; `why` it matters), or when the present
+    ones report other `names` (`problem`): the totals are summed over ranks row by row, so a
+    name only some ranks return would be added to another name's row (or the collective would
+    get tensors of different shapes). False when no rank is present (each is at its end).
+
+    One all-reduce of 7 float64 over the ranks and a host sync, the collective the other
+    ranks run anyway (`evaluate`'s at the end, `predict`'s per gathered batch): a rank that
+    raised before it left them waiting in it until the backend's timeout."""
     if strategy.world_size == 1:
-        return
+        if error is not None:
+            raise error
+        return present
+    here = present and error is None
     key = hashlib.blake2b("\0".join(names).encode(), digest_size=4).digest()
     # Two 16-bit digests and their squares: the sums stay exact in float64 for any world size
     # up to 2^21, and n * sum(d^2) == sum(d)^2 holds only if every rank has the same d.
     digests = [int.from_bytes(key[:2], "little"), int.from_bytes(key[2:], "little")]
-    mine = [1.0] + [float(x) for d in digests for x in (d, d * d)]
+    sums = [float(x) if here else 0.0 for d in digests for x in (d, d * d)]
+    mine = [1.0, float(here), float(error is not None), *sums]
     got = strategy.all_reduce_sum(
         torch.tensor(mine, dtype=torch.float64, device=strategy.device)
-    ).tolist()  # host sync, once per evaluation
-    n, sums = int(got[0]), [int(x) for x in got[1:]]
-    if any(n * sums[i + 1] != sums[i] ** 2 for i in (0, 2)):
+    ).tolist()  # host sync
+    n, have, failed = (int(x) for x in got[:3])
+    if failed:
+        _raise_everywhere(error, caller, failed, n, "ranks", strategy.rank)
+    if have == 0:
+        return False
+    if have < n:
+        raise _everywhere(_ran_out(caller, here, have, n, "ranks", strategy.rank, done, why))
+    totals = [int(x) for x in got[3:]]
+    if any(n * totals[i + 1] != totals[i] ** 2 for i in (0, 2)):
         raise ValueError(problem.format(names=[name for name in names if name != "loss"]))
+    return True
+
+
+class Lockstep:
+    """The processes' agreement, before a batch, that every one has a batch: where batches run
+    collectives over the processes (FSDP's and TP's forwards, a generation synced over the
+    ranks, DDP's first forward), a process without one, or one whose batch was refused, left
+    the others waiting in them until the backend's timeout. `agree` is one all-reduce of three
+    integers over every process and a host sync: before each batch (`read_batches` lets the
+    batches of a group every process has as many of through, unless `every`), or only before
+    the first (`first`), and once at the end (`first`: only where a process had none).
+
+    `why`: what pairs the processes up, for the message."""
+
+    def __init__(
+        self, strategy: Strategy, caller: str, why: str, *, every: bool = False, first: bool = False
+    ):
+        self.strategy, self.caller, self.why = strategy, caller, why
+        self.every, self.first = every, first
+        self.done = 0  # batches every process has had, as far as they agreed
+
+    @classmethod
+    def for_forwards(
+        cls, batches: Iterable[Any], strategy: Strategy, caller: str, *, counted: bool
+    ) -> Lockstep | None:
+        """The lockstep `evaluate` and `predict` need, unless every process is known to have
+        as many batches (`counted`: `_check_batch_count`) or there is one process.
+
+        Under FSDP and TP (forwards with collectives), before each batch of an iterator, whose
+        length is not known before it runs. Under DDP, before the first batch only: its first
+        forward after a training step broadcasts the module's buffers from rank 0 (a rank that
+        had no batch never joined it); after that its forwards run no collective, and the
+        ranks may read other numbers of batches."""
+        if counted or not several_processes():
+            return None
+        if forward_collectives(strategy):
+            why = (
+                f"under {type(strategy).__name__} every batch's forward runs collectives over "
+                "the processes, which would pair up unlike and hang until the backend's timeout"
+            )
+            return cls(strategy, caller, why)
+        if strategy.world_size == 1:
+            return None
+        why = (
+            "the ranks' first forward is a collective (DDP broadcasts the module's buffers from "
+            "rank 0 then), and their sums or gathers too"
+        )
+        return cls(strategy, caller, why, first=True)
+
+    def wanted(self, agreed: bool) -> bool:
+        """Whether the processes agree before the next batch (`agreed`: of a group every
+        process has as many batches of)."""
+        return not (agreed and not self.every) and not (self.first and self.done)
+
+    def agree(self, present: bool, error: BaseException | None = None) -> bool:
+        """True when every process has a batch, False when none has; raise on every process
+        when some have and others not, or when a process's batch was refused (`error`: raised
+        here, and an error naming it on the others)."""
+        here = present and error is None
+        mine = torch.tensor([1, int(here), int(error is not None)], dtype=torch.int64)
+        total, have, failed = self.strategy.sum_over_processes(
+            mine.to(self.strategy.device)
+        ).tolist()  # host sync
+        rank = torch.distributed.get_rank()
+        if failed:
+            _raise_everywhere(error, self.caller, failed, total, "processes", rank)
+        if have == total:
+            self.done += 1
+            return True
+        if have == 0:
+            return False
+        raise _everywhere(
+            _ran_out(self.caller, here, have, total, "processes", rank, self.done, self.why)
+        )
+
+
+def forward_collectives(strategy: Strategy) -> bool:
+    """Whether each forward of `strategy` runs collectives (FSDP, TP); a strategy of one's own
+    without the attribute: its micro-batch rule."""
+    if hasattr(strategy, "forward_collectives"):
+        return bool(strategy.forward_collectives)
+    return bool(getattr(strategy, "micro_counts_must_match", False))
+
+
+def several_processes() -> bool:
+    """Whether this process is one of an initialised process group of several."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _everywhere(error: BaseException) -> BaseException:
+    """Mark `error` as raised on every process alike: a caller that joins the others'
+    collective with its error (`evaluate`, `predict`) lets it through."""
+    error._ftrain_everywhere = True  # type: ignore[attr-defined]
+    return error
+
+
+def raised_everywhere(error: BaseException) -> bool:
+    return getattr(error, "_ftrain_everywhere", False) is True
+
+
+def _raise_everywhere(
+    error: BaseException | None, caller: str, failed: int, total: int, who: str, rank: int
+) -> NoReturn:
+    """`error` where it was raised; on the other processes, an error that names it."""
+    if error is not None:
+        raise _everywhere(error)
+    raise _everywhere(
+        ValueError(
+            f"{caller}: {failed} of the {total} {who} failed on their batch (their error is "
+            f"raised there; this is rank {rank}), so this one stops too rather than wait for "
+            "them in a collective until the backend's timeout"
+        )
+    )
+
+
+def _ran_out(
+    caller: str, mine: bool, have: int, total: int, who: str, rank: int, done: int, why: str
+) -> ValueError:
+    here = f"this process (rank {rank})"
+    if done == 0 and mine:
+        head = (
+            f"{caller} got no batches on {total - have} of the {total} {who}, while {here} had some"
+        )
+    elif done == 0:
+        head = f"{caller} got no batches on {here}, while {have} of the {total} {who} had some"
+    elif mine:
+        head = (
+            f"{caller}: {total - have} of the {total} {who} ran out of batches after {done}, "
+            f"while {here} had more"
+        )
+    else:
+        head = (
+            f"{caller}: {here} ran out of batches after {done}, while {have} of the {total} "
+            f"{who} had more"
+        )
+    return ValueError(
+        f"{head}: {why}. Give every process as many batches: make_batches(data, "
+        "batch_size=..., shuffle=False, strategy=state.strategy) does (a process without rows "
+        "for the last batch gets an ft.data.ZeroWeight stand-in, which runs and counts nothing)"
+    )
 
 
 _LOSS_CHANGED = (
@@ -621,7 +905,11 @@ def predict(
             not line up with the dataset); if the outputs of one batch disagree on the number of
             samples, or (when gathering) `output_fn` returns other names on one rank than on
             another; when gathering, or under FSDP or TP, on every process, when the processes
-            were given lists of different numbers of batches (as `evaluate`).
+            were given lists of different numbers of batches, or iterators that run out at
+            different batches, or one got none (as `evaluate`); when gathering without
+            collectives in the forwards (DDP), on every rank, when a batch failed on one rank
+            after a first one (that rank raises its error, the others one that names it); for
+            `make_batches(data, state, ...)`'s iterator (as `evaluate`).
     """
     check_prediction_args(state, batches, gather=gather, strategy=strategy, output_fn=output_fn)
     strategy = state.strategy if strategy is None else strategy
@@ -633,26 +921,68 @@ def predict(
     # thread-wide, not the generator's).
     # Gathering is a collective per batch, as FSDP's and TP's forwards are: lists of other
     # lengths on other processes paired one call's batches with the next call's, then hung.
-    paired = True if gather and strategy.world_size > 1 else None
-    _check_batch_count(batches, strategy, "predict", paired=paired)
+    gathering = gather and strategy.world_size > 1
+    counted = _check_batch_count(batches, strategy, "predict", paired=True if gathering else None)
+    lock = Lockstep.for_forwards(batches, strategy, "predict", counted=counted)
+    # Gathering without collectives in the forward (DDP, after its first): the names check of
+    # each batch's gather is where the ranks agree that each has a batch and none failed on
+    # its own (a rank that raised, or ran out, left the others waiting in it), and once more at
+    # the end of an iterator, whose length is not known.
+    joins = gathering and not forward_collectives(strategy)
+    why = "each batch's outputs are gathered over the ranks, a collective per batch"
+    done = [0]  # batches every rank has had
+
+    def end() -> None:
+        _agree_over_ranks(strategy, "predict", [], "", present=False, done=done[0], why=why)
+
+    reader = prediction_batches(
+        batches,
+        "predict",
+        state,
+        lock,
+        strategy=strategy,
+        end=end if joins and not counted else None,
+    )
     with _in_eval(model):
-        for batch in prediction_batches(batches, "predict", state):
-            batch, weight = weighted(batch)
-            # The loop body may have put the model back in training mode (accumulate_grads
-            # does): this batch's forward still runs in eval mode, the body keeps its mode.
-            again = _in_eval(model) if model.training else contextlib.nullcontext()
-            with again, torch.no_grad(), strategy.autocast():
-                outputs = dict(output_fn(model, strategy.to_device(batch)))
-            if gather and strategy.world_size > 1:
+        while True:
+            failure: Exception | None = None
+            outputs: dict[str, torch.Tensor] = {}
+            try:
+                batch = next(reader, _NOTHING)
+                if batch is _NOTHING:
+                    return
+                batch, weight = weighted(batch)
+                # The loop body may have put the model back in training mode (accumulate_grads
+                # does): this batch's forward still runs in eval mode, the body keeps its mode.
+                again = _in_eval(model) if model.training else contextlib.nullcontext()
+                with again, torch.no_grad(), strategy.autocast():
+                    outputs = dict(output_fn(model, strategy.to_device(batch)))
+            except Exception as e:
+                # (a rank that has not run a batch yet may have failed before DDP's first
+                # forward, a collective the others are in: it cannot join them)
+                if not (joins and done[0]) or raised_everywhere(e):
+                    raise
+                failure = e
+            if gathering:
                 # Gathered name by name: names that differ would pair one rank's rows with
                 # another's of another output, or leave a rank waiting in a gather.
-                _same_names_on_every_rank(sorted(outputs), strategy, _OUTPUTS_DIFFER)
+                names = sorted(outputs)
+                _agree_over_ranks(
+                    strategy,
+                    "predict",
+                    names,
+                    _OUTPUTS_DIFFER,
+                    error=failure,
+                    done=done[0],
+                    why=why,
+                )
                 # A ZeroWeight stand-in joins the gathers with no rows.
                 outputs = {
                     k: strategy.gather_rows(_rows(v)[: None if weight else 0])
                     for k, v in sorted(outputs.items())
                 }
-            elif not weight:  # a stand-in ran for the collectives; it yields nothing
+            done[0] += 1
+            if not (gathering or weight):  # a stand-in ran for the collectives; it yields nothing
                 continue
             arrays = {k: _to_numpy(v) for k, v in outputs.items()}
             sizes = {k: a.shape[0] if a.ndim else 1 for k, a in arrays.items()}

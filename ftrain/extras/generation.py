@@ -21,7 +21,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ftrain.data import weighted
-from ftrain.eval import MetricsFn, check_prediction_args, eval_mode, prediction_batches
+from ftrain.eval import (
+    Lockstep,
+    MetricsFn,
+    check_prediction_args,
+    eval_mode,
+    forward_collectives,
+    prediction_batches,
+    several_processes,
+)
 from ftrain.losses import IGNORE_INDEX, causal_targets, model_logits, upcast
 from ftrain.rng import default_generators, dropout_seed, restored
 from ftrain.state import TrainState
@@ -202,7 +210,9 @@ def generate(
     and, with `gather`, yields every rank's rows in rank order, which is dataset order
     (`make_batches` gives each prompt to exactly one rank; a stand-in batch adds none). Ranks
     generate in lockstep (`synced_gpus=True`, which FSDP needs: its forward passes are
-    collectives), so every rank must iterate the same batches.
+    collectives), so every rank must iterate as many batches: before each batch the processes
+    agree that each has one (one small all-reduce), and every process raises where one has
+    none, ran out early, or refused its batch.
 
     Sampling (`do_sample=True`, from the keywords or the model's `generation_config`) is
     reproducible and leaves torch's global random stream alone: batch `i` on rank `r` draws from
@@ -253,7 +263,10 @@ def generate(
             `generation_config`, and `stopping_criteria` or `stop_strings` with `num_beams` > 1;
             for a batch holding inputs generation would leave out,
             (decoder-only) prompts that hold their labels, or `input_ids` holding the pad id
-            without an `attention_mask` (padding read as prompt text; see `left_pad`).
+            without an `attention_mask` (padding read as prompt text; see `left_pad`). With
+            several processes, on every one: when one got no batches or ran out before the
+            others (after N batches, named), and when one refused its batch (that process
+            raises the error above, the others one that says so).
     """
     check_prediction_args(state, batches, gather=gather, strategy=strategy)
     seed = _check_seed(state.seed if seed is None else seed, generate_kwargs)
@@ -276,14 +289,22 @@ def generate(
     if not enc_dec:
         _check_lengths(model, kwargs)
     inputs = _forward_names(model)
+
+    def check(item: Any) -> None:  # before the batch's collectives: refused on every process
+        batch = weighted(item)[0]
+        _check_batch(batch, inputs, model, enc_dec)
+        if batch.get("attention_mask") is None:
+            _check_unmasked(batch["input_ids"], pad_id)
+
     # Eval mode across the yields; no_grad and autocast only around each batch's generation
     # (held across a yield they were the caller's too: its loop body ran without gradients
     # and its float32 matmuls in bf16).
     gens = default_generators(strategy.device)
     with eval_mode(state.model, no_grad=False):
-        for i, batch in enumerate(prediction_batches(batches, "generate", state)):
+        lock = _lockstep(strategy, synced=bool(kwargs.get("synced_gpus")), gather=gather)
+        reader = prediction_batches(batches, "generate", state, lock, check=check)
+        for i, batch in enumerate(reader):
             batch, weight = weighted(batch)
-            _check_batch(batch, inputs, model, enc_dec)
             batch = strategy.to_device(batch)
             # Eval mode again if the loop body switched to training (a training step does):
             # dropout would otherwise run in the generation.
@@ -304,6 +325,29 @@ def generate(
             if tokenizer is not None:
                 result["text"] = tokenizer.batch_decode(token_ids, skip_special_tokens=True)
             yield result
+
+
+def _lockstep(strategy: Strategy, *, synced: bool, gather: bool) -> Lockstep | None:
+    """The processes' agreement before each batch (`ft.eval.Lockstep`), where generating one
+    runs collectives: the ranks' synced generation (a collective per new token), the gather of
+    the completions, FSDP's and TP's forwards. Every batch, lists and `make_batches` groups
+    too: a batch one process refuses (`_check_batch`) is refused on every process. One
+    all-reduce of three integers a batch, next to the generation's one per new token; none
+    with one process, nor where nothing pairs the ranks (`synced_gpus=False`, `gather=False`,
+    DDP)."""
+    if not several_processes():
+        return None
+    if strategy.world_size > 1 and (synced or gather):
+        why = (
+            "the ranks generate in lockstep (synced_gpus: a collective per new token)"
+            if synced
+            else "each batch's completions are gathered over the ranks"
+        )
+    elif forward_collectives(strategy):
+        why = f"under {type(strategy).__name__} every batch's forward runs collectives"
+    else:
+        return None
+    return Lockstep(strategy, "generate", why, every=True)
 
 
 def _check_seed(seed: Any, kwargs: Mapping[str, Any]) -> int:

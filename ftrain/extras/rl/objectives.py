@@ -9,7 +9,7 @@ checked against TRL's own code in tests/test_rl.py.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -94,16 +94,38 @@ def _grouped(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
     return rewards.view(-1, num_generations)
 
 
-def _global(rewards: torch.Tensor, strategy: Strategy | None) -> tuple[torch.Tensor, int]:
-    """Every rank's rewards in rank order, and where this rank's start (host sync)."""
-    if strategy is None:
-        _check_one_process()
-        return rewards, 0
-    if strategy.world_size == 1:
-        return rewards, 0
-    counts = strategy.gather_rows(torch.tensor([rewards.shape[0]], device=rewards.device))
-    start = int(counts[: strategy.rank].sum())
-    return strategy.gather_rows(rewards), start
+def _global(
+    rewards: torch.Tensor, strategy: Strategy | None, check: Callable[[], None]
+) -> tuple[torch.Tensor, slice]:
+    """Every rank's rewards in rank order, and where this rank's lie in them (host sync), after
+    `check()` (of the arguments and this rank's rewards) on every rank: with several ranks its
+    outcome travels in the first gather, so that a rank refused alone (rewards of another
+    dtype or shape) does not leave the others waiting in it; every rank raises (that rank its
+    error, the others one that names it)."""
+    if strategy is None or strategy.world_size == 1:
+        check()
+        if strategy is None:
+            _check_one_process()
+        return rewards, slice(0, rewards.shape[0])
+    error: Exception | None = None
+    try:
+        check()
+    except Exception as e:
+        error = e
+    n = rewards.shape[0] if error is None else 0
+    mine = torch.tensor([[n, int(error is not None)]], dtype=torch.int64, device=strategy.device)
+    counts = strategy.gather_rows(mine)
+    refused = counts[:, 1].nonzero().view(-1).tolist()  # host sync
+    if refused:
+        if error is not None:
+            raise error
+        raise ValueError(
+            f"data-parallel rank(s) {refused} refused their rewards or arguments (their error "
+            "is raised there), so this rank stops too rather than wait for them in the "
+            "gather of the rewards until the backend's timeout"
+        )
+    start = int(counts[: strategy.rank, 0].sum())
+    return strategy.gather_rows(rewards), slice(start, start + n)
 
 
 def _check_one_process() -> None:
@@ -149,18 +171,22 @@ def group_advantages(
             not a 1-D floating tensor of a multiple of `num_generations` rows, an inf reward
             (NaN marks an unscorable completion), an unknown `scale`, `strategy=None` under an
             initialised process group of several ranks (pass `state.strategy`, or
-            `ft.strategies.SingleDevice()` for this rank's rewards alone).
+            `ft.strategies.SingleDevice()` for this rank's rewards alone). With a `strategy`
+            of several ranks, on every rank: where one rank's rewards or arguments are
+            refused, that rank raises its error and the others one that names it.
 
     Example:
         >>> import torch, ftrain as ft
         >>> ft.rl.group_advantages(torch.tensor([1.0, 0.0, 2.0, 2.0]), 2, scale="none").tolist()
         [0.5, -0.5, 0.0, 0.0]
     """
-    if scale not in SCALES:
-        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
-    _check_rewards(rewards, num_generations)
-    local = rewards.shape[0]
-    rewards, start = _global(rewards, strategy)
+
+    def check() -> None:
+        if scale not in SCALES:
+            raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
+        _check_rewards(rewards, num_generations)
+
+    rewards, mine = _global(rewards, strategy, check)
     _check_finite(rewards)
     rewards, dtype = _exact(rewards)
     grouped = _grouped(rewards, num_generations)
@@ -169,7 +195,7 @@ def group_advantages(
         adv = adv / (_nanstd(grouped, 1).repeat_interleave(num_generations) + 1e-4)
     elif scale == "batch":
         adv = adv / (_nanstd(rewards) + 1e-4)
-    return torch.nan_to_num(adv, nan=0.0)[start : start + local].to(dtype)
+    return torch.nan_to_num(adv, nan=0.0)[mine].to(dtype)
 
 
 def rloo_advantages(
@@ -196,11 +222,13 @@ def rloo_advantages(
         >>> ft.rl.rloo_advantages(torch.tensor([3.0, 0.0, 0.0]), 3)
         tensor([ 3.0000, -1.5000, -1.5000])
     """
-    if not isinstance(normalize, bool):
-        raise ValueError(f"normalize must be a bool, got {normalize!r}")
-    _check_rewards(rewards, num_generations)
-    local = rewards.shape[0]
-    rewards, start = _global(rewards, strategy)
+
+    def check() -> None:
+        if not isinstance(normalize, bool):
+            raise ValueError(f"normalize must be a bool, got {normalize!r}")
+        _check_rewards(rewards, num_generations)
+
+    rewards, mine = _global(rewards, strategy, check)
     _check_finite(rewards)
     rewards, dtype = _exact(rewards)
     grouped = _grouped(rewards, num_generations)
@@ -209,7 +237,7 @@ def rloo_advantages(
     adv = (grouped - baseline).view(-1)
     if normalize:
         adv = (adv - torch.nanmean(adv)) / (_nanstd(adv) + 1e-4)
-    return torch.nan_to_num(adv, nan=0.0)[start : start + local].to(dtype)
+    return torch.nan_to_num(adv, nan=0.0)[mine].to(dtype)
 
 
 def kl_k3(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:

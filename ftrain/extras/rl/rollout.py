@@ -339,7 +339,8 @@ def sample(
         ValueError: for a bad sampling argument; an `index` of the wrong length, not of
             ints, negative or with repeats; an `attention_mask` of another shape than
             `input_ids`; zero-length prompts or prompt rows that are all padding; no pad id;
-            prompts holding the pad id without an `attention_mask`; with several data-parallel
+            prompts holding the pad id without an `attention_mask`, or ids that are not token
+            ids of the model; with several data-parallel
             ranks, completion numbers that another rank samples too or a `max_new_tokens`
             that differs between them (on every rank, after a gather); stop or pad ids that
             are not ints >= 0 or not token ids of the model; logits that are not finite
@@ -348,32 +349,28 @@ def sample(
             `attention_mask` (`pixel_values`, `position_ids`, ...),
             which sampling would leave out; an encoder-decoder model (T5, BART); a
             `ZeroWeight` stand-in of `make_batches` (use `drop_last=True` for prompts under
-            data parallelism).
+            data parallelism). With several data-parallel ranks, each of these is raised on
+            every rank, before the first collective (stop ids outside the vocabulary: in the
+            first token's): the rank whose arguments or prompts were refused raises its
+            error, the others one that names it.
     """
-    _check_sampling(temperature, top_k, top_p, max_new_tokens)
-    if not (_is_int(num_generations) and num_generations >= 1):
-        raise ValueError(f"num_generations must be an int >= 1, got {num_generations!r}")
-    if isinstance(prompts, ZeroWeight):
-        # Another rank's prompt, no dict of prompts: indexing it failed with a TypeError of
-        # tuples, and unwrapped its completions would be sampled and trained twice.
-        raise ValueError(
-            "sample got a ZeroWeight stand-in (make_batches gives one to a rank left without "
-            "prompts in the final global micro-batch of an epoch: another rank's prompt, to be "
-            "run and counted for nothing), whose completions another rank samples and trains "
-            "on. Batch prompts with make_batches(..., drop_last=True) under data parallelism"
-        )
     strategy = state.strategy if strategy is None else strategy
-    model = strategy.unwrap(state.model)
-    _refuse_encoder_decoder(model, "sample")
-    ids, mask = prompts["input_ids"], prompts.get("attention_mask")
-    _check_prompts(ids, mask)
-    _check_prompt_keys(model, prompts)
-    idx = _check_index(index, ids.shape[0])
-    completions = [i * num_generations + g for i in idx for g in range(num_generations)]
-    pad_id, stop = _pad_id(model, pad_token_id), _stop_ids(model, stop_token_ids)
-    ids, mask = strategy.to_device(left_pad(ids, mask, pad_id=pad_id))
+    # The checks of this rank's arguments and prompts run before the first collective, and the
+    # ranks agree on their outcome in it: a rank that raised alone (an all-padding prompt, a
+    # repeated index) left the others waiting in it until the backend's timeout.
+    error: Exception | None = None
+    try:
+        model, ids, mask, completions, pad_id, stop = _checked_inputs(
+            state, prompts, strategy, index=index, num_generations=num_generations,
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            stop_token_ids=stop_token_ids, pad_token_id=pad_token_id,
+        )  # fmt: skip
+    except Exception as e:
+        if strategy.world_size == 1:
+            raise
+        error = e
     if strategy.world_size > 1:
-        _check_same_cap_over_ranks(max_new_tokens, strategy, ids.device)
+        _agree_over_ranks(error, max_new_tokens, strategy)
         _check_distinct_over_ranks(completions, strategy, ids.device)
     u = _uniforms(state.seed, state.step, completions, max_new_tokens).to(ids.device)
     with eval_mode(state.model), torch.no_grad(), strategy.autocast():
@@ -412,6 +409,95 @@ def sample(
     )
 
 
+def _checked_inputs(
+    state: TrainState,
+    prompts: Mapping[str, Any],
+    strategy: Strategy,
+    *,
+    index: Sequence[int] | torch.Tensor,
+    num_generations: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    top_p: float,
+    stop_token_ids: Sequence[int] | int | None,
+    pad_token_id: int | None,
+) -> tuple[nn.Module, torch.Tensor, torch.Tensor, list[int], int, list[int]]:
+    """`sample`'s checks of its arguments and this rank's prompts, which run no collective:
+    the model, the left-padded prompts on the device, the completion numbers, pad and stop ids."""
+    _check_sampling(temperature, top_k, top_p, max_new_tokens)
+    if not (_is_int(num_generations) and num_generations >= 1):
+        raise ValueError(f"num_generations must be an int >= 1, got {num_generations!r}")
+    if isinstance(prompts, ZeroWeight):
+        # Another rank's prompt, no dict of prompts: indexing it failed with a TypeError of
+        # tuples, and unwrapped its completions would be sampled and trained twice.
+        raise ValueError(
+            "sample got a ZeroWeight stand-in (make_batches gives one to a rank left without "
+            "prompts in the final global micro-batch of an epoch: another rank's prompt, to be "
+            "run and counted for nothing), whose completions another rank samples and trains "
+            "on. Batch prompts with make_batches(..., drop_last=True) under data parallelism"
+        )
+    model = strategy.unwrap(state.model)
+    _refuse_encoder_decoder(model, "sample")
+    ids, mask = prompts["input_ids"], prompts.get("attention_mask")
+    _check_prompts(ids, mask)
+    _check_prompt_keys(model, prompts)
+    idx = _check_index(index, ids.shape[0])
+    completions = [i * num_generations + g for i in idx for g in range(num_generations)]
+    pad_id, stop = _pad_id(model, pad_token_id), _stop_ids(model, stop_token_ids)
+    _check_token_ids(model, ids, mask)
+    ids, mask = strategy.to_device(left_pad(ids, mask, pad_id=pad_id))
+    return model, ids, mask, completions, pad_id, stop
+
+
+def _check_token_ids(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None) -> None:
+    """Refuse prompt tokens that are not token ids of the model (its input embeddings): the
+    embedding lookup failed on this rank alone, on CUDA with a device-side assert that ends
+    the process. One host sync."""
+    rows = getattr(getattr(model, "get_input_embeddings", lambda: None)(), "num_embeddings", None)
+    if not isinstance(rows, int) or ids.is_floating_point():
+        return
+    bad = (ids < 0) | (ids >= rows)
+    if mask is not None:
+        bad = bad & mask.bool()
+    where = bad.nonzero().tolist()  # host sync
+    if where:
+        raise ValueError(
+            f"prompts['input_ids'] hold ids that are not token ids of the model's {rows} (its "
+            f"input embeddings) at (row, position) {[tuple(x) for x in where[:8]]}"
+            f"{' ...' if len(where) > 8 else ''}"
+        )
+
+
+def _agree_over_ranks(error: Exception | None, max_new: int, strategy: Strategy) -> None:
+    """Raise on every data-parallel rank when one refused its arguments or prompts (`error`:
+    raised there, and an error naming the ranks on the others), or when `max_new_tokens`
+    differs between them: every rank runs the decode loop's per-token all-reduce up to its
+    own cap, so a rank with a smaller one left the loop while the others waited in it (a hang
+    until the collective's timeout, or its all-reduce met by another collective). One gather
+    of two numbers per rank; every rank raises alike."""
+    cap = int(max_new) if error is None and _is_int(max_new) else -1
+    mine = torch.tensor([[int(error is not None), cap]], dtype=torch.int64, device=strategy.device)
+    every = strategy.gather_rows(mine)  # host sync below
+    refused = every[:, 0].nonzero().view(-1).tolist()
+    if refused:
+        if error is not None:
+            raise error
+        raise ValueError(
+            f"sample: data-parallel rank(s) {refused} refused their inputs (their error is "
+            "raised there), so this rank stops too rather than wait for them in sampling's "
+            "collectives until the backend's timeout"
+        )
+    caps = every[:, 1]
+    if bool((caps != caps[0]).any()):
+        raise ValueError(
+            f"max_new_tokens differs between the data-parallel ranks ({caps.tolist()}, in rank "
+            "order): every rank decodes in step with the others, one token each, up to "
+            "max_new_tokens, so it must be the same on every rank (TRL's one "
+            "max_completion_length)"
+        )
+
+
 def _refuse_nonfinite(bad: torch.Tensor, strategy: Strategy) -> None:
     """Raise when a row's sampled log-probs are not finite (`bad`: one flag per row), on every
     rank: with several, one gather of each rank's flag, as NaN logits may come from one rank's
@@ -427,21 +513,6 @@ def _refuse_nonfinite(bad: torch.Tensor, strategy: Strategy) -> None:
         raise ValueError(
             f"the model's output (logits) is not finite (NaN or inf) while sampling {where}"
             f"{on}: check the model's weights and dtype"
-        )
-
-
-def _check_same_cap_over_ranks(max_new: int, strategy: Strategy, device: Any) -> None:
-    """Refuse a `max_new_tokens` that differs between data-parallel ranks: every rank runs the
-    decode loop's per-token all-reduce up to its own cap, so a rank with a smaller one left the
-    loop while the others waited in it (a hang until the collective's timeout, or its
-    all-reduce met by another collective). One gather; every rank raises alike."""
-    caps = strategy.gather_rows(torch.tensor([max_new], dtype=torch.int64, device=device))
-    if bool((caps != caps[0]).any()):
-        raise ValueError(
-            f"max_new_tokens differs between the data-parallel ranks ({caps.tolist()}, in rank "
-            "order): every rank decodes in step with the others, one token each, up to "
-            "max_new_tokens, so it must be the same on every rank (TRL's one "
-            "max_completion_length)"
         )
 
 
@@ -488,12 +559,14 @@ def _decode(
     if g > 1:
         cache.batch_repeat_interleave(g)
         logits, mask, pos = (t.repeat_interleave(g, 0) for t in (logits, mask, pos))
-    outside = [i for i in stop if i >= logits.shape[-1]]
-    if outside:
-        raise ValueError(
-            f"stop_token_ids {outside} are not token ids of the model's {logits.shape[-1]} "
-            "(its logits): no completion would ever stop at them"
-        )
+    vocab = logits.shape[-1]
+    outside = [i for i in stop if i >= vocab]
+    refused = ValueError(
+        f"stop_token_ids {outside} are not token ids of the model's {vocab} (its logits): no "
+        "completion would ever stop at them"
+    )
+    if outside and strategy.world_size == 1:
+        raise refused
     stop_t = torch.tensor(stop, device=ids.device, dtype=ids.dtype)
     done = torch.zeros(mask.shape[0], dtype=torch.bool, device=ids.device)
     next_pos = pos[:, -1:] + 1
@@ -506,7 +579,21 @@ def _decode(
         logps.append(logp)
         done = done | torch.isin(token, stop_t)
         remaining = (~done).sum()
-        if strategy.world_size > 1:
+        if strategy.world_size > 1 and t == 0:
+            # The first token's all-reduce also carries whether a rank's stop ids are outside
+            # the vocabulary (known from the prefill's logits): every rank raises, where one
+            # rank raising alone left the others waiting in it.
+            both = torch.stack([remaining, remaining.new_tensor(int(bool(outside)))])
+            remaining, stops_refused = strategy.all_reduce_sum(both).unbind()
+            if int(stops_refused):
+                if outside:
+                    raise refused
+                raise ValueError(
+                    f"sample: the stop_token_ids of {int(stops_refused)} data-parallel rank(s) "
+                    f"are not token ids of the model's {vocab} (their error is raised there), "
+                    "so this rank stops too rather than wait for them in a collective"
+                )
+        elif strategy.world_size > 1:
             remaining = strategy.all_reduce_sum(remaining)
         if t == u.shape[1] - 1 or int(remaining) == 0:  # host sync per token, as HF's generate
             break
