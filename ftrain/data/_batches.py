@@ -133,12 +133,13 @@ def make_batches(
             resumed at `start > 0` without the state that holds its position, and a
             `state.data.position` that is malformed or does not fit the data and settings (the
             row count, a digest of a few rows, seed, shuffle or lengths; a stream's other
-            files, shards, shuffle buffer, packing, mixing or global batch), naming what
-            changed. Also for a `seed` outside
-            [0, 2**63); `lengths` of another length than `data` (checked when grouping), or
-            on a stream; `group_by_length` on a stream or with `shuffle=False`; and a
-            `datasets` stream whose pipeline reading shard by shard would change (`take`/`skip`
-            over several shards, `interleave_datasets`) or that shuffles without a seed.
+            files, shards, shuffle buffer, packing, mixing or global batch, or the first row
+            of the shard it stands in, when that shard is read), naming what changed. Also
+            for a `seed` outside [0, 2**63); `lengths` of another length than `data`
+            (checked when grouping), or on a stream; `group_by_length` on a stream or with
+            `shuffle=False`; and a `datasets` stream whose pipeline reading shard by shard
+            would change (`take`/`skip` over several shards, `interleave_datasets`) or that
+            shuffles without a seed.
         TypeError: for data that is neither indexable nor iterable, or a non-integer
             `seed`/`epoch`.
 

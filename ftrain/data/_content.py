@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["content_digest", "legacy_digest", "subset_digest"]
+__all__ = ["content_digest", "legacy_digest", "row_digest", "subset_digest"]
 
 _SAMPLED = 6  # rows at places drawn from the row count, besides the first and the last
 _DEPTH = 32  # nesting beyond this is hashed by type only (rows are a few levels deep)
@@ -86,6 +86,14 @@ def legacy_digest(data: Any, n: int) -> str | None:
     h = hashlib.sha256(f"rows:{n}".encode())
     for row in rows(_places(n)):
         _feed(h, row, 0, mappings=False)
+    return h.hexdigest()[:16]
+
+
+def row_digest(row: Any) -> str:
+    """A 16-hex-digit digest of one row, hashed as `content_digest` hashes rows: what a stream
+    position keeps of the first row of the shard it stands in (`_stream.py`)."""
+    h = hashlib.sha256(b"row;")
+    _feed(h, row, 0)
     return h.hexdigest()[:16]
 
 

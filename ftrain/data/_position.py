@@ -3,10 +3,12 @@
 A position says where an epoch stands and what it indexes. Two kinds, both version 2:
 
 - `{"kind": "stream", "epoch", "seed", "cursor", "rows", "shuffle", "fp", "about", "src"}`:
-  `src` is the source's own position (shards: `{"shard", "row"}`; packing: `{"src", "tok"}`;
-  mixing: `{"counts", "src"}`), `fp` a digest of what the source indexes (files, sizes, shard
-  count, shuffle buffer, packing and mixing settings) and `about` a short readable copy of it,
-  so that a resume over other data can say what changed.
+  `src` is the source's own position (shards: `{"shard", "row", "first"}`, `first` a digest of
+  the first row of the shard it stands in, absent in positions saved before it was kept and at
+  the epoch's end; packing: `{"src", "tok"}`; mixing: `{"counts", "src"}`), `fp` a digest of
+  what the source indexes (files, sizes, shard count, shuffle buffer, packing and mixing
+  settings) and `about` a short readable copy of it, so that a resume over other data can say
+  what changed.
 - `{"kind": "map", "epoch", "seed", "n", "shuffle", "group", "lengths", "rows", "cursor",
   "row", "content"}`: micro-batch `cursor` began at `row` of the epoch order, and every
   micro-batch since holds `rows` rows (the global batch). A resume with another global batch
@@ -106,7 +108,7 @@ def read_position(text: str) -> dict[str, Any]:
     _count(pos["rows"], "rows", low=1)
     _need(type(pos["shuffle"]) is bool, "shuffle must be true or false")
     if pos["kind"] == "stream":
-        _need(_is_hex(pos["fp"]), "fp must be a hex digest")
+        _need(is_hex(pos["fp"]), "fp must be a hex digest")
         _need(isinstance(pos["about"], dict), "about must be a JSON object")
         check_source_position(pos["src"])
     else:
@@ -148,21 +150,23 @@ def _check_map(pos: dict[str, Any]) -> None:
     )
     _need(pos["group"] is None or (type(pos["group"]) is int and pos["group"] >= 1), "bad group")
     _need((pos["group"] is None) == (pos["lengths"] is None), "group and lengths go together")
-    _need(pos["lengths"] is None or _is_hex(pos["lengths"]), "lengths must be a hex digest")
+    _need(pos["lengths"] is None or is_hex(pos["lengths"]), "lengths must be a hex digest")
     content = pos.get("content")
-    _need(content is None or _is_hex(content), "content must be a hex digest or null")
+    _need(content is None or is_hex(content), "content must be a hex digest or null")
 
 
 def check_source_position(p: Any, depth: int = 0) -> None:
-    """The built-in sources' positions: `{"shard", "row"}`, `{"src", "tok"}` (packing) and
-    `{"counts", "src"}` (mixing), nested; other JSON is a custom `Source`'s own."""
+    """The built-in sources' positions: `{"shard", "row"[, "first"]}`, `{"src", "tok"}`
+    (packing) and `{"counts", "src"}` (mixing), nested; other JSON is a custom `Source`'s own."""
     _need(depth <= _MAX_DEPTH, f"nested deeper than {_MAX_DEPTH} levels")
     if not isinstance(p, dict) or not (p.keys() & _RESERVED):
         return
     keys = set(p)
-    if keys == {"shard", "row"}:
+    if keys in ({"shard", "row"}, {"shard", "row", "first"}):
         _count(p["shard"], "shard")
         _count(p["row"], "row")
+        # the digest of the shard's first row (positions saved before it was kept lack it)
+        _need("first" not in p or is_hex(p["first"]), "first must be a hex digest")
     elif keys == {"src", "tok"}:
         _count(p["tok"], "tok")
         check_source_position(p["src"], depth + 1)
@@ -216,7 +220,7 @@ def _finite(text: str) -> float:
     return x
 
 
-def _is_hex(value: Any) -> bool:
+def is_hex(value: Any) -> bool:
     return (
         isinstance(value, str)
         and 8 <= len(value) <= 64

@@ -44,6 +44,7 @@ from ftrain.data._common import (
     seed_generators,
     yielded_group,
 )
+from ftrain.data._content import row_digest
 from ftrain.rng import dropout_seed
 from ftrain.strategies import Strategy
 
@@ -120,16 +121,19 @@ class _Shards(Source):
     def items(self, epoch: int, pos: Pos, seed: int, shuffle: bool) -> Items:
         n = self.num_shards
         order = epoch_order(n, seed, epoch).tolist() if shuffle else list(range(n))
-        j0, i0 = (0, 0) if pos is None else _shard_pos(pos, n)
+        j0, i0, first = (0, 0, None) if pos is None else _shard_pos(pos, n)
 
         def before() -> Iterator[tuple[Any, Pos]]:  # each row with the position *before* it
             for j in range(j0, n):
                 skip = i0 if j == j0 else 0
-                rows = self._rows(order[j], skip, seed, epoch, shuffle)
+                head = _Head(order[j], first if j == j0 else None)
+                rows = self._rows(order[j], skip, seed, epoch, shuffle, head)
                 empty = True
                 for i, row in enumerate(rows, skip):
                     empty = False
-                    yield row, {"shard": j, "row": i}
+                    # A shard's first row is read before any of its rows is yielded (a resume
+                    # re-reads it too): its digest tells this stream's shard from another's.
+                    yield row, {"shard": j, "row": i, "first": head.digest}
                 if empty and skip:  # a resume past the shard's end: it is shorter than it was
                     raise _misfit(f"shard {j} of the epoch has no row {skip} (a shorter shard?)")
 
@@ -143,8 +147,10 @@ class _Shards(Source):
         if prev is not None:
             yield prev, {"shard": n, "row": 0}
 
-    def _rows(self, shard: int, skip: int, seed: int, epoch: int, shuffle: bool) -> Iterator[Any]:
-        it = _seeded_reads(iter(self._open(shard, epoch)), seed, epoch, shard)
+    def _rows(
+        self, shard: int, skip: int, seed: int, epoch: int, shuffle: bool, head: _Head
+    ) -> Iterator[Any]:
+        it = head.read(_seeded_reads(iter(self._open(shard, epoch)), seed, epoch, shard))
         if not shuffle:
             return islice(it, skip, None)
         return self._windows(it, shard, skip, seed, epoch)
@@ -164,6 +170,34 @@ class _Shards(Source):
             lo = skip - w * k if w == first else 0
             for t in perm[lo:]:
                 yield window[t]
+
+
+class _Head:
+    """The digest of a shard's first row, as it is read; checked against `want` (the digest a
+    position saved: a resume over another stream of the same shape raises, where its shard
+    and row counts would not show it). A position saved before digests were kept has none."""
+
+    def __init__(self, shard: int, want: str | None) -> None:
+        self.shard, self.want, self.digest = shard, want, ""
+
+    def read(self, rows: Iterator[Any]) -> Iterator[Any]:
+        first = next(rows, _END)
+        if first is _END:
+            return
+        self.digest = row_digest(first)
+        if self.want is not None and self.digest != self.want:
+            raise _misfit(
+                f"shard {self.shard}'s first row is not the one read when it was saved (row "
+                f"digest {self.want} then, {self.digest} now): another stream of the same shape "
+                "(other files of the same names and sizes, another list of rows), or rows that "
+                "changed (another tokenizer, max_length or preprocessing)? Rows drawn from a "
+                "generator of the data's own (not torch's, numpy's or random's global ones, "
+                "which make_batches seeds for each row) differ at every read too. Resume with "
+                "the data it was saved with, or restart the epoch: "
+                "state.replace(data=state.data.replace(cursor=0, position=None))" + P.NOT_ITS_DATA
+            )
+        yield first
+        yield from rows
 
 
 def _hf_stages(data: Any, num_shards: int) -> list[dict[str, Any]]:
@@ -311,15 +345,20 @@ def _takes(fn: Any, name: str) -> bool:
     return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
 
 
-def _shard_pos(pos: Pos, n: int) -> tuple[int, int]:
-    if not (isinstance(pos, dict) and set(pos) == {"shard", "row"}):
+def _shard_pos(pos: Pos, n: int) -> tuple[int, int, str | None]:
+    """(shard, row, digest of the shard's first row: None in positions saved before it was
+    kept, and at the epoch's end, where nothing is left to read)."""
+    keys = set(pos) if isinstance(pos, dict) else None
+    if keys not in ({"shard", "row"}, {"shard", "row", "first"}):
         raise _misfit(f"a stream of shards has positions {{shard, row}}, got {_cut(pos)}")
-    j, i = pos["shard"], pos["row"]
+    j, i, first = pos["shard"], pos["row"], pos.get("first")
     if not (type(j) is int and type(i) is int and 0 <= j <= n and i >= 0):
         raise _misfit(f"{_cut(pos)} is not a position in a source of {n} shard(s)")
     if j == n and i != 0:
         raise _misfit(f"{_cut(pos)} is past the last of {n} shard(s)")
-    return j, i
+    if first is not None and not P.is_hex(first):
+        raise _misfit(f"{_cut(pos)} has a first-row digest that is not a hex digest")
+    return j, i, first
 
 
 def _misfit(what: str) -> ValueError:

@@ -55,6 +55,7 @@ PRELOAD = [
     "conformance_loop",
     "crash_loop",
     "cursor_workers",
+    "datafix_workers",
     "generate_workers",
     "optim_workers",
     "rl_resume",

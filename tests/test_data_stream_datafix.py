@@ -1,0 +1,178 @@
+"""A stream position keeps a digest of the first row of the shard it stands in: a stream state
+given another stream of the same shape (another list of rows, other files of the same names
+and sizes) raised nothing and resumed it from the training position. It raises now, on every
+rank and from workers; positions saved before the digest was kept still resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import ftrain as ft
+from helpers import batch_ids as _ids
+from helpers import id_rows
+from helpers import id_step as _step
+from helpers import linear_state as _state
+
+N = 24
+TRAIN = id_rows(N)
+VAL = [{"input_ids": [100 + i]} for i in range(N)]
+KW = {"batch_size": 2, "accum": 3}
+OTHER = "shard 0's first row is not the one read when it was saved"
+
+
+def _after_one_step(data, **kw):
+    state = _state()
+    group = next(iter(ft.make_batches(data, state, **(KW | kw))))
+    return _step(state, group), _ids(group)
+
+
+def _strip_first(position: str) -> str:
+    """The position as the previous ftrain wrote it: no first-row digests."""
+
+    def strip(p):
+        if isinstance(p, dict):
+            return {k: strip(v) for k, v in p.items() if k != "first"}
+        return [strip(v) for v in p] if isinstance(p, list) else p
+
+    return json.dumps(strip(json.loads(position)), separators=(",", ":"))
+
+
+STAGES = {
+    "rows": lambda rows: ft.data.IterableRows(rows),
+    "packed": lambda rows: ft.data.pack(ft.data.IterableRows(rows), block_size=1),
+    "mixed": lambda rows: ft.data.mix(
+        [ft.data.IterableRows(rows), ft.data.IterableRows(rows[::-1])], weights=[0.5, 0.5]
+    ),
+}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stream_state_given_another_stream_of_the_same_shape_raises(stage, workers):
+    """make_batches(IterableRows(val), state) after a step on IterableRows(train) went on over
+    the validation rows from the training position, without a word."""
+    state, _ = _after_one_step(STAGES[stage](TRAIN))
+    other = STAGES[stage](VAL)
+    with pytest.raises(Exception, match=OTHER) as e:
+        next(iter(ft.make_batches(other, state, num_workers=workers, **KW)))
+    assert "state.data.position does not fit this data" in str(e.value)
+    assert "make_batches(val, batch_size=..., shuffle=False" in str(e.value)  # NOT_ITS_DATA
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_the_same_stream_still_resumes_exactly(stage):
+    data = STAGES[stage](TRAIN)
+    full = [_ids(g) for g in ft.make_batches(data, **KW, seed=0)]
+    state, first = _after_one_step(data)
+    assert json.loads(state.data.position)["src"] != {}
+    rest = [_ids(g) for g in ft.make_batches(data, state, **KW)]
+    assert [first, *rest] == full
+
+
+def test_a_position_saved_without_first_row_digests_still_resumes():
+    """Checkpoints of the previous ftrain (no digest) load and resume, unchecked, as before."""
+    state, first = _after_one_step(ft.data.IterableRows(TRAIN))
+    old = _strip_first(state.data.position)
+    assert '"first"' not in old
+    ft.data.check_position(old)
+    state = state.replace(data=state.data.replace(position=old))
+    rest = [x for g in ft.make_batches(ft.data.IterableRows(TRAIN), state, **KW) for x in _ids(g)]
+    assert sorted(first + rest) == list(range(1, N + 1))
+
+
+def test_the_digest_is_saved_loaded_and_checked_through_a_checkpoint(tmp_path):
+    state, first = _after_one_step(ft.data.IterableRows(TRAIN))
+    path = ft.save_checkpoint(state, tmp_path)
+    saved = json.loads((Path(path) / "state.json").read_text())["fields"]["data.position"]
+    assert json.loads(saved)["src"]["first"]
+    loaded = ft.load_checkpoint(path, _state())
+    assert loaded.data.position == state.data.position
+    rest = [x for g in ft.make_batches(ft.data.IterableRows(TRAIN), loaded, **KW) for x in _ids(g)]
+    assert sorted(first + rest) == list(range(1, N + 1))
+    with pytest.raises(ValueError, match=OTHER):
+        next(iter(ft.make_batches(ft.data.IterableRows(VAL), loaded, **KW)))
+
+
+def _reseal(path: Path, position: str) -> None:
+    import hashlib
+
+    meta = json.loads((path / "state.json").read_text())
+    meta["fields"]["data.position"] = position
+    (path / "state.json").write_text(json.dumps(meta))
+    digest = hashlib.sha256((path / "state.json").read_bytes()).hexdigest()
+    (path / "COMMITTED").write_text(json.dumps({"state.json": digest}))
+
+
+@pytest.mark.parametrize(
+    "first, where",
+    [(7, "load"), ("not hex", "load"), ("Z" * 16, "load"), ("0" * 16, "resume")],
+)
+def test_a_forged_first_row_digest_fails_cleanly(tmp_path, first, where):
+    """A digest that is not one is refused at load (CheckpointError naming data.position); a
+    well-formed one of other rows when make_batches reads the shard."""
+    state, _ = _after_one_step(ft.data.IterableRows(TRAIN))
+    path = Path(ft.save_checkpoint(state, tmp_path))
+    pos = json.loads(state.data.position)
+    pos["src"]["first"] = first
+    _reseal(path, json.dumps(pos))
+    if where == "load":
+        with pytest.raises(ft.CheckpointError, match=r"data\.position.*first must be a hex"):
+            ft.load_checkpoint(path, _state())
+        return
+    loaded = ft.load_checkpoint(path, _state())
+    with pytest.raises(ValueError, match=OTHER):
+        next(iter(ft.make_batches(ft.data.IterableRows(TRAIN), loaded, **KW)))
+
+
+def _files(root: Path, offset: int) -> list[str]:
+    """Two jsonl shards whose names and sizes do not depend on `offset`."""
+    root.mkdir()
+    paths = []
+    for k in range(2):
+        rows = [{"input_ids": [10 * k + i + offset]} for i in range(6)]
+        path = root / f"part-{k}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        paths.append(str(path))
+    return paths
+
+
+def test_a_datasets_stream_over_other_files_of_the_same_names_and_sizes_raises(tmp_path):
+    """train/part-*.jsonl and val/part-*.jsonl: the same names and sizes, so the same
+    fingerprint (files are named from their common folder on), and the resume went on over
+    the validation files."""
+    import datasets
+
+    def load(files):
+        return datasets.load_dataset("json", data_files=files, streaming=True, split="train")
+
+    train = load(_files(tmp_path / "train", 1))
+    val = load(_files(tmp_path / "val", 2))
+    state, _ = _after_one_step(train, batch_size=2, accum=1)
+    with pytest.raises(ValueError, match=r"shard \d's first row is not the one read"):
+        next(iter(ft.make_batches(val, state, batch_size=2, accum=1)))
+    assert len(list(ft.make_batches(train, state, batch_size=2, accum=1))) == 5
+
+
+def test_under_ddp_every_rank_refuses_another_stream(tmp_path):
+    import datafix_workers as W
+    from launch import run_ranks
+
+    out = tmp_path / "got"
+    run_ranks(W.other_stream, str(out), timeout=120)
+    got = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
+    for rank in got:
+        assert OTHER in rank["val"], rank
+        assert rank["train"] == "4 micro-batches", rank  # 6 of 4 rows, 2 stepped on
+
+
+def test_the_first_rows_digest_costs_one_per_shard_not_one_per_row(monkeypatch):
+    from ftrain.data import _stream
+
+    calls = []
+    real = _stream.row_digest
+    monkeypatch.setattr(_stream, "row_digest", lambda row: calls.append(1) or real(row))
+    list(ft.make_batches(ft.data.IterableRows(TRAIN), **KW))
+    assert len(calls) == 1

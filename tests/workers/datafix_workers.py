@@ -1,0 +1,40 @@
+"""The ranks of tests/test_data_stream_datafix.py, two gloo processes on CPU: a stream state
+given another stream of the same shape. Each rank records ftrain's message."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import ftrain as ft
+from helpers import id_rows, id_step, rank_env
+
+TRAIN = id_rows(24)
+VAL = [{"input_ids": [100 + i]} for i in range(24)]
+
+
+def other_stream(rank: int, world: int, port: int, out: str) -> None:
+    """One step on the training stream, then make_batches(val_stream, state): every rank must
+    refuse; the training stream itself resumes."""
+    rank_env(rank, world, port)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    strategy = ft.strategies.from_env("ddp")
+    state = ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd(), strategy=strategy)
+    train = ft.data.IterableRows(TRAIN)
+    group = next(iter(ft.make_batches(train, state, batch_size=2, accum=2)))
+    state = id_step(state, group)
+    del group
+    got: dict[str, str] = {}
+    try:
+        next(iter(ft.make_batches(ft.data.IterableRows(VAL), state, batch_size=2, accum=2)))
+        got["val"] = "no error"
+    except ValueError as e:
+        got["val"] = str(e)
+    rest = list(ft.make_batches(train, state, batch_size=2, accum=2))
+    got["train"] = f"{sum(len(g) for g in rest)} micro-batches"
+    Path(f"{out}.{rank}").write_text(json.dumps(got))
+    dist.destroy_process_group()
