@@ -154,6 +154,7 @@ def make_batches(
     _check_label_side(collate_fn, state)
     _check_own_generator(collate_fn)
     _check_grouping(data, shuffle, group_by_length, lengths)
+    keyed = state is None and start is not None  # the keyword loop's: start=state.data.cursor
     where = _where(state, seed=seed, epoch=epoch, start=start, strategy=strategy)
     seed, epoch, start, stream_pos, strategy = where
     _validate(batch_size=batch_size, accum=accum, start=start, data=data)
@@ -163,7 +164,7 @@ def make_batches(
     collate = pad_collate() if collate_fn is None else collate_fn
     spec = Spec(batch_size, accum, seed, epoch, shuffle, drop_last, collate, rank, world)
     given = _given(spec, start, stream_pos, group_by_length)
-    made_by = MadeBy(strategy, epoch, state is not None, start)
+    made_by = MadeBy(strategy, epoch, state is not None, start, keyed)
     # A state's call that starts mid-epoch is told apart (evaluation data given the state).
     resumed = start if state is not None else 0
     if is_stream(data):

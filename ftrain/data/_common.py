@@ -377,6 +377,7 @@ class MadeBy(NamedTuple):
     epoch: int
     stateful: bool
     start: int = 0  # the micro-batch of the epoch the call started at
+    keyed: bool = False  # given start= without a state (the loop of start=state.data.cursor)
 
 
 class _Origin(NamedTuple):
@@ -500,10 +501,14 @@ def step_span(micro: Sequence[Batch], *, since: tuple[int, int] | None = None) -
     `since`: the state's `(epoch, cursor)`. Micro-batches `make_batches` yielded before it,
     mixed with ones at or after it, are then replay (a replay buffer holding its groups:
     `[*micro, *buf[0]]`), counted in `replay` and not in `made`, where none of them is of a
-    group that the others' are of (a group the state stands inside is no replay).
+    group that the others' are of (a group the state stands inside is no replay). Micro-batches
+    of several calls without a state (the loop of `start=state.data.cursor` keywords and an
+    auxiliary stream) are then traced to the call standing at the cursor (of several, the one
+    given `start=`); the others count as built by hand.
 
     Raises:
-        ValueError: as `step_data`.
+        ValueError: as `step_data`; with `since`, also for micro-batches of several calls
+            without a state standing at the cursor that would advance it by other counts.
     """
     if isinstance(micro, MicroBatches):
         origin = micro.__dict__.get("_origin")
@@ -520,9 +525,8 @@ def step_span(micro: Sequence[Batch], *, since: tuple[int, int] | None = None) -
 
 def _span(micro: Sequence[Batch], since: tuple[int, int] | None = None) -> StepSpan:
     table = STATE.micro_groups
-    everything = StepSpan(_UNKNOWN, len(micro))
     if not table:  # no group of make_batches lives (a loop of batches built by hand)
-        return everything
+        return StepSpan(_UNKNOWN, len(micro))
     found: list[tuple[MicroBatches | None, Batch]] = []
     for batch in micro:
         ref = table.get(id(batch))
@@ -530,6 +534,14 @@ def _span(micro: Sequence[Batch], since: tuple[int, int] | None = None) -> StepS
             batch = batch.batch
             ref = table.get(id(batch))
         found.append((None if ref is None else ref(), batch))
+    return _span_of(found, since)
+
+
+def _span_of(
+    found: list[tuple[MicroBatches | None, Batch]], since: tuple[int, int] | None
+) -> StepSpan:
+    """`_span` of the micro-batches `found` (each with the live group it is of, or None)."""
+    everything = StepSpan(_UNKNOWN, len(found))
     if all(g is None for g, _ in found):
         return everything
     # Refused only where a state's cursor counts them (make_batches(data, state, ...)): a call
@@ -538,6 +550,8 @@ def _span(micro: Sequence[Batch], since: tuple[int, int] | None = None) -> StepS
     stateful = any(g.__dict__["_origin"].call.stateful for g, _ in found if g is not None)
     if stateful:  # a call without a state's mixed in (an auxiliary stream): no cursor's own
         found = [(g if g is None or _counted(g) else None, b) for g, b in found]
+    elif since is not None:  # a step of the keyword loop, with an auxiliary stream's?
+        found = _cursors_call(found, since)
     # Some may be of another origin: built by hand (a replay buffer), or of a group already
     # freed (a step gathered from several accum=1 groups, of which only the last is still
     # held: a token budget). The cursor counts the call's own, and the others only as far as
@@ -575,6 +589,54 @@ def _span(micro: Sequence[Batch], since: tuple[int, int] | None = None) -> StepS
     if len(made) + len(replay) < len(found) and not stateful:
         position = None  # mixed with others: a call without a state's have none
     return StepSpan(StepData(position, call, first, whole), len(made), lead, len(replay))
+
+
+def _call_of(group: MicroBatches | None) -> MadeBy | None:
+    return None if group is None else group.__dict__["_origin"].call
+
+
+def _cursors_call(
+    found: list[tuple[MicroBatches | None, Batch]], since: tuple[int, int]
+) -> list[tuple[MicroBatches | None, Batch]]:
+    """Where a step mixes micro-batches of several `make_batches` calls without a state (the
+    loop of `make_batches(data, epoch=state.epoch, start=state.data.cursor, ...)` and an
+    auxiliary `make_batches(aux, batch_size=...)`): `found` with only the cursor's call's
+    kept, the others' as batches built by hand (which the cursor does not count, as beside a
+    `make_batches(data, state, ...)` call's). The cursor's call is the one whose micro-batches
+    stand at the state's `(epoch, cursor)`; of several there, the one given `start=`. Where
+    that leaves calls that would advance the cursor by different counts, raises; where none
+    stands at the cursor, `found` is returned as it is (every micro-batch counts, as before).
+    """
+    calls = list({id(c): c for c in map(_call_of, (g for g, _ in found)) if c is not None}.values())
+    if len(calls) < 2:
+        return found
+    at: dict[int, tuple[MadeBy, int]] = {}  # id(call) -> (call, cursor advance)
+    for call in calls:
+        mine = [(g if _call_of(g) is call else None, b) for g, b in found]
+        span = _span_of(mine, since)  # one call: no recursion; a replay buffer's told apart
+        lead, first, made = span.lead, span.data.first, span.made
+        ours = span.data.made_by is call and call.epoch == since[0]
+        if ours and since[1] <= first <= since[1] + lead:
+            at[id(call)] = (call, first + made - since[1])
+    if not at:
+        return found
+    if len({n for _, n in at.values()}) > 1:  # which one's does the cursor count?
+        keyed = {k: v for k, v in at.items() if v[0].keyed}
+        if len({n for _, n in keyed.values()}) != 1:
+            raise ValueError(_AMBIGUOUS.format(counts=sorted(n for _, n in at.values())))
+        at = keyed
+    chosen = next(iter(at.values()))[0]
+    return [(g if _call_of(g) is chosen else None, b) for g, b in found]
+
+
+_AMBIGUOUS = (
+    "micro mixes micro-batches of several make_batches calls without a state, each standing at "
+    "state.data.cursor, which would advance it by {counts}: the cursor cannot tell which "
+    "call's micro-batches it counts, and a resume would skip or repeat rows. Pass the "
+    "training data's call the state, make_batches(data, state, ...) (its micro-batches are "
+    "then the only ones the cursor counts), or give start=state.data.cursor to the training "
+    "data's call only"
+)
 
 
 def _replay(
