@@ -101,3 +101,37 @@ def test_evaluate_over_two_calls_without_a_state_is_let_be():
     a = next(iter(ft.make_batches(ROWS, batch_size=2, accum=3, seed=0, start=0)))
     b = next(iter(ft.make_batches(AUX, batch_size=2, seed=1, start=0)))
     assert ft.evaluate(state, [[*a, *b]], _loss)["eval_items"] == 8
+
+
+@pytest.mark.parametrize("aux_accum", [1, 3])
+def test_the_keyword_loop_with_an_auxiliary_stream_and_a_replay_buffer_of_groups(aux_accum):
+    """[*group, *aux_group, *buf[0]]: the buffer's micro-batches lie before the cursor
+    (replay), the auxiliary call's count as built by hand; every step advances by 3."""
+    state, seen, buf = _state(), [], []
+    aux = iter(ft.make_batches(AUX, batch_size=2, accum=aux_accum, seed=1))
+    while state.data.cursor < N // 2:
+        kw = {"seed": 0, "epoch": state.epoch, "start": state.data.cursor}
+        group = next(iter(ft.make_batches(ROWS, batch_size=2, accum=3, **kw)))
+        seen += _ids(group)
+        state = _step(state, [*group, *next(aux), *(buf[0] if buf else [])])
+        assert state.data.cursor == 3 * state.step
+        buf.append(group)
+    assert sorted(seen) == list(range(1, N + 1))
+
+
+def test_a_token_budget_step_of_the_keyword_loop_with_an_auxiliary_stream():
+    """Three accum=1 groups gathered (only the last alive) and an auxiliary micro-batch: the
+    freed ones fill the gap from the cursor, the auxiliary one does not count."""
+    state, seen = _state(), []
+    aux = iter(ft.make_batches(AUX, batch_size=2, seed=1))
+    while state.data.cursor < N // 2:
+        kw = {"seed": 0, "epoch": state.epoch, "start": state.data.cursor}
+        gathered = []
+        for group in ft.make_batches(ROWS, batch_size=2, accum=1, **kw):
+            gathered += list(group)
+            if len(gathered) == 3:
+                break
+        seen += _ids(gathered)
+        state = _step(state, [*gathered, *next(aux)])
+        assert state.data.cursor == 3 * state.step
+    assert sorted(seen) == list(range(1, N + 1))
