@@ -176,3 +176,16 @@ def test_the_first_rows_digest_costs_one_per_shard_not_one_per_row(monkeypatch):
     monkeypatch.setattr(_stream, "row_digest", lambda row: calls.append(1) or real(row))
     list(ft.make_batches(ft.data.IterableRows(TRAIN), **KW))
     assert len(calls) == 1
+
+
+def test_a_datasets_stream_mapped_by_another_function_raises(tmp_path):
+    """Another tokenizer in .map(): the fingerprint does not see functions, and the resume
+    went on over rows tokenized otherwise. The first row of the shard shows it now."""
+    import datasets
+
+    files = _files(tmp_path / "train", 1)
+    ds = datasets.load_dataset("json", data_files=files, streaming=True, split="train")
+    state, _ = _after_one_step(ds.map(lambda r: {"input_ids": r["input_ids"]}), accum=1)
+    other = ds.map(lambda r: {"input_ids": [t + 1 for t in r["input_ids"]]})
+    with pytest.raises(ValueError, match=r"shard \d's first row is not the one read"):
+        next(iter(ft.make_batches(other, state, batch_size=2, accum=1)))
