@@ -189,3 +189,37 @@ def test_a_datasets_stream_mapped_by_another_function_raises(tmp_path):
     other = ds.map(lambda r: {"input_ids": [t + 1 for t in r["input_ids"]]})
     with pytest.raises(ValueError, match=r"shard \d's first row is not the one read"):
         next(iter(ft.make_batches(other, state, batch_size=2, accum=1)))
+
+
+def test_unchecked_goes_on_over_rows_that_changed_on_purpose():
+    """The way on the refusal names, for rows changed on purpose (a tokenizer fixed mid-run):
+    the position without its row digests resumes from where it stood, over the new rows."""
+    state, _ = _after_one_step(STAGES["mixed"](TRAIN))
+    with pytest.raises(ValueError, match=r"ft\.data\.unchecked\(state\.data\.position\)"):
+        next(iter(ft.make_batches(STAGES["mixed"](VAL), state, **KW)))
+    goes_on = state.replace(
+        data=state.data.replace(position=ft.data.unchecked(state.data.position))
+    )
+    assert '"first"' not in goes_on.data.position
+    rest = [_ids(g) for g in ft.make_batches(STAGES["mixed"](VAL), goes_on, **KW)]
+    want = [_ids(g) for g in ft.make_batches(STAGES["mixed"](VAL), seed=0, **KW)][1:]
+    assert rest == want
+
+
+def test_unchecked_map_positions_go_on_from_the_row_reached():
+    """Map-style: the content digest dropped; another batch size still continues from the row
+    the run reached (position=None, the map refusal's way, restarts that count)."""
+    state, _ = _after_one_step(TRAIN)  # 3 micro-batches of 2 rows: rows 0-5 read
+    with pytest.raises(ValueError, match="data holds other rows"):
+        ft.make_batches(VAL, state, **KW)
+    goes_on = state.replace(
+        data=state.data.replace(position=ft.data.unchecked(state.data.position))
+    )
+    rest = [x for g in ft.make_batches(VAL, goes_on, batch_size=3, accum=2) for x in _ids(g)]
+    assert len(rest) == N - 6
+
+
+@pytest.mark.parametrize("bad", ["{", '{"version": 2, "kind": "tape"}', 3])
+def test_unchecked_refuses_what_is_not_a_position(bad):
+    with pytest.raises((ValueError, TypeError), match="data position"):
+        ft.data.unchecked(bad)

@@ -22,6 +22,7 @@ from ftrain.data._common import step_data as step_data
 from ftrain.data._common import step_span as step_span
 from ftrain.data._common import weighted as weighted
 from ftrain.data._position import check_position as check_position
+from ftrain.data._position import unchecked as unchecked
 from ftrain.data._stream import IterableRows as IterableRows
 from ftrain.data._stream import mix as mix
 from ftrain.data._stream import pack as pack
@@ -53,5 +54,6 @@ __all__ = [
     "step_data",
     "step_span",
     "stream",
+    "unchecked",
     "weighted",
 ]

@@ -30,7 +30,7 @@ import os
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["NOT_ITS_DATA", "check_position", "read_position", "resumable"]
+__all__ = ["NOT_ITS_DATA", "check_position", "read_position", "resumable", "unchecked"]
 
 VERSION = 2
 _MAX_CHARS = 1 << 20  # a position is a few hundred bytes; a mix of many sources a few KB
@@ -78,6 +78,51 @@ def check_position(text: str) -> None:
         ValueError: malformed data position: kind must be 'stream' or 'map', got 'tape'
     """
     read_position(text)
+
+
+def unchecked(position: str) -> str:
+    """Return `position` without the digests of the rows it was saved over, so that a resume
+    goes on over rows that changed on purpose (another tokenizer or preprocessing), unchecked.
+
+    A stream's position keeps a digest of the first row of each shard it stands in, and a
+    map-style position a digest of a few rows (`"content"`); `make_batches` refuses to resume
+    over other rows. This drops them; the files, shards, row count and settings are still
+    checked: `state.replace(data=state.data.replace(position=ft.data.unchecked(
+    state.data.position)))`.
+
+    Raises:
+        TypeError: if `position` is not a string.
+        ValueError: for a malformed position (as `check_position`).
+
+    Example:
+        >>> import ftrain as ft
+        >>> rows = ft.data.IterableRows([{"x": i} for i in range(4)])
+        >>> group = next(iter(ft.make_batches(rows, batch_size=1, shuffle=False)))
+        >>> '"first"' in group.position, '"first"' in ft.data.unchecked(group.position)
+        (True, False)
+    """
+    pos = read_position(position)
+    if pos["version"] == 1:
+        return position  # nothing of the rows kept (make_batches refuses it anyway)
+    if pos["kind"] == "map":
+        pos["content"] = None
+    else:
+        pos["src"] = _without_first(pos["src"])
+    return json.dumps(pos, separators=(",", ":"))
+
+
+def _without_first(p: Any) -> Any:
+    """A built-in source position without its shards' first-row digests."""
+    if not isinstance(p, dict):
+        return p
+    keys = set(p)
+    if keys == {"shard", "row", "first"}:
+        return {"shard": p["shard"], "row": p["row"]}
+    if keys == {"src", "tok"}:
+        return {"src": _without_first(p["src"]), "tok": p["tok"]}
+    if keys == {"counts", "src"}:
+        return {"counts": p["counts"], "src": [_without_first(q) for q in p["src"]]}
+    return p
 
 
 def read_position(text: str) -> dict[str, Any]:

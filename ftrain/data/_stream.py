@@ -193,8 +193,10 @@ class _Head:
                 "changed (another tokenizer, max_length or preprocessing)? Rows drawn from a "
                 "generator of the data's own (not torch's, numpy's or random's global ones, "
                 "which make_batches seeds for each row) differ at every read too. Resume with "
-                "the data it was saved with, or restart the epoch: "
-                "state.replace(data=state.data.replace(cursor=0, position=None))" + P.NOT_ITS_DATA
+                "the data it was saved with; or restart the epoch, "
+                "state.replace(data=state.data.replace(cursor=0, position=None)); or go on "
+                "over the changed rows unchecked, state.replace(data=state.data.replace("
+                "position=ft.data.unchecked(state.data.position)))" + P.NOT_ITS_DATA
             )
         yield first
         yield from rows
