@@ -223,3 +223,38 @@ def test_unchecked_map_positions_go_on_from_the_row_reached():
 def test_unchecked_refuses_what_is_not_a_position(bad):
     with pytest.raises((ValueError, TypeError), match="data position"):
         ft.data.unchecked(bad)
+
+
+def test_ranks_each_given_their_own_part_of_a_stream_raise_on_every_rank(tmp_path):
+    """IterableRows(rows[rank::2]), or a torch stream that picks its rows by dist.get_rank():
+    both ranks described their streams alike (one shard), each kept its half of its own half,
+    and 12 of the 24 rows were never trained on, without a word. The first row of the epoch
+    is compared across ranks with the other settings now (read once an epoch, only where
+    there are ranks to compare)."""
+    import datafix_workers as W
+    from launch import run_ranks
+
+    out = tmp_path / "got"
+    run_ranks(W.split_stream, str(out), timeout=120)
+    got = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
+    for rank in got:
+        for case in ("list", "self-split"):
+            error = rank[case].get("error", "")
+            assert "make_batches was given other content on this rank" in error, rank[case]
+            assert "not a per-rank split" in error
+        assert rank["same"]["opened"] == 2  # the peek at the epoch's first row, then the epoch
+    assert sorted(got[0]["same"]["rows"] + got[1]["same"]["rows"]) == list(range(1, N + 1))
+
+
+class _Counted(ft.data.IterableRows):
+    opened = 0
+
+    def __iter__(self):
+        type(self).opened += 1
+        return super().__iter__()
+
+
+def test_one_process_reads_no_row_more_than_before():
+    _Counted.opened = 0
+    list(ft.make_batches(_Counted(TRAIN), **KW))
+    assert _Counted.opened == 1

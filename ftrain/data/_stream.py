@@ -17,7 +17,7 @@ import json
 import math
 import numbers
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from itertools import islice
 from typing import Any
 
@@ -42,6 +42,7 @@ from ftrain.data._common import (
     run_loader,
     saved_generators,
     seed_generators,
+    several_processes,
     yielded_group,
 )
 from ftrain.data._content import row_digest
@@ -147,6 +148,18 @@ class _Shards(Source):
         if prev is not None:
             yield prev, {"shard": n, "row": 0}
 
+    def _first_rows(self, epoch: int, seed: int, shuffle: bool) -> str | None:
+        """The digest of the epoch's first row (of its first shard that has one)."""
+        n = self.num_shards
+        for shard in epoch_order(n, seed, epoch).tolist() if shuffle else range(n):
+            head = _Head(shard, None)
+            rows = head.read(_seeded_reads(iter(self._open(shard, epoch)), seed, epoch, shard))
+            found = next(rows, _END) is not _END
+            rows.close()
+            if found:
+                return head.digest
+        return None
+
     def _rows(
         self, shard: int, skip: int, seed: int, epoch: int, shuffle: bool, head: _Head
     ) -> Iterator[Any]:
@@ -180,7 +193,7 @@ class _Head:
     def __init__(self, shard: int, want: str | None) -> None:
         self.shard, self.want, self.digest = shard, want, ""
 
-    def read(self, rows: Iterator[Any]) -> Iterator[Any]:
+    def read(self, rows: Iterator[Any]) -> Generator[Any, None, None]:
         first = next(rows, _END)
         if first is _END:
             return
@@ -440,6 +453,9 @@ class _Pack(Source):
             raise _misfit(f"token offset {_cut(tok)} in a {self.mode!r} packing")
         self.source.check(pos["src"])
 
+    def _first_rows(self, epoch: int, seed: int, shuffle: bool) -> Any:
+        return _first_rows_of(self.source, epoch, seed, shuffle)
+
     def items(self, epoch: int, pos: Pos, seed: int, shuffle: bool) -> Items:
         inner, skip = (None, 0) if pos is None else (pos["src"], pos["tok"])
         rows = self.source.items(epoch, inner, seed, shuffle)
@@ -574,6 +590,12 @@ class _Mix(Source):
             _, inner = _mix_pos(pos, self.weights)
             for s, p in zip(self.sources, inner, strict=True):
                 s.check(p)
+
+    def _first_rows(self, epoch: int, seed: int, shuffle: bool) -> Any:
+        return [
+            _first_rows_of(s, epoch, seed + i, shuffle) if w > 0 else None  # 0: never read
+            for i, (s, w) in enumerate(zip(self.sources, self.weights, strict=True))
+        ]
 
     def items(self, epoch: int, pos: Pos, seed: int, shuffle: bool) -> Items:
         k = len(self.sources)
@@ -830,6 +852,13 @@ def _fits(pos: dict[str, Any], start: int, spec: Spec, about: dict[str, Any]) ->
         )
 
 
+def _first_rows_of(source: Source, epoch: int, seed: int, shuffle: bool) -> Any:
+    """Digests of the first row each stream of `source` reads in the epoch (None for a custom
+    `Source`, which is not read for it)."""
+    peek = getattr(source, "_first_rows", None)
+    return None if peek is None else peek(epoch, seed, shuffle)
+
+
 def stream_groups(
     data: Any,
     spec: Spec,
@@ -845,8 +874,16 @@ def stream_groups(
     Every rank must read the same global stream with the same settings (`agree`)."""
     source = stream(data)
     about = source.describe(spec.shuffle)
+    # Ranks each given their own part of a stream (IterableRows(rows[rank::world]), a dataset
+    # that picks its rows by rank) describe alike, and each kept its part of its own part:
+    # the rest was never trained on. Their first rows differ. Read once an epoch, only where
+    # ranks are compared (a resume checks the shard it stands in against its position).
+    first = None
+    if start == 0 and several_processes(strategy):
+        with saved_generators():  # the reads seed the global generators for each row
+            first = _first_rows_of(source, spec.epoch, spec.seed, spec.shuffle)
     # The same keys, in the same order, as a map-style call: one collective of one size
-    rows = {"rows": None, "content": None, "subset": None, "lengths": None}
+    rows = {"rows": None, "content": first, "subset": None, "lengths": None}
     agree_over_ranks(strategy, {"data": P.digest(about), **rows, **agree})
     pos = _resume(start, position, spec, source, about)
     micro = _MicroStream(source, spec, pos, start, _head(spec, about))

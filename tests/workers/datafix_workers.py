@@ -38,3 +38,49 @@ def other_stream(rank: int, world: int, port: int, out: str) -> None:
     got["train"] = f"{sum(len(g) for g in rest)} micro-batches"
     Path(f"{out}.{rank}").write_text(json.dumps(got))
     dist.destroy_process_group()
+
+
+class _RankRows(torch.utils.data.IterableDataset):
+    """A torch stream that picks its own rank's rows (`dist.get_rank()`): a per-rank split."""
+
+    def __iter__(self):
+        return iter(TRAIN[dist.get_rank() :: dist.get_world_size()])
+
+
+class _Counted(ft.data.IterableRows):
+    """IterableRows that counts how often it is read from its start."""
+
+    opened = 0
+
+    def __iter__(self):
+        _Counted.opened += 1
+        return super().__iter__()
+
+
+def split_stream(rank: int, world: int, port: int, out: str) -> None:
+    """Each rank given its own part of a stream (IterableRows(rows[rank::2]), or a dataset
+    that splits itself by rank): which rows each rank trained on, or ftrain's message."""
+    rank_env(rank, world, port)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    strategy = ft.strategies.from_env("ddp")
+    got: dict[str, object] = {}
+    cases = {
+        "list": lambda: ft.data.IterableRows(TRAIN[rank::world]),
+        "self-split": _RankRows,
+        "same": lambda: _Counted(TRAIN),
+    }
+    for name, data in cases.items():
+        state = ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd(), strategy=strategy)
+        try:
+            ids = [
+                x
+                for g in ft.make_batches(data(), state, batch_size=2, accum=2, num_workers=0)
+                for b in g
+                if not isinstance(b, ft.data.ZeroWeight)
+                for x in b["input_ids"].flatten().tolist()
+            ]
+            got[name] = {"rows": ids, "opened": _Counted.opened}
+        except ValueError as e:
+            got[name] = {"error": str(e)}
+    Path(f"{out}.{rank}").write_text(json.dumps(got))
+    dist.destroy_process_group()
