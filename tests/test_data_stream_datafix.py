@@ -243,6 +243,8 @@ def test_ranks_each_given_their_own_part_of_a_stream_raise_on_every_rank(tmp_pat
             assert "make_batches was given other content on this rank" in error, rank[case]
             assert "not a per-rank split" in error
         assert rank["same"]["opened"] == 2  # the peek at the epoch's first row, then the epoch
+        for case in ("read once", "read once, mixed"):  # the peek must not lose its first row
+            assert "than when make_batches read it a moment" in rank[case].get("error", "")
     assert sorted(got[0]["same"]["rows"] + got[1]["same"]["rows"]) == list(range(1, N + 1))
 
 

@@ -83,6 +83,9 @@ class _Shards(Source):
         # A seeded ds.shuffle draws the same order every epoch unless told the epoch
         # (HF's Trainer calls set_epoch): each shard is opened at the epoch being read.
         self._reshuffles = any("shuffle_buffer" in stage for stage in self._stages)
+        # (epoch, seed, shuffle) -> (shard, digest) of the epoch's first row, as the ranks'
+        # agreement read it: its read for training must find the same row.
+        self._peeked: dict[tuple[int, int, bool], tuple[int, str]] = {}
 
     def _open(self, shard: int, epoch: int) -> Iterable[Any]:
         if self._reshuffles:  # shard() makes a new dataset: the caller's keeps its epoch
@@ -123,11 +126,14 @@ class _Shards(Source):
         n = self.num_shards
         order = epoch_order(n, seed, epoch).tolist() if shuffle else list(range(n))
         j0, i0, first = (0, 0, None) if pos is None else _shard_pos(pos, n)
+        peeked = self._peeked.get((epoch, seed, shuffle)) if pos is None else None
 
         def before() -> Iterator[tuple[Any, Pos]]:  # each row with the position *before* it
             for j in range(j0, n):
                 skip = i0 if j == j0 else 0
                 head = _Head(order[j], first if j == j0 else None)
+                if peeked is not None and peeked[0] == order[j]:
+                    head = _Head(order[j], peeked[1], peeked=True)
                 rows = self._rows(order[j], skip, seed, epoch, shuffle, head)
                 empty = True
                 for i, row in enumerate(rows, skip):
@@ -157,6 +163,7 @@ class _Shards(Source):
             found = next(rows, _END) is not _END
             rows.close()
             if found:
+                self._peeked = {(epoch, seed, shuffle): (shard, head.digest)}
                 return head.digest
         return None
 
@@ -190,14 +197,18 @@ class _Head:
     position saved: a resume over another stream of the same shape raises, where its shard
     and row counts would not show it). A position saved before digests were kept has none."""
 
-    def __init__(self, shard: int, want: str | None) -> None:
-        self.shard, self.want, self.digest = shard, want, ""
+    def __init__(self, shard: int, want: str | None, *, peeked: bool = False) -> None:
+        self.shard, self.want, self.digest, self.peeked = shard, want, "", peeked
 
     def read(self, rows: Iterator[Any]) -> Generator[Any, None, None]:
         first = next(rows, _END)
         if first is _END:
+            if self.peeked:  # it had a first row a moment ago
+                raise ValueError(_ONCE.format(shard=self.shard, now="no row"))
             return
         self.digest = row_digest(first)
+        if self.peeked and self.digest != self.want:
+            raise ValueError(_ONCE.format(shard=self.shard, now=f"row digest {self.digest}"))
         if self.want is not None and self.digest != self.want:
             raise _misfit(
                 f"shard {self.shard}'s first row is not the one read when it was saved (row "
@@ -213,6 +224,16 @@ class _Head:
             )
         yield first
         yield from rows
+
+
+_ONCE = (
+    "data gave another first row in shard {shard} than when make_batches read it a moment "
+    "earlier to compare it across ranks ({now}): a stream that can be read only once (an "
+    "IterableDataset whose __iter__ returns one generator it keeps), or whose rows differ at "
+    "every read (drawn from a generator of its own rather than torch's, numpy's or random's "
+    "global ones, which make_batches seeds for each row). A stream is read again every epoch "
+    "and on every resume: make __iter__ start a new pass over the same rows each time"
+)
 
 
 def _hf_stages(data: Any, num_shards: int) -> list[dict[str, Any]]:
@@ -859,6 +880,17 @@ def _first_rows_of(source: Source, epoch: int, seed: int, shuffle: bool) -> Any:
     return None if peek is None else peek(epoch, seed, shuffle)
 
 
+def _forget_peeks(source: Source) -> None:
+    """Drop what an earlier call's agreement read of `source`'s streams (`_Shards._peeked`)."""
+    if isinstance(source, _Shards):
+        source._peeked = {}
+    elif isinstance(source, _Pack):
+        _forget_peeks(source.source)
+    elif isinstance(source, _Mix):
+        for inner in source.sources:
+            _forget_peeks(inner)
+
+
 def stream_groups(
     data: Any,
     spec: Spec,
@@ -879,6 +911,7 @@ def stream_groups(
     # the rest was never trained on. Their first rows differ. Read once an epoch, only where
     # ranks are compared (a resume checks the shard it stands in against its position).
     first = None
+    _forget_peeks(source)  # a source object reused from an earlier call
     if start == 0 and several_processes(strategy):
         with saved_generators():  # the reads seed the global generators for each row
             first = _first_rows_of(source, spec.epoch, spec.seed, spec.shuffle)

@@ -47,6 +47,16 @@ class _RankRows(torch.utils.data.IterableDataset):
         return iter(TRAIN[dist.get_rank() :: dist.get_world_size()])
 
 
+class _Once(torch.utils.data.IterableDataset):
+    """A stream that can be read once: __iter__ returns the one generator it keeps."""
+
+    def __init__(self, rows):
+        self.rows = iter(list(rows))
+
+    def __iter__(self):
+        return self.rows
+
+
 class _Counted(ft.data.IterableRows):
     """IterableRows that counts how often it is read from its start."""
 
@@ -68,6 +78,14 @@ def split_stream(rank: int, world: int, port: int, out: str) -> None:
         "list": lambda: ft.data.IterableRows(TRAIN[rank::world]),
         "self-split": _RankRows,
         "same": lambda: _Counted(TRAIN),
+        "read once": lambda: _Once(TRAIN),
+        "read once, mixed": lambda: ft.data.mix(
+            [
+                ft.data.pack(ft.data.IterableRows(TRAIN), block_size=1),
+                ft.data.pack(_Once(TRAIN), block_size=1),
+            ],
+            weights=[1, 1],
+        ),
     }
     for name, data in cases.items():
         state = ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd(), strategy=strategy)
