@@ -245,7 +245,8 @@ def test_ranks_each_given_their_own_part_of_a_stream_raise_on_every_rank(tmp_pat
         assert rank["same"]["opened"] == 2  # the peek at the epoch's first row, then the epoch
         for case in ("read once", "read once, mixed"):  # the peek must not lose its first row
             assert "than when make_batches read it a moment" in rank[case].get("error", "")
-    assert sorted(got[0]["same"]["rows"] + got[1]["same"]["rows"]) == list(range(1, N + 1))
+    for case in ("same", "same, workers"):
+        assert sorted(got[0][case]["rows"] + got[1][case]["rows"]) == list(range(1, N + 1))
 
 
 class _Counted(ft.data.IterableRows):

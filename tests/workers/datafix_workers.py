@@ -47,6 +47,10 @@ class _RankRows(torch.utils.data.IterableDataset):
         return iter(TRAIN[dist.get_rank() :: dist.get_world_size()])
 
 
+def _collate(rows):
+    return {"input_ids": torch.tensor([r["input_ids"] for r in rows])}
+
+
 class _Once(torch.utils.data.IterableDataset):
     """A stream that can be read once: __iter__ returns the one generator it keeps."""
 
@@ -86,13 +90,18 @@ def split_stream(rank: int, world: int, port: int, out: str) -> None:
             ],
             weights=[1, 1],
         ),
+        "same, workers": lambda: ft.data.mix(
+            [ft.data.IterableRows(TRAIN[:12]), ft.data.IterableRows(TRAIN[12:])], weights=[1, 1]
+        ),
     }
     for name, data in cases.items():
         state = ft.TrainState.create(torch.nn.Linear(1, 1), ft.optim.sgd(), strategy=strategy)
+        # (a collate the ranks' workers can unpickle: these ranks are forked from a server)
+        kw = {"num_workers": 2, "collate_fn": _collate} if "workers" in name else {}
         try:
             ids = [
                 x
-                for g in ft.make_batches(data(), state, batch_size=2, accum=2, num_workers=0)
+                for g in ft.make_batches(data(), state, batch_size=2, accum=2, **kw)
                 for b in g
                 if not isinstance(b, ft.data.ZeroWeight)
                 for x in b["input_ids"].flatten().tolist()
