@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 import ftrain as ft
 from helpers import batch_ids as _ids
@@ -261,3 +262,35 @@ def test_one_process_reads_no_row_more_than_before():
     _Counted.opened = 0
     list(ft.make_batches(_Counted(TRAIN), **KW))
     assert _Counted.opened == 1
+
+
+class _Shards(torch.utils.data.IterableDataset):
+    """Two shards of rows; `empty` leaves shard 1 without rows."""
+
+    num_shards = 2
+
+    def __init__(self, empty=False, index=None):
+        self.empty, self.index = empty, index
+
+    def shard(self, num_shards, index):
+        return _Shards(self.empty, index)
+
+    def __iter__(self):
+        for k in range(2) if self.index is None else [self.index]:
+            if not (self.empty and k == 1):
+                yield from TRAIN[12 * k : 12 * k + 12]
+
+
+def test_a_resume_at_the_start_of_a_shard_that_is_empty_now_raises():
+    """The position stood at row 0 of shard 1 (its first row read, by the look-ahead): with
+    shard 1 empty now, the resume read nothing more and ended the epoch, without a word."""
+    groups = ft.make_batches(_Shards(), batch_size=2, accum=3, seed=0, shuffle=False)
+    next(groups)
+    group = next(groups)  # rows 0-11: the position is (shard 1, row 0)
+    assert json.loads(group.position)["src"]["shard"] == 1
+    state = _state()
+    state = state.replace(data=state.data.replace(cursor=6, position=group.position))
+    kw = {"batch_size": 2, "accum": 3, "shuffle": False}
+    with pytest.raises(ValueError, match="shard 1 has no row, but had when it was saved"):
+        list(ft.make_batches(_Shards(empty=True), state, **kw))
+    assert len(list(ft.make_batches(_Shards(), state, **kw))) == 2

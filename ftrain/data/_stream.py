@@ -205,6 +205,8 @@ class _Head:
         if first is _END:
             if self.peeked:  # it had a first row a moment ago
                 raise ValueError(_ONCE.format(shard=self.shard, now="no row"))
+            if self.want is not None:  # the position stands in it: it had rows
+                raise _misfit(f"shard {self.shard} has no row, but had when it was saved")
             return
         self.digest = row_digest(first)
         if self.peeked and self.digest != self.want:
