@@ -163,7 +163,7 @@ class _Shards(Source):
             found = next(rows, _END) is not _END
             rows.close()
             if found:
-                self._peeked = {(epoch, seed, shuffle): (shard, head.digest)}
+                self._peeked[epoch, seed, shuffle] = (shard, head.digest)  # (mixed in twice)
                 return head.digest
         return None
 

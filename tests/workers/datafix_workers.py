@@ -47,6 +47,11 @@ class _RankRows(torch.utils.data.IterableDataset):
         return iter(TRAIN[dist.get_rank() :: dist.get_world_size()])
 
 
+def _twice(source):
+    """One source object mixed with itself."""
+    return ft.data.mix([source, source], weights=[1, 1])
+
+
 def _collate(rows):
     return {"input_ids": torch.tensor([r["input_ids"] for r in rows])}
 
@@ -90,6 +95,7 @@ def split_stream(rank: int, world: int, port: int, out: str) -> None:
             ],
             weights=[1, 1],
         ),
+        "same, mixed twice": lambda: _twice(ft.data.stream(ft.data.IterableRows(TRAIN))),
         "same, workers": lambda: ft.data.mix(
             [ft.data.IterableRows(TRAIN[:12]), ft.data.IterableRows(TRAIN[12:])], weights=[1, 1]
         ),
