@@ -301,8 +301,11 @@ def test_save_and_report_reports_a_committed_checkpoint_for_async_upload(tmp_pat
 
     state = build()
     path = ray_ft.save_and_report(state, tmp_path, metrics={"loss": torch.tensor(1.5)})
-    # The run's own folder (the run's name where Ray's run id is not found, as here)
-    assert path == tmp_path / "run" / "report-0" / "step-0"
+    # The run's own folder (the run's name and its rank 0 process where Ray's run id is not
+    # found, as here)
+    run = path.parent.parent
+    assert run.parent == tmp_path and run.name.startswith("run-")
+    assert path == run / "report-0" / "step-0"
     assert ft.latest_checkpoint(path.parent) == path
     ((metrics, kw),) = fake_worker
     assert metrics == {"loss": 1.5, "step": 0}  # numbers: Ray refuses tensors
@@ -313,7 +316,7 @@ def test_save_and_report_reports_a_committed_checkpoint_for_async_upload(tmp_pat
     shutil.rmtree(path)  # what Ray does once the upload is done
     ray_ft.save_and_report(state.replace(step=1), tmp_path, upload="sync")
     assert fake_worker[1][1]["checkpoint_upload_mode"] == ray.train.CheckpointUploadMode.SYNC
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["report-1"]  # emptied: gone
+    assert sorted(p.name for p in run.iterdir()) == ["report-1"]  # emptied: gone
 
 
 def test_a_sharded_checkpoint_some_rank_cannot_see_is_refused_before_ray_hears_of_it(

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import os
 import signal
+import socket
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -201,8 +203,8 @@ def save_and_report(
     numbers = {
         k: v.item() if isinstance(v, torch.Tensor) else v for k, v in (metrics or {}).items()
     }
-    _refuse_metrics(numbers, state)
-    run = Path(root) / _run_id(context)  # another run's save of this step stages elsewhere
+    owner = _refuse_metrics(numbers, state)
+    run = Path(root) / _run_id(context, owner)  # another run's save of this step stages elsewhere
     stage = run / f"{STAGING_PREFIX}{state.step}"
     path = ft.save_checkpoint(state, stage, metrics=numbers)
     strategy = state.strategy
@@ -230,15 +232,34 @@ def save_and_report(
     return path
 
 
-def _refuse_metrics(metrics: Mapping[str, Any], state: TrainState) -> None:
+def _refuse_metrics(metrics: Mapping[str, Any], state: TrainState) -> str:
     """Collective: refuse rank 0's metrics (those the checkpoint keeps and Ray hears) on every
-    rank together, so that no rank waits in the save for one that raised."""
+    rank together, so that no rank waits in the save for one that raised; returns rank 0's
+    process token (`_process_token`), which the same reduction carries to every rank."""
     strategy = state.strategy
-    problem = _metrics_problem(metrics, state.step) if strategy.process_rank == 0 else None
-    refused = torch.tensor(float(problem is not None), device=strategy.device)
-    if float(strategy.sum_over_processes(refused)) > 0:  # host sync: saving is the place
+    rank0 = strategy.process_rank == 0
+    problem = _metrics_problem(metrics, state.step) if rank0 else None
+    token = _process_token() if rank0 else 0
+    # float32 holds integers below 2**24 exactly: the 48-bit token travels as two halves.
+    votes = [float(problem is not None), float(token >> 24), float(token & 0xFFFFFF)]
+    refused, high, low = strategy.sum_over_processes(
+        torch.tensor(votes, dtype=torch.float32, device=strategy.device)
+    ).tolist()  # host sync: saving is the place
+    if refused > 0:
         raise ValueError(problem or "save_and_report: rank 0 refused its metrics (its error "
                          "says why); no rank saved")  # fmt: skip
+    return f"{int(high) << 24 | int(low):012x}"
+
+
+def _process_token() -> int:
+    """48 bits naming this process among every process of every host: its host, pid and start
+    time (a pid is reused only by a process started later), hashed."""
+    try:  # field 22 of /proc/<pid>/stat: the start time, in clock ticks since boot
+        start = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        start = ""
+    name = f"{socket.gethostname()}:{os.getpid()}:{start}".encode()
+    return int.from_bytes(hashlib.blake2b(name, digest_size=6).digest(), "big")
 
 
 def _metrics_problem(metrics: Mapping[str, Any], step: int) -> str | None:
@@ -279,18 +300,21 @@ def _run_checkpoint_config() -> Any:
     return run_config.checkpoint_config
 
 
-def _run_id(context: Any) -> str:
+def _run_id(context: Any, owner: str) -> str:
     """The folder of this run's stages: Ray Train V2's id of the run (one `fit`: the same on
-    every worker and across restarts of its worker group; no public API says it), or the run's
-    name where this Ray keeps the id elsewhere. Two runs (trials) on one node that staged into
-    one `root` replaced each other's `report-N/step-N` while Ray still uploaded it: run A's
-    reported checkpoint held run B's weights."""
+    every worker and across restarts of its worker group; no public API says it), or where
+    this Ray keeps the id elsewhere, the run's name and `owner`, the token of the group's rank
+    0 process (the same on every worker, another one after a restart of the group: a restart
+    reads Ray's storage, never the staging root). Two runs (trials) on one node that staged
+    into one `root` replaced each other's `report-N/step-N` while Ray still uploaded it: run
+    A's reported checkpoint held run B's weights. The name alone was not enough: Ray's default
+    name, `ray_train_run-<date>`, is the same for two runs started in one second."""
     try:
         from ray.train.v2._internal.execution import context as ray_context
 
         run_id = ray_context.get_train_context().train_run_context.run_id
     except (ImportError, AttributeError, RuntimeError):
-        return str(context.get_experiment_name())
+        return f"{context.get_experiment_name()}-{owner}"
     return str(run_id)
 
 

@@ -54,6 +54,7 @@ PRELOAD = [
     "ckpt_save_workers",
     "conformance_loop",
     "crash_loop",
+    "cluster5_workers",
     "cursor_workers",
     "datafix_workers",
     "generate_workers",
