@@ -113,6 +113,8 @@ def test_two_runs_staging_into_one_root_keep_their_own_checkpoints(tmp_path, mon
     monkeypatch.setattr(ray.train, "report", lambda metrics, **kw: reports.append(kw))
     states = {}
     for run, fill in (("a" * 32, 1.0), ("b" * 32, 2.0)):
+        # Each run's workers are processes of their own: none reported anything yet.
+        monkeypatch.setattr(STATE, "ray_reported", None)
         run_context = type("T", (), {"run_id": run})
         train_context = type("X", (), {"train_run_context": run_context})
         monkeypatch.setattr(ray_context, "get_train_context", lambda c=train_context: c)

@@ -40,3 +40,58 @@ def test_the_ranks_of_one_run_stage_into_one_folder_where_ray_has_no_run_id(tmp_
     paths = {json.loads((tmp_path / f"run.{r}").read_text())["path"] for r in (0, 1)}
     (path,) = paths
     assert ft.latest_checkpoint(Path(path).parent) == Path(path)
+
+
+@pytest.fixture
+def fake_worker(monkeypatch):
+    """ray.train as a worker sees it (no cluster): `report` records its calls, `get_checkpoint`
+    returns what `restored` holds."""
+    import ray.train
+
+    from ftrain.process_state import STATE
+
+    reports, restored = [], []
+    monkeypatch.setattr(STATE, "ray_reported", None)  # this process reported nothing yet
+    worker = {"get_world_rank": int, "get_experiment_name": staticmethod(lambda: "run")}
+    monkeypatch.setattr(ray.train, "get_context", lambda: type("C", (), worker))
+    monkeypatch.setattr(ray.train, "report", lambda metrics, **kw: reports.append(metrics))
+    monkeypatch.setattr(ray.train, "get_checkpoint", lambda: restored[0] if restored else None)
+    return reports, restored
+
+
+def _state(step):
+    return ft.TrainState.create(torch.nn.Linear(3, 2), ft.optim.sgd()).replace(step=step)
+
+
+def test_a_step_reported_twice_is_refused_before_ray_holds_two_checkpoints_in_one_folder(
+    tmp_path, fake_worker
+):
+    """A final save after the loop at the step the loop just saved: Ray registered two
+    checkpoints `step-5` with one folder in its storage, and its retention (num_to_keep=1),
+    deleting the older, deleted the run's only checkpoint; the restarted group found none."""
+    from ftrain.extras import ray as ray_ft
+
+    reports, _ = fake_worker
+    ray_ft.save_and_report(_state(5), tmp_path, metrics={"loss": 1.0})
+    for step in (5, 4):  # again, or an earlier one (a rollback's)
+        with pytest.raises(ValueError, match=r"already reported step-5 to Ray.*report each step"):
+            ray_ft.save_and_report(_state(step), tmp_path, metrics={"loss": 2.0})
+    assert reports == [{"loss": 1.0, "step": 5}]  # Ray heard nothing more
+    ray_ft.save_and_report(_state(6), tmp_path)
+    assert reports[-1] == {"step": 6}
+
+
+def test_the_step_a_group_restored_from_is_not_reported_again(tmp_path, fake_worker):
+    """A restarted group resumes at Ray's newest checkpoint; saving at once (before a step)
+    reported `step-N` again, into the folder Ray restored it from."""
+    import ray.train
+
+    from ftrain.extras import ray as ray_ft
+
+    reports, restored = fake_worker
+    restored.append(ray.train.Checkpoint("/storage/run/step-7"))
+    with pytest.raises(ValueError, match=r"already reported step-7 to Ray"):
+        ray_ft.save_and_report(_state(7), tmp_path)
+    assert reports == []
+    ray_ft.save_and_report(_state(8), tmp_path)
+    assert reports == [{"step": 8}]

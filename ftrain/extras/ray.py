@@ -22,6 +22,7 @@ import contextlib
 import ctypes
 import hashlib
 import os
+import re
 import signal
 import socket
 import threading
@@ -189,8 +190,11 @@ def save_and_report(
         The local checkpoint folder (gone once an async upload finished).
 
     Raises:
-        ValueError: for another `upload`, a `metrics["step"]` other than `state.step`, or
-            metrics without the metric the run's `CheckpointConfig` ranks by.
+        ValueError: for another `upload`, a `metrics["step"]` other than `state.step`,
+            metrics without the metric the run's `CheckpointConfig` ranks by, or a step at or
+            below one this run already reported (this process's last save, or the checkpoint
+            the group restored from): Ray keeps checkpoints by folder name, so a second
+            `step-N` shares the first's folder, and Ray's retention deleting one deletes both.
         RuntimeError: outside a Ray Train worker, when a rank cannot see the checkpoint, or
             for a state whose strategy does not span Ray's group (another process rank than
             the worker's: `SingleDevice()` in each worker).
@@ -238,7 +242,10 @@ def _refuse_metrics(metrics: Mapping[str, Any], state: TrainState) -> str:
     process token (`_process_token`), which the same reduction carries to every rank."""
     strategy = state.strategy
     rank0 = strategy.process_rank == 0
-    problem = _metrics_problem(metrics, state.step) if rank0 else None
+    # Every rank reported (or restored) the same checkpoints: each names a step reported twice.
+    problem = _reported_already(state.step)
+    if problem is None and rank0:
+        problem = _metrics_problem(metrics, state.step)
     token = _process_token() if rank0 else 0
     # float32 holds integers below 2**24 exactly: the 48-bit token travels as two halves.
     votes = [float(problem is not None), float(token >> 24), float(token & 0xFFFFFF)]
@@ -260,6 +267,35 @@ def _process_token() -> int:
         start = ""
     name = f"{socket.gethostname()}:{os.getpid()}:{start}".encode()
     return int.from_bytes(hashlib.blake2b(name, digest_size=6).digest(), "big")
+
+
+def _reported_already(step: int) -> str | None:
+    """Why a checkpoint of `step` must not be reported, or None: Ray already holds one of this
+    step or a later one in this run (the last one this process reported, or the one the group
+    restored from).
+
+    Ray registers checkpoints by folder name: a second `step-N` goes into the first one's
+    folder in Ray's storage, Ray then holds two checkpoints with one path, and its retention,
+    deleting the older one, deleted the only copy (a restarted group found no checkpoint). A
+    step below the last one (a rollback) would be a name of the abandoned branch."""
+    names = [STATE.ray_reported]
+    with contextlib.suppress(RuntimeError):  # Ray's error outside a worker (refused before)
+        restored = require_ray().get_checkpoint()
+        names.append(None if restored is None else Path(restored.path).name)
+    steps = [int(m.group(1)) for n in names if n and (m := _STEP_DIR.fullmatch(n))]
+    if not steps or max(steps) < step:
+        return None
+    return (
+        f"save_and_report at step {step}, but this run already reported step-{max(steps)} to "
+        f"Ray (the last save of this process, or the checkpoint the group restored from): Ray "
+        "registers checkpoints by folder name, so another checkpoint of that step shares the "
+        "first one's folder in Ray's storage, and Ray's retention, deleting the older one, "
+        "deletes both; report each step once, in increasing order (after a rollback, start "
+        "a new run name)"
+    )
+
+
+_STEP_DIR = re.compile(r"step-(\d+)")
 
 
 def _metrics_problem(metrics: Mapping[str, Any], step: int) -> str | None:
