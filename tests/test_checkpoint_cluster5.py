@@ -1,0 +1,33 @@
+"""Checkpoints against what clusters do (fifth round): elastic restarts with other world sizes."""
+
+from __future__ import annotations
+
+import torch
+
+import dist_workers as W
+import ftrain as ft
+import launch
+from cluster5_workers import fsdp_reshard
+from helpers import opt_state_tensors, tiny_llama
+
+
+def _single(root):
+    state = ft.TrainState.create(tiny_llama(dropout=0.0), ft.optim.adamw(), seed=3)
+    return ft.load_checkpoint(ft.latest_checkpoint(root), state)
+
+
+def test_a_two_rank_fsdp_checkpoint_reshards_onto_three_ranks_exactly(tmp_path):
+    """A pod restarted with another world size: 2 ranks' shards loaded by 3 (uneven shards:
+    16 rows as 6, 6, 4) and saved again hold the very same tensors (4 ranks: the same, checked
+    by hand; 1 rank: tests/test_distributed.py)."""
+    world = 3
+    src, dst = tmp_path / "two", tmp_path / f"to-{world}"
+    launch.run_ranks(W.resume, [str(src)], 2, 2, "fsdp")
+    launch.run_ranks(fsdp_reshard, str(src), str(dst), world=world)
+    a, b = _single(src), _single(dst)
+    assert ft.checkpoint.read_meta(ft.latest_checkpoint(dst))["world_size"] == world
+    for n, p in a.params.items():
+        assert torch.equal(b.params[n], p), n
+    theirs = opt_state_tensors(b.opt_state)
+    for n, t in opt_state_tensors(a.opt_state).items():
+        assert torch.equal(theirs[n], t), n
