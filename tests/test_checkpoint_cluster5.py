@@ -31,3 +31,25 @@ def test_a_two_rank_fsdp_checkpoint_reshards_onto_three_ranks_exactly(tmp_path):
     theirs = opt_state_tensors(b.opt_state)
     for n, t in opt_state_tensors(a.opt_state).items():
         assert torch.equal(theirs[n], t), n
+
+
+def test_a_save_whose_rotation_meets_another_writers_rotation_commits_without_error(
+    tmp_path, monkeypatch
+):
+    """Two jobs in one run folder (a requeued job whose predecessor still runs), both with
+    keep_last: both list the folder and rotate the same old checkpoint; the second rename
+    found it gone, and the save, committed already, raised CheckpointError on every rank
+    (the run died of a checkpoint that was written)."""
+    import shutil
+
+    from ftrain.checkpoint import _save
+
+    state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+    for step in (1, 2):
+        ft.save_checkpoint(state.replace(step=step), tmp_path)
+    listed = _save.committed(tmp_path)
+    shutil.rmtree(tmp_path / "step-1")  # the other writer's rotation, after this one listed
+    monkeypatch.setattr(_save, "committed", lambda root: listed)
+    ft.save_checkpoint(state.replace(step=3), tmp_path, keep_last=1)
+    monkeypatch.undo()
+    assert [p.name for _, p in _save.committed(tmp_path)] == ["step-3"]

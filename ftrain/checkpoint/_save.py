@@ -826,7 +826,10 @@ def _rotate(job: _Job, keep_last: int) -> None:
             # Rename to a temporary name first: a crash mid-delete leaves a directory that
             # latest_checkpoint ignores and the next save removes, never a half checkpoint.
             doomed = job.root / _tmp_name(f"deleting-{p.name}")
-            os.rename(p, doomed)
+            try:
+                os.rename(p, doomed)
+            except FileNotFoundError:  # another writer's rotation in a shared root took it
+                continue
             shutil.rmtree(doomed, ignore_errors=True)
 
 
