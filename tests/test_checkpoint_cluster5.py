@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import dist_workers as W
 import ftrain as ft
 import launch
-from cluster5_workers import fsdp_reshard
+from cluster5_workers import fsdp_node_local_save, fsdp_reshard
 from helpers import opt_state_tensors, tiny_llama
 
 
@@ -53,3 +54,19 @@ def test_a_save_whose_rotation_meets_another_writers_rotation_commits_without_er
     ft.save_checkpoint(state.replace(step=3), tmp_path, keep_last=1)
     monkeypatch.undo()
     assert [p.name for _, p in _save.committed(tmp_path)] == ["step-3"]
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_sharded_save_into_a_node_local_root_raises_on_every_rank_and_commits_nothing(
+    tmp_path, blocking
+):
+    """Multi-node FSDP with the run folder on each node's own disk (the same path on every
+    node): rank 1's shards went into its node's folder, rank 0 committed its own shards only,
+    and the save returned on every rank; no checkpoint of the run loaded ("the shards ... do
+    not cover it once" at the resume). Now rank 0's commit checks the shards' cover first."""
+    launch.run_ranks(fsdp_node_local_save, str(tmp_path), str(tmp_path / "out"), blocking)
+    rank0, rank1 = ((tmp_path / f"out.{r}").read_text() for r in (0, 1))
+    assert rank0.startswith("CheckpointError") and "do not cover it once" in rank0
+    assert "must be one folder that every rank sees" in rank0
+    assert rank1.startswith("CheckpointError") and "on another rank" in rank1
+    assert ft.latest_checkpoint(tmp_path / "node0" / "run") is None  # nothing committed

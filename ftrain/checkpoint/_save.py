@@ -52,7 +52,7 @@ from ftrain.checkpoint._io import (
     write_safetensors,
     write_text,
 )
-from ftrain.checkpoint._verify import check_savable
+from ftrain.checkpoint._verify import check_savable, check_shard_cover
 from ftrain.predicates import best_mode
 from ftrain.process_state import STATE
 from ftrain.state import TrainState
@@ -432,6 +432,8 @@ def _seal(tmp: Path, root: Path, staged: L.Contents, files: list[str], *, checks
     meta = {**staged.meta, "files": record}
     if sharded_config:  # "files" lists the shards; config.json is checksummed beside them
         meta[L.SHARDED_CONFIG] = record.pop(L.CONFIG_FILE)
+    if staged.meta.get("sharded") is True:  # every rank's shards reached this folder
+        check_shard_cover(tmp, meta)
     write_json(meta, tmp / L.STATE_FILE)
     write_json({"state.json": sha256_file(tmp / L.STATE_FILE)}, tmp / L.COMMIT_FILE)
     _after_every_commit(tmp / L.COMMIT_FILE, root)

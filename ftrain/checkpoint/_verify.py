@@ -28,8 +28,10 @@ from ftrain.checkpoint import _frozen
 from ftrain.checkpoint import _layout as L
 from ftrain.checkpoint._inflight import wait_for_save_into
 from ftrain.checkpoint._io import (
+    MAX_HEADER_BYTES,
     CheckpointError,
     check_header,
+    open_regular,
     read_checked,
     read_header,
     read_json,
@@ -603,6 +605,49 @@ def _verify_shards(path: Path, meta: dict[str, Any], *, checksum: bool) -> None:
             raise CheckpointError(
                 f"{path / sub}: files {sorted(on_disk ^ listed)} are missing or not recorded"
             )
+
+    def read(name: str, entry: dict[str, Any]) -> tuple[bytes, int]:
+        sha = entry.get("sha256") if checksum else None
+        data = read_checked(path, name, size=entry["bytes"], sha256=sha)
+        return data, len(data)
+
+    _check_cover(path, meta, read)
+
+
+def check_shard_cover(path: Path, meta: dict[str, Any]) -> None:
+    """Check, from their headers, that the shard files `meta["files"]` lists in `path` tile
+    each tensor `meta` records exactly once: at the commit of a sharded save, before
+    `COMMITTED` is written.
+
+    Every rank writes its shards into the folder rank 0 made and commits. Where ranks see
+    different folders under one path (a node-local disk on each node), the others' shards
+    went elsewhere, and rank 0 committed a checkpoint of its own shards only: the run saved
+    without a word, and no checkpoint of it loaded.
+
+    Raises:
+        CheckpointError: naming the first tensor the shards do not cover, and the cause.
+    """
+
+    def read(name: str, entry: dict[str, Any]) -> tuple[bytes, int]:
+        with open_regular(path, name, size=entry["bytes"]) as fd:
+            head = os.pread(fd, 8, 0)
+            n = int.from_bytes(head, "little") if len(head) == 8 else 0
+            return head + os.pread(fd, min(n, MAX_HEADER_BYTES), 8), entry["bytes"]
+
+    try:
+        _check_cover(path, meta, read)
+    except CheckpointError as e:
+        raise CheckpointError(
+            f"{e}: every rank writes its shards into the folder rank 0 commits, so the root of "
+            "a sharded checkpoint must be one folder that every rank sees (a shared "
+            "filesystem, not a disk of each node); nothing was committed"
+        ) from e
+
+
+def _check_cover(path: Path, meta: dict[str, Any], read: Any) -> None:
+    """The headers of the shard files (`read(name, entry) -> (bytes from the start, file
+    size)`) against the recorded tensors: each chunk fits, and together they tile it once."""
+    files: dict[str, Any] = meta["files"]
     shapes = {
         L.MODEL_DIR: meta["tensors"],
         L.OPTIM_DIR: {p: d for p, d in meta["optimizer"].items() if "tensor" in d},
@@ -615,9 +660,8 @@ def _verify_shards(path: Path, meta: dict[str, Any], *, checksum: bool) -> None:
         if sub not in shapes or "/" in fname or not fname.endswith(".safetensors"):
             raise CheckpointError(f"{path}: unexpected file {name!r} in state.json")
         f = path / name
-        sha = entry.get("sha256") if checksum else None
-        data = read_checked(path, name, size=entry["bytes"], sha256=sha)
-        header = check_header(data, len(data), f)
+        data, size = read(name, entry)
+        header = check_header(data, size, f)
         offsets = _sharding_info(data, f)
         for key, (dtype, shape) in header.items():
             want, off = shapes[sub].get(key), offsets.get(key)

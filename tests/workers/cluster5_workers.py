@@ -72,3 +72,22 @@ def fsdp_reshard(rank: int, world: int, port: int, src: str, dst: str) -> None:
         state = ft.load_checkpoint(ft.latest_checkpoint(src, strategy=strategy), state)
         ft.save_checkpoint(state, dst)
         del state
+
+
+def fsdp_node_local_save(
+    rank: int, world: int, port: int, base: str, out: str, blocking: bool
+) -> None:
+    """FSDP ranks saving into a root that is node-local: each rank's `run` folder is its own
+    (the same path on two machines, simulated as two folders)."""
+    rank_env(rank, world, port)
+    root = Path(base) / f"node{rank}" / "run"
+    outcome = "saved"
+    with ft.strategies.from_env("fsdp") as strategy:
+        state = ft.TrainState.create(tiny_llama(), ft.optim.adamw(), strategy=strategy)
+        try:
+            ft.save_checkpoint(state, root, blocking=blocking)
+            ft.wait_for_checkpoint()  # a background save's outcome
+        except ft.CheckpointError as e:
+            outcome = f"CheckpointError: {e}"
+        del state
+    Path(f"{out}.{rank}").write_text(outcome)
