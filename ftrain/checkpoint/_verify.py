@@ -16,7 +16,7 @@ import math
 import os
 import re
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
@@ -644,7 +644,9 @@ def check_shard_cover(path: Path, meta: dict[str, Any]) -> None:
         ) from e
 
 
-def _check_cover(path: Path, meta: dict[str, Any], read: Any) -> None:
+def _check_cover(
+    path: Path, meta: dict[str, Any], read: Callable[[str, dict[str, Any]], tuple[bytes, int]]
+) -> None:
     """The headers of the shard files (`read(name, entry) -> (bytes from the start, file
     size)`) against the recorded tensors: each chunk fits, and together they tile it once."""
     files: dict[str, Any] = meta["files"]

@@ -225,7 +225,8 @@ def _every_process() -> None:
     every rank waited out the process group's timeout (30 min with gloo). Once per handler, at
     its first vote, through the group's key-value store (no collective, no device sync); a
     key left by an earlier handler or attempt can hide a process without one (the hang as
-    before), never flag a process that has one."""
+    before), never make one that has one look missing. A process that trains alone in a job
+    with a process group (`SingleDevice()`: its vote is no collective) is checked as well."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
     try:
