@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -70,3 +72,34 @@ def test_a_sharded_save_into_a_node_local_root_raises_on_every_rank_and_commits_
     assert "must be one folder that every rank sees" in rank0
     assert rank1.startswith("CheckpointError") and "on another rank" in rank1
     assert ft.latest_checkpoint(tmp_path / "node0" / "run") is None  # nothing committed
+
+
+def test_a_save_meeting_another_writers_save_of_the_same_step_commits_without_error(
+    tmp_path, monkeypatch
+):
+    """A requeued job beside its predecessor (both resumed from one checkpoint) saves the same
+    steps: the other writer published `step-N` between this save's look and its rename, the
+    rename met a folder in place, and the save, whole, raised CheckpointError. Now it moves the
+    other copy aside as a re-save does (the last writer's copy stays)."""
+    import os
+
+    from ftrain.checkpoint import _io
+
+    mine = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd()).replace(step=4)
+    other = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd()).replace(step=4)
+    theirs = ft.save_checkpoint(other, tmp_path / "other")
+    rename, raced = os.rename, []
+
+    def other_writer_first(src, dst):
+        if Path(dst).name == "step-4" and not raced:  # their publish, just before ours
+            raced.append(1)
+            rename(theirs, dst)
+        return rename(src, dst)
+
+    monkeypatch.setattr(_io.os, "rename", other_writer_first)
+    path = ft.save_checkpoint(mine, tmp_path / "run")
+    monkeypatch.undo()
+    assert raced and ft.latest_checkpoint(tmp_path / "run") == path
+    loaded = ft.load_checkpoint(path, ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd()))
+    assert torch.equal(loaded.params["weight"], mine.params["weight"])
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step-4"]  # no leftovers

@@ -127,20 +127,41 @@ def fsync_tree(path: Path) -> None:
             _fsync_file(f)
 
 
-def publish_dir(tmp: Path, final: Path, aside: Path) -> None:
+def publish_dir(tmp: Path, final: Path, aside: Path, *, last_writer_wins: bool = False) -> None:
     """Rename the finished directory `tmp` to `final` durably.
 
     An existing `final` is renamed to `aside` first (a directory cannot be renamed over a
-    non-empty one) and removed afterwards.
+    non-empty one) and removed afterwards. With `last_writer_wins` (a checkpoint: another
+    writer of the run folder, a requeued job beside its predecessor saving the same steps, may
+    publish `final` or rotate it away between the look and the rename) it looks again, and
+    the last writer's copy stays; without, a `final` published meanwhile raises.
     """
     fsync_dir(tmp)
-    if final.exists():
-        os.rename(final, aside)
-        os.rename(tmp, final)
-        shutil.rmtree(aside, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
+    for attempt in range(_PUBLISH_TRIES if last_writer_wins else 1):
+        moved = False
+        if final.exists():
+            with contextlib.suppress(FileNotFoundError):  # rotated away meanwhile
+                os.rename(final, aside)
+                moved = True
+        try:
+            os.rename(tmp, final)
+        except OSError as e:
+            raced = e.errno in (errno.ENOTEMPTY, errno.EEXIST)
+            if raced and last_writer_wins and attempt + 1 < _PUBLISH_TRIES:
+                if moved:  # published meanwhile: the copy set aside is superseded
+                    shutil.rmtree(aside, ignore_errors=True)
+                continue
+            if moved:
+                with contextlib.suppress(OSError):
+                    os.rename(aside, final)  # put the earlier copy back
+            raise
+        if moved:
+            shutil.rmtree(aside, ignore_errors=True)
+        break
     fsync_dir(final.parent)
+
+
+_PUBLISH_TRIES = 3
 
 
 def write_atomically(

@@ -439,7 +439,7 @@ def _seal(tmp: Path, root: Path, staged: L.Contents, files: list[str], *, checks
     _after_every_commit(tmp / L.COMMIT_FILE, root)
     final = _step_dir(root, staged.step)
     # Re-saving a step moves the old copy aside into a temporary name first.
-    publish_dir(tmp, final, root / _tmp_name(f"replaced-{final.name}"))
+    publish_dir(tmp, final, root / _tmp_name(f"replaced-{final.name}"), last_writer_wins=True)
 
 
 def _after_every_commit(marker: Path, root: Path) -> None:
