@@ -95,3 +95,15 @@ def test_the_step_a_group_restored_from_is_not_reported_again(tmp_path, fake_wor
     assert reports == []
     ray_ft.save_and_report(_state(8), tmp_path)
     assert reports == [{"step": 8}]
+
+
+def test_a_new_fit_in_the_same_process_starts_its_steps_afresh_after_restore(tmp_path, fake_worker):
+    """Ray's local mode (num_workers=0) runs each fit in the driver process: after a fit that
+    reported step 5, the next fit's step 1 is not a re-report (`restore` starts the run)."""
+    from ftrain.extras import ray as ray_ft
+
+    reports, _ = fake_worker
+    ray_ft.save_and_report(_state(5), tmp_path)
+    state = ray_ft.restore(_state(0))  # the next fit: nothing to restore
+    ray_ft.save_and_report(state.replace(step=1), tmp_path / "next")
+    assert reports == [{"step": 5}, {"step": 1}]

@@ -421,6 +421,9 @@ def restore(
     """
     train = require_ray()
     _in_worker(train, "restore")
+    # The run starts here: a new `fit` in this process (Ray's local mode, num_workers=0, runs
+    # every fit in the driver) has reported nothing yet, whatever an earlier one did.
+    STATE.ray_reported = None
     checkpoint = train.get_checkpoint()
     if checkpoint is None:
         return state
