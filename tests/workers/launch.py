@@ -49,6 +49,7 @@ PRELOAD = [
     "transformers.models.llama.modeling_llama",
     "launch",  # this module: each rank runs `_rank` from it (and it imports pytest)
     "helpers",
+    "agree_workers",
     "dist_fail",
     "dist_workers",
     "ckpt_save_workers",
