@@ -230,10 +230,12 @@ def _from_the_start(
     is the training loop's own iterator as far as anything can tell (evaluation data is read
     without the state: `make_batches(val, batch_size=..., shuffle=False)`): evaluating over it
     read the epoch the loop was about to train on, and the loop then trained on nothing.
-    Groups collected as such (a list, a deque of recent training groups, the step's own group)
-    are what they are meant to be."""
+    Groups collected as such (a list, a deque or another container of recent training groups,
+    the step's own group) are what they are meant to be."""
     first = resumed_at(batches)
-    if first is None and not isinstance(batches, (list, tuple, MicroBatches)):
+    # Only an iterator can be the loop's (make_batches' own, an islice or a generator over
+    # it); a container (a deque of recent groups) holds groups collected as such.
+    if first is None and isinstance(batches, Iterator):
         it = iter(batches)
         head: Any = next(it, _NOTHING)
         if isinstance(head, MicroBatches) and _at_the_cursor(head, state):
@@ -360,7 +362,7 @@ def evaluate(
     _check_args(state, batches, loss_fn, metrics_fn, perplexity, strategy)
     strategy = state.strategy if strategy is None else strategy
     counted = _check_batch_count(batches, strategy, "evaluate")
-    lock = Lockstep.for_forwards(batches, strategy, "evaluate", counted=counted)
+    lock = Lockstep.for_forwards(batches, strategy, "evaluate", counted=counted, model=state.model)
     # Without collectives in the forwards (DDP: but its first, which the rank has run once it
     # has read a batch), a rank that fails on a batch joins the others' one collective at the
     # end with its error, and every rank raises.
@@ -512,7 +514,13 @@ class Lockstep:
 
     @classmethod
     def for_forwards(
-        cls, batches: Iterable[Any], strategy: Strategy, caller: str, *, counted: bool
+        cls,
+        batches: Iterable[Any],
+        strategy: Strategy,
+        caller: str,
+        *,
+        counted: bool,
+        model: nn.Module,
     ) -> Lockstep | None:
         """The lockstep `evaluate` and `predict` need, unless every process is known to have
         as many batches (`counted`: `_check_batch_count`) or there is one process.
@@ -521,7 +529,10 @@ class Lockstep:
         length is not known before it runs. Under DDP, before the first batch only: its first
         forward after a training step broadcasts the module's buffers from rank 0 (a rank that
         had no batch never joined it); after that its forwards run no collective, and the
-        ranks may read other numbers of batches."""
+        ranks may read other numbers of batches; none where its next forward runs no
+        collective (`next_forward_collective`: a module without buffers, or a forward since
+        the last training step), so that a rank predicting alone (`gather=False` on rank 0)
+        does not wait for the others."""
         if counted or not several_processes():
             return None
         if forward_collectives(strategy):
@@ -531,6 +542,9 @@ class Lockstep:
             )
             return cls(strategy, caller, why)
         if strategy.world_size == 1:
+            return None
+        next_collective = getattr(strategy, "next_forward_collective", None)
+        if callable(next_collective) and not next_collective(model):
             return None
         why = (
             "the ranks' first forward is a collective (DDP broadcasts the module's buffers from "
@@ -923,7 +937,7 @@ def predict(
     # lengths on other processes paired one call's batches with the next call's, then hung.
     gathering = gather and strategy.world_size > 1
     counted = _check_batch_count(batches, strategy, "predict", paired=True if gathering else None)
-    lock = Lockstep.for_forwards(batches, strategy, "predict", counted=counted)
+    lock = Lockstep.for_forwards(batches, strategy, "predict", counted=counted, model=model)
     # Gathering without collectives in the forward (DDP, after its first): the names check of
     # each batch's gather is where the ranks agree that each has a batch and none failed on
     # its own (a rank that raised, or ran out, left the others waiting in it), and once more at

@@ -11,6 +11,7 @@ given to evaluate at the epoch's start is a one-process matter, at the end."""
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 from pathlib import Path
@@ -110,6 +111,15 @@ def test_no_batches_on_one_rank_of_an_ungathered_predict_fails_fast(ranks):
     mine, theirs = _errors(ranks, "empty-predict-ddp-iter-local")
     assert "predict got no batches on this process" in mine
     assert "while this process (rank 1) had some" in theirs
+
+
+def test_a_rank_predicting_alone_without_a_collective_forward_waits_for_no_one(ranks):
+    """Rank 0 predicts alone (gather=False) under DDP with a model without buffers, whose
+    forwards run no collective: the agreement before the first batch (for DDP's buffer
+    broadcast) left it waiting for rank 1 until the backend's timeout."""
+    got = [r["alone-predict-ddp"] for r in ranks]
+    assert [g.get("got") for g in got] == [2, 0], got
+    assert got[0]["seconds"] < FAST_S, got
 
 
 @pytest.mark.parametrize("case", ["none-evaluate-ddp", "none-predict-ddp", "none-generate-ddp",
@@ -267,6 +277,20 @@ def test_evaluation_data_read_without_the_state_is_let_be_at_the_epochs_start():
     assert ft.evaluate(state, groups)["eval_items"] == 16.0
     assert ft.evaluate(state, groups[0])["eval_items"] == 8.0
     for micro in ft.make_batches(ROWS, state, batch_size=2, accum=2):  # the loop trains on all
+        grads, stats = ft.accumulate_grads(state, micro)
+        state, _ = ft.clip_and_step(state, grads, stats=stats, lr=0.0)
+    assert state.data.cursor == 4
+
+
+def test_a_deque_of_recent_groups_is_evaluated_at_the_epochs_start():
+    """A deque of the loop's recent groups, the newest the step's own, evaluated before the
+    step trains on it: at step 0 (cursor 0) the refusal of the loop's iterator took the deque
+    for it. Only an iterator can be the loop's."""
+    state = _state()
+    recent: collections.deque = collections.deque(maxlen=2)
+    for micro in ft.make_batches(ROWS, state, batch_size=2, accum=2):
+        recent.append(micro)
+        assert ft.evaluate(state, recent)["eval_items"] == 8.0 * len(recent)
         grads, stats = ft.accumulate_grads(state, micro)
         state, _ = ft.clip_and_step(state, grads, stats=stats, lr=0.0)
     assert state.data.cursor == 4

@@ -96,6 +96,15 @@ class DDP(ProcessGroupStrategy):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return uncompiled(model.module if isinstance(model, DistributedDataParallel) else model)
 
+    def next_forward_collective(self, model: nn.Module) -> bool:
+        """Whether `model`'s next forward runs a collective: DDP broadcasts the module's
+        buffers from rank 0 before the first forward after a training one (`broadcast_buffers`,
+        its default, and a module that has buffers); the forwards after it run none. `evaluate`
+        and `predict` agree over the ranks before such a forward only (a rank with no batch
+        never joined it; one predicting alone without it must not wait for the others)."""
+        model = uncompiled(model)
+        return isinstance(model, DistributedDataParallel) and bool(model.will_sync_module_buffers())
+
     def clone_model(self, model: nn.Module) -> nn.Module:
         # Collective (DDP broadcasts parameters when it wraps): every rank must snapshot together.
         return self.setup(copy.deepcopy(self.unwrap(model)))

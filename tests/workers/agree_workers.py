@@ -161,6 +161,30 @@ def advantages(rank: int, what: str, kind: str) -> Any:
     return fn(rewards, 2, strategy=strategy).tolist()
 
 
+class _Bufferless(torch.nn.Module):
+    """A model without buffers: DDP's forwards run no collective (none broadcasts buffers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 4)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.emb(input_ids)
+
+
+def alone(rank: int) -> Any:
+    """Rank 0 predicts alone under DDP (`gather=False`, the rank-0 predict of docs/data.md)
+    with a model without buffers; rank 1 does not predict. Nothing pairs the ranks."""
+    strategy = _STRATEGIES.setdefault("ddp", ft.strategies.from_env("ddp"))
+    state = ft.TrainState.create(_Bufferless(), ft.optim.sgd(), seed=3, strategy=strategy)
+    if rank != 0:
+        return 0
+    outputs = ft.predict(
+        state, [_batch(k) for k in range(2)], lambda m, b: {"e": m(b["input_ids"])}, gather=False
+    )
+    return sum(len(b["e"]) for b in outputs)
+
+
 def agreements(rank: int, call: str, kind: str, form: str) -> Any:
     """How many agreement collectives (beyond the call's own) an even call runs: `form` is
     "made" (make_batches(..., strategy=...), whose groups every process agreed on), "iter" (a
@@ -210,6 +234,7 @@ CASES: dict[str, Callable[[int], Any]] = {
         for form in ("iter", "list")
     },
     "empty-predict-ddp-iter-local": lambda r: empty(r, "predict", "ddp", "iter", gather=False),
+    "alone-predict-ddp": alone,
     **{f"none-{call}-ddp": (lambda r, call=call: none_at_all(r, call, "ddp")) for call in CALLS},
     "none-evaluate-fsdp": lambda r: none_at_all(r, "evaluate", "fsdp"),
     **{
