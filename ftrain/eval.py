@@ -173,7 +173,16 @@ def read_batches(
     a lock, or where it does not agree, `check` runs as it comes."""
     strategy = lock.strategy if lock is not None else strategy
     agreed = False  # whether the last item was a group every process has as many batches of
-    for item in _from_the_start(batches, caller, state):
+    items = _from_the_start(batches, caller, state)
+    while True:
+        try:
+            item = next(items, _NOTHING)
+        except Exception as e:  # reading this process's batches failed: every process raises
+            if lock is not None and lock.wanted(False):  # (the others wait in the agreement)
+                lock.agree(True, e)
+            raise
+        if item is _NOTHING:
+            break
         if ordered and isinstance(item, MicroBatches) and _shuffled(item.position):
             raise ValueError(
                 f"{caller}: make_batches shuffled these rows (shuffle=True, its default), so the "

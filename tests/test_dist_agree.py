@@ -122,6 +122,18 @@ def test_a_rank_predicting_alone_without_a_collective_forward_waits_for_no_one(r
     assert got[0]["seconds"] < FAST_S, got
 
 
+@pytest.mark.parametrize("call", ["evaluate", "predict"])
+def test_an_iterator_that_fails_on_one_rank_under_fsdp_fails_every_rank(ranks, call):
+    """Rank 1's iterator raised while reading its second batch: rank 1 raised at once and
+    rank 0 waited in the agreement before that batch until the backend's timeout (a process
+    that stays up: a notebook, a retrying job). Rank 1 joins the agreement with its error."""
+    got = [r[f"reading-fails-{call}-fsdp"] for r in ranks]
+    assert got[1]["type"] == "OSError" and "rank 1's data went away" in got[1]["error"], got
+    assert got[0]["type"] == "ValueError", got[0]
+    assert got[0]["error"].startswith(f"{call}: 1 of the 2 processes failed on their batch")
+    assert all(g["seconds"] < FAST_S for g in got), got
+
+
 @pytest.mark.parametrize("case", ["none-evaluate-ddp", "none-predict-ddp", "none-generate-ddp",
                                   "none-evaluate-fsdp"])  # fmt: skip
 def test_no_batches_on_any_rank_keeps_the_one_process_message(ranks, case):

@@ -161,6 +161,19 @@ def advantages(rank: int, what: str, kind: str) -> Any:
     return fn(rewards, 2, strategy=strategy).tolist()
 
 
+def reading_fails(rank: int, call: str) -> Any:
+    """Under FSDP, rank 1's iterator raises while reading its second batch (a file gone, a
+    broken generator); rank 0 has 3 batches."""
+
+    def batches() -> Any:
+        yield _batch(0)
+        if rank == 1:
+            raise OSError("rank 1's data went away")
+        yield from (_batch(k) for k in (1, 2))
+
+    return CALLS[call](_state("fsdp"), batches())
+
+
 class _Bufferless(torch.nn.Module):
     """A model without buffers: DDP's forwards run no collective (none broadcasts buffers)."""
 
@@ -235,6 +248,8 @@ CASES: dict[str, Callable[[int], Any]] = {
     },
     "empty-predict-ddp-iter-local": lambda r: empty(r, "predict", "ddp", "iter", gather=False),
     "alone-predict-ddp": alone,
+    "reading-fails-evaluate-fsdp": lambda r: reading_fails(r, "evaluate"),
+    "reading-fails-predict-fsdp": lambda r: reading_fails(r, "predict"),
     **{f"none-{call}-ddp": (lambda r, call=call: none_at_all(r, call, "ddp")) for call in CALLS},
     "none-evaluate-fsdp": lambda r: none_at_all(r, "evaluate", "fsdp"),
     **{
