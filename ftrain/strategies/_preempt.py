@@ -12,14 +12,12 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-import time
 from collections import deque
 from collections.abc import Iterable
 from types import FrameType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ftrain.process_state import STATE
 
@@ -46,7 +44,6 @@ class Preemption(contextlib.AbstractContextManager["Preemption"]):
         self._seen: deque[tuple[torch.Tensor, Any]] = deque(maxlen=2)
         self._previous: dict[signal.Signals, Any] = {}
         self._off_cadence: int | None = None  # the step of the last should_save, if off cadence
-        self._joined = False  # whether the first vote checked that every process installed one
 
     def __repr__(self) -> str:
         names = ", ".join(s.name for s in self.signals)
@@ -56,12 +53,7 @@ class Preemption(contextlib.AbstractContextManager["Preemption"]):
         self.received = True  # only a flag: the step in flight finishes, the loop saves
 
     def local_flag(self, device: torch.device) -> torch.Tensor:
-        """This rank's vote as a float64 vector of one, for the step's all-reduce.
-
-        The first vote checks that every process installed a handler (`_every_process`)."""
-        if not self._joined:
-            self._joined = True
-            _every_process()
+        """This rank's vote as a float64 vector of one, for the step's all-reduce."""
         # A non-blocking host-to-device copy is no sync (a no-op on the CPU).
         return torch.tensor([float(self.received)], dtype=torch.float64).to(
             device, non_blocking=True
@@ -136,10 +128,9 @@ def on_preemption(
                 if state.step >= total or preempt.requested:
                     break
 
-    Call it in the main thread (Python runs signal handlers there), before the loop, on every
-    rank: the first vote raises a `RuntimeError` on a rank whose peers installed none (the
-    vote is a collective only ranks with a handler join). One handler is active at a time.
-    `close()` (or leaving a `with` block) restores the previous handlers.
+    Call it in the main thread (Python runs signal handlers there), before the loop; one
+    handler is active at a time. `close()` (or leaving a `with` block) restores the previous
+    handlers.
 
     Args:
         signals: the signals that mean "you are about to be killed".
@@ -210,43 +201,6 @@ def _checked(signals: Iterable[signal.Signals]) -> tuple[signal.Signals, ...]:
             "on_preemption handles; drop it from signals"
         )
     return sigs
-
-
-# How long the first vote waits for every process to reach its own first vote. The built-in
-# strategies run collectives in the forward and backward before it, so those that installed a
-# handler arrive together; only a process without one never does.
-INSTALL_WAIT_S = 60.0
-_KEY = "ftrain/preemption-installed"
-
-
-def _every_process() -> None:
-    """Raise unless every process of the job installed a handler: the vote is a collective
-    that only processes with one join, so the others' next collective met it instead and
-    every rank waited out the process group's timeout (30 min with gloo). Once per handler, at
-    its first vote, through the group's key-value store (no collective, no device sync); a
-    key left by an earlier handler or attempt can hide a process without one (the hang as
-    before), never make one that has one look missing. A process that trains alone in a job
-    with a process group (`SingleDevice()`: its vote is no collective) is checked as well."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    try:
-        store = dist.distributed_c10d._get_default_store()
-    except (AttributeError, RuntimeError, ValueError):  # a group without a store: no check
-        return
-    rank, world = dist.get_rank(), dist.get_world_size()
-    store.set(f"{_KEY}/{rank}", "1")
-    keys = [f"{_KEY}/{r}" for r in range(world)]
-    deadline = time.monotonic() + INSTALL_WAIT_S
-    while not store.check(keys):
-        if time.monotonic() > deadline:
-            missing = [r for r in range(world) if not store.check([f"{_KEY}/{r}"])]
-            raise RuntimeError(
-                f"on_preemption() is installed on this process (rank {rank}) but rank(s) "
-                f"{missing} of {world} reached no vote within {INSTALL_WAIT_S:g} s: the "
-                "preemption vote is a collective that only processes with a handler join, so "
-                "install it on every rank (before the loop) or on none"
-            )
-        time.sleep(0.01)
 
 
 def active() -> Preemption | None:

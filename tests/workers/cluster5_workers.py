@@ -1,16 +1,15 @@
 """Ranks for tests/test_*_cluster5.py: runs staged through ftrain.extras.ray with Ray's worker
-API faked (no cluster), and the preemption handler installed on some ranks only."""
+API faked (no cluster)."""
 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import torch
 
 import ftrain as ft
-from helpers import ragged_rows, rank_env, tiny_llama
+from helpers import rank_env, tiny_llama
 
 
 def ray_fallback_save(rank: int, world: int, port: int, root: str, seed: int, out: str) -> None:
@@ -35,31 +34,6 @@ def ray_fallback_save(rank: int, world: int, port: int, root: str, seed: int, ou
         path = ray_ft.save_and_report(state.replace(step=3), root)
         weight = state.params["weight"].tolist()
     Path(f"{out}.{rank}").write_text(json.dumps({"path": str(path), "weight": weight}))
-
-
-def preempt_on_rank_0_only(rank: int, world: int, port: int, out: str) -> None:
-    """Rank 0 installs the preemption handler, rank 1 does not; both train a few steps."""
-    from ftrain.strategies import _preempt
-
-    _preempt.INSTALL_WAIT_S = 3.0  # the first vote's wait for the other processes
-    rank_env(rank, world, port)
-    started, preempt = time.monotonic(), None
-    try:
-        with ft.strategies.from_env("ddp") as strategy:
-            preempt = ft.strategies.on_preemption() if rank == 0 else None
-            state = ft.TrainState.create(tiny_llama(), ft.optim.sgd(), strategy=strategy)
-            for micro in ft.make_batches(ragged_rows(16), state, batch_size=2, accum=2):
-                grads, stats = ft.accumulate_grads(state, micro)
-                state, _ = ft.clip_and_step(state, grads, stats=stats, lr=1e-3)
-                if state.step >= 2:
-                    break
-    except Exception as e:
-        took = time.monotonic() - started
-        Path(f"{out}.{rank}").write_text(json.dumps([type(e).__name__, str(e), took]))
-        raise
-    finally:
-        if preempt is not None:
-            preempt.close()
 
 
 def fsdp_reshard(rank: int, world: int, port: int, src: str, dst: str) -> None:
