@@ -103,3 +103,64 @@ def test_a_save_meeting_another_writers_save_of_the_same_step_commits_without_er
     loaded = ft.load_checkpoint(path, ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd()))
     assert torch.equal(loaded.params["weight"], mine.params["weight"])
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step-4"]  # no leftovers
+
+
+def _resave_killed(root: str, killed_at: str) -> None:
+    """A process re-saving step 5 of `root`, killed (os._exit) at `killed_at`."""
+    import os
+
+    from ftrain.checkpoint import _io
+
+    rename = os.rename
+    torch.manual_seed(1)
+    new = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd()).replace(step=5)
+
+    def rename_then_die(src, dst):
+        rename(src, dst)
+        if Path(src).name == "step-5":  # the committed copy moved aside
+            os._exit(9)
+
+    def die(path, *args, **kwargs):
+        os._exit(9)
+
+    if killed_at == "moving the old copy aside":
+        _io.os.rename = rename_then_die
+    else:
+        _io.shutil.rmtree = die
+    ft.save_checkpoint(new, root, keep_last=1)  # (where folders are swapped, no rename kills)
+    os._exit(0)
+
+
+@pytest.mark.parametrize("killed_at", ["moving the old copy aside", "removing the old copy"])
+def test_a_resave_killed_midway_leaves_a_loadable_checkpoint_of_the_step(tmp_path, killed_at):
+    """Re-saving a step (a requeued job's predecessor saving the steps its successor saved, a
+    final save at a saved step) moved the committed `step-N` aside, then renamed the new copy
+    in: a process killed between the two left only temporaries, which the next save's sweep
+    removed, and with keep_last=1 no checkpoint at all. Where the system swaps two folders in
+    one step (Linux), the old and new copies are swapped: `step-N` exists at every instant."""
+    import multiprocessing
+
+    from ftrain.checkpoint import _io
+
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    if not _io._exchange(tmp_path / "a", tmp_path / "b"):
+        pytest.skip("no atomic directory swap on this system")
+    root = tmp_path / "run"
+    torch.manual_seed(0)
+    old = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd()).replace(step=5)
+    ft.save_checkpoint(old, root, keep_last=1)
+    child = multiprocessing.get_context("fork").Process(
+        target=_resave_killed, args=(str(root), killed_at)
+    )
+    child.start()
+    child.join(60)
+    assert child.exitcode in (0, 9)  # killed, or saved without the rename that kills
+    path = ft.latest_checkpoint(root)
+    assert path is not None and Path(path).name == "step-5"
+    fresh = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+    loaded = ft.load_checkpoint(path, fresh)  # a whole copy, the old or the new one
+    torch.manual_seed(1)
+    new = torch.nn.Linear(2, 1).weight
+    assert torch.equal(loaded.params["weight"], old.params["weight"]) or torch.equal(
+        loaded.params["weight"], new
+    )

@@ -8,6 +8,7 @@ offsets, dtypes) first, and nothing is ever unpickled.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import hashlib
 import json
@@ -135,9 +136,18 @@ def publish_dir(tmp: Path, final: Path, aside: Path, *, last_writer_wins: bool =
     writer of the run folder, a requeued job beside its predecessor saving the same steps, may
     publish `final` or rotate it away between the look and the rename) it looks again, and
     the last writer's copy stays; without, a `final` published meanwhile raises.
+
+    Where the system can (Linux: `renameat2(RENAME_EXCHANGE)`), an existing `final` is swapped
+    with `tmp` in one step instead, so that at no instant is there no `final`: a process killed
+    between the two renames (a requeued job's predecessor re-saving a step) left only
+    temporaries, which the next save's sweep removed, and no checkpoint of that step.
     """
     fsync_dir(tmp)
     for attempt in range(_PUBLISH_TRIES if last_writer_wins else 1):
+        if final.exists() and _exchange(tmp, final):  # `tmp` holds the earlier copy now
+            fsync_dir(final.parent)
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
         moved = False
         if final.exists():
             with contextlib.suppress(FileNotFoundError):  # rotated away meanwhile
@@ -162,6 +172,31 @@ def publish_dir(tmp: Path, final: Path, aside: Path, *, last_writer_wins: bool =
 
 
 _PUBLISH_TRIES = 3
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the directories `a` and `b` atomically (Linux's `renameat2` with
+    `RENAME_EXCHANGE`); False where the C library, kernel or file system cannot, or `b` is
+    gone (the caller then renames in two steps)."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # not Linux, or a C library older than glibc 2.28
+        return False
+    renameat2.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
+    renameat2.restype = ctypes.c_int
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOENT, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
 
 
 def write_atomically(
