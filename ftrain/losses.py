@@ -608,6 +608,13 @@ def padded_as_model(model: nn.Module, batch: Any) -> Any:
     mask declares is padding to the model too. Unchanged without a pad id, an `input_ids` and
     2-D `attention_mask` of one shape, or padding.
 
+    For a sequence classifier (`loss_for(model)` is `classification_loss`) left-padded rows are
+    also right-aligned: each row's leading padding moves to its end, in every tensor of the
+    mask's shape but `labels` (on the device, no host sync). An encoder's classifier (BERT,
+    RoBERTa, DistilBERT, DeBERTa, ALBERT, ELECTRA, ...) pools its first token, [CLS], which a
+    left-padded row has moved right: it classified the row from a pad, as HF's own loss does.
+    A right-padded batch keeps its values.
+
     Example:
         >>> import torch, ftrain as ft
         >>> from transformers import LlamaConfig, LlamaForSequenceClassification
@@ -628,9 +635,35 @@ def padded_as_model(model: nn.Module, batch: Any) -> Any:
     cfg = _config(model)
     text = getattr(cfg, "get_text_config", None)
     pad = getattr(text() if callable(text) else cfg, "pad_token_id", None)
-    if not isinstance(pad, int) or isinstance(pad, bool):
-        return batch
-    return {**batch, "input_ids": ids.masked_fill(mask == 0, pad)}
+    if isinstance(pad, int) and not isinstance(pad, bool):
+        batch = {**batch, "input_ids": ids.masked_fill(mask == 0, pad)}
+    return _right_aligned(batch, mask) if _sequence_classifier(model) else batch
+
+
+def _sequence_classifier(model: nn.Module) -> bool:
+    """Whether the default loss of `model` is `classification_loss` (looked up once per model)."""
+    try:
+        return _defaults(model)[0] is _CLASSIFY
+    except TypeError:  # a module of your own, or a decoder the default loss refuses
+        return False
+
+
+def _right_aligned(batch: Mapping[str, Any], mask: torch.Tensor) -> dict[str, Any]:
+    """`batch` with each row's leading padding (`mask` 0) moved to its end: every tensor whose
+    first two dimensions are the mask's (`input_ids`, `attention_mask`, `token_type_ids`,
+    `inputs_embeds`, LayoutLM's `bbox`, ...) but `labels`, rolled left by the row's leading
+    padding. On the device, no host sync; a right-padded batch is gathered in its own order
+    (the same values). An encoder's classifier pools its first token ([CLS]: BERT, RoBERTa,
+    DistilBERT, DeBERTa, ...), a pad in a left-padded row, and HF reads it so."""
+    n = mask.shape[1]
+    lead = mask.logical_not().cumprod(1).sum(1, keepdim=True)  # each row's leading padding
+    index = (torch.arange(n, device=mask.device) + lead).remainder(n)
+    out = dict(batch)
+    for key, value in batch.items():
+        if key != "labels" and isinstance(value, torch.Tensor) and value.shape[:2] == mask.shape:
+            at = index.view(*index.shape, *(1,) * (value.dim() - 2)).expand_as(value)
+            out[key] = value.gather(1, at)
+    return out
 
 
 _PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")

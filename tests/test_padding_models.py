@@ -1,0 +1,93 @@
+"""Left padding with the model types whose outputs change with it: encoders' sequence
+classifiers (first-token pooling), positions that ignore the mask, and the decoders that take
+no position_ids (BART's family as causal LMs, RWKV)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
+
+import ftrain as ft
+
+TINY = dict(
+    num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+    vocab_size=64, max_position_embeddings=64, embedding_size=32, dim=32, hidden_dim=64,
+    n_heads=4, n_layers=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.0, classifier_dropout=0.0,
+)  # fmt: skip
+ROWS = [[5, 6, 7, 8, 9], [10, 11, 12]]
+
+
+def tiny(model_type: str, auto, *, pad: int = 0, **extra):
+    cfg = AutoConfig.for_model(model_type)
+    for key, value in {**TINY, **extra}.items():
+        if hasattr(cfg, key):
+            setattr(cfg, key, value)
+    cfg.pad_token_id, cfg.num_labels = pad, 3
+    torch.manual_seed(0)
+    return auto.from_config(cfg).eval()
+
+
+def padded(rows, *, side: str, pad: int = 0, labels=None) -> dict:
+    n = max(map(len, rows))
+    ids, mask = [], []
+    for row in rows:
+        fill = [pad] * (n - len(row))
+        ids.append(fill + row if side == "left" else row + fill)
+        ones, zeros = [1] * len(row), [0] * (n - len(row))
+        mask.append(zeros + ones if side == "left" else ones + zeros)
+    batch = {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
+    if labels is not None:
+        batch["labels"] = torch.tensor(labels)
+    return batch
+
+
+@pytest.mark.parametrize("model_type", ["bert", "distilbert", "roberta", "albert", "electra"])
+def test_a_left_padded_encoder_classifier_reads_its_rows_as_right_padded(model_type):
+    """An encoder's sequence classifier pools [CLS], its first token: in a left-padded row
+    that was a pad, so the loss, the metrics and predict's logits were the pad's (HF's own loss
+    too). They are now those of the right-padded batch."""
+    pad = 1 if model_type == "roberta" else 0
+    model = tiny(model_type, AutoModelForSequenceClassification, pad=pad)
+    right = padded(ROWS, side="right", pad=pad, labels=[0, 2])
+    left = padded(ROWS, side="left", pad=pad, labels=[0, 2])
+    loss_fn = ft.losses.classification_loss()
+    with torch.no_grad():
+        want, n = loss_fn(model, right)
+        got, m = loss_fn(model, left)
+        assert int(n) == int(m) == 2
+        torch.testing.assert_close(got, want)
+        metrics = ft.classification_metrics(model, left)
+        torch.testing.assert_close(metrics["loss"][0], want)
+        alone = [model(input_ids=torch.tensor([r])).logits[0] for r in ROWS]
+        logits = ft.losses.model_logits(model, ft.losses.padded_as_model(model, left))
+    torch.testing.assert_close(logits, torch.stack(alone), atol=1e-5, rtol=1e-4)
+
+
+def test_right_aligning_keeps_a_right_padded_batch_and_moves_every_input_of_the_mask_shape():
+    model = tiny("bert", AutoModelForSequenceClassification)
+    right = {**padded(ROWS, side="right", labels=[0, 2]), "token_type_ids": torch.zeros(2, 5)}
+    out = ft.losses.padded_as_model(model, right)
+    for key in right:
+        assert torch.equal(out[key], right[key]), key
+    left = padded(ROWS, side="left", labels=[[1, 0, 1, 0, 0], [0, 1, 1, 1, 1]])
+    left["token_type_ids"] = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 1, 1, 1]])
+    left["inputs_embeds"] = torch.arange(10.0).reshape(2, 5, 1).expand(2, 5, 3)
+    out = ft.losses.padded_as_model(model, left)
+    assert out["input_ids"].tolist() == [[5, 6, 7, 8, 9], [10, 11, 12, 0, 0]]
+    assert out["attention_mask"].tolist() == [[1] * 5, [1, 1, 1, 0, 0]]
+    assert out["token_type_ids"].tolist() == [[0, 0, 1, 1, 1], [1, 1, 1, 0, 0]]
+    assert out["inputs_embeds"][1, :, 0].tolist() == [7.0, 8.0, 9.0, 5.0, 6.0]
+    assert torch.equal(out["labels"], left["labels"])  # per row: never moved
+
+
+def test_a_token_classifier_is_not_right_aligned():
+    """Its logits line up with its labels, position by position: not moved."""
+    model = tiny("bert", AutoModelForTokenClassification)
+    left = padded(ROWS, side="left")
+    assert torch.equal(ft.losses.padded_as_model(model, left)["input_ids"], left["input_ids"])
