@@ -462,11 +462,15 @@ def _causal_pair(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tens
 # builds a tiny model from its default config (a row left-padded vs alone, then with these
 # positions); the others are invariant already (rotary or ALiBi positions, or positions counted
 # from the mask or the pad id), or take no position_ids (BART's family, RWKV). The backbone is
-# the same under their token and sequence classifiers (BERT's [CLS] moved to position k).
+# the same under their token and sequence classifiers (BERT's [CLS] moved to position k). The
+# encoders without a causal LM (ALBERT, DeBERTa, DistilBERT, ...) were measured the same way over
+# every token-classification type (their right-padded logits bit-for-bit unchanged); MPNet, MRA
+# and Nyströmformer count their positions from an offset, so not from 0, and are left out.
 _MASK_BLIND_POSITIONS = frozenset({
-    "bert", "bert-generation", "big_bird", "biogpt", "ctrl", "electra", "ernie", "git",
-    "gpt-sw3", "gpt2", "gpt_bigcode", "gpt_neo", "megatron-bert", "openai-gpt",
-    "recurrent_gemma", "rembert", "roc_bert", "xglm", "xlm",
+    "albert", "bert", "bert-generation", "big_bird", "biogpt", "ctrl", "deberta", "deberta-v2",
+    "distilbert", "electra", "ernie", "flaubert", "git", "gpt-sw3", "gpt2", "gpt_bigcode",
+    "gpt_neo", "layoutlm", "megatron-bert", "mobilebert", "openai-gpt", "recurrent_gemma",
+    "rembert", "roc_bert", "xglm", "xlm",
 })  # fmt: skip
 
 

@@ -91,3 +91,26 @@ def test_a_token_classifier_is_not_right_aligned():
     model = tiny("bert", AutoModelForTokenClassification)
     left = padded(ROWS, side="left")
     assert torch.equal(ft.losses.padded_as_model(model, left)["input_ids"], left["input_ids"])
+
+
+ENCODERS = ["albert", "deberta", "deberta-v2", "distilbert", "flaubert", "layoutlm", "mobilebert"]
+
+
+@pytest.mark.parametrize("model_type", ENCODERS)
+def test_a_left_padded_encoder_tagger_reads_its_tokens_from_position_0(model_type):
+    """These encoders count positions 0, 1, ... from the row's first slot, padding or not: a
+    left-padded row's tokens were read at shifted positions, so token_classification_loss
+    changed with the rows padded beside it. Positions now come from the mask."""
+    model = tiny(model_type, AutoModelForTokenClassification)
+    labels = [[0, 1, 2, 1, 0], [2, 1, 0, -100, -100]]
+    right = padded(ROWS, side="right", labels=labels)
+    left = padded(ROWS, side="left", labels=[labels[0], [-100, -100, 2, 1, 0]])
+    loss_fn = ft.losses.token_classification_loss()
+    with torch.no_grad():
+        want, n = loss_fn(model, right)
+        got, m = loss_fn(model, left)
+        plain = model(**{k: v for k, v in right.items() if k != "labels"}).logits
+        logits = ft.losses.model_logits(model, right)
+    assert int(n) == int(m) == 8
+    torch.testing.assert_close(got, want)
+    assert torch.equal(logits[0], plain[0]) and torch.equal(logits[1, :3], plain[1, :3])
