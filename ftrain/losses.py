@@ -334,6 +334,8 @@ def _call(model: nn.Module, batch: Mapping[str, Any]) -> Any:
                 inputs["use_cache"] = False
             return model(**inputs)
     inputs = model_inputs(model, batch)
+    if "position_ids" not in inputs:  # (the models `_refuse_left_padding` asks about take none)
+        _refuse_left_padding(model, batch)
     names = _forward_names(model)[0]
     no_cache = names is not None and "use_cache" in names and "use_cache" not in inputs
     keep = tuple(inputs)
@@ -349,6 +351,46 @@ def _call(model: nn.Module, batch: Mapping[str, Any]) -> Any:
 
 
 _PLANS = 64  # batch key sets remembered per model (a dataset of ever new keys stops there)
+
+# HF model types whose causal LM reads a left-padded row differently from the row alone and
+# cannot be given positions: the decoders of BART's family (they count positions from the row's
+# first slot and take no position_ids) and RWKV (its recurrence ignores the attention mask, so
+# the padding flows into its state). Right padding only follows a row's tokens. Measured with
+# transformers 5.24 over every causal-LM type that builds a tiny model from its default config
+# (a row left- and right-padded vs alone); their encoder-decoder models are not refused here.
+_LEFT_PAD_BLIND = frozenset({
+    "bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "mvp",
+    "pegasus", "plbart", "rwkv", "trocr", "whisper",
+})  # fmt: skip
+
+
+def _refuse_left_padding(model: nn.Module, batch: Mapping[str, Any]) -> None:
+    """Raise for a left-padded batch (a row whose `attention_mask` starts with 0) to a causal
+    LM of `_LEFT_PAD_BLIND`: its outputs would change with the padding in front of a row.
+
+    A host sync, for those models only: `_call` asks when it makes a call plan, i.e. on the
+    first micro-batch of each set of batch keys (a tokenizer pads all its batches on one side).
+    """
+    cfg = _config(model)
+    kind = getattr(cfg, "model_type", None)
+    if kind not in _LEFT_PAD_BLIND or getattr(cfg, "is_encoder_decoder", False):
+        return
+    mask = batch.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[1] == 0:
+        return
+    rows = ((mask[:, 0] == 0) & (mask != 0).any(1)).nonzero().flatten().tolist()  # host sync
+    if rows:
+        why = (
+            "its recurrence ignores the attention mask, so the padding flows into its state"
+            if kind == "rwkv"
+            else "it counts positions from the row's first slot and takes no position_ids"
+        )
+        raise ValueError(
+            f"a left-padded batch (row {rows[0]}'s attention_mask starts with 0) to "
+            f"{type(_base_model(model)).__name__} (model_type {kind!r}): {why}, so its "
+            "outputs would change with the padding in front of each row. Pad on the right "
+            "(tokenizer.padding_side = 'right'; ft.pad_collate's default padding_side)"
+        )
 
 
 def _logits_of(out: Any) -> torch.Tensor:

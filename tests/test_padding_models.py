@@ -114,3 +114,52 @@ def test_a_left_padded_encoder_tagger_reads_its_tokens_from_position_0(model_typ
     assert int(n) == int(m) == 8
     torch.testing.assert_close(got, want)
     assert torch.equal(logits[0], plain[0]) and torch.equal(logits[1, :3], plain[1, :3])
+
+
+def _bart_decoder():
+    from transformers import BartConfig, BartForCausalLM
+
+    torch.manual_seed(0)
+    return BartForCausalLM(BartConfig(**BART)).eval()
+
+
+def _rwkv():
+    from transformers import RwkvConfig, RwkvForCausalLM
+
+    torch.manual_seed(0)
+    return RwkvForCausalLM(
+        RwkvConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
+                   intermediate_size=64, context_length=64)
+    ).eval()  # fmt: skip
+
+
+BART = dict(
+    vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+    decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+    max_position_embeddings=64, pad_token_id=0, dropout=0.0,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("build", "why"),
+    [
+        (_bart_decoder, "counts positions from the row's first slot and takes no position_ids"),
+        (_rwkv, "its recurrence ignores the attention mask"),
+    ],
+)
+def test_a_left_padded_batch_to_a_decoder_that_cannot_take_positions_is_refused(build, why):
+    """BART's family's decoders as causal LMs and RWKV read a left-padded row differently from
+    the row alone (no position_ids to give them): the loss changed with the padding, silently.
+    A left-padded batch now raises, naming the model and the fix; right padding trains."""
+    model = build()
+    name = type(model).__name__
+    labels = [[5, 6, 7, 8, 9], [10, 11, 12, -100, -100]]
+    right = padded(ROWS, side="right", labels=labels)
+    left = padded(ROWS, side="left", labels=[labels[0], [-100, -100, 10, 11, 12]])
+    for loss_fn in (ft.losses.causal_lm_loss(), ft.losses.token_classification_loss()):
+        with pytest.raises(ValueError, match=f"left-padded batch .*{name}.*{why}.*padding_side"):
+            loss_fn(model, left)
+    with pytest.raises(ValueError, match="left-padded"):
+        ft.losses.model_logits(model, left)
+    loss, n = ft.losses.causal_lm_loss()(model, right)
+    assert int(n) == 6 and torch.isfinite(loss)
