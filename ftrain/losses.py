@@ -495,7 +495,69 @@ def _causal_pair(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tens
         raise _no_labels(
             batch, "causal_lm_loss needs 'labels' in the batch (use input_ids as labels)"
         )
-    return loss_logits(model, batch), causal_targets(batch)
+    logits, targets = loss_logits(model, batch), causal_targets(batch)
+    if logits.shape[1] != targets.shape[1]:
+        # The last virtual token predicts the first label, as in PEFT's own loss (not from a pad)
+        first = batch["labels"][:, :1]
+        mask = batch.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.shape == batch["labels"].shape:
+            first = first.masked_fill(mask[:, :1] == 0, IGNORE_INDEX)
+        targets = _behind_virtual_tokens(model, logits, targets, first)
+    return logits, targets
+
+
+def _behind_virtual_tokens(
+    model: nn.Module, logits: torch.Tensor, labels: Any, first: torch.Tensor | None = None
+) -> Any:
+    """`labels` behind -100 for the virtual tokens a PEFT prompt-learning adapter (prompt
+    tuning, P-tuning, multitask prompt tuning) puts in front of the inputs, so in front of the
+    logits, as PEFT's own loss puts them (`first` for the last virtual token: a causal LM's
+    first label); unchanged for other models (the loss then names the shapes that do not
+    match). Asked only when the logits and labels differ in length.
+
+    Raises:
+        ValueError: for CPT, whose own loss weights the tokens by their type.
+    """
+    config = getattr(_peft_model(model), "active_peft_config", None)
+    n = getattr(config, "num_virtual_tokens", None)
+    if not getattr(config, "is_prompt_learning", False) or not isinstance(n, int):
+        return labels
+    if not isinstance(labels, torch.Tensor) or logits.shape[1] != labels.shape[1] + n:
+        return labels
+    kind = str(getattr(config.peft_type, "value", config.peft_type))
+    if kind == "CPT":
+        raise ValueError(
+            "a PEFT CPT adapter: its own loss weights the prompt's tokens by their type "
+            "(cpt_tokens_type_mask), which ftrain's built-in losses do not; pass loss_fn=... "
+            "that computes it, e.g. from the model's own .loss"
+        )
+    out = F.pad(labels, (n, 0), value=IGNORE_INDEX)
+    if first is not None:
+        out[:, n - 1 : n] = first
+    return out
+
+
+def _prepends_virtual_tokens(model: nn.Module) -> bool:
+    """Whether `model` holds a PEFT prompt-learning adapter that puts virtual tokens in front of
+    the logits (prompt tuning, P-tuning, ...; prefix tuning puts them in the key/value cache)."""
+    config = getattr(_peft_model(model), "active_peft_config", None)
+    kind = str(getattr(getattr(config, "peft_type", None), "value", None))
+    return bool(getattr(config, "is_prompt_learning", False)) and kind not in _PREFIXES
+
+
+_PREFIXES = ("PREFIX_TUNING", "CARTRIDGE")  # PEFT's prompt learning in the key/value cache
+
+
+def _peft_model(model: nn.Module) -> nn.Module | None:
+    """The PEFT model (one with `active_peft_config`) in `model`'s wrappers, if any."""
+    for _ in range(8):  # wrappers nest a few levels at most
+        if hasattr(type(model), "active_peft_config"):
+            return model
+        inner = next((model._modules[a] for a in _WRAPPED if a in model._modules), None)
+        if not isinstance(inner, nn.Module):
+            return None
+        model = inner
+    return None
 
 
 # HF model types with learned absolute positions that they do not count from the attention
@@ -807,7 +869,10 @@ def _token_pair(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tenso
             "token classifier would lose one label per example; pad its rows instead "
             "(make_batches' default collate)"
         )
-    return loss_logits(model, batch), batch["labels"]
+    logits, labels = loss_logits(model, batch), batch["labels"]
+    if logits.shape[1] != labels.shape[1]:
+        labels = _behind_virtual_tokens(model, logits, labels)
+    return logits, labels
 
 
 def _decoder_inputs(model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
@@ -1124,6 +1189,10 @@ def _defaults(model: nn.Module) -> tuple[LossFn, LossFn]:
     if found is not None:
         return found
     fn = loss_for(model)
+    if fn is _CAUSAL and _prepends_virtual_tokens(model):
+        # Its loss counts a target more a row than the labels alone (the first label, predicted
+        # by the last virtual token): not counted before the forward (`_items_before_forward`).
+        fn = causal_lm_loss()
     counted = (
         _causal_sum if fn is _CAUSAL
         else _token_sum if fn is _TOKENS

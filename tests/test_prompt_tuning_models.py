@@ -1,0 +1,61 @@
+"""PEFT prompt learning (prompt tuning, P-tuning) with ftrain's losses: the adapter puts its
+virtual tokens in front of the inputs, so in front of the logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import PromptEncoderConfig, PromptTuningConfig, TaskType, get_peft_model
+
+import ftrain as ft
+from helpers import ragged_rows, tiny_llama
+
+CONFIGS = {
+    "prompt_tuning": lambda: PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=3),
+    "p_tuning": lambda: PromptEncoderConfig(
+        task_type=TaskType.CAUSAL_LM, num_virtual_tokens=3, encoder_hidden_size=16
+    ),
+}
+
+
+def _prompted(kind: str):
+    return get_peft_model(tiny_llama().double(), CONFIGS[kind]())
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_a_prompt_tuned_causal_lm_trains_on_peft_s_own_loss(kind):
+    """The logits held the virtual tokens' positions too, so ftrain's causal loss failed in
+    torch with a size mismatch. The labels now go behind -100 for them, the last virtual token
+    predicting the first label, as PEFT's own loss: the mean is the model's `.loss`."""
+    model = _prompted(kind)
+    (micro,) = list(ft.make_batches(ragged_rows(4, seed=1), batch_size=4, shuffle=False))
+    batch = micro[0]
+    for loss_fn in (ft.losses.default_loss, ft.losses.causal_lm_loss()):
+        loss, n = loss_fn(model, batch)
+        torch.testing.assert_close(loss / n, model(**batch).loss.double())
+    first = int((batch["labels"][:, 0] != -100).sum())
+    assert int(n) == int((ft.losses.causal_targets(batch) != -100).sum()) + first
+
+
+def test_a_prompt_tuned_causal_lm_s_gradient_is_its_own_loss_s_also_when_counted_first(
+    monkeypatch,
+):
+    """Large models count a step's items before the forward: the first labels the prompt
+    predicts are counted too (it counts after the forward for such a model)."""
+    import ftrain.grads as grads_module
+
+    monkeypatch.setattr(grads_module, "COUNT_FIRST_NUMEL", 1)
+    model = _prompted("prompt_tuning")
+    (micro,) = list(ft.make_batches(ragged_rows(8, seed=2), batch_size=4, accum=2, shuffle=False))
+    state = ft.TrainState.create(model, ft.optim.sgd())
+    grads, stats = ft.accumulate_grads(state, micro)
+    grads = {k: g.clone() for k, g in grads.items()}
+    model.zero_grad()
+    sums = [ft.losses.causal_lm_loss()(model, b) for b in micro]
+    total = sum(int(n) for _, n in sums)
+    assert int(stats.num_items) == total
+    (sum(loss for loss, _ in sums) / total).backward()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (key,) = [k for k in grads if k.endswith(name.split("base_model.")[-1])] or [name]
+            torch.testing.assert_close(grads[key], p.grad, msg=name)
