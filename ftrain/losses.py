@@ -1391,16 +1391,37 @@ def _no_labels(batch: Any, message: str) -> KeyError:
 def loss_name(fn: Callable[..., Any] | None) -> str:
     """The name `evaluate` records as `eval_loss_fn`: `module.qualname` of a loss function.
 
-    None is the default loss. A `functools.partial` and a `counted` loss are named by the
-    function they wrap, and a callable object by its class.
+    None is the default loss. A `functools.partial` is named by the function it wraps, and a
+    callable object by its class. A `counted` loss is named by its sum function, followed by
+    `[items=...]` naming its items function where that has a name of its own (not a lambda):
+    two counts of one sum (per token, per row) give means that `save_checkpoint(best_metric=
+    "eval_loss")` must not rank together, so give each its items function by name (`def`).
 
     Example:
+        >>> import torch, ftrain as ft
         >>> from ftrain.losses import loss_name
         >>> loss_name(None)
         'ftrain.losses.default_loss'
+        >>> def rows(batch):
+        ...     return len(batch[1])
+        >>> loss_name(ft.losses.counted(torch.nn.functional.mse_loss, rows))  # doctest: +ELLIPSIS
+        'torch.nn.functional.mse_loss[items=...rows]'
     """
     fn = default_loss if fn is None else fn
+    items = None
     while isinstance(fn, functools.partial | Counted):
+        if isinstance(fn, Counted):
+            items = fn.items if items is None else items
         fn = fn.func if isinstance(fn, functools.partial) else fn.sum_fn
+    name = _qualified(fn)
+    if items is None or "<lambda>" in _qualified(items):
+        return name  # a lambda has no name of its own: the sum's (stable, as before)
+    return f"{name}[items={_qualified(items)}]"
+
+
+def _qualified(fn: Any) -> str:
+    """`module.qualname` of a function (through partials), else of its class."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
     named = fn if hasattr(fn, "__qualname__") else type(fn)
     return f"{named.__module__}.{named.__qualname__}"
