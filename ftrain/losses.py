@@ -759,16 +759,19 @@ def _sequence_classifier(model: nn.Module) -> bool:
 def _right_aligned(batch: Mapping[str, Any], mask: torch.Tensor) -> dict[str, Any]:
     """`batch` with each row's leading padding (`mask` 0) moved to its end: every tensor whose
     first two dimensions are the mask's (`input_ids`, `attention_mask`, `token_type_ids`,
-    `inputs_embeds`, LayoutLM's `bbox`, ...) but `labels`, rolled left by the row's leading
-    padding. On the device, no host sync; a right-padded batch is gathered in its own order
-    (the same values). An encoder's classifier pools its first token ([CLS]: BERT, RoBERTa,
-    DistilBERT, DeBERTa, ...), a pad in a left-padded row, and HF reads it so."""
+    `inputs_embeds`, LayoutLM's `bbox`, ...) but `labels` and the `decoder_*` inputs, rolled
+    left by the row's leading padding. On the device, no host sync; a right-padded batch is
+    gathered in its own order (the same values). An encoder's classifier pools its first token
+    ([CLS]: BERT, RoBERTa, DistilBERT, DeBERTa, ...), a pad in a left-padded row, and HF reads
+    it so; an encoder-decoder's encoder may count positions from the first slot too."""
     n = mask.shape[1]
     lead = mask.logical_not().cumprod(1).sum(1, keepdim=True)  # each row's leading padding
     index = (torch.arange(n, device=mask.device) + lead).remainder(n)
     out = dict(batch)
     for key, value in batch.items():
-        if key != "labels" and isinstance(value, torch.Tensor) and value.shape[:2] == mask.shape:
+        if key == "labels" or key.startswith("decoder_"):
+            continue  # per row, or the decoder's (an encoder-decoder's)
+        if isinstance(value, torch.Tensor) and value.shape[:2] == mask.shape:
             at = index.view(*index.shape, *(1,) * (value.dim() - 2)).expand_as(value)
             out[key] = value.gather(1, at)
     return out
@@ -961,6 +964,12 @@ def _seq2seq_pair(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Ten
     if "labels" not in batch:
         raise _no_labels(batch, "seq2seq_loss needs 'labels' in the batch")
     labels = batch["labels"]
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        # BART's family, LED, Pegasus-X, BERT2BERT count the encoder's positions from its first
+        # slot, not the mask: a left-padded input was read from its padding on (the decoder's
+        # logits do not line up with the encoder's positions, so moving them changes nothing else)
+        batch = _right_aligned(batch, mask)
     if batch.get("decoder_input_ids") is None and batch.get("decoder_inputs_embeds") is None:
         if STATE.seq2seq_labels_checked.get(model, 0) < _PADDING_CHECKS:
             _check_label_padding(model, labels)

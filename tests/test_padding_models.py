@@ -163,3 +163,30 @@ def test_a_left_padded_batch_to_a_decoder_that_cannot_take_positions_is_refused(
         ft.losses.model_logits(model, left)
     loss, n = ft.losses.causal_lm_loss()(model, right)
     assert int(n) == 6 and torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("model_type", ["bart", "pegasus", "t5"])
+def test_a_left_padded_encoder_input_gives_the_seq2seq_loss_of_right_padding(model_type):
+    """BART's family (and LED, Pegasus-X, BERT2BERT) count the encoder's positions from its
+    first slot: a left-padded input was read from its padding on, so seq2seq_loss changed with
+    the rows padded beside it. The encoder's rows are now right-aligned first (T5's relative
+    positions needed nothing: its loss stays the same)."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    extra = dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                 decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, d_kv=8,
+                 d_ff=64, num_layers=1, num_heads=4, decoder_start_token_id=0)  # fmt: skip
+    if model_type == "t5":
+        from helpers import tiny_t5
+
+        model = tiny_t5().eval()
+    else:
+        model = tiny(model_type, AutoModelForSeq2SeqLM, **extra)
+    labels = [[7, 8, 2], [9, 2, -100]]
+    right = padded(ROWS, side="right", labels=labels)
+    left = padded(ROWS, side="left", labels=labels)
+    with torch.no_grad():
+        want, n = ft.losses.seq2seq_loss()(model, right)
+        got, m = ft.losses.seq2seq_loss()(model, left)
+    assert int(n) == int(m) == 5
+    torch.testing.assert_close(got, want)
