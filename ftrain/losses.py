@@ -524,8 +524,8 @@ def _behind_virtual_tokens(
         return labels
     if not isinstance(labels, torch.Tensor) or logits.shape[1] != labels.shape[1] + n:
         return labels
-    kind = str(getattr(config.peft_type, "value", config.peft_type))
-    if kind == "CPT":
+    peft_type = getattr(config, "peft_type", None)
+    if str(getattr(peft_type, "value", peft_type)) == "CPT":
         raise ValueError(
             "a PEFT CPT adapter: its own loss weights the prompt's tokens by their type "
             "(cpt_tokens_type_mask), which ftrain's built-in losses do not; pass loss_fn=... "

@@ -59,3 +59,33 @@ def test_a_prompt_tuned_causal_lm_s_gradient_is_its_own_loss_s_also_when_counted
         if p.requires_grad:
             (key,) = [k for k in grads if k.endswith(name.split("base_model.")[-1])] or [name]
             torch.testing.assert_close(grads[key], p.grad, msg=name)
+
+
+def test_a_prompt_tuned_tagger_scores_its_own_tokens():
+    """A token classifier's logits hold the virtual tokens too (PEFT's own loss fails on
+    them): the labels line up with the input's tokens behind them."""
+    from helpers import tiny_bert_tagger
+
+    model = get_peft_model(
+        tiny_bert_tagger(), PromptTuningConfig(task_type=TaskType.TOKEN_CLS, num_virtual_tokens=3)
+    )
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "labels": torch.tensor([[1, 2, -100, 3]])}
+    loss, n = ft.losses.default_loss(model, batch)
+    logits = model(input_ids=batch["input_ids"]).logits
+    assert logits.shape[1] == 7 and int(n) == 3
+    want = torch.nn.functional.cross_entropy(logits[0, 3:], batch["labels"][0], reduction="sum")
+    torch.testing.assert_close(loss, want)
+
+
+def test_cpt_is_refused_by_name():
+    """CPT's own loss weights the prompt's tokens by type: no built-in loss computes it."""
+    from peft import CPTConfig
+
+    model = get_peft_model(
+        tiny_llama(),
+        CPTConfig(task_type=TaskType.CAUSAL_LM, cpt_token_ids=[5, 6, 7], cpt_mask=[1, 1, 1],
+                  cpt_tokens_type_mask=[1, 2, 2]),
+    )  # fmt: skip
+    (micro,) = list(ft.make_batches(ragged_rows(2, seed=1), batch_size=2, shuffle=False))
+    with pytest.raises(ValueError, match="a PEFT CPT adapter: its own loss weights"):
+        ft.losses.default_loss(model, micro[0])
