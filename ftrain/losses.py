@@ -1199,9 +1199,8 @@ def _defaults(model: nn.Module) -> tuple[LossFn, LossFn]:
         return found
     fn = loss_for(model)
     if fn is _CAUSAL and _prepends_virtual_tokens(model):
-        # Its loss counts a target more a row than the labels alone (the first label, predicted
-        # by the last virtual token): not counted before the forward (`_items_before_forward`).
-        fn = causal_lm_loss()
+        memo[model] = (fn, _prompted_step_loss)
+        return fn, _prompted_step_loss
     counted = (
         _causal_sum if fn is _CAUSAL
         else _token_sum if fn is _TOKENS
@@ -1227,6 +1226,16 @@ def _defaults(model: nn.Module) -> tuple[LossFn, LossFn]:
 
     memo[model] = (fn, first_step_loss)
     return fn, first_step_loss
+
+
+def _prompted_step_loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The default loss's step for a causal LM under PEFT prompt tuning (`_defaults`). Its
+    count holds a target more a row than the labels alone give (the first label, predicted by
+    the last virtual token), so `_items_before_forward` does not count it ahead: it knows such
+    a model by this function."""
+    if type(batch) is dict and "labels" in batch:
+        return _causal_sum(model, batch)
+    return default_loss(model, batch)
 
 
 def _refuse_preshifted_labels(batch: Any) -> None:
@@ -1373,7 +1382,9 @@ def _items_before_forward(loss_fn: LossFn, batch: Any, model: nn.Module | None =
     if loss_fn is default_loss:
         if model is None:
             return None
-        loss_fn = _defaults(model)[0]
+        loss_fn, step_loss = _defaults(model)
+        if step_loss is _prompted_step_loss:
+            return None
     if loss_fn is _CAUSAL:
         return _label_items(batch, shift=True)
     if loss_fn is _TOKENS or loss_fn is _SEQ2SEQ:

@@ -89,3 +89,13 @@ def test_cpt_is_refused_by_name():
     (micro,) = list(ft.make_batches(ragged_rows(2, seed=1), batch_size=2, shuffle=False))
     with pytest.raises(ValueError, match="a PEFT CPT adapter: its own loss weights"):
         ft.losses.default_loss(model, micro[0])
+
+
+def test_a_prompt_tuned_causal_lm_is_still_refused_by_classification_metrics():
+    """Its default loss stays the causal one (shifted labels): metrics that score logits
+    unshifted refuse it, as for any causal LM."""
+    model = _prompted("prompt_tuning")
+    (micro,) = list(ft.make_batches(ragged_rows(2, seed=1), batch_size=2, shuffle=False))
+    assert ft.losses.loss_for(model) is ft.losses.loss_for(tiny_llama())
+    with pytest.raises(ValueError, match="causal LM or an encoder-decoder"):
+        ft.classification_metrics(model, micro[0])
