@@ -496,7 +496,7 @@ def _causal_pair(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tens
             batch, "causal_lm_loss needs 'labels' in the batch (use input_ids as labels)"
         )
     logits, targets = loss_logits(model, batch), causal_targets(batch)
-    if logits.shape[1] != targets.shape[1]:
+    if logits.shape[1] != targets.shape[-1]:  # ([-1]: 1-D labels of a model of your own)
         # The last virtual token predicts the first label, as in PEFT's own loss (not from a pad)
         first = batch["labels"][:, :1]
         mask = batch.get("attention_mask")
@@ -522,7 +522,9 @@ def _behind_virtual_tokens(
     n = getattr(config, "num_virtual_tokens", None)
     if not getattr(config, "is_prompt_learning", False) or not isinstance(n, int):
         return labels
-    if not isinstance(labels, torch.Tensor) or logits.shape[1] != labels.shape[1] + n:
+    if not isinstance(labels, torch.Tensor) or labels.dim() != 2 or logits.dim() != 3:
+        return labels
+    if logits.shape[1] != labels.shape[1] + n:
         return labels
     peft_type = getattr(config, "peft_type", None)
     if str(getattr(peft_type, "value", peft_type)) == "CPT":
@@ -771,7 +773,8 @@ def _right_aligned(batch: Mapping[str, Any], mask: torch.Tensor) -> dict[str, An
     for key, value in batch.items():
         if key == "labels" or key.startswith("decoder_"):
             continue  # per row, or the decoder's (an encoder-decoder's)
-        if isinstance(value, torch.Tensor) and value.shape[:2] == mask.shape:
+        # (not images: `pixel_values` of 3 channels beside 3 tokens)
+        if isinstance(value, torch.Tensor) and value.dim() <= 3 and value.shape[:2] == mask.shape:
             at = index.view(*index.shape, *(1,) * (value.dim() - 2)).expand_as(value)
             out[key] = value.gather(1, at)
     return out
@@ -873,7 +876,7 @@ def _token_pair(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tenso
             "(make_batches' default collate)"
         )
     logits, labels = loss_logits(model, batch), batch["labels"]
-    if logits.shape[1] != labels.shape[1]:
+    if logits.shape[1] != labels.shape[-1]:  # ([-1]: one label a row, a model of your own's)
         labels = _behind_virtual_tokens(model, logits, labels)
     return logits, labels
 

@@ -99,3 +99,19 @@ def test_a_prompt_tuned_causal_lm_is_still_refused_by_classification_metrics():
     assert ft.losses.loss_for(model) is ft.losses.loss_for(tiny_llama())
     with pytest.raises(ValueError, match="causal LM or an encoder-decoder"):
         ft.classification_metrics(model, micro[0])
+
+
+def test_a_model_of_your_own_with_one_label_a_row_still_takes_the_token_loss():
+    """The length comparison that finds virtual tokens reads no dimension the batch lacks."""
+
+    class Rows(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 4)
+
+        def forward(self, x):
+            return self.linear(x)
+
+    batch = {"x": torch.randn(5, 3), "labels": torch.tensor([0, 1, 2, 3, -100])}
+    _, n = ft.losses.token_classification_loss()(Rows(), batch)
+    assert int(n) == 4
