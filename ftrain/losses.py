@@ -715,8 +715,11 @@ def padded_as_model(model: nn.Module, batch: Any) -> Any:
     id (`pad_collate()`'s default 0, `make_batches`' default collate) were classified from a
     padding position, silently. `classification_loss`, `ft.classification_metrics` and
     `ft.predict` (for sequence classifiers) run the model on this batch, so the padding the
-    mask declares is padding to the model too. Unchanged without a pad id, an `input_ids` and
-    2-D `attention_mask` of one shape, or padding.
+    mask declares is padding to the model too; so does `token_classification_loss`, as
+    RoBERTa's family (RoBERTa, XLM-R, CamemBERT, Longformer, ESM, ...) counts positions from
+    the tokens that are not its pad id (a left-padded row's tokens were read at moved ones).
+    Unchanged without a pad id, an `input_ids` and 2-D `attention_mask` of one shape, or
+    padding.
 
     For a sequence classifier (`loss_for(model)` is `classification_loss`) left-padded rows are
     also right-aligned: each row's leading padding moves to its end, in every tensor of the
@@ -875,7 +878,9 @@ def _token_pair(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tenso
             "token classifier would lose one label per example; pad its rows instead "
             "(make_batches' default collate)"
         )
-    logits, labels = loss_logits(model, batch), batch["labels"]
+    # RoBERTa's family counts positions from the tokens that are not its pad id: padding in
+    # another id (make_batches' default 0) before a row moved its tokens' positions.
+    logits, labels = loss_logits(model, padded_as_model(model, batch)), batch["labels"]
     if logits.shape[1] != labels.shape[-1]:  # ([-1]: one label a row, a model of your own's)
         labels = _behind_virtual_tokens(model, logits, labels)
     return logits, labels

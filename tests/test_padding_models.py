@@ -190,3 +190,21 @@ def test_a_left_padded_encoder_input_gives_the_seq2seq_loss_of_right_padding(mod
         got, m = ft.losses.seq2seq_loss()(model, left)
     assert int(n) == int(m) == 5
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("model_type", ["roberta", "xlm-roberta", "camembert", "esm"])
+def test_a_left_padded_roberta_tagger_padded_in_another_id_reads_its_own_positions(model_type):
+    """RoBERTa's family counts positions from the tokens that are not its pad id (1): padding
+    in make_batches' default id 0 before a row moved its tokens' positions, so the token loss
+    changed with the rows padded beside it. The mask's padding is now the model's pad id."""
+    model = tiny(model_type, AutoModelForTokenClassification, pad=1)
+    labels = [[0, 1, 2, 1, 0], [2, 1, 0, -100, -100]]
+    right = padded(ROWS, side="right", pad=0, labels=labels)
+    left = padded(ROWS, side="left", pad=0, labels=[labels[0], [-100, -100, 2, 1, 0]])
+    loss_fn = ft.losses.token_classification_loss()
+    with torch.no_grad():
+        want, _ = loss_fn(model, right)
+        got, _ = loss_fn(model, left)
+        unchanged = ft.losses.token_classification_loss()(model, right)[0]
+    torch.testing.assert_close(got, want)
+    assert torch.equal(unchanged, want)
