@@ -368,8 +368,10 @@ def _refuse_left_padding(model: nn.Module, batch: Mapping[str, Any]) -> None:
     """Raise for a left-padded batch (a row whose `attention_mask` starts with 0) to a causal
     LM of `_LEFT_PAD_BLIND`: its outputs would change with the padding in front of a row.
 
-    A host sync, for those models only: `_call` asks when it makes a call plan, i.e. on the
-    first micro-batch of each set of batch keys (a tokenizer pads all its batches on one side).
+    A host sync, for those models only: `_call` asks when it has no call plan for the batch,
+    i.e. on the first micro-batch of each set of batch keys of a plain dict (a tokenizer pads
+    all its batches on one side), and on every call for batches that get no plan (not a plain
+    dict, such as HF's `BatchEncoding`, or keys the forward does not take).
     """
     cfg = _config(model)
     kind = getattr(cfg, "model_type", None)
