@@ -756,11 +756,14 @@ def padded_as_model(model: nn.Module, batch: Any) -> Any:
 
 
 def _sequence_classifier(model: nn.Module) -> bool:
-    """Whether the default loss of `model` is `classification_loss` (looked up once per model)."""
+    """Whether the default loss of `model` is `classification_loss`, without PEFT prompt
+    tuning (looked up once per model). Under prompt tuning PEFT passes HF `inputs_embeds`, so a
+    decoder's classifier reads the last position: a left-padded row's own last token."""
     try:
-        return _defaults(model)[0] is _CLASSIFY
+        fn, step_loss = _defaults(model)
     except TypeError:  # a module of your own, or a decoder the default loss refuses
         return False
+    return fn is _CLASSIFY and step_loss is not _prompted_classifier_step
 
 
 def _right_aligned(batch: Mapping[str, Any], mask: torch.Tensor) -> dict[str, Any]:
@@ -1208,9 +1211,10 @@ def _defaults(model: nn.Module) -> tuple[LossFn, LossFn]:
     if found is not None:
         return found
     fn = loss_for(model)
-    if fn is _CAUSAL and _prepends_virtual_tokens(model):
-        memo[model] = (fn, _prompted_step_loss)
-        return fn, _prompted_step_loss
+    if (fn is _CAUSAL or fn is _CLASSIFY) and _prepends_virtual_tokens(model):
+        step = _prompted_step_loss if fn is _CAUSAL else _prompted_classifier_step
+        memo[model] = (fn, step)
+        return fn, step
     counted = (
         _causal_sum if fn is _CAUSAL
         else _token_sum if fn is _TOKENS
@@ -1246,6 +1250,17 @@ def _prompted_step_loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, tor
     if type(batch) is dict and "labels" in batch:
         return _causal_sum(model, batch)
     return default_loss(model, batch)
+
+
+def _prompted_classifier_step(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The default loss's step for a sequence classifier under PEFT prompt tuning
+    (`_defaults`): `classification_loss`; `padded_as_model` knows such a model by this
+    function and leaves its rows where they are (`_sequence_classifier`)."""
+    return (
+        _CLASSIFY(model, batch)
+        if type(batch) is dict and "labels" in batch
+        else (default_loss(model, batch))
+    )
 
 
 def _refuse_preshifted_labels(batch: Any) -> None:

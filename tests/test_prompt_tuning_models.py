@@ -115,3 +115,28 @@ def test_a_model_of_your_own_with_one_label_a_row_still_takes_the_token_loss():
     batch = {"x": torch.randn(5, 3), "labels": torch.tensor([0, 1, 2, 3, -100])}
     _, n = ft.losses.token_classification_loss()(Rows(), batch)
     assert int(n) == 4
+
+
+def test_a_prompt_tuned_decoder_classifier_keeps_its_left_padding():
+    """Under prompt tuning PEFT passes HF inputs_embeds, so a decoder's classifier reads the
+    last position (it cannot find the pad id): a left-padded row's own last token. Its rows are
+    not right-aligned as other sequence classifiers' are (that read a pad)."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         pad_token_id=0, num_labels=3)  # fmt: skip
+    model = get_peft_model(
+        LlamaForSequenceClassification(config).eval(),
+        PromptTuningConfig(task_type=TaskType.SEQ_CLS, num_virtual_tokens=3),
+    )
+    left = {
+        "input_ids": torch.tensor([[5, 6, 7], [0, 8, 9]]),
+        "attention_mask": torch.tensor([[1, 1, 1], [0, 1, 1]]),
+        "labels": torch.tensor([0, 2]),
+    }
+    with torch.no_grad():
+        alone = model(input_ids=torch.tensor([[8, 9]])).logits[0]
+        logits = ft.losses.model_logits(model, ft.losses.padded_as_model(model, left))
+    torch.testing.assert_close(logits[1], alone, atol=2e-3, rtol=0)
