@@ -208,3 +208,20 @@ def test_a_left_padded_roberta_tagger_padded_in_another_id_reads_its_own_positio
         unchanged = ft.losses.token_classification_loss()(model, right)[0]
     torch.testing.assert_close(got, want)
     assert torch.equal(unchanged, want)
+
+
+def test_a_left_padded_bert_classifier_trains_and_evaluates_as_right_padded():
+    """Through the loop's calls (default loss): accumulate_grads' gradients and evaluate's
+    loss of a left-padded batch are those of the right-padded one."""
+    model = tiny("bert", AutoModelForSequenceClassification).double()
+    state = ft.TrainState.create(model, ft.optim.sgd())
+    right = padded(ROWS, side="right", labels=[0, 2])
+    left = padded(ROWS, side="left", labels=[0, 2])
+    want, _ = ft.accumulate_grads(state, [right])
+    want = {k: g.clone() for k, g in want.items()}
+    got, _ = ft.accumulate_grads(state, [left])
+    for k, g in got.items():
+        torch.testing.assert_close(g, want[k], msg=k)
+    assert ft.evaluate(state, [left])["eval_loss"] == pytest.approx(
+        ft.evaluate(state, [right])["eval_loss"], rel=1e-9
+    )
