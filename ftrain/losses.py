@@ -303,8 +303,10 @@ def model_logits(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
     `forward` does not name, plus `use_cache=False` where the forward takes `use_cache` and the
     batch does not set it (no key/value cache; packed rows stay apart), and for HF models whose
     learned positions ignore the attention mask (GPT-2, BERT, ...) `position_ids` counted from
-    the mask when the batch has none (a left-padded row is read as alone). The output's
-    `.logits` (HF models), else its first element when it is a tuple, else the output itself.
+    the mask when the batch has none (a left-padded row is read as alone), and for those that
+    read the pad id (RoBERTa's family, MobileBERT) `input_ids` holding it where the mask says
+    padding. The output's `.logits` (HF models), else its first element when it is a tuple,
+    else the output itself.
 
     Example:
         >>> import torch, ftrain as ft
@@ -582,20 +584,44 @@ _MASK_BLIND_POSITIONS = frozenset({
 })  # fmt: skip
 
 
+# HF model types that read the pad id where the mask says padding: RoBERTa's family counts
+# positions from the tokens that are not its pad id, MobileBERT's trigram embeddings take in the
+# token before a row's first (the pad id's embedding is zero). Padded in another id
+# (make_batches' default 0), a left-padded row was read differently from the row alone.
+# Measured with transformers 5.24 over every token-classification type that builds a tiny model
+# from its default config (a row left-padded in 0 and in the pad id vs alone).
+_PAD_ID_READERS = frozenset({
+    "camembert", "data2vec-text", "esm", "ibert", "longformer", "luke", "markuplm",
+    "mobilebert", "mpnet", "roberta", "roberta-prelayernorm", "xlm-roberta", "xlm-roberta-xl",
+})  # fmt: skip
+_MASK_READERS = _MASK_BLIND_POSITIONS | _PAD_ID_READERS
+
+
 def _with_mask_positions(model: nn.Module, batch: Any) -> Any:
     """`batch` with `position_ids` counted from its `attention_mask` (as HF's `generate` counts
     them) for the model types in `_MASK_BLIND_POSITIONS`, so that a left-padded row is read
     from position 0, as alone; at a right-padded row's tokens they are its usual positions.
-    Unchanged for other models and for a batch that holds position_ids or no 2-D mask."""
+    For the types in `_PAD_ID_READERS`, `input_ids` hold the model's pad id where the mask says
+    padding. Unchanged for other models and for a batch without a 2-D mask of the ids' shape;
+    position_ids the batch holds are kept."""
     # The model first: one memo lookup for every other model (on each micro-batch's path).
-    if getattr(_config(model), "model_type", None) not in _MASK_BLIND_POSITIONS:
+    kind = getattr(_config(model), "model_type", None)
+    if kind not in _MASK_READERS:
         return batch
-    if not isinstance(batch, Mapping) or "position_ids" in batch:
+    if not isinstance(batch, Mapping):
         return batch
     mask, ids = batch.get("attention_mask"), batch.get("input_ids")
     if not isinstance(mask, torch.Tensor) or not isinstance(ids, torch.Tensor):
         return batch
     if mask.dim() != 2 or mask.shape != ids.shape:
+        return batch
+    if kind in _PAD_ID_READERS:
+        pad = getattr(_config(model), "pad_token_id", None)
+        if isinstance(pad, int) and not isinstance(pad, bool):
+            batch = {**batch, "input_ids": ids.masked_fill(mask == 0, pad)}
+        if kind not in _MASK_BLIND_POSITIONS:
+            return batch
+    if "position_ids" in batch:
         return batch
     # `!= 0`: a mask of segment ids (1, 1, 2, 2, ...: packed rows, some libraries' form) counts
     # its tokens once each, as a 0/1 mask does, not by its values
@@ -717,11 +743,8 @@ def padded_as_model(model: nn.Module, batch: Any) -> Any:
     id (`pad_collate()`'s default 0, `make_batches`' default collate) were classified from a
     padding position, silently. `classification_loss`, `ft.classification_metrics` and
     `ft.predict` (for sequence classifiers) run the model on this batch, so the padding the
-    mask declares is padding to the model too; so does `token_classification_loss`, as
-    RoBERTa's family (RoBERTa, XLM-R, CamemBERT, Longformer, ESM, ...) counts positions from
-    the tokens that are not its pad id (a left-padded row's tokens were read at moved ones).
-    Unchanged without a pad id, an `input_ids` and 2-D `attention_mask` of one shape, or
-    padding.
+    mask declares is padding to the model too. Unchanged without a pad id, an `input_ids` and
+    2-D `attention_mask` of one shape, or padding.
 
     For a sequence classifier (`loss_for(model)` is `classification_loss`) left-padded rows are
     also right-aligned: each row's leading padding moves to its end, in every tensor of the
@@ -883,9 +906,7 @@ def _token_pair(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tenso
             "token classifier would lose one label per example; pad its rows instead "
             "(make_batches' default collate)"
         )
-    # RoBERTa's family counts positions from the tokens that are not its pad id: padding in
-    # another id (make_batches' default 0) before a row moved its tokens' positions.
-    logits, labels = loss_logits(model, padded_as_model(model, batch)), batch["labels"]
+    logits, labels = loss_logits(model, batch), batch["labels"]
     if logits.shape[1] != labels.shape[-1]:  # ([-1]: one label a row, a model of your own's)
         labels = _behind_virtual_tokens(model, logits, labels)
     return logits, labels

@@ -192,11 +192,13 @@ def test_a_left_padded_encoder_input_gives_the_seq2seq_loss_of_right_padding(mod
     torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("model_type", ["roberta", "xlm-roberta", "camembert", "esm"])
+@pytest.mark.parametrize("model_type", ["roberta", "xlm-roberta", "camembert", "esm", "mobilebert"])
 def test_a_left_padded_roberta_tagger_padded_in_another_id_reads_its_own_positions(model_type):
-    """RoBERTa's family counts positions from the tokens that are not its pad id (1): padding
-    in make_batches' default id 0 before a row moved its tokens' positions, so the token loss
-    changed with the rows padded beside it. The mask's padding is now the model's pad id."""
+    """RoBERTa's family counts positions from the tokens that are not its pad id (1), and
+    MobileBERT's trigram embeddings read the token before a row's first: padding in
+    make_batches' default id 0 before a row changed its tokens' outputs, so the token loss and
+    predict's logits changed with the rows padded beside it. The mask's padding is now the
+    model's pad id."""
     model = tiny(model_type, AutoModelForTokenClassification, pad=1)
     labels = [[0, 1, 2, 1, 0], [2, 1, 0, -100, -100]]
     right = padded(ROWS, side="right", pad=0, labels=labels)
@@ -208,6 +210,25 @@ def test_a_left_padded_roberta_tagger_padded_in_another_id_reads_its_own_positio
         unchanged = ft.losses.token_classification_loss()(model, right)[0]
     torch.testing.assert_close(got, want)
     assert torch.equal(unchanged, want)
+    with torch.no_grad():
+        alone = model(input_ids=torch.tensor([ROWS[1]])).logits[0]
+        logits = ft.losses.model_logits(model, left)  # predict's
+    torch.testing.assert_close(logits[1, 2:], alone, atol=1e-5, rtol=1e-4)
+
+
+def test_a_left_padded_roberta_decoder_padded_in_another_id_gives_the_right_padded_loss():
+    """RoBERTa's decoder as a causal LM (RobertaForCausalLM) reads positions the same way."""
+    from transformers import AutoModelForCausalLM
+
+    model = tiny("roberta", AutoModelForCausalLM, pad=1, is_decoder=True)
+    labels = [[5, 6, 7, 8, 9], [10, 11, 12, -100, -100]]
+    right = padded(ROWS, side="right", labels=labels)
+    left = padded(ROWS, side="left", labels=[labels[0], [-100, -100, 10, 11, 12]])
+    with torch.no_grad():
+        want, n = ft.losses.causal_lm_loss()(model, right)
+        got, m = ft.losses.causal_lm_loss()(model, left)
+    assert int(n) == int(m) == 6
+    torch.testing.assert_close(got, want)
 
 
 def test_a_left_padded_bert_classifier_trains_and_evaluates_as_right_padded():
