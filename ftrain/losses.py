@@ -580,7 +580,7 @@ _MASK_BLIND_POSITIONS = frozenset({
     "albert", "bert", "bert-generation", "big_bird", "biogpt", "ctrl", "deberta", "deberta-v2",
     "distilbert", "electra", "ernie", "flaubert", "git", "gpt-sw3", "gpt2", "gpt_bigcode",
     "gpt_neo", "layoutlm", "megatron-bert", "mobilebert", "openai-gpt", "recurrent_gemma",
-    "rembert", "roc_bert", "xglm", "xlm",
+    "rembert", "roc_bert", "squeezebert", "xglm", "xlm",
 })  # fmt: skip
 
 

@@ -93,7 +93,10 @@ def test_a_token_classifier_is_not_right_aligned():
     assert torch.equal(ft.losses.padded_as_model(model, left)["input_ids"], left["input_ids"])
 
 
-ENCODERS = ["albert", "deberta", "deberta-v2", "distilbert", "flaubert", "layoutlm", "mobilebert"]
+ENCODERS = [
+    "albert", "deberta", "deberta-v2", "distilbert", "flaubert", "layoutlm", "mobilebert",
+    "squeezebert",
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("model_type", ENCODERS)
