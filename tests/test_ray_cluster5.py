@@ -63,38 +63,75 @@ def _state(step):
     return ft.TrainState.create(torch.nn.Linear(3, 2), ft.optim.sgd()).replace(step=step)
 
 
-def test_a_step_reported_twice_is_refused_before_ray_holds_two_checkpoints_in_one_folder(
+def test_a_step_below_the_last_reported_one_is_refused_and_the_same_step_is_not_reported_again(
     tmp_path, fake_worker
 ):
     """A final save after the loop at the step the loop just saved: Ray registered two
     checkpoints `step-5` with one folder in its storage, and its retention (num_to_keep=1),
-    deleting the older, deleted the run's only checkpoint; the restarted group found none."""
+    deleting the older, deleted the run's only checkpoint; the restarted group found none.
+    That save is now skipped with a warning (it raised, and Ray restarted the finished run
+    until max_failures); an earlier step (a rollback's) is still refused."""
     from ftrain.extras import ray as ray_ft
 
     reports, _ = fake_worker
-    ray_ft.save_and_report(_state(5), tmp_path, metrics={"loss": 1.0})
-    for step in (5, 4):  # again, or an earlier one (a rollback's)
-        with pytest.raises(ValueError, match=r"already reported step-5 to Ray.*report each step"):
-            ray_ft.save_and_report(_state(step), tmp_path, metrics={"loss": 2.0})
+    first = ray_ft.save_and_report(_state(5), tmp_path, metrics={"loss": 1.0})
+    with pytest.warns(UserWarning, match=r"Ray already holds step-5 .*not reported"):
+        again = ray_ft.save_and_report(_state(5), tmp_path, metrics={"loss": 2.0})
+    assert again == first  # the checkpoint Ray holds of that step
+    with pytest.raises(ValueError, match=r"already reported step-5 to Ray.*report each step"):
+        ray_ft.save_and_report(_state(4), tmp_path, metrics={"loss": 2.0})
     assert reports == [{"loss": 1.0, "step": 5}]  # Ray heard nothing more
+    assert sorted(p.name for p in first.parent.parent.iterdir()) == ["report-5"]  # nor saved
     ray_ft.save_and_report(_state(6), tmp_path)
     assert reports[-1] == {"step": 6}
 
 
-def test_the_step_a_group_restored_from_is_not_reported_again(tmp_path, fake_worker):
-    """A restarted group resumes at Ray's newest checkpoint; saving at once (before a step)
-    reported `step-N` again, into the folder Ray restored it from."""
+def test_a_group_restarted_after_its_last_save_finishes_instead_of_failing_again(
+    tmp_path, fake_worker
+):
+    """A group restarted after its last report resumes at step total, its loop does nothing,
+    and its final save reported `step-N` again into the folder Ray restored it from; refused,
+    it raised, Ray restarted the group again and again, and the finished run ended FAILED.
+    The save is skipped with a warning (on every rank: each restored the same checkpoint)."""
     import ray.train
 
     from ftrain.extras import ray as ray_ft
 
     reports, restored = fake_worker
     restored.append(ray.train.Checkpoint("/storage/run/step-7"))
+    for _ in range(2):  # a final save, and another one
+        with pytest.warns(UserWarning, match=r"Ray already holds step-7"):
+            path = ray_ft.save_and_report(_state(7), tmp_path, metrics={"loss": 1.0})
+        assert path == Path("/storage/run/step-7")
+    assert reports == [] and not list(tmp_path.iterdir())  # nothing saved
     with pytest.raises(ValueError, match=r"already reported step-7 to Ray"):
-        ray_ft.save_and_report(_state(7), tmp_path)
-    assert reports == []
+        ray_ft.save_and_report(_state(6), tmp_path)
     ray_ft.save_and_report(_state(8), tmp_path)
     assert reports == [{"step": 8}]
+
+
+def test_ranks_that_disagree_on_skipping_a_reported_step_all_raise_in_the_same_reduction(
+    tmp_path, fake_worker
+):
+    """The skip is decided in the save's reduction, which every rank enters: a rank that held
+    the step while another did not would otherwise have left while the other waited in the
+    save's collectives."""
+    from ftrain.extras import ray as ray_ft
+
+    class WithAnotherRank(ft.strategies.SingleDevice):
+        def sum_over_processes(self, tensor):  # rank 1 holds no step: it would save
+            if tensor.numel() != 5:  # not the save's reduction
+                return tensor
+            return tensor + torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0])
+
+    reports, _ = fake_worker
+    ray_ft.save_and_report(_state(5), tmp_path)
+    state = ft.TrainState.create(
+        torch.nn.Linear(3, 2), ft.optim.sgd(), strategy=WithAnotherRank("cpu")
+    ).replace(step=5)
+    with pytest.raises(RuntimeError, match=r"1 of 2 ranks already reported"):
+        ray_ft.save_and_report(state, tmp_path)
+    assert reports == [{"step": 5}]
 
 
 def test_a_new_fit_in_the_same_process_starts_its_steps_afresh_after_restore(tmp_path, fake_worker):

@@ -26,6 +26,7 @@ import re
 import signal
 import socket
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -186,14 +187,22 @@ def save_and_report(
             metric (NaN: unranked, as a preemption save without an evaluation).
         upload: "async" or "sync" (Ray's `CheckpointUploadMode`).
 
+    Ray keeps checkpoints by folder name, so each step is reported once: a save at the step
+    of the newest checkpoint this run holds in Ray (this process's last save, or the checkpoint
+    the group restored from: a final save after a loop that just saved, or a group restarted
+    after its last save) saves and reports nothing, on every rank, and warns that its metrics
+    are not reported.
+
     Returns:
-        The local checkpoint folder (gone once an async upload finished).
+        The local checkpoint folder (gone once an async upload finished); for a step Ray
+        already holds, the folder of that checkpoint: this process's earlier save's local one
+        (gone once uploaded), or the one the group restored from (in Ray's storage).
 
     Raises:
         ValueError: for another `upload`, a `metrics["step"]` other than `state.step`,
-            metrics without the metric the run's `CheckpointConfig` ranks by, or a step at or
-            below one this run already reported (this process's last save, or the checkpoint
-            the group restored from): Ray keeps checkpoints by folder name, so a second
+            metrics without the metric the run's `CheckpointConfig` ranks by, or a step below
+            one this run already reported (this process's last save, or the checkpoint the
+            group restored from; a rollback): Ray keeps checkpoints by folder name, so a second
             `step-N` shares the first's folder, and Ray's retention deleting one deletes both.
         RuntimeError: outside a Ray Train worker, when a rank cannot see the checkpoint, or
             for a state whose strategy does not span Ray's group (another process rank than
@@ -207,7 +216,19 @@ def save_and_report(
     numbers = {
         k: v.item() if isinstance(v, torch.Tensor) else v for k, v in (metrics or {}).items()
     }
-    owner = _refuse_metrics(numbers, state)
+    held = _held_checkpoint()
+    owner = _refuse_metrics(numbers, state, held)
+    if owner is None:  # every rank: Ray already holds this step (held is not None)
+        assert held is not None
+        warnings.warn(
+            f"save_and_report at step {state.step}: Ray already holds step-{state.step} of this "
+            f"run ({held[1]}, this process's last save or the checkpoint the group restored "
+            "from), so nothing is saved or reported and the metrics given are not reported "
+            f"({sorted(numbers)}): a second checkpoint of one step would share the first one's "
+            "folder in Ray's storage",
+            stacklevel=2,
+        )
+        return held[1]
     run = Path(root) / _run_id(context, owner)  # another run's save of this step stages elsewhere
     stage = run / f"{STAGING_PREFIX}{state.step}"
     path = ft.save_checkpoint(state, stage, metrics=numbers)
@@ -230,31 +251,50 @@ def save_and_report(
         checkpoint_upload_mode=mode,
         delete_local_checkpoint_after_upload=True,
     )
-    STATE.ray_reported = path.name  # every rank: wait_for_reports checks it was registered
+    STATE.ray_reported = str(path)  # every rank: wait_for_reports checks it was registered
     if strategy.process_rank == 0:
         _remove_empty_stages(run, keep=stage)
     return path
 
 
-def _refuse_metrics(metrics: Mapping[str, Any], state: TrainState) -> str:
+def _refuse_metrics(
+    metrics: Mapping[str, Any], state: TrainState, held: tuple[int, Path] | None
+) -> str | None:
     """Collective: refuse rank 0's metrics (those the checkpoint keeps and Ray hears) on every
     rank together, so that no rank waits in the save for one that raised; returns rank 0's
-    process token (`_process_token`), which the same reduction carries to every rank."""
+    process token (`_process_token`), which the same reduction carries to every rank, or None
+    on every rank when Ray already holds this step (`held`, the same on every rank: each
+    reported or restored the same checkpoints), so that every rank returns without saving.
+
+    Raises:
+        ValueError: on every rank, for a step below `held`'s (`_reported_already`) or rank 0's
+            metrics (`_metrics_problem`).
+        RuntimeError: on every rank, when some ranks but not all hold this step already.
+    """
     strategy = state.strategy
     rank0 = strategy.process_rank == 0
-    # Every rank reported (or restored) the same checkpoints: each names a step reported twice.
-    problem = _reported_already(state.step)
-    if problem is None and rank0:
+    skip = held is not None and held[0] == state.step
+    problem = None if held is None else _reported_already(state.step, held[0])
+    if problem is None and rank0 and not skip:
         problem = _metrics_problem(metrics, state.step)
     token = _process_token() if rank0 else 0
     # float32 holds integers below 2**24 exactly: the 48-bit token travels as two halves.
-    votes = [float(problem is not None), float(token >> 24), float(token & 0xFFFFFF)]
-    refused, high, low = strategy.sum_over_processes(
+    # Each rank votes 1.0 too: their sum is the number of ranks.
+    votes = [float(problem is not None), float(skip), 1.0, token >> 24, token & 0xFFFFFF]
+    refused, skips, ranks, high, low = strategy.sum_over_processes(
         torch.tensor(votes, dtype=torch.float32, device=strategy.device)
     ).tolist()  # host sync: saving is the place
     if refused > 0:
         raise ValueError(problem or "save_and_report: rank 0 refused its metrics (its error "
                          "says why); no rank saved")  # fmt: skip
+    if skips == ranks:
+        return None
+    if skips > 0:
+        raise RuntimeError(
+            f"save_and_report at step {state.step}: {int(skips)} of {int(ranks)} ranks already "
+            "reported (or restored) this step to Ray and the others did not: the ranks called "
+            "save_and_report at different steps; no rank saved"
+        )
     return f"{int(high) << 24 | int(low):012x}"
 
 
@@ -269,26 +309,34 @@ def _process_token() -> int:
     return int.from_bytes(hashlib.blake2b(name, digest_size=6).digest(), "big")
 
 
-def _reported_already(step: int) -> str | None:
-    """Why a checkpoint of `step` must not be reported, or None: Ray already holds one of this
-    step or a later one in this run (the last one this process reported, or the one the group
-    restored from).
+def _held_checkpoint() -> tuple[int, Path] | None:
+    """The step and folder of the newest checkpoint of this run that Ray holds as this process
+    knows it (the last one this process reported, or the one the group restored from), or
+    None."""
+    names = [] if STATE.ray_reported is None else [Path(STATE.ray_reported)]
+    with contextlib.suppress(RuntimeError):  # Ray's error outside a worker (refused before)
+        restored = require_ray().get_checkpoint()
+        if restored is not None:
+            names.append(Path(restored.path))
+    steps = [(int(m.group(1)), p) for p in names if (m := _STEP_DIR.fullmatch(p.name))]
+    return max(steps, key=lambda s: s[0], default=None)
+
+
+def _reported_already(step: int, held: int) -> str | None:
+    """Why a checkpoint of `step` must not be reported, or None: Ray already holds a later
+    one of this run, `held` (the last one this process reported, or the one the group
+    restored from); a checkpoint of `held` itself is not saved again (`save_and_report`).
 
     Ray registers checkpoints by folder name: a second `step-N` goes into the first one's
     folder in Ray's storage, Ray then holds two checkpoints with one path, and its retention,
     deleting the older one, deleted the only copy (a restarted group found no checkpoint). A
     step below the last one (a rollback) would be a name of the abandoned branch."""
-    names = [STATE.ray_reported]
-    with contextlib.suppress(RuntimeError):  # Ray's error outside a worker (refused before)
-        restored = require_ray().get_checkpoint()
-        names.append(None if restored is None else Path(restored.path).name)
-    steps = [int(m.group(1)) for n in names if n and (m := _STEP_DIR.fullmatch(n))]
-    if not steps or max(steps) < step:
+    if held <= step:
         return None
     return (
-        f"save_and_report at step {step}, but this run already reported step-{max(steps)} to "
+        f"save_and_report at step {step}, but this run already reported step-{held} to "
         f"Ray (the last save of this process, or the checkpoint the group restored from): Ray "
-        "registers checkpoints by folder name, so another checkpoint of that step shares the "
+        "registers checkpoints by folder name, so another checkpoint of a step shares the "
         "first one's folder in Ray's storage, and Ray's retention, deleting the older one, "
         "deletes both; report each step once, in increasing order (after a rollback, start "
         "a new run name)"
@@ -383,7 +431,7 @@ def wait_for_reports(timeout_s: float | None = None) -> None:
     registered = train.get_all_reported_checkpoints(
         consistency_mode=train.CheckpointConsistencyMode.COMMITTED, timeout_s=timeout_s
     )
-    last = STATE.ray_reported
+    last = None if STATE.ray_reported is None else Path(STATE.ray_reported).name
     # Ray keeps the latest checkpoint whatever its retention: absent means not registered yet.
     if last is not None and last not in {Path(r.checkpoint.path).name for r in registered}:
         raise TimeoutError(
