@@ -44,8 +44,9 @@ def test_the_ranks_of_one_run_stage_into_one_folder_where_ray_has_no_run_id(tmp_
 
 @pytest.fixture
 def fake_worker(monkeypatch):
-    """ray.train as a worker sees it (no cluster): `report` records its calls, `get_checkpoint`
-    returns what `restored` holds."""
+    """ray.train as a worker of Ray's local mode sees it (no cluster; no run id: one context
+    object per fit, `new_fit` starts the next fit in this process): `report` records its
+    calls, `get_checkpoint` returns what `restored` holds."""
     import ray.train
 
     from ftrain.process_state import STATE
@@ -53,10 +54,16 @@ def fake_worker(monkeypatch):
     reports, restored = [], []
     monkeypatch.setattr(STATE, "ray_reported", None)  # this process reported nothing yet
     worker = {"get_world_rank": int, "get_experiment_name": staticmethod(lambda: "run")}
-    monkeypatch.setattr(ray.train, "get_context", lambda: type("C", (), worker))
+    fit = [type("C", (), worker)()]
+
+    def new_fit():
+        fit[0] = type("C", (), worker)()  # Ray's local mode: a context of its own
+        restored.clear()
+
+    monkeypatch.setattr(ray.train, "get_context", lambda: fit[0])
     monkeypatch.setattr(ray.train, "report", lambda metrics, **kw: reports.append(metrics))
     monkeypatch.setattr(ray.train, "get_checkpoint", lambda: restored[0] if restored else None)
-    return reports, restored
+    return reports, restored, new_fit
 
 
 def _state(step):
@@ -73,7 +80,7 @@ def test_a_step_below_the_last_reported_one_is_refused_and_the_same_step_is_not_
     until max_failures); an earlier step (a rollback's) is still refused."""
     from ftrain.extras import ray as ray_ft
 
-    reports, _ = fake_worker
+    reports, _, _ = fake_worker
     first = ray_ft.save_and_report(_state(5), tmp_path, metrics={"loss": 1.0})
     with pytest.warns(UserWarning, match=r"Ray already holds step-5 .*not reported"):
         again = ray_ft.save_and_report(_state(5), tmp_path, metrics={"loss": 2.0})
@@ -97,7 +104,7 @@ def test_a_group_restarted_after_its_last_save_finishes_instead_of_failing_again
 
     from ftrain.extras import ray as ray_ft
 
-    reports, restored = fake_worker
+    reports, restored, _ = fake_worker
     restored.append(ray.train.Checkpoint("/storage/run/step-7"))
     for _ in range(2):  # a final save, and another one
         with pytest.warns(UserWarning, match=r"Ray already holds step-7"):
@@ -124,7 +131,7 @@ def test_ranks_that_disagree_on_skipping_a_reported_step_all_raise_in_the_same_r
                 return tensor
             return tensor + torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0])
 
-    reports, _ = fake_worker
+    reports, _, _ = fake_worker
     ray_ft.save_and_report(_state(5), tmp_path)
     state = ft.TrainState.create(
         torch.nn.Linear(3, 2), ft.optim.sgd(), strategy=WithAnotherRank("cpu")
@@ -134,13 +141,18 @@ def test_ranks_that_disagree_on_skipping_a_reported_step_all_raise_in_the_same_r
     assert reports == [{"step": 5}]
 
 
-def test_a_new_fit_in_the_same_process_starts_its_steps_afresh_after_restore(tmp_path, fake_worker):
+def test_a_new_fit_in_the_same_process_starts_its_steps_afresh(tmp_path, fake_worker):
     """Ray's local mode (num_workers=0) runs each fit in the driver process: after a fit that
-    reported step 5, the next fit's step 1 is not a re-report (`restore` starts the run)."""
+    reported step 5, the next fit's step 2 was refused as a re-report of the first fit's
+    steps unless the fit called `restore` (a fresh run need not). The record is the run's."""
     from ftrain.extras import ray as ray_ft
 
-    reports, _ = fake_worker
+    reports, _, new_fit = fake_worker
     ray_ft.save_and_report(_state(5), tmp_path)
-    state = ray_ft.restore(_state(0))  # the next fit: nothing to restore
-    ray_ft.save_and_report(state.replace(step=1), tmp_path / "next")
-    assert reports == [{"step": 5}, {"step": 1}]
+    for restore in (False, True):  # the next fit: a fresh run, or one that resumes (nothing)
+        new_fit()
+        state = ray_ft.restore(_state(0)) if restore else _state(0)
+        ray_ft.save_and_report(state.replace(step=2), tmp_path / "next")
+        with pytest.raises(ValueError, match=r"already reported step-2"):  # its own record
+            ray_ft.save_and_report(state.replace(step=1), tmp_path / "next")
+    assert reports == [{"step": 5}, {"step": 2}, {"step": 2}]

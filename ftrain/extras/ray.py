@@ -216,7 +216,8 @@ def save_and_report(
     numbers = {
         k: v.item() if isinstance(v, torch.Tensor) else v for k, v in (metrics or {}).items()
     }
-    held = _held_checkpoint()
+    this_run = _this_run(train, context)
+    held = _held_checkpoint(this_run)
     owner = _refuse_metrics(numbers, state, held)
     if owner is None:  # every rank: Ray already holds this step (held is not None)
         assert held is not None
@@ -251,7 +252,7 @@ def save_and_report(
         checkpoint_upload_mode=mode,
         delete_local_checkpoint_after_upload=True,
     )
-    STATE.ray_reported = str(path)  # every rank: wait_for_reports checks it was registered
+    STATE.ray_reported = (this_run, str(path))  # every rank: wait_for_reports checks it
     if strategy.process_rank == 0:
         _remove_empty_stages(run, keep=stage)
     return path
@@ -309,11 +310,12 @@ def _process_token() -> int:
     return int.from_bytes(hashlib.blake2b(name, digest_size=6).digest(), "big")
 
 
-def _held_checkpoint() -> tuple[int, Path] | None:
-    """The step and folder of the newest checkpoint of this run that Ray holds as this process
-    knows it (the last one this process reported, or the one the group restored from), or
-    None."""
-    names = [] if STATE.ray_reported is None else [Path(STATE.ray_reported)]
+def _held_checkpoint(this_run: Any) -> tuple[int, Path] | None:
+    """The step and folder of the newest checkpoint of this run (`_this_run`) that Ray holds
+    as this process knows it (the last one this process reported in this run, or the one the
+    group restored from), or None."""
+    record = STATE.ray_reported
+    names = [Path(record[1])] if record is not None and record[0] == this_run else []
     with contextlib.suppress(RuntimeError):  # Ray's error outside a worker (refused before)
         restored = require_ray().get_checkpoint()
         if restored is not None:
@@ -384,6 +386,29 @@ def _run_checkpoint_config() -> Any:
     return run_config.checkpoint_config
 
 
+def _this_run(train: Any, context: Any) -> Any:
+    """What names this run (one `fit`) in this process, for the record of what it reported:
+    Ray Train V2's id of the run; where that is not found, Ray's context of the fit where Ray
+    keeps one per fit (its local mode, `num_workers=0`, runs every fit in the driver process:
+    the record holds the context, so no later fit's is the same object); or else the run's
+    name (a worker process serves one run: a restarted group is new processes)."""
+    run_id = _ray_run_id()
+    if run_id is not None:
+        return run_id
+    return context if train.get_context() is context else context.get_experiment_name()
+
+
+def _ray_run_id() -> str | None:
+    """Ray Train V2's id of the run (no public API says it), or None where this Ray keeps it
+    elsewhere (or nowhere: its local mode)."""
+    try:
+        from ray.train.v2._internal.execution import context as ray_context
+
+        return str(ray_context.get_train_context().train_run_context.run_id)
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+
+
 def _run_id(context: Any, owner: str) -> str:
     """The folder of this run's stages: Ray Train V2's id of the run (one `fit`: the same on
     every worker and across restarts of its worker group; no public API says it), or where
@@ -393,13 +418,8 @@ def _run_id(context: Any, owner: str) -> str:
     into one `root` replaced each other's `report-N/step-N` while Ray still uploaded it: run
     A's reported checkpoint held run B's weights. The name alone was not enough: Ray's default
     name, `ray_train_run-<date>`, is the same for two runs started in one second."""
-    try:
-        from ray.train.v2._internal.execution import context as ray_context
-
-        run_id = ray_context.get_train_context().train_run_context.run_id
-    except (ImportError, AttributeError, RuntimeError):
-        return f"{context.get_experiment_name()}-{owner}"
-    return str(run_id)
+    run_id = _ray_run_id()
+    return f"{context.get_experiment_name()}-{owner}" if run_id is None else run_id
 
 
 def _unseen_anywhere(stage: Path, path: Path, strategy: ft.strategies.Strategy) -> bool:
@@ -427,11 +447,14 @@ def wait_for_reports(timeout_s: float | None = None) -> None:
     if timeout_s is not None:
         _check_timeout(timeout_s, "a number > 0 or None")
     train = require_ray()
-    _in_worker(train, "wait_for_reports")
+    context = _in_worker(train, "wait_for_reports")
     registered = train.get_all_reported_checkpoints(
         consistency_mode=train.CheckpointConsistencyMode.COMMITTED, timeout_s=timeout_s
     )
-    last = None if STATE.ray_reported is None else Path(STATE.ray_reported).name
+    record = STATE.ray_reported  # an earlier run's (Ray's local mode) is not this run's
+    last = None
+    if record is not None and record[0] == _this_run(train, context):
+        last = Path(record[1]).name
     # Ray keeps the latest checkpoint whatever its retention: absent means not registered yet.
     if last is not None and last not in {Path(r.checkpoint.path).name for r in registered}:
         raise TimeoutError(
@@ -469,9 +492,6 @@ def restore(
     """
     train = require_ray()
     _in_worker(train, "restore")
-    # The run starts here: a new `fit` in this process (Ray's local mode, num_workers=0, runs
-    # every fit in the driver) has reported nothing yet, whatever an earlier one did.
-    STATE.ray_reported = None
     checkpoint = train.get_checkpoint()
     if checkpoint is None:
         return state
