@@ -72,8 +72,9 @@ A record, kept for a later call:
         be read from the training cursor on) and nothing else. Owner: `ftrain.data`. Weak keys:
         an entry goes with its iterator.
 
-    `ray_reported`  the run (`ftrain.extras.ray._this_run`) and the folder of the last
-        checkpoint `ftrain.extras.ray.save_and_report` reported from this process, which
+    `ray_reported`  the run (`ftrain.extras.ray._this_run`), its token (the staging
+        folder's, where Ray's run id is not found) and the folder of the last checkpoint
+        `ftrain.extras.ray.save_and_report` reported from this process (None before), which
         `wait_for_reports(timeout_s=...)` checks that Ray registered (Ray returns quietly when
         its wait times out) and `save_and_report` reports no step at or below again in that
         run. Owner: `ftrain.extras.ray`; for the life of the worker process (a restarted
@@ -150,7 +151,7 @@ class ProcessState:
     seq2seq_labels_checked: _Weak[Any, int] = field(default_factory=_Weak)
     kernel_import_errors: dict[str, str | None] = field(default_factory=dict)
     dp_noise_key: bytes | None = None
-    ray_reported: tuple[Any, str] | None = None
+    ray_reported: tuple[Any, int, str | None] | None = None
     micro_groups: dict[int, weakref.ref[Any]] = field(default_factory=dict)
     resumed_iterators: _Weak[Any, int] = field(default_factory=_Weak)
 

@@ -156,3 +156,25 @@ def test_a_new_fit_in_the_same_process_starts_its_steps_afresh(tmp_path, fake_wo
         with pytest.raises(ValueError, match=r"already reported step-2"):  # its own record
             ray_ft.save_and_report(state.replace(step=1), tmp_path / "next")
     assert reports == [{"step": 5}, {"step": 2}, {"step": 2}]
+
+
+def test_two_fits_of_one_name_in_one_process_stage_apart(tmp_path, fake_worker):
+    """Ray's local mode runs every fit in the driver process: two default-named fits started in
+    one second (one name) staged into `<name>-<token of rank 0's process>`, one folder, and the
+    second fit's step 4 replaced the staged checkpoint the first fit's result points to. Each
+    run draws a token of its own at its first save and keeps it for the run."""
+    from ftrain.extras import ray as ray_ft
+
+    _, _, new_fit = fake_worker
+    paths, weights = [], []
+    for seed in (1, 2):
+        new_fit()
+        torch.manual_seed(seed)
+        state = _state(4)
+        paths.append(ray_ft.save_and_report(state, tmp_path))
+        weights.append(state.params["weight"])
+        later = ray_ft.save_and_report(state.replace(step=5), tmp_path)
+        assert later.parent.parent == paths[-1].parent.parent  # one folder for the run
+    assert paths[0] != paths[1]
+    for path, weight in zip(paths, weights, strict=True):
+        assert torch.equal(ft.load_checkpoint(path, _state(0)).params["weight"], weight)

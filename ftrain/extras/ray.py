@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import os
 import re
 import signal
-import socket
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -218,8 +216,10 @@ def save_and_report(
     }
     this_run = _this_run(train, context)
     held = _held_checkpoint(this_run)
-    owner = _refuse_metrics(numbers, state, held)
-    if owner is None:  # every rank: Ray already holds this step (held is not None)
+    record = STATE.ray_reported if _record_of(this_run) else None
+    # The run's token: drawn by rank 0 at the run's first save, carried to every rank.
+    token = _refuse_metrics(numbers, state, held, record[1] if record else _new_token())
+    if token is None:  # every rank: Ray already holds this step (held is not None)
         assert held is not None
         warnings.warn(
             f"save_and_report at step {state.step}: Ray already holds step-{state.step} of this "
@@ -230,6 +230,8 @@ def save_and_report(
             stacklevel=2,
         )
         return held[1]
+    STATE.ray_reported = (this_run, token, record[2] if record else None)
+    owner = f"{token:012x}"
     run = Path(root) / _run_id(context, owner)  # another run's save of this step stages elsewhere
     stage = run / f"{STAGING_PREFIX}{state.step}"
     path = ft.save_checkpoint(state, stage, metrics=numbers)
@@ -252,18 +254,18 @@ def save_and_report(
         checkpoint_upload_mode=mode,
         delete_local_checkpoint_after_upload=True,
     )
-    STATE.ray_reported = (this_run, str(path))  # every rank: wait_for_reports checks it
+    STATE.ray_reported = (this_run, token, str(path))  # every rank: wait_for_reports checks it
     if strategy.process_rank == 0:
         _remove_empty_stages(run, keep=stage)
     return path
 
 
 def _refuse_metrics(
-    metrics: Mapping[str, Any], state: TrainState, held: tuple[int, Path] | None
-) -> str | None:
+    metrics: Mapping[str, Any], state: TrainState, held: tuple[int, Path] | None, token: int
+) -> int | None:
     """Collective: refuse rank 0's metrics (those the checkpoint keeps and Ray hears) on every
     rank together, so that no rank waits in the save for one that raised; returns rank 0's
-    process token (`_process_token`), which the same reduction carries to every rank, or None
+    `token` (48 bits: the run's), which the same reduction carries to every rank, or None
     on every rank when Ray already holds this step (`held`, the same on every rank: each
     reported or restored the same checkpoints), so that every rank returns without saving.
 
@@ -278,7 +280,7 @@ def _refuse_metrics(
     problem = None if held is None else _reported_already(state.step, held[0])
     if problem is None and rank0 and not skip:
         problem = _metrics_problem(metrics, state.step)
-    token = _process_token() if rank0 else 0
+    token = token if rank0 else 0
     # float32 holds integers below 2**24 exactly: the 48-bit token travels as two halves.
     # Each rank votes 1.0 too: their sum is the number of ranks.
     votes = [float(problem is not None), float(skip), 1.0, token >> 24, token & 0xFFFFFF]
@@ -296,18 +298,19 @@ def _refuse_metrics(
             "reported (or restored) this step to Ray and the others did not: the ranks called "
             "save_and_report at different steps; no rank saved"
         )
-    return f"{int(high) << 24 | int(low):012x}"
+    return int(high) << 24 | int(low)
 
 
-def _process_token() -> int:
-    """48 bits naming this process among every process of every host: its host, pid and start
-    time (a pid is reused only by a process started later), hashed."""
-    try:  # field 22 of /proc/<pid>/stat: the start time, in clock ticks since boot
-        start = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        start = ""
-    name = f"{socket.gethostname()}:{os.getpid()}:{start}".encode()
-    return int.from_bytes(hashlib.blake2b(name, digest_size=6).digest(), "big")
+def _new_token() -> int:
+    """48 random bits naming a run's staging folder where Ray's run id is not found (two runs
+    of one name, Ray's default `ray_train_run-<date>` for two runs started in one second, even
+    in one process: Ray's local mode runs every fit in the driver)."""
+    return int.from_bytes(os.urandom(6), "big")
+
+
+def _record_of(this_run: Any) -> bool:
+    """Whether `STATE.ray_reported` is this run's record (another fit's in Ray's local mode)."""
+    return STATE.ray_reported is not None and STATE.ray_reported[0] == this_run
 
 
 def _held_checkpoint(this_run: Any) -> tuple[int, Path] | None:
@@ -315,7 +318,7 @@ def _held_checkpoint(this_run: Any) -> tuple[int, Path] | None:
     as this process knows it (the last one this process reported in this run, or the one the
     group restored from), or None."""
     record = STATE.ray_reported
-    names = [Path(record[1])] if record is not None and record[0] == this_run else []
+    names = [Path(record[2])] if _record_of(this_run) and record and record[2] else []
     with contextlib.suppress(RuntimeError):  # Ray's error outside a worker (refused before)
         restored = require_ray().get_checkpoint()
         if restored is not None:
@@ -412,12 +415,14 @@ def _ray_run_id() -> str | None:
 def _run_id(context: Any, owner: str) -> str:
     """The folder of this run's stages: Ray Train V2's id of the run (one `fit`: the same on
     every worker and across restarts of its worker group; no public API says it), or where
-    this Ray keeps the id elsewhere, the run's name and `owner`, the token of the group's rank
-    0 process (the same on every worker, another one after a restart of the group: a restart
-    reads Ray's storage, never the staging root). Two runs (trials) on one node that staged
+    this Ray keeps the id elsewhere, the run's name and `owner`, the token the group's rank 0
+    drew at the run's first save (the same on every worker, another one after a restart of the
+    group or for another fit in the process: a restart reads Ray's storage, never the staging
+    root). Two runs (trials) on one node that staged
     into one `root` replaced each other's `report-N/step-N` while Ray still uploaded it: run
     A's reported checkpoint held run B's weights. The name alone was not enough: Ray's default
-    name, `ray_train_run-<date>`, is the same for two runs started in one second."""
+    name, `ray_train_run-<date>`, is the same for two runs started in one second, and so was
+    a token of rank 0's process for two such fits in Ray's local mode (one process)."""
     run_id = _ray_run_id()
     return f"{context.get_experiment_name()}-{owner}" if run_id is None else run_id
 
@@ -453,8 +458,8 @@ def wait_for_reports(timeout_s: float | None = None) -> None:
     )
     record = STATE.ray_reported  # an earlier run's (Ray's local mode) is not this run's
     last = None
-    if record is not None and record[0] == _this_run(train, context):
-        last = Path(record[1]).name
+    if record is not None and record[2] and _record_of(_this_run(train, context)):
+        last = Path(record[2]).name
     # Ray keeps the latest checkpoint whatever its retention: absent means not registered yet.
     if last is not None and last not in {Path(r.checkpoint.path).name for r in registered}:
         raise TimeoutError(
