@@ -170,7 +170,9 @@ def save_and_report(
 
     Only rank 0 reports the checkpoint; a sharded (FSDP) checkpoint is one folder that every
     rank wrote its shards into, so `root` must be a folder every worker sees (one node, or a
-    shared filesystem): this raises on every rank when one cannot see the committed checkpoint.
+    shared filesystem). Into a node-local folder the save's commit raises CheckpointError on
+    every rank (the shards rank 0 sees do not cover the model); this also raises on every rank
+    when a rank cannot see the committed checkpoint.
     Retention is Ray's (`checkpoint_config`); this never rotates.
 
     Args:
@@ -202,9 +204,13 @@ def save_and_report(
             one this run already reported (this process's last save, or the checkpoint the
             group restored from; a rollback): Ray keeps checkpoints by folder name, so a second
             `step-N` shares the first's folder, and Ray's retention deleting one deletes both.
-        RuntimeError: outside a Ray Train worker, when a rank cannot see the checkpoint, or
-            for a state whose strategy does not span Ray's group (another process rank than
-            the worker's: `SingleDevice()` in each worker).
+        CheckpointError: on every rank, for a sharded (FSDP) save into a folder the ranks do
+            not share (a node-local `root`): the commit finds the shards of other ranks missing.
+        RuntimeError: outside a Ray Train worker, when a rank cannot see the committed
+            checkpoint (a sharded save that committed), when some ranks already hold the step
+            and others do not (they called it at different steps), or for a state whose
+            strategy does not span Ray's group (another process rank than the worker's:
+            `SingleDevice()` in each worker).
     """
     if upload not in ("async", "sync"):
         raise ValueError(f"upload must be 'async' or 'sync', got {upload!r}")
