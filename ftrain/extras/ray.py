@@ -175,6 +175,12 @@ def save_and_report(
     when a rank cannot see the committed checkpoint.
     Retention is Ray's (`checkpoint_config`); this never rotates.
 
+    Ray keeps checkpoints by folder name, so each step is reported once: a save at the step
+    of the newest checkpoint this run holds in Ray (this process's last save, or the checkpoint
+    the group restored from: a final save after a loop that just saved, or a group restarted
+    after its last save) saves and reports nothing, on every rank, and warns that its metrics
+    are not reported.
+
     Args:
         state: the state to save (not consumed).
         root: a local staging folder for the checkpoints before Ray uploads them (each run
@@ -186,12 +192,6 @@ def save_and_report(
             ranks checkpoints (`checkpoint_config(best_metric=...)`), they must hold that
             metric (NaN: unranked, as a preemption save without an evaluation).
         upload: "async" or "sync" (Ray's `CheckpointUploadMode`).
-
-    Ray keeps checkpoints by folder name, so each step is reported once: a save at the step
-    of the newest checkpoint this run holds in Ray (this process's last save, or the checkpoint
-    the group restored from: a final save after a loop that just saved, or a group restarted
-    after its last save) saves and reports nothing, on every rank, and warns that its metrics
-    are not reported.
 
     Returns:
         The local checkpoint folder (gone once an async upload finished); for a step Ray
