@@ -188,7 +188,8 @@ class _Bufferless(torch.nn.Module):
 def alone(rank: int) -> Any:
     """Rank 0 predicts alone under DDP (`gather=False`, the rank-0 predict of docs/data.md)
     with a model without buffers; rank 1 does not predict. Nothing pairs the ranks."""
-    strategy = _STRATEGIES.setdefault("ddp", ft.strategies.from_env("ddp"))
+    _state("ddp")  # the case's strategy, kept for the group's close
+    strategy = _STRATEGIES["ddp"]
     state = ft.TrainState.create(_Bufferless(), ft.optim.sgd(), seed=3, strategy=strategy)
     if rank != 0:
         return 0

@@ -37,6 +37,7 @@ def other_stream(rank: int, world: int, port: int, out: str) -> None:
     rest = list(ft.make_batches(train, state, batch_size=2, accum=2))
     got["train"] = f"{sum(len(g) for g in rest)} micro-batches"
     Path(f"{out}.{rank}").write_text(json.dumps(got))
+    strategy.close()  # (a DDP model's reducer still held the group: the exit hung once)
     dist.destroy_process_group()
 
 
@@ -116,4 +117,5 @@ def split_stream(rank: int, world: int, port: int, out: str) -> None:
         except ValueError as e:
             got[name] = {"error": str(e)}
     Path(f"{out}.{rank}").write_text(json.dumps(got))
+    strategy.close()  # (a DDP model's reducer still held the group: the exit hung once)
     dist.destroy_process_group()
