@@ -1323,14 +1323,13 @@ class Counted:
     same batch, so they cannot disagree.
     """
 
-    __slots__ = ("items", "sign_read", "sum_fn")
+    __slots__ = ("items", "sum_fn")
 
     def __init__(self, sum_fn: Callable[[nn.Module, Any], torch.Tensor], items: Any) -> None:
         for name, fn in (("sum_fn", sum_fn), ("items", items)):
             if not callable(fn):
                 raise TypeError(f"counted: {name} must be callable, got {fn!r}")
         self.sum_fn, self.items = sum_fn, items
-        self.sign_read = False  # whether a tensor count's sign was read (its first: a host sync)
 
     def __call__(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         total = self.sum_fn(model, batch)
@@ -1350,8 +1349,6 @@ class Counted:
                     f"counted: items(batch) must be one number (the batch's item count), "
                     f"got {_described(n)}"
                 )
-            if not self.sign_read:
-                self._check_sign(n)
             return n
         # numpy's numbers too (np.prod of a shape); a bool is a number to Python, never a count
         count = float(n) if isinstance(n, numbers.Real) and not isinstance(n, bool) else -1.0
@@ -1360,21 +1357,6 @@ class Counted:
                 f"counted: items(batch) must be a number >= 0 (the batch's item count), got {n!r}"
             )
         return int(n) if isinstance(n, numbers.Integral) else count
-
-    def _check_sign(self, n: torch.Tensor) -> None:
-        """Refuse a negative or NaN tensor count, read on this loss's first tensor count only (a
-        host sync; the step path reads no later one): it catches a count computed the wrong
-        way, not one batch's. Under `vmap` (no value to read) a later count is read."""
-        try:
-            bad = bool(~(n >= 0))  # host sync, once per loss
-        except RuntimeError:  # a traced value (torch.func transforms): no data to read
-            return
-        self.sign_read = True
-        if bad:
-            raise TypeError(
-                f"counted: items(batch) must be a number >= 0 (the batch's item count), got "
-                f"{n.item()!r} (a tensor)"
-            )
 
     def __repr__(self) -> str:
         return f"counted({self.sum_fn!r}, items={self.items!r})"
@@ -1396,8 +1378,7 @@ def counted(sum_fn: Callable[[nn.Module, Any], torch.Tensor], items: Any) -> Cou
     Raises:
         TypeError: when either is not callable; on a call, when `sum_fn` returns anything but
             a one-element tensor (e.g. a `(sum, count)` pair) or `items` anything but one
-            non-negative number (a tensor count's sign is read on the loss's first count only:
-            a host sync once).
+            non-negative number.
 
     Example:
         >>> import torch, torch.nn.functional as F, ftrain as ft

@@ -1,4 +1,4 @@
-"""`ft.losses.counted`: the names of two counts of one sum, and a tensor count's sign."""
+"""`ft.losses.counted`: the names of two counts of one sum."""
 
 from __future__ import annotations
 
@@ -49,19 +49,3 @@ def test_two_counts_of_one_sum_are_named_apart_and_not_ranked_together(tmp_path)
         ft.save_checkpoint(
             state, tmp_path, metrics=second, best_metric="eval_loss", keep_best=1, keep_last=1
         )
-
-
-@pytest.mark.parametrize("numel", [1 << 30, 1])  # divided after backward; counted first
-def test_a_negative_tensor_count_is_refused(monkeypatch, numel):
-    """A negative count given as a tensor went through (its sign needs a host read): the step
-    divided by 1 in its place, silently. The loss's first tensor count is now read."""
-    import ftrain.grads as grads_module
-
-    monkeypatch.setattr(grads_module, "COUNT_FIRST_NUMEL", numel)
-    state = ft.TrainState.create(torch.nn.Linear(3, 2), ft.optim.sgd())
-    bad = ft.losses.counted(_sum, lambda b: -torch.tensor(len(b[1])))
-    with pytest.raises(TypeError, match=r"counted: items\(batch\) must be a number >= 0.*-4"):
-        ft.accumulate_grads(state, _batches(2), bad)
-    good = ft.losses.counted(_sum, lambda b: torch.tensor(len(b[1])))
-    _, stats = ft.accumulate_grads(state, _batches(2), good)
-    assert int(stats.num_items) == 8 and good.sign_read
