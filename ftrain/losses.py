@@ -775,35 +775,72 @@ def padded_as_model(model: nn.Module, batch: Any) -> Any:
     pad = getattr(text() if callable(text) else cfg, "pad_token_id", None)
     if isinstance(pad, int) and not isinstance(pad, bool):
         batch = {**batch, "input_ids": ids.masked_fill(mask == 0, pad)}
-    return _right_aligned(batch, mask) if _sequence_classifier(model) else batch
+    return _right_aligned(model, batch, mask) if _sequence_classifier(model) else batch
 
 
 def _sequence_classifier(model: nn.Module) -> bool:
-    """Whether the default loss of `model` is `classification_loss`, without PEFT prompt
-    tuning (looked up once per model). Under prompt tuning PEFT passes HF `inputs_embeds`, so a
-    decoder's classifier reads the last position: a left-padded row's own last token."""
+    """Whether `model` is a sequence classifier that reads a left-padded row from its padding
+    and a right-aligned one right (`_FIRST_SLOT_CLASSIFIERS`), without PEFT prompt tuning. Not
+    a decoder's (Llama, GPT-2, ...: HF reads the last token that is not the pad id, or the last
+    position without one) nor XLNet's (the last position: its tokenizer pads on the left)."""
+    if getattr(_config(model), "model_type", None) not in _FIRST_SLOT_CLASSIFIERS:
+        return False
     try:
         fn, step_loss = _defaults(model)
     except TypeError:  # a module of your own, or a decoder the default loss refuses
         return False
+    # (under prompt tuning PEFT passes `inputs_embeds`: the rows stay where they are)
     return fn is _CLASSIFY and step_loss is not _prompted_classifier_step
 
 
-def _right_aligned(batch: Mapping[str, Any], mask: torch.Tensor) -> dict[str, Any]:
-    """`batch` with each row's leading padding (`mask` 0) moved to its end: every tensor whose
-    first two dimensions are the mask's (`input_ids`, `attention_mask`, `token_type_ids`,
-    `inputs_embeds`, LayoutLM's `bbox`, ...) but `labels` and the `decoder_*` inputs, rolled
-    left by the row's leading padding. On the device, no host sync; a right-padded batch is
-    gathered in its own order (the same values). An encoder's classifier pools its first token
-    ([CLS]: BERT, RoBERTa, DistilBERT, DeBERTa, ...), a pad in a left-padded row, and HF reads
-    it so; an encoder-decoder's encoder may count positions from the first slot too."""
+# HF model types whose sequence classifier reads a left-padded row other than the row alone and
+# a right-aligned one as the row alone: encoders pooling their first token ([CLS]) or counting
+# positions from the row's first slot, and BART's family (the encoder's positions). Measured
+# with transformers 5.24 (a row left-padded vs alone; the types that do not build from a default
+# config added by their pooling: DeBERTa, Funnel, LayoutLMv2/v3, LiLT, SqueezeBERT, X-MOD, and
+# BART's family as its seq2seq loss measured). Others keep their rows where they are.
+_FIRST_SLOT_CLASSIFIERS = frozenset({
+    "albert", "bart", "bert", "big_bird", "bigbird_pegasus", "camembert", "canine", "convbert",
+    "data2vec-text", "deberta", "deberta-v2", "distilbert", "electra", "ernie", "esm",
+    "flaubert", "funnel", "gte", "ibert", "jina_embeddings_v3", "layoutlm", "layoutlmv2",
+    "layoutlmv3", "led", "lilt", "longformer", "luke", "markuplm", "mbart", "megatron-bert",
+    "mobilebert", "modernbert", "modernvbert", "mpnet", "mra", "mvp", "nomic_bert",
+    "nystromformer", "perceiver", "plbart", "rembert", "roberta", "roberta-prelayernorm",
+    "roc_bert", "roformer", "squeezebert", "tapas", "ultrabert", "xlm", "xlm-roberta",
+    "xlm-roberta-xl", "xmod",
+})  # fmt: skip
+
+# HF encoder-decoder types whose encoder reads a left-padded input other than the input alone
+# (positions from the first slot) and a right-aligned one as alone; T5's family, M2M-100,
+# NLLB-MoE, FSMT and SeamlessM4T read either alike (measured as above).
+_FIRST_SLOT_ENCODERS = frozenset({
+    "bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "encoder-decoder", "led",
+    "marian", "mbart", "mvp", "pegasus", "pegasus_x", "plbart",
+})  # fmt: skip
+
+
+def _right_aligned(model: nn.Module, batch: Mapping[str, Any], mask: torch.Tensor) -> Any:
+    """`batch` with each row's leading padding (`mask` 0) moved to its end: every input of the
+    model's forward whose first two dimensions are the mask's (`input_ids`, `attention_mask`,
+    `token_type_ids`, `inputs_embeds`, LayoutLM's `bbox`, ...) but `labels` and the `decoder_*`
+    inputs, rolled left by the row's leading padding; unchanged unless `input_ids` or
+    `inputs_embeds` is laid out as the mask (Whisper's mask is over audio frames). On the
+    device, no host sync; a right-padded batch is gathered in its own order (the same values).
+    An encoder's classifier pools its first token ([CLS]: BERT, RoBERTa, DistilBERT, DeBERTa,
+    ...), a pad in a left-padded row, and HF reads it so; an encoder-decoder's encoder may
+    count positions from the first slot too."""
+    tokens = batch.get("input_ids")
+    tokens = batch.get("inputs_embeds") if tokens is None else tokens
+    if not isinstance(tokens, torch.Tensor) or tokens.shape[:2] != mask.shape:
+        return batch
+    names = _forward_names(model)[0]  # (None: the forward takes any keyword)
     n = mask.shape[1]
     lead = mask.logical_not().cumprod(1).sum(1, keepdim=True)  # each row's leading padding
     index = (torch.arange(n, device=mask.device) + lead).remainder(n)
     out = dict(batch)
     for key, value in batch.items():
-        if key == "labels" or key.startswith("decoder_"):
-            continue  # per row, or the decoder's (an encoder-decoder's)
+        if key == "labels" or key.startswith("decoder_") or (names and key not in names):
+            continue  # per row, the decoder's (an encoder-decoder's), or not the model's
         # (not images: `pixel_values` of 3 channels beside 3 tokens)
         if isinstance(value, torch.Tensor) and value.dim() <= 3 and value.shape[:2] == mask.shape:
             at = index.view(*index.shape, *(1,) * (value.dim() - 2)).expand_as(value)
@@ -999,11 +1036,12 @@ def _seq2seq_pair(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Ten
         raise _no_labels(batch, "seq2seq_loss needs 'labels' in the batch")
     labels = batch["labels"]
     mask = batch.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+    kind = getattr(_config(model), "model_type", None)
+    if kind in _FIRST_SLOT_ENCODERS and isinstance(mask, torch.Tensor) and mask.dim() == 2:
         # BART's family, LED, Pegasus-X, BERT2BERT count the encoder's positions from its first
         # slot, not the mask: a left-padded input was read from its padding on (the decoder's
         # logits do not line up with the encoder's positions, so moving them changes nothing else)
-        batch = _right_aligned(batch, mask)
+        batch = _right_aligned(model, batch, mask)
     if batch.get("decoder_input_ids") is None and batch.get("decoder_inputs_embeds") is None:
         if STATE.seq2seq_labels_checked.get(model, 0) < _PADDING_CHECKS:
             _check_label_padding(model, labels)

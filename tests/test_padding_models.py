@@ -249,3 +249,50 @@ def test_a_left_padded_bert_classifier_trains_and_evaluates_as_right_padded():
     assert ft.evaluate(state, [left])["eval_loss"] == pytest.approx(
         ft.evaluate(state, [right])["eval_loss"], rel=1e-9
     )
+
+
+def test_classifiers_that_read_the_last_position_keep_their_left_padded_rows():
+    """Right-aligning every sequence classifier moved a pad into the last slot of XLNet's (it
+    pools the last position; its tokenizer pads on the left for that) and of a decoder's
+    without a pad id (HF reads position -1, a batch of one): both read a pad where HF and the
+    row alone read its last token. Only the types measured to read the first slot move."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForSequenceClassification,
+        XLNetConfig,
+        XLNetForSequenceClassification,
+    )
+
+    torch.manual_seed(0)
+    xlnet_cfg = XLNetConfig(vocab_size=40, d_model=16, n_layer=1, n_head=2, d_inner=16)
+    xlnet_cfg.num_labels, xlnet_cfg.pad_token_id = 3, 5
+    llama_cfg = LlamaConfig(
+        vocab_size=40, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, num_labels=3,
+    )  # fmt: skip
+    xlnet = XLNetForSequenceClassification(xlnet_cfg).eval()
+    llama = LlamaForSequenceClassification(llama_cfg).eval()
+    assert llama.config.pad_token_id is None
+    for model, pad, row in ((xlnet, 5, [9, 10, 3]), (llama, 0, [7, 8, 9])):
+        ids = torch.tensor([[pad, pad, pad, *row]])
+        mask = (ids != pad).long()
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([2])}
+        alone = {"input_ids": torch.tensor([row]), "labels": torch.tensor([2])}
+        with torch.no_grad():
+            got = ft.losses.model_logits(model, ft.losses.padded_as_model(model, batch))
+            want = model(input_ids=alone["input_ids"]).logits
+            loss, _ = ft.losses.default_loss(model, batch)
+            alone_loss, _ = ft.losses.default_loss(model, alone)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(loss, alone_loss, atol=1e-5, rtol=1e-4)
+
+
+def test_right_aligning_moves_only_the_models_inputs():
+    """`padded_as_model` rolled every tensor of the mask's shape: a column of the user's own
+    loss (per-token targets under another key) was moved away from the rows it belongs to."""
+    model = tiny("bert", AutoModelForSequenceClassification)
+    left = padded(ROWS, side="left", labels=[0, 2])
+    left["my_targets"] = torch.tensor([[1, 0, 0, 1, 1], [1, 1, 0, 0, 0]])
+    out = ft.losses.padded_as_model(model, left)
+    assert out["input_ids"].tolist() == [[5, 6, 7, 8, 9], [10, 11, 12, 0, 0]]
+    assert torch.equal(out["my_targets"], left["my_targets"])
