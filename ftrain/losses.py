@@ -501,11 +501,14 @@ def _causal_pair(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tens
         )
     logits, targets = loss_logits(model, batch), causal_targets(batch)
     if logits.shape[1] != targets.shape[-1]:  # ([-1]: 1-D labels of a model of your own)
-        # The last virtual token predicts the first label, as in PEFT's own loss (not from a pad)
-        first = batch["labels"][:, :1]
-        mask = batch.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and mask.shape == batch["labels"].shape:
-            first = first.masked_fill(mask[:, :1] == 0, IGNORE_INDEX)
+        # The last virtual token predicts the first label, as in PEFT's own loss: the label of
+        # the row's first token, not of a pad (a left-padded row's first slot)
+        labels, mask = batch["labels"], batch.get("attention_mask")
+        first = labels[:, :1]
+        if isinstance(mask, torch.Tensor) and mask.shape == labels.shape and labels.dim() == 2:
+            lead = mask.logical_not().cumprod(1).sum(1, keepdim=True)  # leading padding
+            lead = lead.clamp(max=labels.shape[1] - 1)
+            first = labels.gather(1, lead).masked_fill(mask.gather(1, lead) == 0, IGNORE_INDEX)
         targets = _behind_virtual_tokens(model, logits, targets, first)
     return logits, targets
 

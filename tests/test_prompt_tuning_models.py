@@ -140,3 +140,18 @@ def test_a_prompt_tuned_decoder_classifier_keeps_its_left_padding():
         alone = model(input_ids=torch.tensor([[8, 9]])).logits[0]
         logits = ft.losses.model_logits(model, ft.losses.padded_as_model(model, left))
     torch.testing.assert_close(logits[1], alone, atol=2e-3, rtol=0)
+
+
+def test_a_left_padded_row_of_a_prompt_tuned_causal_lm_counts_its_first_token():
+    """The last virtual token was given the label of each row's first *slot*: a pad (-100) in
+    a left-padded row, so the row's first token was never a target and its loss and count
+    changed with the rows padded beside it. It is the label of the row's first token now."""
+    model = _prompted("prompt_tuning").eval()
+    ids, mask = torch.tensor([[0, 0, 9, 10]]), torch.tensor([[0, 0, 1, 1]])
+    left = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    alone = {"input_ids": ids[:, 2:], "attention_mask": mask[:, 2:], "labels": ids[:, 2:]}
+    with torch.no_grad():
+        want, n = ft.losses.causal_lm_loss()(model, alone)
+        got, m = ft.losses.causal_lm_loss()(model, left)
+    assert int(m) == int(n) == 2
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
