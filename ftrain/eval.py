@@ -7,7 +7,7 @@ import hashlib
 import itertools
 import json
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any, NoReturn
 
 import numpy as np
@@ -242,9 +242,10 @@ def _from_the_start(
     Groups collected as such (a list, a deque or another container of recent training groups,
     the step's own group) are what they are meant to be."""
     first = resumed_at(batches)
-    # Only an iterator can be the loop's (make_batches' own, an islice or a generator over
-    # it); a container (a deque of recent groups) holds groups collected as such.
-    if first is None and isinstance(batches, Iterator):
+    # A container (a list, a deque of recent groups) holds groups collected as such; anything
+    # else (make_batches' iterator, an islice or a generator over it, an iterable whose
+    # __iter__ returns it) may be the loop's.
+    if first is None and not isinstance(batches, Collection):
         it = iter(batches)
         head: Any = next(it, _NOTHING)
         if isinstance(head, MicroBatches) and _at_the_cursor(head, state):
@@ -376,6 +377,8 @@ def evaluate(
     # has read a batch), a rank that fails on a batch joins the others' one collective at the
     # end with its error, and every rank raises.
     joins = strategy.world_size > 1 and not forward_collectives(strategy)
+    # (until a rank has run a forward, it may join only if that forward is no collective)
+    open_first = joins and not first_forward_collective(strategy, state.model)
     done = 0
     own = None if loss_fn is not None or state.loss_fn is default_loss else state.loss_fn
     sums: dict[str, torch.Tensor] = {}
@@ -402,7 +405,7 @@ def evaluate(
                     sums[name] = sums[name] + pair if name in sums else pair
                 done += 1
     except Exception as e:
-        if not (joins and done) or raised_everywhere(e):
+        if not (joins and (done or open_first)) or raised_everywhere(e):
             raise
         failure = e
     names = sorted(sums)
@@ -550,10 +553,7 @@ class Lockstep:
                 "the processes, which would pair up unlike and hang until the backend's timeout"
             )
             return cls(strategy, caller, why)
-        if strategy.world_size == 1:
-            return None
-        next_collective = getattr(strategy, "next_forward_collective", None)
-        if callable(next_collective) and not next_collective(model):
+        if strategy.world_size == 1 or not first_forward_collective(strategy, model):
             return None
         why = (
             "the ranks' first forward is a collective (DDP broadcasts the module's buffers from "
@@ -586,6 +586,14 @@ class Lockstep:
         raise _everywhere(
             _ran_out(self.caller, here, have, total, "processes", rank, self.done, self.why)
         )
+
+
+def first_forward_collective(strategy: Strategy, model: nn.Module) -> bool:
+    """Whether `model`'s next forward under `strategy` is a collective where its forwards are
+    otherwise none (DDP's buffer broadcast: `next_forward_collective`); a strategy of one's
+    own without the method: taken as one."""
+    ask = getattr(strategy, "next_forward_collective", None)
+    return bool(ask(model)) if callable(ask) else True
 
 
 def forward_collectives(strategy: Strategy) -> bool:
@@ -945,6 +953,12 @@ def predict(
     # Gathering is a collective per batch, as FSDP's and TP's forwards are: lists of other
     # lengths on other processes paired one call's batches with the next call's, then hung.
     gathering = gather and strategy.world_size > 1
+    owner = state.strategy  # (what wrapped the model; `strategy` may be SingleDevice())
+    if not gathering and owner.world_size > 1 and not forward_collectives(owner):
+        # Each rank predicts alone (a rank-0 predict, docs/data.md): through the module inside
+        # the wrapper, whose first forward after training broadcasts buffers (a collective the
+        # other ranks never join). Its outputs are the same: the forward runs no other.
+        model = owner.unwrap(model)
     counted = _check_batch_count(batches, strategy, "predict", paired=True if gathering else None)
     lock = Lockstep.for_forwards(batches, strategy, "predict", counted=counted, model=model)
     # Gathering without collectives in the forward (DDP, after its first): the names check of
@@ -952,6 +966,7 @@ def predict(
     # its own (a rank that raised, or ran out, left the others waiting in it), and once more at
     # the end of an iterator, whose length is not known.
     joins = gathering and not forward_collectives(strategy)
+    open_first = joins and not first_forward_collective(strategy, model)
     why = "each batch's outputs are gathered over the ranks, a collective per batch"
     done = [0]  # batches every rank has had
 
@@ -983,7 +998,7 @@ def predict(
             except Exception as e:
                 # (a rank that has not run a batch yet may have failed before DDP's first
                 # forward, a collective the others are in: it cannot join them)
-                if not (joins and done[0]) or raised_everywhere(e):
+                if not (joins and (done[0] or open_first)) or raised_everywhere(e):
                     raise
                 failure = e
             if gathering:

@@ -105,21 +105,27 @@ def test_no_batches_on_one_rank_fails_fast_on_every_rank(ranks, call, kind, form
     assert "while this process (rank 1) had some" in theirs
 
 
-def test_no_batches_on_one_rank_of_an_ungathered_predict_fails_fast(ranks):
-    """predict(gather=False) under DDP runs no collective of its own, but the first forward
-    of DDP's module does (a buffer broadcast): rank 1 waited there for rank 0."""
-    mine, theirs = _errors(ranks, "empty-predict-ddp-iter-local")
-    assert "predict got no batches on this process" in mine
-    assert "while this process (rank 1) had some" in theirs
+def test_no_batches_on_one_rank_of_an_ungathered_predict_is_that_ranks_alone(ranks):
+    """predict(gather=False) under DDP: each rank predicts its own rows through the module
+    inside DDP's wrapper, so no collective pairs the ranks (DDP's first forward broadcast
+    buffers: rank 1 waited there for rank 0). Rank 0, without batches, says so; rank 1 has its
+    row."""
+    got = [r["empty-predict-ddp-iter-local"] for r in ranks]
+    assert got[0].get("type") == "ValueError", got
+    assert got[0]["error"].startswith("predict got no batches (an eval set"), got
+    assert got[1].get("got") == 1, got
+    assert all(g["seconds"] < FAST_S for g in got), got
 
 
 def test_a_rank_predicting_alone_without_a_collective_forward_waits_for_no_one(ranks):
-    """Rank 0 predicts alone (gather=False) under DDP with a model without buffers, whose
-    forwards run no collective: the agreement before the first batch (for DDP's buffer
-    broadcast) left it waiting for rank 1 until the backend's timeout."""
-    got = [r["alone-predict-ddp"] for r in ranks]
-    assert [g.get("got") for g in got] == [2, 0], got
-    assert got[0]["seconds"] < FAST_S, got
+    """Rank 0 predicts alone (gather=False) under DDP after a training step: the agreement
+    before the first batch (for DDP's buffer broadcast), and DDP's broadcast itself for a model
+    with buffers (every HF model: Llama's rotary ones), left it waiting for rank 1 until the
+    backend's timeout. Each rank predicts through the module inside DDP's wrapper."""
+    for case in ("alone-predict-ddp", "alone-predict-ddp-llama"):
+        got = [r[case] for r in ranks]
+        assert [g.get("got") for g in got] == [2, 0], got
+        assert got[0]["seconds"] < FAST_S, got
 
 
 @pytest.mark.parametrize("call", ["evaluate", "predict"])
@@ -131,6 +137,19 @@ def test_an_iterator_that_fails_on_one_rank_under_fsdp_fails_every_rank(ranks, c
     assert got[1]["type"] == "OSError" and "rank 1's data went away" in got[1]["error"], got
     assert got[0]["type"] == "ValueError", got[0]
     assert got[0]["error"].startswith(f"{call}: 1 of the 2 processes failed on their batch")
+    assert all(g["seconds"] < FAST_S for g in got), got
+
+
+@pytest.mark.parametrize("call", ["evaluate", "predict"])
+def test_a_first_batch_that_fails_on_one_ddp_rank_fails_every_rank(ranks, call):
+    """Under DDP with no collective in the first forward (a model without buffers, or any
+    model after an earlier forward without gradients) no agreement runs before the first
+    batch: rank 1's iterator raised on its first read and rank 1 raised alone (it had run no
+    batch), leaving rank 0 in the final all-reduce until the backend's timeout."""
+    got = [r[f"first-read-fails-{call}-ddp"] for r in ranks]
+    assert got[1]["type"] == "OSError" and "rank 1's data went away" in got[1]["error"], got
+    assert got[0]["type"] == "ValueError", got[0]
+    assert got[0]["error"].startswith(f"{call}: 1 of the 2 ranks failed on their batch")
     assert all(g["seconds"] < FAST_S for g in got), got
 
 
@@ -306,6 +325,24 @@ def test_a_deque_of_recent_groups_is_evaluated_at_the_epochs_start():
         grads, stats = ft.accumulate_grads(state, micro)
         state, _ = ft.clip_and_step(state, grads, stats=stats, lr=0.0)
     assert state.data.cursor == 4
+
+
+def test_an_iterable_that_returns_the_loops_iterator_is_refused_mid_epoch():
+    """An object whose __iter__ returns make_batches(data, state) (not an iterator itself, nor
+    a container) was let through when only iterators were checked: evaluated from the cursor
+    on, without the rows before it."""
+    state = _state()
+    for micro in ft.make_batches(ROWS, state, batch_size=2, accum=1):
+        grads, stats = ft.accumulate_grads(state, micro)
+        state, _ = ft.clip_and_step(state, grads, stats=stats, lr=0.0)
+        break
+
+    class Wrapper:
+        def __iter__(self):
+            return iter(ft.make_batches(ROWS, state, batch_size=2, accum=1))
+
+    with pytest.raises(ValueError, match="starting at micro-batch 1"):
+        ft.evaluate(state, Wrapper())
 
 
 def test_a_prompt_token_outside_the_vocabulary_is_refused_before_the_forward():

@@ -102,8 +102,11 @@ class DDP(ProcessGroupStrategy):
         its default, and a module that has buffers); the forwards after it run none. `evaluate`
         and `predict` agree over the ranks before such a forward only (a rank with no batch
         never joined it; one predicting alone without it must not wait for the others)."""
-        model = uncompiled(model)
-        return isinstance(model, DistributedDataParallel) and bool(model.will_sync_module_buffers())
+        # any DDP module inside (`modules()` goes through torch.compile's wrappers and one's own)
+        return any(
+            isinstance(m, DistributedDataParallel) and bool(m.will_sync_module_buffers())
+            for m in model.modules()
+        )
 
     def clone_model(self, model: nn.Module) -> nn.Module:
         # Collective (DDP broadcasts parameters when it wraps): every rank must snapshot together.

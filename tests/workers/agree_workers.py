@@ -185,18 +185,22 @@ class _Bufferless(torch.nn.Module):
         return self.emb(input_ids)
 
 
-def alone(rank: int) -> Any:
+def alone(rank: int, model: str) -> Any:
     """Rank 0 predicts alone under DDP (`gather=False`, the rank-0 predict of docs/data.md)
-    with a model without buffers; rank 1 does not predict. Nothing pairs the ranks."""
-    _state("ddp")  # the case's strategy, kept for the group's close
-    strategy = _STRATEGIES["ddp"]
-    state = ft.TrainState.create(_Bufferless(), ft.optim.sgd(), seed=3, strategy=strategy)
+    after a training step, with a model without buffers or a Llama (whose rotary buffers DDP
+    broadcasts before its first forward after training); rank 1 does not predict."""
+    state = _state("ddp")
+    if model == "bufferless":
+        state = ft.TrainState.create(_Bufferless(), ft.optim.sgd(), strategy=state.strategy)
+        outputs = lambda m, b: {"pred": m(b["input_ids"])}  # noqa: E731
+    else:
+        grads, stats = ft.accumulate_grads(state, [_batch(rank)])
+        state, _ = ft.clip_and_step(state, grads, stats=stats, lr=0.0)
+        outputs = _outputs
     if rank != 0:
         return 0
-    outputs = ft.predict(
-        state, [_batch(k) for k in range(2)], lambda m, b: {"e": m(b["input_ids"])}, gather=False
-    )
-    return sum(len(b["e"]) for b in outputs)
+    return sum(len(b["pred"]) for b in ft.predict(state, [_batch(k) for k in range(2)], outputs,
+                                                  gather=False))  # fmt: skip
 
 
 def agreements(rank: int, call: str, kind: str, form: str) -> Any:
@@ -226,6 +230,25 @@ def agreements(rank: int, call: str, kind: str, form: str) -> Any:
     return calls
 
 
+def first_read_fails(rank: int, call: str) -> Any:
+    """Under DDP with a model without buffers (its forwards run no collective, so no
+    agreement runs before the first batch), rank 1's iterator raises on its first read; rank 0
+    has 2 batches."""
+    state = _state("ddp")
+    state = ft.TrainState.create(_Bufferless(), ft.optim.sgd(), strategy=state.strategy)
+
+    def batches() -> Any:
+        if rank == 1:
+            raise OSError("rank 1's data went away")
+        yield from (_batch(k) for k in range(2))
+
+    if call == "evaluate":
+        loss_fn = lambda m, b: (m(b["input_ids"]).sum(), 1)  # noqa: E731
+        return ft.evaluate(state, batches(), loss_fn)["eval_items"]
+    outputs = lambda m, b: {"pred": m(b["input_ids"])}  # noqa: E731
+    return sum(len(b["pred"]) for b in ft.predict(state, batches(), outputs))
+
+
 CASES: dict[str, Callable[[int], Any]] = {
     **{
         f"uneven-{call}-{kind}-{form}": (
@@ -248,7 +271,10 @@ CASES: dict[str, Callable[[int], Any]] = {
         for form in ("iter", "list")
     },
     "empty-predict-ddp-iter-local": lambda r: empty(r, "predict", "ddp", "iter", gather=False),
-    "alone-predict-ddp": alone,
+    "alone-predict-ddp": lambda r: alone(r, "bufferless"),
+    "alone-predict-ddp-llama": lambda r: alone(r, "llama"),
+    "first-read-fails-evaluate-ddp": lambda r: first_read_fails(r, "evaluate"),
+    "first-read-fails-predict-ddp": lambda r: first_read_fails(r, "predict"),
     "reading-fails-evaluate-fsdp": lambda r: reading_fails(r, "evaluate"),
     "reading-fails-predict-fsdp": lambda r: reading_fails(r, "predict"),
     **{f"none-{call}-ddp": (lambda r, call=call: none_at_all(r, call, "ddp")) for call in CALLS},
