@@ -557,6 +557,12 @@ def _prepends_virtual_tokens(model: nn.Module) -> bool:
 _PREFIXES = ("PREFIX_TUNING", "CARTRIDGE")  # PEFT's prompt learning in the key/value cache
 
 
+def _prompt_learning(model: nn.Module) -> bool:
+    """Whether `model` is under a PEFT prompt-learning adapter (prompt tuning, P-tuning, ...)."""
+    config = getattr(_peft_model(model), "active_peft_config", None)
+    return bool(getattr(config, "is_prompt_learning", False))
+
+
 def _peft_model(model: nn.Module) -> nn.Module | None:
     """The PEFT model (one with `active_peft_config`) in `model`'s wrappers, if any."""
     for _ in range(8):  # wrappers nest a few levels at most
@@ -624,8 +630,8 @@ def _with_mask_positions(model: nn.Module, batch: Any) -> Any:
             batch = {**batch, "input_ids": ids.masked_fill(mask == 0, pad)}
         if kind not in _MASK_BLIND_POSITIONS:
             return batch
-    if "position_ids" in batch:
-        return batch
+    if "position_ids" in batch or _prompt_learning(model):
+        return batch  # (PEFT's prompt learning drops position_ids, warning on every call)
     # `!= 0`: a mask of segment ids (1, 1, 2, 2, ...: packed rows, some libraries' form) counts
     # its tokens once each, as a 0/1 mask does, not by its values
     return {**batch, "position_ids": ((mask != 0).cumsum(-1) - 1).clamp(min=0)}
@@ -783,17 +789,18 @@ def padded_as_model(model: nn.Module, batch: Any) -> Any:
 
 def _sequence_classifier(model: nn.Module) -> bool:
     """Whether `model` is a sequence classifier that reads a left-padded row from its padding
-    and a right-aligned one right (`_FIRST_SLOT_CLASSIFIERS`), without PEFT prompt tuning. Not
-    a decoder's (Llama, GPT-2, ...: HF reads the last token that is not the pad id, or the last
+    and a right-aligned one right (`_FIRST_SLOT_CLASSIFIERS`), PEFT prompt-tuned too. Not a
+    decoder's (Llama, GPT-2, ...: HF reads the last token that is not the pad id, or the last
     position without one) nor XLNet's (the last position: its tokenizer pads on the left)."""
     if getattr(_config(model), "model_type", None) not in _FIRST_SLOT_CLASSIFIERS:
         return False
     try:
-        fn, step_loss = _defaults(model)
+        fn, _ = _defaults(model)
     except TypeError:  # a module of your own, or a decoder the default loss refuses
         return False
-    # (under prompt tuning PEFT passes `inputs_embeds`: the rows stay where they are)
-    return fn is _CLASSIFY and step_loss is not _prompted_classifier_step
+    # (prompt-tuned too: PEFT puts its virtual tokens in front of the row's embeddings, which
+    # right-aligned rows then follow directly, as the row alone)
+    return fn is _CLASSIFY
 
 
 # HF model types whose sequence classifier reads a left-padded row other than the row alone and
@@ -804,7 +811,7 @@ def _sequence_classifier(model: nn.Module) -> bool:
 # BART's family as its seq2seq loss measured). Others keep their rows where they are.
 _FIRST_SLOT_CLASSIFIERS = frozenset({
     "albert", "bart", "bert", "big_bird", "bigbird_pegasus", "camembert", "canine", "convbert",
-    "data2vec-text", "deberta", "deberta-v2", "distilbert", "electra", "ernie", "esm",
+    "data2vec-text", "deberta", "deberta-v2", "distilbert", "electra", "ernie", "esm", "esmc",
     "flaubert", "funnel", "gte", "ibert", "jina_embeddings_v3", "layoutlm", "layoutlmv2",
     "layoutlmv3", "led", "lilt", "longformer", "luke", "markuplm", "mbart", "megatron-bert",
     "mobilebert", "modernbert", "modernvbert", "mpnet", "mra", "mvp", "nomic_bert",
@@ -1316,8 +1323,7 @@ def _prompted_step_loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, tor
 
 def _prompted_classifier_step(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """The default loss's step for a sequence classifier under PEFT prompt tuning
-    (`_defaults`): `classification_loss`; `padded_as_model` knows such a model by this
-    function and leaves its rows where they are (`_sequence_classifier`)."""
+    (`_defaults`): `classification_loss`."""
     return (
         _CLASSIFY(model, batch)
         if type(batch) is dict and "labels" in batch
@@ -1382,7 +1388,8 @@ class Counted:
         return total, self.count(batch)
 
     def count(self, batch: Any) -> Any:
-        """`items(batch)`, checked: a non-negative number, or a one-element tensor of one."""
+        """`items(batch)`, checked: a non-negative number, or a one-element tensor (whose sign
+        is not read: a host sync, where the count-first path runs none)."""
         n = self.items(batch)
         if isinstance(n, torch.Tensor):
             if n.numel() != 1 or n.dtype == torch.bool or n.is_complex():
@@ -1419,7 +1426,7 @@ def counted(sum_fn: Callable[[nn.Module, Any], torch.Tensor], items: Any) -> Cou
     Raises:
         TypeError: when either is not callable; on a call, when `sum_fn` returns anything but
             a one-element tensor (e.g. a `(sum, count)` pair) or `items` anything but one
-            non-negative number.
+            non-negative number (a tensor count's sign is not read: that is a host sync).
 
     Example:
         >>> import torch, torch.nn.functional as F, ftrain as ft

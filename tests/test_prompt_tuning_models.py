@@ -155,3 +155,32 @@ def test_a_left_padded_row_of_a_prompt_tuned_causal_lm_counts_its_first_token():
         got, m = ft.losses.causal_lm_loss()(model, left)
     assert int(m) == int(n) == 2
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
+
+
+def test_a_left_padded_prompt_tuned_encoder_classifier_reads_its_rows_as_right_padded():
+    """A prompt-tuned BERT classifier's rows were kept where they are (an exclusion meant for
+    decoders' classifiers): the left-padded row's [CLS] sat behind its pads, and the loss
+    changed with the padding. Right-aligned as the encoder without the prompt is."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = BertConfig(
+        vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=16, num_labels=3, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    config = PromptTuningConfig(task_type=TaskType.SEQ_CLS, num_virtual_tokens=3)
+    model = get_peft_model(BertForSequenceClassification(cfg), config).eval()
+    row, labels = [5, 6, 7], torch.tensor([2])
+    right = {
+        "input_ids": torch.tensor([[*row, 0, 0]]),
+        "attention_mask": torch.tensor([[1] * 3 + [0] * 2]),
+    }
+    left = {
+        "input_ids": torch.tensor([[0, 0, *row]]),
+        "attention_mask": torch.tensor([[0] * 2 + [1] * 3]),
+    }
+    with torch.no_grad():
+        want, _ = ft.losses.default_loss(model, {**right, "labels": labels})
+        got, _ = ft.losses.default_loss(model, {**left, "labels": labels})
+    torch.testing.assert_close(got, want)
