@@ -105,11 +105,15 @@ def test_a_save_meeting_another_writers_save_of_the_same_step_commits_without_er
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step-4"]  # no leftovers
 
 
-def _resave_killed(root: str, killed_at: str) -> None:
-    """A process re-saving step 5 of `root`, killed (os._exit) at `killed_at`."""
+def _resave_killed(root: str, killed_at: str, swap: bool = True) -> None:
+    """A process re-saving step 5 of `root`, killed (os._exit) at `killed_at`; without `swap`,
+    on a file system that cannot swap two folders in one step (NFS, Lustre)."""
     import os
 
     from ftrain.checkpoint import _io
+
+    if not swap:
+        _io._exchange = lambda a, b: False
 
     rename = os.rename
     torch.manual_seed(1)
@@ -164,3 +168,28 @@ def test_a_resave_killed_midway_leaves_a_loadable_checkpoint_of_the_step(tmp_pat
     assert torch.equal(loaded.params["weight"], old.params["weight"]) or torch.equal(
         loaded.params["weight"], new
     )
+
+
+def test_a_resave_killed_midway_without_a_folder_swap_is_put_back_by_the_next_save(tmp_path):
+    """Where two folders cannot be swapped in one step (NFS rejects renameat2's flags), a
+    re-save killed between its two renames leaves the committed step-N under the temporary
+    name it was moved aside to; the next save's sweep of stale temporaries deleted it, the
+    only copy of that step. It is put back when no step-N took its place."""
+    import multiprocessing
+
+    root = tmp_path / "run"
+    torch.manual_seed(0)
+    old = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd()).replace(step=5)
+    ft.save_checkpoint(old, root, keep_last=2)
+    child = multiprocessing.get_context("fork").Process(
+        target=_resave_killed, args=(str(root), "moving the old copy aside", False)
+    )
+    child.start()
+    child.join(60)
+    assert child.exitcode == 9
+    assert ft.latest_checkpoint(root) is None  # the window: step-5 moved aside, nothing else
+    ft.save_checkpoint(old.replace(step=6), root, keep_last=2)  # its sweep
+    assert sorted(p.name for p in root.iterdir()) == ["step-5", "step-6"]
+    fresh = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd())
+    loaded = ft.load_checkpoint(root / "step-5", fresh)
+    assert loaded.step == 5 and torch.equal(loaded.params["weight"], old.params["weight"])

@@ -504,11 +504,23 @@ def _broadcast_name(name: str, strategy: Strategy) -> str:
 
 
 def _remove_stale(root: Path) -> None:
-    """Remove the temporary directories that crashed saves left; never another live save's."""
+    """Remove the temporary directories that crashed saves left; never another live save's.
+
+    A committed `step-N` a crashed re-save had moved aside (where the file system cannot swap
+    two folders in one step: NFS, Lustre) is put back instead when no `step-N` took its place:
+    it was the only copy of that step."""
     for p in root.glob(f"{L.TMP_PREFIX}*"):
         with contextlib.suppress(OSError):  # gone meanwhile: its owner finished
             if _stale(p):
+                aside = _ASIDE.match(p.name)
+                final = root / aside.group(1) if aside else None
+                if final is not None and not final.exists() and (p / L.COMMIT_FILE).is_file():
+                    os.rename(p, final)
+                    continue
                 shutil.rmtree(p, ignore_errors=True)
+
+
+_ASIDE = re.compile(re.escape(L.TMP_PREFIX) + r"replaced-(step-\d+)\.")
 
 
 def _stale(p: Path) -> bool:
