@@ -924,6 +924,9 @@ def predict(
             the loss feeds them; a batch with neither labels nor `decoder_input_ids` raises).
             Return only what you need (`argmax` rather than logits) to move less to the host.
         gather: gather every rank's rows (a collective: all ranks must iterate together).
+            `False` under DDP: each rank predicts alone, through the module inside DDP's
+            wrapper (its first forward after training broadcasts buffers, a collective), which
+            `output_fn` is given.
         strategy: overrides `state.strategy`.
 
     Yields:
