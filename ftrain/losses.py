@@ -345,7 +345,12 @@ def _call(model: nn.Module, batch: Mapping[str, Any]) -> Any:
         inputs["use_cache"] = False
     # The same keys give the same inputs, unless the batch's values were read (packed rows'
     # position_ids) or a key was dropped (model_inputs warns each time).
-    if plain and "position_ids" not in batch and len(keep) + ("labels" in batch) == len(batch):
+    if (
+        plain
+        and "position_ids" not in batch
+        and len(keep) + ("labels" in batch) == len(batch)
+        and not _left_padding_pending(model)  # (checked on each call until it is done)
+    ):
         plans = STATE.model_calls.setdefault(model, {})
         if len(plans) < _PLANS:
             plans[tuple(batch)] = (keep, no_cache)
@@ -366,23 +371,36 @@ _LEFT_PAD_BLIND = frozenset({
 })  # fmt: skip
 
 
+def _left_padding_pending(model: nn.Module) -> bool:
+    """Whether `_refuse_left_padding` still checks `model`'s batches (no call plan is kept for
+    it until then, so that each call comes by the check)."""
+    return STATE.left_padding_checked.get(model, _PADDING_CHECKS) < _PADDING_CHECKS
+
+
 def _refuse_left_padding(model: nn.Module, batch: Mapping[str, Any]) -> None:
     """Raise for a left-padded batch (a row whose `attention_mask` starts with 0) to a causal
     LM of `_LEFT_PAD_BLIND`: its outputs would change with the padding in front of a row.
 
-    A host sync, for those models only: `_call` asks when it has no call plan for the batch,
-    i.e. on the first micro-batch of each set of batch keys of a plain dict (a tokenizer pads
-    all its batches on one side), and on every call for batches that get no plan (not a plain
-    dict, such as HF's `BatchEncoding`, or keys the forward does not take).
+    A host sync, for those models only, on each micro-batch until one with padding has passed
+    (on the right: a tokenizer pads all its batches on one side), `_PADDING_CHECKS` at most:
+    an unpadded first batch (rows of one length, grouped by length) no longer ends the check.
     """
+    checked = STATE.left_padding_checked
+    done = checked.get(model)
+    if done is not None and done >= _PADDING_CHECKS:
+        return
     cfg = _config(model)
     kind = getattr(cfg, "model_type", None)
     if kind not in _LEFT_PAD_BLIND or getattr(cfg, "is_encoder_decoder", False):
         return
+    checked[model] = (done or 0) + 1
     mask = batch.get("attention_mask")
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[1] == 0:
         return
-    rows = ((mask[:, 0] == 0) & (mask != 0).any(1)).nonzero().flatten().tolist()  # host sync
+    left = (mask[:, 0] == 0) & (mask != 0).any(1)
+    padded, rows = bool((mask == 0).any()), left.nonzero().flatten().tolist()  # host sync
+    if padded and not rows:
+        checked[model] = _PADDING_CHECKS  # padding seen, on the right: checked
     if rows:
         why = (
             "its recurrence ignores the attention mask, so the padding flows into its state"

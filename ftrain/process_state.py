@@ -53,6 +53,9 @@ Caches of pure lookups: they never change a result, so `snapshot()` leaves them 
     `seq2seq_labels_checked`  a model -> how many batches' seq2seq labels were checked for
         left padding (the first few their decoder inputs are built from, until one held
         -100). Owner: `ftrain.losses` (`seq2seq_loss`). Weak keys.
+    `left_padding_checked`  a model of BART's family's decoders or RWKV -> how many batches
+        were checked for left padding (until one with padding passed). Owner: `ftrain.losses`
+        (`_refuse_left_padding`). Weak keys.
     `kernel_import_errors`  a fused-loss kernel -> why its library does not import (None: it
         does). Owner: `ftrain.extras.chunked_loss`; for the life of the process (each import
         is tried once).
@@ -149,6 +152,7 @@ class ProcessState:
     model_configs: _Weak[Any, Any] = field(default_factory=_Weak)
     no_grad_pending: _Weak[Any, list[Any]] = field(default_factory=_Weak)
     seq2seq_labels_checked: _Weak[Any, int] = field(default_factory=_Weak)
+    left_padding_checked: _Weak[Any, int] = field(default_factory=_Weak)
     kernel_import_errors: dict[str, str | None] = field(default_factory=dict)
     dp_noise_key: bytes | None = None
     ray_reported: tuple[Any, int, str | None] | None = None

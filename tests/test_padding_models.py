@@ -168,6 +168,23 @@ def test_a_left_padded_batch_to_a_decoder_that_cannot_take_positions_is_refused(
     assert int(n) == 6 and torch.isfinite(loss)
 
 
+def test_a_left_padded_batch_after_unpadded_ones_is_refused_too():
+    """The check ran only until the batch's keys had a call plan: after a first batch without
+    padding (rows of one length, data grouped by length), left-padded batches went through
+    and their loss changed with the padding. It runs until a batch with padding has passed."""
+    model = _bart_decoder()
+    loss_fn = ft.losses.causal_lm_loss()
+    even = padded([[5, 6, 7], [8, 9, 10]], side="right", labels=[[5, 6, 7], [8, 9, 10]])
+    for _ in range(3):
+        loss_fn(model, even)
+    left = padded(ROWS, side="left", labels=[[5, 6, 7, 8, 9], [-100, -100, 10, 11, 12]])
+    with pytest.raises(ValueError, match="left-padded batch"):
+        loss_fn(model, left)
+    right = padded(ROWS, side="right", labels=[[5, 6, 7, 8, 9], [10, 11, 12, -100, -100]])
+    loss_fn(model, right)  # padding seen, on the right: checked (no host read from here on)
+    assert not ft.losses._left_padding_pending(model)
+
+
 @pytest.mark.parametrize("model_type", ["bart", "pegasus", "t5"])
 def test_a_left_padded_encoder_input_gives_the_seq2seq_loss_of_right_padding(model_type):
     """BART's family (and LED, Pegasus-X, BERT2BERT) count the encoder's positions from its
