@@ -25,6 +25,7 @@ from ftrain.losses import (
     _base_model,
     _decoder_inputs,
     _defaults,
+    _encoder_right_aligned,
     _no_labels,
     default_loss,
     loss_for,
@@ -866,8 +867,8 @@ def _default_outputs(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
         kind = _defaults(model)[0]
     except TypeError:  # a module of your own: run as it comes
         kind = None
-    if kind is _SEQ2SEQ:
-        batch = _with_decoder_inputs(model, batch)
+    if kind is _SEQ2SEQ:  # (the encoder's input as the loss reads it)
+        batch = _with_decoder_inputs(model, _encoder_right_aligned(model, batch))
     out = {
         "logits": model_logits(model, padded_as_model(model, batch) if kind is _CLASSIFY else batch)
     }

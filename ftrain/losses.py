@@ -1063,13 +1063,7 @@ def _seq2seq_pair(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Ten
     if "labels" not in batch:
         raise _no_labels(batch, "seq2seq_loss needs 'labels' in the batch")
     labels = batch["labels"]
-    mask = batch.get("attention_mask")
-    kind = getattr(_config(model), "model_type", None)
-    if kind in _FIRST_SLOT_ENCODERS and isinstance(mask, torch.Tensor) and mask.dim() == 2:
-        # BART's family, LED, Pegasus-X, BERT2BERT count the encoder's positions from its first
-        # slot, not the mask: a left-padded input was read from its padding on (the decoder's
-        # logits do not line up with the encoder's positions, so moving them changes nothing else)
-        batch = _right_aligned(model, batch, mask)
+    batch = _encoder_right_aligned(model, batch)
     if batch.get("decoder_input_ids") is None and batch.get("decoder_inputs_embeds") is None:
         if STATE.seq2seq_labels_checked.get(model, 0) < _PADDING_CHECKS:
             _check_label_padding(model, labels)
@@ -1078,6 +1072,19 @@ def _seq2seq_pair(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Ten
 
 
 _PADDING_CHECKS = 8  # batches checked for left-padded seq2seq labels while none held -100
+
+
+def _encoder_right_aligned(model: nn.Module, batch: Mapping[str, Any]) -> Any:
+    """`batch` with a left-padded encoder input right-aligned, for the encoder-decoders of
+    `_FIRST_SLOT_ENCODERS`: BART's family, LED, Pegasus-X, BERT2BERT count the encoder's
+    positions from its first slot, not the mask, so a left-padded input was read from its
+    padding on (the decoder's logits do not line up with the encoder's positions, so moving
+    them changes nothing else). `seq2seq_loss` and `predict` read it so."""
+    mask = batch.get("attention_mask")
+    kind = getattr(_config(model), "model_type", None)
+    if kind in _FIRST_SLOT_ENCODERS and isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        return _right_aligned(model, batch, mask)
+    return batch
 
 
 def _check_label_padding(model: nn.Module, labels: Any) -> None:

@@ -4,6 +4,7 @@ no position_ids (BART's family as causal LMs, RWKV)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import (
@@ -210,6 +211,10 @@ def test_a_left_padded_encoder_input_gives_the_seq2seq_loss_of_right_padding(mod
         got, m = ft.losses.seq2seq_loss()(model, left)
     assert int(n) == int(m) == 5
     torch.testing.assert_close(got, want)
+    # predict reads the encoder's input as the loss does (it disagreed with it for BART)
+    state = ft.TrainState.create(model, ft.optim.sgd())
+    (by_left,), (by_right,) = (list(ft.predict(state, [b])) for b in (left, right))
+    np.testing.assert_allclose(by_left["logits"], by_right["logits"], atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("model_type", ["roberta", "xlm-roberta", "camembert", "esm", "mobilebert"])
