@@ -1305,10 +1305,9 @@ def _defaults(model: nn.Module) -> tuple[LossFn, LossFn]:
     if found is not None:
         return found
     fn = loss_for(model)
-    if (fn is _CAUSAL or fn is _CLASSIFY) and _prepends_virtual_tokens(model):
-        step = _prompted_step_loss if fn is _CAUSAL else _prompted_classifier_step
-        memo[model] = (fn, step)
-        return fn, step
+    if fn is _CAUSAL and _prepends_virtual_tokens(model):
+        memo[model] = (fn, _prompted_step_loss)
+        return fn, _prompted_step_loss
     counted = (
         _causal_sum if fn is _CAUSAL
         else _token_sum if fn is _TOKENS
@@ -1344,16 +1343,6 @@ def _prompted_step_loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, tor
     if type(batch) is dict and "labels" in batch:
         return _causal_sum(model, batch)
     return default_loss(model, batch)
-
-
-def _prompted_classifier_step(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """The default loss's step for a sequence classifier under PEFT prompt tuning
-    (`_defaults`): `classification_loss`."""
-    return (
-        _CLASSIFY(model, batch)
-        if type(batch) is dict and "labels" in batch
-        else (default_loss(model, batch))
-    )
 
 
 def _refuse_preshifted_labels(batch: Any) -> None:
