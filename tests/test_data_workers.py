@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ftrain as ft
-from helpers import FakeRank
+from helpers import FakeRank, WorkerSeeded
 
 
 class Augmented(torch.utils.data.Dataset):
@@ -274,28 +274,13 @@ def test_pinning_in_process_yields_the_groups_and_leaves_the_loops_generators(mo
     assert draws == [_draw() for _ in draws]
 
 
-class OwnGenerator(torch.utils.data.Dataset):
-    """A dataset drawing from a generator of its own, seeded from its worker's seed."""
-
-    def __init__(self):
-        self.rng = None
-
-    def __len__(self):
-        return 8
-
-    def __getitem__(self, i):
-        if self.rng is None:
-            self.rng = np.random.default_rng(torch.utils.data.get_worker_info().seed)
-        return {"x": float(self.rng.random())}
-
-
 def test_workers_seeds_follow_the_run_seed_and_the_epoch():
     """Workers' own seeds (`get_worker_info().seed`) come from (seed, epoch, rank): a dataset's
     generator seeded from them draws anew each epoch and run, and the same again for the same
     ones. (Fixed at one base seed, the review's catch, every epoch and run drew alike.)"""
 
     def draws(seed, epoch):
-        groups = ft.make_batches(OwnGenerator(), batch_size=2, seed=seed, epoch=epoch,
+        groups = ft.make_batches(WorkerSeeded(8), batch_size=2, seed=seed, epoch=epoch,
                                  shuffle=False, num_workers=2, prefetch_factor=1)  # fmt: skip
         return [b["x"].tolist() for g in groups for b in g]
 

@@ -11,21 +11,7 @@ import pytest
 import torch
 
 import ftrain as ft
-
-
-class PerWorker(torch.utils.data.Dataset):
-    """Draws from a generator built once per worker from its seed, kept across items."""
-
-    def __init__(self):
-        self.rng = None
-
-    def __len__(self):
-        return 16
-
-    def __getitem__(self, i):
-        if self.rng is None:
-            self.rng = np.random.default_rng(torch.utils.data.get_worker_info().seed)
-        return {"x": float(self.rng.random())}
+from helpers import WorkerSeeded
 
 
 class PerRow(torch.utils.data.Dataset):
@@ -55,6 +41,6 @@ def test_a_generator_kept_per_worker_differs_on_resume_even_on_the_same_worker()
     """Resumed at micro-batch 2 with 2 workers, micro-batch b lands on worker b % 2 as in the
     uninterrupted run (the rotation a resumed loader could do), and still draws otherwise:
     why ftrain documents the limit rather than rotating workers."""
-    full = _rows(PerWorker(), num_workers=2)
-    resumed = _rows(PerWorker(), num_workers=2, start=2)
+    full = _rows(WorkerSeeded(16), num_workers=2)
+    resumed = _rows(WorkerSeeded(16), num_workers=2, start=2)
     assert all(a != b for a, b in zip(resumed, full[2:], strict=True))

@@ -326,3 +326,21 @@ def hold_background_writes(monkeypatch, *, then_fail: bool = False):
 
     monkeypatch.setattr(_save, "write_safetensors", slow)
     return release
+
+
+class WorkerSeeded(torch.utils.data.Dataset):
+    """`n` rows drawn from a numpy generator each DataLoader worker builds once from its seed
+    (`get_worker_info().seed`) and keeps across items: a dataset's own per-worker generator."""
+
+    def __init__(self, n: int):
+        self.n, self.rng = n, None
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        import numpy as np
+
+        if self.rng is None:
+            self.rng = np.random.default_rng(torch.utils.data.get_worker_info().seed)
+        return {"x": float(self.rng.random())}
